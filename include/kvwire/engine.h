@@ -1,0 +1,201 @@
+// kvwire::Engine: registers memory, connects to peers, and moves bytes between them with
+// one-sided READ and WRITE transfers that always end.
+#ifndef KVWIRE_ENGINE_H_
+#define KVWIRE_ENGINE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvwire/memory.h"
+#include "kvwire/stats.h"
+
+namespace kvwire {
+
+using RegionId = uint64_t;    // unique within one engine, never reused
+using PeerId = uint64_t;      // unique within one engine, never reused
+using TransferId = uint64_t;  // unique within one engine, never reused (64-bit: no wrap)
+
+enum class OpKind : uint32_t { kRead = 0, kWrite = 1 };
+
+enum class TransportKind : uint32_t { kAuto = 0, kTcp = 1, kShm = 2, kRdma = 3 };
+const char* TransportKindName(TransportKind kind);
+absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name);
+
+// One one-sided operation. READ copies remote -> local, WRITE copies local -> remote.
+struct Op {
+  RegionId local_region = 0;
+  uint64_t local_offset = 0;
+  RegionId remote_region = 0;  // an id the peer exported to this engine
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+
+struct EngineOptions {
+  // Name shown to peers and in logs. Default: "kvwire-<pid>-<random>".
+  std::string name;
+
+  // Control-channel listen address, "host:port". Port 0 picks a free port (see address()).
+  // Empty: do not listen (the engine can still dial out).
+  std::string listen_address = "127.0.0.1:0";
+
+  // Transport used for peers: kAuto picks shm on the same host when the regions allow it,
+  // else tcp. A forced transport that cannot reach a peer fails Connect with the reason.
+  TransportKind transport = TransportKind::kAuto;
+
+  // Parallel tcp data connections per peer; a transfer is striped over them.
+  int tcp_connections = 4;
+
+  // Ops longer than this are split into pieces (striped across connections).
+  uint64_t max_op_bytes = 1 << 20;
+
+  // Transfers below this size use one connection (striping costs more than it gains).
+  uint64_t stripe_min_bytes = 256 << 10;
+
+  // Largest control-channel frame accepted (bytes).
+  uint32_t max_frame_bytes = 16 << 20;
+
+  // Heartbeats are sent every `heartbeat_interval`; a peer silent for `peer_lease` is dead,
+  // and every transfer bound to it fails.
+  absl::Duration heartbeat_interval = absl::Milliseconds(500);
+  absl::Duration peer_lease = absl::Seconds(5);
+
+  // Deadline for Connect (dial, handshake, data connections).
+  absl::Duration connect_timeout = absl::Seconds(10);
+
+  // Default deadline of a transfer when TransferOptions::timeout is not set.
+  absl::Duration transfer_timeout = absl::Seconds(30);
+
+  // Shared secret of a deployment. When set, peers prove knowledge of it with
+  // HMAC-SHA256 challenge-response; peers without it are rejected. Empty: no check.
+  std::string shared_secret;
+
+  // Mixed into the compatibility hash checked at handshake, e.g. a hash of the model and
+  // layout: engines with different values refuse each other.
+  uint64_t compat_salt = 0;
+
+  // Threads running the control channel.
+  int io_threads = 1;
+
+  // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
+  // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL). The only place the library
+  // reads the environment.
+  static EngineOptions FromEnvironment(EngineOptions base = EngineOptions());
+};
+
+struct RegionOptions {
+  uint32_t access = kRemoteReadWrite;
+  MemoryKind kind = MemoryKind::kHost;
+  // Exported to every peer (present and future) without a per-peer Export call.
+  bool export_to_all_peers = false;
+};
+
+struct ConnectOptions {
+  // Regions exported to this peer during the handshake.
+  std::vector<RegionId> exports;
+  // Overrides EngineOptions::transport for this peer.
+  std::optional<TransportKind> transport;
+};
+
+struct TransferOptions {
+  // Delivered to the peer after all data of the transfer is visible there.
+  std::optional<std::string> notification;
+  // Deadline relative to submission; default EngineOptions::transfer_timeout.
+  std::optional<absl::Duration> timeout;
+};
+
+enum class TransferState { kPending, kSucceeded, kFailed };
+
+struct Notification {
+  PeerId peer = 0;
+  std::string peer_name;
+  TransferId transfer_id = 0;  // the sender's transfer id
+  std::string payload;
+};
+
+struct RemoteRegion {
+  RegionId id = 0;
+  uint64_t length = 0;
+  uint32_t access = kAccessNone;
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+struct PeerInfo {
+  PeerId id = 0;
+  std::string name;
+  std::string address;    // control-channel address of the peer
+  std::string transport;  // chosen transport, e.g. "tcp x4", "shm"
+  bool alive = false;
+  std::string close_reason;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const std::string& name() const;
+  // Control-channel address peers dial, "host:port" (empty when not listening).
+  std::string address() const;
+
+  // Registers [ptr, ptr+length) with every enabled transport. Memory from ShareableBuffer is
+  // recognised and mapped by shm peers; other host memory goes through cross-memory attach
+  // or tcp.
+  absl::StatusOr<RegionId> RegisterMemory(void* ptr, size_t length,
+                                          RegionOptions options = RegionOptions());
+  // Fails transfers still using the region, revokes it from peers, then forgets it.
+  absl::Status DeregisterMemory(RegionId region);
+
+  // Dials a peer's control channel, handshakes, and opens the data path.
+  absl::StatusOr<PeerId> Connect(const std::string& address,
+                                 const ConnectOptions& options = ConnectOptions());
+  // Makes more regions accessible to a connected peer.
+  absl::Status Export(PeerId peer, absl::Span<const RegionId> regions);
+  // Fails the peer's transfers and closes it.
+  absl::Status Disconnect(PeerId peer);
+
+  std::vector<PeerInfo> Peers() const;
+  absl::StatusOr<PeerId> FindPeer(const std::string& name) const;
+  // Waits until a peer named `name` is connected (e.g. dialed in), or the timeout passes.
+  absl::StatusOr<PeerId> WaitForPeer(const std::string& name, absl::Duration timeout);
+  // Regions the peer has exported to this engine.
+  absl::StatusOr<std::vector<RemoteRegion>> RemoteRegions(PeerId peer) const;
+  // Waits until the peer has exported `region` to this engine, or the timeout passes.
+  absl::Status WaitForRemoteRegion(PeerId peer, RegionId region, absl::Duration timeout);
+
+  // Submits a batch of ops (all `kind`) to one peer. The ops are validated before anything
+  // moves; the transfer then always ends: succeeded, failed (first error wins), or deadline
+  // exceeded.
+  absl::StatusOr<TransferId> Transfer(PeerId peer, OpKind kind, absl::Span<const Op> ops,
+                                      const TransferOptions& options = TransferOptions());
+  // Non-blocking. A final state is reported once; the transfer is then forgotten.
+  TransferState Poll(TransferId id, absl::Status* status = nullptr);
+  // Waits up to `timeout` for the transfer to end and returns its status
+  // (DeadlineExceeded if the wait itself timed out; the transfer stays pending then).
+  absl::Status Wait(TransferId id, absl::Duration timeout);
+
+  // Notifications received so far (each once).
+  std::vector<Notification> TakeNotifications();
+  absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+
+  EngineStats Stats() const;
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_ENGINE_H_

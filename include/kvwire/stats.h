@@ -1,0 +1,63 @@
+// Engine counters: what moved, how fast, what failed, which transport each peer uses.
+#ifndef KVWIRE_STATS_H_
+#define KVWIRE_STATS_H_
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvwire {
+
+// Latency histogram with power-of-two microsecond buckets: bucket i counts samples in
+// [2^(i-1), 2^i) us (bucket 0: under 1 us); the last bucket is open-ended.
+struct LatencyHistogram {
+  static constexpr int kBuckets = 32;
+  std::array<uint64_t, kBuckets> counts{};
+  uint64_t samples = 0;
+  double sum_us = 0;
+  double max_us = 0;
+
+  void Add(double us);
+  // Upper bound of the bucket holding quantile q (0..1), in microseconds.
+  double QuantileUpperBoundUs(double q) const;
+};
+
+struct PeerStats {
+  uint64_t peer_id = 0;
+  std::string name;
+  std::string transport;         // chosen transport, e.g. "tcp", "shm", "shm+cma"
+  std::string transport_reason;  // why it was chosen
+  bool alive = false;
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  uint64_t transfers = 0;
+};
+
+struct EngineStats {
+  uint64_t regions = 0;
+  uint64_t registered_bytes = 0;
+  double registration_us_total = 0;
+  uint64_t bytes_read = 0;      // initiated READs, completed successfully
+  uint64_t bytes_written = 0;   // initiated WRITEs, completed successfully
+  uint64_t ops_submitted = 0;   // as given to Transfer
+  uint64_t ops_posted = 0;      // after merging and splitting
+  uint64_t transfers_started = 0;
+  uint64_t transfers_succeeded = 0;
+  uint64_t transfers_failed = 0;
+  uint64_t notifications_sent = 0;
+  uint64_t notifications_delivered = 0;
+  uint64_t incoming_ops = 0;    // ops served as a target (tcp)
+  uint64_t incoming_rejected = 0;
+  LatencyHistogram transfer_latency;
+  std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count
+  std::vector<PeerStats> peers;
+
+  std::string ToJson() const;
+  std::string ToPrometheus(const std::string& engine_name) const;
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_STATS_H_

@@ -1,0 +1,85 @@
+// Control channel: Boost.Asio TCP, frames of a 4-byte big-endian length and one protobuf
+// Envelope, a version/compatibility/secret handshake, and heartbeats with a lease.
+#ifndef KVWIRE_CONTROL_CONTROL_H_
+#define KVWIRE_CONTROL_CONTROL_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/kvwire.pb.h"
+
+namespace kvwire::control {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// Hash of the protocol definition (kvwire.proto's descriptor) mixed with `salt`; engines with
+// different values refuse each other.
+uint64_t CompatibilityHash(uint64_t salt);
+
+struct HandshakeConfig {
+  uint64_t compat_hash = 0;
+  std::string shared_secret;   // empty: none
+  uint32_t max_frame_bytes = 16 << 20;
+  absl::Duration timeout = absl::Seconds(10);
+};
+
+// An established, authenticated control connection to one peer.
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  using MessageHandler = std::function<void(const pb::Envelope&)>;
+  // Called once when the connection ends: peer Goodbye, lease expiry, I/O or protocol error,
+  // or local Close. The status says which.
+  using CloseHandler = std::function<void(const absl::Status&)>;
+
+  virtual ~Connection() = default;
+  // Starts reading and heartbeating. Handlers run on the io_context's threads.
+  virtual void Start(MessageHandler on_message, CloseHandler on_close,
+                     absl::Duration heartbeat_interval, absl::Duration lease) = 0;
+  // Queues one message; thread-safe. FailedPrecondition once closed.
+  virtual absl::Status Send(const pb::Envelope& message) = 0;
+  // Sends Goodbye{reason} (best effort), closes, and runs the close handler. Idempotent.
+  virtual void Close(const absl::Status& reason) = 0;
+  virtual std::string remote_address() const = 0;
+};
+
+struct Accepted {
+  std::shared_ptr<Connection> connection;
+  pb::Hello remote_hello;
+};
+
+// Builds the listener's Hello for a dialer's Hello, or refuses it (the status is sent to the
+// dialer as a Reject and becomes its Connect error).
+using HelloResponder = std::function<absl::StatusOr<pb::Hello>(const pb::Hello& remote)>;
+// A handshake finished (the connection is not started yet: call Start).
+using AcceptHandler = std::function<void(Accepted accepted)>;
+
+class Server {
+ public:
+  virtual ~Server() = default;
+  virtual uint16_t port() const = 0;
+  virtual void Stop() = 0;
+};
+
+// Listens on host:port (port 0: any free port). Failed handshakes are logged with their
+// reason and never reach `on_accept`.
+absl::StatusOr<std::unique_ptr<Server>> Listen(boost::asio::io_context& io,
+                                               const std::string& host, uint16_t port,
+                                               const HandshakeConfig& config,
+                                               HelloResponder responder,
+                                               AcceptHandler on_accept);
+
+// Dials "host:port", sends `local_hello`, and completes the handshake within config.timeout.
+// Errors name what failed: unreachable, version/hash mismatch (both values), secret, Reject.
+absl::StatusOr<Accepted> Dial(boost::asio::io_context& io, const std::string& address,
+                              const pb::Hello& local_hello, const HandshakeConfig& config);
+
+}  // namespace kvwire::control
+
+#endif  // KVWIRE_CONTROL_CONTROL_H_

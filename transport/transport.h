@@ -1,0 +1,161 @@
+// The interface between the engine and a transport. A transport knows regions, peers'
+// endpoints and ops; it knows nothing of KV caches, layouts or requests.
+//
+// Life of a transfer: the engine validates and plans the ops (merge, split, stripe into
+// lanes), then calls Channel::Post once per lane. A Channel is this transport's link to one
+// peer. On the target, a transport that carries data itself (tcp) asks the engine, through
+// TargetHooks, to validate every incoming op before it touches memory.
+#ifndef KVWIRE_TRANSPORT_TRANSPORT_H_
+#define KVWIRE_TRANSPORT_TRANSPORT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvwire/engine.h"
+
+namespace kvwire::transport {
+
+// What a transport can do; the engine decides from this, never from the transport's name.
+struct Capabilities {
+  std::string name;               // "tcp", "shm"
+  bool one_sided_read = true;
+  bool one_sided_write = true;
+  bool same_host_only = false;
+  // The target learns of each arriving WRITE piece and reports it with
+  // TargetHooks::OnWriteArrived; notifications are gated on that count.
+  bool counts_arrivals = false;
+  uint64_t max_op_bytes = UINT64_MAX;  // the engine splits longer ops
+  uint32_t max_lanes = 1;              // parallel streams per peer the engine may stripe over
+};
+
+// A region of this engine, as registered with a transport.
+struct LocalRegion {
+  RegionId id = 0;
+  std::byte* base = nullptr;
+  uint64_t length = 0;
+  uint32_t access = kAccessNone;
+  MemoryKind kind = MemoryKind::kHost;
+  int memfd = -1;            // >= 0 when backed by a ShareableBuffer (not owned here)
+  uint64_t memfd_offset = 0; // offset of `base` within the memfd
+};
+
+// A region a peer exported to this engine.
+struct RemoteRegionDesc {
+  RegionId id = 0;
+  uint64_t length = 0;
+  uint32_t access = kAccessNone;
+  MemoryKind kind = MemoryKind::kHost;
+  uint64_t address = 0;      // base address in the peer's process
+  bool shareable = false;    // memfd-backed on the peer
+};
+
+// One op after planning: validated, local address resolved, at most max_op_bytes long.
+struct WireOp {
+  std::byte* local = nullptr;
+  RegionId remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+
+// One lane's share of a transfer.
+struct PostRequest {
+  TransferId transfer_id = 0;
+  OpKind kind = OpKind::kWrite;
+  uint32_t lane = 0;
+  // WRITE pieces are counted by the target (the transfer carries a notification).
+  bool count_arrivals = false;
+  std::vector<WireOp> ops;
+  // Set by the engine when the transfer has already ended (deadline, deregistration, peer
+  // death): a transport must not write into local memory for it any more (drain instead).
+  std::shared_ptr<std::atomic<bool>> cancelled;
+  // Keeps the local regions of the ops alive; released when the request is destroyed.
+  std::vector<std::shared_ptr<const void>> pins;
+};
+
+// Runs exactly once per Post, on any thread, when all ops of the request completed (OK) or
+// the first failed (its status names the op and the reason).
+using DoneCallback = std::function<void(absl::Status)>;
+
+// Memory the engine resolved for an incoming op; `pin` keeps it registered while in use.
+struct IncomingAccess {
+  std::byte* data = nullptr;
+  std::shared_ptr<const void> pin;
+};
+
+// Services of the engine for the target side of a transport.
+class TargetHooks {
+ public:
+  virtual ~TargetHooks() = default;
+  // Which peer owns a session token (handed out in the handshake); Unauthenticated if none.
+  virtual absl::StatusOr<PeerId> PeerForToken(const std::string& token) = 0;
+  // Validates an incoming op from `peer`: region exported to it, bounds, permission
+  // (kRemoteRead for READ, kRemoteWrite for WRITE). The error names every value.
+  virtual absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
+                                                         uint64_t offset, uint64_t length,
+                                                         OpKind kind) = 0;
+  // Looks up a region exported to `peer` (shm maps it); NotFound / PermissionDenied if not.
+  virtual absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) = 0;
+  // A WRITE piece of `transfer_id` from `peer` is now visible in memory.
+  virtual void OnWriteArrived(PeerId peer, TransferId transfer_id) = 0;
+  // The peer broke the protocol or was refused; the engine drops that peer (only it).
+  virtual void OnPeerError(PeerId peer, const absl::Status& error) = 0;
+};
+
+// What a Channel needs to reach one peer.
+struct PeerLink {
+  PeerId peer = 0;
+  std::string peer_name;
+  std::string remote_endpoint;  // the peer's Transport::Endpoint()
+  std::string token;            // issued by the peer; presented on every data connection
+  uint32_t remote_pid = 0;
+  uint32_t lanes = 1;           // data connections to open (<= caps().max_lanes)
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+// This transport's link to one peer (initiator side).
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  // Starts the ops of one lane; `done` runs exactly once. Never blocks on the network; may
+  // complete inline (shm copies in the caller's thread).
+  virtual void Post(PostRequest request, DoneCallback done) = 0;
+  // The peer exported (or re-described) regions; called before any op targets them.
+  virtual absl::Status AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) = 0;
+  virtual void RemoveRemoteRegions(const std::vector<RegionId>& ids) = 0;
+  // Fails everything in flight with `reason` and releases the connections. Idempotent.
+  virtual void Close(const absl::Status& reason) = 0;
+  // For logs and stats, e.g. "tcp x4 127.0.0.1:40123", "shm memfd+cma".
+  virtual std::string Describe() const = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const Capabilities& caps() const = 0;
+  // Data the peer needs to reach this transport (opaque to the engine), sent in the Hello.
+  virtual std::string Endpoint() const = 0;
+  // Called by RegisterMemory, before the region is visible to any peer.
+  virtual absl::Status RegisterRegion(const LocalRegion& region) = 0;
+  virtual void DeregisterRegion(RegionId id) = 0;
+  // Whether this transport can reach a peer that advertised `remote_endpoint` (e.g. shm: same
+  // host). The reason is logged and shown in stats either way.
+  virtual absl::Status CanReach(const std::string& remote_endpoint) const = 0;
+  // Opens the data path to one peer, within link.deadline.
+  virtual absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) = 0;
+  // Stops serving: closes listeners and every incoming connection of the peer.
+  virtual void DropPeer(PeerId peer) = 0;
+  // Stops everything (called before the engine is destroyed).
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace kvwire::transport
+
+#endif  // KVWIRE_TRANSPORT_TRANSPORT_H_
