@@ -19,13 +19,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "kvwire/engine.h"
 
 namespace kvwire::transport {
 
 // What a transport can do; the engine decides from this, never from the transport's name.
 struct Capabilities {
-  std::string name;               // "tcp", "shm"
+  std::string name;  // "tcp", "shm"
   bool one_sided_read = true;
   bool one_sided_write = true;
   bool same_host_only = false;
@@ -43,8 +44,8 @@ struct LocalRegion {
   uint64_t length = 0;
   uint32_t access = kAccessNone;
   MemoryKind kind = MemoryKind::kHost;
-  int memfd = -1;            // >= 0 when backed by a ShareableBuffer (not owned here)
-  uint64_t memfd_offset = 0; // offset of `base` within the memfd
+  int memfd = -1;             // >= 0 when backed by a ShareableBuffer (not owned here)
+  uint64_t memfd_offset = 0;  // offset of `base` within the memfd
 };
 
 // A region a peer exported to this engine.
@@ -53,8 +54,8 @@ struct RemoteRegionDesc {
   uint64_t length = 0;
   uint32_t access = kAccessNone;
   MemoryKind kind = MemoryKind::kHost;
-  uint64_t address = 0;      // base address in the peer's process
-  bool shareable = false;    // memfd-backed on the peer
+  uint64_t address = 0;    // base address in the peer's process
+  bool shareable = false;  // memfd-backed on the peer
 };
 
 // One op after planning: validated, local address resolved, at most max_op_bytes long.
@@ -116,7 +117,7 @@ struct PeerLink {
   std::string remote_endpoint;  // the peer's Transport::Endpoint()
   std::string token;            // issued by the peer; presented on every data connection
   uint32_t remote_pid = 0;
-  uint32_t lanes = 1;           // data connections to open (<= caps().max_lanes)
+  uint32_t lanes = 1;  // data connections to open (<= caps().max_lanes)
   absl::Time deadline = absl::InfiniteFuture();
 };
 

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+
 #include "kvwire/memory.h"
 #include "kvwire/stats.h"
 

@@ -29,8 +29,7 @@ enum Access : uint32_t {
 class ShareableBuffer {
  public:
   // Allocates `length` bytes (rounded up to the page size), zero-filled.
-  static absl::StatusOr<ShareableBuffer> Create(size_t length,
-                                                const std::string& name = "kvwire");
+  static absl::StatusOr<ShareableBuffer> Create(size_t length, const std::string& name = "kvwire");
 
   ShareableBuffer() = default;
   ShareableBuffer(ShareableBuffer&& other) noexcept;

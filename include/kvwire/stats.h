@@ -39,16 +39,16 @@ struct EngineStats {
   uint64_t regions = 0;
   uint64_t registered_bytes = 0;
   double registration_us_total = 0;
-  uint64_t bytes_read = 0;      // initiated READs, completed successfully
-  uint64_t bytes_written = 0;   // initiated WRITEs, completed successfully
-  uint64_t ops_submitted = 0;   // as given to Transfer
-  uint64_t ops_posted = 0;      // after merging and splitting
+  uint64_t bytes_read = 0;     // initiated READs, completed successfully
+  uint64_t bytes_written = 0;  // initiated WRITEs, completed successfully
+  uint64_t ops_submitted = 0;  // as given to Transfer
+  uint64_t ops_posted = 0;     // after merging and splitting
   uint64_t transfers_started = 0;
   uint64_t transfers_succeeded = 0;
   uint64_t transfers_failed = 0;
   uint64_t notifications_sent = 0;
   uint64_t notifications_delivered = 0;
-  uint64_t incoming_ops = 0;    // ops served as a target (tcp)
+  uint64_t incoming_ops = 0;  // ops served as a target (tcp)
   uint64_t incoming_rejected = 0;
   LatencyHistogram transfer_latency;
   std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count

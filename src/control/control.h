@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "proto/kvwire.pb.h"
 
 namespace kvwire::control {
@@ -25,7 +26,7 @@ uint64_t CompatibilityHash(uint64_t salt);
 
 struct HandshakeConfig {
   uint64_t compat_hash = 0;
-  std::string shared_secret;   // empty: none
+  std::string shared_secret;  // empty: none
   uint32_t max_frame_bytes = 16 << 20;
   absl::Duration timeout = absl::Seconds(10);
 };
@@ -69,11 +70,9 @@ class Server {
 
 // Listens on host:port (port 0: any free port). Failed handshakes are logged with their
 // reason and never reach `on_accept`.
-absl::StatusOr<std::unique_ptr<Server>> Listen(boost::asio::io_context& io,
-                                               const std::string& host, uint16_t port,
-                                               const HandshakeConfig& config,
-                                               HelloResponder responder,
-                                               AcceptHandler on_accept);
+absl::StatusOr<std::unique_ptr<Server>> Listen(boost::asio::io_context& io, const std::string& host,
+                                               uint16_t port, const HandshakeConfig& config,
+                                               HelloResponder responder, AcceptHandler on_accept);
 
 // Dials "host:port", sends `local_hello`, and completes the handshake within config.timeout.
 // Errors name what failed: unreachable, version/hash mismatch (both values), secret, Reject.

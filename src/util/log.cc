@@ -1,10 +1,10 @@
 #include "src/util/log.h"
 
 #include <sys/time.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <ctime>
+#include <unistd.h>
 
 namespace kvwire {
 namespace log_internal {
@@ -20,23 +20,34 @@ LogLevel GetLogLevel() {
 }
 
 bool ParseLogLevel(std::string_view text, LogLevel* level) {
-  if (text == "debug") *level = LogLevel::kDebug;
-  else if (text == "info") *level = LogLevel::kInfo;
-  else if (text == "warning" || text == "warn") *level = LogLevel::kWarning;
-  else if (text == "error") *level = LogLevel::kError;
-  else if (text == "off") *level = LogLevel::kOff;
-  else return false;
+  if (text == "debug")
+    *level = LogLevel::kDebug;
+  else if (text == "info")
+    *level = LogLevel::kInfo;
+  else if (text == "warning" || text == "warn")
+    *level = LogLevel::kWarning;
+  else if (text == "error")
+    *level = LogLevel::kError;
+  else if (text == "off")
+    *level = LogLevel::kOff;
+  else
+    return false;
   return true;
 }
 
 namespace {
 const char* LevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "DEBUG";
-    case LogLevel::kInfo: return "INFO";
-    case LogLevel::kWarning: return "WARN";
-    case LogLevel::kError: return "ERROR";
-    case LogLevel::kOff: break;
+    case LogLevel::kDebug:
+      return "DEBUG";
+    case LogLevel::kInfo:
+      return "INFO";
+    case LogLevel::kWarning:
+      return "WARN";
+    case LogLevel::kError:
+      return "ERROR";
+    case LogLevel::kOff:
+      break;
   }
   return "?";
 }
@@ -50,8 +61,7 @@ LogLine::LogLine(LogLevel level, std::string_view component) {
   char stamp[32];
   std::snprintf(stamp, sizeof(stamp), "%02d:%02d:%02d.%06ld", parts.tm_hour, parts.tm_min,
                 parts.tm_sec, static_cast<long>(tv.tv_usec));
-  stream_ << stamp << ' ' << LevelName(level) << " pid=" << getpid() << ' ' << component
-          << ": ";
+  stream_ << stamp << ' ' << LevelName(level) << " pid=" << getpid() << ' ' << component << ": ";
 }
 
 LogLine::~LogLine() {

@@ -26,8 +26,7 @@ LogLevel GetLogLevel();
 bool ParseLogLevel(std::string_view text, LogLevel* level);
 
 inline bool LogEnabled(LogLevel level) {
-  return static_cast<int>(level) >=
-         log_internal::g_min_level.load(std::memory_order_relaxed);
+  return static_cast<int>(level) >= log_internal::g_min_level.load(std::memory_order_relaxed);
 }
 
 template <typename T>
@@ -65,9 +64,9 @@ class LogLine {
 
 }  // namespace kvwire
 
-#define KVW_LOG(level, component)                          \
-  if (!::kvwire::LogEnabled(::kvwire::LogLevel::level)) {  \
-  } else                                                   \
+#define KVW_LOG(level, component)                         \
+  if (!::kvwire::LogEnabled(::kvwire::LogLevel::level)) { \
+  } else                                                  \
     ::kvwire::LogLine(::kvwire::LogLevel::level, component)
 
 #endif  // KVWIRE_UTIL_LOG_H_

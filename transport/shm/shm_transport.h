@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "transport/transport.h"
 
 namespace kvwire::transport {
@@ -23,7 +24,7 @@ struct ShmTransportOptions {
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateShmTransport(const ShmTransportOptions& options,
-                                                             TargetHooks* hooks);
+                                                              TargetHooks* hooks);
 
 // This host's identity as used by the shm transport (boot id + namespaces).
 std::string LocalHostId();

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "transport/transport.h"
 
 namespace kvwire::transport {
@@ -22,7 +23,7 @@ struct TcpTransportOptions {
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransportOptions& options,
-                                                             TargetHooks* hooks);
+                                                              TargetHooks* hooks);
 
 }  // namespace kvwire::transport
 
