@@ -88,7 +88,7 @@ struct EngineOptions {
   // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
   // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL). The only place the library
   // reads the environment.
-  static EngineOptions FromEnvironment(EngineOptions base = EngineOptions());
+  static EngineOptions FromEnvironment(EngineOptions base);
 };
 
 struct RegionOptions {
@@ -191,9 +191,14 @@ class Engine {
   EngineStats Stats() const;
 
   class Impl;
+  // Only Create can make the key; the constructor is public for std::make_unique.
+  class ConstructionKey {
+    friend class Engine;
+    ConstructionKey() = default;
+  };
+  Engine(ConstructionKey key, std::unique_ptr<Impl> impl);
 
  private:
-  explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,1 +1,314 @@
-// placeholder until implemented
+#include "kvwire/engine.h"
+
+#include <unistd.h>
+
+#include <openssl/rand.h>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/core/engine_impl.h"
+#include "src/util/log.h"
+#include "transport/shm/shareable_registry.h"
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvwire {
+namespace {
+
+// Splits "host:port"; the port defaults to 0.
+absl::Status SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    *host = address;
+    *port = 0;
+    return absl::OkStatus();
+  }
+  *host = address.substr(0, colon);
+  uint32_t value = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &value) || value > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("bad port in address \"", address, "\""));
+  }
+  *port = static_cast<uint16_t>(value);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Engine::Impl::Impl(EngineOptions options) : options_(std::move(options)) {}
+
+std::string Engine::Impl::NewToken() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    // Tokens only need to be unguessable by other local processes; the counter keeps them
+    // unique should the CSPRNG ever fail.
+    for (size_t i = 0; i < sizeof(bytes); ++i) bytes[i] = static_cast<unsigned char>(i);
+  }
+  return absl::StrCat(absl::BytesToHexString(absl::string_view(
+                          reinterpret_cast<const char*>(bytes), sizeof(bytes))),
+                      "-", next_peer_id_.load());
+}
+
+absl::Status Engine::Impl::Init() {
+  name_ = options_.name;
+  if (name_.empty()) name_ = absl::StrCat("kvwire-", getpid(), "-", NewToken().substr(0, 8));
+  handshake_.compat_hash = control::CompatibilityHash(options_.compat_salt);
+  handshake_.shared_secret = options_.shared_secret;
+  handshake_.max_frame_bytes = options_.max_frame_bytes;
+  handshake_.timeout = options_.connect_timeout;
+
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  if (!options_.listen_address.empty()) {
+    if (absl::Status s = SplitHostPort(options_.listen_address, &host, &port); !s.ok()) return s;
+    if (host.empty()) host = "0.0.0.0";
+  }
+
+  transport::TcpTransportOptions tcp_options;
+  tcp_options.listen_host = host;
+  tcp_options.max_op_bytes = std::max<uint64_t>(options_.max_op_bytes, 1 << 20);
+  auto tcp = transport::CreateTcpTransport(tcp_options, this);
+  if (!tcp.ok()) return tcp.status();
+  tcp_ = std::move(*tcp);
+
+  transport::ShmTransportOptions shm_options;
+  shm_options.engine_name = name_;
+  auto shm = transport::CreateShmTransport(shm_options, this);
+  if (!shm.ok()) {
+    KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << shm.status().message()
+                                << Kv("engine", name_);
+  } else {
+    shm_ = std::move(*shm);
+  }
+
+  work_ = std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
+      io_.get_executor());
+  for (int i = 0; i < std::max(1, options_.io_threads); ++i) {
+    io_threads_.emplace_back([this] { io_.run(); });
+  }
+  worker_ = std::make_unique<TaskRunner>();
+  reaper_ = std::thread([this] { ReaperLoop(); });
+
+  if (!options_.listen_address.empty()) {
+    auto server = control::Listen(
+        io_, host, port, handshake_,
+        [this](const pb::Hello& remote) { return RespondToHello(remote); },
+        [this](control::Accepted accepted) { OnAccepted(std::move(accepted)); });
+    if (!server.ok()) return server.status();
+    server_ = std::move(*server);
+    address_ = absl::StrCat(host == "0.0.0.0" ? "127.0.0.1" : host, ":", server_->port());
+  }
+  KVW_LOG(kInfo, "engine") << "started" << Kv("engine", name_) << Kv("address", address_)
+                           << Kv("tcp", tcp_->Endpoint())
+                           << Kv("shm", shm_ ? "yes" : "no");
+  return absl::OkStatus();
+}
+
+Engine::Impl::~Impl() {
+  stopping_ = true;
+  if (server_) server_->Stop();
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    MutexLock lock(&peers_mu_);
+    for (auto& [id, peer] : peers_) peers.push_back(peer);
+  }
+  for (auto& peer : peers) {
+    ClosePeer(peer, absl::CancelledError(absl::StrCat("engine ", name_, " shutting down")));
+  }
+  if (worker_) worker_->Stop();
+  if (tcp_) tcp_->Shutdown();
+  if (shm_) shm_->Shutdown();
+  transfers_.FailIf([](const core::TransferInfo&) { return true; },
+                    [this](const core::TransferInfo& info) {
+                      return absl::CancelledError(absl::StrCat(
+                          "transfer ", info.id, ": engine ", name_, " shutting down"));
+                    });
+  {
+    MutexLock lock(&reaper_mu_);
+    reaper_stop_ = true;
+    reaper_cv_.SignalAll();
+  }
+  if (reaper_.joinable()) reaper_.join();
+  work_.reset();
+  io_.stop();
+  for (auto& t : io_threads_) t.join();
+}
+
+absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
+                                                      RegionOptions options) {
+  if (ptr == nullptr || length == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterMemory: null pointer or zero length (length ", length, ")"));
+  }
+  if (options.kind != MemoryKind::kHost) {
+    return absl::UnimplementedError("RegisterMemory: only host memory is supported so far");
+  }
+  transport::LocalRegion region;
+  region.base = static_cast<std::byte*>(ptr);
+  region.length = length;
+  region.access = options.access;
+  region.kind = options.kind;
+  if (auto backing = transport::FindShareable(ptr, length)) {
+    region.memfd = backing->fd;
+    region.memfd_offset = backing->offset;
+  }
+  const absl::Time start = absl::Now();
+  const RegionId id = regions_.Add(region, options.export_to_all_peers);
+  region.id = id;
+  for (transport::Transport* t : {tcp_.get(), shm_.get()}) {
+    if (t == nullptr) continue;
+    if (absl::Status s = t->RegisterRegion(region); !s.ok()) {
+      for (transport::Transport* u : {tcp_.get(), shm_.get()}) {
+        if (u != nullptr) u->DeregisterRegion(id);
+      }
+      (void)regions_.Remove(id);
+      return absl::Status(s.code(), absl::StrCat("RegisterMemory with ", t->caps().name, ": ",
+                                                 s.message()));
+    }
+  }
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  {
+    MutexLock lock(&stats_mu_);
+    stats_.registration_us_total += us;
+  }
+  KVW_LOG(kInfo, "engine") << "registered region" << Kv("engine", name_) << Kv("region", id)
+                           << Kv("length", length) << Kv("shareable", region.memfd >= 0)
+                           << Kv("export_all", options.export_to_all_peers)
+                           << Kv("us", us);
+  if (options.export_to_all_peers) {
+    std::vector<std::shared_ptr<Peer>> peers;
+    {
+      MutexLock lock(&peers_mu_);
+      for (auto& [pid, peer] : peers_) peers.push_back(peer);
+    }
+    for (auto& peer : peers) (void)SendExports(*peer, {region});
+  }
+  return id;
+}
+
+absl::Status Engine::Impl::DeregisterMemory(RegionId region) {
+  auto entry = regions_.Remove(region);
+  if (!entry.ok()) return entry.status();
+  transfers_.FailIf(
+      [region](const core::TransferInfo& info) {
+        return std::find(info.local_regions.begin(), info.local_regions.end(), region) !=
+               info.local_regions.end();
+      },
+      [region](const core::TransferInfo& info) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "transfer ", info.id, ": local region ", region, " deregistered while in flight"));
+      });
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    MutexLock lock(&peers_mu_);
+    for (auto& [pid, peer] : peers_) peers.push_back(peer);
+  }
+  pb::Envelope revoke;
+  revoke.mutable_revoke_regions()->add_ids(region);
+  for (auto& peer : peers) {
+    if ((*entry)->export_to_all || (*entry)->exported_to.contains(peer->id)) {
+      (void)peer->conn->Send(revoke);
+    }
+  }
+  for (transport::Transport* t : {tcp_.get(), shm_.get()}) {
+    if (t != nullptr) t->DeregisterRegion(region);
+  }
+  // Incoming ops and local transfers pin the region while they touch it; the caller may free
+  // the memory once we return, so wait for them.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (entry->use_count() > 1) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "region ", region, " removed but still in use by ", entry->use_count() - 1,
+          " operations after 10s; do not free its memory yet"));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Notification> Engine::Impl::WaitNotification(absl::Duration timeout) {
+  Notification n;
+  if (!arrivals_.WaitOne(absl::Now() + timeout, &n)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("no notification within ", absl::FormatDuration(timeout)));
+  }
+  return n;
+}
+
+EngineStats Engine::Impl::Stats() const {
+  EngineStats out;
+  {
+    MutexLock lock(&stats_mu_);
+    out = stats_;
+  }
+  out.regions = regions_.size();
+  out.registered_bytes = regions_.bytes();
+  out.notifications_delivered = arrivals_.delivered();
+  MutexLock lock(&peers_mu_);
+  for (const auto& [id, peer] : peers_) {
+    MutexLock peer_lock(&peer->mu);
+    PeerStats p;
+    p.peer_id = id;
+    p.name = peer->name;
+    p.transport = peer->transport_desc;
+    p.transport_reason = peer->transport_reason;
+    p.alive = peer->alive;
+    p.bytes_read = peer->bytes_read;
+    p.bytes_written = peer->bytes_written;
+    p.transfers = peer->transfers;
+    out.peers.push_back(std::move(p));
+  }
+  return out;
+}
+
+// --- public API ---------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  if (absl::Status s = impl->Init(); !s.ok()) return s;
+  return std::make_unique<Engine>(ConstructionKey(), std::move(impl));
+}
+
+Engine::Engine(ConstructionKey, std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+const std::string& Engine::name() const { return impl_->name(); }
+std::string Engine::address() const { return impl_->address(); }
+absl::StatusOr<RegionId> Engine::RegisterMemory(void* ptr, size_t length, RegionOptions options) {
+  return impl_->RegisterMemory(ptr, length, options);
+}
+absl::Status Engine::DeregisterMemory(RegionId region) { return impl_->DeregisterMemory(region); }
+absl::StatusOr<PeerId> Engine::Connect(const std::string& address, const ConnectOptions& options) {
+  return impl_->Connect(address, options);
+}
+absl::Status Engine::Export(PeerId peer, absl::Span<const RegionId> regions) {
+  return impl_->Export(peer, regions);
+}
+absl::Status Engine::Disconnect(PeerId peer) { return impl_->Disconnect(peer); }
+std::vector<PeerInfo> Engine::Peers() const { return impl_->Peers(); }
+absl::StatusOr<PeerId> Engine::FindPeer(const std::string& name) const {
+  return impl_->FindPeer(name);
+}
+absl::StatusOr<PeerId> Engine::WaitForPeer(const std::string& name, absl::Duration timeout) {
+  return impl_->WaitForPeer(name, timeout);
+}
+absl::StatusOr<std::vector<RemoteRegion>> Engine::RemoteRegions(PeerId peer) const {
+  return impl_->RemoteRegions(peer);
+}
+absl::Status Engine::WaitForRemoteRegion(PeerId peer, RegionId region, absl::Duration timeout) {
+  return impl_->WaitForRemoteRegion(peer, region, timeout);
+}
+absl::StatusOr<TransferId> Engine::Transfer(PeerId peer, OpKind kind, absl::Span<const Op> ops,
+                                            const TransferOptions& options) {
+  return impl_->Transfer(peer, kind, ops, options);
+}
+TransferState Engine::Poll(TransferId id, absl::Status* status) { return impl_->Poll(id, status); }
+absl::Status Engine::Wait(TransferId id, absl::Duration timeout) { return impl_->Wait(id, timeout); }
+std::vector<Notification> Engine::TakeNotifications() { return impl_->TakeNotifications(); }
+absl::StatusOr<Notification> Engine::WaitNotification(absl::Duration timeout) {
+  return impl_->WaitNotification(timeout);
+}
+EngineStats Engine::Stats() const { return impl_->Stats(); }
+
+}  // namespace kvwire

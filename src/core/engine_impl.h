@@ -1,0 +1,157 @@
+// Engine::Impl: owns the control channel, the transports, the region registry, peers and
+// transfers. Split across engine.cc (lifecycle, memory), engine_peers.cc (handshake, peer
+// lifecycle, channels) and engine_transfers.cc (the transfer path, target hooks).
+#ifndef KVWIRE_CORE_ENGINE_IMPL_H_
+#define KVWIRE_CORE_ENGINE_IMPL_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include "absl/container/flat_hash_map.h"
+#include "kvwire/engine.h"
+#include "proto/kvwire.pb.h"
+#include "src/control/control.h"
+#include "src/core/arrival_counter.h"
+#include "src/core/region_registry.h"
+#include "src/core/transfer_table.h"
+#include "src/util/mutex.h"
+#include "src/util/task_runner.h"
+#include "transport/transport.h"
+
+namespace kvwire {
+
+// A peer's region as this engine knows it, and whether the shm channel can reach it.
+struct RemoteRegionState {
+  transport::RemoteRegionDesc desc;
+  bool resolved = false;  // the data path for it has been decided
+  bool via_shm = false;
+};
+
+struct Peer {
+  PeerId id = 0;
+  std::string name;
+  std::string address;
+  pb::Hello hello;
+  TransportKind preference = TransportKind::kAuto;  // effective for this pair
+  std::shared_ptr<control::Connection> conn;
+
+  Mutex mu;
+  bool alive ABSL_GUARDED_BY(mu) = true;
+  std::string close_reason ABSL_GUARDED_BY(mu);
+  bool setup_done ABSL_GUARDED_BY(mu) = false;
+  absl::Status setup_status ABSL_GUARDED_BY(mu);
+  std::shared_ptr<transport::Channel> tcp ABSL_GUARDED_BY(mu);
+  std::shared_ptr<transport::Channel> shm ABSL_GUARDED_BY(mu);
+  uint32_t tcp_lanes ABSL_GUARDED_BY(mu) = 1;
+  std::string transport_desc ABSL_GUARDED_BY(mu);
+  std::string transport_reason ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<RegionId, RemoteRegionState> remote ABSL_GUARDED_BY(mu);
+  uint64_t bytes_read ABSL_GUARDED_BY(mu) = 0;
+  uint64_t bytes_written ABSL_GUARDED_BY(mu) = 0;
+  uint64_t transfers ABSL_GUARDED_BY(mu) = 0;
+};
+
+class Engine::Impl final : public transport::TargetHooks {
+ public:
+  explicit Impl(EngineOptions options);
+  ~Impl() override;
+  absl::Status Init();
+
+  const std::string& name() const { return name_; }
+  std::string address() const { return address_; }
+
+  absl::StatusOr<RegionId> RegisterMemory(void* ptr, size_t length, RegionOptions options);
+  absl::Status DeregisterMemory(RegionId region);
+
+  absl::StatusOr<PeerId> Connect(const std::string& address, const ConnectOptions& options);
+  absl::Status Export(PeerId peer, absl::Span<const RegionId> regions);
+  absl::Status Disconnect(PeerId peer);
+  std::vector<PeerInfo> Peers() const;
+  absl::StatusOr<PeerId> FindPeer(const std::string& name) const;
+  absl::StatusOr<PeerId> WaitForPeer(const std::string& name, absl::Duration timeout);
+  absl::StatusOr<std::vector<RemoteRegion>> RemoteRegions(PeerId peer) const;
+  absl::Status WaitForRemoteRegion(PeerId peer, RegionId region, absl::Duration timeout);
+
+  absl::StatusOr<TransferId> Transfer(PeerId peer, OpKind kind, absl::Span<const Op> ops,
+                                      const TransferOptions& options);
+  TransferState Poll(TransferId id, absl::Status* status) { return transfers_.Poll(id, status); }
+  absl::Status Wait(TransferId id, absl::Duration timeout) { return transfers_.Wait(id, timeout); }
+  std::vector<Notification> TakeNotifications() { return arrivals_.TakeAll(); }
+  absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+  EngineStats Stats() const;
+
+  // transport::TargetHooks
+  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override;
+  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
+                                                            uint64_t offset, uint64_t length,
+                                                            OpKind kind) override;
+  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId region) override;
+  void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
+  void OnPeerError(PeerId peer, const absl::Status& error) override;
+
+ private:
+  // engine_peers.cc
+  pb::Hello LocalHello(const std::string& token, TransportKind preference) const;
+  absl::StatusOr<pb::Hello> RespondToHello(const pb::Hello& remote);
+  void OnAccepted(control::Accepted accepted);
+  std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
+                                TransportKind preference);
+  absl::Status SendExports(Peer& peer, const std::vector<transport::LocalRegion>& regions);
+  void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
+  absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
+  void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
+  void ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
+  std::shared_ptr<Peer> GetPeer(PeerId id) const;
+  std::string NewToken();
+
+  // engine_transfers.cc
+  void OnLaneDone(TransferId id, absl::Status status);
+  void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
+  void ReaperLoop();
+
+  const EngineOptions options_;
+  std::string name_;
+  std::string address_;
+  control::HandshakeConfig handshake_;
+
+  boost::asio::io_context io_;
+  std::unique_ptr<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
+  std::vector<std::thread> io_threads_;
+  std::unique_ptr<control::Server> server_;
+  std::unique_ptr<transport::Transport> tcp_;
+  std::unique_ptr<transport::Transport> shm_;
+
+  core::RegionRegistry regions_;
+  core::TransferTable transfers_;
+  core::ArrivalCounter arrivals_;
+  std::atomic<TransferId> next_transfer_id_{1};
+  std::atomic<PeerId> next_peer_id_{1};
+
+  mutable Mutex peers_mu_;
+  CondVar peers_cv_;  // a peer was added, changed state, or learned a region
+  absl::flat_hash_map<PeerId, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<std::string, PeerId> tokens_ ABSL_GUARDED_BY(peers_mu_);
+  // Listener side: the dialer's token -> (peer id, token issued to it), until accepted.
+  absl::flat_hash_map<std::string, std::pair<PeerId, std::string>> pending_
+      ABSL_GUARDED_BY(peers_mu_);
+
+  mutable Mutex stats_mu_;
+  EngineStats stats_ ABSL_GUARDED_BY(stats_mu_);
+
+  std::atomic<bool> stopping_{false};
+  Mutex reaper_mu_;
+  CondVar reaper_cv_;
+  bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
+  std::thread reaper_;
+  std::unique_ptr<TaskRunner> worker_;  // peer setup and teardown
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_CORE_ENGINE_IMPL_H_

@@ -1,0 +1,542 @@
+// Peers: handshake on both sides, exports, the control messages of a live peer, data-path
+// setup (which transport reaches which region), and teardown.
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/core/engine_impl.h"
+#include "src/util/log.h"
+#include "transport/shm/shm_transport.h"
+
+namespace kvwire {
+namespace {
+
+TransportKind PreferenceOf(const pb::Hello& hello) {
+  auto kind = ParseTransportKind(hello.transport_preference());
+  return kind.ok() ? *kind : TransportKind::kAuto;
+}
+
+const pb::TransportEndpoint* FindEndpoint(const pb::Hello& hello, const std::string& kind) {
+  for (const pb::TransportEndpoint& t : hello.transports()) {
+    if (t.kind() == kind) return &t;
+  }
+  return nullptr;
+}
+
+// Both sides may force a transport; they must agree.
+absl::StatusOr<TransportKind> SettlePreference(TransportKind local, const std::string& local_name,
+                                               TransportKind remote,
+                                               const std::string& remote_name) {
+  if (local != TransportKind::kAuto && remote != TransportKind::kAuto && local != remote) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transport conflict: engine ", local_name, " requires ", TransportKindName(local),
+        ", peer ", remote_name, " requires ", TransportKindName(remote)));
+  }
+  return local != TransportKind::kAuto ? local : remote;
+}
+
+pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
+  pb::RegionDescriptor d;
+  d.set_id(region.id);
+  d.set_length(region.length);
+  d.set_access(region.access);
+  d.set_memory_kind(static_cast<uint32_t>(region.kind));
+  d.set_address(reinterpret_cast<uint64_t>(region.base));
+  d.set_shareable(region.memfd >= 0);
+  return d;
+}
+
+}  // namespace
+
+pb::Hello Engine::Impl::LocalHello(const std::string& token, TransportKind preference) const {
+  pb::Hello hello;
+  hello.set_engine_name(name_);
+  hello.set_host_id(transport::LocalHostId());
+  hello.set_pid(static_cast<uint32_t>(getpid()));
+  hello.set_session_token(token);
+  hello.set_transport_preference(TransportKindName(preference));
+  pb::TransportEndpoint* tcp = hello.add_transports();
+  tcp->set_kind("tcp");
+  tcp->set_endpoint(tcp_->Endpoint());
+  if (shm_) {
+    pb::TransportEndpoint* shm = hello.add_transports();
+    shm->set_kind("shm");
+    shm->set_endpoint(shm_->Endpoint());
+  }
+  return hello;
+}
+
+std::shared_ptr<Peer> Engine::Impl::GetPeer(PeerId id) const {
+  MutexLock lock(&peers_mu_);
+  auto it = peers_.find(id);
+  return it == peers_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<pb::Hello> Engine::Impl::RespondToHello(const pb::Hello& remote) {
+  if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
+  auto preference =
+      SettlePreference(options_.transport, name_, PreferenceOf(remote), remote.engine_name());
+  if (!preference.ok()) return preference.status();
+  const PeerId id = next_peer_id_++;
+  const std::string token = NewToken();
+  {
+    MutexLock lock(&peers_mu_);
+    tokens_[token] = id;
+    pending_[remote.session_token()] = {id, token};
+  }
+  return LocalHello(token, options_.transport);
+}
+
+void Engine::Impl::OnAccepted(control::Accepted accepted) {
+  PeerId id = 0;
+  {
+    MutexLock lock(&peers_mu_);
+    auto it = pending_.find(accepted.remote_hello.session_token());
+    if (it == pending_.end()) return;  // cannot happen: RespondToHello ran for this handshake
+    id = it->second.first;
+    pending_.erase(it);
+  }
+  auto preference = SettlePreference(options_.transport, name_,
+                                     PreferenceOf(accepted.remote_hello),
+                                     accepted.remote_hello.engine_name());
+  const std::string address = accepted.connection->remote_address();
+  std::shared_ptr<Peer> peer =
+      AddPeer(id, address, std::move(accepted), preference.value_or(TransportKind::kAuto));
+  worker_->Post([this, peer] {
+    if (absl::Status s = SetupChannels(peer); !s.ok()) ClosePeer(peer, s);
+  });
+}
+
+std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& address,
+                                            control::Accepted accepted,
+                                            TransportKind preference) {
+  auto peer = std::make_shared<Peer>();
+  peer->id = id;
+  peer->name = accepted.remote_hello.engine_name();
+  peer->address = address;
+  peer->hello = std::move(accepted.remote_hello);
+  peer->preference = preference;
+  peer->conn = std::move(accepted.connection);
+  {
+    MutexLock lock(&peers_mu_);
+    peers_[id] = peer;
+    peers_cv_.SignalAll();
+  }
+  std::weak_ptr<Peer> weak = peer;
+  peer->conn->Start(
+      [this, weak](const pb::Envelope& message) {
+        if (auto p = weak.lock()) OnMessage(p, message);
+      },
+      [this, weak](const absl::Status& status) {
+        auto p = weak.lock();
+        if (!p || stopping_) return;
+        // Teardown joins transport threads: never on the I/O thread that noticed it.
+        worker_->Post([this, p, status] { ClosePeer(p, status); });
+      },
+      options_.heartbeat_interval, options_.peer_lease);
+  (void)SendExports(*peer, regions_.ExportedToAll());
+  KVW_LOG(kInfo, "engine") << "peer connected" << Kv("engine", name_) << Kv("peer", id)
+                           << Kv("name", peer->name) << Kv("address", address)
+                           << Kv("preference", TransportKindName(preference));
+  return peer;
+}
+
+absl::Status Engine::Impl::SendExports(Peer& peer,
+                                       const std::vector<transport::LocalRegion>& regions) {
+  if (regions.empty()) return absl::OkStatus();
+  pb::Envelope message;
+  for (const transport::LocalRegion& r : regions) {
+    *message.mutable_export_regions()->add_regions() = Describe(r);
+  }
+  return peer.conn->Send(message);
+}
+
+absl::StatusOr<PeerId> Engine::Impl::Connect(const std::string& address,
+                                             const ConnectOptions& options) {
+  if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
+  const TransportKind preference = options.transport.value_or(options_.transport);
+  const PeerId id = next_peer_id_++;
+  const std::string token = NewToken();
+  {
+    MutexLock lock(&peers_mu_);
+    tokens_[token] = id;
+  }
+  auto forget_token = [&] {
+    MutexLock lock(&peers_mu_);
+    tokens_.erase(token);
+  };
+  auto accepted = control::Dial(io_, address, LocalHello(token, preference), handshake_);
+  if (!accepted.ok()) {
+    forget_token();
+    return absl::Status(accepted.status().code(),
+                        absl::StrCat("connect to ", address, ": ", accepted.status().message()));
+  }
+  auto settled = SettlePreference(preference, name_, PreferenceOf(accepted->remote_hello),
+                                  accepted->remote_hello.engine_name());
+  if (!settled.ok()) {
+    accepted->connection->Close(settled.status());
+    forget_token();
+    return settled.status();
+  }
+  std::vector<transport::LocalRegion> exports;
+  if (!options.exports.empty()) {
+    auto exported = regions_.ExportTo(id, options.exports);
+    if (!exported.ok()) {
+      accepted->connection->Close(exported.status());
+      forget_token();
+      return exported.status();
+    }
+    exports = std::move(*exported);
+  }
+  std::shared_ptr<Peer> peer = AddPeer(id, address, std::move(*accepted), *settled);
+  (void)SendExports(*peer, exports);
+  // Channel setup runs on the worker, like every other change to a peer's data path.
+  auto done = std::make_shared<std::pair<Mutex, std::optional<absl::Status>>>();
+  auto cv = std::make_shared<CondVar>();
+  worker_->Post([this, peer, done, cv] {
+    absl::Status s = SetupChannels(peer);
+    MutexLock lock(&done->first);
+    done->second = s;
+    cv->SignalAll();
+  });
+  absl::Status setup = absl::DeadlineExceededError(
+      absl::StrCat("connect to ", address, ": data path not ready within ",
+                   absl::FormatDuration(options_.connect_timeout)));
+  {
+    const absl::Time deadline = absl::Now() + options_.connect_timeout + absl::Seconds(1);
+    MutexLock lock(&done->first);
+    while (!done->second.has_value() && absl::Now() < deadline) {
+      cv->WaitUntil(&done->first, deadline);
+    }
+    if (done->second.has_value()) setup = *done->second;
+  }
+  if (!setup.ok()) {
+    ClosePeer(peer, setup);
+    return setup;
+  }
+  return id;
+}
+
+absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  const TransportKind preference = peer->preference;
+  std::shared_ptr<transport::Channel> shm, tcp;
+  std::string shm_reason, tcp_reason;
+  transport::PeerLink link;
+  link.peer = peer->id;
+  link.peer_name = peer->name;
+  link.token = peer->hello.session_token();
+  link.remote_pid = peer->hello.pid();
+  link.deadline = deadline;
+
+  if (preference == TransportKind::kRdma) {
+    return absl::UnimplementedError("the rdma transport is not available in this build");
+  }
+  if (preference == TransportKind::kAuto || preference == TransportKind::kShm) {
+    const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "shm");
+    if (shm_ == nullptr) {
+      shm_reason = "shm transport unavailable on this engine";
+    } else if (ep == nullptr) {
+      shm_reason = "peer offers no shm endpoint";
+    } else if (absl::Status s = shm_->CanReach(ep->endpoint()); !s.ok()) {
+      shm_reason = std::string(s.message());
+    } else {
+      link.remote_endpoint = ep->endpoint();
+      link.lanes = 1;
+      auto channel = shm_->Connect(link);
+      if (channel.ok()) {
+        shm = std::move(*channel);
+      } else {
+        shm_reason = std::string(channel.status().message());
+      }
+    }
+    if (preference == TransportKind::kShm && shm == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport shm required but peer ", peer->name, " is not reachable over shm: ",
+                       shm_reason));
+    }
+  }
+  if (preference == TransportKind::kAuto || preference == TransportKind::kTcp) {
+    const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "tcp");
+    if (ep == nullptr) {
+      tcp_reason = "peer offers no tcp endpoint";
+    } else {
+      link.remote_endpoint = ep->endpoint();
+      link.lanes = static_cast<uint32_t>(
+          std::clamp<int>(options_.tcp_connections, 1, tcp_->caps().max_lanes));
+      auto channel = tcp_->Connect(link);
+      if (channel.ok()) {
+        tcp = std::move(*channel);
+      } else {
+        tcp_reason = std::string(channel.status().message());
+      }
+    }
+    if (tcp == nullptr && shm == nullptr) {
+      return absl::UnavailableError(absl::StrCat("no transport reaches peer ", peer->name,
+                                                 ": tcp: ", tcp_reason,
+                                                 shm_reason.empty() ? "" : "; shm: ", shm_reason));
+    }
+  }
+  std::string desc, reason;
+  if (shm) {
+    desc = shm->Describe();
+    reason = preference == TransportKind::kShm ? "forced by configuration" : "same host";
+    if (tcp) absl::StrAppend(&desc, "; ", tcp->Describe(), " for regions shm cannot reach");
+  } else {
+    desc = tcp->Describe();
+    reason = preference == TransportKind::kTcp ? "forced by configuration"
+                                               : absl::StrCat("shm not usable: ", shm_reason);
+  }
+  {
+    MutexLock lock(&peer->mu);
+    if (!peer->alive) {
+      if (shm) shm->Close(absl::CancelledError("peer closed during setup"));
+      if (tcp) tcp->Close(absl::CancelledError("peer closed during setup"));
+      return absl::UnavailableError(
+          absl::StrCat("peer ", peer->name, " closed during setup: ", peer->close_reason));
+    }
+    peer->shm = shm;
+    peer->tcp = tcp;
+    peer->tcp_lanes = link.lanes;
+    peer->transport_desc = desc;
+    peer->transport_reason = reason;
+  }
+  KVW_LOG(kInfo, "engine") << "data path ready" << Kv("engine", name_) << Kv("peer", peer->name)
+                           << Kv("transport", desc) << Kv("reason", reason);
+  ResolveRemoteRegions(peer);
+  {
+    MutexLock lock(&peer->mu);
+    peer->setup_done = true;
+  }
+  {
+    MutexLock lock(&peers_mu_);
+    peers_cv_.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+// Decides, for each region the peer exported that has no route yet, whether shm reaches it.
+// Runs on the worker (channel changes are serialized there).
+void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
+  std::vector<transport::RemoteRegionDesc> todo;
+  std::shared_ptr<transport::Channel> shm;
+  {
+    MutexLock lock(&peer->mu);
+    if (!peer->alive || (!peer->shm && !peer->tcp)) return;
+    shm = peer->shm;
+    for (auto& [id, state] : peer->remote) {
+      if (!state.resolved) todo.push_back(state.desc);
+    }
+  }
+  std::vector<std::pair<RegionId, bool>> routes;
+  for (const transport::RemoteRegionDesc& desc : todo) {
+    bool via_shm = false;
+    if (shm) {
+      absl::Status s = shm->AddRemoteRegions({desc});
+      via_shm = s.ok();
+      if (!s.ok()) {
+        KVW_LOG(kInfo, "engine") << "region reached over tcp, not shm" << Kv("engine", name_)
+                                 << Kv("peer", peer->name) << Kv("region", desc.id)
+                                 << Kv("reason", s.message());
+      }
+    }
+    routes.emplace_back(desc.id, via_shm);
+  }
+  {
+    MutexLock lock(&peer->mu);
+    for (auto [id, via_shm] : routes) {
+      auto it = peer->remote.find(id);
+      if (it == peer->remote.end()) continue;  // revoked meanwhile
+      it->second.resolved = true;
+      it->second.via_shm = via_shm;
+    }
+  }
+  MutexLock lock(&peers_mu_);
+  peers_cv_.SignalAll();
+}
+
+void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message) {
+  switch (message.body_case()) {
+    case pb::Envelope::kExportRegions: {
+      {
+        MutexLock lock(&peer->mu);
+        for (const pb::RegionDescriptor& d : message.export_regions().regions()) {
+          RemoteRegionState state;
+          state.desc.id = d.id();
+          state.desc.length = d.length();
+          state.desc.access = d.access();
+          state.desc.kind = static_cast<MemoryKind>(d.memory_kind());
+          state.desc.address = d.address();
+          state.desc.shareable = d.shareable();
+          peer->remote[d.id()] = state;
+        }
+      }
+      worker_->Post([this, peer] {
+        bool ready;
+        {
+          MutexLock lock(&peer->mu);
+          ready = peer->setup_done;
+        }
+        // Before setup, SetupChannels resolves everything known by then.
+        if (ready) ResolveRemoteRegions(peer);
+      });
+      break;
+    }
+    case pb::Envelope::kRevokeRegions: {
+      std::vector<RegionId> ids(message.revoke_regions().ids().begin(),
+                                message.revoke_regions().ids().end());
+      std::shared_ptr<transport::Channel> shm;
+      {
+        MutexLock lock(&peer->mu);
+        for (RegionId id : ids) peer->remote.erase(id);
+        shm = peer->shm;
+      }
+      if (shm) worker_->Post([shm, ids] { shm->RemoveRemoteRegions(ids); });
+      break;
+    }
+    case pb::Envelope::kNotify: {
+      Notification n;
+      n.peer = peer->id;
+      n.peer_name = peer->name;
+      n.transfer_id = message.notify().transfer_id();
+      n.payload = message.notify().payload();
+      arrivals_.OnNotify(std::move(n), message.notify().expected_arrivals());
+      break;
+    }
+    default:
+      KVW_LOG(kWarning, "engine") << "unexpected control message ignored" << Kv("engine", name_)
+                                  << Kv("peer", peer->name) << Kv("case", message.body_case());
+      break;
+  }
+}
+
+void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason) {
+  std::shared_ptr<transport::Channel> shm, tcp;
+  {
+    MutexLock lock(&peer->mu);
+    if (!peer->alive) return;
+    peer->alive = false;
+    peer->close_reason = std::string(reason.message());
+    shm = peer->shm;
+    tcp = peer->tcp;
+  }
+  KVW_LOG(kWarning, "engine") << "peer closed" << Kv("engine", name_) << Kv("peer", peer->id)
+                              << Kv("name", peer->name) << Kv("reason", reason.ToString());
+  const absl::Status closed = absl::UnavailableError(
+      absl::StrCat("peer ", peer->name, " closed: ", reason.message()));
+  peer->conn->Close(reason);
+  if (shm) shm->Close(closed);
+  if (tcp) tcp->Close(closed);
+  tcp_->DropPeer(peer->id);
+  if (shm_) shm_->DropPeer(peer->id);
+  for (const core::TransferInfo& info : transfers_.FailIf(
+           [&](const core::TransferInfo& info) { return info.peer == peer->id; },
+           [&](const core::TransferInfo& info) {
+             return absl::UnavailableError(absl::StrCat("transfer ", info.id, " to peer ",
+                                                        peer->name, " failed: ", closed.message()));
+           })) {
+    RecordEnd(info, closed);
+  }
+  arrivals_.DropPeer(peer->id);
+  regions_.ForgetPeer(peer->id);
+  MutexLock lock(&peers_mu_);
+  for (auto it = tokens_.begin(); it != tokens_.end();) {
+    if (it->second == peer->id) {
+      tokens_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  peers_cv_.SignalAll();
+}
+
+absl::Status Engine::Impl::Export(PeerId id, absl::Span<const RegionId> regions) {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  auto exported = regions_.ExportTo(id, std::vector<RegionId>(regions.begin(), regions.end()));
+  if (!exported.ok()) return exported.status();
+  return SendExports(*peer, *exported);
+}
+
+absl::Status Engine::Impl::Disconnect(PeerId id) {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  ClosePeer(peer, absl::CancelledError(absl::StrCat("disconnected by ", name_)));
+  return absl::OkStatus();
+}
+
+std::vector<PeerInfo> Engine::Impl::Peers() const {
+  std::vector<PeerInfo> out;
+  MutexLock lock(&peers_mu_);
+  for (const auto& [id, peer] : peers_) {
+    MutexLock peer_lock(&peer->mu);
+    out.push_back(PeerInfo{id, peer->name, peer->address, peer->transport_desc, peer->alive,
+                           peer->close_reason});
+  }
+  return out;
+}
+
+absl::StatusOr<PeerId> Engine::Impl::FindPeer(const std::string& name) const {
+  MutexLock lock(&peers_mu_);
+  PeerId found = 0;
+  for (const auto& [id, peer] : peers_) {
+    MutexLock peer_lock(&peer->mu);
+    if (peer->name == name && peer->alive && peer->setup_done) found = std::max(found, id);
+  }
+  if (found == 0) return absl::NotFoundError(absl::StrCat("no live peer named ", name));
+  return found;
+}
+
+absl::StatusOr<PeerId> Engine::Impl::WaitForPeer(const std::string& name, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    auto found = FindPeer(name);
+    if (found.ok()) return found;
+    MutexLock lock(&peers_mu_);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "peer ", name, " did not connect within ", absl::FormatDuration(timeout)));
+    }
+    peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
+  }
+}
+
+absl::StatusOr<std::vector<RemoteRegion>> Engine::Impl::RemoteRegions(PeerId id) const {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  std::vector<RemoteRegion> out;
+  MutexLock lock(&peer->mu);
+  for (const auto& [rid, state] : peer->remote) {
+    out.push_back(RemoteRegion{rid, state.desc.length, state.desc.access, state.desc.kind});
+  }
+  return out;
+}
+
+absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region,
+                                               absl::Duration timeout) {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    {
+      MutexLock lock(&peer->mu);
+      if (!peer->alive) {
+        return absl::UnavailableError(
+            absl::StrCat("peer ", peer->name, " closed: ", peer->close_reason));
+      }
+      auto it = peer->remote.find(region);
+      if (peer->setup_done && it != peer->remote.end() && it->second.resolved) {
+        return absl::OkStatus();
+      }
+    }
+    MutexLock lock(&peers_mu_);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("peer ", peer->name, " did not export region ", region, " within ",
+                       absl::FormatDuration(timeout)));
+    }
+    peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
+  }
+}
+
+}  // namespace kvwire

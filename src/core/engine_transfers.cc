@@ -1,0 +1,248 @@
+// The transfer path (validate, route, plan, post, complete) and the target-side hooks the
+// transports call for incoming data.
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/core/engine_impl.h"
+#include "src/core/op_planner.h"
+#include "src/util/log.h"
+
+namespace kvwire {
+namespace {
+
+absl::Status OpError(size_t index, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat("op ", index, ": ", s.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
+                                                  absl::Span<const Op> ops,
+                                                  const TransferOptions& options) {
+  std::shared_ptr<Peer> peer = GetPeer(peer_id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("transfer: unknown peer ", peer_id));
+  if (ops.empty()) return absl::InvalidArgumentError("transfer: no ops");
+  const char* verb = kind == OpKind::kRead ? "READ" : "WRITE";
+
+  // Local side: every op inside a registered region, each region pinned for the transfer.
+  absl::flat_hash_map<RegionId, std::shared_ptr<const void>> pins;
+  std::vector<transport::WireOp> wire;
+  wire.reserve(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& op = ops[i];
+    auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
+    if (!local.ok()) return OpError(i, local.status());
+    pins.try_emplace(op.local_region, std::move(local->pin));
+    wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length});
+  }
+
+  // Remote side: exported to us, permission, bounds; and the route.
+  std::shared_ptr<transport::Channel> channel;
+  uint32_t lanes = 1;
+  {
+    MutexLock lock(&peer->mu);
+    if (!peer->alive) {
+      return absl::UnavailableError(
+          absl::StrCat("transfer: peer ", peer->name, " closed: ", peer->close_reason));
+    }
+    if (!peer->setup_done) {
+      return absl::UnavailableError(
+          absl::StrCat("transfer: data path to peer ", peer->name, " is not ready yet"));
+    }
+    const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
+    bool all_shm = peer->shm != nullptr;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      auto it = peer->remote.find(op.remote_region);
+      if (it == peer->remote.end()) {
+        return OpError(i, absl::NotFoundError(absl::StrCat("remote region ", op.remote_region,
+                                                           " is not exported by peer ",
+                                                           peer->name)));
+      }
+      const transport::RemoteRegionDesc& desc = it->second.desc;
+      if ((desc.access & needed) == 0) {
+        return OpError(i, absl::PermissionDeniedError(
+                              absl::StrCat("peer ", peer->name, " region ", op.remote_region,
+                                           " does not allow remote ", verb)));
+      }
+      if (absl::Status s = core::CheckBounds("remote", op.remote_region, op.remote_offset,
+                                             op.length, desc.length);
+          !s.ok()) {
+        return OpError(i, s);
+      }
+      all_shm = all_shm && it->second.resolved && it->second.via_shm;
+    }
+    if (all_shm) {
+      channel = peer->shm;
+    } else if (peer->tcp) {
+      channel = peer->tcp;
+      lanes = peer->tcp_lanes;
+    } else {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transfer: peer ", peer->name, " is reached over shm only, and shm cannot reach ",
+          "every region of this transfer (connect with transport auto or tcp)"));
+    }
+  }
+  const transport::Capabilities& caps =
+      channel == peer->shm && shm_ ? shm_->caps() : tcp_->caps();
+
+  core::PlanLimits limits;
+  limits.max_op_bytes = std::min<uint64_t>(options_.max_op_bytes, caps.max_op_bytes);
+  limits.lanes = std::min<uint32_t>(lanes, caps.max_lanes);
+  limits.stripe_min_bytes = options_.stripe_min_bytes;
+  core::Plan plan = core::PlanOps(std::move(wire), limits);
+
+  core::TransferInfo info;
+  info.id = next_transfer_id_++;
+  info.peer = peer_id;
+  info.kind = kind;
+  info.bytes = plan.total_bytes;
+  info.pieces = plan.pieces;
+  info.notification = options.notification;
+  info.count_arrivals = kind == OpKind::kWrite && options.notification && caps.counts_arrivals;
+  info.start = absl::Now();
+  info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
+  std::vector<std::shared_ptr<const void>> pin_list;
+  for (auto& [region, pin] : pins) {
+    info.local_regions.push_back(region);
+    pin_list.push_back(std::move(pin));
+  }
+  {
+    MutexLock lock(&stats_mu_);
+    ++stats_.transfers_started;
+    stats_.ops_submitted += ops.size();
+    stats_.ops_posted += plan.pieces;
+  }
+  KVW_LOG(kDebug, "engine") << "transfer start" << Kv("engine", name_) << Kv("transfer", info.id)
+                            << Kv("peer", peer->name) << Kv("kind", verb)
+                            << Kv("bytes", info.bytes) << Kv("ops", ops.size())
+                            << Kv("pieces", plan.pieces) << Kv("lanes", plan.lanes.size())
+                            << Kv("via", caps.name);
+
+  auto cancelled = transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()));
+  const TransferId id = info.id;
+  for (size_t lane = 0; lane < plan.lanes.size(); ++lane) {
+    transport::PostRequest request;
+    request.transfer_id = id;
+    request.kind = kind;
+    request.lane = static_cast<uint32_t>(lane);
+    request.count_arrivals = info.count_arrivals;
+    request.ops = std::move(plan.lanes[lane]);
+    request.cancelled = cancelled;
+    request.pins = pin_list;
+    channel->Post(std::move(request), [this, id](absl::Status s) { OnLaneDone(id, std::move(s)); });
+  }
+  return id;
+}
+
+void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
+  std::optional<core::LanesDone> done = transfers_.LaneDone(id, std::move(status));
+  if (!done) return;
+  const core::TransferInfo& info = done->info;
+  absl::Status result = done->status;
+  if (result.ok() && info.notification) {
+    std::shared_ptr<Peer> peer = GetPeer(info.peer);
+    pb::Envelope message;
+    pb::Notify* notify = message.mutable_notify();
+    notify->set_transfer_id(id);
+    notify->set_expected_arrivals(info.count_arrivals ? info.pieces : 0);
+    notify->set_payload(*info.notification);
+    absl::Status sent = peer ? peer->conn->Send(message)
+                             : absl::UnavailableError("peer is gone");
+    if (!sent.ok()) {
+      result = absl::UnavailableError(absl::StrCat(
+          "transfer ", id, ": data moved but the notification was not sent: ", sent.message()));
+    } else {
+      MutexLock lock(&stats_mu_);
+      ++stats_.notifications_sent;
+    }
+  } else if (!result.ok()) {
+    result = absl::Status(result.code(),
+                          absl::StrCat("transfer ", id, " to peer ", info.peer, ": ",
+                                       result.message()));
+  }
+  if (transfers_.Finish(id, result)) RecordEnd(info, result);
+}
+
+void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - info.start);
+  {
+    MutexLock lock(&stats_mu_);
+    if (status.ok()) {
+      ++stats_.transfers_succeeded;
+      (info.kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) += info.bytes;
+      stats_.transfer_latency.Add(us);
+    } else {
+      ++stats_.transfers_failed;
+      ++stats_.errors_by_kind[absl::StatusCodeToString(status.code())];
+    }
+  }
+  if (std::shared_ptr<Peer> peer = GetPeer(info.peer)) {
+    MutexLock lock(&peer->mu);
+    ++peer->transfers;
+    if (status.ok()) {
+      (info.kind == OpKind::kRead ? peer->bytes_read : peer->bytes_written) += info.bytes;
+    }
+  }
+  if (!status.ok()) {
+    KVW_LOG(kWarning, "engine") << "transfer failed" << Kv("engine", name_)
+                                << Kv("transfer", info.id) << Kv("peer", info.peer)
+                                << Kv("status", status.ToString());
+  }
+}
+
+void Engine::Impl::ReaperLoop() {
+  MutexLock lock(&reaper_mu_);
+  while (!reaper_stop_) {
+    reaper_cv_.WaitUntil(&reaper_mu_, absl::Now() + absl::Milliseconds(10));
+    const absl::Time now = absl::Now();
+    for (const core::TransferInfo& info : transfers_.ExpireDeadlines(now)) {
+      RecordEnd(info, absl::DeadlineExceededError("deadline exceeded"));
+    }
+    arrivals_.Prune(now, absl::Minutes(10));
+  }
+}
+
+// --- target side ---------------------------------------------------------------------------
+
+absl::StatusOr<PeerId> Engine::Impl::PeerForToken(const std::string& token) {
+  MutexLock lock(&peers_mu_);
+  auto it = tokens_.find(token);
+  if (it == tokens_.end()) {
+    return absl::UnauthenticatedError("unknown session token (no handshake for it)");
+  }
+  return it->second;
+}
+
+absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(PeerId peer,
+                                                                        RegionId region,
+                                                                        uint64_t offset,
+                                                                        uint64_t length,
+                                                                        OpKind kind) {
+  auto resolved = regions_.ResolveForPeer(peer, region, offset, length, kind);
+  MutexLock lock(&stats_mu_);
+  if (!resolved.ok()) {
+    ++stats_.incoming_rejected;
+    return resolved.status();
+  }
+  ++stats_.incoming_ops;
+  return transport::IncomingAccess{resolved->data, std::move(resolved->pin)};
+}
+
+absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {
+  return regions_.ExportedRegion(peer, region);
+}
+
+void Engine::Impl::OnWriteArrived(PeerId peer, TransferId transfer_id) {
+  arrivals_.OnArrival(peer, transfer_id);
+}
+
+void Engine::Impl::OnPeerError(PeerId peer_id, const absl::Status& error) {
+  KVW_LOG(kError, "engine") << "dropping peer after protocol error" << Kv("engine", name_)
+                            << Kv("peer", peer_id) << Kv("error", error.ToString());
+  std::shared_ptr<Peer> peer = GetPeer(peer_id);
+  if (!peer || stopping_) return;
+  worker_->Post([this, peer, error] { ClosePeer(peer, error); });
+}
+
+}  // namespace kvwire

@@ -1,0 +1,70 @@
+#include "src/core/op_planner.h"
+
+#include <algorithm>
+
+namespace kvwire::core {
+namespace {
+
+std::vector<transport::WireOp> Merge(std::vector<transport::WireOp> ops) {
+  std::sort(ops.begin(), ops.end(), [](const transport::WireOp& a, const transport::WireOp& b) {
+    if (a.remote_region != b.remote_region) return a.remote_region < b.remote_region;
+    return a.remote_offset < b.remote_offset;
+  });
+  std::vector<transport::WireOp> merged;
+  merged.reserve(ops.size());
+  for (const transport::WireOp& op : ops) {
+    if (!merged.empty()) {
+      transport::WireOp& last = merged.back();
+      if (last.remote_region == op.remote_region &&
+          last.remote_offset + last.length == op.remote_offset &&
+          last.local + last.length == op.local) {
+        last.length += op.length;
+        continue;
+      }
+    }
+    merged.push_back(op);
+  }
+  return merged;
+}
+
+}  // namespace
+
+Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits) {
+  Plan plan;
+  std::vector<transport::WireOp> merged = Merge(std::move(ops));
+  plan.merged_ops = merged.size();
+  for (const transport::WireOp& op : merged) plan.total_bytes += op.length;
+  if (merged.empty()) return plan;
+
+  const uint32_t lanes = std::max<uint32_t>(1, limits.lanes);
+  const bool stripe = lanes > 1 && plan.total_bytes >= limits.stripe_min_bytes;
+  uint64_t piece_limit = std::max<uint64_t>(1, limits.max_op_bytes);
+  uint64_t lane_target = plan.total_bytes;
+  if (stripe) {
+    lane_target = (plan.total_bytes + lanes - 1) / lanes;
+    // Cut long ops so that every lane gets a share, in 4 KiB-aligned pieces.
+    uint64_t share = std::max<uint64_t>(limits.min_piece_bytes, lane_target);
+    share = (share + 4095) / 4096 * 4096;
+    piece_limit = std::min(piece_limit, share);
+  }
+
+  plan.lanes.emplace_back();
+  uint64_t lane_bytes = 0;
+  for (const transport::WireOp& op : merged) {
+    for (uint64_t done = 0; done < op.length;) {
+      const uint64_t len = std::min(piece_limit, op.length - done);
+      if (stripe && lane_bytes >= lane_target && plan.lanes.size() < lanes) {
+        plan.lanes.emplace_back();
+        lane_bytes = 0;
+      }
+      plan.lanes.back().push_back(transport::WireOp{op.local + done, op.remote_region,
+                                                    op.remote_offset + done, len});
+      lane_bytes += len;
+      done += len;
+      ++plan.pieces;
+    }
+  }
+  return plan;
+}
+
+}  // namespace kvwire::core

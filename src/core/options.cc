@@ -1,0 +1,63 @@
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kvwire/engine.h"
+#include "src/util/log.h"
+
+namespace kvwire {
+
+const char* TransportKindName(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kTcp: return "tcp";
+    case TransportKind::kShm: return "shm";
+    case TransportKind::kRdma: return "rdma";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name) {
+  for (TransportKind kind : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm,
+                             TransportKind::kRdma}) {
+    if (name == TransportKindName(kind)) return kind;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport \"", name, "\" (expected auto, tcp, shm or rdma)"));
+}
+
+EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
+  auto env = [](const char* name) -> const char* {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0' ? value : nullptr;
+  };
+  if (const char* v = env("KVWIRE_LISTEN")) base.listen_address = v;
+  if (const char* v = env("KVWIRE_TRANSPORT")) {
+    if (auto kind = ParseTransportKind(v); kind.ok()) {
+      base.transport = *kind;
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TRANSPORT: " << kind.status().message();
+    }
+  }
+  if (const char* v = env("KVWIRE_TCP_CONNECTIONS")) {
+    int n = 0;
+    if (absl::SimpleAtoi(v, &n) && n > 0 && n <= 64) {
+      base.tcp_connections = n;
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TCP_CONNECTIONS=" << v << " (1..64)";
+    }
+  }
+  if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
+  if (const char* v = env("KVWIRE_LOG_LEVEL")) {
+    LogLevel level;
+    if (ParseLogLevel(v, &level)) {
+      SetLogLevel(level);
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_LOG_LEVEL=" << v;
+    }
+  }
+  return base;
+}
+
+}  // namespace kvwire

@@ -1,0 +1,133 @@
+#include "src/core/region_registry.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvwire::core {
+
+absl::Status CheckBounds(const char* side, RegionId id, uint64_t offset, uint64_t length,
+                         uint64_t region_length) {
+  if (length == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(side, " region ", id, ": zero-length op"));
+  }
+  if (offset > region_length || length > region_length - offset) {
+    return absl::OutOfRangeError(absl::StrCat(side, " region ", id, ": offset ", offset,
+                                              " length ", length, " exceeds region length ",
+                                              region_length));
+  }
+  return absl::OkStatus();
+}
+
+RegionId RegionRegistry::Add(const transport::LocalRegion& region, bool export_to_all) {
+  MutexLock lock(&mu_);
+  auto entry = std::make_shared<RegionEntry>();
+  entry->region = region;
+  entry->region.id = next_id_++;
+  entry->export_to_all = export_to_all;
+  const RegionId id = entry->region.id;
+  regions_.emplace(id, std::move(entry));
+  return id;
+}
+
+absl::StatusOr<std::shared_ptr<const RegionEntry>> RegionRegistry::Remove(RegionId id) {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("region ", id, " is not registered"));
+  }
+  std::shared_ptr<const RegionEntry> entry = std::move(it->second);
+  regions_.erase(it);
+  return entry;
+}
+
+absl::StatusOr<ResolvedRange> RegionRegistry::ResolveLocal(RegionId id, uint64_t offset,
+                                                           uint64_t length) const {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("local region ", id, " is not registered"));
+  }
+  const RegionEntry& entry = *it->second;
+  if (absl::Status s = CheckBounds("local", id, offset, length, entry.region.length); !s.ok()) {
+    return s;
+  }
+  return ResolvedRange{entry.region.base + offset, it->second};
+}
+
+absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, RegionId id,
+                                                             uint64_t offset, uint64_t length,
+                                                             OpKind kind) const {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
+    // Unknown and unexported look the same to a peer: it learns nothing it was not given.
+    return absl::NotFoundError(
+        absl::StrCat("region ", id, " is not exported to peer ", peer));
+  }
+  const RegionEntry& entry = *it->second;
+  const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
+  if ((entry.region.access & needed) == 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("region ", id, " does not allow remote ",
+                     kind == OpKind::kRead ? "READ" : "WRITE", " (access bits ",
+                     entry.region.access, ")"));
+  }
+  if (absl::Status s = CheckBounds("remote", id, offset, length, entry.region.length); !s.ok()) {
+    return s;
+  }
+  return ResolvedRange{entry.region.base + offset, it->second};
+}
+
+absl::StatusOr<transport::LocalRegion> RegionRegistry::ExportedRegion(PeerId peer,
+                                                                      RegionId id) const {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
+    return absl::NotFoundError(absl::StrCat("region ", id, " is not exported to peer ", peer));
+  }
+  return it->second->region;
+}
+
+absl::StatusOr<std::vector<transport::LocalRegion>> RegionRegistry::ExportTo(
+    PeerId peer, const std::vector<RegionId>& ids) {
+  MutexLock lock(&mu_);
+  for (RegionId id : ids) {
+    if (!regions_.contains(id)) {
+      return absl::NotFoundError(absl::StrCat("cannot export region ", id, ": not registered"));
+    }
+  }
+  std::vector<transport::LocalRegion> out;
+  for (RegionId id : ids) {
+    RegionEntry& entry = *regions_[id];
+    entry.exported_to.insert(peer);
+    out.push_back(entry.region);
+  }
+  return out;
+}
+
+std::vector<transport::LocalRegion> RegionRegistry::ExportedToAll() const {
+  MutexLock lock(&mu_);
+  std::vector<transport::LocalRegion> out;
+  for (const auto& [id, entry] : regions_) {
+    if (entry->export_to_all) out.push_back(entry->region);
+  }
+  return out;
+}
+
+void RegionRegistry::ForgetPeer(PeerId peer) {
+  MutexLock lock(&mu_);
+  for (auto& [id, entry] : regions_) entry->exported_to.erase(peer);
+}
+
+size_t RegionRegistry::size() const {
+  MutexLock lock(&mu_);
+  return regions_.size();
+}
+
+uint64_t RegionRegistry::bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t total = 0;
+  for (const auto& [id, entry] : regions_) total += entry->region.length;
+  return total;
+}
+
+}  // namespace kvwire::core

@@ -1,0 +1,72 @@
+// Local regions of an engine: bounds, permissions, which peers each one is exported to, and
+// pins that keep a region registered while a transfer or an incoming op touches it.
+#ifndef KVWIRE_CORE_REGION_REGISTRY_H_
+#define KVWIRE_CORE_REGION_REGISTRY_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "kvwire/engine.h"
+#include "src/util/mutex.h"
+#include "transport/transport.h"
+
+namespace kvwire::core {
+
+struct RegionEntry {
+  transport::LocalRegion region;
+  bool export_to_all = false;
+  absl::flat_hash_set<PeerId> exported_to;  // guarded by the registry's mutex
+};
+
+// A local range resolved for use; `pin` keeps the region registered until released.
+struct ResolvedRange {
+  std::byte* data = nullptr;
+  std::shared_ptr<const void> pin;
+};
+
+class RegionRegistry {
+ public:
+  RegionId Add(const transport::LocalRegion& region, bool export_to_all)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the region; the returned pin lets the caller wait for users to finish.
+  absl::StatusOr<std::shared_ptr<const RegionEntry>> Remove(RegionId id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Local use by this engine's own transfers: existence and bounds.
+  absl::StatusOr<ResolvedRange> ResolveLocal(RegionId id, uint64_t offset, uint64_t length) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Remote use by `peer`: exported to it, bounds, permission for `kind`.
+  absl::StatusOr<ResolvedRange> ResolveForPeer(PeerId peer, RegionId id, uint64_t offset,
+                                               uint64_t length, OpKind kind) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Marks regions exported to `peer`; returns their descriptors (NotFound for unknown ids).
+  absl::StatusOr<std::vector<transport::LocalRegion>> ExportTo(PeerId peer,
+                                                               const std::vector<RegionId>& ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Regions exported to every peer.
+  std::vector<transport::LocalRegion> ExportedToAll() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Peers a region was exported to explicitly.
+  void ForgetPeer(PeerId peer) ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable Mutex mu_;
+  RegionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+// Checks [offset, offset+length) against a region of `region_length` without overflow.
+absl::Status CheckBounds(const char* side, RegionId id, uint64_t offset, uint64_t length,
+                         uint64_t region_length);
+
+}  // namespace kvwire::core
+
+#endif  // KVWIRE_CORE_REGION_REGISTRY_H_

@@ -1,0 +1,123 @@
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvwire/stats.h"
+
+namespace kvwire {
+
+void LatencyHistogram::Add(double us) {
+  int bucket = 0;
+  if (us >= 1) bucket = std::min(kBuckets - 1, 1 + static_cast<int>(std::floor(std::log2(us))));
+  ++counts[bucket];
+  ++samples;
+  sum_us += us;
+  max_us = std::max(max_us, us);
+}
+
+double LatencyHistogram::QuantileUpperBoundUs(double q) const {
+  if (samples == 0) return 0;
+  const uint64_t rank = static_cast<uint64_t>(std::ceil(q * static_cast<double>(samples)));
+  uint64_t seen = 0;
+  for (int i = 0; i < kBuckets; ++i) {
+    seen += counts[i];
+    if (seen >= std::max<uint64_t>(rank, 1)) {
+      return i == kBuckets - 1 ? max_us : std::ldexp(1.0, i);
+    }
+  }
+  return max_us;
+}
+
+namespace {
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string EngineStats::ToJson() const {
+  std::string out = absl::StrCat(
+      "{\"regions\":", regions, ",\"registered_bytes\":", registered_bytes,
+      ",\"registration_us_total\":", registration_us_total, ",\"bytes_read\":", bytes_read,
+      ",\"bytes_written\":", bytes_written, ",\"ops_submitted\":", ops_submitted,
+      ",\"ops_posted\":", ops_posted, ",\"transfers_started\":", transfers_started,
+      ",\"transfers_succeeded\":", transfers_succeeded,
+      ",\"transfers_failed\":", transfers_failed, ",\"notifications_sent\":", notifications_sent,
+      ",\"notifications_delivered\":", notifications_delivered,
+      ",\"incoming_ops\":", incoming_ops, ",\"incoming_rejected\":", incoming_rejected,
+      ",\"transfer_latency_us\":{\"samples\":", transfer_latency.samples,
+      ",\"avg\":", transfer_latency.samples ? transfer_latency.sum_us / transfer_latency.samples : 0,
+      ",\"p50_le\":", transfer_latency.QuantileUpperBoundUs(0.5),
+      ",\"p99_le\":", transfer_latency.QuantileUpperBoundUs(0.99),
+      ",\"max\":", transfer_latency.max_us, "},\"errors_by_kind\":{");
+  bool first = true;
+  for (const auto& [kind, count] : errors_by_kind) {
+    absl::StrAppend(&out, first ? "" : ",", "\"", JsonEscape(kind), "\":", count);
+    first = false;
+  }
+  absl::StrAppend(&out, "},\"peers\":[");
+  first = true;
+  for (const PeerStats& p : peers) {
+    absl::StrAppend(&out, first ? "" : ",", "{\"id\":", p.peer_id, ",\"name\":\"",
+                    JsonEscape(p.name), "\",\"transport\":\"", JsonEscape(p.transport),
+                    "\",\"transport_reason\":\"", JsonEscape(p.transport_reason),
+                    "\",\"alive\":", p.alive ? "true" : "false", ",\"bytes_read\":", p.bytes_read,
+                    ",\"bytes_written\":", p.bytes_written, ",\"transfers\":", p.transfers, "}");
+    first = false;
+  }
+  absl::StrAppend(&out, "]}");
+  return out;
+}
+
+std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
+  const std::string label = absl::StrCat("engine=\"", JsonEscape(engine_name), "\"");
+  std::string out;
+  auto counter = [&](const char* name, const char* help, double value) {
+    absl::StrAppend(&out, "# HELP kvwire_", name, " ", help, "\n# TYPE kvwire_", name,
+                    " counter\nkvwire_", name, "{", label, "} ", value, "\n");
+  };
+  counter("bytes_read_total", "Bytes moved by completed READ transfers.", bytes_read);
+  counter("bytes_written_total", "Bytes moved by completed WRITE transfers.", bytes_written);
+  counter("ops_submitted_total", "Ops given to Transfer.", ops_submitted);
+  counter("ops_posted_total", "Ops on the wire after merging and splitting.", ops_posted);
+  counter("transfers_succeeded_total", "Transfers that succeeded.", transfers_succeeded);
+  counter("transfers_failed_total", "Transfers that failed.", transfers_failed);
+  counter("notifications_delivered_total", "Notifications delivered.", notifications_delivered);
+  counter("incoming_ops_total", "Ops served as a target.", incoming_ops);
+  counter("incoming_rejected_total", "Incoming ops refused by validation.", incoming_rejected);
+  absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
+                  "# TYPE kvwire_transfer_latency_us histogram\n");
+  uint64_t cumulative = 0;
+  for (int i = 0; i < LatencyHistogram::kBuckets - 1; ++i) {
+    cumulative += transfer_latency.counts[i];
+    absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"",
+                    std::ldexp(1.0, i), "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"+Inf\"} ",
+                  transfer_latency.samples, "\n", "kvwire_transfer_latency_us_sum{", label, "} ",
+                  transfer_latency.sum_us, "\n", "kvwire_transfer_latency_us_count{", label,
+                  "} ", transfer_latency.samples, "\n");
+  absl::StrAppend(&out, "# TYPE kvwire_errors_total counter\n");
+  for (const auto& [kind, count] : errors_by_kind) {
+    absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", kind, "\"} ", count, "\n");
+  }
+  absl::StrAppend(&out, "# TYPE kvwire_peer_info gauge\n");
+  for (const PeerStats& p : peers) {
+    absl::StrAppend(&out, "kvwire_peer_info{", label, ",peer=\"", JsonEscape(p.name),
+                    "\",transport=\"", JsonEscape(p.transport), "\"} ", p.alive ? 1 : 0, "\n");
+  }
+  return out;
+}
+
+}  // namespace kvwire

@@ -1,0 +1,84 @@
+// Transfers in flight: lanes outstanding, first error wins, deadlines, waiters. A transfer's
+// final state is reported once (Poll/Wait) and then forgotten.
+#ifndef KVWIRE_CORE_TRANSFER_TABLE_H_
+#define KVWIRE_CORE_TRANSFER_TABLE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kvwire/engine.h"
+#include "src/util/mutex.h"
+
+namespace kvwire::core {
+
+struct TransferInfo {
+  TransferId id = 0;
+  PeerId peer = 0;
+  OpKind kind = OpKind::kWrite;
+  uint64_t bytes = 0;
+  uint64_t pieces = 0;
+  std::vector<RegionId> local_regions;
+  std::optional<std::string> notification;
+  bool count_arrivals = false;
+  absl::Time start;
+  absl::Time deadline;
+};
+
+// What happened when a transfer's last lane finished.
+struct LanesDone {
+  TransferInfo info;
+  absl::Status status;  // first error of the lanes, or OK
+};
+
+class TransferTable {
+ public:
+  // Registers a transfer with `lanes` lanes to complete; returns its cancellation flag.
+  std::shared_ptr<std::atomic<bool>> Start(const TransferInfo& info, uint32_t lanes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // One lane finished. When it was the last and the transfer is still pending, returns the
+  // transfer for the caller to finish (send its notification, then Finish).
+  std::optional<LanesDone> LaneDone(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets the final status (first error wins: a transfer already failed stays failed).
+  // Returns false when it had already ended.
+  bool Finish(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails every pending transfer matching `match` with `status`; returns the ones failed.
+  std::vector<TransferInfo> FailIf(const std::function<bool(const TransferInfo&)>& match,
+                                   const std::function<absl::Status(const TransferInfo&)>& status)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails pending transfers whose deadline has passed.
+  std::vector<TransferInfo> ExpireDeadlines(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+
+  TransferState Poll(TransferId id, absl::Status* status) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Wait(TransferId id, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  size_t pending() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Record {
+    TransferInfo info;
+    uint32_t lanes_left = 0;
+    absl::Status lane_error;
+    bool ended = false;
+    absl::Status final_status;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+  };
+  bool EndLocked(Record& record, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeForgetLocked(TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable Mutex mu_;
+  CondVar ended_cv_;
+  absl::flat_hash_map<TransferId, Record> records_ ABSL_GUARDED_BY(mu_);
+  // Ended and reported transfers whose lanes are still running (kept so LaneDone is a no-op).
+  absl::flat_hash_map<TransferId, uint32_t> draining_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvwire::core
+
+#endif  // KVWIRE_CORE_TRANSFER_TABLE_H_
