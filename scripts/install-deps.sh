@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvwire needs to build and test. Idempotent and quiet when
-# everything is present; run as root (or via sudo) on Debian 12.
+# everything is present; run as root (or via sudo) on Debian 12. Extra package names given
+# as arguments are installed too.
 set -euo pipefail
 
 packages=(
@@ -11,13 +12,24 @@ packages=(
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core
   libssl-dev
-  clang libclang-rt-14-dev clang-format
+  # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer
+  # that turns sanitizer stack traces into file:line.
+  clang libclang-rt-14-dev llvm
+  clang-format
+  # Compiler cache: CI builds three trees from a fresh clone each run; ccache makes the
+  # second and later runs on one machine mostly cache hits.
+  ccache
+  # setarch (util-linux) disables ASLR for TSan on kernels whose mmap layout it rejects.
+  util-linux
 )
 if [[ $# -gt 0 ]]; then packages+=("$@"); fi
 
+# One dpkg-query for all packages; a package dpkg has never heard of prints nothing (and
+# makes dpkg-query exit non-zero), so it counts as missing.
+installed=$(dpkg-query -W -f='${Package} ${Status}\n' "${packages[@]}" 2>/dev/null || true)
 missing=()
 for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+  if ! grep -qx "${p%%:*} install ok installed" <<<"$installed"; then
     missing+=("$p")
   fi
 done

@@ -1,0 +1,100 @@
+# kvwire developer entry points, for Debian 12. Every target first installs the Debian
+# packages it needs (scripts/install-deps.sh: as root or through sudo; quiet when all are
+# present), so `make test` and `make demo` work on a fresh machine. See README.md.
+#
+#   make test          build build/ (gcc) and run every test
+#   make demo          build and run build/perf/kvwire-demo (shm and tcp, two processes)
+#   make test-asan     build-asan/ (clang, ASan+UBSan), every test
+#   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
+#   make format        clang-format -i every C/C++ file of the tree
+#   make format-check  fail if any file is not clang-formatted
+#   make install       install build/ (PREFIX=/some/dir to stage elsewhere)
+#   make clean         remove the build folders
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+.SUFFIXES:
+
+BUILD_DIR ?= build
+ASAN_DIR ?= build-asan
+TSAN_DIR ?= build-tsan
+export BUILD_TYPE ?= RelWithDebInfo
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+# Compile jobs (ninja -j) and tests run at once (ctest -j). The multi-process tests spend
+# most of their time waiting on sockets, but sanitizer builds are CPU-bound: one per core.
+JOBS ?= $(NPROC)
+TEST_JOBS ?= $(NPROC)
+# Seconds a test may run when it sets no TIMEOUT property of its own.
+TEST_TIMEOUT ?= 300
+# Extra ctest arguments, e.g. CTEST_ARGS='-R Engine'.
+CTEST_ARGS ?=
+DEMO_ARGS ?=
+CLANG_FORMAT ?= clang-format
+
+CTEST := ctest --output-on-failure --no-tests=error --timeout $(TEST_TIMEOUT) -j$(TEST_JOBS)
+CLANG := -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+
+# Sanitizer run-time options: stop at the first report with a full stack, and fail the test.
+export ASAN_OPTIONS ?= detect_leaks=1:halt_on_error=1:check_initialization_order=1:strict_init_order=1:symbolize=1
+export UBSAN_OPTIONS ?= halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
+# ccache keys on paths relative to the checkout, so a fresh clone elsewhere reuses the cache.
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
+
+# C/C++ sources of the tree, build folders and other people's trees left out.
+FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o -path ./shared \) \
+  -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
+  -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
+
+.PHONY: deps build test demo test-asan test-tsan format format-check install clean help
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && $(CTEST) $(CTEST_ARGS)
+
+# Builds only what the demo needs, so a broken test elsewhere does not stop it.
+demo: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-demo
+	$(BUILD_DIR)/perf/kvwire-demo $(DEMO_ARGS)
+
+# The sanitizer targets run the build as well as the tests under the prefix that
+# scripts/sanitizer-prefix.sh finds (empty, or `setarch <arch> -R` where the kernel's mmap
+# randomisation breaks clang 14's runtimes): gtest_discover_tests runs each test program at
+# build time to list its tests.
+test-asan: deps
+	@scripts/configure.sh $(ASAN_DIR) $(CLANG) -DKVWIRE_SANITIZE=address,undefined
+	pfx=$$(scripts/sanitizer-prefix.sh address,undefined $(ASAN_DIR)); \
+	$$pfx ninja -C $(ASAN_DIR) -j$(JOBS); \
+	cd $(ASAN_DIR) && $$pfx $(CTEST) $(CTEST_ARGS)
+
+test-tsan: deps
+	@scripts/configure.sh $(TSAN_DIR) $(CLANG) -DKVWIRE_SANITIZE=thread
+	pfx=$$(scripts/sanitizer-prefix.sh thread $(TSAN_DIR)); \
+	$$pfx ninja -C $(TSAN_DIR) -j$(JOBS); \
+	cd $(TSAN_DIR) && $$pfx $(CTEST) -L '^(unit|concurrent)$$' $(CTEST_ARGS)
+
+format: deps
+	$(FORMAT_FILES) | xargs -0 -r $(CLANG_FORMAT) -i
+
+format-check: deps
+	$(FORMAT_FILES) | xargs -0 -r $(CLANG_FORMAT) --dry-run -Werror
+
+# PREFIX= stages the install elsewhere (default: the configured CMAKE_INSTALL_PREFIX,
+# /usr/local, whose lib/ the loader finds only after ldconfig refreshes its cache).
+install: build
+	cmake --install $(BUILD_DIR) $(if $(PREFIX),--prefix $(PREFIX))
+	$(if $(PREFIX),,if [[ $$(id -u) == 0 ]]; then ldconfig; fi)
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR)
+
+help:
+	@sed -n '/^#   make/s/^#   //p' Makefile

@@ -1,0 +1,358 @@
+// Two real processes: this test's engine and kvwire_test_peer, over tcp and shm.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvwire/engine.h"
+#include "tests/integration/peer_process.h"
+#include "tests/integration/test_pattern.h"
+
+namespace kvwire::testing {
+namespace {
+
+constexpr uint64_t kRegionBytes = 4 << 20;
+constexpr uint64_t kSeed = 7;
+constexpr std::byte kPoison{0xEE};
+
+struct Mode {
+  std::string transport;  // "tcp" or "shm"
+  bool shareable;         // peer regions in memfd (shm maps them) or heap (cma / tcp)
+};
+
+std::string ModeName(const ::testing::TestParamInfo<Mode>& info) {
+  return absl::StrCat(info.param.transport, info.param.shareable ? "_memfd" : "_heap");
+}
+
+class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
+ protected:
+  void SetUp() override {
+    auto peer = PeerProcess::Start({"--transport=" + GetParam().transport, "--regions=3",
+                                    absl::StrCat("--region_bytes=", kRegionBytes),
+                                    absl::StrCat("--shareable=", GetParam().shareable ? 1 : 0),
+                                    absl::StrCat("--seed=", kSeed), "--name=peer-a"});
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = std::move(*peer);
+    EngineOptions options;
+    options.name = "tester";
+    options.transport = *ParseTransportKind(GetParam().transport);
+    options.peer_lease = absl::Seconds(2);
+    options.heartbeat_interval = absl::Milliseconds(200);
+    auto engine = Engine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(*engine);
+    local_.assign(16 << 20, kPoison);
+    auto id = engine_->RegisterMemory(local_.data(), local_.size());
+    ASSERT_TRUE(id.ok()) << id.status();
+    local_id_ = *id;
+    auto pid = engine_->Connect(peer_->address());
+    ASSERT_TRUE(pid.ok()) << pid.status();
+    peer_id_ = *pid;
+    for (RegionId r : peer_->regions()) {
+      ASSERT_TRUE(engine_->WaitForRemoteRegion(peer_id_, r, absl::Seconds(10)).ok());
+    }
+  }
+
+  void TearDown() override {
+    engine_.reset();
+    if (peer_) peer_->Stop();
+  }
+
+  absl::Status RunTransfer(OpKind kind, const std::vector<Op>& ops,
+                           TransferOptions options = TransferOptions()) {
+    auto id = engine_->Transfer(peer_id_, kind, ops, options);
+    if (!id.ok()) return id.status();
+    return engine_->Wait(*id, absl::Seconds(60));
+  }
+
+  // Random non-overlapping ops: local ranges packed from `local_base`, remote ranges in
+  // regions `[0, regions)` of the peer, non-overlapping per region.
+  std::vector<Op> RandomOps(std::mt19937_64& rng, int regions, uint64_t local_base) {
+    std::vector<Op> ops;
+    const int n = 1 + rng() % 48;
+    uint64_t local = local_base;
+    std::vector<uint64_t> cursor(regions, 0);
+    for (int i = 0; i < n; ++i) {
+      const int r = rng() % regions;
+      const uint64_t len = 1 + rng() % (rng() % 4 == 0 ? (1 << 20) : 9000);
+      const uint64_t gap = rng() % 3 == 0 ? 0 : rng() % 5000;
+      if (cursor[r] + gap + len > kRegionBytes || local + len > local_.size()) break;
+      ops.push_back(Op{local_id_, local, peer_->regions()[r], cursor[r] + gap, len});
+      cursor[r] += gap + len;
+      local += len + (rng() % 2 ? 0 : 64);
+    }
+    return ops;
+  }
+
+  int RegionIndex(RegionId id) const {
+    for (size_t i = 0; i < peer_->regions().size(); ++i)
+      if (peer_->regions()[i] == id) return static_cast<int>(i);
+    return -1;
+  }
+
+  std::unique_ptr<PeerProcess> peer_;
+  std::unique_ptr<Engine> engine_;
+  std::vector<std::byte> local_;
+  RegionId local_id_ = 0;
+  PeerId peer_id_ = 0;
+};
+
+TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
+  EngineStats stats = engine_->Stats();
+  ASSERT_EQ(stats.peers.size(), 1u);
+  EXPECT_NE(stats.peers[0].transport.find(GetParam().transport), std::string::npos)
+      << stats.peers[0].transport;
+  EXPECT_FALSE(stats.peers[0].transport_reason.empty());
+}
+
+TEST_P(EngineIntegrationTest, RandomReadsAreByteExact) {
+  std::mt19937_64 rng(1234);
+  for (int round = 0; round < 25; ++round) {
+    std::fill(local_.begin(), local_.end(), kPoison);
+    std::vector<Op> ops = RandomOps(rng, 3, 0);  // all three regions allow READ
+    ASSERT_FALSE(ops.empty());
+    ASSERT_TRUE(RunTransfer(OpKind::kRead, ops).ok()) << "round " << round;
+    for (const Op& op : ops) {
+      const int r = RegionIndex(op.remote_region);
+      for (uint64_t i = 0; i < op.length; ++i) {
+        ASSERT_EQ(local_[op.local_offset + i], PatternByte(kSeed, r, op.remote_offset + i))
+            << "round " << round << " region " << r << " offset " << op.remote_offset + i;
+      }
+    }
+  }
+}
+
+TEST_P(EngineIntegrationTest, RandomWritesReadBackByteExact) {
+  std::mt19937_64 rng(99);
+  for (int round = 0; round < 15; ++round) {
+    for (size_t i = 0; i < local_.size() / 2; ++i) local_[i] = static_cast<std::byte>(rng());
+    std::vector<Op> ops = RandomOps(rng, 2, 0);  // regions 0 and 1 are writable
+    ASSERT_TRUE(RunTransfer(OpKind::kWrite, ops).ok()) << "round " << round;
+    // Read everything back into the poisoned upper half.
+    std::fill(local_.begin() + local_.size() / 2, local_.end(), kPoison);
+    std::vector<Op> back = ops;
+    for (Op& op : back) op.local_offset += local_.size() / 2;
+    ASSERT_TRUE(RunTransfer(OpKind::kRead, back).ok());
+    for (const Op& op : ops) {
+      ASSERT_EQ(0, std::memcmp(local_.data() + op.local_offset,
+                               local_.data() + op.local_offset + local_.size() / 2, op.length))
+          << "round " << round;
+    }
+  }
+}
+
+TEST_P(EngineIntegrationTest, NotificationArrivesAfterDataIsVisible) {
+  std::mt19937_64 rng(5);
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t length = 1 + rng() % (3 << 20);
+    const uint64_t offset = rng() % (kRegionBytes - length);
+    for (uint64_t i = 0; i < length; ++i) local_[i] = static_cast<std::byte>(rng());
+    const uint64_t fnv = Fnv1a(local_.data(), length);
+    // Split into several ops so that tcp stripes them over connections.
+    std::vector<Op> ops;
+    for (uint64_t done = 0; done < length;) {
+      const uint64_t len = std::min<uint64_t>(length - done, 1 + rng() % (512 << 10));
+      ops.push_back(Op{local_id_, done, peer_->regions()[0], offset + done, len});
+      done += len;
+    }
+    TransferOptions options;
+    options.notification =
+        absl::StrCat("check:", peer_->regions()[0], ":", offset, ":", length, ":", fnv);
+    auto id = engine_->Transfer(peer_id_, OpKind::kWrite, ops, options);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(engine_->Wait(*id, absl::Seconds(60)).ok());
+    auto line = peer_->ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_EQ(*line, absl::StrCat("NOTIFY ", *id, " ok"));
+  }
+}
+
+TEST_P(EngineIntegrationTest, InvalidOpsAreRefusedBeforeAnythingMoves) {
+  const RegionId rw = peer_->regions()[0];
+  const RegionId ro = peer_->regions()[2];
+  absl::Status s = RunTransfer(OpKind::kWrite, {Op{local_id_, 0, ro, 0, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  s = RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, kRegionBytes - 8, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("op 0"), std::string::npos) << s;
+  s = RunTransfer(OpKind::kRead, {Op{local_id_, 0, 424242, 0, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  s = RunTransfer(OpKind::kRead, {Op{local_id_ + 100, 0, rw, 0, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  s = RunTransfer(OpKind::kRead, {Op{local_id_, local_.size() - 1, rw, 0, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  // The peer is still fine.
+  EXPECT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, 0, 4096}}).ok());
+}
+
+TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
+  const bool tcp = GetParam().transport == "tcp";
+  std::vector<TransferId> ids;
+  if (tcp) {
+    // Stopped first, so that the transfers are surely in flight when it dies.
+    peer_->Signal(SIGSTOP);
+    for (int i = 0; i < 4; ++i) {
+      TransferOptions options;
+      options.timeout = absl::Seconds(60);
+      auto id = engine_->Transfer(peer_id_, OpKind::kRead,
+                                  {Op{local_id_, i * (2ull << 20), peer_->regions()[i % 2], 0,
+                                      2 << 20}},
+                                  options);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  const absl::Time killed = absl::Now();
+  peer_->Signal(SIGKILL);
+  for (TransferId id : ids) {
+    absl::Status s = engine_->Wait(id, absl::Seconds(30));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  }
+  // Dead within the lease (2 s) plus slack, long before the 60 s transfer deadline.
+  bool dead = false;
+  while (!dead && absl::Now() - killed < absl::Seconds(15)) {
+    for (const PeerInfo& p : engine_->Peers()) dead = dead || (p.id == peer_id_ && !p.alive);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(dead);
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(15));
+  absl::Status s = RunTransfer(OpKind::kRead, {Op{local_id_, 0, peer_->regions()[0], 0, 64}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+
+  // The survivor keeps serving: a new peer works.
+  auto other = PeerProcess::Start({"--transport=" + GetParam().transport, "--regions=1",
+                                   absl::StrCat("--region_bytes=", 1 << 20), "--seed=3",
+                                   "--name=peer-b"});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto b = engine_->Connect((*other)->address());
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(engine_->WaitForRemoteRegion(*b, (*other)->regions()[0], absl::Seconds(10)).ok());
+  auto id = engine_->Transfer(*b, OpKind::kRead, {Op{local_id_, 0, (*other)->regions()[0], 0, 1000}});
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(engine_->Wait(*id, absl::Seconds(30)).ok());
+  EXPECT_EQ(local_[999], PatternByte(3, 0, 999));
+  (*other)->Stop();
+}
+
+TEST_P(EngineIntegrationTest, SilentPeerIsDeclaredDeadByLease) {
+  peer_->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  std::string reason;
+  while (reason.empty() && absl::Now() - stopped < absl::Seconds(20)) {
+    for (const PeerInfo& p : engine_->Peers())
+      if (p.id == peer_id_ && !p.alive) reason = p.close_reason;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Duration took = absl::Now() - stopped;
+  peer_->Signal(SIGCONT);
+  EXPECT_FALSE(reason.empty()) << "peer not declared dead after " << took;
+  EXPECT_NE(reason.find("silent"), std::string::npos) << reason;
+  EXPECT_GE(took, absl::Seconds(1));  // not before the 2 s lease (with timer slack)
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, EngineIntegrationTest,
+                         ::testing::Values(Mode{"tcp", false}, Mode{"shm", true},
+                                           Mode{"shm", false}),
+                         ModeName);
+
+// --- tcp only: deadlines, deregistration in flight --------------------------------------------
+
+class TcpEngineTest : public EngineIntegrationTest {};
+
+TEST_P(TcpEngineTest, DeadlineExceededIsReportedAndThePeerRecovers) {
+  peer_->Signal(SIGSTOP);
+  TransferOptions options;
+  options.timeout = absl::Milliseconds(300);
+  const absl::Time start = absl::Now();
+  auto id = engine_->Transfer(peer_id_, OpKind::kRead,
+                              {Op{local_id_, 0, peer_->regions()[0], 0, 1 << 20}}, options);
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Status s = engine_->Wait(*id, absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1.5));
+  peer_->Signal(SIGCONT);
+  // The late response is drained, not written into our memory.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(local_[0], kPoison);
+  EXPECT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, peer_->regions()[0], 0, 4096}}).ok());
+  EXPECT_EQ(local_[100], PatternByte(kSeed, 0, 100));
+}
+
+TEST_P(TcpEngineTest, DeregisteringALocalRegionFailsItsTransfers) {
+  std::vector<std::byte> other(1 << 20, kPoison);
+  auto other_id = engine_->RegisterMemory(other.data(), other.size());
+  ASSERT_TRUE(other_id.ok());
+  peer_->Signal(SIGSTOP);
+  auto id = engine_->Transfer(peer_id_, OpKind::kRead,
+                              {Op{*other_id, 0, peer_->regions()[0], 0, 1 << 20}});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::thread resume([&] {
+    absl::SleepFor(absl::Milliseconds(500));
+    peer_->Signal(SIGCONT);
+  });
+  EXPECT_TRUE(engine_->DeregisterMemory(*other_id).ok());
+  resume.join();
+  absl::Status s = engine_->Wait(*id, absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(other[0], kPoison);
+  EXPECT_EQ(other[(1 << 20) - 1], kPoison);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tcp, TcpEngineTest, ::testing::Values(Mode{"tcp", false}), ModeName);
+
+// --- handshake refusals ---------------------------------------------------------------------
+
+absl::StatusOr<PeerId> ConnectWith(const std::string& address, const std::string& secret,
+                                   uint64_t salt, std::unique_ptr<Engine>* engine) {
+  EngineOptions options;
+  options.shared_secret = secret;
+  options.compat_salt = salt;
+  auto e = Engine::Create(options);
+  if (!e.ok()) return e.status();
+  *engine = std::move(*e);
+  return (*engine)->Connect(address);
+}
+
+TEST(HandshakeIntegrationTest, MismatchesAreRejectedAndTheListenerKeepsServing) {
+  auto peer = PeerProcess::Start({"--secret=right", "--salt=11", "--regions=1"});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  std::unique_ptr<Engine> engine;
+
+  auto r = ConnectWith((*peer)->address(), "right", 12, &engine);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("hash"), std::string::npos) << r.status();
+
+  r = ConnectWith((*peer)->address(), "wrong", 11, &engine);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("secret"), std::string::npos) << r.status();
+
+  r = ConnectWith((*peer)->address(), "", 11, &engine);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("secret"), std::string::npos) << r.status();
+
+  r = ConnectWith((*peer)->address(), "right", 11, &engine);
+  ASSERT_TRUE(r.ok()) << r.status();
+  (*peer)->Stop();
+}
+
+TEST(HandshakeIntegrationTest, TransportConflictIsNamed) {
+  auto peer = PeerProcess::Start({"--transport=shm", "--regions=1"});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EngineOptions options;
+  options.transport = TransportKind::kTcp;
+  auto engine = Engine::Create(options);
+  ASSERT_TRUE(engine.ok());
+  auto r = (*engine)->Connect((*peer)->address());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tcp"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("shm"), std::string::npos) << r.status();
+  (*peer)->Stop();
+}
+
+}  // namespace
+}  // namespace kvwire::testing

@@ -1,0 +1,116 @@
+#include "tests/integration/peer_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+namespace kvwire::testing {
+
+absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(
+    const std::vector<std::string>& args, absl::Duration timeout) {
+  int in[2], out[2];
+  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+  }
+  std::vector<std::string> argv_storage = {KVWIRE_TEST_PEER};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    dup2(in[0], STDIN_FILENO);
+    dup2(out[1], STDOUT_FILENO);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  auto peer = std::make_unique<PeerProcess>();
+  peer->pid_ = pid;
+  peer->stdin_fd_ = in[1];
+  peer->stdout_fd_ = out[0];
+  auto line = peer->ReadLine(timeout);
+  if (!line.ok()) return line.status();
+  if (line->rfind("READY ", 0) != 0) {
+    return absl::InternalError(absl::StrCat("test peer said: ", *line));
+  }
+  for (absl::string_view field : absl::StrSplit(line->substr(6), ' ')) {
+    std::vector<std::string> kv = absl::StrSplit(field, absl::MaxSplits('=', 1));
+    if (kv.size() != 2) continue;
+    if (kv[0] == "address") peer->address_ = kv[1];
+    if (kv[0] == "name") peer->name_ = kv[1];
+    if (kv[0] == "regions") {
+      for (absl::string_view id : absl::StrSplit(kv[1], ',', absl::SkipEmpty())) {
+        RegionId r = 0;
+        if (absl::SimpleAtoi(id, &r)) peer->regions_.push_back(r);
+      }
+    }
+  }
+  return peer;
+}
+
+absl::StatusOr<std::string> PeerProcess::ReadLine(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const size_t nl = buffer_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (ms <= 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("test peer printed no line within ", absl::FormatDuration(timeout)));
+    }
+    pollfd p{stdout_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(ms)) <= 0) continue;
+    char chunk[4096];
+    const ssize_t n = read(stdout_fd_, chunk, sizeof(chunk));
+    if (n <= 0) return absl::UnavailableError("test peer closed its stdout (exited?)");
+    buffer_.append(chunk, static_cast<size_t>(n));
+  }
+}
+
+void PeerProcess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+void PeerProcess::Stop(absl::Duration grace) {
+  if (pid_ <= 0) return;
+  if (stdin_fd_ >= 0) {
+    close(stdin_fd_);
+    stdin_fd_ = -1;
+  }
+  kill(pid_, SIGCONT);
+  const absl::Time deadline = absl::Now() + grace;
+  int status = 0;
+  while (waitpid(pid_, &status, WNOHANG) == 0) {
+    if (absl::Now() > deadline) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, &status, 0);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  pid_ = -1;
+}
+
+PeerProcess::~PeerProcess() {
+  Stop();
+  if (stdout_fd_ >= 0) close(stdout_fd_);
+}
+
+}  // namespace kvwire::testing

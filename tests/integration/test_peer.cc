@@ -1,0 +1,152 @@
+// A kvwire engine in its own process for the integration tests. It registers regions filled
+// with a known pattern, exports them to every peer, prints one READY line on stdout, then
+// serves until stdin closes. For each notification "check:<region>:<offset>:<length>:<fnv>"
+// it verifies its own memory at that moment and prints "NOTIFY <transfer> ok|bad".
+//
+//   kvwire_test_peer --transport=tcp --regions=2 --region_bytes=1048576 --shareable=1
+//                    --seed=7 --secret=s --salt=0 --name=peer-a
+#include <poll.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kvwire/engine.h"
+#include "tests/integration/test_pattern.h"
+
+namespace {
+
+struct Args {
+  std::string transport = "auto";
+  int regions = 2;
+  uint64_t region_bytes = 1 << 20;
+  bool shareable = true;
+  uint64_t seed = 1;
+  std::string secret;
+  uint64_t salt = 0;
+  std::string name = "test-peer";
+  int lease_ms = 5000;
+};
+
+bool ParseArgs(int argc, char** argv, Args* args) {
+  for (int i = 1; i < argc; ++i) {
+    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
+    const std::string key = kv[0].substr(2);
+    const std::string& v = kv[1];
+    bool ok = true;
+    if (key == "transport") args->transport = v;
+    else if (key == "regions") ok = absl::SimpleAtoi(v, &args->regions);
+    else if (key == "region_bytes") ok = absl::SimpleAtoi(v, &args->region_bytes);
+    else if (key == "shareable") args->shareable = v == "1";
+    else if (key == "seed") ok = absl::SimpleAtoi(v, &args->seed);
+    else if (key == "secret") args->secret = v;
+    else if (key == "salt") ok = absl::SimpleAtoi(v, &args->salt);
+    else if (key == "name") args->name = v;
+    else if (key == "lease_ms") ok = absl::SimpleAtoi(v, &args->lease_ms);
+    else ok = false;
+    if (!ok) return false;
+  }
+  return true;
+}
+
+bool StdinClosed() {
+  pollfd p{STDIN_FILENO, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  char c;
+  return read(STDIN_FILENO, &c, 1) <= 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (!ParseArgs(argc, argv, &args)) {
+    std::fprintf(stderr, "test_peer: bad arguments\n");
+    return 2;
+  }
+  kvwire::EngineOptions options;
+  options.name = args.name;
+  options.shared_secret = args.secret;
+  options.compat_salt = args.salt;
+  options.peer_lease = absl::Milliseconds(args.lease_ms);
+  options.heartbeat_interval = absl::Milliseconds(std::max(50, args.lease_ms / 10));
+  auto transport = kvwire::ParseTransportKind(args.transport);
+  if (!transport.ok()) {
+    std::fprintf(stderr, "test_peer: %s\n", transport.status().ToString().c_str());
+    return 2;
+  }
+  options.transport = *transport;
+  options = kvwire::EngineOptions::FromEnvironment(options);
+  auto engine = kvwire::Engine::Create(options);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "test_peer: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+
+  // Shareable regions for shm's memfd path; plain heap memory otherwise (cma or tcp).
+  std::vector<kvwire::ShareableBuffer> shareable;
+  std::vector<std::vector<std::byte>> heap;
+  std::vector<std::byte*> bases;
+  std::vector<kvwire::RegionId> ids;
+  std::map<kvwire::RegionId, int> index_of;
+  for (int r = 0; r < args.regions; ++r) {
+    std::byte* base;
+    if (args.shareable) {
+      auto buf = kvwire::ShareableBuffer::Create(args.region_bytes, "test-peer");
+      if (!buf.ok()) {
+        std::fprintf(stderr, "test_peer: %s\n", buf.status().ToString().c_str());
+        return 1;
+      }
+      base = buf->data();
+      shareable.push_back(std::move(*buf));
+    } else {
+      heap.emplace_back(args.region_bytes);
+      base = heap.back().data();
+    }
+    kvwire::testing::FillPattern(base, args.region_bytes, args.seed, r);
+    kvwire::RegionOptions ropts;
+    ropts.export_to_all_peers = true;
+    // The last region is read-only, so tests can check permission errors.
+    ropts.access = r == args.regions - 1 && args.regions > 1 ? kvwire::kRemoteRead
+                                                            : kvwire::kRemoteReadWrite;
+    auto id = (*engine)->RegisterMemory(base, args.region_bytes, ropts);
+    if (!id.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", id.status().ToString().c_str());
+      return 1;
+    }
+    bases.push_back(base);
+    ids.push_back(*id);
+    index_of[*id] = r;
+  }
+  std::printf("READY address=%s name=%s regions=%s pid=%d\n", (*engine)->address().c_str(),
+              (*engine)->name().c_str(), absl::StrJoin(ids, ",").c_str(), getpid());
+  std::fflush(stdout);
+
+  while (!StdinClosed()) {
+    auto note = (*engine)->WaitNotification(absl::Milliseconds(50));
+    if (!note.ok()) continue;
+    std::vector<std::string> parts = absl::StrSplit(note->payload, ':');
+    std::string verdict = "bad";
+    uint64_t region = 0, offset = 0, length = 0, fnv = 0;
+    if (parts.size() == 5 && parts[0] == "check" && absl::SimpleAtoi(parts[1], &region) &&
+        absl::SimpleAtoi(parts[2], &offset) && absl::SimpleAtoi(parts[3], &length) &&
+        absl::SimpleAtoi(parts[4], &fnv) && index_of.count(region) &&
+        offset + length <= args.region_bytes) {
+      const std::byte* base = bases[index_of[region]];
+      verdict = kvwire::testing::Fnv1a(base + offset, length) == fnv ? "ok" : "bad";
+    }
+    std::printf("NOTIFY %llu %s\n", static_cast<unsigned long long>(note->transfer_id),
+                verdict.c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}

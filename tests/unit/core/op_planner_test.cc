@@ -1,0 +1,122 @@
+#include "src/core/op_planner.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace kvwire::core {
+namespace {
+
+std::byte* At(std::vector<std::byte>& buf, size_t offset) { return buf.data() + offset; }
+
+uint64_t Bytes(const Plan& plan) {
+  uint64_t total = 0;
+  for (const auto& lane : plan.lanes)
+    for (const auto& op : lane) total += op.length;
+  return total;
+}
+
+TEST(OpPlannerTest, MergesOpsContiguousOnBothSides) {
+  std::vector<std::byte> local(1 << 20);
+  std::vector<transport::WireOp> ops = {
+      {At(local, 4096), 7, 8192, 4096},  // given out of order on purpose
+      {At(local, 0), 7, 4096, 4096},
+      {At(local, 8192), 7, 12288, 4096},
+  };
+  Plan plan = PlanOps(ops, PlanLimits{});
+  ASSERT_EQ(plan.lanes.size(), 1u);
+  ASSERT_EQ(plan.lanes[0].size(), 1u);
+  EXPECT_EQ(plan.lanes[0][0].local, At(local, 0));
+  EXPECT_EQ(plan.lanes[0][0].remote_offset, 4096u);
+  EXPECT_EQ(plan.lanes[0][0].length, 12288u);
+  EXPECT_EQ(plan.merged_ops, 1u);
+  EXPECT_EQ(plan.pieces, 1u);
+}
+
+TEST(OpPlannerTest, DoesNotMergeAcrossRegionsOrLocalGaps) {
+  std::vector<std::byte> local(1 << 20);
+  std::vector<transport::WireOp> ops = {
+      {At(local, 0), 1, 0, 100},
+      {At(local, 100), 2, 100, 100},  // other remote region
+      {At(local, 300), 1, 100, 100},  // remote contiguous, local not
+  };
+  Plan plan = PlanOps(ops, PlanLimits{});
+  EXPECT_EQ(plan.merged_ops, 3u);
+  EXPECT_EQ(Bytes(plan), 300u);
+}
+
+TEST(OpPlannerTest, SplitsLongOps) {
+  std::vector<std::byte> local(10 << 20);
+  PlanLimits limits;
+  limits.max_op_bytes = 1 << 20;
+  Plan plan = PlanOps({{At(local, 0), 1, 0, (5 << 20) + 10}}, limits);
+  ASSERT_EQ(plan.lanes.size(), 1u);
+  ASSERT_EQ(plan.lanes[0].size(), 6u);
+  EXPECT_EQ(plan.lanes[0][5].length, 10u);
+  EXPECT_EQ(plan.lanes[0][5].remote_offset, 5u << 20);
+  EXPECT_EQ(plan.lanes[0][5].local, At(local, 5 << 20));
+  EXPECT_EQ(plan.pieces, 6u);
+}
+
+TEST(OpPlannerTest, StripesBigTransfersOverLanesEvenly) {
+  std::vector<std::byte> local(8 << 20);
+  PlanLimits limits;
+  limits.lanes = 4;
+  limits.max_op_bytes = 1 << 20;
+  Plan plan = PlanOps({{At(local, 0), 1, 0, 4 << 20}}, limits);
+  ASSERT_EQ(plan.lanes.size(), 4u);
+  for (const auto& lane : plan.lanes) {
+    uint64_t bytes = 0;
+    for (const auto& op : lane) bytes += op.length;
+    EXPECT_EQ(bytes, 1u << 20);
+  }
+}
+
+TEST(OpPlannerTest, SmallTransfersStayOnOneLane) {
+  std::vector<std::byte> local(1 << 20);
+  PlanLimits limits;
+  limits.lanes = 4;
+  limits.stripe_min_bytes = 256 << 10;
+  Plan plan = PlanOps({{At(local, 0), 1, 0, 64 << 10}}, limits);
+  EXPECT_EQ(plan.lanes.size(), 1u);
+}
+
+TEST(OpPlannerTest, RandomOpListsKeepEveryByteExactlyOnce) {
+  std::mt19937_64 rng(42);
+  std::vector<std::byte> local(64 << 20);
+  for (int round = 0; round < 50; ++round) {
+    std::vector<transport::WireOp> ops;
+    std::vector<int> covered(local.size() / 512, 0);
+    uint64_t offset = 0;
+    const int n = 1 + rng() % 200;
+    for (int i = 0; i < n && offset < local.size() / 2; ++i) {
+      const uint64_t len = 512 * (1 + rng() % 4096);
+      if (offset + len > local.size() / 2) break;
+      ops.push_back({At(local, offset), 1 + rng() % 3, offset, len});
+      offset += len + (rng() % 2) * 512;  // sometimes contiguous, sometimes a gap
+    }
+    PlanLimits limits;
+    limits.lanes = 1 + rng() % 8;
+    limits.max_op_bytes = 4096 * (1 + rng() % 512);
+    uint64_t expected = 0;
+    for (const auto& op : ops) expected += op.length;
+    Plan plan = PlanOps(ops, limits);
+    EXPECT_EQ(plan.total_bytes, expected);
+    EXPECT_LE(plan.lanes.size(), limits.lanes);
+    for (const auto& lane : plan.lanes) {
+      for (const auto& op : lane) {
+        EXPECT_LE(op.length, limits.max_op_bytes);
+        // Same mapping as before: local offset == remote offset in this generator.
+        EXPECT_EQ(static_cast<uint64_t>(op.local - local.data()), op.remote_offset);
+        for (uint64_t b = op.remote_offset / 512; b < (op.remote_offset + op.length) / 512; ++b)
+          ++covered[b];
+      }
+    }
+    for (const auto& op : ops)
+      for (uint64_t b = op.remote_offset / 512; b < (op.remote_offset + op.length) / 512; ++b)
+        EXPECT_EQ(covered[b], 1) << "block " << b;
+  }
+}
+
+}  // namespace
+}  // namespace kvwire::core
