@@ -29,6 +29,13 @@ struct HandshakeConfig {
   std::string shared_secret;  // empty: none
   uint32_t max_frame_bytes = 16 << 20;
   absl::Duration timeout = absl::Seconds(10);
+
+  // Optional: told about every inbound handshake that failed (after it was logged), with the
+  // dialer's address. Runs on an io_context thread.
+  std::function<void(const std::string& remote_address, const absl::Status& error)>
+      on_handshake_failure;
+  // Tests only: the protocol version this side claims and expects.
+  uint32_t protocol_version_for_testing = kProtocolVersion;
 };
 
 // An established, authenticated control connection to one peer.
@@ -76,6 +83,8 @@ absl::StatusOr<std::unique_ptr<Server>> Listen(boost::asio::io_context& io, cons
 
 // Dials "host:port", sends `local_hello`, and completes the handshake within config.timeout.
 // Errors name what failed: unreachable, version/hash mismatch (both values), secret, Reject.
+// Blocking: the handshake runs on a private io_context on the calling thread, so `io` needs
+// no free thread; only the finished connection lives on `io` (see dialer.h).
 absl::StatusOr<Accepted> Dial(boost::asio::io_context& io, const std::string& address,
                               const pb::Hello& local_hello, const HandshakeConfig& config);
 

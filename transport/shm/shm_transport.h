@@ -5,10 +5,13 @@
 #ifndef KVWIRE_TRANSPORT_SHM_SHM_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_SHM_SHM_TRANSPORT_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "transport/transport.h"
 
@@ -20,9 +23,23 @@ struct ShmTransportOptions {
   std::string host_id;
   // Engine name, used to name the Unix socket in the abstract namespace.
   std::string engine_name;
+  // Use cross-memory attach (process_vm_readv/writev) for peer regions that are not
+  // memfd-backed. Without it such regions are refused (FailedPrecondition), never moved slowly.
   bool allow_cma = true;
+  // Prefault the page tables of a peer's region when it is mapped (AddRemoteRegions), so the
+  // first copy into it does not take one page fault per 4 KiB. This allocates the region's
+  // pages in the peer's memfd if the peer has not touched them yet (as RDMA registration would).
+  bool populate_mappings = true;
+  // Bound on each request for a region's memfd (AddRemoteRegions) and on Connect's handshake.
+  absl::Duration request_timeout = absl::Seconds(10);
+  // Longest op the engine should hand to Post (one memcpy each).
+  uint64_t max_op_bytes = uint64_t{1} << 30;
+  // Incoming connections served at once; more are refused (a local process could otherwise
+  // exhaust this process's descriptors).
+  size_t max_connections = 256;
 };
 
+// Starts the transport's socket server. `hooks` (not null) must outlive the transport.
 absl::StatusOr<std::unique_ptr<Transport>> CreateShmTransport(const ShmTransportOptions& options,
                                                               TargetHooks* hooks);
 

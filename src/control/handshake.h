@@ -1,0 +1,69 @@
+// The pure half of the control-channel handshake: building and checking Hellos, HMAC proofs,
+// and Reject messages. The socket work lives in dialer.cc and listener.cc.
+//
+// Exchange (D = dialer, L = listener):
+//   D -> L  Hello{version, compat_hash, has_secret, auth_nonce = Nd if secret}
+//   L -> D  HelloAck{Hello{..., auth_nonce = Nl if secret},
+//                    auth_proof = HMAC(secret, "kvwire-listener" | Nd | Nl) if secret}
+//   D -> L  AuthProof{HMAC(secret, "kvwire-dialer" | Nl | Nd)}      only with a secret
+// Either side may send Reject{code, reason} instead of its next message and close. Without a
+// secret the handshake ends with HelloAck; with one, it ends when L has checked AuthProof.
+// D does not wait for a verdict on its proof: if L rejects it, the Reject is the first
+// message D's Connection receives, which closes it with that reason.
+#ifndef KVWIRE_CONTROL_HANDSHAKE_H_
+#define KVWIRE_CONTROL_HANDSHAKE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#include "proto/kvwire.pb.h"
+#include "src/control/control.h"
+
+namespace kvwire::control {
+
+// How the two ends are named in handshake errors, from the point of view of the side that
+// runs the check.
+struct HandshakeRoles {
+  absl::string_view local;  // e.g. "listener", "this engine"
+  absl::string_view peer;   // e.g. "dialer", "peer"
+};
+inline constexpr HandshakeRoles kListenerRoles{"listener", "dialer"};
+inline constexpr HandshakeRoles kDialerRoles{"this engine", "peer"};
+
+// `"name" (address)`, or just the address when the peer sent no name.
+std::string DescribePeer(const pb::Hello& hello, absl::string_view address);
+
+// Name of the message an Envelope carries ("Hello", "Heartbeat", ...).
+const char* MessageName(const pb::Envelope& envelope);
+
+// Overwrites the fields the handshake owns: protocol version, compatibility hash, has_secret,
+// and a fresh auth nonce when the config has a secret (cleared otherwise).
+absl::StatusOr<pb::Hello> PrepareHello(pb::Hello hello, const HandshakeConfig& config);
+
+// Checks a peer's Hello against the local config: protocol version, compatibility hash,
+// shared secret on both sides or neither, nonce size. Errors name both values.
+absl::Status CheckPeerHello(const pb::Hello& peer, absl::string_view peer_address,
+                            const HandshakeConfig& config, HandshakeRoles roles);
+
+// The two HMAC proofs of the exchange above. Nonces have a fixed size, so the concatenation
+// is unambiguous; the labels keep a proof of one direction from being replayed as the other.
+std::string ListenerProof(absl::string_view secret, absl::string_view dialer_nonce,
+                          absl::string_view listener_nonce);
+std::string DialerProof(absl::string_view secret, absl::string_view listener_nonce,
+                        absl::string_view dialer_nonce);
+// Constant time; false unless `received` is a full-size proof equal to `expected`.
+bool ProofMatches(absl::string_view expected, absl::string_view received);
+
+// Reject carrying `status` (code and message).
+pb::Envelope MakeReject(const absl::Status& status);
+// The status a Reject or Goodbye stands for: its code (Unknown if not a valid code,
+// `ok_code` for OK) and `prefix` + reason.
+absl::Status StatusFromWire(uint32_t code, absl::string_view reason, absl::string_view prefix,
+                            absl::StatusCode ok_code = absl::StatusCode::kUnavailable);
+
+}  // namespace kvwire::control
+
+#endif  // KVWIRE_CONTROL_HANDSHAKE_H_

@@ -1,0 +1,499 @@
+#include "src/control/listener.h"
+
+#include <array>
+#include <utility>
+#include <vector>
+
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+
+#include "src/control/address.h"
+#include "src/control/connection.h"
+#include "src/control/frame.h"
+#include "src/control/handshake.h"
+#include "src/util/log.h"
+#include "src/util/mutex.h"
+
+namespace kvwire::control {
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using boost::system::error_code;
+
+// Delay before accepting again after accept() failed (e.g. out of file descriptors), so the
+// loop does not spin.
+constexpr auto kAcceptRetryDelay = std::chrono::milliseconds(100);
+
+class InboundHandshake;
+
+// Shared by the Server handle and every pending handshake, so handlers never outlive it.
+class ListenerState : public std::enable_shared_from_this<ListenerState> {
+ public:
+  ListenerState(asio::io_context& io, HandshakeConfig config, HelloResponder responder,
+                AcceptHandler on_accept)
+      : config_(std::move(config)),
+        responder_(std::move(responder)),
+        on_accept_(std::move(on_accept)),
+        acceptor_(io),
+        retry_timer_(io) {}
+
+  absl::StatusOr<uint16_t> Open(const std::string& host, uint16_t port);
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const HandshakeConfig& config() const { return config_; }
+  absl::StatusOr<pb::Hello> Respond(const pb::Hello& remote) const { return responder_(remote); }
+
+  // Called once per handshake, outside the handshake's lock.
+  void Succeeded(const InboundHandshake* handshake, Accepted accepted) ABSL_LOCKS_EXCLUDED(mu_);
+  void Failed(const InboundHandshake* handshake, const std::string& remote_address,
+              const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnAccept(const error_code& error, tcp::socket socket) ABSL_LOCKS_EXCLUDED(mu_);
+  // Brackets a user callback; false if stopped (the callback must not run).
+  bool BeginCallback(const InboundHandshake* handshake) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndCallback() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const HandshakeConfig config_;
+  const HelloResponder responder_;
+  const AcceptHandler on_accept_;
+
+  Mutex mu_;
+  CondVar callbacks_done_;
+  tcp::acceptor acceptor_ ABSL_GUARDED_BY(mu_);
+  asio::steady_timer retry_timer_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<const InboundHandshake*, std::shared_ptr<InboundHandshake>> pending_
+      ABSL_GUARDED_BY(mu_);
+  int callbacks_running_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Set while this thread runs a listener callback, so that Stop from inside one does not wait
+// for itself.
+thread_local const ListenerState* t_in_callback = nullptr;
+
+// One inbound handshake: Hello -> HelloAck [-> AuthProof], as described in handshake.h.
+class InboundHandshake : public std::enable_shared_from_this<InboundHandshake> {
+ public:
+  InboundHandshake(std::shared_ptr<ListenerState> listener, tcp::socket socket)
+      : listener_(std::move(listener)),
+        config_(listener_->config()),
+        remote_address_(RemoteAddress(socket)),
+        decoder_(config_.max_frame_bytes),
+        socket_(std::move(socket)),
+        deadline_timer_(socket_.get_executor()) {}
+
+  void Start() ABSL_LOCKS_EXCLUDED(mu_);
+  // Listener stopped: drop the connection without callbacks.
+  void Abort() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  enum class Phase { kAwaitHello, kAwaitProof };
+
+  static std::string RemoteAddress(const tcp::socket& socket) {
+    error_code error;
+    const tcp::endpoint endpoint = socket.remote_endpoint(error);
+    return error ? std::string("<unknown dialer>") : FormatEndpoint(endpoint);
+  }
+  const char* Awaiting() const { return phase_ == Phase::kAwaitHello ? "Hello" : "AuthProof"; }
+
+  // Read chain: one read or write in flight at a time.
+  void ReadMore() ABSL_LOCKS_EXCLUDED(mu_);
+  void OnRead(const error_code& error, size_t bytes);
+  void Pump();
+  void HandleHello(const pb::Hello& hello);
+  void HandleProof(const pb::AuthProof& proof);
+  void SendAck(pb::Envelope ack, bool then_succeed);
+  void OnDeadline(const error_code& error);
+
+  void Fail(const absl::Status& error, bool send_reject) ABSL_LOCKS_EXCLUDED(mu_);
+  void Succeed() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::shared_ptr<ListenerState> listener_;
+  const HandshakeConfig& config_;
+  const std::string remote_address_;
+
+  // Read chain state.
+  FrameDecoder decoder_;
+  absl::Status decode_error_;
+  Phase phase_ = Phase::kAwaitHello;
+  pb::Hello dialer_hello_;
+  pb::Hello listener_hello_;
+  std::array<char, 16 << 10> read_buffer_;
+
+  Mutex mu_;
+  tcp::socket socket_ ABSL_GUARDED_BY(mu_);
+  asio::steady_timer deadline_timer_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::string outgoing_ ABSL_GUARDED_BY(mu_);  // the frame being written
+};
+
+void InboundHandshake::Start() {
+  MutexLock lock(&mu_);
+  error_code ignored;
+  socket_.set_option(tcp::no_delay(true), ignored);
+  deadline_timer_.expires_after(absl::ToChronoNanoseconds(config_.timeout));
+  deadline_timer_.async_wait(
+      [self = shared_from_this()](const error_code& error) { self->OnDeadline(error); });
+  socket_.async_read_some(asio::buffer(read_buffer_),
+                          [self = shared_from_this()](const error_code& error, size_t bytes) {
+                            self->OnRead(error, bytes);
+                          });
+}
+
+void InboundHandshake::Abort() {
+  MutexLock lock(&mu_);
+  finished_ = true;
+  error_code ignored;
+  socket_.close(ignored);
+  deadline_timer_.cancel();
+}
+
+void InboundHandshake::ReadMore() {
+  MutexLock lock(&mu_);
+  if (finished_ || !socket_.is_open()) return;
+  socket_.async_read_some(asio::buffer(read_buffer_),
+                          [self = shared_from_this()](const error_code& error, size_t bytes) {
+                            self->OnRead(error, bytes);
+                          });
+}
+
+void InboundHandshake::OnRead(const error_code& error, size_t bytes) {
+  if (error == asio::error::operation_aborted) return;  // deadline, Abort or Fail closed it
+  if (error) {
+    Fail(absl::UnavailableError(
+             absl::StrCat("dialer ", remote_address_, " ",
+                          error == asio::error::eof ? std::string("closed the connection")
+                                                    : "read failed: " + error.message(),
+                          " during the handshake (waiting for ", Awaiting(), ")")),
+         /*send_reject=*/false);
+    return;
+  }
+  decode_error_ = decoder_.Feed(read_buffer_.data(), bytes);
+  Pump();
+}
+
+void InboundHandshake::Pump() {
+  pb::Envelope envelope;
+  if (!decoder_.Next(&envelope)) {
+    if (!decode_error_.ok()) {
+      Fail(absl::Status(decode_error_.code(),
+                        absl::StrCat("protocol error from dialer ", remote_address_,
+                                     " during the handshake: ", decode_error_.message())),
+           /*send_reject=*/true);
+    } else {
+      ReadMore();
+    }
+    return;
+  }
+  if (envelope.has_reject()) {
+    Fail(StatusFromWire(envelope.reject().code(), envelope.reject().reason(),
+                        absl::StrCat("rejected by dialer ", remote_address_, ": "),
+                        absl::StatusCode::kPermissionDenied),
+         /*send_reject=*/false);
+    return;
+  }
+  if (phase_ == Phase::kAwaitHello && envelope.has_hello()) {
+    HandleHello(envelope.hello());
+  } else if (phase_ == Phase::kAwaitProof && envelope.has_auth_proof()) {
+    HandleProof(envelope.auth_proof());
+  } else {
+    Fail(
+        absl::InvalidArgumentError(absl::StrCat("dialer ", remote_address_, " sent ",
+                                                MessageName(envelope), " instead of ", Awaiting())),
+        /*send_reject=*/true);
+  }
+}
+
+void InboundHandshake::HandleHello(const pb::Hello& hello) {
+  dialer_hello_ = hello;
+  absl::Status checked = CheckPeerHello(hello, remote_address_, config_, kListenerRoles);
+  if (!checked.ok()) {
+    Fail(checked, /*send_reject=*/true);
+    return;
+  }
+  absl::StatusOr<pb::Hello> response = listener_->Respond(hello);
+  if (!response.ok()) {
+    Fail(response.status(), /*send_reject=*/true);
+    return;
+  }
+  absl::StatusOr<pb::Hello> prepared = PrepareHello(*std::move(response), config_);
+  if (!prepared.ok()) {
+    Fail(prepared.status(), /*send_reject=*/true);
+    return;
+  }
+  listener_hello_ = *std::move(prepared);
+  pb::Envelope ack;
+  *ack.mutable_hello_ack()->mutable_hello() = listener_hello_;
+  const bool with_secret = !config_.shared_secret.empty();
+  if (with_secret) {
+    ack.mutable_hello_ack()->set_auth_proof(
+        ListenerProof(config_.shared_secret, hello.auth_nonce(), listener_hello_.auth_nonce()));
+    phase_ = Phase::kAwaitProof;
+  }
+  SendAck(std::move(ack), /*then_succeed=*/!with_secret);
+}
+
+void InboundHandshake::HandleProof(const pb::AuthProof& proof) {
+  const std::string expected =
+      DialerProof(config_.shared_secret, listener_hello_.auth_nonce(), dialer_hello_.auth_nonce());
+  if (!ProofMatches(expected, proof.proof())) {
+    Fail(absl::PermissionDeniedError(absl::StrCat("shared secret mismatch: dialer ",
+                                                  DescribePeer(dialer_hello_, remote_address_),
+                                                  " failed the HMAC challenge")),
+         /*send_reject=*/true);
+    return;
+  }
+  Succeed();
+}
+
+void InboundHandshake::SendAck(pb::Envelope ack, bool then_succeed) {
+  absl::StatusOr<std::string> frame = EncodeFrame(ack, config_.max_frame_bytes);
+  if (!frame.ok()) {
+    Fail(absl::Status(frame.status().code(),
+                      absl::StrCat("cannot send HelloAck: ", frame.status().message())),
+         /*send_reject=*/true);
+    return;
+  }
+  MutexLock lock(&mu_);
+  if (finished_) return;
+  outgoing_ = *std::move(frame);
+  asio::async_write(socket_, asio::buffer(outgoing_),
+                    [self = shared_from_this(), then_succeed](const error_code& error, size_t) {
+                      if (error) {
+                        self->Fail(absl::UnavailableError(absl::StrCat(
+                                       "sending HelloAck to dialer ", self->remote_address_,
+                                       " failed: ", error.message())),
+                                   /*send_reject=*/false);
+                      } else if (then_succeed) {
+                        self->Succeed();
+                      } else {
+                        self->Pump();  // AuthProof may already be decoded
+                      }
+                    });
+}
+
+void InboundHandshake::OnDeadline(const error_code& error) {
+  if (error) return;
+  bool finished = false;
+  {
+    MutexLock lock(&mu_);
+    finished = finished_;
+    if (finished) {
+      // A Reject that the dialer does not read must not hold the socket open forever.
+      error_code ignored;
+      socket_.close(ignored);
+    }
+  }
+  if (!finished) {
+    Fail(absl::DeadlineExceededError(absl::StrCat(
+             "dialer ", remote_address_, " did not complete the handshake within ",
+             absl::FormatDuration(config_.timeout), " (waiting for ", Awaiting(), ")")),
+         /*send_reject=*/false);
+  }
+}
+
+void InboundHandshake::Fail(const absl::Status& error, bool send_reject) {
+  {
+    MutexLock lock(&mu_);
+    if (finished_) return;
+    finished_ = true;
+    absl::StatusOr<std::string> frame =
+        send_reject ? EncodeFrame(MakeReject(error), config_.max_frame_bytes)
+                    : absl::StatusOr<std::string>(absl::CancelledError());
+    error_code ignored;
+    if (frame.ok() && socket_.is_open()) {
+      // The deadline timer stays armed to bound this write.
+      outgoing_ = *std::move(frame);
+      asio::async_write(socket_, asio::buffer(outgoing_),
+                        [self = shared_from_this()](const error_code&, size_t) {
+                          MutexLock lock(&self->mu_);
+                          error_code ignored;
+                          self->socket_.shutdown(tcp::socket::shutdown_both, ignored);
+                          self->socket_.close(ignored);
+                          self->deadline_timer_.cancel();
+                        });
+    } else {
+      socket_.close(ignored);
+      deadline_timer_.cancel();
+    }
+  }
+  KVW_LOG(kWarning, "control") << "inbound handshake failed" << Kv("dialer", remote_address_)
+                               << Kv("error", error.ToString());
+  listener_->Failed(this, remote_address_, error);
+}
+
+void InboundHandshake::Succeed() {
+  std::shared_ptr<TcpConnection> connection;
+  {
+    MutexLock lock(&mu_);
+    if (finished_) return;
+    finished_ = true;
+    deadline_timer_.cancel();
+    connection = TcpConnection::Create(std::move(socket_), std::move(decoder_));
+  }
+  KVW_LOG(kInfo, "control") << "inbound handshake done" << Kv("dialer", remote_address_)
+                            << Kv("name", dialer_hello_.engine_name());
+  listener_->Succeeded(this, Accepted{std::move(connection), dialer_hello_});
+}
+
+absl::StatusOr<uint16_t> ListenerState::Open(const std::string& host, uint16_t port) {
+  const std::string where = FormatHostPort(host.empty() ? "0.0.0.0" : host, port);
+  asio::io_context resolver_io;
+  tcp::resolver resolver(resolver_io);
+  error_code error;
+  const tcp::resolver::results_type endpoints =
+      resolver.resolve(host.empty() ? "0.0.0.0" : host, std::to_string(port),
+                       tcp::resolver::passive | tcp::resolver::numeric_service, error);
+  if (error || endpoints.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot listen on ", where,
+                     ": cannot resolve the host: ", error ? error.message() : "no addresses"));
+  }
+  // "localhost" resolves to ::1 and 127.0.0.1; peers are far more likely to dial the latter.
+  tcp::endpoint endpoint = endpoints.begin()->endpoint();
+  for (const auto& entry : endpoints) {
+    if (entry.endpoint().address().is_v4()) {
+      endpoint = entry.endpoint();
+      break;
+    }
+  }
+  MutexLock lock(&mu_);
+  acceptor_.open(endpoint.protocol(), error);
+  if (!error) acceptor_.set_option(tcp::acceptor::reuse_address(true), error);
+  if (!error) acceptor_.bind(endpoint, error);
+  if (!error) acceptor_.listen(asio::socket_base::max_listen_connections, error);
+  if (error) {
+    error_code ignored;
+    acceptor_.close(ignored);
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", where, " (",
+                                               FormatEndpoint(endpoint), "): ", error.message()));
+  }
+  const uint16_t bound_port = acceptor_.local_endpoint(error).port();
+  if (error) {
+    return absl::InternalError(
+        absl::StrCat("cannot read the bound port of ", where, ": ", error.message()));
+  }
+  AcceptLocked();
+  return bound_port;
+}
+
+void ListenerState::AcceptLocked() {
+  acceptor_.async_accept([self = shared_from_this()](const error_code& error, tcp::socket socket) {
+    self->OnAccept(error, std::move(socket));
+  });
+}
+
+void ListenerState::OnAccept(const error_code& error, tcp::socket socket) {
+  std::shared_ptr<InboundHandshake> handshake;
+  {
+    MutexLock lock(&mu_);
+    if (stopped_ || error == asio::error::operation_aborted) return;
+    if (error) {
+      KVW_LOG(kWarning, "control") << "accept failed; retrying" << Kv("error", error.message());
+      retry_timer_.expires_after(kAcceptRetryDelay);
+      retry_timer_.async_wait([self = shared_from_this()](const error_code& timer_error) {
+        if (timer_error) return;
+        MutexLock lock(&self->mu_);
+        if (!self->stopped_) self->AcceptLocked();
+      });
+      return;
+    }
+    handshake = std::make_shared<InboundHandshake>(shared_from_this(), std::move(socket));
+    pending_.emplace(handshake.get(), handshake);
+    AcceptLocked();
+  }
+  handshake->Start();
+}
+
+bool ListenerState::BeginCallback(const InboundHandshake* handshake) {
+  MutexLock lock(&mu_);
+  pending_.erase(handshake);
+  if (stopped_) return false;
+  ++callbacks_running_;
+  return true;
+}
+
+void ListenerState::EndCallback() {
+  MutexLock lock(&mu_);
+  if (--callbacks_running_ == 0) callbacks_done_.SignalAll();
+}
+
+void ListenerState::Succeeded(const InboundHandshake* handshake, Accepted accepted) {
+  if (!BeginCallback(handshake)) {
+    accepted.connection->Close(absl::UnavailableError("listener stopped"));
+    return;
+  }
+  t_in_callback = this;
+  on_accept_(std::move(accepted));
+  t_in_callback = nullptr;
+  EndCallback();
+}
+
+void ListenerState::Failed(const InboundHandshake* handshake, const std::string& remote_address,
+                           const absl::Status& error) {
+  if (!BeginCallback(handshake)) return;
+  if (config_.on_handshake_failure) {
+    t_in_callback = this;
+    config_.on_handshake_failure(remote_address, error);
+    t_in_callback = nullptr;
+  }
+  EndCallback();
+}
+
+void ListenerState::Stop() {
+  std::vector<std::shared_ptr<InboundHandshake>> pending;
+  {
+    MutexLock lock(&mu_);
+    if (!stopped_) {
+      stopped_ = true;
+      error_code ignored;
+      acceptor_.close(ignored);
+      retry_timer_.cancel();
+      for (auto& [key, handshake] : pending_) pending.push_back(std::move(handshake));
+      pending_.clear();
+    }
+    if (t_in_callback != this) {
+      while (callbacks_running_ > 0) callbacks_done_.Wait(&mu_);
+    }
+  }
+  for (const std::shared_ptr<InboundHandshake>& handshake : pending) handshake->Abort();
+}
+
+class TcpServer final : public Server {
+ public:
+  TcpServer(std::shared_ptr<ListenerState> state, uint16_t port)
+      : state_(std::move(state)), port_(port) {}
+  ~TcpServer() override { Stop(); }
+  uint16_t port() const override { return port_; }
+  void Stop() override { state_->Stop(); }
+
+ private:
+  const std::shared_ptr<ListenerState> state_;
+  const uint16_t port_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> StartListener(asio::io_context& io, const std::string& host,
+                                                      uint16_t port, const HandshakeConfig& config,
+                                                      HelloResponder responder,
+                                                      AcceptHandler on_accept) {
+  auto state =
+      std::make_shared<ListenerState>(io, config, std::move(responder), std::move(on_accept));
+  absl::StatusOr<uint16_t> bound = state->Open(host, port);
+  if (!bound.ok()) return bound.status();
+  KVW_LOG(kInfo, "control") << "listening" << Kv("host", host) << Kv("port", *bound);
+  return std::make_unique<TcpServer>(std::move(state), *bound);
+}
+
+}  // namespace kvwire::control

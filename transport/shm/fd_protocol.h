@@ -1,0 +1,51 @@
+// Messages on the shm transport's Unix socket. Each is one SOCK_SEQPACKET datagram (the
+// socket keeps message boundaries, so there is no framing); a successful fetch reply carries
+// the region's memfd as SCM_RIGHTS ancillary data. Both ends run on one host, so integers are
+// in host byte order.
+#ifndef KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
+#define KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#include "kvwire/engine.h"
+
+namespace kvwire::transport::shm {
+
+// Upper bound of one message; longer datagrams are a protocol error.
+inline constexpr size_t kMaxFdMessageBytes = 8192;
+inline constexpr size_t kMaxTokenBytes = 4096;
+
+enum class FdRequestKind : uint8_t {
+  kHello = 1,  // checks the token (Connect fails early on a wrong one)
+  kFetch = 2,  // asks for one region's memfd
+};
+
+struct FdRequest {
+  FdRequestKind kind = FdRequestKind::kHello;
+  RegionId region = 0;
+  std::string token;
+};
+
+struct FdReply {
+  absl::StatusCode code = absl::StatusCode::kOk;
+  std::string message;  // why, when code != kOk
+  RegionId region = 0;
+  uint64_t memfd_offset = 0;  // where the region starts in the attached memfd
+  uint64_t length = 0;
+  uint32_t access = 0;  // what the target allows; the attached fd is read-only without write
+};
+
+std::string EncodeRequest(const FdRequest& request);
+absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes);
+std::string EncodeReply(const FdReply& reply);
+absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes);
+
+}  // namespace kvwire::transport::shm
+
+#endif  // KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_

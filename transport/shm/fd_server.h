@@ -1,0 +1,71 @@
+// The target side of the shm transport: a thread answering peers' requests for region memfds
+// on an abstract Unix socket. Every request carries the session token; the engine's hooks
+// decide which peer it is and whether the region is exported to it.
+#ifndef KVWIRE_TRANSPORT_SHM_FD_SERVER_H_
+#define KVWIRE_TRANSPORT_SHM_FD_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+
+#include "src/util/mutex.h"
+#include "transport/shm/local_regions.h"
+#include "transport/shm/unique_fd.h"
+#include "transport/transport.h"
+
+namespace kvwire::transport::shm {
+
+class FdServer {
+ public:
+  // Listens on `socket_name` and serves from one thread until Shutdown. `hooks` and `regions`
+  // must outlive the server.
+  static absl::StatusOr<std::unique_ptr<FdServer>> Start(const std::string& socket_name,
+                                                         TargetHooks* hooks,
+                                                         const LocalRegionTable* regions,
+                                                         size_t max_connections);
+  // For Start only (std::make_unique needs a public constructor).
+  class PassKey {
+    friend class FdServer;
+    PassKey() = default;
+  };
+  FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions, size_t max_connections,
+           UniqueFd listener, UniqueFd wake);
+  ~FdServer();
+  FdServer(const FdServer&) = delete;
+  FdServer& operator=(const FdServer&) = delete;
+
+  // Closes the peer's connections and refuses it from now on (peer ids are never reused).
+  void DropPeer(PeerId peer);
+  // Closes the listener and every connection, and joins the thread. Idempotent. Must not be
+  // called from a TargetHooks callback (those run on the server thread).
+  void Shutdown();
+
+ private:
+  struct Connection;
+
+  void Wake();
+  void Run();
+  // Answers one message; false when the connection must be closed.
+  bool Serve(Connection& connection);
+  bool IsDropped(PeerId peer);
+
+  TargetHooks* const hooks_;
+  const LocalRegionTable* const regions_;
+  const size_t max_connections_;
+  const UniqueFd listener_;
+  const UniqueFd wake_;  // eventfd: DropPeer and Shutdown interrupt the thread's poll
+
+  Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<PeerId> dropped_ ABSL_GUARDED_BY(mu_);
+
+  Mutex join_mu_;  // one joiner at a time
+  std::thread thread_ ABSL_GUARDED_BY(join_mu_);
+};
+
+}  // namespace kvwire::transport::shm
+
+#endif  // KVWIRE_TRANSPORT_SHM_FD_SERVER_H_

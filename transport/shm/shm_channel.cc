@@ -1,0 +1,340 @@
+#include "transport/shm/shm_channel.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+#include "src/util/log.h"
+#include "transport/shm/cma.h"
+#include "transport/shm/errno_text.h"
+#include "transport/shm/fd_client.h"
+#include "transport/shm/seqpacket.h"
+
+namespace kvwire::transport::shm {
+namespace {
+
+const char* KindName(OpKind kind) { return kind == OpKind::kWrite ? "WRITE" : "READ"; }
+
+// "shm transfer 7 op 3 (WRITE region 5 offset 4096 length 65536): <why>"
+absl::Status OpError(const PostRequest& request, size_t index, absl::StatusCode code,
+                     absl::string_view why) {
+  const WireOp& op = request.ops[index];
+  return absl::Status(code,
+                      absl::StrCat("shm transfer ", request.transfer_id, " op ", index, " (",
+                                   KindName(request.kind), " region ", op.remote_region, " offset ",
+                                   op.remote_offset, " length ", op.length, "): ", why));
+}
+
+bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
+  return a.id == b.id && a.length == b.length && a.access == b.access && a.kind == b.kind &&
+         a.address == b.address && a.shareable == b.shareable;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& link,
+                                                                const ShmEndpoint& endpoint,
+                                                                const Options& options) {
+  const std::string who = absl::StrCat("shm: peer ", link.peer, " (", link.peer_name, ")");
+  // A peer that accepts but never answers must not hold Connect past a bounded wait.
+  const absl::Time deadline = std::min(link.deadline, absl::Now() + options.request_timeout);
+  absl::StatusOr<UniqueFd> socket = ConnectSeqpacket(endpoint.socket_name, deadline);
+  if (!socket.ok()) {
+    return absl::Status(socket.status().code(),
+                        absl::StrCat(who, ": connecting to @", endpoint.socket_name, ": ",
+                                     socket.status().message()));
+  }
+  FdRequest hello;
+  hello.kind = FdRequestKind::kHello;
+  hello.token = link.token;
+  absl::StatusOr<FdResponse> response = CallFdServer(socket->get(), hello, deadline);
+  if (!response.ok()) {
+    return absl::Status(response.status().code(),
+                        absl::StrCat(who, ": session check: ", response.status().message()));
+  }
+  if (response->reply.code != absl::StatusCode::kOk) {
+    return absl::Status(response->reply.code,
+                        absl::StrCat(who, " refused the session: ", response->reply.message));
+  }
+  const pid_t pid = static_cast<pid_t>(link.remote_pid != 0 ? link.remote_pid : endpoint.pid);
+  absl::Status cma =
+      options.allow_cma
+          ? ProbeCma(pid, endpoint.probe_address, endpoint.probe_value)
+          : absl::FailedPreconditionError("disabled by ShmTransportOptions::allow_cma");
+  auto channel =
+      std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid, cma);
+  KVW_LOG(kInfo, "shm") << "channel connected" << Kv("peer", link.peer)
+                        << Kv("peer_name", link.peer_name) << Kv("pid", pid)
+                        << Kv("path", channel->Describe());
+  return channel;
+}
+
+ShmChannel::ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket,
+                       pid_t pid, absl::Status cma)
+    : link_(link), options_(options), socket_(std::move(socket)), pid_(pid), cma_(std::move(cma)) {}
+
+ShmChannel::~ShmChannel() { Close(absl::CancelledError("shm channel destroyed")); }
+
+void ShmChannel::Post(PostRequest request, DoneCallback done) {
+  absl::Status status = Execute(request);
+  {
+    // Unpin the local regions before reporting, so that whoever waits for the transfer to end
+    // finds them released.
+    PostRequest finished = std::move(request);
+  }
+  done(std::move(status));
+}
+
+absl::Status ShmChannel::Execute(const PostRequest& request) {
+  const bool write = request.kind == OpKind::kWrite;
+  const uint32_t needed = write ? kRemoteWrite : kRemoteRead;
+  const std::atomic<bool>* cancelled = request.cancelled.get();
+  std::shared_ptr<const RemoteRegion> region;  // reused while consecutive ops share a region
+  CmaBatch batch(pid_, request.kind);
+  size_t failed_op = 0;
+  for (size_t i = 0; i < request.ops.size(); ++i) {
+    const WireOp& op = request.ops[i];
+    if (closed_.load(std::memory_order_acquire)) {
+      const absl::Status reason = ClosedError();
+      return OpError(request, i, reason.code(), reason.message());
+    }
+    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+      // The transfer already ended: for a READ, local memory must not change any more.
+      return OpError(request, i, absl::StatusCode::kCancelled, "transfer cancelled");
+    }
+    if (region == nullptr || region->id != op.remote_region) {
+      region = Find(op.remote_region);
+      if (region == nullptr) {
+        return OpError(request, i, absl::StatusCode::kNotFound,
+                       "region not added to this channel (not exported, or removed)");
+      }
+    }
+    // Defence in depth: the engine validated the op already.
+    if ((region->access & needed) == 0) {
+      return OpError(request, i, absl::StatusCode::kPermissionDenied,
+                     absl::StrCat("region access is ", region->access, ", ", KindName(request.kind),
+                                  " needs ", needed));
+    }
+    if (op.remote_offset > region->length || op.length > region->length - op.remote_offset) {
+      return OpError(request, i, absl::StatusCode::kOutOfRange,
+                     absl::StrCat("past the end of the region (", region->length, " bytes)"));
+    }
+    if (op.length == 0) continue;
+    if (op.local == nullptr) {
+      return OpError(request, i, absl::StatusCode::kInvalidArgument, "null local address");
+    }
+    if (region->mapped) {
+      std::byte* remote = region->mapping.data() + op.remote_offset;
+      if (write) {
+        std::memcpy(remote, op.local, op.length);
+      } else {
+        std::memcpy(op.local, remote, op.length);
+      }
+      continue;
+    }
+    batch.Add(i, op.local, region->address + op.remote_offset, op.length);
+    if (batch.full()) {
+      if (absl::Status moved = batch.Flush(&failed_op); !moved.ok()) {
+        return OpError(request, failed_op, moved.code(), moved.message());
+      }
+    }
+  }
+  if (!batch.empty()) {
+    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+      return OpError(request, request.ops.size() - 1, absl::StatusCode::kCancelled,
+                     "transfer cancelled");
+    }
+    if (absl::Status moved = batch.Flush(&failed_op); !moved.ok()) {
+      return OpError(request, failed_op, moved.code(), moved.message());
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const ShmChannel::RemoteRegion> ShmChannel::Find(RegionId id) const {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  return it == regions_.end() ? nullptr : it->second;
+}
+
+absl::Status ShmChannel::ClosedError() const {
+  MutexLock lock(&mu_);
+  return absl::Status(close_reason_.code(),
+                      absl::StrCat("shm channel to peer ", link_.peer, " (", link_.peer_name,
+                                   ") closed: ", close_reason_.message()));
+}
+
+absl::Status ShmChannel::AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) {
+  std::vector<std::string> failures;
+  absl::StatusCode first_code = absl::StatusCode::kOk;
+  for (const RemoteRegionDesc& desc : regions) {
+    if (closed_.load(std::memory_order_acquire)) return ClosedError();
+    std::shared_ptr<const RemoteRegion> known = Find(desc.id);
+    if (known != nullptr && SameDesc(known->desc, desc)) continue;  // mapped once per region
+    absl::StatusOr<std::shared_ptr<const RemoteRegion>> added = AddOne(desc);
+    if (!added.ok()) {
+      if (first_code == absl::StatusCode::kOk) first_code = added.status().code();
+      failures.emplace_back(added.status().message());
+      continue;
+    }
+    bool inserted = false;
+    {
+      std::shared_ptr<const RemoteRegion> replaced;  // unmapped outside the lock
+      MutexLock lock(&mu_);
+      // Close may have run meanwhile: a region added now would never be unmapped by it.
+      if (!closed_.load(std::memory_order_relaxed)) {
+        replaced = std::exchange(regions_[desc.id], *std::move(added));
+        inserted = true;
+      }
+    }
+    if (!inserted) return ClosedError();
+  }
+  if (failures.empty()) return absl::OkStatus();
+  if (failures.size() == 1) return absl::Status(first_code, failures[0]);
+  return absl::Status(first_code,
+                      absl::StrCat(failures.size(), " of ", regions.size(),
+                                   " regions not added: ", absl::StrJoin(failures, "; ")));
+}
+
+absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddOne(
+    const RemoteRegionDesc& desc) {
+  const std::string who =
+      absl::StrCat("shm: region ", desc.id, " of peer ", link_.peer, " (", link_.peer_name, ")");
+  if (desc.kind != MemoryKind::kHost) {
+    return absl::UnimplementedError(
+        absl::StrCat(who, " is GPU memory; the shm transport moves host memory only"));
+  }
+  if (desc.shareable) return MapShareable(desc);
+  if (!cma_.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " is not memfd-backed and cross-memory attach is refused: ", cma_.message()));
+  }
+  if (desc.length > 0 && (desc.address == 0 || desc.address > UINT64_MAX - desc.length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": invalid address 0x", absl::Hex(desc.address), " for ", desc.length, " bytes"));
+  }
+  auto region = std::make_shared<RemoteRegion>();
+  region->id = desc.id;
+  region->length = desc.length;
+  region->access = desc.access;
+  region->address = desc.address;
+  region->desc = desc;
+  return region;
+}
+
+absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapShareable(
+    const RemoteRegionDesc& desc) {
+  const std::string who =
+      absl::StrCat("shm: region ", desc.id, " of peer ", link_.peer, " (", link_.peer_name, ")");
+  FdResponse response;
+  {
+    MutexLock lock(&rpc_mu_);
+    if (!rpc_broken_.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat(who, ": the peer's shm socket failed earlier: ", rpc_broken_.message()));
+    }
+    FdRequest fetch;
+    fetch.kind = FdRequestKind::kFetch;
+    fetch.region = desc.id;
+    fetch.token = link_.token;
+    absl::StatusOr<FdResponse> called =
+        CallFdServer(socket_.get(), fetch, absl::Now() + options_.request_timeout);
+    if (!called.ok()) {
+      rpc_broken_ = called.status();
+      ::shutdown(socket_.get(), SHUT_RDWR);
+      return absl::Status(called.status().code(),
+                          absl::StrCat(who, ": fetching its memfd: ", called.status().message()));
+    }
+    response = *std::move(called);
+  }
+  const FdReply& reply = response.reply;
+  if (reply.code != absl::StatusCode::kOk) {
+    return absl::Status(reply.code, absl::StrCat(who, ": the peer refused: ", reply.message));
+  }
+  if (!response.fd.valid()) {
+    return absl::InternalError(absl::StrCat(who, ": reply carried no descriptor"));
+  }
+  if (reply.length != desc.length) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": described as ", desc.length, " bytes but served as ", reply.length));
+  }
+  // Mapping a file that can shrink would let the peer SIGBUS this process.
+  const int seals = ::fcntl(response.fd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": the peer's memfd is not sealed against shrinking"));
+  }
+  struct stat info;
+  if (::fstat(response.fd.get(), &info) != 0) {
+    return ErrnoStatus(absl::StatusCode::kInternal, errno, absl::StrCat(who, ": fstat"));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(info.st_size);
+  if (reply.memfd_offset > file_size || reply.length > file_size - reply.memfd_offset) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": offset ", reply.memfd_offset, " + length ", reply.length,
+                     " exceeds the memfd (", file_size, " bytes)"));
+  }
+  auto region = std::make_shared<RemoteRegion>();
+  region->id = desc.id;
+  region->length = desc.length;
+  // What both the description and the target's reply allow.
+  region->access = desc.access & reply.access;
+  region->mapped = true;
+  region->desc = desc;
+  if (desc.length > 0) {
+    const int prot = PROT_READ | ((region->access & kRemoteWrite) != 0 ? PROT_WRITE : 0);
+    absl::StatusOr<Mapping> mapping = Mapping::Create(
+        response.fd.get(), reply.memfd_offset, reply.length, prot, options_.populate_mappings);
+    if (!mapping.ok()) {
+      return absl::Status(mapping.status().code(),
+                          absl::StrCat(who, ": ", mapping.status().message()));
+    }
+    region->mapping = *std::move(mapping);
+  }
+  KVW_LOG(kDebug, "shm") << "mapped peer region" << Kv("peer", link_.peer) << Kv("region", desc.id)
+                         << Kv("length", desc.length) << Kv("access", region->access);
+  return region;
+}
+
+void ShmChannel::RemoveRemoteRegions(const std::vector<RegionId>& ids) {
+  std::vector<std::shared_ptr<const RemoteRegion>> removed;  // unmapped outside the lock
+  removed.reserve(ids.size());
+  MutexLock lock(&mu_);
+  for (RegionId id : ids) {
+    auto it = regions_.find(id);
+    if (it == regions_.end()) continue;
+    removed.push_back(std::move(it->second));
+    regions_.erase(it);
+  }
+}
+
+void ShmChannel::Close(const absl::Status& reason) {
+  absl::flat_hash_map<RegionId, std::shared_ptr<const RemoteRegion>> removed;
+  {
+    MutexLock lock(&mu_);
+    if (closed_.load(std::memory_order_relaxed)) return;
+    close_reason_ = reason.ok() ? absl::CancelledError("closed") : reason;
+    closed_.store(true, std::memory_order_release);
+    removed.swap(regions_);
+  }
+  // Wakes a request waiting for a reply; the descriptor itself stays open until destruction,
+  // so no other thread can see its number reused.
+  ::shutdown(socket_.get(), SHUT_RDWR);
+  KVW_LOG(kInfo, "shm") << "channel closed" << Kv("peer", link_.peer)
+                        << Kv("peer_name", link_.peer_name) << Kv("reason", reason);
+}
+
+std::string ShmChannel::Describe() const {
+  if (cma_.ok()) return "shm memfd+cma";
+  return absl::StrCat("shm memfd (cma refused: ", cma_.message(), ")");
+}
+
+}  // namespace kvwire::transport::shm

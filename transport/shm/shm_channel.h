@@ -1,0 +1,99 @@
+// ShmChannel: the initiator's link to one peer on this host. Memfd-backed regions of the peer
+// are mapped once (AddRemoteRegions) and each op is one memcpy in the caller's thread; other
+// host regions move with cross-memory attach when the kernel permits it.
+#ifndef KVWIRE_TRANSPORT_SHM_SHM_CHANNEL_H_
+#define KVWIRE_TRANSPORT_SHM_SHM_CHANNEL_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+#include "src/util/mutex.h"
+#include "transport/shm/mapping.h"
+#include "transport/shm/shm_endpoint.h"
+#include "transport/shm/unique_fd.h"
+#include "transport/transport.h"
+
+namespace kvwire::transport::shm {
+
+class ShmChannel final : public Channel {
+ public:
+  struct Options {
+    bool allow_cma = true;
+    bool populate_mappings = true;
+    absl::Duration request_timeout = absl::Seconds(10);
+  };
+
+  // Connects to the peer's socket and proves the session token (within link.deadline), then
+  // probes cross-memory attach once.
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> Connect(const PeerLink& link,
+                                                             const ShmEndpoint& endpoint,
+                                                             const Options& options);
+
+  // For Connect only (std::make_unique needs a public constructor).
+  class PassKey {
+    friend class ShmChannel;
+    PassKey() = default;
+  };
+  ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket, pid_t pid,
+             absl::Status cma);
+  ~ShmChannel() override;
+
+  void Post(PostRequest request, DoneCallback done) override;
+  // Regions that can be added are added even when others cannot; the error then names each
+  // region that was not (e.g. FailedPrecondition for a non-memfd region without CMA), so the
+  // engine can route those over another transport.
+  absl::Status AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) override;
+  void RemoveRemoteRegions(const std::vector<RegionId>& ids) override;
+  void Close(const absl::Status& reason) override;
+  std::string Describe() const override;
+
+ private:
+  struct RemoteRegion {
+    RegionId id = 0;
+    uint64_t length = 0;
+    uint32_t access = kAccessNone;
+    bool mapped = false;    // memfd-backed: copies go through `mapping`
+    Mapping mapping;        // empty for a 0-byte region
+    uint64_t address = 0;   // CMA: base address in the peer
+    RemoteRegionDesc desc;  // as described, to recognise a repeated AddRemoteRegions
+  };
+
+  absl::Status Execute(const PostRequest& request);
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
+  std::shared_ptr<const RemoteRegion> Find(RegionId id) const;
+  absl::Status ClosedError() const;
+
+  const PeerLink link_;
+  const Options options_;
+  const UniqueFd socket_;  // shut down by Close, closed by the destructor
+  const pid_t pid_;
+  const absl::Status cma_;  // OK when cross-memory attach works, else why not
+
+  // Set once by Close; Post checks it without the lock.
+  std::atomic<bool> closed_{false};
+  mutable Mutex mu_;
+  absl::Status close_reason_ ABSL_GUARDED_BY(mu_);
+  // Held by Post while copying, so RemoveRemoteRegions or Close never unmaps under a copy: the
+  // mapping goes when the last holder lets go.
+  absl::flat_hash_map<RegionId, std::shared_ptr<const RemoteRegion>> regions_ ABSL_GUARDED_BY(mu_);
+
+  // Serialises requests on `socket_`: one reply outstanding at a time.
+  Mutex rpc_mu_;
+  // A request failed below the protocol (timeout, peer gone): a late reply could answer the
+  // next request, so the socket is not used again.
+  absl::Status rpc_broken_ ABSL_GUARDED_BY(rpc_mu_);
+};
+
+}  // namespace kvwire::transport::shm
+
+#endif  // KVWIRE_TRANSPORT_SHM_SHM_CHANNEL_H_
