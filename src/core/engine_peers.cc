@@ -420,8 +420,13 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     shm = peer->shm;
     tcp = peer->tcp;
   }
-  KVW_LOG(kWarning, "engine") << "peer closed" << Kv("engine", name_) << Kv("peer", peer->id)
-                              << Kv("name", peer->name) << Kv("reason", reason.ToString());
+  // An orderly close (local Disconnect or shutdown, or the peer's) is not a warning.
+  const bool orderly = reason.code() == absl::StatusCode::kCancelled;
+  if (LogEnabled(orderly ? LogLevel::kInfo : LogLevel::kWarning)) {
+    LogLine(orderly ? LogLevel::kInfo : LogLevel::kWarning, "engine")
+        << "peer closed" << Kv("engine", name_) << Kv("peer", peer->id) << Kv("name", peer->name)
+        << Kv("reason", reason.ToString());
+  }
   const absl::Status closed = absl::UnavailableError(
       absl::StrCat("peer ", peer->name, " closed: ", reason.message()));
   peer->conn->Close(reason);
