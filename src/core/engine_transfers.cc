@@ -38,6 +38,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
 
   // Remote side: exported to us, permission, bounds; and the route.
   std::shared_ptr<transport::Channel> channel;
+  const transport::Capabilities* caps = &tcp_->caps();
   uint32_t lanes = 1;
   {
     MutexLock lock(&peer->mu);
@@ -74,6 +75,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     }
     if (all_shm) {
       channel = peer->shm;
+      caps = &shm_->caps();
     } else if (peer->tcp) {
       channel = peer->tcp;
       lanes = peer->tcp_lanes;
@@ -83,12 +85,10 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
           "every region of this transfer (connect with transport auto or tcp)"));
     }
   }
-  const transport::Capabilities& caps =
-      channel == peer->shm && shm_ ? shm_->caps() : tcp_->caps();
 
   core::PlanLimits limits;
-  limits.max_op_bytes = std::min<uint64_t>(options_.max_op_bytes, caps.max_op_bytes);
-  limits.lanes = std::min<uint32_t>(lanes, caps.max_lanes);
+  limits.max_op_bytes = std::min<uint64_t>(options_.max_op_bytes, caps->max_op_bytes);
+  limits.lanes = std::min<uint32_t>(lanes, caps->max_lanes);
   limits.stripe_min_bytes = options_.stripe_min_bytes;
   core::Plan plan = core::PlanOps(std::move(wire), limits);
 
@@ -99,7 +99,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   info.bytes = plan.total_bytes;
   info.pieces = plan.pieces;
   info.notification = options.notification;
-  info.count_arrivals = kind == OpKind::kWrite && options.notification && caps.counts_arrivals;
+  info.count_arrivals = kind == OpKind::kWrite && options.notification && caps->counts_arrivals;
   info.start = absl::Now();
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
   std::vector<std::shared_ptr<const void>> pin_list;
@@ -117,7 +117,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
                             << Kv("peer", peer->name) << Kv("kind", verb)
                             << Kv("bytes", info.bytes) << Kv("ops", ops.size())
                             << Kv("pieces", plan.pieces) << Kv("lanes", plan.lanes.size())
-                            << Kv("via", caps.name);
+                            << Kv("via", caps->name);
 
   auto cancelled = transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()));
   const TransferId id = info.id;

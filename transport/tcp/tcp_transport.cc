@@ -1,1 +1,167 @@
-// placeholder until implemented
+// TcpTransport: ties the target side (TcpServer) and the initiator side (TcpChannel) together
+// and owns every thread either of them starts.
+#include "transport/tcp/tcp_transport.h"
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+#include "src/util/log.h"
+#include "src/util/mutex.h"
+#include "transport/tcp/tcp_channel.h"
+#include "transport/tcp/tcp_client_connection.h"
+#include "transport/tcp/tcp_server.h"
+#include "transport/tcp/tcp_socket.h"
+
+namespace kvwire::transport {
+namespace {
+
+class TcpTransport final : public Transport {
+ public:
+  TcpTransport(const TcpTransportOptions& options, std::unique_ptr<TcpServer> server)
+      : options_(options), server_(std::move(server)) {
+    caps_.name = "tcp";
+    caps_.one_sided_read = true;
+    caps_.one_sided_write = true;
+    caps_.same_host_only = false;
+    caps_.counts_arrivals = true;
+    caps_.max_op_bytes = options.max_op_bytes;
+    caps_.max_lanes = options.max_lanes;
+  }
+  ~TcpTransport() override { Shutdown(); }
+
+  const Capabilities& caps() const override { return caps_; }
+  std::string Endpoint() const override { return server_->endpoint(); }
+
+  absl::Status RegisterRegion(const LocalRegion& region) override {
+    if (region.base == nullptr && region.length > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tcp: region ", region.id, " of ", region.length, " bytes has no address"));
+    }
+    MutexLock lock(&mu_);
+    if (!regions_.insert(region.id).second) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("tcp: region ", region.id, " is already registered"));
+    }
+    return absl::OkStatus();
+  }
+
+  void DeregisterRegion(RegionId id) override {
+    MutexLock lock(&mu_);
+    regions_.erase(id);
+  }
+
+  absl::Status CanReach(const std::string& remote_endpoint) const override {
+    std::string host;
+    uint16_t port = 0;
+    if (absl::Status s = ParseEndpoint(remote_endpoint, &host, &port); !s.ok()) return s;
+    KVW_LOG(kDebug, "tcp") << "reachable (tcp reaches any address)"
+                           << Kv("endpoint", remote_endpoint);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) override {
+    if (link.lanes == 0 || link.lanes > caps_.max_lanes) {
+      return absl::InvalidArgumentError(absl::StrCat("tcp connect to ", link.remote_endpoint, ": ",
+                                                     link.lanes, " lanes requested, 1..",
+                                                     caps_.max_lanes, " supported"));
+    }
+    {
+      MutexLock lock(&mu_);
+      if (shut_down_) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tcp connect to ", link.remote_endpoint, ": transport shut down"));
+      }
+      Reap();
+    }
+    std::vector<std::shared_ptr<ClientConnection>> connections;
+    for (uint32_t lane = 0; lane < link.lanes; ++lane) {
+      absl::StatusOr<std::shared_ptr<ClientConnection>> connection =
+          OpenLane(link, lane, options_.socket_buffer_bytes);
+      if (!connection.ok()) {
+        for (const auto& c : connections) c->Close(connection.status());
+        for (const auto& c : connections) c->Join();
+        return connection.status();
+      }
+      connections.push_back(*std::move(connection));
+    }
+    {
+      MutexLock lock(&mu_);
+      if (shut_down_) {
+        // Shutdown ran meanwhile and could not see these: end them here.
+        const absl::Status down = absl::FailedPreconditionError(
+            absl::StrCat("tcp connect to ", link.remote_endpoint, ": transport shut down"));
+        for (const auto& c : connections) c->Close(down);
+        for (const auto& c : connections) c->Join();
+        return down;
+      }
+      clients_.insert(clients_.end(), connections.begin(), connections.end());
+    }
+    KVW_LOG(kInfo, "tcp") << "channel open" << Kv("peer", link.peer)
+                          << Kv("endpoint", link.remote_endpoint) << Kv("lanes", link.lanes);
+    return std::make_unique<TcpChannel>(link.remote_endpoint, std::move(connections));
+  }
+
+  void DropPeer(PeerId peer) override { server_->DropPeer(peer); }
+
+  void Shutdown() override {
+    std::vector<std::shared_ptr<ClientConnection>> clients;
+    {
+      MutexLock lock(&mu_);
+      shut_down_ = true;
+      clients.swap(clients_);
+    }
+    server_->Shutdown();
+    const absl::Status down = absl::UnavailableError("tcp transport shut down");
+    for (const auto& c : clients) c->Close(down);
+    for (const auto& c : clients) {
+      if (!c->Join()) {
+        KVW_LOG(kError, "tcp") << "Shutdown called on a connection thread; cannot join it"
+                               << Kv("endpoint", c->endpoint());
+      }
+    }
+  }
+
+ private:
+  // Forgets client connections whose threads have returned (closed channels), joining them
+  // here when their channel could not (it was destroyed on one of their threads).
+  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < clients_.size();) {
+      if (clients_[i]->Exited() && clients_[i]->Join()) {
+        clients_[i] = std::move(clients_.back());
+        clients_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  const TcpTransportOptions options_;
+  Capabilities caps_;
+  const std::unique_ptr<TcpServer> server_;
+
+  Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<RegionId> regions_ ABSL_GUARDED_BY(mu_);
+  // Every client connection that may still have threads; joined by Shutdown at the latest.
+  std::vector<std::shared_ptr<ClientConnection>> clients_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransportOptions& options,
+                                                              TargetHooks* hooks) {
+  if (hooks == nullptr) return absl::InvalidArgumentError("tcp transport: no target hooks");
+  if (options.max_op_bytes == 0 || options.max_lanes == 0) {
+    return absl::InvalidArgumentError("tcp transport: max_op_bytes and max_lanes must be > 0");
+  }
+  absl::StatusOr<std::unique_ptr<TcpServer>> server = TcpServer::Start(options, hooks);
+  if (!server.ok()) return server.status();
+  return std::make_unique<TcpTransport>(options, *std::move(server));
+}
+
+}  // namespace kvwire::transport
