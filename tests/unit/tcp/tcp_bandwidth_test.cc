@@ -1,0 +1,143 @@
+// Bandwidth of the tcp transport over loopback, for running by hand (never asserts speed):
+//
+//   build-tcp/tests/tcp_bandwidth_test --gtest_also_run_disabled_tests
+//
+// Environment: KVWIRE_BENCH_BYTES (bytes per run, default 2 GiB), KVWIRE_BENCH_SPAN (bytes of
+// the buffers the ops cycle through, default 256 MiB: a KV pool, not a cache-resident buffer),
+// KVWIRE_BENCH_RUNS (runs per configuration, default 3; the median is printed),
+// KVWIRE_BENCH_SOCKBUF (TcpTransportOptions::socket_buffer_bytes, default the option's).
+// Prints decimal GB/s (10^9 B/s).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+
+#include "src/util/mutex.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvwire::transport {
+namespace {
+
+uint64_t EnvOr(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  uint64_t out = 0;
+  return v != nullptr && absl::SimpleAtoi(v, &out) ? out : fallback;
+}
+
+// One region, every access allowed: only the transport's cost is measured.
+class OpenHooks final : public TargetHooks {
+ public:
+  explicit OpenHooks(uint64_t bytes) : memory_(bytes), bytes_(bytes) {}
+  std::byte* data() { return memory_.data(); }
+  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
+  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t offset, uint64_t length,
+                                                 OpKind) override {
+    if (offset > bytes_ || length > bytes_ - offset) return absl::OutOfRangeError("bounds");
+    return IncomingAccess{memory_.data() + offset, nullptr};
+  }
+  absl::StatusOr<LocalRegion> ExportedRegion(PeerId, RegionId) override {
+    return absl::UnimplementedError("unused");
+  }
+  void OnWriteArrived(PeerId, TransferId) override {}
+  void OnPeerError(PeerId, const absl::Status& error) override {
+    std::fprintf(stderr, "peer error: %s\n", std::string(error.message()).c_str());
+  }
+
+ private:
+  std::vector<std::byte> memory_;
+  const uint64_t bytes_;
+};
+
+// Keeps `window` Posts in flight per lane until `total` bytes moved; returns GB/s.
+double MeasureGbps(Channel& channel, OpKind kind, std::byte* local, uint64_t span,
+                   uint64_t op_bytes, uint32_t lanes, uint64_t total) {
+  const uint64_t post_bytes = std::max<uint64_t>(op_bytes, 8 << 20);
+  const uint64_t ops_per_post = post_bytes / op_bytes;
+  const uint64_t posts = std::max<uint64_t>(1, total / post_bytes);
+  const uint64_t window = 4 * lanes;
+  Mutex mu;
+  CondVar cv;
+  uint64_t done = 0;
+  uint64_t failed = 0;
+  uint64_t next_op = 0;
+  const absl::Time start = absl::Now();
+  for (uint64_t p = 0; p < posts; ++p) {
+    {
+      MutexLock lock(&mu);
+      while (p - done >= window) cv.Wait(&mu);
+    }
+    PostRequest request;
+    request.transfer_id = p;
+    request.kind = kind;
+    request.lane = static_cast<uint32_t>(p % lanes);
+    request.ops.reserve(ops_per_post);
+    for (uint64_t i = 0; i < ops_per_post; ++i, ++next_op) {
+      const uint64_t offset = (next_op * op_bytes) % (span - span % op_bytes);
+      request.ops.push_back({local + offset, 1, offset, op_bytes});
+    }
+    channel.Post(std::move(request), [&](absl::Status s) {
+      MutexLock lock(&mu);
+      ++done;
+      if (!s.ok()) ++failed;
+      cv.Signal();
+    });
+  }
+  MutexLock lock(&mu);
+  while (done < posts) cv.Wait(&mu);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  EXPECT_EQ(failed, 0u);
+  return static_cast<double>(posts * ops_per_post * op_bytes) / seconds / 1e9;
+}
+
+TEST(TcpBandwidth, DISABLED_LoopbackWriteAndRead) {
+  const uint64_t total = EnvOr("KVWIRE_BENCH_BYTES", uint64_t{2} << 30);
+  const uint64_t span = EnvOr("KVWIRE_BENCH_SPAN", 256 << 20);
+  const uint64_t runs = EnvOr("KVWIRE_BENCH_RUNS", 3);
+  TcpTransportOptions options;
+  options.socket_buffer_bytes =
+      static_cast<int>(EnvOr("KVWIRE_BENCH_SOCKBUF", options.socket_buffer_bytes));
+  OpenHooks target_hooks(span);
+  OpenHooks initiator_hooks(0);
+  auto target = CreateTcpTransport(options, &target_hooks);
+  auto initiator = CreateTcpTransport(options, &initiator_hooks);
+  ASSERT_TRUE(target.ok() && initiator.ok());
+  std::vector<std::byte> local(span, std::byte{1});
+  std::memset(target_hooks.data(), 2, span);
+
+  std::printf("tcp loopback, %.2f GiB per run, span %llu MiB, sockbuf %d, median of %llu\n",
+              static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(span >> 20),
+              options.socket_buffer_bytes, static_cast<unsigned long long>(runs));
+  std::printf("%-6s %10s %6s %10s\n", "op", "op bytes", "lanes", "GB/s");
+  for (OpKind kind : {OpKind::kWrite, OpKind::kRead}) {
+    for (uint64_t op_bytes : {uint64_t{1} << 20, uint64_t{64} << 10}) {
+      for (uint32_t lanes : {1u, 4u}) {
+        PeerLink link;
+        link.remote_endpoint = (*target)->Endpoint();
+        link.lanes = lanes;
+        link.deadline = absl::Now() + absl::Seconds(10);
+        auto channel = (*initiator)->Connect(link);
+        ASSERT_TRUE(channel.ok()) << channel.status();
+        std::vector<double> results;
+        for (uint64_t r = 0; r < runs; ++r) {
+          results.push_back(
+              MeasureGbps(**channel, kind, local.data(), span, op_bytes, lanes, total));
+        }
+        std::sort(results.begin(), results.end());
+        std::printf("%-6s %10llu %6u %10.2f\n", kind == OpKind::kWrite ? "WRITE" : "READ",
+                    static_cast<unsigned long long>(op_bytes), lanes, results[results.size() / 2]);
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvwire::transport

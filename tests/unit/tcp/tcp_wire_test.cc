@@ -1,0 +1,266 @@
+// The tcp wire format (tcp_wire.h) and the header reader (tcp_reader.h) on a socketpair.
+#include "transport/tcp/tcp_wire.h"
+
+#include <sys/socket.h>
+
+#include <array>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "transport/tcp/tcp_reader.h"
+#include "transport/tcp/tcp_socket.h"
+
+namespace kvwire::transport {
+namespace {
+
+namespace wire = tcp_wire;
+
+TEST(TcpWireTest, RequestRoundTripsLittleEndian) {
+  wire::RequestHeader h;
+  h.kind = wire::kKindWrite;
+  h.flags = wire::kFlagCountArrivals;
+  h.follow = 3;
+  h.op_index = 7;
+  h.sequence = 0x0102030405060708;
+  h.transfer_id = 42;
+  h.region = 9;
+  h.offset = 1 << 20;
+  h.length = 4096;
+  std::array<std::byte, wire::kRequestBytes> raw;
+  wire::EncodeRequest(h, raw.data());
+  // Fixed little-endian layout, whatever the host.
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(raw.data()), 4), "KVWQ");
+  EXPECT_EQ(raw[16], std::byte{0x08});
+  EXPECT_EQ(raw[23], std::byte{0x01});
+  wire::RequestHeader out;
+  ASSERT_TRUE(wire::DecodeRequest(raw.data(), 1 << 20, &out).ok());
+  EXPECT_EQ(out.kind, h.kind);
+  EXPECT_EQ(out.flags, h.flags);
+  EXPECT_EQ(out.follow, h.follow);
+  EXPECT_EQ(out.op_index, h.op_index);
+  EXPECT_EQ(out.sequence, h.sequence);
+  EXPECT_EQ(out.transfer_id, h.transfer_id);
+  EXPECT_EQ(out.region, h.region);
+  EXPECT_EQ(out.offset, h.offset);
+  EXPECT_EQ(out.length, h.length);
+}
+
+TEST(TcpWireTest, RejectsMalformedRequests) {
+  wire::RequestHeader h;
+  h.kind = wire::kKindRead;
+  h.length = 100;
+  std::array<std::byte, wire::kRequestBytes> raw;
+  wire::RequestHeader out;
+
+  wire::EncodeRequest(h, raw.data());
+  EXPECT_TRUE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 99, &out).ok());  // longer than max_op_bytes
+
+  raw[0] = std::byte{0};
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+
+  wire::EncodeRequest(h, raw.data());
+  raw[4] = std::byte{0};  // kind 0 is not a kind
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+
+  h.flags = wire::kFlagCountArrivals;  // READs are never counted
+  wire::EncodeRequest(h, raw.data());
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+
+  h.flags = 0;
+  wire::EncodeRequest(h, raw.data());
+  raw[13] = std::byte{1};  // reserved
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+}
+
+TEST(TcpWireTest, ResponseAndHelloRoundTrip) {
+  wire::ResponseHeader r;
+  r.kind = wire::kKindRead;
+  r.follow = 2;
+  r.sequence = 5;
+  r.payload_len = 77;
+  std::array<std::byte, wire::kResponseBytes> raw;
+  wire::EncodeResponse(r, raw.data());
+  wire::ResponseHeader out;
+  ASSERT_TRUE(wire::DecodeResponse(raw.data(), &out).ok());
+  EXPECT_EQ(out.follow, 2);
+  EXPECT_EQ(out.sequence, 5u);
+  EXPECT_EQ(out.payload_len, 77u);
+  r.code = 3;
+  wire::EncodeResponse(r, raw.data());
+  EXPECT_FALSE(wire::DecodeResponse(raw.data(), &out).ok());  // an error carries no payload
+  r.payload_len = 0;
+  r.message_len = wire::kMaxMessageBytes + 1;
+  wire::EncodeResponse(r, raw.data());
+  EXPECT_FALSE(wire::DecodeResponse(raw.data(), &out).ok());
+
+  wire::Hello hello;
+  hello.token_len = 12;
+  hello.lane = 3;
+  std::array<std::byte, wire::kHelloBytes> hraw;
+  wire::EncodeHello(hello, hraw.data());
+  wire::Hello hout;
+  ASSERT_TRUE(wire::DecodeHello(hraw.data(), &hout).ok());
+  EXPECT_EQ(hout.token_len, 12u);
+  EXPECT_EQ(hout.lane, 3u);
+  EXPECT_EQ(hout.version, wire::kVersion);
+  hello.token_len = wire::kMaxTokenBytes + 1;
+  wire::EncodeHello(hello, hraw.data());
+  EXPECT_FALSE(wire::DecodeHello(hraw.data(), &hout).ok());
+
+  EXPECT_EQ(wire::CodeFromWire(5), absl::StatusCode::kNotFound);
+  EXPECT_EQ(wire::CodeFromWire(1000), absl::StatusCode::kUnknown);
+}
+
+class SocketPair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    a_ = fds[0];
+    b_ = fds[1];
+    // A bug that blocks the reader fails the test instead of hanging it.
+    ASSERT_TRUE(SetIoTimeout(a_, absl::Seconds(10)).ok());
+  }
+  void TearDown() override {
+    ::close(a_);
+    ::close(b_);
+  }
+  int a_ = -1;  // read side
+  int b_ = -1;  // write side
+};
+
+// Frames of 8-byte "headers" (value = index) each followed by `payload[i]` bytes.
+TEST_F(SocketPair, PayloadsLandOnlyInTheirDestination) {
+  constexpr size_t kHeader = 8;
+  const std::vector<size_t> payloads = {0, 0, 100, 0, 5000, 0, 0, 0, 1, 70000};
+  std::vector<std::byte> stream;
+  std::vector<uint16_t> follows(payloads.size());
+  // follow[i]: headers after i's payload up to and including the next with a payload.
+  for (size_t i = payloads.size(); i-- > 0;) {
+    if (i + 1 == payloads.size()) {
+      follows[i] = 0;
+    } else {
+      follows[i] = payloads[i + 1] > 0 ? 1 : follows[i + 1] + 1;
+    }
+  }
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    std::byte header[kHeader] = {};
+    wire::Store32(header, static_cast<uint32_t>(i));
+    stream.insert(stream.end(), header, header + kHeader);
+    for (size_t j = 0; j < payloads[i]; ++j) stream.push_back(static_cast<std::byte>(i + j));
+  }
+  // All at once: the reader must still not over-read into payloads.
+  ASSERT_TRUE(SendAll(b_, stream.data(), stream.size()).ok());
+
+  HeaderReader reader(a_, kHeader, nullptr);
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    absl::StatusOr<const std::byte*> header = reader.Next();
+    ASSERT_TRUE(header.ok()) << header.status();
+    EXPECT_EQ(wire::Load32(*header), i);
+    ASSERT_TRUE(reader.Expect(payloads[i], follows[i]).ok());
+    std::vector<std::byte> dest(payloads[i] + 2, std::byte{0xEE});
+    ASSERT_TRUE(reader.ReadTrailing(dest.data() + 1, payloads[i]).ok());
+    EXPECT_EQ(dest.front(), std::byte{0xEE});
+    EXPECT_EQ(dest.back(), std::byte{0xEE});
+    for (size_t j = 0; j < payloads[i]; ++j) {
+      ASSERT_EQ(dest[1 + j], static_cast<std::byte>(i + j)) << i << " " << j;
+    }
+  }
+}
+
+TEST_F(SocketPair, DiscardedPayloadDoesNotLeakIntoHeaders) {
+  constexpr size_t kHeader = 8;
+  // Payloads larger than the discard scratch buffer, followed by headers read ahead.
+  const std::vector<size_t> payloads = {600000, 0, 300000, 10, 0};
+  std::vector<uint16_t> follows(payloads.size());
+  for (size_t i = payloads.size(); i-- > 0;) {
+    follows[i] = i + 1 == payloads.size() ? 0 : payloads[i + 1] > 0 ? 1 : follows[i + 1] + 1;
+  }
+  std::vector<std::byte> stream;
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    std::byte header[kHeader] = {};
+    wire::Store32(header, static_cast<uint32_t>(i) + 1000);
+    stream.insert(stream.end(), header, header + kHeader);
+    stream.insert(stream.end(), payloads[i], std::byte{0x77});
+  }
+  std::thread sender([&] { ASSERT_TRUE(SendAll(b_, stream.data(), stream.size()).ok()); });
+  HeaderReader reader(a_, kHeader, nullptr);
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    absl::StatusOr<const std::byte*> header = reader.Next();
+    ASSERT_TRUE(header.ok()) << header.status();
+    ASSERT_EQ(wire::Load32(*header), i + 1000);
+    ASSERT_TRUE(reader.Expect(payloads[i], follows[i]).ok());
+    ASSERT_TRUE(reader.DiscardTrailing(payloads[i]).ok());
+  }
+  sender.join();
+}
+
+TEST_F(SocketPair, LyingFollowHintIsDetected) {
+  constexpr size_t kHeader = 8;
+  std::vector<std::byte> stream(kHeader * 2 + 64, std::byte{1});
+  ASSERT_TRUE(SendAll(b_, stream.data(), stream.size()).ok());
+  HeaderReader reader(a_, kHeader, nullptr);
+  ASSERT_TRUE(reader.Next().ok());
+  // Claims 5 payload-free headers follow; the second header actually carries 64 bytes.
+  ASSERT_TRUE(reader.Expect(0, 5).ok());
+  ASSERT_TRUE(reader.Next().ok());  // reads ahead up to 4 more "headers": payload bytes
+  absl::Status s = reader.Expect(64, 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+}
+
+class FlushWrites final : public PendingOutput {
+ public:
+  explicit FlushWrites(int fd) : fd_(fd) {}
+  bool HasPending() const override { return pending_; }
+  absl::Status Flush() override {
+    ++flushes_;
+    pending_ = false;
+    // Stands for "the peer got our responses and now sends more".
+    std::array<std::byte, 8> header{};
+    return SendAll(fd_, header.data(), header.size());
+  }
+  bool pending_ = true;
+  int flushes_ = 0;
+
+ private:
+  const int fd_;
+};
+
+TEST_F(SocketPair, FlushesPendingOutputBeforeBlocking) {
+  FlushWrites output(b_);
+  HeaderReader reader(a_, 8, &output);
+  // Nothing to read until the reader flushes: without the flush this times out.
+  absl::StatusOr<const std::byte*> header = reader.Next();
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(output.flushes_, 1);
+  // With nothing pending, no flush.
+  ASSERT_TRUE(SendAll(b_, std::array<std::byte, 8>{}.data(), 8).ok());
+  ASSERT_TRUE(reader.Expect(0, 0).ok());
+  ASSERT_TRUE(reader.Next().ok());
+  EXPECT_EQ(output.flushes_, 1);
+}
+
+TEST(TcpSocketTest, ParsesEndpoints) {
+  std::string host;
+  uint16_t port = 0;
+  ASSERT_TRUE(ParseEndpoint("127.0.0.1:80", &host, &port).ok());
+  EXPECT_EQ(host, "127.0.0.1");
+  EXPECT_EQ(port, 80);
+  ASSERT_TRUE(ParseEndpoint("[::1]:9000", &host, &port).ok());
+  EXPECT_EQ(host, "::1");
+  EXPECT_EQ(port, 9000);
+  EXPECT_EQ(FormatEndpoint("::1", 9000), "[::1]:9000");
+  EXPECT_FALSE(ParseEndpoint("127.0.0.1", &host, &port).ok());
+  EXPECT_FALSE(ParseEndpoint("127.0.0.1:0", &host, &port).ok());
+  EXPECT_FALSE(ParseEndpoint("127.0.0.1:70000", &host, &port).ok());
+  EXPECT_FALSE(ParseEndpoint(":80", &host, &port).ok());
+}
+
+}  // namespace
+}  // namespace kvwire::transport

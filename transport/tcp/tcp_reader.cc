@@ -1,0 +1,103 @@
+#include "transport/tcp/tcp_reader.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+#include "transport/tcp/tcp_socket.h"
+#include "transport/tcp/tcp_wire.h"
+
+namespace kvwire::transport {
+
+HeaderReader::HeaderReader(int fd, size_t header_bytes, PendingOutput* output)
+    : fd_(fd),
+      header_bytes_(header_bytes),
+      output_(output),
+      buffer_((tcp_wire::kMaxFollow + 1) * header_bytes) {}
+
+absl::StatusOr<size_t> HeaderReader::Receive(iovec* iov, size_t count, bool wait_all) {
+  if (output_ != nullptr && output_->HasPending()) {
+    // Only block after the queued output is on its way: the peer may be waiting for it.
+    absl::StatusOr<size_t> n = RecvSome(fd_, iov, count, RecvMode::kNonBlocking);
+    if (!n.ok() || *n > 0) return n;
+    if (absl::Status s = output_->Flush(); !s.ok()) return s;
+  }
+  return RecvSome(fd_, iov, count, wait_all ? RecvMode::kWaitAll : RecvMode::kSome);
+}
+
+void HeaderReader::Compact(size_t want) {
+  if (begin_ == end_) {
+    begin_ = end_ = 0;
+  } else if (buffer_.size() - end_ < want && begin_ > 0) {
+    std::memmove(buffer_.data(), buffer_.data() + begin_, buffered());
+    end_ -= begin_;
+    begin_ = 0;
+  }
+}
+
+absl::StatusOr<const std::byte*> HeaderReader::Next() {
+  while (buffered() < header_bytes_) {
+    const size_t need = header_bytes_ - buffered();
+    Compact(std::max(need, ahead_));
+    const size_t want = std::min(std::max(need, ahead_), buffer_.size() - end_);
+    iovec iov{buffer_.data() + end_, want};
+    absl::StatusOr<size_t> n = Receive(&iov, 1, /*wait_all=*/false);
+    if (!n.ok()) return n.status();
+    end_ += *n;
+    ahead_ -= std::min(ahead_, *n);
+  }
+  const std::byte* header = buffer_.data() + begin_;
+  begin_ += header_bytes_;
+  return header;
+}
+
+absl::Status HeaderReader::Expect(uint64_t trailing, uint16_t follow) {
+  const size_t promised = std::min<size_t>(follow, tcp_wire::kMaxFollow) * header_bytes_;
+  if (trailing > 0) {
+    if (buffered() > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("read-ahead hint overran ", trailing, " bytes of payload/message"));
+    }
+    ahead_ = promised;
+  } else {
+    // The headers after this one may already be (partly) buffered.
+    ahead_ = promised > buffered() ? promised - buffered() : 0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeaderReader::DiscardTrailing(uint64_t length) {
+  constexpr size_t kScratchBytes = 256 << 10;
+  if (scratch_.empty()) scratch_.resize(kScratchBytes);
+  // Only the last piece may read ahead: before it, the stream holds more trailing bytes.
+  const size_t ahead = ahead_;
+  ahead_ = 0;
+  while (length > scratch_.size()) {
+    if (absl::Status s = ReadTrailing(scratch_.data(), scratch_.size()); !s.ok()) return s;
+    length -= scratch_.size();
+  }
+  ahead_ = ahead;
+  return ReadTrailing(scratch_.data(), length);
+}
+
+absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length) {
+  Compact(ahead_);
+  while (length > 0) {
+    iovec iov[2] = {{dest, length}, {buffer_.data() + end_, 0}};
+    iov[1].iov_len = std::min(ahead_, buffer_.size() - end_);
+    // Waiting for all of it is safe: the read-ahead headers were sent in the same batch as
+    // the payload (that is what `follow` promises), so they are on their way.
+    absl::StatusOr<size_t> n = Receive(iov, iov[1].iov_len > 0 ? 2 : 1, /*wait_all=*/true);
+    if (!n.ok()) return n.status();
+    const size_t into_dest = std::min(*n, length);
+    dest += into_dest;
+    length -= into_dest;
+    const size_t extra = *n - into_dest;
+    end_ += extra;
+    ahead_ -= extra;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvwire::transport

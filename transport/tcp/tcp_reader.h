@@ -1,0 +1,68 @@
+// Reads fixed-size headers and the bytes that follow them (payloads, messages) from a
+// blocking socket, such that trailing bytes always land directly in their destination:
+// headers are read ahead only as far as the sender's `follow` hint (tcp_wire.h) guarantees
+// that no trailing byte is crossed. One thread uses a reader at a time.
+#ifndef KVWIRE_TRANSPORT_TCP_TCP_READER_H_
+#define KVWIRE_TRANSPORT_TCP_TCP_READER_H_
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvwire::transport {
+
+// Output queued by the owner of a reader, flushed before the reader blocks (so that queued
+// responses never wait for more input).
+class PendingOutput {
+ public:
+  virtual ~PendingOutput() = default;
+  virtual bool HasPending() const = 0;
+  virtual absl::Status Flush() = 0;
+};
+
+class HeaderReader {
+ public:
+  // `output` may be null; it must outlive the reader.
+  HeaderReader(int fd, size_t header_bytes, PendingOutput* output);
+
+  // Receives until one whole header is buffered and returns it (valid until the next call).
+  // Errors are those of RecvSome (tcp_socket.h) or of PendingOutput::Flush.
+  absl::StatusOr<const std::byte*> Next();
+
+  // Declares what follows the header just returned by Next(): `trailing` bytes of its own,
+  // then `follow` more headers without trailing bytes in between. Reading ahead into the
+  // header buffer is limited to those headers. FailedPrecondition (a protocol error) if
+  // bytes are already buffered where trailing bytes should be: the peer's hints lied.
+  absl::Status Expect(uint64_t trailing, uint16_t follow);
+
+  // Receives the `length` trailing bytes directly into `dest` (nullptr with length 0 is
+  // fine), reading ahead declared headers in the same calls.
+  absl::Status ReadTrailing(std::byte* dest, size_t length);
+  // Receives and drops the `length` trailing bytes (through a small scratch buffer).
+  absl::Status DiscardTrailing(uint64_t length);
+
+ private:
+  // Flushes pending output before blocking; `wait_all` fills all of iov when it blocks.
+  absl::StatusOr<size_t> Receive(iovec* iov, size_t count, bool wait_all);
+  // Moves buffered bytes to the front when that makes room for `want` more.
+  void Compact(size_t want);
+  size_t buffered() const { return end_ - begin_; }
+
+  const int fd_;
+  const size_t header_bytes_;
+  PendingOutput* const output_;
+  std::vector<std::byte> buffer_;
+  std::vector<std::byte> scratch_;  // for DiscardTrailing, allocated on first use
+  size_t begin_ = 0;                // first unconsumed byte
+  size_t end_ = 0;                  // one past the last received byte
+  size_t ahead_ = 0;                // bytes not yet received that are known to be headers
+};
+
+}  // namespace kvwire::transport
+
+#endif  // KVWIRE_TRANSPORT_TCP_TCP_READER_H_

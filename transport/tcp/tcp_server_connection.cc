@@ -1,0 +1,318 @@
+#include "transport/tcp/tcp_server_connection.h"
+
+#include <algorithm>
+#include <array>
+#include <pthread.h>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "src/util/log.h"
+#include "transport/tcp/tcp_reader.h"
+#include "transport/tcp/tcp_wire.h"
+
+namespace kvwire::transport {
+namespace {
+
+namespace wire = tcp_wire;
+
+// A dialer has this long to send its hello.
+constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
+// After an error response, input is discarded for at most this long / this many bytes.
+constexpr absl::Duration kLingerTime = absl::Seconds(2);
+constexpr uint64_t kLingerBytes = 256 << 20;
+// Responses are sent in batches of at most this many, or as soon as they stand for this many
+// bytes (acked WRITE data or READ payload), or when the input runs dry.
+constexpr size_t kMaxResponses = 64;
+constexpr uint64_t kFlushBytes = 1 << 20;
+
+}  // namespace
+
+// Responses queued for one gather send: headers in one contiguous array (so that runs of
+// acks go out as one iovec), READ payloads referenced in place and pinned until sent.
+class ServerConnection::Responses final : public PendingOutput {
+ public:
+  explicit Responses(int fd)
+      : fd_(fd), headers_(kMaxResponses), payloads_(kMaxResponses), pins_(kMaxResponses) {
+    iov_.reserve(2 * kMaxResponses);
+  }
+
+  void AddAck(uint64_t sequence, uint64_t acked_bytes) {
+    Add(wire::kKindWrite, sequence, nullptr, 0, nullptr);
+    bytes_ += acked_bytes;
+  }
+  void AddRead(uint64_t sequence, const std::byte* data, uint64_t length,
+               std::shared_ptr<const void> pin) {
+    Add(wire::kKindRead, sequence, data, length, std::move(pin));
+    bytes_ += length;
+  }
+  bool Full() const { return count_ == kMaxResponses || bytes_ >= kFlushBytes; }
+  bool HasPending() const override { return count_ > 0; }
+
+  absl::Status Flush() override {
+    if (count_ == 0) return absl::OkStatus();
+    uint16_t follow = 0;
+    for (size_t i = count_; i-- > 0;) {
+      wire::PatchFollow(headers_[i].data(), follow);
+      follow = payloads_[i].length > 0 ? 1 : static_cast<uint16_t>(follow + 1);
+    }
+    iov_.clear();
+    for (size_t i = 0; i < count_; ++i) {
+      std::byte* header = headers_[i].data();
+      if (!iov_.empty() &&
+          static_cast<std::byte*>(iov_.back().iov_base) + iov_.back().iov_len == header) {
+        iov_.back().iov_len += wire::kResponseBytes;
+      } else {
+        iov_.push_back({header, wire::kResponseBytes});
+      }
+      if (payloads_[i].length > 0) {
+        iov_.push_back({const_cast<std::byte*>(payloads_[i].data), payloads_[i].length});
+      }
+    }
+    absl::Status s = SendAll(fd_, iov_.data(), iov_.size());
+    for (size_t i = 0; i < count_; ++i) pins_[i].reset();
+    count_ = 0;
+    bytes_ = 0;
+    return s;
+  }
+
+ private:
+  struct Payload {
+    const std::byte* data = nullptr;
+    uint64_t length = 0;
+  };
+
+  void Add(uint8_t kind, uint64_t sequence, const std::byte* data, uint64_t length,
+           std::shared_ptr<const void> pin) {
+    wire::ResponseHeader h;
+    h.kind = kind;
+    h.sequence = sequence;
+    h.payload_len = length;
+    wire::EncodeResponse(h, headers_[count_].data());
+    payloads_[count_] = {data, length};
+    pins_[count_] = std::move(pin);
+    ++count_;
+  }
+
+  const int fd_;
+  std::vector<std::array<std::byte, wire::kResponseBytes>> headers_;
+  std::vector<Payload> payloads_;
+  std::vector<std::shared_ptr<const void>> pins_;
+  std::vector<iovec> iov_;
+  size_t count_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote,
+                                   TargetHooks* hooks, uint64_t max_op_bytes, AdmitFn admit)
+    : socket_(std::move(socket)),
+      remote_(std::move(remote)),
+      hooks_(hooks),
+      max_op_bytes_(max_op_bytes),
+      admit_(std::move(admit)) {}
+
+ServerConnection::~ServerConnection() {
+  Stop();
+  Join();
+}
+
+void ServerConnection::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
+
+void ServerConnection::Stop() {
+  stopped_.store(true, std::memory_order_release);
+  socket_->Shutdown();
+}
+
+void ServerConnection::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::optional<PeerId> ServerConnection::peer() const {
+  MutexLock lock(&mu_);
+  return peer_;
+}
+
+void ServerConnection::set_peer(PeerId peer) {
+  MutexLock lock(&mu_);
+  peer_ = peer;
+}
+
+void ServerConnection::Run() {
+  pthread_setname_np(pthread_self(), "kvw-tcp-serve");
+  absl::StatusOr<PeerId> peer = Handshake();
+  if (peer.ok()) {
+    Serve(*peer);
+  } else {
+    KVW_LOG(kWarning, "tcp") << "data connection refused" << Kv("remote", remote_)
+                             << Kv("reason", peer.status().message());
+  }
+  socket_->Close();
+  exited_.store(true, std::memory_order_release);
+}
+
+absl::StatusOr<PeerId> ServerConnection::Handshake() {
+  const int fd = socket_->fd();
+  if (absl::Status s = SetIoTimeout(fd, kHelloTimeout); !s.ok()) return s;
+  std::array<std::byte, wire::kHelloBytes> raw;
+  if (absl::Status s = RecvExact(fd, raw.data(), raw.size()); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("no hello: ", s.message()));
+  }
+  wire::Hello hello;
+  absl::Status check = wire::DecodeHello(raw.data(), &hello);
+  if (check.ok() && hello.version != wire::kVersion) {
+    check = absl::FailedPreconditionError(absl::StrCat("tcp wire protocol version ", hello.version,
+                                                       " is not supported (this side speaks ",
+                                                       wire::kVersion, ")"));
+  }
+  absl::StatusOr<PeerId> peer = absl::UnknownError("");
+  if (!check.ok()) {
+    peer = check;
+  } else {
+    std::string token(hello.token_len, '\0');
+    if (absl::Status s = RecvExact(fd, token.data(), token.size()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("hello token: ", s.message()));
+    }
+    peer = hooks_->PeerForToken(token);
+    if (!peer.ok()) {
+      // Whatever the engine's reason, the dialer learns that its token was not accepted.
+      peer = absl::UnauthenticatedError(peer.status().message());
+    } else if (!admit_(this, *peer)) {
+      peer = absl::UnauthenticatedError(absl::StrCat("peer ", *peer, " was dropped"));
+    }
+  }
+
+  std::string message(peer.ok() ? "" : peer.status().message());
+  message.resize(std::min<size_t>(message.size(), wire::kMaxMessageBytes));
+  wire::HelloReply reply;
+  reply.code = static_cast<uint32_t>(peer.status().code());
+  reply.message_len = static_cast<uint32_t>(message.size());
+  reply.max_op_bytes = peer.ok() ? max_op_bytes_ : 0;
+  std::array<std::byte, wire::kHelloReplyBytes> out;
+  wire::EncodeHelloReply(reply, out.data());
+  iovec iov[2] = {{out.data(), out.size()}, {message.data(), message.size()}};
+  const absl::Status sent = SendAll(fd, iov, 2);
+  if (!peer.ok()) {
+    Linger();
+    return peer;
+  }
+  if (!sent.ok()) return absl::Status(sent.code(), absl::StrCat("hello reply: ", sent.message()));
+  if (absl::Status s = SetIoTimeout(fd, absl::ZeroDuration()); !s.ok()) return s;
+  return *peer;
+}
+
+void ServerConnection::Serve(PeerId peer) {
+  const int fd = socket_->fd();
+  Responses responses(fd);
+  HeaderReader reader(fd, wire::kRequestBytes, &responses);
+  const std::string context =
+      absl::StrCat("tcp data connection from ", remote_, " (peer ", peer, ")");
+  uint64_t expected_seq = 0;
+  absl::Status io;  // why the stream ended, when it did by itself
+
+  while (true) {
+    absl::StatusOr<const std::byte*> raw = reader.Next();
+    if (!raw.ok()) {
+      io = raw.status();
+      break;
+    }
+    wire::RequestHeader h;
+    if (absl::Status s = wire::DecodeRequest(*raw, max_op_bytes_, &h); !s.ok()) {
+      RefuseOp(peer, responses, wire::kNoSequence,
+               absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+      return;
+    }
+    if (h.sequence != expected_seq) {
+      RefuseOp(peer, responses, wire::kNoSequence,
+               absl::InvalidArgumentError(absl::StrCat("protocol error: op sequence ", h.sequence,
+                                                       ", expected ", expected_seq)),
+               context);
+      return;
+    }
+    ++expected_seq;
+    const bool write = h.kind == wire::kKindWrite;
+    absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
+        peer, h.region, h.offset, h.length, write ? OpKind::kWrite : OpKind::kRead);
+    if (!access.ok()) {
+      RefuseOp(peer, responses, h.sequence, access.status(),
+               absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+      return;
+    }
+    if (access->data == nullptr && h.length > 0) {
+      RefuseOp(
+          peer, responses, h.sequence,
+          absl::InternalError(absl::StrCat("remote region ", h.region, " resolved to no memory")),
+          absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+      return;
+    }
+    if (absl::Status s = reader.Expect(write ? h.length : 0, h.follow); !s.ok()) {
+      RefuseOp(peer, responses, wire::kNoSequence,
+               absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+      return;
+    }
+    if (write) {
+      // Straight into the engine's memory; `access` pins it meanwhile.
+      if (absl::Status s = reader.ReadTrailing(access->data, h.length); !s.ok()) {
+        io = s;
+        break;
+      }
+      if (h.flags & wire::kFlagCountArrivals) hooks_->OnWriteArrived(peer, h.transfer_id);
+      responses.AddAck(h.sequence, h.length);
+    } else {
+      responses.AddRead(h.sequence, access->data, h.length, std::move(access->pin));
+    }
+    if (responses.Full()) {
+      if (absl::Status s = responses.Flush(); !s.ok()) {
+        io = s;
+        break;
+      }
+    }
+  }
+  KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer)
+                        << Kv("reason", io.message())
+                        << Kv("stopped", stopped_.load(std::memory_order_acquire));
+}
+
+void ServerConnection::RefuseOp(PeerId peer, Responses& responses, uint64_t sequence,
+                                const absl::Status& error, const std::string& context) {
+  const absl::Status report(error.code(), absl::StrCat(context, ": ", error.message()));
+  KVW_LOG(kWarning, "tcp") << "refusing op stream" << Kv("peer", peer)
+                           << Kv("error", report.message());
+  // Earlier ops succeeded: their responses go first, in order.
+  absl::Status sent = responses.Flush();
+  if (sent.ok()) {
+    std::string message(error.message());
+    message.resize(std::min<size_t>(message.size(), wire::kMaxMessageBytes));
+    wire::ResponseHeader h;
+    h.code = static_cast<uint32_t>(error.code());
+    h.message_len = static_cast<uint32_t>(message.size());
+    h.sequence = sequence;
+    std::array<std::byte, wire::kResponseBytes> out;
+    wire::EncodeResponse(h, out.data());
+    iovec iov[2] = {{out.data(), out.size()}, {message.data(), message.size()}};
+    sent = SendAll(socket_->fd(), iov, 2);
+  }
+  if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer, report);
+  if (sent.ok()) Linger();
+}
+
+void ServerConnection::Linger() {
+  socket_->ShutdownWrite();
+  const int fd = socket_->fd();
+  const absl::Time until = absl::Now() + kLingerTime;
+  std::vector<std::byte> sink(64 << 10);
+  uint64_t drained = 0;
+  while (drained < kLingerBytes && !stopped_.load(std::memory_order_acquire)) {
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration() || !SetIoTimeout(fd, left).ok()) break;
+    iovec iov{sink.data(), sink.size()};
+    absl::StatusOr<size_t> n = RecvSome(fd, &iov, 1, RecvMode::kSome);
+    if (!n.ok()) break;  // end of stream (the peer read the error and closed), or timeout
+    drained += *n;
+  }
+}
+
+}  // namespace kvwire::transport
