@@ -24,6 +24,10 @@ struct Mode {
   bool shareable;         // peer regions in memfd (shm maps them) or heap (cma / tcp)
 };
 
+void PrintTo(const Mode& mode, std::ostream* os) {
+  *os << mode.transport << (mode.shareable ? "/memfd" : "/heap");
+}
+
 std::string ModeName(const ::testing::TestParamInfo<Mode>& info) {
   return absl::StrCat(info.param.transport, info.param.shareable ? "_memfd" : "_heap");
 }

@@ -148,6 +148,8 @@ struct Case {
   const char* expect_in_message;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 class HostilePeerTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(HostilePeerTest, RefusedClearlyAndOnlyThatPeerIsDropped) {

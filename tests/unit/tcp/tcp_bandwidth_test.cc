@@ -5,7 +5,9 @@
 // Environment: KVWIRE_BENCH_BYTES (bytes per run, default 2 GiB), KVWIRE_BENCH_SPAN (bytes of
 // the buffers the ops cycle through, default 256 MiB: a KV pool, not a cache-resident buffer),
 // KVWIRE_BENCH_RUNS (runs per configuration, default 3; the median is printed),
-// KVWIRE_BENCH_SOCKBUF (TcpTransportOptions::socket_buffer_bytes, default the option's).
+// KVWIRE_BENCH_SOCKBUF (TcpTransportOptions::socket_buffer_bytes, default the option's),
+// KVWIRE_BENCH_KINDS / _OPS / _LANES (comma lists, default "WRITE,READ" / "1048576,65536" /
+// "1,4").
 // Prints decimal GB/s (10^9 B/s).
 #include <algorithm>
 #include <cstdio>
@@ -18,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 #include "src/util/mutex.h"
@@ -25,6 +28,11 @@
 
 namespace kvwire::transport {
 namespace {
+
+std::vector<std::string> EnvList(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return absl::StrSplit(v != nullptr ? v : fallback, ',', absl::SkipEmpty());
+}
 
 uint64_t EnvOr(const char* name, uint64_t fallback) {
   const char* v = std::getenv(name);
@@ -116,9 +124,14 @@ TEST(TcpBandwidth, DISABLED_LoopbackWriteAndRead) {
               static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(span >> 20),
               options.socket_buffer_bytes, static_cast<unsigned long long>(runs));
   std::printf("%-6s %10s %6s %10s\n", "op", "op bytes", "lanes", "GB/s");
-  for (OpKind kind : {OpKind::kWrite, OpKind::kRead}) {
-    for (uint64_t op_bytes : {uint64_t{1} << 20, uint64_t{64} << 10}) {
-      for (uint32_t lanes : {1u, 4u}) {
+  for (const std::string& kind_name : EnvList("KVWIRE_BENCH_KINDS", "WRITE,READ")) {
+    const OpKind kind = kind_name == "READ" ? OpKind::kRead : OpKind::kWrite;
+    for (const std::string& op_text : EnvList("KVWIRE_BENCH_OPS", "1048576,65536")) {
+      uint64_t op_bytes = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(op_text, &op_bytes) && op_bytes > 0) << op_text;
+      for (const std::string& lanes_text : EnvList("KVWIRE_BENCH_LANES", "1,4")) {
+        uint32_t lanes = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(lanes_text, &lanes) && lanes > 0) << lanes_text;
         PeerLink link;
         link.remote_endpoint = (*target)->Endpoint();
         link.lanes = lanes;
