@@ -4,6 +4,7 @@
 #
 #   make test          build build/ (gcc) and run every test
 #   make demo          build and run build/perf/kvwire-demo (shm and tcp, two processes)
+#   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
 #   make format        clang-format -i every C/C++ file of the tree
@@ -37,7 +38,8 @@ CLANG := -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
 # Sanitizer run-time options: stop at the first report with a full stack, and fail the test.
 export ASAN_OPTIONS ?= detect_leaks=1:halt_on_error=1:check_initialization_order=1:strict_init_order=1:symbolize=1
 export UBSAN_OPTIONS ?= halt_on_error=1:print_stacktrace=1
-export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
+# tests/tsan.supp lists only false positives from libraries built without TSan (libabsl).
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/tsan.supp
 # ccache keys on paths relative to the checkout, so a fresh clone elsewhere reuses the cache.
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
@@ -47,7 +49,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo test-asan test-tsan format format-check install clean help
+.PHONY: deps build test demo compare test-asan test-tsan format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -64,6 +66,16 @@ demo: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-demo
 	$(BUILD_DIR)/perf/kvwire-demo $(DEMO_ARGS)
+
+# Side by side with the floors and ucx_perftest, in one run (a few minutes): prints the table
+# of medians and regenerates perf/RESULTS.md and its plot. COMPARE_ARGS= passes arguments
+# (e.g. --runs 5). Installs its own tools (ucx-utils, iperf3, gnuplot) first.
+COMPARE_ARGS ?=
+compare: deps
+	@scripts/install-deps.sh --compare
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-perf kvwire-memcpy-floor
+	python3 perf/compare/compare.py --bin $(BUILD_DIR)/perf $(COMPARE_ARGS)
 
 # The sanitizer targets run the build as well as the tests under the prefix that
 # scripts/sanitizer-prefix.sh finds (empty, or `setarch <arch> -R` where the kernel's mmap

@@ -7,16 +7,16 @@
 // The target is this same binary started with --serve. Bandwidth is decimal GB/s (1e9 B/s).
 // "hot" reuses one buffer on each side (what ucx_perftest and perftest do); "pool" walks a
 // pool much larger than the caches (what a KV cache is).
-#include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
+#include <signal.h>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+
 #include "kvwire/engine.h"
 
 namespace {
@@ -92,8 +93,7 @@ int Serve(const Args& args) {
   options.export_to_all_peers = true;
   auto region = (*engine)->RegisterMemory(pool->data(), pool->size(), options);
   if (!region.ok()) return Fail(region.status());
-  std::printf("%s %llu\n", (*engine)->address().c_str(),
-              static_cast<unsigned long long>(*region));
+  std::printf("%s %llu\n", (*engine)->address().c_str(), static_cast<unsigned long long>(*region));
   std::fflush(stdout);
   char c;
   while (read(STDIN_FILENO, &c, 1) > 0) {
@@ -213,14 +213,14 @@ int Run(const Args& args, const char* self) {
   std::memset(local_pool->data(), 1, local_pool->size());  // fault the pages in
   std::vector<std::byte> src(pool, std::byte{2});
 
-  std::printf("kvwire-demo: two processes (pid %d -> %d), pool %llu MiB per side, %llu MiB "
-              "per measurement, batch %d ops per transfer, %d transfers outstanding,\n"
-              "median of %d runs. Bandwidth in decimal GB/s (1e9 B/s).\n\n",
-              getpid(), child, static_cast<unsigned long long>(args.pool_mb),
-              static_cast<unsigned long long>(args.total_mb), args.batch, args.outstanding,
-              args.reps);
-  std::printf("%-9s %-5s %-9s %-7s %9s %9s %7s  %s\n", "transport", "op", "size", "memory",
-              "GB/s", "memcpy", "ratio", "path");
+  std::printf(
+      "kvwire-demo: two processes (pid %d -> %d), pool %llu MiB per side, %llu MiB "
+      "per measurement, batch %d ops per transfer, %d transfers outstanding,\n"
+      "median of %d runs. Bandwidth in decimal GB/s (1e9 B/s).\n\n",
+      getpid(), child, static_cast<unsigned long long>(args.pool_mb),
+      static_cast<unsigned long long>(args.total_mb), args.batch, args.outstanding, args.reps);
+  std::printf("%-9s %-5s %-9s %-7s %9s %9s %7s  %s\n", "transport", "op", "size", "memory", "GB/s",
+              "memcpy", "ratio", "path");
   int status = 0;
   for (const std::string& transport : args.transports) {
     kvwire::EngineOptions options = kvwire::EngineOptions::FromEnvironment({});
@@ -267,11 +267,12 @@ int Run(const Args& args, const char* self) {
       }
     }
     kvwire::EngineStats stats = (*engine)->Stats();
-    std::printf("%-9s verified 8 MiB byte for byte; %llu transfers, %llu ops posted, %llu "
-                "failed\n",
-                transport.c_str(), static_cast<unsigned long long>(stats.transfers_succeeded),
-                static_cast<unsigned long long>(stats.ops_posted),
-                static_cast<unsigned long long>(stats.transfers_failed));
+    std::printf(
+        "%-9s verified 8 MiB byte for byte; %llu transfers, %llu ops posted, %llu "
+        "failed\n",
+        transport.c_str(), static_cast<unsigned long long>(stats.transfers_succeeded),
+        static_cast<unsigned long long>(stats.ops_posted),
+        static_cast<unsigned long long>(stats.transfers_failed));
   }
   close(to_child[1]);
   int wstatus = 0;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvwire needs to build and test. Idempotent and quiet when
 # everything is present; run as root (or via sudo) on Debian 12. Extra package names given
-# as arguments are installed too.
+# as arguments are installed too; `--compare` adds the side-by-side comparison's tools.
 set -euo pipefail
 
 packages=(
@@ -11,7 +11,13 @@ packages=(
   libabsl-dev
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core
+  # rdma transport tests: soft-RoCE (rdma_rxe) in a qemu VM booting Debian's kernel
+  # (tests/rdma/vm/), the rxe provider and tools it packs, and the post-path benchmark.
+  qemu-system-x86 busybox-static cpio ibverbs-providers ibverbs-utils iproute2
+  libbenchmark-dev
   libssl-dev
+  # Connector: JSON (layouts, kv_transfer_params) and the Python binding.
+  nlohmann-json3-dev pybind11-dev python3-dev
   # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer
   # that turns sanitizer stack traces into file:line.
   clang libclang-rt-14-dev llvm
@@ -22,6 +28,12 @@ packages=(
   # setarch (util-linux) disables ASLR for TSan on kernels whose mmap layout it rejects.
   util-linux
 )
+# `--compare`: what `make compare` (perf/compare/) runs besides kvwire; not needed by `make test`.
+compare_packages=(ucx-utils iperf3 gnuplot-nox python3)
+if [[ ${1:-} == --compare ]]; then
+  shift
+  packages+=("${compare_packages[@]}")
+fi
 if [[ $# -gt 0 ]]; then packages+=("$@"); fi
 
 # One dpkg-query for all packages; a package dpkg has never heard of prints nothing (and

@@ -11,9 +11,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,7 +28,7 @@ namespace kvwire::transport {
 
 // What a transport can do; the engine decides from this, never from the transport's name.
 struct Capabilities {
-  std::string name;  // "tcp", "shm"
+  std::string name;  // "tcp", "shm", "rdma"
   bool one_sided_read = true;
   bool one_sided_write = true;
   bool same_host_only = false;
@@ -56,6 +58,19 @@ struct RemoteRegionDesc {
   MemoryKind kind = MemoryKind::kHost;
   uint64_t address = 0;    // base address in the peer's process
   bool shareable = false;  // memfd-backed on the peer
+  // The peer's Transport::RegionKey for the transport this desc is handed to (rdma: its
+  // rkeys), opaque. A fixed array: the struct stays trivially copyable.
+  static constexpr size_t kMaxKeyBytes = 120;
+  uint32_t key_length = 0;
+  char key[kMaxKeyBytes] = {};
+  // False (and no key) when `k` is longer than kMaxKeyBytes.
+  bool SetKey(std::string_view k) {
+    if (k.size() > kMaxKeyBytes) return false;
+    std::memcpy(key, k.data(), k.size());
+    key_length = static_cast<uint32_t>(k.size());
+    return true;
+  }
+  std::string_view Key() const { return std::string_view(key, key_length); }
 };
 
 // One op after planning: validated, local address resolved, at most max_op_bytes long.
@@ -146,6 +161,9 @@ class Transport {
   // Called by RegisterMemory, before the region is visible to any peer.
   virtual absl::Status RegisterRegion(const LocalRegion& region) = 0;
   virtual void DeregisterRegion(RegionId id) = 0;
+  // Opaque key a peer needs to access a registered region through this transport (rdma:
+  // its rkeys), exported with the region; empty when the transport needs none.
+  virtual std::string RegionKey(RegionId id) const { return std::string(); }
   // Whether this transport can reach a peer that advertised `remote_endpoint` (e.g. shm: same
   // host). The reason is logged and shown in stats either way.
   virtual absl::Status CanReach(const std::string& remote_endpoint) const = 0;

@@ -48,13 +48,14 @@ struct EngineOptions {
   std::string listen_address = "127.0.0.1:0";
 
   // Transport used for peers: kAuto picks shm on the same host when the regions allow it,
-  // else tcp. A forced transport that cannot reach a peer fails Connect with the reason.
+  // else rdma when both sides have a device that reaches the other, else tcp. A forced transport
+  // that cannot reach a peer fails Connect with the reason.
   TransportKind transport = TransportKind::kAuto;
 
   // Parallel tcp data connections per peer; a transfer is striped over them.
   int tcp_connections = 4;
 
-  // Ops longer than this are split into pieces (striped across connections).
+  // Ops longer than this are split into pieces (striped across connections); at most 64 MiB.
   uint64_t max_op_bytes = 1 << 20;
 
   // Transfers below this size use one connection (striping costs more than it gains).
@@ -85,9 +86,27 @@ struct EngineOptions {
   // Threads running the control channel.
   int io_threads = 1;
 
+  // --- rdma transport (used when a usable RDMA device exists; kAuto picks it for peers on
+  // other hosts that offer it too) ---
+  // Device allow-list, "mlx5_0" or "mlx5_0:1" entries (like perftest -d). Empty: every
+  // device with an ACTIVE port.
+  std::vector<std::string> rdma_devices;
+  // RoCE GID index; -1 picks the first IPv4-mapped RoCE v2 GID.
+  int rdma_gid_index = -1;
+  // RC queue pairs per peer and device; a transfer is striped over them.
+  int rdma_qps_per_peer = 4;
+  // Send-queue depth (work requests) of each QP; more is queued, never posted.
+  int rdma_send_queue_depth = 256;
+  // RC local ACK timeout exponent (4.096 us * 2^n; 14 = 67 ms), retry count (0..7) and RNR
+  // retry count (7 = retry forever).
+  int rdma_qp_timeout = 14;
+  int rdma_retry_count = 7;
+  int rdma_rnr_retry = 7;
+
   // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
-  // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL). The only place the library
-  // reads the environment.
+  // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL, KVWIRE_RDMA_DEVICES (comma
+  // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS). The only place the library reads the
+  // environment.
   static EngineOptions FromEnvironment(EngineOptions base);
 };
 

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
 

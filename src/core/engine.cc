@@ -1,5 +1,6 @@
 #include "kvwire/engine.h"
 
+#include <algorithm>
 #include <unistd.h>
 
 #include <openssl/rand.h>
@@ -8,14 +9,18 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "src/core/engine_impl.h"
 #include "src/util/log.h"
+#include "transport/rdma/rdma_transport.h"
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvwire {
 namespace {
+
+constexpr uint64_t kMaxTcpOpBytes = 64 << 20;
 
 // Splits "host:port"; the port defaults to 0.
 absl::Status SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
@@ -45,8 +50,8 @@ std::string Engine::Impl::NewToken() {
     // unique should the CSPRNG ever fail.
     for (size_t i = 0; i < sizeof(bytes); ++i) bytes[i] = static_cast<unsigned char>(i);
   }
-  return absl::StrCat(absl::BytesToHexString(absl::string_view(
-                          reinterpret_cast<const char*>(bytes), sizeof(bytes))),
+  return absl::StrCat(absl::BytesToHexString(
+                          absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes))),
                       "-", next_peer_id_.load());
 }
 
@@ -67,7 +72,9 @@ absl::Status Engine::Impl::Init() {
 
   transport::TcpTransportOptions tcp_options;
   tcp_options.listen_host = host;
-  tcp_options.max_op_bytes = std::max<uint64_t>(options_.max_op_bytes, 1 << 20);
+  // What this engine accepts as a target, whatever its peers' max_op_bytes (they split at
+  // their own setting, which EngineOptions caps at this).
+  tcp_options.max_op_bytes = kMaxTcpOpBytes;
   auto tcp = transport::CreateTcpTransport(tcp_options, this);
   if (!tcp.ok()) return tcp.status();
   tcp_ = std::move(*tcp);
@@ -82,8 +89,35 @@ absl::Status Engine::Impl::Init() {
     shm_ = std::move(*shm);
   }
 
-  work_ = std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
-      io_.get_executor());
+  transport::RdmaTransportOptions rdma_options;
+  rdma_options.listen_host = host;
+  rdma_options.devices = options_.rdma_devices;
+  rdma_options.gid_index = options_.rdma_gid_index;
+  rdma_options.qps_per_device =
+      static_cast<uint32_t>(std::clamp(options_.rdma_qps_per_peer, 1, 64));
+  rdma_options.send_queue_depth =
+      static_cast<uint32_t>(std::clamp(options_.rdma_send_queue_depth, 16, 16384));
+  rdma_options.qp_timeout = static_cast<uint8_t>(std::clamp(options_.rdma_qp_timeout, 0, 31));
+  rdma_options.retry_count = static_cast<uint8_t>(std::clamp(options_.rdma_retry_count, 0, 7));
+  rdma_options.rnr_retry = static_cast<uint8_t>(std::clamp(options_.rdma_rnr_retry, 0, 7));
+  auto rdma = transport::CreateRdmaTransport(rdma_options, this);
+  if (!rdma.ok()) {
+    // The usual case on machines without RDMA NICs: a warning only when rdma was asked for.
+    const LogLevel level =
+        options_.transport == TransportKind::kRdma || !options_.rdma_devices.empty()
+            ? LogLevel::kWarning
+            : LogLevel::kInfo;
+    if (LogEnabled(level)) {
+      LogLine(level, "engine") << "rdma transport unavailable: " << rdma.status().message()
+                               << Kv("engine", name_);
+    }
+  } else {
+    rdma_ = std::move(*rdma);
+  }
+
+  work_ =
+      std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
+          io_.get_executor());
   for (int i = 0; i < std::max(1, options_.io_threads); ++i) {
     io_threads_.emplace_back([this] { io_.run(); });
   }
@@ -100,8 +134,8 @@ absl::Status Engine::Impl::Init() {
     address_ = absl::StrCat(host == "0.0.0.0" ? "127.0.0.1" : host, ":", server_->port());
   }
   KVW_LOG(kInfo, "engine") << "started" << Kv("engine", name_) << Kv("address", address_)
-                           << Kv("tcp", tcp_->Endpoint())
-                           << Kv("shm", shm_ ? "yes" : "no");
+                           << Kv("tcp", tcp_->Endpoint()) << Kv("shm", shm_ ? "yes" : "no")
+                           << Kv("rdma", rdma_ ? "yes" : "no");
   return absl::OkStatus();
 }
 
@@ -119,10 +153,11 @@ Engine::Impl::~Impl() {
   if (worker_) worker_->Stop();
   if (tcp_) tcp_->Shutdown();
   if (shm_) shm_->Shutdown();
+  if (rdma_) rdma_->Shutdown();
   transfers_.FailIf([](const core::TransferInfo&) { return true; },
                     [this](const core::TransferInfo& info) {
-                      return absl::CancelledError(absl::StrCat(
-                          "transfer ", info.id, ": engine ", name_, " shutting down"));
+                      return absl::CancelledError(
+                          absl::StrCat("transfer ", info.id, ": engine ", name_, " shutting down"));
                     });
   {
     MutexLock lock(&reaper_mu_);
@@ -156,15 +191,15 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   const absl::Time start = absl::Now();
   const RegionId id = regions_.Add(region, options.export_to_all_peers);
   region.id = id;
-  for (transport::Transport* t : {tcp_.get(), shm_.get()}) {
+  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
     if (t == nullptr) continue;
     if (absl::Status s = t->RegisterRegion(region); !s.ok()) {
-      for (transport::Transport* u : {tcp_.get(), shm_.get()}) {
+      for (transport::Transport* u : {tcp_.get(), shm_.get(), rdma_.get()}) {
         if (u != nullptr) u->DeregisterRegion(id);
       }
       (void)regions_.Remove(id);
-      return absl::Status(s.code(), absl::StrCat("RegisterMemory with ", t->caps().name, ": ",
-                                                 s.message()));
+      return absl::Status(s.code(),
+                          absl::StrCat("RegisterMemory with ", t->caps().name, ": ", s.message()));
     }
   }
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
@@ -174,8 +209,7 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   }
   KVW_LOG(kInfo, "engine") << "registered region" << Kv("engine", name_) << Kv("region", id)
                            << Kv("length", length) << Kv("shareable", region.memfd >= 0)
-                           << Kv("export_all", options.export_to_all_peers)
-                           << Kv("us", us);
+                           << Kv("export_all", options.export_to_all_peers) << Kv("us", us);
   if (options.export_to_all_peers) {
     std::vector<std::shared_ptr<Peer>> peers;
     {
@@ -196,8 +230,8 @@ absl::Status Engine::Impl::DeregisterMemory(RegionId region) {
                info.local_regions.end();
       },
       [region](const core::TransferInfo& info) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "transfer ", info.id, ": local region ", region, " deregistered while in flight"));
+        return absl::FailedPreconditionError(absl::StrCat("transfer ", info.id, ": local region ",
+                                                          region, " deregistered while in flight"));
       });
   std::vector<std::shared_ptr<Peer>> peers;
   {
@@ -211,7 +245,7 @@ absl::Status Engine::Impl::DeregisterMemory(RegionId region) {
       (void)peer->conn->Send(revoke);
     }
   }
-  for (transport::Transport* t : {tcp_.get(), shm_.get()}) {
+  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
     if (t != nullptr) t->DeregisterRegion(region);
   }
   // Incoming ops and local transfers pin the region while they touch it; the caller may free
@@ -219,9 +253,9 @@ absl::Status Engine::Impl::DeregisterMemory(RegionId region) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (entry->use_count() > 1) {
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "region ", region, " removed but still in use by ", entry->use_count() - 1,
-          " operations after 10s; do not free its memory yet"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("region ", region, " removed but still in use by ", entry->use_count() - 1,
+                       " operations after 10s; do not free its memory yet"));
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -304,7 +338,9 @@ absl::StatusOr<TransferId> Engine::Transfer(PeerId peer, OpKind kind, absl::Span
   return impl_->Transfer(peer, kind, ops, options);
 }
 TransferState Engine::Poll(TransferId id, absl::Status* status) { return impl_->Poll(id, status); }
-absl::Status Engine::Wait(TransferId id, absl::Duration timeout) { return impl_->Wait(id, timeout); }
+absl::Status Engine::Wait(TransferId id, absl::Duration timeout) {
+  return impl_->Wait(id, timeout);
+}
 std::vector<Notification> Engine::TakeNotifications() { return impl_->TakeNotifications(); }
 absl::StatusOr<Notification> Engine::WaitNotification(absl::Duration timeout) {
   return impl_->WaitNotification(timeout);

@@ -5,6 +5,7 @@
 #define KVWIRE_CORE_ENGINE_IMPL_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "absl/container/flat_hash_map.h"
+
 #include "kvwire/engine.h"
 #include "proto/kvwire.pb.h"
 #include "src/control/control.h"
@@ -31,6 +33,8 @@ struct RemoteRegionState {
   transport::RemoteRegionDesc desc;
   bool resolved = false;  // the data path for it has been decided
   bool via_shm = false;
+  bool via_rdma = false;                              // the rdma channel has its keys
+  std::map<std::string, std::string> transport_keys;  // RegionDescriptor.transport_keys
 };
 
 struct Peer {
@@ -48,7 +52,9 @@ struct Peer {
   absl::Status setup_status ABSL_GUARDED_BY(mu);
   std::shared_ptr<transport::Channel> tcp ABSL_GUARDED_BY(mu);
   std::shared_ptr<transport::Channel> shm ABSL_GUARDED_BY(mu);
+  std::shared_ptr<transport::Channel> rdma ABSL_GUARDED_BY(mu);
   uint32_t tcp_lanes ABSL_GUARDED_BY(mu) = 1;
+  uint32_t rdma_lanes ABSL_GUARDED_BY(mu) = 1;
   std::string transport_desc ABSL_GUARDED_BY(mu);
   std::string transport_reason ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<RegionId, RemoteRegionState> remote ABSL_GUARDED_BY(mu);
@@ -103,6 +109,9 @@ class Engine::Impl final : public transport::TargetHooks {
   std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
                                 TransportKind preference);
   absl::Status SendExports(Peer& peer, const std::vector<transport::LocalRegion>& regions);
+  // Tries the rdma data path to `peer`; null with `reason` set when it is not usable.
+  std::shared_ptr<transport::Channel> ConnectRdma(const std::shared_ptr<Peer>& peer,
+                                                  transport::PeerLink link, std::string* reason);
   void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
   absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
   void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
@@ -126,6 +135,7 @@ class Engine::Impl final : public transport::TargetHooks {
   std::unique_ptr<control::Server> server_;
   std::unique_ptr<transport::Transport> tcp_;
   std::unique_ptr<transport::Transport> shm_;
+  std::unique_ptr<transport::Transport> rdma_;  // null without a usable RDMA device
 
   core::RegionRegistry regions_;
   core::TransferTable transfers_;

@@ -1,9 +1,11 @@
 // Peers: handshake on both sides, exports, the control messages of a live peer, data-path
 // setup (which transport reaches which region), and teardown.
+#include <tuple>
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "src/core/engine_impl.h"
 #include "src/util/log.h"
 #include "transport/shm/shm_transport.h"
@@ -63,6 +65,11 @@ pb::Hello Engine::Impl::LocalHello(const std::string& token, TransportKind prefe
     shm->set_kind("shm");
     shm->set_endpoint(shm_->Endpoint());
   }
+  if (rdma_) {
+    pb::TransportEndpoint* rdma = hello.add_transports();
+    rdma->set_kind("rdma");
+    rdma->set_endpoint(rdma_->Endpoint());
+  }
   return hello;
 }
 
@@ -96,8 +103,7 @@ void Engine::Impl::OnAccepted(control::Accepted accepted) {
     id = it->second.first;
     pending_.erase(it);
   }
-  auto preference = SettlePreference(options_.transport, name_,
-                                     PreferenceOf(accepted.remote_hello),
+  auto preference = SettlePreference(options_.transport, name_, PreferenceOf(accepted.remote_hello),
                                      accepted.remote_hello.engine_name());
   const std::string address = accepted.connection->remote_address();
   std::shared_ptr<Peer> peer =
@@ -108,8 +114,7 @@ void Engine::Impl::OnAccepted(control::Accepted accepted) {
 }
 
 std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& address,
-                                            control::Accepted accepted,
-                                            TransportKind preference) {
+                                            control::Accepted accepted, TransportKind preference) {
   auto peer = std::make_shared<Peer>();
   peer->id = id;
   peer->name = accepted.remote_hello.engine_name();
@@ -146,7 +151,13 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
   if (regions.empty()) return absl::OkStatus();
   pb::Envelope message;
   for (const transport::LocalRegion& r : regions) {
-    *message.mutable_export_regions()->add_regions() = Describe(r);
+    pb::RegionDescriptor* d = message.mutable_export_regions()->add_regions();
+    *d = Describe(r);
+    if (rdma_) {
+      if (std::string key = rdma_->RegionKey(r.id); !key.empty()) {
+        (*d->mutable_transport_keys())["rdma"] = key;
+      }
+    }
   }
   return peer.conn->Send(message);
 }
@@ -229,9 +240,6 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
   link.remote_pid = peer->hello.pid();
   link.deadline = deadline;
 
-  if (preference == TransportKind::kRdma) {
-    return absl::UnimplementedError("the rdma transport is not available in this build");
-  }
   if (preference == TransportKind::kAuto || preference == TransportKind::kShm) {
     const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "shm");
     if (shm_ == nullptr) {
@@ -252,8 +260,20 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
     }
     if (preference == TransportKind::kShm && shm == nullptr) {
       return absl::FailedPreconditionError(
-          absl::StrCat("transport shm required but peer ", peer->name, " is not reachable over shm: ",
-                       shm_reason));
+          absl::StrCat("transport shm required but peer ", peer->name,
+                       " is not reachable over shm: ", shm_reason));
+    }
+  }
+  // rdma: forced, or automatic for a peer shm does not reach.
+  std::shared_ptr<transport::Channel> rdma;
+  std::string rdma_reason;
+  if (preference == TransportKind::kRdma ||
+      (preference == TransportKind::kAuto && shm == nullptr)) {
+    rdma = ConnectRdma(peer, link, &rdma_reason);
+    if (preference == TransportKind::kRdma && rdma == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport rdma required but peer ", peer->name,
+                       " is not reachable over rdma: ", rdma_reason));
     }
   }
   if (preference == TransportKind::kAuto || preference == TransportKind::kTcp) {
@@ -271,10 +291,11 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
         tcp_reason = std::string(channel.status().message());
       }
     }
-    if (tcp == nullptr && shm == nullptr) {
-      return absl::UnavailableError(absl::StrCat("no transport reaches peer ", peer->name,
-                                                 ": tcp: ", tcp_reason,
-                                                 shm_reason.empty() ? "" : "; shm: ", shm_reason));
+    if (tcp == nullptr && shm == nullptr && rdma == nullptr) {
+      return absl::UnavailableError(
+          absl::StrCat("no transport reaches peer ", peer->name, ": tcp: ", tcp_reason,
+                       shm_reason.empty() ? "" : "; shm: ", shm_reason,
+                       rdma_reason.empty() ? "" : "; rdma: ", rdma_reason));
     }
   }
   std::string desc, reason;
@@ -282,22 +303,32 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
     desc = shm->Describe();
     reason = preference == TransportKind::kShm ? "forced by configuration" : "same host";
     if (tcp) absl::StrAppend(&desc, "; ", tcp->Describe(), " for regions shm cannot reach");
+  } else if (rdma) {
+    desc = rdma->Describe();
+    reason = preference == TransportKind::kRdma
+                 ? "forced by configuration"
+                 : absl::StrCat("shm not usable (", shm_reason, "); both sides offer rdma");
+    if (tcp) absl::StrAppend(&desc, "; ", tcp->Describe(), " for regions rdma cannot reach");
   } else {
     desc = tcp->Describe();
-    reason = preference == TransportKind::kTcp ? "forced by configuration"
-                                               : absl::StrCat("shm not usable: ", shm_reason);
+    reason = preference == TransportKind::kTcp
+                 ? "forced by configuration"
+                 : absl::StrCat("shm not usable: ", shm_reason, "; rdma not usable: ", rdma_reason);
   }
   {
     MutexLock lock(&peer->mu);
     if (!peer->alive) {
       if (shm) shm->Close(absl::CancelledError("peer closed during setup"));
       if (tcp) tcp->Close(absl::CancelledError("peer closed during setup"));
+      if (rdma) rdma->Close(absl::CancelledError("peer closed during setup"));
       return absl::UnavailableError(
           absl::StrCat("peer ", peer->name, " closed during setup: ", peer->close_reason));
     }
     peer->shm = shm;
     peer->tcp = tcp;
+    peer->rdma = rdma;
     peer->tcp_lanes = link.lanes;
+    peer->rdma_lanes = rdma_ ? rdma_->caps().max_lanes : 1;
     peer->transport_desc = desc;
     peer->transport_reason = reason;
   }
@@ -315,22 +346,59 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
   return absl::OkStatus();
 }
 
-// Decides, for each region the peer exported that has no route yet, whether shm reaches it.
-// Runs on the worker (channel changes are serialized there).
+std::shared_ptr<transport::Channel> Engine::Impl::ConnectRdma(const std::shared_ptr<Peer>& peer,
+                                                              transport::PeerLink link,
+                                                              std::string* reason) {
+  const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "rdma");
+  if (rdma_ == nullptr) {
+    *reason = "no usable RDMA device on this engine";
+  } else if (ep == nullptr) {
+    *reason = "peer offers no rdma endpoint";
+  } else if (absl::Status s = rdma_->CanReach(ep->endpoint()); !s.ok()) {
+    *reason = std::string(s.message());
+  } else {
+    link.remote_endpoint = ep->endpoint();
+    link.lanes = rdma_->caps().max_lanes;
+    auto channel = rdma_->Connect(link);
+    if (channel.ok()) return std::move(*channel);
+    *reason = std::string(channel.status().message());
+  }
+  return nullptr;
+}
+
+// Decides, for each region the peer exported that has no route yet, whether shm (or rdma)
+// reaches it. Runs on the worker (channel changes are serialized there).
 void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
   std::vector<transport::RemoteRegionDesc> todo;
-  std::shared_ptr<transport::Channel> shm;
+  std::vector<std::string> rdma_keys;  // by todo index
+  std::shared_ptr<transport::Channel> shm, rdma;
   {
     MutexLock lock(&peer->mu);
-    if (!peer->alive || (!peer->shm && !peer->tcp)) return;
+    if (!peer->alive || (!peer->shm && !peer->tcp && !peer->rdma)) return;
     shm = peer->shm;
+    rdma = peer->rdma;
     for (auto& [id, state] : peer->remote) {
-      if (!state.resolved) todo.push_back(state.desc);
+      if (state.resolved) continue;
+      todo.push_back(state.desc);
+      auto key = state.transport_keys.find("rdma");
+      rdma_keys.push_back(key == state.transport_keys.end() ? std::string() : key->second);
     }
   }
-  std::vector<std::pair<RegionId, bool>> routes;
-  for (const transport::RemoteRegionDesc& desc : todo) {
-    bool via_shm = false;
+  std::vector<std::tuple<RegionId, bool, bool>> routes;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const transport::RemoteRegionDesc& desc = todo[i];
+    bool via_shm = false, via_rdma = false;
+    if (rdma) {
+      transport::RemoteRegionDesc keyed = desc;
+      absl::Status s = keyed.SetKey(rdma_keys[i]) ? rdma->AddRemoteRegions({keyed})
+                                                  : absl::InvalidArgumentError("rdma key too long");
+      via_rdma = s.ok();
+      if (!s.ok()) {
+        KVW_LOG(kInfo, "engine") << "region not reachable over rdma" << Kv("engine", name_)
+                                 << Kv("peer", peer->name) << Kv("region", desc.id)
+                                 << Kv("reason", s.message());
+      }
+    }
     if (shm) {
       absl::Status s = shm->AddRemoteRegions({desc});
       via_shm = s.ok();
@@ -340,15 +408,16 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
                                  << Kv("reason", s.message());
       }
     }
-    routes.emplace_back(desc.id, via_shm);
+    routes.emplace_back(desc.id, via_shm, via_rdma);
   }
   {
     MutexLock lock(&peer->mu);
-    for (auto [id, via_shm] : routes) {
+    for (auto [id, via_shm, via_rdma] : routes) {
       auto it = peer->remote.find(id);
       if (it == peer->remote.end()) continue;  // revoked meanwhile
       it->second.resolved = true;
       it->second.via_shm = via_shm;
+      it->second.via_rdma = via_rdma;
     }
   }
   MutexLock lock(&peers_mu_);
@@ -368,6 +437,7 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
           state.desc.kind = static_cast<MemoryKind>(d.memory_kind());
           state.desc.address = d.address();
           state.desc.shareable = d.shareable();
+          state.transport_keys.insert(d.transport_keys().begin(), d.transport_keys().end());
           peer->remote[d.id()] = state;
         }
       }
@@ -385,13 +455,15 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
     case pb::Envelope::kRevokeRegions: {
       std::vector<RegionId> ids(message.revoke_regions().ids().begin(),
                                 message.revoke_regions().ids().end());
-      std::shared_ptr<transport::Channel> shm;
+      std::shared_ptr<transport::Channel> shm, rdma;
       {
         MutexLock lock(&peer->mu);
         for (RegionId id : ids) peer->remote.erase(id);
         shm = peer->shm;
+        rdma = peer->rdma;
       }
       if (shm) worker_->Post([shm, ids] { shm->RemoveRemoteRegions(ids); });
+      if (rdma) worker_->Post([rdma, ids] { rdma->RemoveRemoteRegions(ids); });
       break;
     }
     case pb::Envelope::kNotify: {
@@ -411,7 +483,7 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
 }
 
 void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason) {
-  std::shared_ptr<transport::Channel> shm, tcp;
+  std::shared_ptr<transport::Channel> shm, tcp, rdma;
   {
     MutexLock lock(&peer->mu);
     if (!peer->alive) return;
@@ -419,6 +491,7 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     peer->close_reason = std::string(reason.message());
     shm = peer->shm;
     tcp = peer->tcp;
+    rdma = peer->rdma;
   }
   // An orderly close (local Disconnect or shutdown, or the peer's) is not a warning.
   const bool orderly = reason.code() == absl::StatusCode::kCancelled;
@@ -427,13 +500,15 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
         << "peer closed" << Kv("engine", name_) << Kv("peer", peer->id) << Kv("name", peer->name)
         << Kv("reason", reason.ToString());
   }
-  const absl::Status closed = absl::UnavailableError(
-      absl::StrCat("peer ", peer->name, " closed: ", reason.message()));
+  const absl::Status closed =
+      absl::UnavailableError(absl::StrCat("peer ", peer->name, " closed: ", reason.message()));
   peer->conn->Close(reason);
   if (shm) shm->Close(closed);
   if (tcp) tcp->Close(closed);
+  if (rdma) rdma->Close(closed);
   tcp_->DropPeer(peer->id);
   if (shm_) shm_->DropPeer(peer->id);
+  if (rdma_) rdma_->DropPeer(peer->id);
   for (const core::TransferInfo& info : transfers_.FailIf(
            [&](const core::TransferInfo& info) { return info.peer == peer->id; },
            [&](const core::TransferInfo& info) {
@@ -499,8 +574,8 @@ absl::StatusOr<PeerId> Engine::Impl::WaitForPeer(const std::string& name, absl::
     if (found.ok()) return found;
     MutexLock lock(&peers_mu_);
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "peer ", name, " did not connect within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("peer ", name, " did not connect within ", absl::FormatDuration(timeout)));
     }
     peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
   }
@@ -517,8 +592,7 @@ absl::StatusOr<std::vector<RemoteRegion>> Engine::Impl::RemoteRegions(PeerId id)
   return out;
 }
 
-absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region,
-                                               absl::Duration timeout) {
+absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region, absl::Duration timeout) {
   std::shared_ptr<Peer> peer = GetPeer(id);
   if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
   const absl::Time deadline = absl::Now() + timeout;
@@ -536,9 +610,9 @@ absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region,
     }
     MutexLock lock(&peers_mu_);
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("peer ", peer->name, " did not export region ", region, " within ",
-                       absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(absl::StrCat("peer ", peer->name,
+                                                      " did not export region ", region, " within ",
+                                                      absl::FormatDuration(timeout)));
     }
     peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
   }

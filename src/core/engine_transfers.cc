@@ -3,6 +3,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "src/core/engine_impl.h"
 #include "src/core/op_planner.h"
 #include "src/util/log.h"
@@ -52,13 +53,14 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     }
     const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
     bool all_shm = peer->shm != nullptr;
+    bool all_rdma = peer->rdma != nullptr;
     for (size_t i = 0; i < ops.size(); ++i) {
       const Op& op = ops[i];
       auto it = peer->remote.find(op.remote_region);
       if (it == peer->remote.end()) {
-        return OpError(i, absl::NotFoundError(absl::StrCat("remote region ", op.remote_region,
-                                                           " is not exported by peer ",
-                                                           peer->name)));
+        return OpError(i,
+                       absl::NotFoundError(absl::StrCat("remote region ", op.remote_region,
+                                                        " is not exported by peer ", peer->name)));
       }
       const transport::RemoteRegionDesc& desc = it->second.desc;
       if ((desc.access & needed) == 0) {
@@ -72,17 +74,23 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
         return OpError(i, s);
       }
       all_shm = all_shm && it->second.resolved && it->second.via_shm;
+      all_rdma = all_rdma && it->second.resolved && it->second.via_rdma;
     }
     if (all_shm) {
       channel = peer->shm;
       caps = &shm_->caps();
+    } else if (all_rdma) {
+      channel = peer->rdma;
+      caps = &rdma_->caps();
+      lanes = peer->rdma_lanes;
     } else if (peer->tcp) {
       channel = peer->tcp;
       lanes = peer->tcp_lanes;
     } else {
       return absl::FailedPreconditionError(absl::StrCat(
-          "transfer: peer ", peer->name, " is reached over shm only, and shm cannot reach ",
-          "every region of this transfer (connect with transport auto or tcp)"));
+          "transfer: peer ", peer->name, " is reached over ", peer->rdma ? "rdma" : "shm",
+          " only, and it cannot reach every region of this transfer (connect with transport "
+          "auto or tcp)"));
     }
   }
 
@@ -114,10 +122,9 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     stats_.ops_posted += plan.pieces;
   }
   KVW_LOG(kDebug, "engine") << "transfer start" << Kv("engine", name_) << Kv("transfer", info.id)
-                            << Kv("peer", peer->name) << Kv("kind", verb)
-                            << Kv("bytes", info.bytes) << Kv("ops", ops.size())
-                            << Kv("pieces", plan.pieces) << Kv("lanes", plan.lanes.size())
-                            << Kv("via", caps->name);
+                            << Kv("peer", peer->name) << Kv("kind", verb) << Kv("bytes", info.bytes)
+                            << Kv("ops", ops.size()) << Kv("pieces", plan.pieces)
+                            << Kv("lanes", plan.lanes.size()) << Kv("via", caps->name);
 
   auto cancelled = transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()));
   const TransferId id = info.id;
@@ -147,8 +154,7 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
     notify->set_transfer_id(id);
     notify->set_expected_arrivals(info.count_arrivals ? info.pieces : 0);
     notify->set_payload(*info.notification);
-    absl::Status sent = peer ? peer->conn->Send(message)
-                             : absl::UnavailableError("peer is gone");
+    absl::Status sent = peer ? peer->conn->Send(message) : absl::UnavailableError("peer is gone");
     if (!sent.ok()) {
       result = absl::UnavailableError(absl::StrCat(
           "transfer ", id, ": data moved but the notification was not sent: ", sent.message()));
@@ -157,9 +163,8 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
       ++stats_.notifications_sent;
     }
   } else if (!result.ok()) {
-    result = absl::Status(result.code(),
-                          absl::StrCat("transfer ", id, " to peer ", info.peer, ": ",
-                                       result.message()));
+    result = absl::Status(result.code(), absl::StrCat("transfer ", id, " to peer ", info.peer, ": ",
+                                                      result.message()));
   }
   if (transfers_.Finish(id, result)) RecordEnd(info, result);
 }
@@ -214,11 +219,8 @@ absl::StatusOr<PeerId> Engine::Impl::PeerForToken(const std::string& token) {
   return it->second;
 }
 
-absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(PeerId peer,
-                                                                        RegionId region,
-                                                                        uint64_t offset,
-                                                                        uint64_t length,
-                                                                        OpKind kind) {
+absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
+    PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind) {
   auto resolved = regions_.ResolveForPeer(peer, region, offset, length, kind);
   MutexLock lock(&stats_mu_);
   if (!resolved.ok()) {

@@ -57,8 +57,8 @@ Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits) {
         plan.lanes.emplace_back();
         lane_bytes = 0;
       }
-      plan.lanes.back().push_back(transport::WireOp{op.local + done, op.remote_region,
-                                                    op.remote_offset + done, len});
+      plan.lanes.back().push_back(
+          transport::WireOp{op.local + done, op.remote_region, op.remote_offset + done, len});
       lane_bytes += len;
       done += len;
       ++plan.pieces;

@@ -12,10 +12,10 @@
 namespace kvwire::core {
 
 struct PlanLimits {
-  uint64_t max_op_bytes = 1 << 20;      // no piece longer than this
-  uint32_t lanes = 1;                   // lanes available
+  uint64_t max_op_bytes = 1 << 20;        // no piece longer than this
+  uint32_t lanes = 1;                     // lanes available
   uint64_t stripe_min_bytes = 256 << 10;  // below this, one lane
-  uint64_t min_piece_bytes = 64 << 10;  // striping never cuts pieces smaller than this
+  uint64_t min_piece_bytes = 64 << 10;    // striping never cuts pieces smaller than this
 };
 
 struct Plan {

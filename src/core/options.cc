@@ -3,6 +3,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
 #include "kvwire/engine.h"
 #include "src/util/log.h"
 
@@ -10,17 +12,21 @@ namespace kvwire {
 
 const char* TransportKindName(TransportKind kind) {
   switch (kind) {
-    case TransportKind::kAuto: return "auto";
-    case TransportKind::kTcp: return "tcp";
-    case TransportKind::kShm: return "shm";
-    case TransportKind::kRdma: return "rdma";
+    case TransportKind::kAuto:
+      return "auto";
+    case TransportKind::kTcp:
+      return "tcp";
+    case TransportKind::kShm:
+      return "shm";
+    case TransportKind::kRdma:
+      return "rdma";
   }
   return "unknown";
 }
 
 absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name) {
-  for (TransportKind kind : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm,
-                             TransportKind::kRdma}) {
+  for (TransportKind kind :
+       {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm, TransportKind::kRdma}) {
     if (name == TransportKindName(kind)) return kind;
   }
   return absl::InvalidArgumentError(
@@ -49,6 +55,25 @@ EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
     }
   }
   if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
+  if (const char* v = env("KVWIRE_RDMA_DEVICES")) {
+    base.rdma_devices = absl::StrSplit(v, ',', absl::SkipEmpty());
+  }
+  if (const char* v = env("KVWIRE_RDMA_GID_INDEX")) {
+    int n = 0;
+    if (absl::SimpleAtoi(v, &n) && n >= -1 && n < 1024) {
+      base.rdma_gid_index = n;
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_RDMA_GID_INDEX=" << v << " (-1..1023)";
+    }
+  }
+  if (const char* v = env("KVWIRE_RDMA_QPS")) {
+    int n = 0;
+    if (absl::SimpleAtoi(v, &n) && n > 0 && n <= 64) {
+      base.rdma_qps_per_peer = n;
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_RDMA_QPS=" << v << " (1..64)";
+    }
+  }
   if (const char* v = env("KVWIRE_LOG_LEVEL")) {
     LogLevel level;
     if (ParseLogLevel(v, &level)) {

@@ -10,9 +10,8 @@ absl::Status CheckBounds(const char* side, RegionId id, uint64_t offset, uint64_
     return absl::InvalidArgumentError(absl::StrCat(side, " region ", id, ": zero-length op"));
   }
   if (offset > region_length || length > region_length - offset) {
-    return absl::OutOfRangeError(absl::StrCat(side, " region ", id, ": offset ", offset,
-                                              " length ", length, " exceeds region length ",
-                                              region_length));
+    return absl::OutOfRangeError(absl::StrCat(side, " region ", id, ": offset ", offset, " length ",
+                                              length, " exceeds region length ", region_length));
   }
   return absl::OkStatus();
 }
@@ -58,18 +57,17 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, Region
                                                              OpKind kind) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end() || !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
+  if (it == regions_.end() ||
+      !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
     // Unknown and unexported look the same to a peer: it learns nothing it was not given.
-    return absl::NotFoundError(
-        absl::StrCat("region ", id, " is not exported to peer ", peer));
+    return absl::NotFoundError(absl::StrCat("region ", id, " is not exported to peer ", peer));
   }
   const RegionEntry& entry = *it->second;
   const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
   if ((entry.region.access & needed) == 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("region ", id, " does not allow remote ",
-                     kind == OpKind::kRead ? "READ" : "WRITE", " (access bits ",
-                     entry.region.access, ")"));
+    return absl::PermissionDeniedError(absl::StrCat("region ", id, " does not allow remote ",
+                                                    kind == OpKind::kRead ? "READ" : "WRITE",
+                                                    " (access bits ", entry.region.access, ")"));
   }
   if (absl::Status s = CheckBounds("remote", id, offset, length, entry.region.length); !s.ok()) {
     return s;
@@ -81,7 +79,8 @@ absl::StatusOr<transport::LocalRegion> RegionRegistry::ExportedRegion(PeerId pee
                                                                       RegionId id) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end() || !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
+  if (it == regions_.end() ||
+      !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
     return absl::NotFoundError(absl::StrCat("region ", id, " is not exported to peer ", peer));
   }
   return it->second->region;

@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
 #include "transport/transport.h"
@@ -30,8 +31,7 @@ struct ResolvedRange {
 
 class RegionRegistry {
  public:
-  RegionId Add(const transport::LocalRegion& region, bool export_to_all)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  RegionId Add(const transport::LocalRegion& region, bool export_to_all) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the region; the returned pin lets the caller wait for users to finish.
   absl::StatusOr<std::shared_ptr<const RegionEntry>> Remove(RegionId id) ABSL_LOCKS_EXCLUDED(mu_);
 

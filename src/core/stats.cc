@@ -1,9 +1,10 @@
+#include "kvwire/stats.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvwire/stats.h"
 
 namespace kvwire {
 
@@ -52,12 +53,12 @@ std::string EngineStats::ToJson() const {
       ",\"registration_us_total\":", registration_us_total, ",\"bytes_read\":", bytes_read,
       ",\"bytes_written\":", bytes_written, ",\"ops_submitted\":", ops_submitted,
       ",\"ops_posted\":", ops_posted, ",\"transfers_started\":", transfers_started,
-      ",\"transfers_succeeded\":", transfers_succeeded,
-      ",\"transfers_failed\":", transfers_failed, ",\"notifications_sent\":", notifications_sent,
-      ",\"notifications_delivered\":", notifications_delivered,
-      ",\"incoming_ops\":", incoming_ops, ",\"incoming_rejected\":", incoming_rejected,
-      ",\"transfer_latency_us\":{\"samples\":", transfer_latency.samples,
-      ",\"avg\":", transfer_latency.samples ? transfer_latency.sum_us / transfer_latency.samples : 0,
+      ",\"transfers_succeeded\":", transfers_succeeded, ",\"transfers_failed\":", transfers_failed,
+      ",\"notifications_sent\":", notifications_sent,
+      ",\"notifications_delivered\":", notifications_delivered, ",\"incoming_ops\":", incoming_ops,
+      ",\"incoming_rejected\":", incoming_rejected,
+      ",\"transfer_latency_us\":{\"samples\":", transfer_latency.samples, ",\"avg\":",
+      transfer_latency.samples ? transfer_latency.sum_us / transfer_latency.samples : 0,
       ",\"p50_le\":", transfer_latency.QuantileUpperBoundUs(0.5),
       ",\"p99_le\":", transfer_latency.QuantileUpperBoundUs(0.99),
       ",\"max\":", transfer_latency.max_us, "},\"errors_by_kind\":{");
@@ -101,13 +102,13 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   uint64_t cumulative = 0;
   for (int i = 0; i < LatencyHistogram::kBuckets - 1; ++i) {
     cumulative += transfer_latency.counts[i];
-    absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"",
-                    std::ldexp(1.0, i), "\"} ", cumulative, "\n");
+    absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"", std::ldexp(1.0, i),
+                    "\"} ", cumulative, "\n");
   }
   absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"+Inf\"} ",
                   transfer_latency.samples, "\n", "kvwire_transfer_latency_us_sum{", label, "} ",
-                  transfer_latency.sum_us, "\n", "kvwire_transfer_latency_us_count{", label,
-                  "} ", transfer_latency.samples, "\n");
+                  transfer_latency.sum_us, "\n", "kvwire_transfer_latency_us_count{", label, "} ",
+                  transfer_latency.samples, "\n");
   absl::StrAppend(&out, "# TYPE kvwire_errors_total counter\n");
   for (const auto& [kind, count] : errors_by_kind) {
     absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", kind, "\"} ", count, "\n");

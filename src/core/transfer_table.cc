@@ -5,8 +5,7 @@
 
 namespace kvwire::core {
 
-std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info,
-                                                        uint32_t lanes) {
+std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info, uint32_t lanes) {
   MutexLock lock(&mu_);
   Record record;
   record.info = info;
@@ -63,13 +62,13 @@ std::vector<TransferInfo> TransferTable::FailIf(
 }
 
 std::vector<TransferInfo> TransferTable::ExpireDeadlines(absl::Time now) {
-  return FailIf([now](const TransferInfo& info) { return info.deadline <= now; },
-                [](const TransferInfo& info) {
-                  return absl::DeadlineExceededError(absl::StrCat(
-                      "transfer ", info.id, " to peer ", info.peer, " (", info.bytes,
-                      " bytes): deadline of ", absl::FormatDuration(info.deadline - info.start),
-                      " exceeded"));
-                });
+  return FailIf(
+      [now](const TransferInfo& info) { return info.deadline <= now; },
+      [](const TransferInfo& info) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "transfer ", info.id, " to peer ", info.peer, " (", info.bytes, " bytes): deadline of ",
+            absl::FormatDuration(info.deadline - info.start), " exceeded"));
+      });
 }
 
 void TransferTable::MaybeForgetLocked(TransferId id) {
@@ -107,9 +106,9 @@ absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout) {
       return final_status;
     }
     if (!ended_cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "wait for transfer ", id, " timed out after ", absl::FormatDuration(timeout),
-          " (the transfer is still pending)"));
+      return absl::DeadlineExceededError(absl::StrCat("wait for transfer ", id, " timed out after ",
+                                                      absl::FormatDuration(timeout),
+                                                      " (the transfer is still pending)"));
     }
   }
 }

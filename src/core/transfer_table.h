@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
 

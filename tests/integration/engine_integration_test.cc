@@ -1,13 +1,13 @@
 // Two real processes: this test's engine and kvwire_test_peer, over tcp and shm.
+#include <random>
 #include <signal.h>
+#include <thread>
 
 #include <gtest/gtest.h>
 
-#include <random>
-#include <thread>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "kvwire/engine.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
@@ -206,10 +206,9 @@ TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
     for (int i = 0; i < 4; ++i) {
       TransferOptions options;
       options.timeout = absl::Seconds(60);
-      auto id = engine_->Transfer(peer_id_, OpKind::kRead,
-                                  {Op{local_id_, i * (2ull << 20), peer_->regions()[i % 2], 0,
-                                      2 << 20}},
-                                  options);
+      auto id = engine_->Transfer(
+          peer_id_, OpKind::kRead,
+          {Op{local_id_, i * (2ull << 20), peer_->regions()[i % 2], 0, 2 << 20}}, options);
       ASSERT_TRUE(id.ok()) << id.status();
       ids.push_back(*id);
     }
@@ -233,14 +232,15 @@ TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
 
   // The survivor keeps serving: a new peer works.
-  auto other = PeerProcess::Start({"--transport=" + GetParam().transport, "--regions=1",
-                                   absl::StrCat("--region_bytes=", 1 << 20), "--seed=3",
-                                   "--name=peer-b"});
+  auto other =
+      PeerProcess::Start({"--transport=" + GetParam().transport, "--regions=1",
+                          absl::StrCat("--region_bytes=", 1 << 20), "--seed=3", "--name=peer-b"});
   ASSERT_TRUE(other.ok()) << other.status();
   auto b = engine_->Connect((*other)->address());
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_TRUE(engine_->WaitForRemoteRegion(*b, (*other)->regions()[0], absl::Seconds(10)).ok());
-  auto id = engine_->Transfer(*b, OpKind::kRead, {Op{local_id_, 0, (*other)->regions()[0], 0, 1000}});
+  auto id =
+      engine_->Transfer(*b, OpKind::kRead, {Op{local_id_, 0, (*other)->regions()[0], 0, 1000}});
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE(engine_->Wait(*id, absl::Seconds(30)).ok());
   EXPECT_EQ(local_[999], PatternByte(3, 0, 999));

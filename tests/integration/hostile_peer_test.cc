@@ -1,16 +1,15 @@
 // A hostile peer: it completes a real handshake, then bypasses its own engine's checks and
 // sends ops the target never exported. The target must refuse each with a clear error, drop
 // only that peer, and keep serving everyone else.
+#include <thread>
 #include <unistd.h>
 
-#include <gtest/gtest.h>
-
-#include <thread>
-
 #include <boost/asio/io_context.hpp>
+#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "kvwire/engine.h"
 #include "src/control/control.h"
 #include "src/util/mutex.h"
@@ -62,9 +61,9 @@ struct Hostile {
   }
 
   absl::Status Connect(const std::string& address, uint64_t compat_salt) {
-    work = std::make_unique<
-        boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
-        io.get_executor());
+    work =
+        std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
+            io.get_executor());
     io_thread = std::thread([this] { io.run(); });
     auto t = transport::CreateTcpTransport(transport::TcpTransportOptions(), &hooks);
     if (!t.ok()) return t.status();
@@ -187,8 +186,7 @@ TEST_P(HostilePeerTest, RefusedClearlyAndOnlyThatPeerIsDropped) {
   EXPECT_NE(closed.code(), absl::StatusCode::kDeadlineExceeded) << closed;
 
   // Everyone else is still served, and the target's memory was not touched.
-  auto id = (*good)->Transfer(*good_peer, OpKind::kRead,
-                              {Op{*local, 0, r0, 0, kRegionBytes}});
+  auto id = (*good)->Transfer(*good_peer, OpKind::kRead, {Op{*local, 0, r0, 0, kRegionBytes}});
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE((*good)->Wait(*id, absl::Seconds(30)).ok());
   for (uint64_t i = 0; i < kRegionBytes; i += 997) ASSERT_EQ(buf[i], PatternByte(5, 0, i)) << i;
@@ -197,12 +195,11 @@ TEST_P(HostilePeerTest, RefusedClearlyAndOnlyThatPeerIsDropped) {
 
 INSTANTIATE_TEST_SUITE_P(
     Ops, HostilePeerTest,
-    ::testing::Values(
-        Case{"WriteBeyondEnd", OpKind::kWrite, 0, kRegionBytes - 10, 100, "exceeds"},
-        Case{"ReadBeyondEnd", OpKind::kRead, 0, kRegionBytes, 1, "exceeds"},
-        Case{"OffsetOverflow", OpKind::kRead, 0, UINT64_MAX - 10, 100, "exceeds"},
-        Case{"UnknownRegion", OpKind::kWrite, -1, 0, 100, "not exported"},
-        Case{"WriteToReadOnlyRegion", OpKind::kWrite, 1, 0, 100, "does not allow"}),
+    ::testing::Values(Case{"WriteBeyondEnd", OpKind::kWrite, 0, kRegionBytes - 10, 100, "exceeds"},
+                      Case{"ReadBeyondEnd", OpKind::kRead, 0, kRegionBytes, 1, "exceeds"},
+                      Case{"OffsetOverflow", OpKind::kRead, 0, UINT64_MAX - 10, 100, "exceeds"},
+                      Case{"UnknownRegion", OpKind::kWrite, -1, 0, 100, "not exported"},
+                      Case{"WriteToReadOnlyRegion", OpKind::kWrite, 1, 0, 100, "does not allow"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "kvwire/engine.h"
 
 namespace kvwire::testing {
@@ -16,9 +17,8 @@ namespace kvwire::testing {
 class PeerProcess {
  public:
   // Starts the peer with `args` ("--key=value") and waits for its READY line.
-  static absl::StatusOr<std::unique_ptr<PeerProcess>> Start(const std::vector<std::string>& args,
-                                                            absl::Duration timeout =
-                                                                absl::Seconds(30));
+  static absl::StatusOr<std::unique_ptr<PeerProcess>> Start(
+      const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
   PeerProcess() = default;  // use Start
   ~PeerProcess();
 

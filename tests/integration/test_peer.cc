@@ -5,20 +5,20 @@
 //
 //   kvwire_test_peer --transport=tcp --regions=2 --region_bytes=1048576 --shareable=1
 //                    --seed=7 --secret=s --salt=0 --name=peer-a
-#include <poll.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <poll.h>
 #include <string>
+#include <unistd.h>
 #include <variant>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
 
@@ -43,16 +43,26 @@ bool ParseArgs(int argc, char** argv, Args* args) {
     const std::string key = kv[0].substr(2);
     const std::string& v = kv[1];
     bool ok = true;
-    if (key == "transport") args->transport = v;
-    else if (key == "regions") ok = absl::SimpleAtoi(v, &args->regions);
-    else if (key == "region_bytes") ok = absl::SimpleAtoi(v, &args->region_bytes);
-    else if (key == "shareable") args->shareable = v == "1";
-    else if (key == "seed") ok = absl::SimpleAtoi(v, &args->seed);
-    else if (key == "secret") args->secret = v;
-    else if (key == "salt") ok = absl::SimpleAtoi(v, &args->salt);
-    else if (key == "name") args->name = v;
-    else if (key == "lease_ms") ok = absl::SimpleAtoi(v, &args->lease_ms);
-    else ok = false;
+    if (key == "transport")
+      args->transport = v;
+    else if (key == "regions")
+      ok = absl::SimpleAtoi(v, &args->regions);
+    else if (key == "region_bytes")
+      ok = absl::SimpleAtoi(v, &args->region_bytes);
+    else if (key == "shareable")
+      args->shareable = v == "1";
+    else if (key == "seed")
+      ok = absl::SimpleAtoi(v, &args->seed);
+    else if (key == "secret")
+      args->secret = v;
+    else if (key == "salt")
+      ok = absl::SimpleAtoi(v, &args->salt);
+    else if (key == "name")
+      args->name = v;
+    else if (key == "lease_ms")
+      ok = absl::SimpleAtoi(v, &args->lease_ms);
+    else
+      ok = false;
     if (!ok) return false;
   }
   return true;
@@ -116,8 +126,8 @@ int main(int argc, char** argv) {
     kvwire::RegionOptions ropts;
     ropts.export_to_all_peers = true;
     // The last region is read-only, so tests can check permission errors.
-    ropts.access = r == args.regions - 1 && args.regions > 1 ? kvwire::kRemoteRead
-                                                            : kvwire::kRemoteReadWrite;
+    ropts.access =
+        r == args.regions - 1 && args.regions > 1 ? kvwire::kRemoteRead : kvwire::kRemoteReadWrite;
     auto id = (*engine)->RegisterMemory(base, args.region_bytes, ropts);
     if (!id.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", id.status().ToString().c_str());

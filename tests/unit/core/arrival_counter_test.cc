@@ -1,8 +1,8 @@
 #include "src/core/arrival_counter.h"
 
-#include <gtest/gtest.h>
-
 #include <thread>
+
+#include <gtest/gtest.h>
 
 #include "absl/time/clock.h"
 

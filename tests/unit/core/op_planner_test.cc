@@ -1,8 +1,8 @@
 #include "src/core/op_planner.h"
 
-#include <gtest/gtest.h>
-
 #include <random>
+
+#include <gtest/gtest.h>
 
 namespace kvwire::core {
 namespace {

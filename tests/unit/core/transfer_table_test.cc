@@ -1,8 +1,8 @@
 #include "src/core/transfer_table.h"
 
-#include <gtest/gtest.h>
-
 #include <thread>
+
+#include <gtest/gtest.h>
 
 #include "absl/time/clock.h"
 

@@ -1,6 +1,6 @@
 // Bandwidth of the tcp transport over loopback, for running by hand (never asserts speed):
 //
-//   build-tcp/tests/tcp_bandwidth_test --gtest_also_run_disabled_tests
+//   build/tests/bench/tcp_bandwidth_bench
 //
 // Environment: KVWIRE_BENCH_BYTES (bytes per run, default 2 GiB), KVWIRE_BENCH_SPAN (bytes of
 // the buffers the ops cycle through, default 256 MiB: a KV pool, not a cache-resident buffer),
@@ -105,7 +105,7 @@ double MeasureGbps(Channel& channel, OpKind kind, std::byte* local, uint64_t spa
   return static_cast<double>(posts * ops_per_post * op_bytes) / seconds / 1e9;
 }
 
-TEST(TcpBandwidth, DISABLED_LoopbackWriteAndRead) {
+TEST(TcpBandwidth, LoopbackWriteAndRead) {
   const uint64_t total = EnvOr("KVWIRE_BENCH_BYTES", uint64_t{2} << 30);
   const uint64_t span = EnvOr("KVWIRE_BENCH_SPAN", 256 << 20);
   const uint64_t runs = EnvOr("KVWIRE_BENCH_RUNS", 3);

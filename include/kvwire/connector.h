@@ -1,0 +1,177 @@
+// kvwire::Connector: moves a request's KV cache from a prefill instance to a decode instance.
+//
+// Shaped after vLLM's KVConnectorBase_V1 so that a thin Python class maps onto it one to one:
+//   scheduler side: GetNumNewMatchedTokens, UpdateStateAfterAlloc, BuildConnectorMeta,
+//                   RequestFinished
+//   worker side:    RegisterKvCaches, BindConnectorMeta, StartLoadKv, WaitForLayerLoad,
+//                   SaveKvLayer, WaitForSave, GetFinished
+// One Connector serves both halves in one process; the metadata between them is JSON, so the
+// halves can also live in different processes.
+//
+// Modes (DESIGN.md section 6):
+//   read  - prefill keeps the blocks after RequestFinished and returns kv_transfer_params;
+//           decode READs them and sends a release; prefill then reports the request in
+//           finished_sending (or when its lease expires).
+//   write - decode allocates first and sends its block ids to prefill; SaveKvLayer(layer)
+//           WRITEs that layer's blocks; decode is notified once after the last layer.
+// The mode is settled per peer pair at handshake (read | write | auto on each side); a
+// request may override it through kv_transfer_params "mode".
+//
+// Block ownership stays with the caller (the scheduler's block pool): the connector reports
+// through GetFinished when blocks it was using may be freed. A request in finished_sending /
+// finished_recving / failed_loads is done with its blocks; until then they are in use.
+#ifndef KVWIRE_CONNECTOR_H_
+#define KVWIRE_CONNECTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+#include "kvwire/engine.h"
+#include "kvwire/layout.h"
+
+namespace kvwire {
+
+enum class KvMode : uint32_t { kAuto = 0, kRead = 1, kWrite = 2 };
+const char* KvModeName(KvMode mode);
+absl::StatusOr<KvMode> ParseKvMode(const std::string& name);
+// Settles the mode of a pair; a conflict names both settings.
+absl::StatusOr<KvMode> NegotiateKvMode(KvMode prefill, KvMode decode);
+
+// What travels from prefill to decode (through the router) in kv_transfer_params.
+struct KvTransferParams {
+  std::string engine_id;  // prefill engine name
+  std::string host;       // prefill control-channel host
+  int port = 0;
+  std::string transfer_id;  // unique per request and prefill engine
+  KvMode mode = KvMode::kAuto;
+  uint64_t num_tokens = 0;         // prompt tokens whose KV prefill computes
+  BlockTable block_ids;            // prefill's blocks per group (read mode)
+  bool do_remote_decode = false;   // prefill side: decode happens elsewhere
+  bool do_remote_prefill = false;  // decode side: KV comes from a prefill engine
+
+  std::string ToJson() const;
+  // Validates: an error says which field is missing or malformed.
+  static absl::StatusOr<KvTransferParams> FromJson(const std::string& json);
+};
+
+struct ConnectorOptions {
+  // Role of this instance: "prefill", "decode" or "both".
+  std::string role = "both";
+  // Modes this side accepts: kAuto accepts both and lets the peer or the request choose.
+  KvMode mode = KvMode::kAuto;
+  // The engine the connector creates (its name is the engine id in kv_transfer_params).
+  EngineOptions engine;
+  // A request's whole transfer must end within this (decode: load; prefill: the lease on
+  // blocks held for a reader, and waiting for the decode's block ids in write mode).
+  absl::Duration request_timeout = absl::Seconds(60);
+  // Deadline of the connector handshake with a new peer.
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // "host:port" of an HTTP endpoint serving GET /metrics (Prometheus text) and
+  // GET /stats.json; port 0 picks a free one (see metrics_address()). Empty: none.
+  std::string metrics_address;
+};
+
+struct MatchResult {
+  uint64_t num_external_tokens = 0;  // tokens the connector will load
+  bool load_async = false;
+};
+
+struct RequestFinishedResult {
+  bool delay_free = false;         // blocks stay in use until GetFinished reports it
+  std::string kv_transfer_params;  // JSON for the decode side (empty if none)
+};
+
+struct FailedLoad {
+  std::string request_id;
+  std::string reason;
+};
+
+struct FinishedRequests {
+  std::vector<std::string> finished_sending;  // prefill: blocks may be freed
+  std::vector<std::string> finished_recving;  // decode: KV is in place
+  std::vector<FailedLoad> failed_loads;       // decode: blocks may be freed; recompute
+};
+
+// A registered memory range backing the layout.
+struct KvMemory {
+  void* ptr = nullptr;
+  size_t length = 0;
+};
+
+class Connector {
+ public:
+  static absl::StatusOr<std::unique_ptr<Connector>> Create(ConnectorOptions options);
+  ~Connector();
+  Connector(const Connector&) = delete;
+  Connector& operator=(const Connector&) = delete;
+
+  Engine& engine();
+  const std::string& engine_id() const;
+  // Where the metrics endpoint listens ("" when ConnectorOptions::metrics_address is empty).
+  std::string metrics_address() const;
+
+  // --- worker side ---
+  // Registers the memory behind `layout` (every layer base must lie inside one range).
+  absl::Status RegisterKvCaches(const Layout& layout, const std::vector<KvMemory>& memory);
+
+  // --- scheduler side ---
+  // `kv_transfer_params` is the request's JSON (may be empty). Decode: how many tokens come
+  // from the prefill instance. Prefill: 0, but a write-mode request is remembered.
+  absl::StatusOr<MatchResult> GetNumNewMatchedTokens(const std::string& request_id,
+                                                     uint64_t num_tokens,
+                                                     uint64_t num_computed_tokens,
+                                                     const std::string& kv_transfer_params);
+  // Blocks allocated for the request (all its logical blocks, -1 where none).
+  absl::Status UpdateStateAfterAlloc(const std::string& request_id, const BlockTable& blocks,
+                                     uint64_t num_external_tokens);
+  // The work of this step for the worker side, as JSON.
+  std::string BuildConnectorMeta();
+  // The request ended on this side (`aborted`: it did not complete). Prefill with
+  // do_remote_decode in `kv_transfer_params`: its KV covers `num_tokens` tokens; returns
+  // delay_free and, in read mode, the kv_transfer_params for decode. Decode: an unfinished
+  // load is aborted (delay_free until GetFinished reports it).
+  absl::StatusOr<RequestFinishedResult> RequestFinished(const std::string& request_id,
+                                                        const BlockTable& blocks,
+                                                        uint64_t num_tokens,
+                                                        const std::string& kv_transfer_params,
+                                                        bool aborted = false);
+
+  // --- worker side ---
+  absl::Status BindConnectorMeta(const std::string& meta_json);
+  // Starts the loads of the bound metadata (decode).
+  absl::Status StartLoadKv();
+  // Waits (up to the request deadline) until `layer` of every loading request is in place.
+  absl::Status WaitForLayerLoad(int layer);
+  // Prefill, write mode: the KV of `layer` is final; its blocks go out now.
+  absl::Status SaveKvLayer(int layer);
+  // Waits until the saves issued so far have been handed to the transport.
+  absl::Status WaitForSave();
+  FinishedRequests GetFinished();
+
+  // Aborts a request on this side (either role); the peer is told. Blocks are reported
+  // through GetFinished once nothing touches them any more.
+  absl::Status Abort(const std::string& request_id);
+
+  // Requests still holding blocks (for accounting checks).
+  size_t LiveRequests() const;
+  // Per-request timings and per-group bytes/ops, and totals.
+  std::string StatsJson() const;
+  std::string StatsPrometheus() const;
+
+  class Impl;
+
+ private:
+  explicit Connector(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_CONNECTOR_H_

@@ -1,0 +1,180 @@
+// KV-cache layouts: the cache groups of a model instance, where their pages live, and the
+// mapping of a request's tokens to the byte ranges that must move between prefill and decode.
+//
+// A layout is a list of cache groups. A group is one kind of paged KV tensor (e.g. DeepSeek-V4
+// "c4a main KV") with its own block size and page size, present on a set of layers. Every
+// layer of a group has its own base address; block b of layer l, component c (K or V for
+// MHA, else 0) starts at
+//     layer_base[l] + b * block_stride + c * component_stride
+// and is page_bytes long.
+//
+// Three kinds of groups:
+//  - full history (window_tokens == 0): every block covering the prompt moves;
+//  - sliding window (window_tokens > 0): only blocks intersecting the last window tokens;
+//  - per-request state (per_request_state): one block per request holds a ring of
+//    tokens_per_block token slots (slot = token % tokens_per_block); only the slots of the
+//    unfinished compression window move.
+#ifndef KVWIRE_LAYOUT_H_
+#define KVWIRE_LAYOUT_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvwire {
+
+// Tensor-parallel head split of a page: a page is [outer][local_heads][inner_bytes] where
+// local_heads = total_heads / tp_size. Groups whose KV is identical on every rank (MLA,
+// DeepSeek-V4) leave total_heads at 0.
+struct HeadSplit {
+  int total_heads = 0;  // 0: the page is replicated on every rank
+  int tp_size = 1;
+  int tp_rank = 0;
+  uint64_t outer = 1;        // e.g. tokens per block for [block_size, heads, head_dim]
+  uint64_t inner_bytes = 0;  // bytes of one head in one outer row
+};
+
+struct CacheGroup {
+  std::string name;
+  std::vector<int> layers;   // model layer indices this group is present on
+  int tokens_per_block = 0;  // tokens (not entries) one block covers
+  uint64_t page_bytes = 0;   // bytes of one block of one layer (one component)
+  int tokens_per_entry = 1;  // compression ratio: 1 = one entry per token
+  int window_tokens = 0;     // sliding window; 0 = full history; ring size for state groups
+  bool per_request_state = false;
+  int components = 1;  // 2 for K and V in separate pages (MHA), else 1
+  HeadSplit heads;
+
+  // Backing memory (addresses in this process). One base per entry of `layers`.
+  std::vector<uint64_t> layer_base;
+  uint64_t num_blocks = 0;
+  uint64_t block_stride = 0;      // 0: page_bytes * (block-major components) or page_bytes
+  uint64_t component_stride = 0;  // distance between K and V pages of one block
+  // How AssignBacking lays out two components: true [blocks][2][page], false [2][blocks][page].
+  bool block_major = true;
+
+  // Entries one block holds (tokens_per_block / tokens_per_entry).
+  uint64_t entries_per_block() const { return tokens_per_block / tokens_per_entry; }
+  bool full_history() const { return window_tokens == 0 && !per_request_state; }
+  uint64_t BlockAddress(size_t layer_index, uint64_t block, int component) const;
+};
+
+struct Layout {
+  std::string model;  // informational, e.g. "deepseek-v4-pro"
+  std::vector<CacheGroup> groups;
+
+  const CacheGroup* FindGroup(const std::string& name) const;
+  // Checks internal consistency (sizes, strides, layer bases); errors name the group.
+  absl::Status Validate() const;
+};
+
+// Layouts as JSON (addresses included). FromJson validates.
+std::string LayoutToJson(const Layout& layout);
+absl::StatusOr<Layout> LayoutFromJson(const std::string& json);
+
+// --- presets ----------------------------------------------------------------------------
+// Presets describe the groups with their real byte sizes; AssignBacking lays the groups out
+// one after another from `base` with `num_blocks` blocks each (per group, per layer) and
+// returns the bytes used. Callers allocate that much and call it again with the address.
+
+// DeepSeek-V4 fp8 KV record: 448 fp8 NoPE + 64 bf16 RoPE + 7 UE8M0 scales + 1 pad.
+inline constexpr uint64_t kDsv4RecordBytes = 584;
+inline constexpr uint64_t kDsv4PageAlign = 576;
+// Page bytes of `entries` 584-byte records (data rows then scale rows), rounded up to 576.
+uint64_t Dsv4PageBytes(uint64_t entries, uint64_t record_bytes = kDsv4RecordBytes);
+
+Layout DeepSeekV4ProLayout();    // 61 layers + 1 MTP layer
+Layout DeepSeekV4FlashLayout();  // 43 layers, first two window-only
+// DeepSeek-V3 (MLA, 656-byte fp8 latent) and V3.2 (adds the 132-byte indexer K).
+Layout DeepSeekV3Layout(bool with_indexer = false, int tokens_per_block = 64);
+
+struct MhaOptions {
+  int layers = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int dtype_bytes = 2;
+  int tokens_per_block = 16;
+  // true: [blocks, 2, block_size, heads, head_dim]; false: [2, blocks, block_size, ...].
+  bool block_major = false;
+  // true: heads before tokens inside a page ([heads, block_size, head_dim], "HND").
+  bool heads_outer = false;
+  int tp_size = 1;
+  int tp_rank = 0;
+};
+Layout MhaLayout(const MhaOptions& options);
+
+// Looks a preset up by name: deepseek-v4-pro, deepseek-v4-flash, deepseek-v3, deepseek-v3.2,
+// mha (defaults).
+absl::StatusOr<Layout> PresetLayout(const std::string& name);
+
+// State groups get `state_blocks` blocks (one per concurrent request) when it is non-zero.
+uint64_t AssignBacking(Layout* layout, uint64_t base, uint64_t num_blocks,
+                       uint64_t state_blocks = 0);
+
+// --- block mapping ----------------------------------------------------------------------
+
+// Block ids per group name, indexed by logical block (token / tokens_per_block). Entries
+// for blocks that never move (e.g. outside the window) may be -1. State groups: one id.
+using BlockTable = std::map<std::string, std::vector<int64_t>>;
+
+// Logical blocks of a group that move for a request of `num_tokens` tokens of which the
+// destination already holds the first `num_cached_tokens` (prefix hit).
+struct BlockSelection {
+  std::vector<uint64_t> logical_blocks;
+  // State groups: the token slots [slot_begin, slot_begin + slot_count) modulo the ring.
+  uint64_t slot_begin = 0;
+  uint64_t slot_count = 0;
+};
+BlockSelection SelectBlocks(const CacheGroup& group, uint64_t num_tokens,
+                            uint64_t num_cached_tokens = 0);
+
+struct ByteRange {
+  uint64_t src = 0;  // address on the source (prefill) side
+  uint64_t dst = 0;  // address on the destination (decode) side
+  uint64_t length = 0;
+};
+
+struct GroupPlan {
+  std::string group;
+  uint64_t blocks = 0;            // logical blocks moved (per layer)
+  uint64_t bytes = 0;             // all layers
+  uint64_t ops_before_merge = 0;  // one per contiguous piece of a page
+  std::vector<ByteRange> ranges;  // after merging, ordered by layer
+  std::vector<size_t> layer_end;  // ranges[layer_end[i-1]..layer_end[i]) belong to layer i
+  std::vector<int> layers;        // model layer of each layer_end entry
+};
+
+struct TransferPlan {
+  std::vector<GroupPlan> groups;
+  uint64_t bytes = 0;
+  uint64_t ops_before_merge = 0;
+  uint64_t ops_after_merge = 0;
+  // Ranges of one model layer across all groups (for layer-wise streaming).
+  std::vector<ByteRange> LayerRanges(int layer) const;
+  std::vector<int> Layers() const;  // model layers present, ascending
+};
+
+// Checks that `src` (prefill) and `dst` (decode) can exchange KV: the same groups with the
+// same layers, block size, entry size, window and state kind, and pages that map onto each
+// other (identical pages, or head splits of the same heads). Errors name the group and what
+// differs.
+absl::Status CheckCompatible(const Layout& src, const Layout& dst);
+
+// The byte ranges that move a request from src to dst. Block tables index logical blocks;
+// a needed block missing from a table (or -1, or past num_blocks) is an error naming the
+// group, the side and the block. Adjacent ranges contiguous on both sides are merged.
+absl::StatusOr<TransferPlan> PlanTransfer(const Layout& src, const BlockTable& src_blocks,
+                                          const Layout& dst, const BlockTable& dst_blocks,
+                                          uint64_t num_tokens, uint64_t num_cached_tokens = 0);
+
+// Merges ranges contiguous on both sides (in order). Returns the merged list.
+std::vector<ByteRange> MergeRanges(const std::vector<ByteRange>& ranges);
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_LAYOUT_H_

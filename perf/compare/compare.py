@@ -1,0 +1,427 @@
+#!/usr/bin/env python3
+"""Side-by-side comparison of kvwire-perf with its floors and peers, in one run.
+
+Measures, alternating the tools in every round (median of --runs rounds, decimal GB/s):
+  floors   memcpy (kvwire-memcpy-floor: same sizes and buffer patterns), iperf3 on loopback
+  peers    ucx_perftest (Debian's ucx-utils): tag_bw, ucp_put_bw, ucp_get over UCX_TLS=tcp;
+           ucp_put_bw, ucp_get over posix shared memory; UCT cma zero-copy put_bw and get
+  kvwire   kvwire-perf over tcp and shm, WRITE and READ, hot and pool buffer patterns
+at 64 KiB, 1 MiB and 4 MiB (and the dsv4-pro 8k-token request when the kv workload exists).
+Prints one table of medians with ratios, writes a gnuplot PNG and perf/RESULTS.md.
+ucx_perftest prints MB/s meaning MiB/s: converted to decimal GB/s here.
+
+  perf/compare/compare.py --bin build/perf          (what `make compare` runs)
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = [64 << 10, 1 << 20, 4 << 20]
+POOL_MIB = 1024
+KIB = 1024
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def size_name(size):
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.perf = os.path.join(args.bin, "kvwire-perf")
+        self.floor = os.path.join(args.bin, "kvwire-memcpy-floor")
+        self.tmp = tempfile.mkdtemp(prefix="kvwire-compare-")
+        self.env = dict(os.environ, KVWIRE_LOG_LEVEL="error")
+
+    # --- floors -------------------------------------------------------------------------
+    def memcpy(self, size, pattern):
+        n = max(200, min(20000, (4 << 30) // size))
+        out = subprocess.run([self.floor, "-s", str(size), "--pattern", pattern, "--pool-mib",
+                              str(POOL_MIB), "-n", str(n)], capture_output=True, text=True,
+                             check=True, timeout=300).stdout
+        return float(out.split()[-1])
+
+    def iperf3(self, size):
+        port = free_port()
+        server = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(50):
+                r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "2",
+                                    "-l", str(min(size, 1 << 20)), "-J"],  # iperf3: -l <= 1M
+                                   capture_output=True, text=True,
+                                   timeout=60)
+                try:
+                    data = json.loads(r.stdout)
+                    return data["end"]["sum_received"]["bits_per_second"] / 8e9
+                except (ValueError, KeyError):  # not listening yet
+                    pass
+                time.sleep(0.1)
+            raise RuntimeError("iperf3: " + r.stdout[-300:] + r.stderr[-300:])
+        finally:
+            server.kill()
+            server.wait()
+
+    # --- ucx_perftest -------------------------------------------------------------------
+    def ucx(self, test, tls, size, uct=None):
+        port = free_port()
+        budget = (1 << 30) if tls == "tcp" else (4 << 30)
+        n = max(1000, min(200000, budget // size))
+        env = dict(os.environ, UCX_TLS=tls)
+        extra = []
+        if uct is not None:  # UCT-level test: transport and device named, zero-copy
+            env.pop("UCX_TLS")
+            extra = ["-x", uct, "-d", "memory", "-D", "zcopy"]
+        server = subprocess.Popen(["ucx_perftest", "-p", str(port)] + extra, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(50):
+                r = subprocess.run(["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test,
+                                    "-s", str(size), "-n", str(n), "-w", str(max(100, n // 10))]
+                                   + extra, env=env, capture_output=True, text=True, timeout=300)
+                final = [l for l in r.stdout.splitlines() if l.startswith("Final:")]
+                if final:
+                    return float(final[0].split()[6]) * 1048576 / 1e9  # overall MiB/s
+                if "Connection refused" not in r.stdout + r.stderr:
+                    raise RuntimeError(f"ucx_perftest {test} {tls}: {r.stdout[-400:]} {r.stderr[-400:]}")
+                time.sleep(0.1)
+            raise RuntimeError("ucx_perftest: server did not start")
+        finally:
+            server.kill()
+            server.wait()
+
+    # --- kvwire-perf --------------------------------------------------------------------
+    def kvwire(self, transport, op, size=None, pattern="hot", kv=False):
+        test = ["--transport", transport, "--op", op]
+        if kv:
+            test += ["--workload", "kv", "--layout", "dsv4-pro", "--prompt", "8192", "--frag",
+                     "0.5", "--requests", "1", "-n", "20"]
+        else:
+            n = max(400, min(40000, ((1 << 30) if transport == "tcp" else (4 << 30)) // size))
+            test += ["-s", str(size), "--pattern", pattern, "--pool-mib", str(POOL_MIB),
+                     "-n", str(n), "-b", str(self.args.batch), "-t", str(self.args.depth)]
+        if transport == "tcp":
+            test += ["-q", str(self.args.qps)]
+        target = subprocess.Popen([self.perf] + test + ["-p", "0"], env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            port = None
+            seen = []
+            for line in target.stdout:
+                seen.append(line)
+                m = re.search(r"waiting on port (\d+)", line)
+                if m:
+                    port = m.group(1)
+                    break
+            if port is None:
+                raise RuntimeError("kvwire-perf target: " + "".join(seen)[-600:])
+            out = os.path.join(self.tmp, "kv.json")
+            cmd = [self.perf] + test + ["-p", port, "--json", out, "127.0.0.1"]
+            r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError(f"kvwire-perf {' '.join(test)}: {r.stdout[-600:]}{r.stderr[-600:]}")
+            with open(out) as f:
+                row = json.load(f)["results"][0]
+            return row
+        finally:
+            try:
+                target.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                target.kill()
+                target.wait()
+
+
+def measurements(args, have_kv):
+    """(key, label, group, thunk) for every measurement of one round."""
+    m = []
+    for size in SIZES:
+        for pattern in ("hot", "pool"):
+            m.append((("memcpy", pattern, size), lambda r, s=size, p=pattern: r.memcpy(s, p)))
+        m.append((("iperf3", "-", size), lambda r, s=size: r.iperf3(s)))
+        for test, name in (("tag_bw", "ucx tcp tag_bw"), ("ucp_put_bw", "ucx tcp put"),
+                           ("ucp_get", "ucx tcp get")):
+            m.append(((name, "hot", size), lambda r, s=size, t=test: r.ucx(t, "tcp", s)))
+        for test, name in (("ucp_put_bw", "ucx posix put"), ("ucp_get", "ucx posix get")):
+            m.append(((name, "hot", size),
+                      lambda r, s=size, t=test: r.ucx(t, "posix,self", s)))
+        for test, name in (("put_bw", "ucx cma put zcopy"), ("get", "ucx cma get zcopy")):
+            m.append(((name, "hot", size), lambda r, s=size, t=test: r.ucx(t, None, s, "cma")))
+        for transport in ("tcp", "shm"):
+            for op in ("write", "read"):
+                for pattern in ("hot", "pool"):
+                    m.append(((f"kvwire {transport} {op.upper()}", pattern, size),
+                              lambda r, s=size, t=transport, o=op, p=pattern:
+                              r.kvwire(t, o, s, p)["bw_avg_gbs"]))
+    if have_kv:
+        for transport in ("tcp", "shm"):
+            for op in ("read", "write"):
+                m.append(((f"kvwire {transport} dsv4-pro 8k {op.upper()}", "pool", "request"),
+                          lambda r, t=transport, o=op: r.kvwire(t, o, kv=True)))
+    return m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bin", default="build/perf", help="folder with kvwire-perf")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="kvwire-perf -b")
+    ap.add_argument("--depth", type=int, default=8, help="kvwire-perf -t")
+    ap.add_argument("--qps", type=int, default=1, help="kvwire-perf -q over tcp")
+    ap.add_argument("--results", default="perf/RESULTS.md")
+    ap.add_argument("--plot", default="perf/RESULTS-bandwidth.png")
+    args = ap.parse_args()
+    runner = Runner(args)
+
+    probe = subprocess.Popen([runner.perf, "--workload", "kv", "-p", "0"], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:  # without the connector's layouts the target exits at once with that reason
+        have_kv = "needs the connector" not in probe.communicate(timeout=20)[0]
+    except subprocess.TimeoutExpired:  # waiting for an initiator: the kv workload exists
+        have_kv = True
+        probe.kill()
+        probe.communicate()
+    todo = measurements(args, have_kv)
+    values = {key: [] for key, _ in todo}
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    for run in range(args.runs):
+        for i, (key, thunk) in enumerate(todo):
+            print(f"\r[round {run + 1}/{args.runs}] {i + 1}/{len(todo)} {key[0]} {key[1]} "
+                  f"{key[2]}".ljust(78), end="", file=sys.stderr, flush=True)
+            try:
+                values[key].append(thunk(runner))
+            except Exception as e:  # a failed tool is reported, the others still run
+                print(f"\n{key}: {e}", file=sys.stderr)
+    print(file=sys.stderr)
+    med = {}
+    for key, v in values.items():
+        if not v:
+            continue
+        if isinstance(v[0], dict):  # kv rows: median by request time
+            v = sorted(v, key=lambda row: row["lat_avg_us"])
+            med[key] = v[len(v) // 2]
+        else:
+            med[key] = statistics.median(v)
+    report = render(args, med, have_kv, time.time() - started)
+    load_after = os.getloadavg()[0]
+    report["load"] = (f"Load average {load_before:.1f} before and {load_after:.1f} after the run "
+                      f"on {os.cpu_count()} cores (a shared machine).")
+    if max(load_before, load_after) > (os.cpu_count() or 1):
+        report["load"] += (" Other work was running: every figure is perturbed, ucx_perftest's "
+                           "busy-polling ones most; compare ratios, and rerun when quieter.")
+    print(report["table"])
+    plot(args, med)
+    write_results(args, report)
+
+
+def render(args, med, have_kv, seconds):
+    def g(name, pattern, size):
+        return med.get((name, pattern, size))
+
+    def fmt(v):
+        return "   -  " if v is None else f"{v:6.2f}"
+
+    lines = []
+    head = f"{'measurement (decimal GB/s, median)':<34} {'pattern':<7}" + "".join(
+        f" {size_name(s):>8}" for s in SIZES)
+    lines.append(head)
+    lines.append("-" * len(head))
+    names = ["memcpy", "iperf3", "ucx tcp tag_bw", "ucx tcp put", "ucx tcp get",
+             "ucx posix put", "ucx posix get", "ucx cma put zcopy", "ucx cma get zcopy"]
+    names += [f"kvwire {t} {o}" for t in ("tcp", "shm") for o in ("WRITE", "READ")]
+    for name in names:
+        for pattern in ("hot", "pool", "-"):
+            vals = [g(name, pattern, s) for s in SIZES]
+            if all(v is None for v in vals):
+                continue
+            lines.append(f"{name:<34} {pattern:<7}" + "".join(f" {fmt(v):>8}" for v in vals))
+    lines.append("")
+    lines.append(f"{'ratio':<34} {'pattern':<7}" + "".join(f" {size_name(s):>8}" for s in SIZES)
+                 + "   goal")
+    lines.append("-" * (len(head) + 8))
+    goals = []
+
+    def ratio_row(label, pattern, num, den, goal):
+        vals = []
+        for s in SIZES:
+            a, b = num(s), den(s)
+            vals.append(None if a is None or b in (None, 0) else a / b)
+        met = all(v is not None and v >= goal for v in vals) if goal else None
+        mark = "" if goal is None else (f"  >= {goal:.2f} " + ("met" if met else "MISSED"))
+        lines.append(f"{label:<34} {pattern:<7}" + "".join(
+            f" {('   -  ' if v is None else f'{v:6.2f}x'):>8}" for v in vals) + mark)
+        if goal:
+            goals.append((label, pattern, vals, goal, met))
+
+    def best_tcp(s):
+        vals = [g(n, "hot", s) for n in ("ucx tcp tag_bw", "ucx tcp put", "ucx tcp get")]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    for op in ("WRITE", "READ"):
+        ratio_row(f"kvwire tcp {op} / best tcp peer", "hot",
+                  lambda s, o=op: g(f"kvwire tcp {o}", "hot", s), best_tcp, 1.1)
+    for op in ("WRITE", "READ"):
+        ratio_row(f"kvwire tcp {op} / iperf3", "hot",
+                  lambda s, o=op: g(f"kvwire tcp {o}", "hot", s),
+                  lambda s: g("iperf3", "-", s), None)
+    for op, peer in (("WRITE", "ucx posix put"), ("READ", "ucx posix get")):
+        ratio_row(f"kvwire shm {op} / {peer}", "hot",
+                  lambda s, o=op: g(f"kvwire shm {o}", "hot", s),
+                  lambda s, p=peer: g(p, "hot", s), 1.0)
+    for op in ("WRITE", "READ"):
+        for pattern in ("hot", "pool"):
+            ratio_row(f"kvwire shm {op} / memcpy", pattern,
+                      lambda s, o=op, p=pattern: g(f"kvwire shm {o}", p, s),
+                      lambda s, p=pattern: g("memcpy", p, s), 0.9)
+    kv_lines = []
+    if have_kv:
+        for t in ("tcp", "shm"):
+            for op in ("READ", "WRITE"):
+                row = med.get((f"kvwire {t} dsv4-pro 8k {op}", "pool", "request"))
+                if row is None:
+                    continue
+                # shm: memcpy of the same ranges (kvwire-perf measures it in the initiator);
+                # tcp: the request's bytes at the best tcp stream of this run (1 MiB).
+                if t == "shm":
+                    floor_ms, floor_name = row["floor_ms"], "memcpy of the same ranges"
+                else:
+                    bw = max([v for v in (best_tcp(1 << 20), g("iperf3", "-", 1 << 20)) if v])
+                    floor_ms, floor_name = row["bytes"] / (bw * 1e9) * 1e3, f"{bw:.2f} GB/s"
+                t_ms = row["lat_avg_us"] / 1e3
+                ratio = t_ms / floor_ms
+                kv_lines.append(
+                    f"dsv4-pro 8k request {op:<5} {t}: {row['bytes'] / 1e6:.1f} MB in "
+                    f"{t_ms:6.2f} ms (p99 {row['lat_p99_us'] / 1e3:6.2f}); floor {floor_ms:6.2f} ms "
+                    f"({floor_name}) -> {ratio:.2f}x, goal <= 1.25x "
+                    f"{'met' if ratio <= 1.25 else 'MISSED'}; ops {row['ops_before_merge']} -> "
+                    f"{row['ops_after_merge']} merged -> {row['ops_posted']} posted")
+    else:
+        kv_lines.append("dsv4-pro 8k request: not measured (the kv workload needs the "
+                        "connector's layouts, issue 4)")
+    lines.append("")
+    lines.extend(kv_lines)
+    lines.append("")
+    lines.append(f"kvwire-perf: -b {args.batch} -t {args.depth}, tcp -q {args.qps}; 1 thread per "
+                 f"side for every tool; pool = {POOL_MIB} MiB per side, blocks in random order; "
+                 f"{args.runs} rounds, {seconds / 60:.1f} min")
+    return {"table": "\n".join(lines), "goals": goals}
+
+
+def plot(args, med):
+    """Two panels (same-host memory paths, tcp paths): bandwidth vs size, every series."""
+    if shutil.which("gnuplot") is None:
+        print("gnuplot not found: no plot", file=sys.stderr)
+        return
+    panels = {"shm": {}, "tcp": {}}
+    for (name, pattern, size), v in med.items():
+        if size == "request" or isinstance(v, dict):
+            continue
+        panel = "tcp" if ("tcp" in name or name == "iperf3") else "shm"
+        label = f"{name} ({pattern})" if pattern != "-" else name
+        panels[panel].setdefault(label, []).append((size, v))
+    folder = tempfile.mkdtemp()
+    plots = []
+    for panel, title in (("shm", "same host: memcpy, ucx posix/cma, kvwire shm"),
+                         ("tcp", "tcp loopback: iperf3, ucx tcp, kvwire tcp")):
+        data = os.path.join(folder, f"{panel}.dat")
+        clauses = []
+        with open(data, "w") as f:
+            for i, (label, pts) in enumerate(sorted(panels[panel].items())):
+                f.write(f"# {label}\n")
+                for size, v in sorted(pts):
+                    f.write(f"{size / 1024} {v}\n")
+                f.write("\n\n")
+                # kvwire solid and thick, peers dashed, floors dotted.
+                dt = 1 if label.startswith("kvwire") else (3 if label.startswith(
+                    ("memcpy", "iperf3")) else 2)
+                lw = 2.5 if label.startswith("kvwire") else 1.5
+                clauses.append(f'"{data}" index {i} using 1:2 with linespoints dt {dt} lw {lw} '
+                               f'lc {i + 1} pt {i % 13 + 1} title "{label}"')
+        plots.append(f'set title "{title}"\nplot ' + ", \\\n  ".join(clauses))
+    script = f"""
+set terminal pngcairo noenhanced size 1600,700 font ",10"
+set output "{os.path.abspath(args.plot)}"
+set multiplot layout 1,2 title "kvwire-perf vs floors and peers, median of {args.runs} rounds, decimal GB/s"
+set logscale x 2
+set xrange [48:5600]
+set xtics ("64 KiB" 64, "1 MiB" 1024, "4 MiB" 4096)
+set xlabel "message size"
+set ylabel "GB/s (1e9 B/s)"
+set key top right font ",8"
+set grid
+set yrange [0:*]
+{chr(10).join(plots)}
+unset multiplot
+"""
+    r = subprocess.run(["gnuplot"], input=script, text=True, capture_output=True)
+    if r.returncode != 0:
+        print("gnuplot failed: " + r.stderr, file=sys.stderr)
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 1048576:.0f} GiB RAM"
+    except OSError:
+        pass
+    ucx = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True).stdout.split("\n")
+    ucx = next((l.strip("# ") for l in ucx if "version" in l.lower()), "?")
+    return (f"{cpu}, {os.cpu_count()} cores, {mem}, Linux {platform.release()}, "
+            f"UCX {ucx.replace('Version ', '')}")
+
+
+def write_results(args, report):
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = f"""# kvwire-perf side by side
+
+Generated by `make compare` (perf/compare/compare.py) on {now}. Do not edit by hand: run
+`make compare` again.
+
+Machine: {machine()}. {report['load']}
+
+Every number is the median of {args.runs} rounds in decimal GB/s (1e9 B/s); in each round
+every tool runs once, in turn. ucx_perftest's "MB/s" (MiB/s) is converted. "hot" reuses one
+buffer on each side (what ucx_perftest does); "pool" moves blocks in random order over a
+{POOL_MIB} MiB pool on each side (what a KV cache is; ucx_perftest cannot do it). UCX
+emulates put/get over tcp with active messages; its tag_bw is its real tcp figure. iperf3
+runs 2 s with -l set to the size (at most 1 MiB, its limit).
+
+```
+{report['table']}
+```
+
+![bandwidth vs size]({os.path.basename(args.plot)})
+"""
+    with open(args.results, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+// The kv workload: whole requests' KV moved as the connector would move them, from a layout
+// preset (dsv4-pro, dsv4-flash, v3-mla, mha), a prompt length, a share of fragmented blocks
+// and a number of requests in flight.
+#ifndef KVWIRE_PERF_KV_WORKLOAD_H_
+#define KVWIRE_PERF_KV_WORKLOAD_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "kvwire/engine.h"
+#include "perf/perf_options.h"
+#include "perf/report.h"
+#include "perf/results.h"
+#include "perf/side_channel.h"
+
+namespace kvwire::perf {
+
+class KvSide {
+ public:
+  // Builds the layout and its backing memory for one side and registers it.
+  static absl::StatusOr<std::unique_ptr<KvSide>> Create(const PerfOptions& options, Engine& engine,
+                                                        bool initiator);
+  virtual ~KvSide() = default;
+  virtual RegionId region() const = 0;
+  // Target: one RUN/DONE exchange (`run` is the split RUN line).
+  virtual absl::Status Serve(LineSocket& sock, const std::vector<std::string>& run) = 0;
+  // Initiator: runs the workload against the target's region and returns the table row.
+  virtual absl::StatusOr<Result> Run(Engine& engine, PeerId peer, RegionId remote, LineSocket& sock,
+                                     ProgressLine* progress) = 0;
+};
+
+}  // namespace kvwire::perf
+
+#endif  // KVWIRE_PERF_KV_WORKLOAD_H_

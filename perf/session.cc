@@ -1,0 +1,76 @@
+#include "perf/session.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+#include "perf/buffer_plan.h"
+
+namespace kvwire::perf {
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
+                                                   const std::string& listen_address) {
+  if (o.transport == TransportKind::kRdma) {
+    // Passed through the environment, which EngineOptions::FromEnvironment reads (the one
+    // place the library does), so this tool builds with or without the rdma transport.
+    if (!o.device.empty()) setenv("KVWIRE_RDMA_DEVICES", o.device.c_str(), 1);
+    if (o.gid_index >= 0) setenv("KVWIRE_RDMA_GID_INDEX", absl::StrCat(o.gid_index).c_str(), 1);
+    if (o.connections > 0) setenv("KVWIRE_RDMA_QPS", absl::StrCat(o.connections).c_str(), 1);
+  }
+  EngineOptions e = EngineOptions::FromEnvironment({});
+  e.name = "";
+  e.listen_address = listen_address;
+  e.transport = o.transport;
+  if (o.connections > 0) e.tcp_connections = o.connections;
+  e.transfer_timeout = absl::Seconds(120);
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(e);
+  if (!engine.ok() && o.transport == TransportKind::kRdma) {
+    return absl::Status(engine.status().code(),
+                        absl::StrCat("transport rdma: ", engine.status().message()));
+  }
+  return engine;
+}
+
+absl::StatusOr<LocalBuffer> MakeBuffer(Engine& engine, uint64_t bytes, bool source,
+                                       bool export_all) {
+  LocalBuffer b;
+  absl::StatusOr<ShareableBuffer> memory = ShareableBuffer::Create(bytes, "kvwire-perf");
+  if (!memory.ok()) return memory.status();
+  b.memory = *std::move(memory);
+  if (source) {
+    FillPattern(b.memory.data(), 0, b.memory.size());
+  } else {
+    std::memset(b.memory.data(), 0x5a, b.memory.size());
+  }
+  RegionOptions options;
+  options.export_to_all_peers = export_all;
+  absl::StatusOr<RegionId> region =
+      engine.RegisterMemory(b.memory.data(), b.memory.size(), options);
+  if (!region.ok()) return region.status();
+  b.region = *region;
+  return b;
+}
+
+std::string EncodeOps(const std::vector<uint64_t>& ops) { return absl::StrJoin(ops, ","); }
+
+absl::StatusOr<std::vector<uint64_t>> DecodeOps(const std::string& text, int threads) {
+  std::vector<uint64_t> ops;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    uint64_t n = 0;
+    if (!absl::SimpleAtoi(part, &n)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad op count list \"", text, "\""));
+    }
+    ops.push_back(n);
+  }
+  if (static_cast<int>(ops.size()) != threads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("op counts for ", ops.size(), " threads, expected ", threads));
+  }
+  return ops;
+}
+
+}  // namespace kvwire::perf

@@ -1,0 +1,307 @@
+// The C API (include/kvwire/kvwire.h) over kvwire::Connector and kvwire::Layout. Nothing
+// throws across it: every entry point catches and reports through errptr.
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "kvwire/connector.h"
+#include "kvwire/kvwire.h"
+#include "kvwire/layout.h"
+#include "kvwire/memory.h"
+
+struct kvw_layout_t {
+  kvwire::Layout rep;
+};
+struct kvw_options_t {
+  kvwire::ConnectorOptions rep;
+};
+struct kvw_connector_t {
+  std::unique_ptr<kvwire::Connector> rep;
+};
+struct kvw_block_table_t {
+  kvwire::BlockTable rep;
+};
+struct kvw_finished_t {
+  kvwire::FinishedRequests rep;
+};
+struct kvw_buffer_t {
+  kvwire::ShareableBuffer rep;
+};
+
+namespace {
+
+char* CopyString(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out == nullptr) return nullptr;
+  std::memcpy(out, s.data(), s.size());
+  out[s.size()] = '\0';
+  return out;
+}
+
+void SetError(char** errptr, const std::string& message) {
+  if (errptr == nullptr) return;
+  std::free(*errptr);
+  *errptr = CopyString(message);
+}
+
+// Reports a non-OK status; returns its code (0 when OK).
+int Report(const absl::Status& s, char** errptr) {
+  if (s.ok()) return 0;
+  SetError(errptr, s.ToString());
+  return static_cast<int>(s.code());
+}
+
+template <typename F>
+int Guard(char** errptr, F&& f) {
+  try {
+    return Report(f(), errptr);
+  } catch (const std::exception& e) {
+    SetError(errptr, std::string("internal error: ") + e.what());
+  } catch (...) {
+    SetError(errptr, "internal error");
+  }
+  return static_cast<int>(absl::StatusCode::kInternal);
+}
+
+std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
+
+const kvwire::BlockTable& Blocks(const kvw_block_table_t* t) {
+  static const kvwire::BlockTable* const kEmpty = new kvwire::BlockTable();
+  return t == nullptr ? *kEmpty : t->rep;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvw_version(void) { return "kvwire 0.1.0"; }
+void kvw_free(void* ptr) { std::free(ptr); }
+
+kvw_buffer_t* kvw_buffer_create(size_t length, char** errptr) {
+  absl::StatusOr<kvwire::ShareableBuffer> b = kvwire::ShareableBuffer::Create(length, "kvw-c");
+  if (!b.ok()) {
+    Report(b.status(), errptr);
+    return nullptr;
+  }
+  auto* out = new (std::nothrow) kvw_buffer_t{std::move(*b)};
+  if (out == nullptr) SetError(errptr, "out of memory");
+  return out;
+}
+void* kvw_buffer_data(const kvw_buffer_t* b) { return b->rep.data(); }
+size_t kvw_buffer_size(const kvw_buffer_t* b) { return b->rep.size(); }
+void kvw_buffer_destroy(kvw_buffer_t* b) { delete b; }
+
+kvw_layout_t* kvw_layout_preset(const char* name, char** errptr) {
+  absl::StatusOr<kvwire::Layout> l = kvwire::PresetLayout(Str(name));
+  if (!l.ok()) {
+    Report(l.status(), errptr);
+    return nullptr;
+  }
+  return new (std::nothrow) kvw_layout_t{std::move(*l)};
+}
+kvw_layout_t* kvw_layout_from_json(const char* json, char** errptr) {
+  absl::StatusOr<kvwire::Layout> l = kvwire::LayoutFromJson(Str(json));
+  if (!l.ok()) {
+    Report(l.status(), errptr);
+    return nullptr;
+  }
+  return new (std::nothrow) kvw_layout_t{std::move(*l)};
+}
+char* kvw_layout_to_json(const kvw_layout_t* l) { return CopyString(kvwire::LayoutToJson(l->rep)); }
+uint64_t kvw_layout_assign_backing(kvw_layout_t* l, uint64_t base, uint64_t num_blocks,
+                                   uint64_t state_blocks) {
+  return kvwire::AssignBacking(&l->rep, base, num_blocks, state_blocks);
+}
+size_t kvw_layout_num_groups(const kvw_layout_t* l) { return l->rep.groups.size(); }
+const char* kvw_layout_group_name(const kvw_layout_t* l, size_t g) {
+  return g < l->rep.groups.size() ? l->rep.groups[g].name.c_str() : nullptr;
+}
+uint64_t kvw_layout_group_page_bytes(const kvw_layout_t* l, size_t g) {
+  return g < l->rep.groups.size() ? l->rep.groups[g].page_bytes : 0;
+}
+int kvw_layout_group_tokens_per_block(const kvw_layout_t* l, size_t g) {
+  return g < l->rep.groups.size() ? l->rep.groups[g].tokens_per_block : 0;
+}
+int kvw_layout_group_is_state(const kvw_layout_t* l, size_t g) {
+  return g < l->rep.groups.size() && l->rep.groups[g].per_request_state ? 1 : 0;
+}
+size_t kvw_layout_group_num_layers(const kvw_layout_t* l, size_t g) {
+  return g < l->rep.groups.size() ? l->rep.groups[g].layers.size() : 0;
+}
+uint64_t kvw_layout_block_address(const kvw_layout_t* l, size_t g, size_t layer, uint64_t block) {
+  if (g >= l->rep.groups.size()) return 0;
+  const kvwire::CacheGroup& group = l->rep.groups[g];
+  if (layer >= group.layer_base.size()) return 0;
+  return group.BlockAddress(layer, block, 0);
+}
+int kvw_layout_check_compatible(const kvw_layout_t* p, const kvw_layout_t* d, char** errptr) {
+  return Guard(errptr, [&] { return kvwire::CheckCompatible(p->rep, d->rep); });
+}
+void kvw_layout_destroy(kvw_layout_t* l) { delete l; }
+
+kvw_block_table_t* kvw_block_table_create(void) { return new (std::nothrow) kvw_block_table_t; }
+void kvw_block_table_set(kvw_block_table_t* t, const char* group, const int64_t* ids,
+                         size_t count) {
+  t->rep[Str(group)].assign(ids, ids + count);
+}
+void kvw_block_table_destroy(kvw_block_table_t* t) { delete t; }
+
+kvw_options_t* kvw_options_create(void) { return new (std::nothrow) kvw_options_t; }
+void kvw_options_set_role(kvw_options_t* o, const char* role) { o->rep.role = Str(role); }
+void kvw_options_set_mode(kvw_options_t* o, int mode) {
+  o->rep.mode = mode == KVW_MODE_READ    ? kvwire::KvMode::kRead
+                : mode == KVW_MODE_WRITE ? kvwire::KvMode::kWrite
+                                         : kvwire::KvMode::kAuto;
+}
+void kvw_options_set_name(kvw_options_t* o, const char* name) { o->rep.engine.name = Str(name); }
+void kvw_options_set_listen_address(kvw_options_t* o, const char* address) {
+  o->rep.engine.listen_address = Str(address);
+}
+int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** errptr) {
+  absl::StatusOr<kvwire::TransportKind> t = kvwire::ParseTransportKind(Str(transport));
+  if (!t.ok()) return Report(t.status(), errptr);
+  o->rep.engine.transport = *t;
+  return 0;
+}
+void kvw_options_set_request_timeout_ms(kvw_options_t* o, int64_t ms) {
+  o->rep.request_timeout = absl::Milliseconds(ms);
+}
+void kvw_options_destroy(kvw_options_t* o) { delete o; }
+
+kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
+  try {
+    absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
+        kvwire::Connector::Create(o == nullptr ? kvwire::ConnectorOptions() : o->rep);
+    if (!c.ok()) {
+      Report(c.status(), errptr);
+      return nullptr;
+    }
+    return new kvw_connector_t{std::move(*c)};
+  } catch (const std::exception& e) {
+    SetError(errptr, std::string("internal error: ") + e.what());
+    return nullptr;
+  }
+}
+void kvw_connector_destroy(kvw_connector_t* c) { delete c; }
+const char* kvw_connector_engine_id(const kvw_connector_t* c) {
+  return c->rep->engine_id().c_str();
+}
+char* kvw_connector_address(kvw_connector_t* c) { return CopyString(c->rep->engine().address()); }
+
+int kvw_register_kv_caches(kvw_connector_t* c, const kvw_layout_t* l, void* const* ptrs,
+                           const size_t* lengths, size_t count, char** errptr) {
+  return Guard(errptr, [&] {
+    std::vector<kvwire::KvMemory> memory;
+    for (size_t i = 0; i < count; ++i) memory.push_back({ptrs[i], lengths[i]});
+    return c->rep->RegisterKvCaches(l->rep, memory);
+  });
+}
+
+int kvw_get_num_new_matched_tokens(kvw_connector_t* c, const char* request_id, uint64_t num_tokens,
+                                   uint64_t num_computed_tokens, const char* params,
+                                   uint64_t* num_external_tokens, int* load_async, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    absl::StatusOr<kvwire::MatchResult> m = c->rep->GetNumNewMatchedTokens(
+        Str(request_id), num_tokens, num_computed_tokens, Str(params));
+    if (!m.ok()) return m.status();
+    if (num_external_tokens != nullptr) *num_external_tokens = m->num_external_tokens;
+    if (load_async != nullptr) *load_async = m->load_async ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int kvw_update_state_after_alloc(kvw_connector_t* c, const char* request_id,
+                                 const kvw_block_table_t* blocks, uint64_t num_external_tokens,
+                                 char** errptr) {
+  return Guard(errptr, [&] {
+    return c->rep->UpdateStateAfterAlloc(Str(request_id), Blocks(blocks), num_external_tokens);
+  });
+}
+
+char* kvw_build_connector_meta(kvw_connector_t* c) {
+  return CopyString(c->rep->BuildConnectorMeta());
+}
+
+int kvw_request_finished(kvw_connector_t* c, const char* request_id,
+                         const kvw_block_table_t* blocks, uint64_t num_tokens, const char* params,
+                         int aborted, int* delay_free, char** params_out, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    absl::StatusOr<kvwire::RequestFinishedResult> r = c->rep->RequestFinished(
+        Str(request_id), Blocks(blocks), num_tokens, Str(params), aborted != 0);
+    if (!r.ok()) return r.status();
+    if (delay_free != nullptr) *delay_free = r->delay_free ? 1 : 0;
+    if (params_out != nullptr) *params_out = CopyString(r->kv_transfer_params);
+    return absl::OkStatus();
+  });
+}
+
+int kvw_bind_connector_meta(kvw_connector_t* c, const char* meta, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->BindConnectorMeta(Str(meta)); });
+}
+int kvw_start_load_kv(kvw_connector_t* c, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->StartLoadKv(); });
+}
+int kvw_wait_for_layer_load(kvw_connector_t* c, int layer, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->WaitForLayerLoad(layer); });
+}
+int kvw_save_kv_layer(kvw_connector_t* c, int layer, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->SaveKvLayer(layer); });
+}
+int kvw_wait_for_save(kvw_connector_t* c, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->WaitForSave(); });
+}
+
+kvw_finished_t* kvw_get_finished(kvw_connector_t* c) {
+  return new (std::nothrow) kvw_finished_t{c->rep->GetFinished()};
+}
+size_t kvw_finished_count(const kvw_finished_t* f, int kind) {
+  switch (kind) {
+    case KVW_FINISHED_SENDING:
+      return f->rep.finished_sending.size();
+    case KVW_FINISHED_RECVING:
+      return f->rep.finished_recving.size();
+    case KVW_FAILED_LOADS:
+      return f->rep.failed_loads.size();
+  }
+  return 0;
+}
+const char* kvw_finished_request(const kvw_finished_t* f, int kind, size_t i) {
+  if (i >= kvw_finished_count(f, kind)) return nullptr;
+  switch (kind) {
+    case KVW_FINISHED_SENDING:
+      return f->rep.finished_sending[i].c_str();
+    case KVW_FINISHED_RECVING:
+      return f->rep.finished_recving[i].c_str();
+    default:
+      return f->rep.failed_loads[i].request_id.c_str();
+  }
+}
+const char* kvw_finished_reason(const kvw_finished_t* f, size_t i) {
+  return i < f->rep.failed_loads.size() ? f->rep.failed_loads[i].reason.c_str() : nullptr;
+}
+void kvw_finished_destroy(kvw_finished_t* f) { delete f; }
+
+int kvw_abort(kvw_connector_t* c, const char* request_id, char** errptr) {
+  return Guard(errptr, [&] { return c->rep->Abort(Str(request_id)); });
+}
+size_t kvw_live_requests(const kvw_connector_t* c) { return c->rep->LiveRequests(); }
+char* kvw_stats_json(const kvw_connector_t* c) { return CopyString(c->rep->StatsJson()); }
+char* kvw_stats_prometheus(const kvw_connector_t* c) {
+  return CopyString(c->rep->StatsPrometheus());
+}
+
+char* kvw_write_mode_params(const char* host, int port, const char* transfer_id,
+                            uint64_t num_tokens) {
+  kvwire::KvTransferParams p;
+  p.host = Str(host);
+  p.port = port;
+  p.transfer_id = Str(transfer_id);
+  p.mode = kvwire::KvMode::kWrite;
+  p.num_tokens = num_tokens;
+  p.do_remote_prefill = true;
+  return CopyString(p.ToJson());
+}
+
+}  // extern "C"

@@ -1,0 +1,237 @@
+// A prefill instance in its own process for the connector tests: a kvwire::Connector over a
+// simulated KV cache, driven like vLLM's scheduler and worker through stdin commands:
+//
+//   req <id> <tokens> <read|write> <transfer_id> <layers_now|all>
+//       allocate fragmented blocks, write the pattern; read: RequestFinished and print
+//       "PARAMS <id> <json>"; write: announce the request and save `layers_now` layers
+//       (all: every layer, then RequestFinished), print "SAVED <id> <n>"
+//   finish <id>      write mode: save the remaining layers, RequestFinished, "SAVED <id> all"
+//   abort <id>       Connector::Abort (+ RequestFinished(aborted) in write mode), "ABORTED <id>"
+//   acct             "ACCT <accounting error or ok> live=<requests> connector_live=<n>"
+//   stats            "STATS <json>"
+// Between commands it polls GetFinished and frees the blocks of finished requests, printing
+// "FREED <id>". Prints "READY <address>" first; exits when stdin closes.
+//
+//   kvwire_connector_peer --layout=deepseek-v4-pro --transport=tcp --mode=auto --blocks=64
+//                         --state_blocks=4 --seed=1 --timeout_ms=60000 --name=prefill
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <poll.h>
+#include <set>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+
+#include "kvwire/connector.h"
+#include "tests/connector/kv_sim.h"
+
+namespace {
+
+struct Args {
+  std::string layout = "deepseek-v3";
+  std::string transport = "auto";
+  std::string mode = "auto";
+  uint64_t blocks = 64;
+  uint64_t state_blocks = 8;
+  uint64_t seed = 1;
+  int timeout_ms = 60000;
+  std::string name = "prefill";
+};
+
+bool ParseArgs(int argc, char** argv, Args* a) {
+  for (int i = 1; i < argc; ++i) {
+    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
+    const std::string k = kv[0].substr(2), v = kv[1];
+    bool ok = true;
+    if (k == "layout")
+      a->layout = v;
+    else if (k == "transport")
+      a->transport = v;
+    else if (k == "mode")
+      a->mode = v;
+    else if (k == "blocks")
+      ok = absl::SimpleAtoi(v, &a->blocks);
+    else if (k == "state_blocks")
+      ok = absl::SimpleAtoi(v, &a->state_blocks);
+    else if (k == "seed")
+      ok = absl::SimpleAtoi(v, &a->seed);
+    else if (k == "timeout_ms")
+      ok = absl::SimpleAtoi(v, &a->timeout_ms);
+    else if (k == "name")
+      a->name = v;
+    else
+      ok = false;
+    if (!ok) return false;
+  }
+  return true;
+}
+
+void Say(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
+struct Pending {
+  uint64_t tokens = 0;
+  std::string params;
+  std::vector<int> layers_left;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (!ParseArgs(argc, argv, &args)) {
+    std::fprintf(stderr, "connector_peer: bad arguments\n");
+    return 2;
+  }
+  kvwire::ConnectorOptions options;
+  options.role = "prefill";
+  options.engine.name = args.name;
+  options.request_timeout = absl::Milliseconds(args.timeout_ms);
+  options.engine.peer_lease = absl::Seconds(3);
+  options.engine.heartbeat_interval = absl::Milliseconds(200);
+  auto transport = kvwire::ParseTransportKind(args.transport);
+  auto mode = kvwire::ParseKvMode(args.mode);
+  if (!transport.ok() || !mode.ok()) {
+    std::fprintf(stderr, "connector_peer: bad transport or mode\n");
+    return 2;
+  }
+  options.engine.transport = *transport;
+  options.mode = *mode;
+  auto connector = kvwire::Connector::Create(options);
+  auto cache =
+      kvwire::testing::KvCache::Create(args.layout, args.blocks, args.state_blocks, args.seed);
+  if (!connector.ok() || !cache.ok()) {
+    std::fprintf(stderr, "connector_peer: %s %s\n", connector.status().ToString().c_str(),
+                 cache.status().ToString().c_str());
+    return 1;
+  }
+  kvwire::Connector& c = **connector;
+  kvwire::testing::KvCache& kv = **cache;
+  if (absl::Status s = c.RegisterKvCaches(kv.layout(), kv.memory()); !s.ok()) {
+    std::fprintf(stderr, "connector_peer: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::set<int> all_layers;
+  for (const kvwire::CacheGroup& g : kv.layout().groups) {
+    all_layers.insert(g.layers.begin(), g.layers.end());
+  }
+  std::map<std::string, Pending> pending;
+  Say("READY " + c.engine().address());
+
+  std::string buffer;
+  while (true) {
+    kvwire::FinishedRequests f = c.GetFinished();
+    for (const std::string& id : f.finished_sending) {
+      if (kv.Release(id)) Say("FREED " + id);
+    }
+    pollfd p{STDIN_FILENO, POLLIN, 0};
+    if (poll(&p, 1, 5) <= 0) continue;
+    char chunk[4096];
+    const ssize_t n = read(STDIN_FILENO, chunk, sizeof(chunk));
+    if (n <= 0) break;
+    buffer.append(chunk, n);
+    size_t nl;
+    while ((nl = buffer.find('\n')) != std::string::npos) {
+      const std::string line = buffer.substr(0, nl);
+      buffer.erase(0, nl + 1);
+      std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (w.empty()) continue;
+      const std::string& cmd = w[0];
+      if (cmd == "req" && w.size() == 6) {
+        const std::string& id = w[1];
+        uint64_t tokens = 0;
+        if (!absl::SimpleAtoi(w[2], &tokens)) tokens = 1;
+        absl::StatusOr<kvwire::BlockTable> blocks = kv.Allocate(id, tokens);
+        if (!blocks.ok()) {
+          Say("ERROR " + id + " " + std::string(blocks.status().message()));
+          continue;
+        }
+        kv.Fill(id, *blocks);
+        kvwire::KvTransferParams in;
+        in.do_remote_decode = true;
+        in.mode = w[3] == "write" ? kvwire::KvMode::kWrite : kvwire::KvMode::kRead;
+        in.transfer_id = w[4];
+        const std::string params = in.ToJson();
+        if (w[3] != "write") {
+          auto done = c.RequestFinished(id, *blocks, tokens, params);
+          if (!done.ok()) {
+            kv.Release(id);
+            Say("ERROR " + id + " " + std::string(done.status().message()));
+            continue;
+          }
+          if (!done->delay_free && kv.Release(id)) Say("FREED " + id);
+          Say("PARAMS " + id + " " + done->kv_transfer_params);
+          continue;
+        }
+        auto match = c.GetNumNewMatchedTokens(id, tokens, 0, params);
+        absl::Status s = match.status();
+        if (s.ok()) s = c.UpdateStateAfterAlloc(id, *blocks, 0);
+        if (s.ok()) s = c.BindConnectorMeta(c.BuildConnectorMeta());
+        if (!s.ok()) {
+          kv.Release(id);
+          Say("ERROR " + id + " " + std::string(s.message()));
+          continue;
+        }
+        Pending& pr = pending[id];
+        pr.tokens = tokens;
+        pr.params = params;
+        pr.layers_left.assign(all_layers.begin(), all_layers.end());
+        size_t now = pr.layers_left.size();
+        if (w[5] != "all" && !absl::SimpleAtoi(w[5], &now)) now = 0;
+        now = std::min(now, pr.layers_left.size());
+        for (size_t i = 0; i < now; ++i) (void)c.SaveKvLayer(pr.layers_left[i]);
+        pr.layers_left.erase(pr.layers_left.begin(), pr.layers_left.begin() + now);
+        (void)c.WaitForSave();
+        if (pr.layers_left.empty()) {
+          auto done = c.RequestFinished(id, *blocks, tokens, params);
+          if (done.ok() && !done->delay_free && kv.Release(id)) Say("FREED " + id);
+          pending.erase(id);
+          Say("SAVED " + id + " all");
+        } else {
+          Say("SAVED " + id + " " + std::to_string(now));
+        }
+      } else if (cmd == "finish" && w.size() == 2) {
+        auto it = pending.find(w[1]);
+        if (it == pending.end() || kv.live().count(w[1]) == 0) {
+          Say("ERROR " + w[1] + " unknown");
+          continue;
+        }
+        (void)c.BindConnectorMeta(R"({"loads":[],"saves":[{"request_id":")" + w[1] + "\"}]}");
+        for (int layer : it->second.layers_left) (void)c.SaveKvLayer(layer);
+        auto done =
+            c.RequestFinished(w[1], kv.live().at(w[1]), it->second.tokens, it->second.params);
+        if (done.ok() && !done->delay_free && kv.Release(w[1])) Say("FREED " + w[1]);
+        pending.erase(it);
+        Say("SAVED " + w[1] + " all");
+      } else if (cmd == "abort" && w.size() == 2) {
+        absl::Status s = c.Abort(w[1]);
+        auto it = pending.find(w[1]);
+        if (it != pending.end() && kv.live().count(w[1]) != 0) {
+          auto done = c.RequestFinished(w[1], kv.live().at(w[1]), it->second.tokens,
+                                        it->second.params, /*aborted=*/true);
+          if (done.ok() && !done->delay_free && kv.Release(w[1])) Say("FREED " + w[1]);
+          pending.erase(it);
+        }
+        Say("ABORTED " + w[1] + " " + (s.ok() ? "ok" : std::string(s.message())));
+      } else if (cmd == "acct") {
+        const std::string err = kv.CheckAccounting();
+        Say("ACCT " + (err.empty() ? std::string("ok") : err) +
+            " live=" + std::to_string(kv.live().size()) +
+            " connector_live=" + std::to_string(c.LiveRequests()));
+      } else if (cmd == "stats") {
+        Say("STATS " + c.StatsJson());
+      } else {
+        Say("ERROR bad command: " + line);
+      }
+    }
+  }
+  return 0;
+}

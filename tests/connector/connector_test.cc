@@ -1,0 +1,413 @@
+// Prefill in a child process (kvwire_connector_peer), decode in this process, real sockets:
+// every byte decode loads is checked against what prefill wrote, and after every scenario
+// each block on both sides is free or owned by exactly one live request.
+#include "kvwire/connector.h"
+
+#include <random>
+#include <set>
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+#include "tests/connector/child.h"
+#include "tests/connector/kv_sim.h"
+
+namespace kvwire::testing {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(90);
+
+struct SimSetup {
+  std::string layout;
+  uint64_t blocks;
+  uint64_t state_blocks;
+};
+
+SimSetup SetupFor(const std::string& layout) {
+  if (layout.rfind("deepseek-v4", 0) == 0) return {layout, 16, 2};
+  if (layout.rfind("random", 0) == 0) return {layout, 48, 2};
+  return {layout, 16, 2};
+}
+
+uint64_t MaxTokens(const Layout& l, uint64_t blocks) {
+  uint64_t max = 4000;
+  for (const CacheGroup& g : l.groups) {
+    if (g.full_history()) max = std::min<uint64_t>(max, blocks * g.tokens_per_block - 1);
+  }
+  return max;
+}
+
+class Decode {
+ public:
+  Decode(const std::string& transport, const SimSetup& setup, KvMode mode,
+         absl::Duration timeout = absl::Seconds(60)) {
+    ConnectorOptions o;
+    o.role = "decode";
+    o.mode = mode;
+    o.engine.name = absl::StrCat("decode-", getpid());
+    o.engine.transport = *ParseTransportKind(transport);
+    o.engine.peer_lease = absl::Seconds(3);
+    o.engine.heartbeat_interval = absl::Milliseconds(200);
+    o.request_timeout = timeout;
+    o.handshake_timeout = absl::Seconds(20);
+    auto c = Connector::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    connector = std::move(*c);
+    auto kv = KvCache::Create(setup.layout, setup.blocks + 8, setup.state_blocks + 1, 99);
+    EXPECT_TRUE(kv.ok()) << kv.status();
+    cache = std::move(*kv);
+    EXPECT_TRUE(connector->RegisterKvCaches(cache->layout(), cache->memory()).ok());
+  }
+
+  // The scheduler's and worker's steps for a remote-prefill request; returns the load's
+  // reason when it failed ("" on success).
+  absl::StatusOr<std::string> Load(const std::string& id, const std::string& params,
+                                   uint64_t tokens, uint64_t cached,
+                                   const std::function<void()>& after_start = nullptr) {
+    auto match = connector->GetNumNewMatchedTokens(id, tokens, cached, params);
+    if (!match.ok()) return match.status();
+    absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
+    if (!blocks.ok()) return blocks.status();
+    if (absl::Status s = connector->UpdateStateAfterAlloc(id, *blocks, match->num_external_tokens);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = connector->BindConnectorMeta(connector->BuildConnectorMeta()); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = connector->StartLoadKv(); !s.ok()) return s;
+    if (after_start) after_start();
+    return WaitDone(id);
+  }
+
+  absl::StatusOr<std::string> WaitDone(const std::string& id) {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      FinishedRequests f = connector->GetFinished();
+      std::optional<std::string> result;
+      for (const std::string& r : f.finished_recving) {
+        if (r == id) result = "";
+        done.insert(r);
+      }
+      for (const FailedLoad& fl : f.failed_loads) {
+        if (fl.request_id == id) result = fl.reason;
+        cache->Release(fl.request_id);  // failed loads free their blocks at once
+      }
+      if (result) return *result;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("request ", id, " never finished"));
+  }
+
+  void ExpectClean() {
+    EXPECT_EQ(cache->CheckAccounting(), "");
+    EXPECT_EQ(connector->LiveRequests(), 0u);
+  }
+
+  std::unique_ptr<Connector> connector;
+  std::unique_ptr<KvCache> cache;
+  std::set<std::string> done;
+};
+
+// Prefill's accounting line: "ok" and no live requests once everything is freed.
+void ExpectPrefillClean(Child& p) {
+  const absl::Time deadline = absl::Now() + kWait;
+  std::string last;
+  while (absl::Now() < deadline) {
+    p.Send("acct");
+    auto line = p.Expect("ACCT ");
+    ASSERT_TRUE(line.ok()) << line.status();
+    last = *line;
+    if (last == "ACCT ok live=0 connector_live=0") return;
+    ASSERT_EQ(last.rfind("ACCT ok ", 0), 0u) << last;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  FAIL() << "prefill never became clean: " << last;
+}
+
+KvTransferParams WriteParams(const std::string& address, const std::string& tid, uint64_t tokens) {
+  KvTransferParams p;
+  const size_t colon = address.rfind(':');
+  p.host = address.substr(0, colon);
+  p.port = std::stoi(address.substr(colon + 1));
+  p.transfer_id = tid;
+  p.mode = KvMode::kWrite;
+  p.num_tokens = tokens;
+  p.do_remote_prefill = true;
+  return p;
+}
+
+class ConnectorTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::string transport() const { return GetParam(); }
+
+  // Starts the prefill child and learns its address.
+  std::unique_ptr<Child> Prefill(const SimSetup& s, const std::string& mode = "auto",
+                                 int timeout_ms = 60000, const std::string& layout = "") {
+    auto c = Child::Start(
+        KVWIRE_CONNECTOR_PEER,
+        {"--layout=" + (layout.empty() ? s.layout : layout), "--transport=" + transport(),
+         "--mode=" + mode, absl::StrCat("--blocks=", s.blocks),
+         absl::StrCat("--state_blocks=", s.state_blocks), "--seed=7",
+         absl::StrCat("--timeout_ms=", timeout_ms)});
+    EXPECT_TRUE(c.ok()) << c.status();
+    auto ready = (*c)->Expect("READY ", absl::Seconds(60));
+    EXPECT_TRUE(ready.ok()) << ready.status();
+    address_ = ready.ok() ? ready->substr(6) : "";
+    return std::move(*c);
+  }
+
+  // One request in `mode`; returns the failure reason or "".
+  std::string Run(Child& p, Decode& d, const std::string& id, uint64_t tokens, uint64_t cached,
+                  const std::string& mode) {
+    if (mode == "read") {
+      p.Send(absl::StrCat("req ", id, " ", tokens, " read - all"));
+      auto params = p.Expect("PARAMS " + id + " ");
+      EXPECT_TRUE(params.ok()) << params.status();
+      if (!params.ok()) return "no params";
+      auto r = d.Load(id, params->substr(8 + id.size()), tokens, cached);
+      EXPECT_TRUE(r.ok()) << r.status();
+      return r.ok() ? *r : std::string(r.status().message());
+    }
+    const std::string tid = absl::StrCat("t-", id);
+    const std::string params = WriteParams(address_, tid, tokens).ToJson();
+    // Prefill first or decode first, alternately: both orders must work.
+    const bool prefill_first = std::hash<std::string>()(id) % 2 == 0;
+    if (prefill_first) {
+      p.Send(absl::StrCat("req ", id, " ", tokens, " write ", tid, " all"));
+      EXPECT_TRUE(p.Expect("SAVED " + id).ok());
+    }
+    auto r = d.Load(id, params, tokens, cached, [&] {
+      if (!prefill_first) {
+        p.Send(absl::StrCat("req ", id, " ", tokens, " write ", tid, " all"));
+      }
+    });
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : std::string(r.status().message());
+  }
+
+  std::string address_;
+};
+
+TEST_P(ConnectorTest, EveryByteArrivesInBothModes) {
+  std::vector<std::string> layouts = {"deepseek-v4-flash", "deepseek-v3.2", "mha"};
+  for (int i = 1; i <= 4; ++i) layouts.push_back(absl::StrCat("random:", i * 7919 + 3));
+  std::mt19937_64 rng(2026);
+  int n = 0;
+  for (const std::string& layout : layouts) {
+    SCOPED_TRACE(layout);
+    const SimSetup s = SetupFor(layout);
+    auto p = Prefill(s);
+    Decode d(transport(), s, KvMode::kAuto);
+    const uint64_t max = MaxTokens(d.cache->layout(), s.blocks);
+    // Boundaries of windows and compression plus random lengths.
+    std::vector<uint64_t> lengths = {1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 384, 1000};
+    std::shuffle(lengths.begin(), lengths.end(), rng);
+    lengths.resize(3);
+    lengths.push_back(1 + rng() % max);
+    for (uint64_t tokens : lengths) {
+      tokens = std::min(tokens, max);
+      for (const char* mode : {"read", "write"}) {
+        const std::string id = absl::StrCat("r", ++n);
+        // Sometimes a prefix hit: decode holds the first tokens already.
+        const uint64_t cached = rng() % 3 == 0 ? rng() % tokens : 0;
+        SCOPED_TRACE(absl::StrCat(id, " mode=", mode, " tokens=", tokens, " cached=", cached));
+        ASSERT_EQ(Run(*p, d, id, tokens, cached, mode), "");
+        EXPECT_EQ(d.cache->Verify(id, d.cache->live().at(id), tokens, cached), "");
+        d.cache->Release(id);
+        ASSERT_TRUE(p->Expect("FREED " + id).ok());
+      }
+    }
+    d.ExpectClean();
+    ExpectPrefillClean(*p);
+    const std::string stats = d.connector->StatsJson();
+    EXPECT_NE(stats.find("\"completed\""), std::string::npos);
+    EXPECT_NE(d.connector->StatsPrometheus().find("kvwire_connector_group_bytes_total"),
+              std::string::npos);
+  }
+}
+
+TEST_P(ConnectorTest, DeepSeekV4ProRequest) {
+  const SimSetup s = SetupFor("deepseek-v4-pro");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  for (const char* mode : {"read", "write"}) {
+    const std::string id = absl::StrCat("pro-", mode);
+    ASSERT_EQ(Run(*p, d, id, 2999, 0, mode), "");
+    EXPECT_EQ(d.cache->Verify(id, d.cache->live().at(id), 2999, 0), "");
+    d.cache->Release(id);
+    ASSERT_TRUE(p->Expect("FREED " + id).ok());
+  }
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, ModeConflictIsAClearError) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s, "read");
+  Decode d(transport(), s, KvMode::kWrite);
+  auto r = d.Load("c1", WriteParams(address_, "t-c1", 300).ToJson(), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("mode conflict"), std::string::npos) << *r;
+  EXPECT_NE(r->find("prefill is 'read'"), std::string::npos) << *r;
+  EXPECT_NE(r->find("decode is 'write'"), std::string::npos) << *r;
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, LayoutMismatchIsRefusedNamingTheGroup) {
+  const SimSetup s = SetupFor("deepseek-v3.2");
+  auto p = Prefill(s, "auto", 3000, "deepseek-v3");
+  Decode d(transport(), s, KvMode::kAuto);
+  p->Send("req m1 300 read - all");
+  auto params = p->Expect("PARAMS m1 ");
+  ASSERT_TRUE(params.ok());
+  auto r = d.Load("m1", params->substr(10), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("indexer_k"), std::string::npos) << *r;
+  d.ExpectClean();
+  // Decode never reached prefill's blocks: the lease frees them.
+  ASSERT_TRUE(p->Expect("FREED m1").ok());
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, CorruptedKvTransferParams) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  // Not JSON, wrong types, missing fields: refused before anything is allocated.
+  for (const char* bad : {"{not json", R"({"do_remote_prefill": true})",
+                          R"({"do_remote_prefill": true, "remote_host": "127.0.0.1",
+                              "remote_port": 5, "transfer_id": "x", "num_tokens": "many"})",
+                          R"({"do_remote_prefill": true, "remote_host": "127.0.0.1",
+                              "remote_port": 5, "transfer_id": "x", "num_tokens": 10,
+                              "mode": "read", "block_ids": {"mla_kv": "zero"}})"}) {
+    auto m = d.connector->GetNumNewMatchedTokens("bad", 100, 0, bad);
+    EXPECT_FALSE(m.ok()) << bad;
+    EXPECT_NE(m.status().message().find("request bad"), std::string::npos) << m.status();
+  }
+  // Valid JSON pointing at blocks prefill does not have: the load fails naming the group.
+  p->Send("req k1 300 read - all");
+  auto params = p->Expect("PARAMS k1 ");
+  ASSERT_TRUE(params.ok());
+  auto parsed = KvTransferParams::FromJson(params->substr(10));
+  ASSERT_TRUE(parsed.ok());
+  parsed->block_ids["mla_kv"][1] = 100000;
+  auto r = d.Load("k1", parsed->ToJson(), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("mla_kv"), std::string::npos) << *r;
+  ASSERT_TRUE(p->Expect("FREED k1").ok());  // released by decode's failure message
+  // Nobody listening at the address.
+  parsed->port = 1;
+  r = d.Load("k2", parsed->ToJson(), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->empty());
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, AbortsOnEitherSideAtEachPhase) {
+  const SimSetup s = SetupFor("deepseek-v4-flash");
+  auto p = Prefill(s, "auto", 4000);
+  Decode d(transport(), s, KvMode::kAuto);
+  // Decode aborts before the load starts (read): fails at once; prefill's lease frees.
+  p->Send("req a1 700 read - all");
+  auto params = p->Expect("PARAMS a1 ");
+  ASSERT_TRUE(params.ok());
+  {
+    auto m = d.connector->GetNumNewMatchedTokens("a1", 700, 0, params->substr(10));
+    ASSERT_TRUE(m.ok());
+    auto blocks = d.cache->Allocate("a1", 700);
+    ASSERT_TRUE(blocks.ok());
+    ASSERT_TRUE(d.connector->UpdateStateAfterAlloc("a1", *blocks, m->num_external_tokens).ok());
+    ASSERT_TRUE(d.connector->Abort("a1").ok());
+    auto r = d.WaitDone("a1");
+    ASSERT_TRUE(r.ok());
+    EXPECT_NE(r->find("aborted on decode"), std::string::npos) << *r;
+    (void)d.connector->BuildConnectorMeta();
+    ASSERT_TRUE(p->Expect("FREED a1").ok());
+  }
+  // Decode aborts right after starting the read: either it completed or it failed; the
+  // blocks come back on both sides in every case.
+  p->Send("req a2 900 read - all");
+  params = p->Expect("PARAMS a2 ");
+  ASSERT_TRUE(params.ok());
+  auto r = d.Load("a2", params->substr(10), 900, 0, [&] { (void)d.connector->Abort("a2"); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  d.cache->Release("a2");
+  ASSERT_TRUE(p->Expect("FREED a2").ok());
+  // Write mode, decode aborts while prefill is half way through its layers.
+  p->Send("req a3 900 write t-a3 5");
+  ASSERT_TRUE(p->Expect("SAVED a3 5").ok());
+  r = d.Load("a3", WriteParams(address_, "t-a3", 900).ToJson(), 900, 0,
+             [&] { (void)d.connector->Abort("a3"); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("aborted on decode"), std::string::npos) << *r;
+  p->Send("finish a3");
+  ASSERT_TRUE(p->Expect("SAVED a3 all").ok());
+  // Write mode, prefill aborts half way: decode's load fails with prefill's reason.
+  p->Send("req a4 900 write t-a4 3");
+  ASSERT_TRUE(p->Expect("SAVED a4 3").ok());
+  r = d.Load("a4", WriteParams(address_, "t-a4", 900).ToJson(), 900, 0,
+             [&] { p->Send("abort a4"); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("aborted on prefill"), std::string::npos) << *r;
+  // Prefill aborts a read-mode request after the hand-off: the blocks stay until the
+  // reader releases them, so the load still succeeds.
+  p->Send("req a5 500 read - all");
+  params = p->Expect("PARAMS a5 ");
+  ASSERT_TRUE(params.ok());
+  p->Send("abort a5");
+  r = d.Load("a5", params->substr(10), 500, 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, "");
+  EXPECT_EQ(d.cache->Verify("a5", d.cache->live().at("a5"), 500, 0), "");
+  d.cache->Release("a5");
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, DeadlineFailsTheLoadAndFreesBothSides) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto, absl::Seconds(2));
+  // Prefill writes one layer and then stalls.
+  p->Send("req d1 500 write t-d1 1");
+  ASSERT_TRUE(p->Expect("SAVED d1 1").ok());
+  auto r = d.Load("d1", WriteParams(address_, "t-d1", 500).ToJson(), 500, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("deadline"), std::string::npos) << *r;
+  p->Send("finish d1");
+  ASSERT_TRUE(p->Expect("SAVED d1 all").ok());
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, PrefillLeaseFreesBlocksWhenDecodeNeverReads) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s, "auto", 1500);
+  p->Send("req l1 500 read - all");
+  ASSERT_TRUE(p->Expect("PARAMS l1 ").ok());
+  ASSERT_TRUE(p->Expect("FREED l1").ok());
+  ExpectPrefillClean(*p);
+}
+
+TEST_P(ConnectorTest, PrefillKilledMidTransfer) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  p->Send("req k1 900 write t-k1 2");
+  ASSERT_TRUE(p->Expect("SAVED k1 2").ok());
+  auto r = d.Load("k1", WriteParams(address_, "t-k1", 900).ToJson(), 900, 0, [&] { p->Kill(); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->empty());
+  d.ExpectClean();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ConnectorTest, ::testing::Values("tcp", "shm"));
+
+}  // namespace
+}  // namespace kvwire::testing

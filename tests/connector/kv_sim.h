@@ -1,0 +1,303 @@
+// A vLLM-like KV cache for the connector tests: layouts by name (presets or random ones from
+// a seed), shareable backing memory, a block pool per group with fragmented allocation, and a
+// deterministic content pattern so decode can check every byte prefill wrote.
+#ifndef KVWIRE_TESTS_CONNECTOR_KV_SIM_H_
+#define KVWIRE_TESTS_CONNECTOR_KV_SIM_H_
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+#include "kvwire/connector.h"
+#include "kvwire/layout.h"
+#include "kvwire/memory.h"
+
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVWIRE_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define KVWIRE_TSAN 1
+#endif
+#ifdef KVWIRE_TSAN
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
+#endif
+
+namespace kvwire::testing {
+
+inline uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+inline uint64_t HashStr(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+// "random:<seed>" gives a random layout of 1-4 groups over 1-6 layers; else a preset name.
+inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
+  if (spec.rfind("random:", 0) != 0) return PresetLayout(spec);
+  uint64_t seed = 0;
+  if (!absl::SimpleAtoi(spec.substr(7), &seed)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad layout spec ", spec));
+  }
+  std::mt19937_64 rng(seed);
+  Layout l;
+  l.model = spec;
+  const int layers = 1 + rng() % 6;
+  const int groups = 1 + rng() % 4;
+  for (int i = 0; i < groups; ++i) {
+    CacheGroup g;
+    g.name = absl::StrCat("g", i);
+    for (int layer = 0; layer < layers; ++layer) {
+      if (layer == 0 || rng() % 3 != 0) g.layers.push_back(layer);
+    }
+    const int kind = rng() % 4;  // 0 full, 1 window, 2 compressed, 3 state
+    static const int kTpb[] = {16, 32, 64, 256};
+    g.tokens_per_block = kTpb[rng() % 4];
+    g.page_bytes = 64 * (1 + rng() % 64) + (rng() % 2) * 8;
+    if (kind == 1) g.window_tokens = 64 * (1 + rng() % 3);
+    if (kind == 2) g.tokens_per_entry = g.tokens_per_block >= 64 ? 4 : 16;
+    if (kind == 3) {
+      g.per_request_state = true;
+      g.tokens_per_block = 8;
+      g.tokens_per_entry = 4;
+      g.window_tokens = 8;
+      g.page_bytes = 8 * 64 * (1 + rng() % 4);
+    }
+    if (kind == 0 && rng() % 2 == 0) g.components = 2;
+    l.groups.push_back(std::move(g));
+  }
+  return l;
+}
+
+// One side's KV cache: memory, layout with backing, block pools.
+class KvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const std::string& spec,
+                                                         uint64_t num_blocks, uint64_t state_blocks,
+                                                         uint64_t seed) {
+    absl::StatusOr<Layout> layout = MakeLayout(spec);
+    if (!layout.ok()) return layout.status();
+    auto c = std::make_unique<KvCache>();
+    c->layout_ = std::move(*layout);
+    const uint64_t bytes = AssignBacking(&c->layout_, 0, num_blocks, state_blocks) + 4096;
+    absl::StatusOr<ShareableBuffer> buf = ShareableBuffer::Create(bytes, "kv-sim");
+    if (!buf.ok()) return buf.status();
+    c->memory_ = std::move(*buf);
+    AssignBacking(&c->layout_, reinterpret_cast<uint64_t>(c->memory_.data()), num_blocks,
+                  state_blocks);
+    std::memset(c->memory_.data(), 0xab, c->memory_.size());
+    c->rng_.seed(seed);
+    for (const CacheGroup& g : c->layout_.groups) {
+      std::vector<int64_t>& free = c->free_[g.name];
+      for (uint64_t b = 0; b < g.num_blocks; ++b) free.push_back(static_cast<int64_t>(b));
+      std::shuffle(free.begin(), free.end(), c->rng_);  // fragmented from the start
+    }
+    return c;
+  }
+
+  // Fragmentation like a long-running pool: free blocks come in runs of 1..max_run
+  // consecutive ids, the runs in random order; allocation then takes them in that order.
+  void FragmentInRuns(uint64_t max_run) {
+    for (const CacheGroup& g : layout_.groups) {
+      std::vector<std::vector<int64_t>> runs;
+      for (uint64_t b = 0; b < g.num_blocks;) {
+        const uint64_t n = std::min<uint64_t>(1 + rng_() % max_run, g.num_blocks - b);
+        runs.emplace_back();
+        for (uint64_t i = 0; i < n; ++i) runs.back().push_back(static_cast<int64_t>(b + i));
+        b += n;
+      }
+      std::shuffle(runs.begin(), runs.end(), rng_);
+      std::vector<int64_t>& free = free_[g.name];
+      free.clear();
+      for (auto it = runs.rbegin(); it != runs.rend(); ++it) {
+        free.insert(free.end(), it->rbegin(), it->rend());  // popped from the back
+      }
+    }
+    sequential_ = true;
+  }
+
+  const Layout& layout() const { return layout_; }
+  std::vector<KvMemory> memory() const { return {{memory_.data(), memory_.size()}}; }
+
+  // Allocates what a request of `tokens` tokens needs: every logical block for full-history
+  // groups, only in-window blocks for window groups (-1 elsewhere), one block for states.
+  absl::StatusOr<BlockTable> Allocate(const std::string& req, uint64_t tokens) {
+    BlockTable t;
+    for (const CacheGroup& g : layout_.groups) {
+      std::vector<int64_t>& free = free_[g.name];
+      std::vector<int64_t> ids;
+      const uint64_t n =
+          g.per_request_state ? 1 : (tokens + g.tokens_per_block - 1) / g.tokens_per_block;
+      uint64_t first = 0;
+      if (g.window_tokens > 0 && !g.per_request_state && tokens > uint64_t(g.window_tokens)) {
+        first = (tokens - g.window_tokens) / g.tokens_per_block;
+      }
+      for (uint64_t i = 0; i < n; ++i) {
+        if (i < first) {
+          ids.push_back(-1);
+          continue;
+        }
+        if (free.empty()) {
+          t[g.name] = ids;
+          Free(t);
+          return absl::ResourceExhaustedError(
+              absl::StrCat("request ", req, ": group ", g.name, " out of blocks"));
+        }
+        const size_t pick = sequential_ ? free.size() - 1 : rng_() % free.size();
+        ids.push_back(free[pick]);
+        free[pick] = free.back();
+        free.pop_back();
+      }
+      t[g.name] = ids;
+    }
+    live_[req] = t;
+    return t;
+  }
+
+  void Free(const BlockTable& t) {
+    for (const auto& [g, ids] : t) {
+      for (int64_t id : ids) {
+        if (id >= 0) free_[g].push_back(id);
+      }
+    }
+  }
+  bool Release(const std::string& req) {
+    auto it = live_.find(req);
+    if (it == live_.end()) return false;
+    Free(it->second);
+    live_.erase(it);
+    return true;
+  }
+  const std::map<std::string, BlockTable>& live() const { return live_; }
+
+  // Every block is free or owned by exactly one live request.
+  std::string CheckAccounting() const {
+    for (const CacheGroup& g : layout_.groups) {
+      std::vector<int> owners(g.num_blocks, 0);
+      for (int64_t id : free_.at(g.name)) ++owners[id];
+      for (const auto& [req, t] : live_) {
+        for (int64_t id : t.at(g.name)) {
+          if (id >= 0) ++owners[id];
+        }
+      }
+      for (uint64_t b = 0; b < g.num_blocks; ++b) {
+        if (owners[b] != 1) {
+          return absl::StrCat("group ", g.name, " block ", b, " has ", owners[b], " owners");
+        }
+      }
+    }
+    return "";
+  }
+  size_t FreeBlocks() const {
+    size_t n = 0;
+    for (const auto& [g, f] : free_) n += f.size();
+    return n;
+  }
+
+  uint64_t PageKey(const std::string& req, const CacheGroup& g, size_t layer, uint64_t logical,
+                   int component) const {
+    return Mix(HashStr(req) ^ Mix(HashStr(g.name) + layer * 1000003 + logical * 7919 +
+                                  static_cast<uint64_t>(component)));
+  }
+
+  // Prefill: writes the pattern into every allocated page of the request.
+  //
+  // Under ThreadSanitizer these writes are not recorded: a block is reused only after decode's
+  // release reached this process through a socket, an ordering TSan cannot see, so it would
+  // report the engine thread that served the previous read of the block as racing with this
+  // fill. (Connector and engine state stay fully checked.)
+  void Fill(const std::string& req, const BlockTable& t) {
+#ifdef KVWIRE_TSAN
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+#endif
+    FillPages(req, t);
+#ifdef KVWIRE_TSAN
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+#endif
+  }
+
+  void FillPages(const std::string& req, const BlockTable& t) {
+    for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+      const CacheGroup& g = layout_.groups[gi];
+      const std::vector<int64_t>& ids = t.at(g.name);
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        for (int c = 0; c < g.components; ++c) {
+          for (size_t lb = 0; lb < ids.size(); ++lb) {
+            if (ids[lb] < 0) continue;
+            auto* p = reinterpret_cast<uint8_t*>(g.BlockAddress(l, ids[lb], c));
+            const uint64_t key = PageKey(req, g, l, lb, c);
+            for (uint64_t i = 0; i < g.page_bytes; ++i) p[i] = Expected(key, i);
+          }
+        }
+      }
+    }
+  }
+
+  // Decode: checks every byte that must have moved for the request. Returns "" when all match.
+  std::string Verify(const std::string& req, const BlockTable& t, uint64_t tokens,
+                     uint64_t cached) const {
+    for (const CacheGroup& g : layout_.groups) {
+      const BlockSelection sel = SelectBlocks(g, tokens, cached);
+      const std::vector<int64_t>& ids = t.at(g.name);
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        for (int c = 0; c < g.components; ++c) {
+          for (uint64_t lb : sel.logical_blocks) {
+            auto* p = reinterpret_cast<const uint8_t*>(g.BlockAddress(l, ids[lb], c));
+            const uint64_t key = PageKey(req, g, l, lb, c);
+            std::vector<std::pair<uint64_t, uint64_t>> spans;
+            if (g.per_request_state) {
+              const uint64_t slot = g.page_bytes / g.tokens_per_block;
+              for (uint64_t k = 0; k < sel.slot_count; ++k) {
+                const uint64_t s = (sel.slot_begin + k) % g.tokens_per_block;
+                spans.push_back({s * slot, (s + 1) * slot});
+              }
+            } else {
+              spans.push_back({0, g.page_bytes});
+            }
+            for (const auto& [b, e] : spans) {
+              for (uint64_t i = b; i < e; ++i) {
+                if (p[i] != Expected(key, i)) {
+                  return absl::StrCat("request ", req, " group ", g.name, " layer ", g.layers[l],
+                                      " logical block ", lb, " component ", c, " byte ", i,
+                                      ": got ", p[i], " want ", Expected(key, i));
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    return "";
+  }
+
+ private:
+  static uint8_t Expected(uint64_t key, uint64_t i) {
+    return static_cast<uint8_t>(Mix(key + i / 8) >> (8 * (i % 8)));
+  }
+
+  Layout layout_;
+  ShareableBuffer memory_;
+  std::mt19937_64 rng_;
+  bool sequential_ = false;
+  std::map<std::string, std::vector<int64_t>> free_;
+  std::map<std::string, BlockTable> live_;
+};
+
+}  // namespace kvwire::testing
+
+#endif  // KVWIRE_TESTS_CONNECTOR_KV_SIM_H_

@@ -1,0 +1,143 @@
+// kv_transfer_params, mode negotiation and the C API's error reporting, without peers.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstdlib>
+#include <string>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "kvwire/connector.h"
+#include "kvwire/kvwire.h"
+
+namespace kvwire {
+namespace {
+
+TEST(KvModeTest, Negotiation) {
+  EXPECT_EQ(*NegotiateKvMode(KvMode::kAuto, KvMode::kAuto), KvMode::kRead);
+  EXPECT_EQ(*NegotiateKvMode(KvMode::kAuto, KvMode::kWrite), KvMode::kWrite);
+  EXPECT_EQ(*NegotiateKvMode(KvMode::kWrite, KvMode::kAuto), KvMode::kWrite);
+  EXPECT_EQ(*NegotiateKvMode(KvMode::kRead, KvMode::kRead), KvMode::kRead);
+  absl::StatusOr<KvMode> conflict = NegotiateKvMode(KvMode::kRead, KvMode::kWrite);
+  ASSERT_FALSE(conflict.ok());
+  EXPECT_NE(conflict.status().message().find("prefill is 'read', decode is 'write'"),
+            std::string::npos);
+  EXPECT_FALSE(ParseKvMode("push").ok());
+}
+
+TEST(KvTransferParamsTest, RoundTripAndValidation) {
+  KvTransferParams p;
+  p.engine_id = "prefill-0";
+  p.host = "10.0.0.1";
+  p.port = 5555;
+  p.transfer_id = "t-1";
+  p.mode = KvMode::kRead;
+  p.num_tokens = 300;
+  p.block_ids = {{"mla_kv", {3, 9, -1}}};
+  p.do_remote_prefill = true;
+  absl::StatusOr<KvTransferParams> back = KvTransferParams::FromJson(p.ToJson());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->ToJson(), p.ToJson());
+  EXPECT_EQ(back->block_ids.at("mla_kv")[2], -1);
+  for (const char* bad :
+       {"", "[]", "{\"mode\": \"sideways\"}", "{\"remote_port\": 70000}",
+        "{\"do_remote_prefill\": true, \"remote_host\": \"h\", \"remote_port\": 1}",
+        "{\"do_remote_prefill\": true, \"remote_host\": \"h\", \"remote_port\": 1, "
+        "\"transfer_id\": \"t\", \"num_tokens\": 5, \"mode\": \"read\"}",
+        "{\"block_ids\": [1, 2]}"}) {
+    EXPECT_FALSE(KvTransferParams::FromJson(bad).ok()) << bad;
+  }
+}
+
+TEST(CApiTest, ErrorsComeBackAsCodesAndMessages) {
+  char* err = nullptr;
+  EXPECT_EQ(kvw_layout_preset("no-such-model", &err), nullptr);
+  ASSERT_NE(err, nullptr);
+  EXPECT_NE(std::string(err).find("no-such-model"), std::string::npos);
+  kvw_free(err);
+  err = nullptr;
+  kvw_layout_t* pro = kvw_layout_preset("deepseek-v4-pro", &err);
+  kvw_layout_t* flash = kvw_layout_preset("deepseek-v4-flash", &err);
+  ASSERT_NE(pro, nullptr);
+  ASSERT_NE(flash, nullptr);
+  EXPECT_EQ(kvw_layout_num_groups(pro), 7u);
+  EXPECT_EQ(kvw_layout_group_page_bytes(pro, 0), 37440u);
+  EXPECT_NE(kvw_layout_check_compatible(pro, flash, &err), 0);
+  ASSERT_NE(err, nullptr);
+  EXPECT_NE(std::string(err).find("swa_kv"), std::string::npos);
+  kvw_free(err);
+  err = nullptr;
+  char* json = kvw_layout_to_json(pro);
+  kvw_layout_t* again = kvw_layout_from_json(json, &err);
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(kvw_layout_check_compatible(pro, again, &err), 0);
+  EXPECT_EQ(err, nullptr);
+  kvw_free(json);
+  kvw_options_t* o = kvw_options_create();
+  EXPECT_NE(kvw_options_set_transport(o, "pigeon", &err), 0);
+  kvw_free(err);
+  err = nullptr;
+  kvw_options_set_name(o, "capi-unit");
+  kvw_connector_t* c = kvw_connector_create(o, &err);
+  ASSERT_NE(c, nullptr) << err;
+  uint64_t external = 7;
+  int async = 0;
+  EXPECT_EQ(kvw_get_num_new_matched_tokens(c, "r", 10, 0, "", &external, &async, &err), 0);
+  EXPECT_EQ(external, 0u);
+  EXPECT_NE(kvw_bind_connector_meta(c, "garbage", &err), 0);
+  kvw_free(err);
+  err = nullptr;
+  EXPECT_NE(kvw_abort(c, "unknown", &err), 0);
+  kvw_free(err);
+  EXPECT_EQ(kvw_live_requests(c), 0u);
+  kvw_connector_destroy(c);
+  kvw_options_destroy(o);
+  kvw_layout_destroy(again);
+  kvw_layout_destroy(pro);
+  kvw_layout_destroy(flash);
+}
+
+std::string HttpGet(const std::string& address, const std::string& path) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+TEST(ConnectorMetricsTest, PrometheusAndJsonOverHttp) {
+  ConnectorOptions o;
+  o.engine.name = "metrics-unit";
+  o.metrics_address = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Connector>> c = Connector::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string address = (*c)->metrics_address();
+  ASSERT_FALSE(address.empty());
+  const std::string prom = HttpGet(address, "/metrics");
+  EXPECT_NE(prom.find("200 OK"), std::string::npos) << prom;
+  EXPECT_NE(prom.find("kvwire_connector_requests_total{engine=\"metrics-unit\""), std::string::npos)
+      << prom;
+  const std::string json = HttpGet(address, "/stats.json");
+  EXPECT_NE(json.find("\"engine_id\":\"metrics-unit\""), std::string::npos) << json;
+  EXPECT_NE(HttpGet(address, "/nope").find("404"), std::string::npos);
+  o.metrics_address = "not-an-address";
+  EXPECT_FALSE(Connector::Create(o).ok());
+}
+
+}  // namespace
+}  // namespace kvwire

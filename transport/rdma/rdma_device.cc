@@ -1,0 +1,205 @@
+#include "transport/rdma/rdma_device.h"
+
+#include <arpa/inet.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace kvwire::transport::rdma {
+namespace {
+
+// GID entries scanned for an IPv4-mapped RoCE v2 address. Each query is a sysfs read in
+// some providers, slow under emulation: the mapped GIDs sit near the start of the table.
+constexpr int kGidScan = 16;
+
+bool IsIpv4Mapped(const ibv_gid& gid) {
+  static const uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  return std::memcmp(gid.raw, prefix, sizeof(prefix)) == 0;
+}
+
+// Allowed port of `name` per the allow-list: 0 = any port, -1 = device not allowed.
+int AllowedPort(const std::vector<std::string>& allow, const std::string& name) {
+  if (allow.empty()) return 0;
+  for (const std::string& entry : allow) {
+    const size_t colon = entry.find(':');
+    if (entry.substr(0, colon) != name) continue;
+    if (colon == std::string::npos) return 0;
+    int port = 0;
+    if (absl::SimpleAtoi(entry.substr(colon + 1), &port) && port > 0) return port;
+  }
+  return -1;
+}
+
+absl::Status ChooseGid(DevicePort& d, int wanted, std::string* why) {
+  if (!d.ethernet) return absl::OkStatus();
+  if (wanted >= 0) {
+    if (ibv_query_gid(d.ctx.get(), d.port, wanted, &d.gid) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("GID index ", wanted, " of ", d.Describe(),
+                                                     " cannot be read: ", std::strerror(errno)));
+    }
+    d.gid_index = wanted;
+    return absl::OkStatus();
+  }
+  const int limit = std::min<int>(kGidScan, d.port_attr.gid_tbl_len);
+  for (int i = 0; i < limit; ++i) {
+    ibv_gid_entry entry{};
+    if (ibv_query_gid_ex(d.ctx.get(), d.port, i, &entry, 0) != 0) continue;
+    ibv_gid gid;
+    std::memcpy(gid.raw, entry.gid.raw, sizeof(gid.raw));
+    if (entry.gid_type == IBV_GID_TYPE_ROCE_V2 && IsIpv4Mapped(gid)) {
+      d.gid = gid;
+      d.gid_index = i;
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no IPv4-mapped RoCE v2 GID among the first ", limit,
+                                          " entries of ", d.Describe(),
+                                          " (give the GID index explicitly)"));
+}
+
+}  // namespace
+
+std::string DevicePort::Describe() const { return absl::StrCat(name, ":", port); }
+
+pb::RdmaDevice DevicePort::ToProto() const {
+  pb::RdmaDevice p;
+  p.set_name(name);
+  p.set_port(port);
+  p.set_ethernet(ethernet);
+  p.set_gid(std::string(reinterpret_cast<const char*>(gid.raw), sizeof(gid.raw)));
+  p.set_lid(port_attr.lid);
+  p.set_mtu(port_attr.active_mtu);
+  return p;
+}
+
+absl::Status DevicePort::ReserveCq(uint32_t entries) {
+  uint32_t used = cq_reserved.load();
+  do {
+    if (used + entries > cq_size) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("completion queue of ", Describe(), " is full (", used, " of ", cq_size,
+                       " entries promised to QPs; ", entries, " more needed)"));
+    }
+  } while (!cq_reserved.compare_exchange_weak(used, used + entries));
+  return absl::OkStatus();
+}
+
+std::string GidToString(const ibv_gid& gid) {
+  char text[INET6_ADDRSTRLEN] = {0};
+  inet_ntop(AF_INET6, gid.raw, text, sizeof(text));
+  return text;
+}
+
+const char* MtuName(ibv_mtu mtu) {
+  switch (mtu) {
+    case IBV_MTU_256:
+      return "256";
+    case IBV_MTU_512:
+      return "512";
+    case IBV_MTU_1024:
+      return "1024";
+    case IBV_MTU_2048:
+      return "2048";
+    case IBV_MTU_4096:
+      return "4096";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
+    const RdmaTransportOptions& options, std::vector<std::string>* skipped) {
+  int count = 0;
+  DeviceList list(ibv_get_device_list(&count));
+  if (!list || count == 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "no RDMA devices (ibv_get_device_list: ", list ? "empty" : std::strerror(errno), ")"));
+  }
+  std::vector<std::shared_ptr<DevicePort>> out;
+  for (int i = 0; i < count; ++i) {
+    ibv_device* dev = list.get()[i];
+    const std::string name = ibv_get_device_name(dev);
+    const int allowed = AllowedPort(options.devices, name);
+    if (allowed < 0) {
+      skipped->push_back(absl::StrCat(name, ": not in the device allow-list (",
+                                      absl::StrJoin(options.devices, ","), ")"));
+      continue;
+    }
+    Context ctx(ibv_open_device(dev));
+    if (!ctx) {
+      skipped->push_back(absl::StrCat(name, ": ibv_open_device: ", std::strerror(errno)));
+      continue;
+    }
+    ibv_device_attr attr{};
+    if (ibv_query_device(ctx.get(), &attr) != 0) {
+      skipped->push_back(absl::StrCat(name, ": ibv_query_device: ", std::strerror(errno)));
+      continue;
+    }
+    // The first ACTIVE port (or the allowed one) of the device.
+    for (uint8_t port = 1; port <= attr.phys_port_cnt; ++port) {
+      if (allowed > 0 && port != allowed) continue;
+      auto d = std::make_shared<DevicePort>();
+      d->name = name;
+      d->port = port;
+      d->attr = attr;
+      if (ibv_query_port(ctx.get(), port, &d->port_attr) != 0) {
+        skipped->push_back(absl::StrCat(d->Describe(), ": ibv_query_port: ", std::strerror(errno)));
+        continue;
+      }
+      if (d->port_attr.state != IBV_PORT_ACTIVE) {
+        skipped->push_back(absl::StrCat(d->Describe(), ": port state is ",
+                                        ibv_port_state_str(d->port_attr.state), ", not ACTIVE"));
+        continue;
+      }
+      d->ethernet = d->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET;
+      d->ctx = std::move(ctx);
+      std::string why;
+      if (absl::Status s = ChooseGid(*d, options.gid_index, &why); !s.ok()) {
+        skipped->push_back(std::string(s.message()));
+        ctx = std::move(d->ctx);
+        continue;
+      }
+      d->pd.reset(ibv_alloc_pd(d->ctx.get()));
+      if (!d->pd) {
+        skipped->push_back(absl::StrCat(d->Describe(), ": ibv_alloc_pd: ", std::strerror(errno)));
+        break;
+      }
+      d->channel.reset(ibv_create_comp_channel(d->ctx.get()));
+      if (!d->channel) {
+        skipped->push_back(
+            absl::StrCat(d->Describe(), ": ibv_create_comp_channel: ", std::strerror(errno)));
+        break;
+      }
+      d->cq_size = static_cast<uint32_t>(std::min(attr.max_cqe, 32767));
+      d->cq.reset(
+          ibv_create_cq(d->ctx.get(), static_cast<int>(d->cq_size), nullptr, d->channel.get(), 0));
+      if (!d->cq) {
+        skipped->push_back(absl::StrCat(d->Describe(), ": ibv_create_cq(", d->cq_size,
+                                        "): ", std::strerror(errno)));
+        break;
+      }
+      d->cq_size = static_cast<uint32_t>(d->cq->cqe);
+      if (ibv_req_notify_cq(d->cq.get(), 0) != 0) {
+        skipped->push_back(absl::StrCat(d->Describe(), ": ibv_req_notify_cq failed"));
+        break;
+      }
+      for (int fd : {d->channel->fd, d->ctx->async_fd}) {
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+      }
+      out.push_back(std::move(d));
+      break;  // one port per device
+    }
+  }
+  if (out.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("no usable RDMA device port: ", absl::StrJoin(*skipped, "; ")));
+  }
+  return out;
+}
+
+}  // namespace kvwire::transport::rdma

@@ -1,0 +1,54 @@
+// Discovery and per-device state of the rdma transport: the opened device, its PD, its CQ
+// with completion channel, and the chosen port, GID or LID.
+#ifndef KVWIRE_TRANSPORT_RDMA_RDMA_DEVICE_H_
+#define KVWIRE_TRANSPORT_RDMA_RDMA_DEVICE_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <infiniband/verbs.h>
+
+#include "absl/status/statusor.h"
+
+#include "proto/kvwire.pb.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/rdma/verbs.h"
+
+namespace kvwire::transport::rdma {
+
+struct DevicePort {
+  std::string name;
+  uint8_t port = 1;
+  // Declaration order is destruction order, reversed: CQ, channel, PD, context.
+  Context ctx;
+  Pd pd;
+  CompChannel channel;
+  Cq cq;
+  ibv_device_attr attr{};
+  ibv_port_attr port_attr{};
+  bool ethernet = false;
+  int gid_index = 0;
+  ibv_gid gid{};
+  uint32_t cq_size = 0;
+  std::atomic<uint32_t> cq_reserved{0};  // CQ entries promised to QPs
+
+  std::string Describe() const;  // "rxe0:1"
+  pb::RdmaDevice ToProto() const;
+  // Reserves CQ room for a QP of `entries` WRs, or ResourceExhausted naming the device.
+  absl::Status ReserveCq(uint32_t entries);
+  void ReleaseCq(uint32_t entries) { cq_reserved -= entries; }
+};
+
+// Opens every allowed device with an ACTIVE port. `skipped` gets one line per device or
+// port left out, with the reason. NotFound when nothing is usable.
+absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
+    const RdmaTransportOptions& options, std::vector<std::string>* skipped);
+
+std::string GidToString(const ibv_gid& gid);
+const char* MtuName(ibv_mtu mtu);
+
+}  // namespace kvwire::transport::rdma
+
+#endif  // KVWIRE_TRANSPORT_RDMA_RDMA_DEVICE_H_

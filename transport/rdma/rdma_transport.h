@@ -1,0 +1,75 @@
+// The rdma transport: one-sided RDMA READ and WRITE over libibverbs RC queue pairs.
+//
+// Design
+// - Devices: ibv_get_device_list, filtered by RdmaTransportOptions::devices (like perftest
+//   -d); a port that is not ACTIVE is skipped with a logged reason. RoCE ports use the
+//   IPv4-mapped RoCE v2 GID (a handful of GID entries are queried, never the whole table) or
+//   a configured index; InfiniBand ports use the LID. One PD and one CQ (with its completion
+//   channel) per device; one event thread per device waits on the completion channel and on
+//   the async-event fd.
+// - Memory: RegisterRegion registers an MR on every device at once (local write + remote
+//   read/write as the region allows, never remote atomics); RegionKey hands the rkeys out and
+//   the engine exports them in RegionDescriptor.transport_keys.
+// - Connection: Endpoint() is a serialized pb::RdmaEndpoint: the devices and a small TCP
+//   "connection-setup" socket of this transport. Channel creation (Connect) creates
+//   qps_per_device RC QPs on every local device, sends one pb::RdmaConnectRequest (session
+//   token, QPN, PSN, GID/LID, MTU, per QP) over that socket, and the target creates its ends
+//   and answers with its QPNs, PSNs, read-atomic limit and per-QP slot table. A broken QP is
+//   re-created the same way (one QP) on the next use, on a background thread.
+// - Posting: each engine lane maps to one QP (LaneToQp). Ops are merged and gathered into
+//   WRs (PlanWrs), a lane's WRs are chained with those of other queued lanes into one
+//   ibv_post_send as far as the send window allows (SendWindow: never past the depth; the
+//   rest waits in the QP's queue), only chain ends (and every signal_interval-th WR) are
+//   signalled, and payloads up to the QP's max_inline_data go inline.
+// - Arrivals: a counted WRITE lane binds its transfer id to a slot of the target's table and
+//   ends with RDMA WRITE WITH IMMEDIATE (slot, pieces); see rdma_plan.h. The target keeps
+//   its receive queues full (one receive per immediate, re-posted as it is consumed), so RNR
+//   cannot last; rnr_retry is an option.
+// - Failure: an error completion fails its lane with device, port, QPN, transfer id and the
+//   verbs status, fails the other lanes of that QP, and marks the QP for re-creation. Async
+//   events (QP fatal, CQ error, port error, device fatal) fail every affected lane at once.
+//   Close and DropPeer (peer dead by lease) destroy the QPs.
+#ifndef KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
+#define KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "transport/transport.h"
+
+namespace kvwire::transport {
+
+struct RdmaTransportOptions {
+  // Host of the connection-setup socket (the engine's listen host).
+  std::string listen_host = "127.0.0.1";
+  // Device allow-list, "name" or "name:port" entries; empty = every device.
+  std::vector<std::string> devices;
+  // GID index for RoCE; -1 = the first IPv4-mapped RoCE v2 GID among the first 16.
+  int gid_index = -1;
+  // RC QPs per peer and device; lanes = devices * qps_per_device.
+  uint32_t qps_per_device = 4;
+  // Send-queue depth (WRs) of each QP, and receive-queue depth of each target QP.
+  uint32_t send_queue_depth = 256;
+  uint32_t recv_queue_depth = 512;
+  // Every n-th WR of a long chain is signalled (besides the chain's last).
+  uint32_t signal_interval = 64;
+  // Largest payload sent inline (capped by what the QP grants).
+  uint32_t max_inline = 128;
+  // RC retransmission: local ACK timeout exponent (4.096 us * 2^timeout), retries, and RNR
+  // retries (7 = forever).
+  uint8_t qp_timeout = 14;
+  uint8_t retry_count = 7;
+  uint8_t rnr_retry = 7;
+  uint64_t max_op_bytes = 1ull << 30;
+};
+
+// A transport over every usable device, or NotFound (with the reasons) when there is none.
+absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(const RdmaTransportOptions& options,
+                                                               TargetHooks* hooks);
+
+}  // namespace kvwire::transport
+
+#endif  // KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
