@@ -202,7 +202,7 @@ TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
   std::vector<TransferId> ids;
   if (tcp) {
     // Stopped first, so that the transfers are surely in flight when it dies.
-    peer_->Signal(SIGSTOP);
+    ASSERT_TRUE(peer_->Freeze().ok());
     for (int i = 0; i < 4; ++i) {
       TransferOptions options;
       options.timeout = absl::Seconds(60);
@@ -248,7 +248,7 @@ TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
 }
 
 TEST_P(EngineIntegrationTest, SilentPeerIsDeclaredDeadByLease) {
-  peer_->Signal(SIGSTOP);
+  ASSERT_TRUE(peer_->Freeze().ok());
   const absl::Time stopped = absl::Now();
   std::string reason;
   while (reason.empty() && absl::Now() - stopped < absl::Seconds(20)) {
@@ -273,7 +273,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, EngineIntegrationTest,
 class TcpEngineTest : public EngineIntegrationTest {};
 
 TEST_P(TcpEngineTest, DeadlineExceededIsReportedAndThePeerRecovers) {
-  peer_->Signal(SIGSTOP);
+  ASSERT_TRUE(peer_->Freeze().ok());
   TransferOptions options;
   options.timeout = absl::Milliseconds(300);
   const absl::Time start = absl::Now();
@@ -295,7 +295,7 @@ TEST_P(TcpEngineTest, DeregisteringALocalRegionFailsItsTransfers) {
   std::vector<std::byte> other(1 << 20, kPoison);
   auto other_id = engine_->RegisterMemory(other.data(), other.size());
   ASSERT_TRUE(other_id.ok());
-  peer_->Signal(SIGSTOP);
+  ASSERT_TRUE(peer_->Freeze().ok());
   auto id = engine_->Transfer(peer_id_, OpKind::kRead,
                               {Op{*other_id, 0, peer_->regions()[0], 0, 1 << 20}});
   ASSERT_TRUE(id.ok()) << id.status();

@@ -3,6 +3,8 @@
 #include <sys/wait.h>
 
 #include <cerrno>
+#include <filesystem>
+#include <fstream>
 #include <cstring>
 #include <fcntl.h>
 #include <poll.h>
@@ -86,6 +88,30 @@ absl::StatusOr<std::string> PeerProcess::ReadLine(absl::Duration timeout) {
 
 void PeerProcess::Signal(int sig) {
   if (pid_ > 0) kill(pid_, sig);
+}
+
+absl::Status PeerProcess::Freeze(absl::Duration timeout) {
+  Signal(SIGSTOP);
+  const absl::Time deadline = absl::Now() + timeout;
+  const std::string tasks = absl::StrCat("/proc/", pid_, "/task");
+  while (absl::Now() < deadline) {
+    bool all_stopped = true;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // Field 3, after the parenthesised name: T = stopped.
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+        all_stopped = false;
+        break;
+      }
+    }
+    if (!ec && all_stopped) return absl::OkStatus();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("peer ", pid_, " did not stop"));
 }
 
 void PeerProcess::Stop(absl::Duration grace) {

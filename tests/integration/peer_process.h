@@ -30,6 +30,9 @@ class PeerProcess {
   // Next stdout line, or DeadlineExceeded.
   absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
   void Signal(int sig);
+  // SIGSTOP, then waits until every thread of the peer is stopped (kill() only queues the
+  // signal; a thread inside a system call finishes it first).
+  absl::Status Freeze(absl::Duration timeout = absl::Seconds(10));
   // Closes stdin (the peer exits) and reaps it, SIGKILL after `grace`.
   void Stop(absl::Duration grace = absl::Seconds(10));
 
