@@ -3,10 +3,10 @@
 #include <sys/wait.h>
 
 #include <cerrno>
-#include <filesystem>
-#include <fstream>
 #include <cstring>
 #include <fcntl.h>
+#include <filesystem>
+#include <fstream>
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
