@@ -9,6 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
+#include "src/util/json_escape.h"
+
 namespace kvwire::perf {
 namespace {
 
@@ -19,20 +21,7 @@ constexpr const char* kRule =
 double Bw(const PerfOptions& o, double gbs) { return o.report_gbits ? gbs * 8 : gbs; }
 const char* BwUnit(const PerfOptions& o) { return o.report_gbits ? "Gb/sec" : "GB/sec"; }
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
+std::string JsonString(const std::string& s) { return "\"" + JsonEscape(s) + "\""; }
 
 absl::Status WriteFile(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::trunc);

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "src/util/json_escape.h"
+
 namespace kvwire {
 
 void LatencyHistogram::Add(double us) {
@@ -29,23 +31,6 @@ double LatencyHistogram::QuantileUpperBoundUs(double q) const {
   }
   return max_us;
 }
-
-namespace {
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-}  // namespace
 
 std::string EngineStats::ToJson() const {
   std::string out = absl::StrCat(
