@@ -137,6 +137,22 @@ Layout DeepSeekV4ProLayout() {
   return Dsv4Layout("deepseek-v4-pro", {}, Range(1, 61, 2), Range(0, 61, 2), 1);
 }
 
+Layout DeepSeekV4Layout(std::string model, const std::vector<int>& compress_ratios,
+                        int mtp_layers) {
+  std::vector<int> window_only, c4a, c128a;
+  for (size_t i = 0; i < compress_ratios.size(); ++i) {
+    const int layer = static_cast<int>(i);
+    if (compress_ratios[i] == 4) {
+      c4a.push_back(layer);
+    } else if (compress_ratios[i] == 128) {
+      c128a.push_back(layer);
+    } else {
+      window_only.push_back(layer);
+    }
+  }
+  return Dsv4Layout(std::move(model), window_only, c4a, c128a, mtp_layers);
+}
+
 Layout DeepSeekV4FlashLayout() {
   // 43 layers: 0-1 window-only, then alternating c4a / c128a from layer 2.
   return Dsv4Layout("deepseek-v4-flash", {0, 1}, Range(2, 43, 2), Range(3, 43, 2), 0);
