@@ -336,7 +336,11 @@ void ClientConnection::ReaderLoop() {
       // Once the engine ended the transfer, its local memory is no longer ours to write.
       head_cancelled = head_cancelled || Cancelled(*head);
       s = head_cancelled ? reader.DiscardTrailing(payload)
-                         : reader.ReadTrailing(wop.local, payload);
+                         : reader.ReadTrailing(wop.local, payload, head->request.cancelled.get());
+      if (absl::IsCancelled(s)) {
+        head_cancelled = true;  // the engine ended it mid-payload; the stream is still in sync
+        s = absl::OkStatus();
+      }
       if (!s.ok()) {
         error = absl::UnavailableError(
             absl::StrCat("tcp connection to ", endpoint_, " lost: ", s.message()));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <poll.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -14,6 +15,15 @@ namespace {
 // Payloads are received in pieces of at most this size (measured on loopback: 16 KiB and
 // 1 MiB pieces are both slower than 64-128 KiB).
 constexpr size_t kRecvPieceBytes = 64 << 10;
+
+// How long a cancellable receive sleeps in poll before it looks at the flag again.
+constexpr int kCancelCheckMs = 20;
+
+// True when `fd` has input (or an error/hang-up to report) within `timeout_ms`.
+bool WaitReadable(int fd, int timeout_ms) {
+  pollfd entry{fd, POLLIN, 0};
+  return ::poll(&entry, 1, timeout_ms) != 0;  // errors surface in the next recv
+}
 
 }  // namespace
 
@@ -88,9 +98,15 @@ absl::Status HeaderReader::DiscardTrailing(uint64_t length) {
   return ReadTrailing(scratch_.data(), length);
 }
 
-absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length) {
+absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length,
+                                        const std::atomic<bool>* cancelled) {
   Compact(ahead_);
   while (length > 0) {
+    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+      if (absl::Status s = DiscardTrailing(length); !s.ok()) return s;
+      return absl::CancelledError(
+          absl::StrCat("receive cancelled; ", length, " trailing bytes dropped"));
+    }
     // Receiving in moderate pieces keeps the socket's queue short and cache-hot; one receive
     // of a whole MiB is ~20% slower on loopback. Headers are read ahead with the last piece.
     const size_t piece = std::min(length, kRecvPieceBytes);
@@ -98,8 +114,15 @@ absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length) {
     if (piece == length) iov[1].iov_len = std::min(ahead_, buffer_.size() - end_);
     // Waiting for all of it is safe: the read-ahead headers were sent in the same batch as
     // the payload (that is what `follow` promises), so they are on their way.
-    absl::StatusOr<size_t> n = Receive(iov, iov[1].iov_len > 0 ? 2 : 1, /*wait_all=*/true);
+    const size_t count = iov[1].iov_len > 0 ? 2 : 1;
+    absl::StatusOr<size_t> n = cancelled == nullptr
+                                   ? Receive(iov, count, /*wait_all=*/true)
+                                   : RecvSome(fd_, iov, count, RecvMode::kNonBlocking);
     if (!n.ok()) return n.status();
+    if (*n == 0) {  // cancellable and nothing there yet
+      WaitReadable(fd_, kCancelCheckMs);
+      continue;
+    }
     const size_t into_dest = std::min(*n, length);
     dest += into_dest;
     length -= into_dest;

@@ -7,6 +7,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -41,8 +42,13 @@ class HeaderReader {
   absl::Status Expect(uint64_t trailing, uint16_t follow);
 
   // Receives the `length` trailing bytes directly into `dest` (nullptr with length 0 is
-  // fine), reading ahead declared headers in the same calls.
-  absl::Status ReadTrailing(std::byte* dest, size_t length);
+  // fine), reading ahead declared headers in the same calls. With `cancelled`, the flag is
+  // checked before every receive into `dest` and the reader never blocks in one for long:
+  // once it is set, the rest is received and dropped and the result is Cancelled, so memory
+  // the owner of `dest` has taken back is not written later (beyond a receive already in
+  // the kernel when the flag flips).
+  absl::Status ReadTrailing(std::byte* dest, size_t length,
+                            const std::atomic<bool>* cancelled = nullptr);
   // Receives and drops the `length` trailing bytes (through a small scratch buffer).
   absl::Status DiscardTrailing(uint64_t length);
 

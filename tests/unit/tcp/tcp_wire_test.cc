@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "absl/time/clock.h"
 
 #include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_socket.h"
@@ -212,6 +215,41 @@ TEST_F(SocketPair, LyingFollowHintIsDetected) {
   ASSERT_TRUE(reader.Next().ok());  // reads ahead up to 4 more "headers": payload bytes
   absl::Status s = reader.Expect(64, 0);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+}
+
+// A payload cancelled half way: the second half, sent after the flag flips, is dropped (the
+// owner took its memory back) and the next header is still read in sync.
+TEST_F(SocketPair, CancelledPayloadStopsWritingItsDestination) {
+  constexpr size_t kHeader = 8;
+  constexpr size_t kPayload = 300000;
+  std::vector<std::byte> first(kHeader + kPayload / 2, std::byte{0x11});
+  wire::Store32(first.data(), 1);
+  std::vector<std::byte> second(kPayload / 2 + kHeader, std::byte{0x22});
+  wire::Store32(second.data() + kPayload / 2, 2);
+  ASSERT_TRUE(SendAll(b_, first.data(), first.size()).ok());
+
+  HeaderReader reader(a_, kHeader, nullptr);
+  ASSERT_TRUE(reader.Next().ok());
+  ASSERT_TRUE(reader.Expect(kPayload, 1).ok());
+  std::vector<std::byte> dest(kPayload, std::byte{0xEE});
+  std::atomic<bool> cancelled{false};
+  absl::Status result;
+  std::thread receiver([&] { result = reader.ReadTrailing(dest.data(), kPayload, &cancelled); });
+  // Wait (bounded) until the first half has landed, then cancel and send the rest.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (dest[kPayload / 2 - 1] != std::byte{0x11} && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(dest[kPayload / 2 - 1], std::byte{0x11});
+  absl::SleepFor(absl::Milliseconds(30));  // the receiver is back in poll
+  cancelled.store(true);
+  ASSERT_TRUE(SendAll(b_, second.data(), second.size()).ok());
+  receiver.join();
+  EXPECT_TRUE(absl::IsCancelled(result)) << result;
+  for (size_t i = kPayload / 2; i < kPayload; ++i) ASSERT_EQ(dest[i], std::byte{0xEE}) << i;
+  absl::StatusOr<const std::byte*> header = reader.Next();
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(wire::Load32(*header), 2u);
 }
 
 class FlushWrites final : public PendingOutput {
