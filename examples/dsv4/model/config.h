@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "kvwire/layout.h"
 
 namespace dsv4 {
@@ -28,6 +29,29 @@ struct Config {
   uint64_t seed = 0;  // weights are generated from it
   // The remaining fields (q/o ranks, indexer, MoE, hyper-connections, RoPE) are the
   // model's own; see config.cc.
+  int q_lora_rank = 0;
+  int o_lora_rank = 0;
+  int o_groups = 1;  // grouped output projection: num_heads / o_groups heads per group
+  int index_n_heads = 0;
+  int index_head_dim = 128;  // indexer keys: 128 fp8 + fp32 scale = 132-byte entries
+  int index_topk = 0;
+  int num_experts = 0;
+  int experts_per_token = 0;
+  int moe_inter_dim = 0;
+  int num_shared_experts = 1;
+  int num_hash_layers = 0;  // the first layers route by token id (table tid2eid)
+  float routed_scaling_factor = 1.0f;
+  float swiglu_limit = 10.0f;
+  int hc_mult = 4;
+  int hc_sinkhorn_iters = 20;
+  float hc_eps = 1e-6f;
+  float norm_eps = 1e-6f;
+  float rope_theta = 10000.0f;
+  float compress_rope_theta = 160000.0f;  // layers with compressed history
+  float init_gain = 1.0f;                 // scale of the generated weights
+
+  int nope_dim() const { return head_dim - rope_dim; }
+  int ratio(int layer) const { return compress_ratios[layer]; }
 
   static absl::StatusOr<Config> FromJson(const std::string& json);
   static absl::StatusOr<Config> FromFile(const std::string& path);

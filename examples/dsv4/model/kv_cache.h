@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "examples/dsv4/model/config.h"
 #include "kvwire/connector.h"
 #include "kvwire/layout.h"
@@ -19,8 +20,7 @@ namespace dsv4 {
 class KvCache {
  public:
   // `num_blocks` blocks per paged group, `max_requests` slots per state group.
-  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const Config& config,
-                                                         uint64_t num_blocks,
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const Config& config, uint64_t num_blocks,
                                                          uint64_t max_requests,
                                                          uint64_t allocation_seed);
   ~KvCache();

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+
 #include "examples/dsv4/model/config.h"
 #include "examples/dsv4/model/kv_cache.h"
 
@@ -36,10 +37,9 @@ class Model {
   // the new tokens' KV (every group) into the cache and returns the logits of the last
   // token. `on_layer_done(layer)` runs once a layer's KV for these tokens is final (write
   // mode streams it from there).
-  absl::StatusOr<std::vector<float>> Forward(KvCache& cache, const kvwire::BlockTable& blocks,
-                                             std::span<const int32_t> tokens, uint64_t pos,
-                                             const std::function<void(int layer)>& on_layer_done =
-                                                 nullptr);
+  absl::StatusOr<std::vector<float>> Forward(
+      KvCache& cache, const kvwire::BlockTable& blocks, std::span<const int32_t> tokens,
+      uint64_t pos, const std::function<void(int layer)>& on_layer_done = nullptr);
 
   class Impl;
 
@@ -50,8 +50,7 @@ class Model {
 
 // Greedy when temperature <= 0; else samples with a generator keyed by (seed, step), so a
 // decode instance continuing at step k draws what a single process would.
-int32_t SampleToken(std::span<const float> logits, float temperature, uint64_t seed,
-                    uint64_t step);
+int32_t SampleToken(std::span<const float> logits, float temperature, uint64_t seed, uint64_t step);
 
 }  // namespace dsv4
 

@@ -1,0 +1,77 @@
+// Single-process generation.
+#include "examples/dsv4/model/generate.h"
+
+#include <chrono>
+#include <filesystem>
+
+#include "examples/dsv4/model/tokenizer.h"
+
+namespace dsv4 {
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// Frees a request's blocks on every exit path.
+class BlockGuard {
+ public:
+  BlockGuard(KvCache& cache, kvwire::BlockTable& table) : cache_(cache), table_(table) {}
+  ~BlockGuard() { cache_.Free(table_); }
+  BlockGuard(const BlockGuard&) = delete;
+  BlockGuard& operator=(const BlockGuard&) = delete;
+
+ private:
+  KvCache& cache_;
+  kvwire::BlockTable& table_;
+};
+
+}  // namespace
+
+absl::StatusOr<GenerateResult> GenerateFromTokens(Model& model, KvCache& cache,
+                                                  std::vector<int32_t> prompt_tokens,
+                                                  const GenerateOptions& options) {
+  if (prompt_tokens.empty()) return absl::InvalidArgumentError("Generate: empty prompt");
+  GenerateResult result;
+  result.prompt_tokens = std::move(prompt_tokens);
+  const uint64_t n = result.prompt_tokens.size();
+  absl::StatusOr<kvwire::BlockTable> allocated = cache.Allocate(n);
+  if (!allocated.ok()) return allocated.status();
+  kvwire::BlockTable table = std::move(*allocated);
+  BlockGuard guard(cache, table);
+
+  auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<float>> logits = model.Forward(cache, table, result.prompt_tokens, 0);
+  if (!logits.ok()) return logits.status();
+  result.prefill_seconds = Seconds(start);
+  start = std::chrono::steady_clock::now();
+  while (static_cast<int>(result.tokens.size()) < options.max_tokens) {
+    const int32_t next =
+        SampleToken(*logits, options.temperature, options.seed, result.tokens.size());
+    result.tokens.push_back(next);
+    if ((options.stop_at_eos && next == kEosToken) ||
+        static_cast<int>(result.tokens.size()) >= options.max_tokens) {
+      break;
+    }
+    const uint64_t pos = n + result.tokens.size() - 1;
+    if (absl::Status s = cache.Grow(table, pos + 1); !s.ok()) return s;
+    logits = model.Forward(cache, table, std::span<const int32_t>(&next, 1), pos);
+    if (!logits.ok()) return logits.status();
+  }
+  result.decode_seconds = Seconds(start);
+  result.text = Decode(result.tokens);
+  return result;
+}
+
+absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, std::string_view prompt,
+                                        const GenerateOptions& options) {
+  return GenerateFromTokens(model, cache, Encode(prompt), options);
+}
+
+absl::Status EnsureWeights(const Config& config, const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) return absl::OkStatus();
+  return GenerateWeights(config, path);
+}
+
+}  // namespace dsv4
