@@ -1,0 +1,44 @@
+// The OpenAI-compatible subset of POST /v1/completions the dsv4 servers accept, with the
+// disaggregation fields: `kv_transfer_params` (as vLLM's P/D connectors carry it) and, for a
+// decode server continuing a remote prefill, `first_token` (the token prefill sampled).
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_COMPLETION_API_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_COMPLETION_API_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+
+namespace dsv4::serve {
+
+struct CompletionRequest {
+  std::string prompt;
+  int max_tokens = 16;
+  float temperature = 0.0f;
+  uint64_t seed = 0;
+  bool stream = false;
+  std::string model;
+  nlohmann::json kv_transfer_params;  // null or an object
+  std::optional<int32_t> first_token;
+  // Decode: the prefill server's timing (the router passes it through to the client).
+  nlohmann::json prefill_stats;
+};
+
+// Validates a request body; errors name the field and what is wrong (for a 400).
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size);
+
+// Serialises JSON with invalid UTF-8 (byte tokens may split a character) replaced.
+std::string Dump(const nlohmann::json& j);
+
+// A completion (non-streamed) or one stream chunk: `text` is the detokenised `tokens`.
+nlohmann::json CompletionJson(const std::string& id, const std::string& model,
+                              const std::string& text, const std::vector<int32_t>& tokens,
+                              const char* finish_reason);
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_COMPLETION_API_H_

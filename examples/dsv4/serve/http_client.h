@@ -1,0 +1,43 @@
+// A blocking HTTP/1.1 client call on Boost.Beast with one deadline for the whole exchange,
+// for the router (upstream calls), the demo and the tests. The body can be consumed as it
+// arrives (server-sent events).
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_CLIENT_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_CLIENT_H_
+
+#include <functional>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace dsv4::serve {
+
+struct HttpResponse {
+  int status = 0;
+  std::string content_type;
+  std::string body;  // empty when HttpCallOptions::on_body consumed it
+};
+
+struct HttpCallOptions {
+  absl::Time deadline = absl::Now() + absl::Seconds(30);
+  // Called once the status line and headers are in.
+  std::function<void(const HttpResponse& head)> on_headers;
+  // Receives the body piece by piece (chunked encoding removed); returning false stops the
+  // call (Cancelled). Unset: the body is collected into HttpResponse::body.
+  std::function<bool(std::string_view piece)> on_body;
+};
+
+// `address` is "host:port". Errors: Unavailable when no connection could be made (nothing
+// was sent), DeadlineExceeded when the deadline passed, Aborted when the connection failed
+// or closed after the request went out (a server that died mid-request).
+absl::StatusOr<HttpResponse> HttpCall(const std::string& address, const std::string& method,
+                                      const std::string& target, const std::string& body,
+                                      const HttpCallOptions& options = HttpCallOptions());
+
+// "host:port" → host and port; false when malformed.
+bool SplitHostPort(const std::string& address, std::string* host, int* port);
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_CLIENT_H_

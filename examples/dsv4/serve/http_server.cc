@@ -1,0 +1,293 @@
+#include "examples/dsv4/serve/http_server.h"
+
+#include <deque>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "boost/asio.hpp"
+#include "boost/beast/core.hpp"
+#include "boost/beast/http.hpp"
+
+namespace dsv4::serve {
+
+namespace net = boost::asio;
+namespace http = boost::beast::http;
+using tcp = net::ip::tcp;
+using boost::system::error_code;
+
+std::string ErrorJson(int status, const std::string& message) {
+  const char* type = status == 400   ? "invalid_request_error"
+                     : status == 404 ? "not_found"
+                     : status == 502 ? "bad_gateway"
+                     : status == 503 ? "service_unavailable"
+                     : status == 504 ? "timeout"
+                                     : "server_error";
+  nlohmann::json j = {{"error", {{"message", message}, {"type", type}, {"code", status}}}};
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// One connection: reads a request, hands it to the handler, writes what the Responder queues,
+// then closes. All socket work happens on the io thread; Responders post to it.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, const HttpServerOptions& options, const HttpServer::Handler& handler)
+      : socket_(std::move(socket)),
+        timer_(socket_.get_executor()),
+        write_timer_(socket_.get_executor()),
+        options_(options),
+        handler_(handler) {}
+
+  void Start() {
+    parser_.emplace();
+    parser_->body_limit(options_.body_limit);
+    parser_->header_limit(64 << 10);
+    Arm(timer_, options_.read_timeout);
+    http::async_read(socket_, buffer_, *parser_,
+                     [self = shared_from_this()](error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  // Queues bytes; `last` closes the connection once they are written.
+  void Post(std::string bytes, bool last) {
+    net::post(socket_.get_executor(), [self = shared_from_this(), b = std::move(bytes),
+                                       last]() mutable { self->Queue(std::move(b), last); });
+  }
+
+  bool closed() const { return closed_.load(); }
+  // Server shutdown (io thread).
+  void Shutdown() { Close(); }
+
+ private:
+  void Arm(net::steady_timer& t, absl::Duration d) {
+    t.expires_after(absl::ToChronoNanoseconds(d));
+    t.async_wait([self = shared_from_this()](error_code ec) {
+      if (!ec) self->Close();  // deadline passed: give up on this connection
+    });
+  }
+
+  void OnRead(error_code ec) {
+    timer_.cancel();
+    if (ec) {
+      if (ec == http::error::body_limit) {
+        Queue(Format(413, ErrorJson(413, "request body too large"), "application/json"), true);
+      } else if (ec != http::error::end_of_stream && ec != net::error::operation_aborted) {
+        Queue(Format(400, ErrorJson(400, absl::StrCat("malformed HTTP request: ", ec.message())),
+                     "application/json"),
+              true);
+      } else {
+        Close();
+      }
+      return;
+    }
+    http::request<http::string_body> req = parser_->release();
+    HttpRequest r;
+    r.method = std::string(req.method_string());
+    r.target = std::string(req.target());
+    r.body = std::move(req.body());
+    // Watch the connection: a read that ends means the client went away.
+    socket_.async_read_some(net::buffer(probe_),
+                            [self = shared_from_this()](error_code ec, size_t) {
+                              if (ec) self->closed_.store(true);
+                            });
+    auto responder = std::make_shared<Responder>(shared_from_this());
+    handler_(r, std::move(responder));
+  }
+
+  void Queue(std::string bytes, bool last) {
+    if (done_) return;
+    queue_.push_back(std::move(bytes));
+    if (last) last_queued_ = true;
+    if (!writing_) WriteNext();
+  }
+
+  void WriteNext() {
+    if (queue_.empty()) {
+      if (last_queued_) Close();
+      return;
+    }
+    writing_ = true;
+    Arm(write_timer_, options_.write_timeout);
+    net::async_write(socket_, net::buffer(queue_.front()),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->write_timer_.cancel();
+                       self->writing_ = false;
+                       if (ec) {
+                         self->closed_.store(true);
+                         self->Close();
+                         return;
+                       }
+                       self->queue_.pop_front();
+                       self->WriteNext();
+                     });
+  }
+
+  void Close() {
+    if (done_) return;
+    done_ = true;
+    closed_.store(true);
+    queue_.clear();
+    error_code ignored;
+    timer_.cancel();
+    write_timer_.cancel();
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+  }
+
+ public:
+  static std::string Format(int status, const std::string& body, const std::string& type) {
+    http::response<http::string_body> res{static_cast<http::status>(status), 11};
+    res.set(http::field::server, "kvwire-dsv4");
+    res.set(http::field::content_type, type);
+    res.set(http::field::connection, "close");
+    res.body() = body;
+    res.prepare_payload();
+    std::ostringstream out;
+    out << res;
+    return out.str();
+  }
+
+ private:
+  tcp::socket socket_;
+  net::steady_timer timer_, write_timer_;
+  const HttpServerOptions& options_;
+  const HttpServer::Handler& handler_;
+  boost::beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  char probe_[64];
+  std::deque<std::string> queue_;
+  bool writing_ = false, last_queued_ = false, done_ = false;
+  std::atomic<bool> closed_{false};
+};
+
+// --- Responder ----------------------------------------------------------------------------
+
+Responder::Responder(std::shared_ptr<Session> session) : session_(std::move(session)) {}
+
+Responder::~Responder() {
+  if (!answered_.load()) {
+    Error(500, "the request was dropped without an answer");
+  } else if (streaming_.load() && !ended_.load()) {
+    EndEvents(false);
+  }
+}
+
+bool Responder::closed() const { return session_->closed(); }
+
+void Responder::Respond(int status, std::string body, std::string content_type) {
+  if (answered_.exchange(true)) return;
+  session_->Post(Session::Format(status, body, content_type), true);
+}
+
+void Responder::Error(int status, const std::string& message) {
+  Respond(status, ErrorJson(status, message));
+}
+
+void Responder::StartEvents() {
+  if (answered_.exchange(true)) return;
+  streaming_.store(true);
+  session_->Post(
+      "HTTP/1.1 200 OK\r\nServer: kvwire-dsv4\r\nContent-Type: text/event-stream\r\n"
+      "Cache-Control: no-cache\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n",
+      false);
+}
+
+void Responder::Raw(std::string bytes) {
+  if (!streaming_.load() || ended_.load() || bytes.empty()) return;
+  std::string chunk = absl::StrCat(absl::Hex(bytes.size()), "\r\n");
+  chunk += bytes;
+  chunk += "\r\n";
+  session_->Post(std::move(chunk), false);
+}
+
+void Responder::Event(const std::string& data) { Raw(absl::StrCat("data: ", data, "\n\n")); }
+
+void Responder::EndEvents(bool done) {
+  if (!streaming_.load() || ended_.exchange(true)) return;
+  std::string tail;
+  if (done) {
+    const std::string d = "data: [DONE]\n\n";
+    tail = absl::StrCat(absl::Hex(d.size()), "\r\n", d, "\r\n");
+  }
+  tail += "0\r\n\r\n";
+  session_->Post(std::move(tail), true);
+}
+
+// --- HttpServer ---------------------------------------------------------------------------
+
+class HttpServer::Impl {
+ public:
+  Impl(HttpServerOptions options, Handler handler)
+      : options_(std::move(options)), handler_(std::move(handler)), acceptor_(io_) {}
+
+  absl::Status Listen() {
+    error_code ec;
+    const net::ip::address addr = net::ip::make_address(options_.host, ec);
+    if (ec) return absl::InvalidArgumentError(absl::StrCat("bad host '", options_.host, "'"));
+    const tcp::endpoint ep(addr, static_cast<uint16_t>(options_.port));
+    acceptor_.open(ep.protocol(), ec);
+    if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(ep, ec);
+    if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options_.host, ":", options_.port, ": ", ec.message()));
+    }
+    port_ = acceptor_.local_endpoint().port();
+    Accept();
+    thread_ = std::thread([this] { io_.run(); });
+    return absl::OkStatus();
+  }
+
+  // Responders must be gone before the server (their sessions post to this io_context).
+  ~Impl() {
+    net::post(io_, [this] {
+      error_code ignored;
+      acceptor_.close(ignored);
+      for (const std::weak_ptr<Session>& w : sessions_) {
+        if (std::shared_ptr<Session> s = w.lock()) s->Shutdown();
+      }
+      io_.stop();
+    });
+    if (thread_.joinable()) thread_.join();
+  }
+
+  int port() const { return port_; }
+
+ private:
+  void Accept() {
+    acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
+      if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+      if (!ec) {
+        auto session = std::make_shared<Session>(std::move(socket), options_, handler_);
+        std::erase_if(sessions_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+        sessions_.push_back(session);
+        session->Start();
+      }
+      Accept();
+    });
+  }
+
+  const HttpServerOptions options_;
+  const Handler handler_;
+  net::io_context io_;
+  tcp::acceptor acceptor_;
+  std::thread thread_;
+  int port_ = 0;
+  std::vector<std::weak_ptr<Session>> sessions_;  // io thread only
+};
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& options,
+                                                              Handler handler) {
+  auto impl = std::make_unique<Impl>(options, std::move(handler));
+  if (absl::Status s = impl->Listen(); !s.ok()) return s;
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HttpServer::~HttpServer() = default;
+int HttpServer::port() const { return impl_->port(); }
+
+}  // namespace dsv4::serve

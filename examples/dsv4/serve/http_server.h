@@ -1,0 +1,90 @@
+// A small HTTP/1.1 server on Boost.Beast for the dsv4 servers and the router: one io_context
+// thread accepts connections and reads one request each (Connection: close); the handler runs
+// on that thread and answers through a Responder, which may be used from any thread (the model
+// worker, a router thread) and may stream server-sent events. Every read and write has a
+// deadline.
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_SERVER_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_SERVER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace dsv4::serve {
+
+struct HttpRequest {
+  std::string method;  // "GET", "POST", ...
+  std::string target;  // path (query string included)
+  std::string body;
+};
+
+class Session;
+
+// Answers one request. Thread-safe. Exactly one of Respond / StartEvents should be used;
+// a Responder dropped without an answer sends 500.
+class Responder {
+ public:
+  explicit Responder(std::shared_ptr<Session> session);
+  ~Responder();
+  Responder(const Responder&) = delete;
+  Responder& operator=(const Responder&) = delete;
+
+  void Respond(int status, std::string body, std::string content_type = "application/json");
+  // A JSON error body {"error": {"message", "type", "code"}} with `status`.
+  void Error(int status, const std::string& message);
+  // 200, text/event-stream, chunked; then Event() for each "data: ..." and EndEvents().
+  void StartEvents();
+  void Event(const std::string& data);
+  // Sends "data: [DONE]" (when `done`) and ends the stream.
+  void EndEvents(bool done = true);
+  // Sends raw body bytes of a started stream (the router forwards upstream SSE unchanged).
+  void Raw(std::string bytes);
+  bool answered() const { return answered_.load(); }
+  bool streaming() const { return streaming_.load(); }
+  // The client went away (its connection closed or failed).
+  bool closed() const;
+
+ private:
+  std::shared_ptr<Session> session_;
+  std::atomic<bool> answered_{false};
+  std::atomic<bool> streaming_{false};
+  std::atomic<bool> ended_{false};
+};
+
+// A JSON error body as OpenAI-style servers send it.
+std::string ErrorJson(int status, const std::string& message);
+
+struct HttpServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: a free port (see HttpServer::port())
+  absl::Duration read_timeout = absl::Seconds(10);
+  absl::Duration write_timeout = absl::Seconds(30);
+  uint64_t body_limit = 4 << 20;
+};
+
+class HttpServer {
+ public:
+  using Handler = std::function<void(const HttpRequest&, std::shared_ptr<Responder>)>;
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options,
+                                                           Handler handler);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  int port() const;
+
+  class Impl;
+
+ private:
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_HTTP_SERVER_H_

@@ -1,0 +1,251 @@
+// kvwire-dsv4: the reference DeepSeek-V4 engine's command line.
+//
+//   kvwire-dsv4 weights  --config C.json --out W.safetensors
+//   kvwire-dsv4 generate --config C.json --weights W --prompt TEXT [--prompt ...]
+//                        [--max-tokens 32 --temperature 0 --seed 0 --threads 0]
+//   kvwire-dsv4 serve    --role prefill|decode|both --config C.json --weights W
+//                        [--port 0 --kv-port 0 --transport auto|tcp|shm --mode read|write|auto]
+//   kvwire-dsv4 router   --prefill host:port[,...] --decode host:port[,...] --mode read|write
+//                        [--port 0]
+//   kvwire-dsv4 demo     (see demo.cc)
+//
+// Servers print one "listening" line, write --ready-file (JSON with the ports) once they
+// serve, and stop cleanly on SIGINT or SIGTERM.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_split.h"
+
+#include "examples/dsv4/model/config.h"
+#include "examples/dsv4/model/generate.h"
+#include "examples/dsv4/model/kv_cache.h"
+#include "examples/dsv4/model/model.h"
+#include "examples/dsv4/serve/completion_api.h"
+#include "examples/dsv4/serve/demo.h"
+#include "examples/dsv4/serve/flags.h"
+#include "examples/dsv4/serve/model_server.h"
+#include "examples/dsv4/serve/process.h"
+#include "examples/dsv4/serve/router.h"
+
+namespace dsv4::serve {
+namespace {
+
+using nlohmann::json;
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: kvwire-dsv4 <weights|generate|serve|router|demo> [flags]\n"
+               "  weights  --config C.json --out W.safetensors\n"
+               "  generate --config C.json --weights W --prompt TEXT [--prompt TEXT ...]\n"
+               "           [--max-tokens 32] [--temperature 0] [--seed 0] [--threads 0]\n"
+               "  serve    --role prefill|decode|both --config C.json --weights W [--port 0]\n"
+               "           [--kv-port 0] [--transport auto|tcp|shm] [--mode read|write|auto]\n"
+               "           [--num-blocks N] [--max-requests 4] [--threads 0]\n"
+               "           [--request-timeout-s 60] [--peer-lease-ms 5000] [--ready-file F]\n"
+               "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
+               "  router   --prefill H:P[,H:P] --decode H:P[,H:P] --mode read|write [--port 0]\n"
+               "           [--timeout-s 300] [--ready-file F]\n"
+               "  demo     [--config C.json] [--weights W] [--work-dir D] (make demo)\n");
+  return 2;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "kvwire-dsv4: %s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
+// Blocks SIGINT/SIGTERM in every thread (call before starting any) and waits for one.
+void BlockStopSignals(sigset_t* set) {
+  sigemptyset(set);
+  sigaddset(set, SIGINT);
+  sigaddset(set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, set, nullptr);
+}
+
+int WaitForStop(sigset_t* set) {
+  int sig = 0;
+  sigwait(set, &sig);
+  return sig;
+}
+
+int Weights(const Flags& f) {
+  if (absl::Status s = f.Require({"config", "out"}); !s.ok()) return Fail(s);
+  absl::StatusOr<Config> config = Config::FromFile(f.Get("config"));
+  if (!config.ok()) return Fail(config.status());
+  if (absl::Status s = GenerateWeights(*config, f.Get("out")); !s.ok()) return Fail(s);
+  std::printf("wrote %s (config %s, seed %llu)\n", f.Get("out").c_str(), config->name.c_str(),
+              static_cast<unsigned long long>(config->seed));
+  return 0;
+}
+
+int Generate(const Flags& f) {
+  if (absl::Status s = f.Require({"config", "weights", "prompt"}); !s.ok()) return Fail(s);
+  absl::StatusOr<Config> config = Config::FromFile(f.Get("config"));
+  if (!config.ok()) return Fail(config.status());
+  absl::StatusOr<int64_t> max_tokens = f.GetInt("max-tokens", 32);
+  absl::StatusOr<double> temperature = f.GetDouble("temperature", 0);
+  absl::StatusOr<int64_t> seed = f.GetInt("seed", 0);
+  absl::StatusOr<int64_t> threads = f.GetInt("threads", 0);
+  for (const absl::Status& s :
+       {max_tokens.status(), temperature.status(), seed.status(), threads.status()}) {
+    if (!s.ok()) return Fail(s);
+  }
+  absl::StatusOr<std::unique_ptr<Model>> model =
+      Model::Load(*config, f.Get("weights"), static_cast<int>(*threads));
+  if (!model.ok()) return Fail(model.status());
+  const uint64_t blocks = config->max_seq_len / 64 + 2;
+  absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(*config, blocks, 1, 1);
+  if (!cache.ok()) return Fail(cache.status());
+  GenerateOptions o;
+  o.max_tokens = static_cast<int>(*max_tokens);
+  o.temperature = static_cast<float>(*temperature);
+  o.seed = static_cast<uint64_t>(*seed);
+  for (const std::string& prompt : f.GetAll("prompt")) {
+    absl::StatusOr<GenerateResult> r = dsv4::Generate(**model, **cache, prompt, o);
+    if (!r.ok()) return Fail(r.status());
+    const size_t n = r->prompt_tokens.size();
+    json j = {
+        {"prompt_tokens", n},
+        {"tokens", r->tokens},
+        {"text", r->text},
+        {"prefill_ms", r->prefill_seconds * 1e3},
+        {"decode_ms", r->decode_seconds * 1e3},
+        {"prefill_tokens_per_s", n / std::max(1e-9, r->prefill_seconds)},
+        {"decode_tokens_per_s",
+         r->tokens.size() > 1 ? (r->tokens.size() - 1) / std::max(1e-9, r->decode_seconds) : 0.0}};
+    std::printf("%s\n", Dump(j).c_str());
+  }
+  return 0;
+}
+
+int Serve(const Flags& f) {
+  if (absl::Status s = f.Require({"role", "config", "weights"}); !s.ok()) return Fail(s);
+  ModelServerOptions o;
+  o.role = f.Get("role");
+  o.config_path = f.Get("config");
+  o.weights_path = f.Get("weights");
+  o.host = f.Get("host", "127.0.0.1");
+  o.kv_host = f.Get("kv-host", o.host);
+  o.transport = f.Get("transport", "auto");
+  o.mode = f.Get("mode", "auto");
+  o.name = f.Get("name");
+  o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
+  absl::StatusOr<int64_t> port = f.GetInt("port", 0), kv_port = f.GetInt("kv-port", 0),
+                          blocks = f.GetInt("num-blocks", 0),
+                          requests = f.GetInt("max-requests", 4), threads = f.GetInt("threads", 0),
+                          timeout = f.GetInt("request-timeout-s", 60),
+                          lease = f.GetInt("peer-lease-ms", 5000),
+                          delay = f.GetInt("inject-delay-ms", 0),
+                          seed = f.GetInt("allocation-seed", 0);
+  for (const auto* v :
+       {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay, &seed}) {
+    if (!v->ok()) return Fail(v->status());
+  }
+  o.port = static_cast<int>(*port);
+  o.kv_port = static_cast<int>(*kv_port);
+  o.num_blocks = static_cast<uint64_t>(*blocks);
+  o.max_requests = static_cast<uint64_t>(std::max<int64_t>(1, *requests));
+  o.threads = static_cast<int>(*threads);
+  o.request_timeout = absl::Seconds(*timeout);
+  o.peer_lease = absl::Milliseconds(*lease);
+  o.inject_delay_ms = static_cast<int>(*delay);
+  o.allocation_seed = static_cast<uint64_t>(*seed);
+  sigset_t set;
+  BlockStopSignals(&set);
+  absl::StatusOr<std::unique_ptr<ModelServer>> server = ModelServer::Start(o);
+  if (!server.ok()) return Fail(server.status());
+  std::printf("kvwire-dsv4 serve: role=%s listening on %s:%d, kv %s (transport %s, mode %s)\n",
+              o.role.c_str(), o.host.c_str(), (*server)->port(), (*server)->kv_address().c_str(),
+              o.transport.c_str(), o.mode.c_str());
+  std::fflush(stdout);
+  if (f.Has("ready-file")) {
+    json ready = {{"port", (*server)->port()},
+                  {"address", absl::StrCat(o.host, ":", (*server)->port())},
+                  {"kv_address", (*server)->kv_address()},
+                  {"pid", getpid()}};
+    if (absl::Status s = WriteReadyFile(f.Get("ready-file"), ready); !s.ok()) return Fail(s);
+  }
+  const int sig = WaitForStop(&set);
+  std::fprintf(stderr, "kvwire-dsv4 serve: signal %d, stopping\n", sig);
+  server->reset();
+  return 0;
+}
+
+int RouterMain(const Flags& f) {
+  if (absl::Status s = f.Require({"prefill", "decode"}); !s.ok()) return Fail(s);
+  RouterOptions o;
+  for (const std::string& v : f.GetAll("prefill")) {
+    for (absl::string_view a : absl::StrSplit(v, ',', absl::SkipEmpty())) o.prefill.emplace_back(a);
+  }
+  for (const std::string& v : f.GetAll("decode")) {
+    for (absl::string_view a : absl::StrSplit(v, ',', absl::SkipEmpty())) o.decode.emplace_back(a);
+  }
+  o.mode = f.Get("mode", "read");
+  o.host = f.Get("host", "127.0.0.1");
+  absl::StatusOr<int64_t> port = f.GetInt("port", 0), timeout = f.GetInt("timeout-s", 300);
+  if (!port.ok()) return Fail(port.status());
+  if (!timeout.ok()) return Fail(timeout.status());
+  o.port = static_cast<int>(*port);
+  o.timeout = absl::Seconds(*timeout);
+  sigset_t set;
+  BlockStopSignals(&set);
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(o);
+  if (!router.ok()) return Fail(router.status());
+  std::printf("kvwire-dsv4 router: mode=%s listening on %s:%d (%zu prefill, %zu decode)\n",
+              o.mode.c_str(), o.host.c_str(), (*router)->port(), o.prefill.size(), o.decode.size());
+  std::fflush(stdout);
+  if (f.Has("ready-file")) {
+    json ready = {{"port", (*router)->port()},
+                  {"address", absl::StrCat(o.host, ":", (*router)->port())},
+                  {"pid", getpid()}};
+    if (absl::Status s = WriteReadyFile(f.Get("ready-file"), ready); !s.ok()) return Fail(s);
+  }
+  const int sig = WaitForStop(&set);
+  std::fprintf(stderr, "kvwire-dsv4 router: signal %d, stopping\n", sig);
+  router->reset();
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  if (argc < 2) return Usage();
+  const std::string cmd = argv[1];
+  const std::vector<std::string> args(argv + 2, argv + argc);
+  auto parse = [&](const std::set<std::string>& known, const std::set<std::string>& bools = {}) {
+    return Flags::Parse(args, known, bools);
+  };
+  absl::StatusOr<Flags> f = absl::InvalidArgumentError("unknown subcommand");
+  if (cmd == "weights") {
+    f = parse({"config", "out"});
+    if (f.ok()) return Weights(*f);
+  } else if (cmd == "generate") {
+    f = parse({"config", "weights", "prompt", "max-tokens", "temperature", "seed", "threads"});
+    if (f.ok()) return Generate(*f);
+  } else if (cmd == "serve") {
+    f = parse({"role", "config", "weights", "host", "port", "kv-host", "kv-port", "transport",
+               "mode", "name", "num-blocks", "max-requests", "threads", "request-timeout-s",
+               "peer-lease-ms", "inject-delay-ms", "allocation-seed", "ready-file"},
+              {"corrupt-kv-page"});
+    if (f.ok()) return Serve(*f);
+  } else if (cmd == "router") {
+    f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file"});
+    if (f.ok()) return RouterMain(*f);
+  } else if (cmd == "demo") {
+    f = parse({"config", "weights", "work-dir", "max-tokens", "transports", "threads"});
+    if (f.ok()) return RunDemo(*f, argv[0]);
+  } else {
+    return Usage();
+  }
+  std::fprintf(stderr, "kvwire-dsv4 %s: %s\n", cmd.c_str(),
+               std::string(f.status().message()).c_str());
+  return Usage();
+}
+
+}  // namespace
+}  // namespace dsv4::serve
+
+int main(int argc, char** argv) { return dsv4::serve::Main(argc, argv); }

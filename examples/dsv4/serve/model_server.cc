@@ -1,0 +1,844 @@
+#include "examples/dsv4/serve/model_server.h"
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/model/config.h"
+#include "examples/dsv4/model/kv_cache.h"
+#include "examples/dsv4/model/model.h"
+#include "examples/dsv4/model/tokenizer.h"
+#include "examples/dsv4/serve/completion_api.h"
+#include "examples/dsv4/serve/http_server.h"
+#include "kvwire/connector.h"
+#include "src/util/log.h"
+#include "src/util/mutex.h"
+
+namespace dsv4::serve {
+
+using kvwire::Kv;
+using nlohmann::json;
+
+namespace {
+
+constexpr char kLog[] = "dsv4-serve";
+
+double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+
+struct Job {
+  enum class Kind { kCompletion, kPrepare, kAbort } kind = Kind::kCompletion;
+  CompletionRequest req;
+  std::string transfer_id;  // kAbort
+  std::shared_ptr<Responder> resp;
+  absl::Time arrived;
+};
+
+// A request that holds blocks on this server across worker iterations: a decode (loading,
+// then generating) or a local generation.
+struct Active {
+  std::string id;
+  bool remote = false;  // KV comes from a prefill server
+  bool loading = false;
+  bool load_done = false, load_failed = false;
+  std::string load_error;
+  bool aborting = false;  // blocks go back once the connector has reported the load
+  CompletionRequest req;
+  std::shared_ptr<Responder> resp;  // null: prepared (write mode), not yet claimed
+  std::vector<int32_t> prompt;
+  kvwire::BlockTable blocks;
+  std::vector<int32_t> out;
+  std::string transfer_id, peer;
+  absl::Time arrived, claimed, load_start, load_end, decode_start, deadline;
+  double prefill_ms = 0;
+  json transfer;  // per-request transfer stats once loaded
+  bool corrupted = false;
+};
+
+}  // namespace
+
+class ModelServer::Impl {
+ public:
+  explicit Impl(ModelServerOptions options) : options_(std::move(options)) {}
+
+  absl::Status Init() {
+    const std::string& role = options_.role;
+    if (role != "prefill" && role != "decode" && role != "both") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--role must be prefill, decode or both, not '", role, "'"));
+    }
+    absl::StatusOr<Config> config = Config::FromFile(options_.config_path);
+    if (!config.ok()) return config.status();
+    config_ = *config;
+    absl::StatusOr<std::unique_ptr<Model>> model =
+        Model::Load(config_, options_.weights_path, options_.threads);
+    if (!model.ok()) return model.status();
+    model_ = std::move(*model);
+    uint64_t blocks = options_.num_blocks;
+    if (blocks == 0) blocks = (config_.max_seq_len / 64 + 2) * options_.max_requests;
+    uint64_t seed = options_.allocation_seed;
+    if (seed == 0) seed = role == "prefill" ? 11 : role == "decode" ? 22 : 33;
+    absl::StatusOr<std::unique_ptr<KvCache>> cache =
+        KvCache::Create(config_, blocks, options_.max_requests, seed);
+    if (!cache.ok()) return cache.status();
+    cache_ = std::move(*cache);
+
+    kvwire::ConnectorOptions co;
+    co.role = role;
+    absl::StatusOr<kvwire::KvMode> mode = kvwire::ParseKvMode(options_.mode);
+    if (!mode.ok()) return mode.status();
+    co.mode = *mode;
+    co.engine = kvwire::EngineOptions::FromEnvironment({});
+    co.engine.name =
+        options_.name.empty() ? absl::StrCat("dsv4-", role, "-", getpid()) : options_.name;
+    co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
+    absl::StatusOr<kvwire::TransportKind> transport =
+        kvwire::ParseTransportKind(options_.transport);
+    if (!transport.ok()) return transport.status();
+    co.engine.transport = *transport;
+    co.engine.peer_lease = options_.peer_lease;
+    co.engine.heartbeat_interval = std::min(absl::Milliseconds(500), options_.peer_lease / 5);
+    co.request_timeout = options_.request_timeout;
+    absl::StatusOr<std::unique_ptr<kvwire::Connector>> connector = kvwire::Connector::Create(co);
+    if (!connector.ok()) return connector.status();
+    connector_ = std::move(*connector);
+    if (absl::Status s = connector_->RegisterKvCaches(cache_->layout(), cache_->memory());
+        !s.ok()) {
+      return s;
+    }
+    worker_ = std::thread([this] { Loop(); });
+    HttpServerOptions ho;
+    ho.host = options_.host;
+    ho.port = options_.port;
+    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+        ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
+    if (!http.ok()) return http.status();
+    http_ = std::move(*http);
+    return absl::OkStatus();
+  }
+
+  ~Impl() {
+    {
+      kvwire::MutexLock lock(&mu_);
+      stop_ = true;
+      cv_.SignalAll();
+    }
+    if (worker_.joinable()) worker_.join();
+    {
+      kvwire::MutexLock lock(&mu_);
+      queue_.clear();
+    }
+    // Responders are gone: the HTTP server may go; then the connector (its transfers touch
+    // the cache), then the cache.
+    http_.reset();
+    connector_.reset();
+    cache_.reset();
+  }
+
+  int port() const { return http_->port(); }
+  std::string kv_address() const { return connector_->engine().address(); }
+
+ private:
+  // --- HTTP thread --------------------------------------------------------------------------
+
+  void Handle(const HttpRequest& r, std::shared_ptr<Responder> resp) {
+    const std::string path = r.target.substr(0, r.target.find('?'));
+    if (r.method == "GET" && path == "/health") {
+      json j = {{"status", "ok"},
+                {"role", options_.role},
+                {"model", config_.name},
+                {"engine_id", connector_->engine_id()},
+                {"kv_address", connector_->engine().address()},
+                {"mode", options_.mode},
+                {"transport", options_.transport},
+                {"used_blocks", cache_->UsedBlocks()},
+                {"live_connector_requests", connector_->LiveRequests()},
+                {"active_requests", active_count_.load()},
+                {"held_requests", held_count_.load()},
+                {"prefilling", prefilling_.load()}};
+      resp->Respond(200, j.dump());
+      return;
+    }
+    if (r.method == "GET" && path == "/metrics") {
+      resp->Respond(200, Metrics(), "text/plain; version=0.0.4");
+      return;
+    }
+    Job job;
+    job.arrived = absl::Now();
+    if (path == "/v1/completions" || path == "/v1/kv/prepare") {
+      if (r.method != "POST") {
+        resp->Error(405, absl::StrCat("use POST for ", path));
+        return;
+      }
+      absl::StatusOr<CompletionRequest> req = ParseCompletionRequest(r.body, config_.vocab_size);
+      if (!req.ok()) {
+        resp->Error(400, std::string(req.status().message()));
+        return;
+      }
+      if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
+        resp->Error(400, std::string(s.message()));
+        return;
+      }
+      job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
+      job.req = std::move(*req);
+    } else if (path == "/v1/kv/abort" && r.method == "POST") {
+      json j = json::parse(r.body, nullptr, false);
+      if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
+          !j["transfer_id"].is_string()) {
+        resp->Error(400, "body must be {\"transfer_id\": \"...\"}");
+        return;
+      }
+      job.kind = Job::Kind::kAbort;
+      job.transfer_id = j["transfer_id"].get<std::string>();
+    } else {
+      resp->Error(404, absl::StrCat("no route for ", r.method, " ", path));
+      return;
+    }
+    job.resp = std::move(resp);
+    kvwire::MutexLock lock(&mu_);
+    if (stop_) {
+      job.resp->Error(503, "server is shutting down");
+      return;
+    }
+    queue_.push_back(std::move(job));
+    cv_.SignalAll();
+  }
+
+  // What the HTTP thread can refuse at once (400).
+  absl::Status Check(const CompletionRequest& req, bool prepare) const {
+    const json& p = req.kv_transfer_params;
+    const bool remote_decode = p.is_object() && p.value("do_remote_decode", false) == true;
+    const bool remote_prefill = p.is_object() && p.value("do_remote_prefill", false) == true;
+    const uint64_t n = req.prompt.size() + 1;  // BOS + bytes
+    if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
+                                                     req.max_tokens, ") exceeds max_seq_len ",
+                                                     config_.max_seq_len));
+    }
+    if (remote_decode && remote_prefill) {
+      return absl::InvalidArgumentError(
+          "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive");
+    }
+    if (remote_decode && options_.role == "decode") {
+      return absl::InvalidArgumentError(
+          "this is a decode server: do_remote_decode requests go to a prefill server");
+    }
+    if ((remote_prefill || prepare) && options_.role == "prefill") {
+      return absl::InvalidArgumentError(
+          "this is a prefill server: do_remote_prefill requests go to a decode server");
+    }
+    if (prepare) {
+      if (!remote_prefill || p.value("mode", "") != "write" || !p.contains("transfer_id") ||
+          !p["transfer_id"].is_string()) {
+        return absl::InvalidArgumentError(
+            "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
+            "and a transfer_id");
+      }
+    } else if (remote_prefill && !req.first_token) {
+      return absl::InvalidArgumentError(
+          "'first_token' (the token prefill sampled) is required with do_remote_prefill");
+    }
+    return absl::OkStatus();
+  }
+
+  std::string Metrics() const {
+    std::string m = connector_->StatsPrometheus();
+    const std::string e = connector_->engine_id();
+    auto line = [&](const char* name, const char* type, const std::string& labels, double v) {
+      absl::StrAppend(&m, "# TYPE ", name, " ", type, "\n", name, "{engine=\"", e, "\"", labels,
+                      "} ", v, "\n");
+    };
+    line("kvwire_dsv4_requests_ok_total", "counter", "", requests_ok_.load());
+    line("kvwire_dsv4_requests_error_total", "counter", "", requests_error_.load());
+    line("kvwire_dsv4_prompt_tokens_total", "counter", "", prompt_tokens_.load());
+    line("kvwire_dsv4_generated_tokens_total", "counter", "", generated_tokens_.load());
+    line("kvwire_dsv4_prefill_seconds_total", "counter", "", prefill_us_.load() / 1e6);
+    line("kvwire_dsv4_decode_seconds_total", "counter", "", decode_us_.load() / 1e6);
+    line("kvwire_dsv4_kv_load_wait_seconds_total", "counter", "", load_wait_us_.load() / 1e6);
+    line("kvwire_dsv4_used_blocks", "gauge", "", static_cast<double>(cache_->UsedBlocks()));
+    line("kvwire_dsv4_active_requests", "gauge", "", active_count_.load());
+    return m;
+  }
+
+  // --- worker thread ------------------------------------------------------------------------
+
+  void Loop() {
+    while (true) {
+      std::deque<Job> jobs;
+      {
+        kvwire::MutexLock lock(&mu_);
+        if (stop_) break;
+        jobs.swap(queue_);
+      }
+      PollConnector();
+      for (Job& j : jobs) Admit(j);
+      bool progressed = !jobs.empty();
+      std::vector<std::string> ids;
+      for (const auto& [id, a] : active_) ids.push_back(id);
+      for (const std::string& id : ids) {
+        if (Advance(active_.at(id))) progressed = true;
+      }
+      for (auto it = active_.begin(); it != active_.end();) {
+        it = it->second.id.empty() ? active_.erase(it) : std::next(it);
+      }
+      active_count_.store(static_cast<int>(active_.size()));
+      held_count_.store(static_cast<int>(held_.size()));
+      if (!progressed) {
+        kvwire::MutexLock lock(&mu_);
+        if (queue_.empty() && !stop_) cv_.WaitUntil(&mu_, absl::Now() + absl::Milliseconds(1));
+      }
+    }
+    Shutdown();
+  }
+
+  // Aborts what is in flight and waits (bounded) until the connector lets go of the blocks.
+  void Shutdown() {
+    for (auto& [id, a] : active_) {
+      if (a.resp && !a.resp->answered()) a.resp->Error(503, "server is shutting down");
+      if (a.resp && a.resp->streaming()) a.resp->EndEvents(false);
+      a.resp.reset();
+      if (a.loading && !a.load_done && !a.load_failed) (void)connector_->Abort(a.id);
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (absl::Now() < deadline && connector_->LiveRequests() > 0) {
+      PollConnector();
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    active_.clear();
+    held_.clear();
+  }
+
+  void PollConnector() {
+    kvwire::FinishedRequests f = connector_->GetFinished();
+    for (const std::string& id : f.finished_sending) {
+      auto it = held_.find(id);
+      if (it == held_.end()) continue;
+      cache_->Free(it->second);
+      held_.erase(it);
+    }
+    for (const std::string& id : f.finished_recving) {
+      auto it = active_.find(id);
+      if (it == active_.end()) continue;
+      it->second.load_done = true;
+      it->second.load_end = absl::Now();
+    }
+    for (const kvwire::FailedLoad& fl : f.failed_loads) {
+      auto it = active_.find(fl.request_id);
+      if (it == active_.end()) continue;
+      it->second.load_failed = true;
+      it->second.load_error = fl.reason;
+      it->second.load_end = absl::Now();
+    }
+  }
+
+  std::string NewId() { return absl::StrCat("cmpl-", getpid(), "-", ++seq_); }
+
+  void Admit(Job& job) {
+    switch (job.kind) {
+      case Job::Kind::kAbort: {
+        auto p = prepared_.find(job.transfer_id);
+        if (p == prepared_.end()) {
+          job.resp->Error(404,
+                          absl::StrCat("no prepared request with transfer_id ", job.transfer_id));
+          return;
+        }
+        Active& a = active_.at(p->second);
+        prepared_.erase(p);
+        Cancel(a, "aborted by the router");
+        job.resp->Respond(200, json{{"aborted", true}}.dump());
+        return;
+      }
+      case Job::Kind::kPrepare:
+        Prepare(job);
+        return;
+      case Job::Kind::kCompletion:
+        break;
+    }
+    const json& p = job.req.kv_transfer_params;
+    if (p.is_object() && p.value("do_remote_decode", false) == true) {
+      RunPrefill(job);
+    } else if (p.is_object() && p.value("do_remote_prefill", false) == true) {
+      StartDecode(job);
+    } else {
+      StartLocal(job);
+    }
+  }
+
+  // --- prefill ------------------------------------------------------------------------------
+
+  void RunPrefill(Job& job) {
+    struct Busy {  // /health shows a prefill in progress
+      explicit Busy(std::atomic<int>& n) : n_(n) { ++n_; }
+      ~Busy() { --n_; }
+      std::atomic<int>& n_;
+    } busy(prefilling_);
+    CompletionRequest& req = job.req;
+    const std::vector<int32_t> tokens = Encode(req.prompt);
+    const uint64_t n = tokens.size();
+    json kvp = req.kv_transfer_params;
+    std::string mode = kvp.value("mode", "auto");
+    if (mode == "auto") mode = options_.mode == "write" ? "write" : "read";
+    kvp["mode"] = mode;
+    kvp["do_remote_decode"] = true;
+    const bool write = mode == "write";
+    if (mode != "read" && mode != "write") {
+      return Fail(job.resp, 400, absl::StrCat("kv_transfer_params.mode '", mode, "' is unknown"));
+    }
+    if (write && (!kvp.contains("transfer_id") || !kvp["transfer_id"].is_string())) {
+      return Fail(job.resp, 400, "write mode needs kv_transfer_params.transfer_id");
+    }
+    const std::string id = NewId();
+    absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(n);
+    if (!blocks.ok()) {
+      return Fail(job.resp, 503, absl::StrCat("out of KV blocks: ", blocks.status().message()));
+    }
+    const std::string params = Dump(kvp);
+    if (write) {
+      absl::StatusOr<kvwire::MatchResult> m = connector_->GetNumNewMatchedTokens(id, n, 0, params);
+      absl::Status s = m.status();
+      if (s.ok()) s = connector_->UpdateStateAfterAlloc(id, *blocks, 0);
+      if (s.ok()) s = connector_->BindConnectorMeta(connector_->BuildConnectorMeta());
+      if (!s.ok()) {
+        Release(id, *blocks, n, params);
+        return Fail(job.resp, absl::IsFailedPrecondition(s) ? 409 : 400, std::string(s.message()));
+      }
+    }
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<float>> logits =
+        model_->Forward(*cache_, *blocks, tokens, 0, [&](int layer) {
+          if (write) (void)connector_->SaveKvLayer(layer);
+          Delay();
+        });
+    const absl::Time computed = absl::Now();
+    if (!logits.ok()) {
+      Release(id, *blocks, n, write ? params : "", /*aborted=*/true);
+      return Fail(job.resp, 500, absl::StrCat("prefill failed: ", logits.status().message()));
+    }
+    if (write) (void)connector_->WaitForSave();
+    const int32_t first = SampleToken(*logits, req.temperature, req.seed, 0);
+    absl::StatusOr<kvwire::RequestFinishedResult> rf =
+        connector_->RequestFinished(id, *blocks, n, params);
+    if (!rf.ok()) {
+      cache_->Free(*blocks);
+      return Fail(job.resp, absl::IsFailedPrecondition(rf.status()) ? 409 : 500,
+                  std::string(rf.status().message()));
+    }
+    if (rf->delay_free) {
+      held_[id] = std::move(*blocks);
+    } else {
+      cache_->Free(*blocks);
+    }
+    const double prefill_ms = Ms(computed - start);
+    prefill_us_ += static_cast<uint64_t>(prefill_ms * 1000);
+    prompt_tokens_ += n;
+    generated_tokens_ += 1;
+    ++requests_ok_;
+    json out = CompletionJson(id, config_.name, Decode(std::vector<int32_t>{first}), {first},
+                              first == kEosToken ? "stop" : "length");
+    out["usage"] = {{"prompt_tokens", n}, {"completion_tokens", 1}, {"total_tokens", n + 1}};
+    if (write) {
+      out["kv_transfer_params"] = kvp;
+    } else {
+      out["kv_transfer_params"] = json::parse(rf->kv_transfer_params, nullptr, false);
+    }
+    out["kvwire"] = {{"role", "prefill"},
+                     {"engine_id", connector_->engine_id()},
+                     {"mode", mode},
+                     {"prompt_tokens", n},
+                     {"prefill_ms", prefill_ms},
+                     {"prefill_tokens_per_s", n / std::max(1e-9, prefill_ms / 1e3)},
+                     {"queue_ms", Ms(start - job.arrived)},
+                     {"computed_unix_us", absl::ToUnixMicros(computed)}};
+    job.resp->Respond(200, Dump(out));
+  }
+
+  // A failed prefill request: tells the connector and gives the blocks back (now, or when
+  // the connector reports that nothing touches them any more).
+  void Release(const std::string& id, kvwire::BlockTable& blocks, uint64_t n,
+               const std::string& params, bool aborted = true) {
+    absl::StatusOr<kvwire::RequestFinishedResult> rf =
+        connector_->RequestFinished(id, blocks, n, params, aborted);
+    if (rf.ok() && rf->delay_free) {
+      held_[id] = std::move(blocks);
+    } else {
+      cache_->Free(blocks);
+    }
+  }
+
+  void Fail(const std::shared_ptr<Responder>& resp, int status, const std::string& message) {
+    ++requests_error_;
+    KVW_LOG(kInfo, kLog) << "request failed" << Kv("status", status) << Kv("error", message);
+    if (!resp) return;
+    if (resp->streaming()) {
+      resp->Event(ErrorJson(status, message));
+      resp->EndEvents(false);
+    } else {
+      resp->Error(status, message);
+    }
+  }
+
+  // --- decode -------------------------------------------------------------------------------
+
+  // Allocates and starts the load of a remote-prefill request; false (answered) on error.
+  bool StartLoad(Active& a, const std::shared_ptr<Responder>& resp) {
+    json kvp = a.req.kv_transfer_params;
+    const uint64_t n = a.prompt.size();
+    if (!kvp.contains("num_tokens") || kvp["num_tokens"] == 0) kvp["num_tokens"] = n;
+    if (!kvp["num_tokens"].is_number_unsigned() || kvp["num_tokens"].get<uint64_t>() != n) {
+      Fail(resp, 400,
+           absl::StrCat("kv_transfer_params.num_tokens ", kvp["num_tokens"].dump(),
+                        " does not match the prompt's ", n, " tokens"));
+      return false;
+    }
+    a.transfer_id = kvp.value("transfer_id", "");
+    a.peer = absl::StrCat(kvp.value("remote_host", ""), ":", kvp.value("remote_port", 0));
+    absl::StatusOr<kvwire::MatchResult> m =
+        connector_->GetNumNewMatchedTokens(a.id, n, 0, Dump(kvp));
+    if (!m.ok()) {
+      Fail(resp, 400, std::string(m.status().message()));
+      return false;
+    }
+    absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(n);
+    if (!blocks.ok()) {
+      (void)connector_->RequestFinished(a.id, {}, n, "", /*aborted=*/true);
+      Fail(resp, 503, absl::StrCat("out of KV blocks: ", blocks.status().message()));
+      return false;
+    }
+    a.blocks = std::move(*blocks);
+    absl::Status s = connector_->UpdateStateAfterAlloc(a.id, a.blocks, m->num_external_tokens);
+    if (s.ok()) s = connector_->BindConnectorMeta(connector_->BuildConnectorMeta());
+    if (!s.ok()) {
+      (void)connector_->RequestFinished(a.id, a.blocks, n, "", /*aborted=*/true);
+      cache_->Free(a.blocks);
+      Fail(resp, 500, std::string(s.message()));
+      return false;
+    }
+    a.loading = true;
+    a.remote = true;
+    a.load_start = absl::Now();
+    // Connects (first request to this prefill) and issues the READs or the write request.
+    (void)connector_->StartLoadKv();
+    return true;
+  }
+
+  void Prepare(Job& job) {
+    const std::string tid = job.req.kv_transfer_params["transfer_id"].get<std::string>();
+    if (prepared_.count(tid) != 0) {
+      return Fail(job.resp, 409, absl::StrCat("transfer_id ", tid, " is already prepared"));
+    }
+    Active a;
+    a.id = NewId();
+    a.req = job.req;
+    a.prompt = Encode(job.req.prompt);
+    a.arrived = job.arrived;
+    a.deadline = absl::Now() + options_.request_timeout;
+    if (!StartLoad(a, job.resp)) return;
+    prepared_[tid] = a.id;
+    json out = {{"request_id", a.id}, {"transfer_id", tid}, {"num_tokens", a.prompt.size()}};
+    const std::string id = a.id;
+    active_.emplace(id, std::move(a));
+    job.resp->Respond(200, out.dump());
+  }
+
+  void StartDecode(Job& job) {
+    const json& kvp = job.req.kv_transfer_params;
+    const std::string tid = kvp.value("transfer_id", "");
+    auto p = kvp.value("mode", "") == "write" ? prepared_.find(tid) : prepared_.end();
+    if (p != prepared_.end()) {
+      // Claims the prepared request: its load may be done already.
+      Active& a = active_.at(p->second);
+      prepared_.erase(p);
+      if (Encode(job.req.prompt) != a.prompt) {
+        Cancel(a, "prompt differs from the prepared one");
+        return Fail(job.resp, 400, "prompt differs from the one prepared for this transfer_id");
+      }
+      a.req = job.req;
+      a.resp = job.resp;
+      a.claimed = absl::Now();
+      a.deadline = a.claimed + options_.request_timeout;
+      return;
+    }
+    Active a;
+    a.id = NewId();
+    a.req = job.req;
+    a.resp = job.resp;
+    a.prompt = Encode(job.req.prompt);
+    a.arrived = a.claimed = job.arrived;
+    a.deadline = absl::Now() + options_.request_timeout;
+    if (!StartLoad(a, a.resp)) return;
+    const std::string id = a.id;
+    active_.emplace(id, std::move(a));
+  }
+
+  // Ends a request early. Loads in flight are aborted first: their blocks go back when the
+  // connector reports the load (Advance frees them then).
+  void Cancel(Active& a, const std::string& why) {
+    KVW_LOG(kInfo, kLog) << "request cancelled" << Kv("request", a.id) << Kv("why", why);
+    if (a.resp && !a.resp->answered()) Fail(a.resp, 499, why);
+    a.resp.reset();
+    if (a.loading && !a.load_done && !a.load_failed) {
+      (void)connector_->Abort(a.id);
+      a.aborting = true;
+      return;
+    }
+    Finish(a);
+  }
+
+  // Gives the blocks back and forgets the request (the loop erases it).
+  void Finish(Active& a) {
+    if (a.remote) (void)connector_->RequestFinished(a.id, a.blocks, a.prompt.size(), "");
+    cache_->Free(a.blocks);
+    a.blocks.clear();
+    if (!a.transfer_id.empty()) {
+      auto p = prepared_.find(a.transfer_id);
+      if (p != prepared_.end() && p->second == a.id) prepared_.erase(p);
+    }
+    a.id.clear();
+  }
+
+  // One step of an active request; true when it did work.
+  bool Advance(Active& a) {
+    const absl::Time now = absl::Now();
+    if (a.id.empty()) return false;  // finished earlier in this iteration
+    if (a.aborting) {
+      if (a.load_done || a.load_failed) Finish(a);
+      return false;
+    }
+    if (a.resp && a.resp->closed()) {
+      Cancel(a, "the client went away");
+      return true;
+    }
+    if (a.loading) {
+      if (a.load_failed) {
+        load_wait_us_ += static_cast<uint64_t>(Ms(a.load_end - a.load_start) * 1000);
+        Fail(a.resp, 502, absl::StrCat("KV load from prefill ", a.peer, " failed: ", a.load_error));
+        a.resp.reset();
+        Finish(a);
+        return true;
+      }
+      if (now > a.deadline) {
+        Cancel(a, a.resp ? "KV load did not finish before the deadline"
+                         : "prepared request was never claimed");
+        return true;
+      }
+      if (!a.load_done || !a.resp) return false;
+      a.loading = false;
+      Loaded(a);
+      return true;
+    }
+    if (now > a.deadline) {
+      Fail(a.resp, 504, "generation did not finish before the deadline");
+      a.resp.reset();
+      Finish(a);
+      return true;
+    }
+    Step(a);
+    return true;
+  }
+
+  // Decode: the KV is in place; the first token (prefill's) goes out.
+  void Loaded(Active& a) {
+    const absl::Time waited_from = std::max(a.claimed, a.load_start);
+    const double wait_ms = a.load_end > waited_from ? Ms(a.load_end - waited_from) : 0.0;
+    load_wait_us_ += static_cast<uint64_t>(wait_ms * 1000);
+    a.transfer = TransferStats(a);
+    a.transfer["load_wait_ms"] = wait_ms;
+    if (options_.corrupt_kv_page) a.corrupted = CorruptOnePage(a);
+    a.decode_start = absl::Now();
+    Emit(a, *a.req.first_token);
+  }
+
+  json TransferStats(const Active& a) const {
+    json out = {{"request_id", a.id}, {"transfer_id", a.transfer_id}, {"peer", a.peer}};
+    json stats = json::parse(connector_->StatsJson(), nullptr, false);
+    if (!stats.is_discarded() && stats.contains("requests")) {
+      for (const json& r : stats["requests"]) {
+        if (r.value("request_id", "") != a.id) continue;
+        uint64_t bytes = 0, pages = 0, ops = 0;
+        for (const auto& [g, c] : r["groups"].items()) {
+          bytes += c.value("bytes", uint64_t{0});
+          pages += c.value("ops_before_merge", uint64_t{0});
+          ops += c.value("ops", uint64_t{0});
+        }
+        const double first = r.value("first_byte_us", -1.0), last = r.value("last_byte_us", -1.0);
+        const double ms = first >= 0 && last >= first ? (last - first) / 1e3 : 0.0;
+        out["mode"] = r.value("mode", "");
+        out["bytes"] = bytes;
+        out["pages"] = pages;
+        out["ops"] = ops;
+        out["transfer_ms"] = ms;
+        out["gbps"] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0.0;
+      }
+    }
+    for (const kvwire::PeerInfo& p : connector_->engine().Peers()) {
+      if (p.address == a.peer && p.alive) out["transport"] = p.transport;
+    }
+    return out;
+  }
+
+  // Fault injection: flips the sign of every fp8 NoPE value of the most recent SWA page of
+  // the first layer (in the window, so the next token attends to it).
+  bool CorruptOnePage(const Active& a) {
+    const kvwire::CacheGroup* g = cache_->layout().FindGroup("swa_kv");
+    if (g == nullptr || g->layers.empty()) return false;
+    const auto it = a.blocks.find("swa_kv");
+    const uint64_t logical = (a.prompt.size() - 1) / g->tokens_per_block;
+    if (it == a.blocks.end() || logical >= it->second.size()) return false;
+    uint8_t* page = cache_->Page("swa_kv", g->layers[0], it->second[logical]);
+    if (page == nullptr) return false;
+    const uint64_t entries = g->entries_per_block();
+    for (uint64_t e = 0; e < entries; ++e) {
+      for (uint64_t b = 0; b < 448; ++b) page[e * 576 + b] ^= 0x80;
+    }
+    KVW_LOG(kWarning, kLog) << "fault injection: corrupted a received KV page"
+                            << Kv("request", a.id) << Kv("layer", g->layers[0])
+                            << Kv("block", it->second[logical]);
+    return true;
+  }
+
+  // --- local generation ---------------------------------------------------------------------
+
+  void StartLocal(Job& job) {
+    Active a;
+    a.id = NewId();
+    a.req = job.req;
+    a.resp = job.resp;
+    a.prompt = Encode(job.req.prompt);
+    a.arrived = a.claimed = job.arrived;
+    a.deadline = absl::Now() + options_.request_timeout;
+    absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(a.prompt.size());
+    if (!blocks.ok()) {
+      return Fail(job.resp, 503, absl::StrCat("out of KV blocks: ", blocks.status().message()));
+    }
+    a.blocks = std::move(*blocks);
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<float>> logits =
+        model_->Forward(*cache_, a.blocks, a.prompt, 0, [&](int) { Delay(); });
+    if (!logits.ok()) {
+      cache_->Free(a.blocks);
+      return Fail(job.resp, 500, absl::StrCat("prefill failed: ", logits.status().message()));
+    }
+    a.prefill_ms = Ms(absl::Now() - start);
+    prefill_us_ += static_cast<uint64_t>(a.prefill_ms * 1000);
+    a.decode_start = absl::Now();
+    const std::string id = a.id;
+    Active& in = active_.emplace(id, std::move(a)).first->second;
+    Emit(in, SampleToken(*logits, in.req.temperature, in.req.seed, 0));
+  }
+
+  // --- generation ---------------------------------------------------------------------------
+
+  void Step(Active& a) {
+    const int32_t last = a.out.back();
+    const uint64_t pos = a.prompt.size() + a.out.size() - 1;
+    if (absl::Status s = cache_->Grow(a.blocks, pos + 1); !s.ok()) {
+      Fail(a.resp, 503, absl::StrCat("out of KV blocks: ", s.message()));
+      a.resp.reset();
+      return Finish(a);
+    }
+    absl::StatusOr<std::vector<float>> logits =
+        model_->Forward(*cache_, a.blocks, std::span<const int32_t>(&last, 1), pos);
+    if (!logits.ok()) {
+      Fail(a.resp, 500, absl::StrCat("decode failed: ", logits.status().message()));
+      a.resp.reset();
+      return Finish(a);
+    }
+    Delay();
+    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, a.out.size()));
+  }
+
+  // Appends a token, streams it, and completes the request at max_tokens or EOS.
+  void Emit(Active& a, int32_t token) {
+    a.out.push_back(token);
+    ++generated_tokens_;
+    const bool eos = token == kEosToken;
+    const bool done = eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
+    if (a.req.stream) {
+      if (!a.resp->streaming()) a.resp->StartEvents();
+      a.resp->Event(Dump(CompletionJson(a.id, config_.name, Decode(std::vector<int32_t>{token}),
+                                        {token}, nullptr)));
+    }
+    if (!done) return;
+    const double decode_ms = Ms(absl::Now() - a.decode_start);
+    decode_us_ += static_cast<uint64_t>(decode_ms * 1000);
+    prompt_tokens_ += a.remote ? 0 : a.prompt.size();
+    ++requests_ok_;
+    json stats = {{"role", a.remote ? "decode" : "local"},
+                  {"engine_id", connector_->engine_id()},
+                  {"decode_ms", decode_ms},
+                  {"decode_tokens", a.out.size() - 1},
+                  {"decode_tokens_per_s",
+                   a.out.size() > 1 ? (a.out.size() - 1) / std::max(1e-9, decode_ms / 1e3) : 0.0}};
+    if (a.remote) {
+      stats["transfer"] = a.transfer;
+      stats["corrupted_page"] = a.corrupted;
+      if (!a.req.prefill_stats.is_null()) stats["prefill"] = a.req.prefill_stats;
+    } else {
+      stats["prefill_ms"] = a.prefill_ms;
+    }
+    const uint64_t n = a.prompt.size();
+    const json usage = {{"prompt_tokens", n},
+                        {"completion_tokens", a.out.size()},
+                        {"total_tokens", n + a.out.size()}};
+    const char* reason = eos ? "stop" : "length";
+    if (a.req.stream) {
+      json last = CompletionJson(a.id, config_.name, "", {}, reason);
+      last["usage"] = usage;
+      last["kvwire"] = stats;
+      a.resp->Event(Dump(last));
+      a.resp->EndEvents(true);
+    } else {
+      json out = CompletionJson(a.id, config_.name, Decode(a.out), a.out, reason);
+      out["usage"] = usage;
+      out["kvwire"] = stats;
+      a.resp->Respond(200, Dump(out));
+    }
+    a.resp.reset();
+    Finish(a);
+  }
+
+  void Delay() {
+    if (options_.inject_delay_ms > 0) absl::SleepFor(absl::Milliseconds(options_.inject_delay_ms));
+  }
+
+  const ModelServerOptions options_;
+  Config config_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<kvwire::Connector> connector_;
+  std::unique_ptr<HttpServer> http_;
+  std::thread worker_;
+
+  kvwire::Mutex mu_;
+  kvwire::CondVar cv_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+
+  // Worker thread only.
+  std::map<std::string, Active> active_;
+  std::map<std::string, std::string> prepared_;     // transfer id -> request id
+  std::map<std::string, kvwire::BlockTable> held_;  // prefill: until finished_sending
+  uint64_t seq_ = 0;
+
+  std::atomic<int> active_count_{0}, held_count_{0}, prefilling_{0};
+  std::atomic<uint64_t> requests_ok_{0}, requests_error_{0}, prompt_tokens_{0},
+      generated_tokens_{0}, prefill_us_{0}, decode_us_{0}, load_wait_us_{0};
+};
+
+absl::StatusOr<std::unique_ptr<ModelServer>> ModelServer::Start(const ModelServerOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  if (absl::Status s = impl->Init(); !s.ok()) return s;
+  return std::unique_ptr<ModelServer>(new ModelServer(std::move(impl)));
+}
+
+ModelServer::ModelServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ModelServer::~ModelServer() = default;
+int ModelServer::port() const { return impl_->port(); }
+std::string ModelServer::kv_address() const { return impl_->kv_address(); }
+
+}  // namespace dsv4::serve

@@ -1,0 +1,74 @@
+// `kvwire-dsv4 serve`: one model instance behind the HTTP API, in the role of a prefill, a
+// decode, or a whole ("both") server, with its paged KV cache registered with a
+// kvwire::Connector.
+//
+// One worker thread owns the model, the cache's allocations and the connector's scheduler
+// and worker calls (like vLLM's engine core); the HTTP thread only queues jobs and reads
+// counters. Requests interleave one token at a time.
+//
+//   prefill (kv_transfer_params.do_remote_decode): runs the prompt, samples the first token;
+//     read: RequestFinished returns the kv_transfer_params for decode and the blocks stay
+//     held until decode's release (GetFinished: finished_sending) or the lease ends;
+//     write: SaveKvLayer from Forward's per-layer callback streams each layer to the decode
+//     blocks named through the connector.
+//   decode (kv_transfer_params.do_remote_prefill + first_token): allocates, loads the KV
+//     through the connector, then continues at position N from the first token — the same
+//     sequence as `generate` in one process.
+//   POST /v1/kv/prepare (decode, write mode): allocate and announce the blocks to prefill
+//     before prefill runs, so layers stream while the next one computes;
+//   POST /v1/kv/abort: give a prepared request's blocks back.
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace dsv4::serve {
+
+struct ModelServerOptions {
+  std::string role = "both";  // prefill | decode | both
+  std::string config_path;
+  std::string weights_path;
+  std::string host = "127.0.0.1";
+  int port = 0;
+  std::string kv_host = "127.0.0.1";
+  int kv_port = 0;
+  std::string transport = "auto";  // auto | tcp | shm
+  std::string mode = "auto";       // read | write | auto
+  uint64_t num_blocks = 0;         // per paged group; 0: max_seq_len tokens x max_requests
+  uint64_t max_requests = 4;
+  uint64_t allocation_seed = 0;  // 0: by role (prefill and decode differ)
+  int threads = 0;
+  absl::Duration request_timeout = absl::Seconds(60);
+  absl::Duration peer_lease = absl::Seconds(5);
+  // Fault injection (tests): corrupt one received KV page after each load.
+  bool corrupt_kv_page = false;
+  // Test hook: sleep this long after every layer of a prefill and every decode step, so a
+  // test can kill a server while a request is surely in flight.
+  int inject_delay_ms = 0;
+  std::string name;
+};
+
+class ModelServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModelServer>> Start(const ModelServerOptions& options);
+  ~ModelServer();
+  ModelServer(const ModelServer&) = delete;
+  ModelServer& operator=(const ModelServer&) = delete;
+
+  int port() const;
+  std::string kv_address() const;
+
+  class Impl;
+
+ private:
+  explicit ModelServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_H_

@@ -1,0 +1,56 @@
+// Child processes for the demo and the end-to-end tests: output to a log file, killed with
+// the parent (PR_SET_PDEATHSIG) so that nothing is left behind even when the parent dies, and
+// stopped (SIGTERM, then SIGKILL after a grace period) when the handle goes away. Servers
+// report readiness through a "ready file" they write atomically once they listen.
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_PROCESS_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace dsv4::serve {
+
+class Process {
+ public:
+  static absl::StatusOr<std::unique_ptr<Process>> Start(const std::string& path,
+                                                        const std::vector<std::string>& args,
+                                                        const std::string& log_path);
+  Process() = default;
+  ~Process();
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  const std::string& log_path() const { return log_path_; }
+  // True while the child has not exited.
+  bool Running();
+  // Sends `signal` and reaps the child (SIGKILL: at once; else SIGKILL after `grace`).
+  void Stop(int signal, absl::Duration grace = absl::Seconds(10));
+  // Waits for the child to exit by itself; its exit code, or DeadlineExceeded.
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  // The tail of the log (for test failure messages).
+  std::string LogTail(size_t bytes = 4000) const;
+
+ private:
+  pid_t pid_ = -1;
+  int exit_code_ = -1;
+  std::string log_path_;
+};
+
+// Writes `j` to `path` atomically (temporary file + rename).
+absl::Status WriteReadyFile(const std::string& path, const nlohmann::json& j);
+// Waits until `path` exists and parses; fails early when `process` exits.
+absl::StatusOr<nlohmann::json> WaitForReadyFile(const std::string& path, Process& process,
+                                                absl::Duration timeout);
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_PROCESS_H_

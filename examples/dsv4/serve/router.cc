@@ -1,0 +1,428 @@
+#include "examples/dsv4/serve/router.h"
+
+#include <atomic>
+#include <list>
+#include <map>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/completion_api.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/http_server.h"
+#include "src/util/log.h"
+#include "src/util/mutex.h"
+
+namespace dsv4::serve {
+
+using kvwire::Kv;
+using nlohmann::json;
+
+namespace {
+
+constexpr char kLog[] = "router";
+
+// An error the client gets: HTTP status and message.
+struct Failure {
+  int status = 502;
+  std::string message;
+};
+
+int StatusFor(const absl::Status& s) {
+  if (absl::IsDeadlineExceeded(s)) return 504;
+  if (absl::IsUnavailable(s)) return 503;
+  return 502;
+}
+
+std::string UpstreamMessage(const HttpResponse& r) {
+  json j = json::parse(r.body, nullptr, false);
+  if (!j.is_discarded() && j.is_object() && j.contains("error") && j["error"].is_object()) {
+    return j["error"].value("message", r.body);
+  }
+  return r.body.substr(0, 300);
+}
+
+}  // namespace
+
+class Router::Impl {
+ public:
+  explicit Impl(RouterOptions options) : options_(std::move(options)) {}
+
+  absl::Status Start() {
+    if (options_.prefill.empty() || options_.decode.empty()) {
+      return absl::InvalidArgumentError("router needs at least one --prefill and one --decode");
+    }
+    if (options_.mode != "read" && options_.mode != "write") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("router --mode must be read or write, not '", options_.mode, "'"));
+    }
+    for (const auto* list : {&options_.prefill, &options_.decode}) {
+      for (const std::string& a : *list) {
+        std::string host;
+        int port = 0;
+        if (!SplitHostPort(a, &host, &port)) {
+          return absl::InvalidArgumentError(absl::StrCat("'", a, "' is not host:port"));
+        }
+      }
+    }
+    HttpServerOptions so;
+    so.host = options_.host;
+    so.port = options_.port;
+    absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(
+        so, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
+    if (!server.ok()) return server.status();
+    server_ = std::move(*server);
+    return absl::OkStatus();
+  }
+
+  ~Impl() {
+    {
+      kvwire::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    // Request threads end by their deadlines (streams stop at once when stopping_).
+    std::list<Worker> workers;
+    {
+      kvwire::MutexLock lock(&mu_);
+      workers.swap(workers_);
+    }
+    for (Worker& w : workers) w.thread.join();
+    server_.reset();
+  }
+
+  int port() const { return server_->port(); }
+
+ private:
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+
+  void Handle(const HttpRequest& r, std::shared_ptr<Responder> resp) {
+    const std::string path = r.target.substr(0, r.target.find('?'));
+    if (r.method == "GET" && path == "/health") {
+      json j = {{"status", "ok"},
+                {"role", "router"},
+                {"mode", options_.mode},
+                {"prefill", options_.prefill},
+                {"decode", options_.decode},
+                {"inflight", inflight_.load()}};
+      resp->Respond(200, j.dump());
+      return;
+    }
+    if (r.method == "GET" && path == "/metrics") {
+      std::string m = "# TYPE kvwire_dsv4_router_requests_total counter\n";
+      absl::StrAppend(&m, "kvwire_dsv4_router_requests_total{outcome=\"ok\"} ", ok_.load(), "\n",
+                      "kvwire_dsv4_router_requests_total{outcome=\"error\"} ", errors_.load(), "\n",
+                      "# TYPE kvwire_dsv4_router_inflight gauge\n", "kvwire_dsv4_router_inflight ",
+                      inflight_.load(), "\n");
+      resp->Respond(200, m, "text/plain; version=0.0.4");
+      return;
+    }
+    if (path != "/v1/completions") {
+      resp->Error(404, absl::StrCat("no route for ", r.method, " ", path));
+      return;
+    }
+    if (r.method != "POST") {
+      resp->Error(405, "use POST for /v1/completions");
+      return;
+    }
+    json body = json::parse(r.body, nullptr, false);
+    if (body.is_discarded() || !body.is_object()) {
+      resp->Error(400, "request body must be a JSON object");
+      return;
+    }
+    kvwire::MutexLock lock(&mu_);
+    if (stopping_) {
+      resp->Error(503, "router is shutting down");
+      return;
+    }
+    if (inflight_.load() >= options_.max_inflight) {
+      resp->Error(503, absl::StrCat("too many requests in flight (", options_.max_inflight, ")"));
+      return;
+    }
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = workers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    ++inflight_;
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    workers_.push_back(
+        {std::thread([this, body = std::move(body), resp = std::move(resp), done]() mutable {
+           Proxy(std::move(body), resp);
+           resp.reset();  // the answer is queued before the thread counts as done
+           --inflight_;
+           done->store(true);
+         }),
+         done});
+  }
+
+  bool Stopping() {
+    kvwire::MutexLock lock(&mu_);
+    return stopping_;
+  }
+
+  // Tries the servers of one kind in round-robin order until one can be reached; `call`
+  // returns Unavailable when its server could not be reached (nothing was sent).
+  template <typename Fn>
+  absl::StatusOr<HttpResponse> TryEach(const std::vector<std::string>& servers,
+                                       std::atomic<uint64_t>& next, Fn call, std::string* chosen) {
+    const uint64_t start = next.fetch_add(1);
+    absl::Status last;
+    for (size_t i = 0; i < servers.size(); ++i) {
+      const std::string& s = servers[(start + i) % servers.size()];
+      absl::StatusOr<HttpResponse> r = call(s);
+      if (r.ok() || !absl::IsUnavailable(r.status())) {
+        *chosen = s;
+        return r;
+      }
+      KVW_LOG(kWarning, kLog) << "server unreachable, trying the next" << Kv("server", s)
+                              << Kv("error", r.status().message());
+      last = r.status();
+    }
+    return absl::UnavailableError(absl::StrCat("no server reachable (", last.message(), ")"));
+  }
+
+  // The prefill server's connector address (its /health), cached.
+  absl::StatusOr<std::string> KvAddress(const std::string& server, absl::Time deadline) {
+    {
+      kvwire::MutexLock lock(&mu_);
+      auto it = kv_address_.find(server);
+      if (it != kv_address_.end()) return it->second;
+    }
+    HttpCallOptions o;
+    o.deadline = std::min(deadline, absl::Now() + absl::Seconds(10));
+    absl::StatusOr<HttpResponse> r = HttpCall(server, "GET", "/health", "", o);
+    if (!r.ok()) return r.status();
+    json j = json::parse(r->body, nullptr, false);
+    if (r->status != 200 || j.is_discarded() || !j.is_object() || !j.contains("kv_address") ||
+        !j["kv_address"].is_string()) {
+      return absl::AbortedError(absl::StrCat("prefill ", server, " /health has no kv_address"));
+    }
+    kvwire::MutexLock lock(&mu_);
+    kv_address_[server] = j["kv_address"].get<std::string>();
+    return kv_address_[server];
+  }
+
+  void ForgetKvAddress(const std::string& server) {
+    kvwire::MutexLock lock(&mu_);
+    kv_address_.erase(server);
+  }
+
+  void Proxy(json body, const std::shared_ptr<Responder>& resp) {
+    const absl::Time deadline = absl::Now() + options_.timeout;
+    const bool stream = body.value("stream", false) == true;
+    const bool write = options_.mode == "write";
+    const std::string tid = absl::StrCat("rt-", options_.port, "-", getpid(), "-",
+                                         seq_.fetch_add(1), "-", absl::ToUnixMicros(absl::Now()));
+    std::optional<Failure> failure;
+    std::string prefill_server, decode_server;
+    json decode_params;
+
+    // --- write mode: decode prepares first (allocates and sends its block ids to prefill
+    // through the connector), so prefill can push each layer as soon as it is computed ---
+    json prefill_out;
+    auto prefill_body = [&](bool write_mode) {
+      json pb = body;
+      pb["max_tokens"] = 1;
+      pb["stream"] = false;
+      pb.erase("first_token");
+      pb["kv_transfer_params"] =
+          write_mode ? json{{"do_remote_decode", true}, {"mode", "write"}, {"transfer_id", tid}}
+                     : json{{"do_remote_decode", true}, {"mode", "read"}};
+      return pb.dump();
+    };
+    // Checks prefill's answer: the first token and (read) the kv_transfer_params.
+    auto take_prefill = [&](const absl::StatusOr<HttpResponse>& r) {
+      if (!r.ok()) {
+        failure = Failure{StatusFor(r.status()),
+                          prefill_server.empty() ? absl::StrCat("prefill: ", r.status().message())
+                                                 : absl::StrCat("prefill server ", prefill_server,
+                                                                " failed: ", r.status().message())};
+        return;
+      }
+      if (r->status != 200) {
+        failure = Failure{r->status >= 500 ? 502 : r->status,
+                          absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r))};
+        return;
+      }
+      prefill_out = json::parse(r->body, nullptr, false);
+      if (prefill_out.is_discarded() || !prefill_out.contains("choices") ||
+          !prefill_out["choices"].is_array() || prefill_out["choices"].empty() ||
+          !prefill_out["choices"][0].contains("token_ids") ||
+          prefill_out["choices"][0]["token_ids"].empty()) {
+        failure =
+            Failure{502, absl::StrCat("prefill ", prefill_server, " answered without a token")};
+      } else if (!write) {
+        if (!prefill_out.contains("kv_transfer_params") ||
+            !prefill_out["kv_transfer_params"].is_object()) {
+          failure = Failure{502, absl::StrCat("prefill ", prefill_server,
+                                              " answered without kv_transfer_params")};
+        } else {
+          decode_params = prefill_out["kv_transfer_params"];
+        }
+      }
+    };
+    HttpCallOptions call_options;
+    call_options.deadline = deadline;
+    if (write) {
+      // Each prefill server at most once: one that cannot be reached is skipped.
+      const uint64_t start = next_prefill_.fetch_add(1);
+      failure = Failure{503, "no prefill server reachable"};
+      for (size_t i = 0; i < options_.prefill.size(); ++i) {
+        prefill_server = options_.prefill[(start + i) % options_.prefill.size()];
+        absl::StatusOr<std::string> kv = KvAddress(prefill_server, deadline);
+        if (!kv.ok()) {
+          failure = Failure{StatusFor(kv.status()), absl::StrCat("prefill server ", prefill_server,
+                                                                 ": ", kv.status().message())};
+          if (absl::IsUnavailable(kv.status())) continue;
+          break;
+        }
+        std::string host;
+        int port = 0;
+        SplitHostPort(*kv, &host, &port);
+        decode_params = {{"do_remote_prefill", true},
+                         {"mode", "write"},
+                         {"remote_host", host},
+                         {"remote_port", port},
+                         {"transfer_id", tid}};
+        const std::string prep_body = json{
+            {"prompt", body.value("prompt", json())},
+            {"kv_transfer_params",
+             decode_params}}.dump();
+        absl::StatusOr<HttpResponse> prep = TryEach(
+            options_.decode, next_decode_,
+            [&](const std::string& d) {
+              return HttpCall(d, "POST", "/v1/kv/prepare", prep_body, call_options);
+            },
+            &decode_server);
+        if (!prep.ok()) {
+          failure = Failure{StatusFor(prep.status()),
+                            absl::StrCat("decode prepare failed: ", prep.status().message())};
+          break;
+        }
+        if (prep->status != 200) {
+          failure = Failure{prep->status >= 500 ? 502 : prep->status,
+                            absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(*prep))};
+          break;
+        }
+        failure.reset();
+        absl::StatusOr<HttpResponse> r =
+            HttpCall(prefill_server, "POST", "/v1/completions", prefill_body(true), call_options);
+        take_prefill(r);
+        if (failure) {
+          // Let decode give its blocks back now rather than at its deadline.
+          HttpCallOptions o;
+          o.deadline = absl::Now() + absl::Seconds(5);
+          (void)HttpCall(decode_server, "POST", "/v1/kv/abort", json{{"transfer_id", tid}}.dump(),
+                         o);
+          if (!r.ok()) ForgetKvAddress(prefill_server);
+          if (!r.ok() && absl::IsUnavailable(r.status())) continue;  // gone: try the next
+        }
+        break;
+      }
+    } else {
+      const std::string pb = prefill_body(false);
+      take_prefill(TryEach(
+          options_.prefill, next_prefill_,
+          [&](const std::string& p) {
+            return HttpCall(p, "POST", "/v1/completions", pb, call_options);
+          },
+          &prefill_server));
+    }
+
+    // --- decode: continue from the first token, streamed back to the client ---
+    bool started = false;
+    if (!failure) {
+      json db = body;
+      db["kv_transfer_params"] = decode_params;
+      db["first_token"] = prefill_out["choices"][0]["token_ids"][0];
+      if (prefill_out.contains("kvwire")) db["kvwire_prefill"] = prefill_out["kvwire"];
+      std::string collected;
+      int status = 0;
+      auto call = [&](const std::string& d) {
+        HttpCallOptions o;
+        o.deadline = deadline;
+        o.on_headers = [&](const HttpResponse& head) {
+          status = head.status;
+          if (stream && head.status == 200) {
+            resp->StartEvents();
+            started = true;
+          }
+        };
+        o.on_body = [&](std::string_view piece) {
+          if (Stopping() || resp->closed()) return false;
+          if (started) {
+            resp->Raw(std::string(piece));
+          } else {
+            collected.append(piece);
+          }
+          return true;
+        };
+        return HttpCall(d, "POST", "/v1/completions", db.dump(), o);
+      };
+      absl::StatusOr<HttpResponse> r =
+          write ? call(decode_server)
+                : TryEach(options_.decode, next_decode_, call, &decode_server);
+      if (!r.ok()) {
+        failure = Failure{StatusFor(r.status()),
+                          decode_server.empty() ? absl::StrCat("decode: ", r.status().message())
+                                                : absl::StrCat("decode server ", decode_server,
+                                                               " failed: ", r.status().message())};
+      } else if (!started) {
+        if (status == 200) {
+          resp->Respond(200, collected);
+        } else {
+          HttpResponse head;
+          head.body = collected;
+          failure = Failure{status >= 500 ? 502 : status,
+                            absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(head))};
+        }
+      }
+    }
+
+    if (!failure) {
+      ++ok_;
+      if (started) resp->EndEvents(/*done=*/false);  // decode's own [DONE] went through
+      return;
+    }
+    ++errors_;
+    KVW_LOG(kWarning, kLog) << "request failed" << Kv("status", failure->status)
+                            << Kv("error", failure->message);
+    if (started) {
+      // Headers are out: the error travels as an event, and the stream ends without [DONE].
+      resp->Event(ErrorJson(failure->status, failure->message));
+      resp->EndEvents(/*done=*/false);
+    } else {
+      resp->Error(failure->status, failure->message);
+    }
+  }
+
+  const RouterOptions options_;
+  std::unique_ptr<HttpServer> server_;
+  kvwire::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> kv_address_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> inflight_{0};
+  std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, seq_{0}, ok_{0}, errors_{0};
+};
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  if (absl::Status s = impl->Start(); !s.ok()) return s;
+  return std::unique_ptr<Router>(new Router(std::move(impl)));
+}
+
+Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Router::~Router() = default;
+int Router::port() const { return impl_->port(); }
+
+}  // namespace dsv4::serve

@@ -1,0 +1,50 @@
+// The disaggregation proxy in front of prefill and decode servers, like vLLM's P/D proxy:
+// round robin over each kind, and per request
+//   read mode:  prefill (max_tokens 1, do_remote_decode) returns the first token and
+//               kv_transfer_params; decode then loads the KV and continues;
+//   write mode: decode prepares (allocates, sends its block ids to prefill through the
+//               connector), prefill runs and pushes each layer as it completes, then decode
+//               continues from the first token.
+// Decode's answer (server-sent events when the client streams) goes back to the client. A
+// server that cannot be reached is skipped for the next one of its kind; one that fails
+// mid-request gives the client 502 (or an error event once a stream has started).
+#ifndef KVWIRE_EXAMPLES_DSV4_SERVE_ROUTER_H_
+#define KVWIRE_EXAMPLES_DSV4_SERVE_ROUTER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace dsv4::serve {
+
+struct RouterOptions {
+  std::vector<std::string> prefill;  // host:port of each prefill server
+  std::vector<std::string> decode;
+  std::string mode = "read";  // read | write
+  std::string host = "127.0.0.1";
+  int port = 0;
+  absl::Duration timeout = absl::Seconds(300);  // whole request
+  int max_inflight = 64;
+};
+
+class Router {
+ public:
+  static absl::StatusOr<std::unique_ptr<Router>> Start(RouterOptions options);
+  ~Router();
+  Router(const Router&) = delete;
+  Router& operator=(const Router&) = delete;
+  int port() const;
+
+  class Impl;
+
+ private:
+  explicit Router(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4::serve
+
+#endif  // KVWIRE_EXAMPLES_DSV4_SERVE_ROUTER_H_

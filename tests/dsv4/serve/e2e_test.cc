@@ -1,0 +1,383 @@
+// End to end: kvwire-dsv4 prefill, decode and router processes on loopback (tiny config,
+// weights generated into a temporary folder), checked token for token against `kvwire-dsv4
+// generate` in one process; the fault-injection switch proves the check sensitive; killed
+// servers give the client clear HTTP errors and the survivors keep serving without leaking
+// blocks.
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/client.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/process.h"
+
+namespace dsv4::serve {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxTokens = 8;
+
+// A prompt of exactly `tokens` tokens (BOS + bytes).
+std::string PromptOfTokens(int tokens) {
+  std::string s;
+  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
+  return s;
+}
+
+// Lengths crossing the 128-token window and the 4- and 128-token compression boundaries.
+const std::vector<int>& Lengths() {
+  static const std::vector<int> v = {1, 5, 127, 129, 257, 300};
+  return v;
+}
+
+class Cluster {
+ public:
+  Cluster() {
+    char tmpl[] = "/tmp/kvwire-dsv4-e2e-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    weights_ = dir_ + "/tiny.safetensors";
+  }
+  ~Cluster() {
+    procs_.clear();  // SIGTERM, then SIGKILL after a grace period
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  const std::string& dir() const { return dir_; }
+
+  // Runs a kvwire-dsv4 command to completion; returns its output.
+  absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args,
+                                  absl::Duration timeout = absl::Seconds(120)) {
+    const std::string log = dir_ + "/" + name + ".log";
+    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(KVWIRE_DSV4_BIN, args, log);
+    if (!p.ok()) return p.status();
+    absl::StatusOr<int> code = (*p)->Wait(timeout);
+    if (!code.ok()) return code.status();
+    if (*code != 0) {
+      return absl::InternalError(absl::StrCat(name, " exited ", *code, ":\n", (*p)->LogTail()));
+    }
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  absl::Status MakeWeights() {
+    return Run("weights", {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_}).status();
+  }
+
+  // Token ids `generate` produces for each prompt, in one process.
+  absl::StatusOr<std::vector<std::vector<int32_t>>> Reference(
+      const std::vector<std::string>& prompts) {
+    std::vector<std::string> args = {
+        "generate", "--config",     KVWIRE_DSV4_CONFIG,      "--weights",
+        weights_,   "--max-tokens", absl::StrCat(kMaxTokens)};
+    for (const std::string& p : prompts) {
+      args.push_back("--prompt");
+      args.push_back(p);
+    }
+    absl::StatusOr<std::string> out = Run("generate", args);
+    if (!out.ok()) return out.status();
+    std::vector<std::vector<int32_t>> tokens;
+    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+      if (line.empty() || line[0] != '{') continue;
+      json j = json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("tokens")) continue;
+      tokens.push_back(j["tokens"].get<std::vector<int32_t>>());
+    }
+    if (tokens.size() != prompts.size()) {
+      return absl::InternalError(absl::StrCat("generate printed ", tokens.size(), " results for ",
+                                              prompts.size(), " prompts:\n", *out));
+    }
+    return tokens;
+  }
+
+  // Starts a model server; returns its HTTP address.
+  absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
+                                    const std::string& transport,
+                                    std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"serve",
+                                     "--role",
+                                     role,
+                                     "--config",
+                                     KVWIRE_DSV4_CONFIG,
+                                     "--weights",
+                                     weights_,
+                                     "--transport",
+                                     transport,
+                                     "--mode",
+                                     "auto",
+                                     "--threads",
+                                     "2",
+                                     "--request-timeout-s",
+                                     "20",
+                                     "--peer-lease-ms",
+                                     "2000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Launch(name, args);
+  }
+
+  absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
+                                     const std::string& decode, const std::string& mode) {
+    return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", mode,
+                         "--timeout-s", "60"});
+  }
+
+  Process& process(const std::string& name) { return *procs_.at(name); }
+
+  std::string Logs() const {
+    std::string all;
+    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
+    return all;
+  }
+
+ private:
+  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
+    const std::string ready = dir_ + "/" + name + ".ready";
+    args.push_back("--ready-file");
+    args.push_back(ready);
+    absl::StatusOr<std::unique_ptr<Process>> p =
+        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
+    if (!j.ok()) return j.status();
+    procs_[name] = std::move(*p);
+    return (*j)["address"].get<std::string>();
+  }
+
+  std::string dir_, weights_;
+  std::map<std::string, std::unique_ptr<Process>> procs_;
+};
+
+// Waits until the server holds no blocks and no connector requests.
+void ExpectDrained(const std::string& address, const std::string& what) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(40);
+  json last;
+  while (absl::Now() < deadline) {
+    absl::StatusOr<json> h = GetJson(address, "/health");
+    ASSERT_TRUE(h.ok()) << what << ": " << h.status();
+    last = *h;
+    if (last["used_blocks"] == 0 && last["live_connector_requests"] == 0 &&
+        last["active_requests"] == 0) {
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  FAIL() << what << " still holds blocks: " << last.dump();
+}
+
+// Waits until GET /health of `address` satisfies `pred`.
+bool WaitHealth(const std::string& address, const std::function<bool(const json&)>& pred,
+                absl::Duration timeout = absl::Seconds(30)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    absl::StatusOr<json> h = GetJson(address, "/health");
+    if (h.ok() && pred(*h)) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+json Request(const std::string& prompt, bool stream, int max_tokens = kMaxTokens) {
+  return {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", stream}};
+}
+
+class DisaggregatedTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DisaggregatedTest, ReadAndWriteModesMatchGenerate) {
+  const std::string transport = GetParam();
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  std::vector<std::string> prompts;
+  for (int n : Lengths()) prompts.push_back(PromptOfTokens(n));
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts);
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", transport);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> d = c.Serve("decode", "decode", transport);
+  ASSERT_TRUE(d.ok()) << d.status();
+  for (const char* mode : {"read", "write"}) {
+    absl::StatusOr<std::string> r = c.Router(absl::StrCat("router-", mode), *p, *d, mode);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat(mode, " ", transport, " prompt of ", Lengths()[i], " tokens"));
+      absl::StatusOr<CompletionResult> res =
+          Complete(*r, Request(prompts[i], /*stream=*/i % 2 == 0), absl::Seconds(120));
+      ASSERT_TRUE(res.ok()) << res.status() << c.Logs();
+      ASSERT_EQ(res->status, 200) << res->error << c.Logs();
+      EXPECT_EQ(res->tokens, (*want)[i]);
+      const json& t = res->kvwire["transfer"];
+      EXPECT_EQ(t.value("mode", ""), mode) << res->kvwire.dump();
+      EXPECT_NE(t.value("transport", "").find(transport), std::string::npos) << t.dump();
+      EXPECT_GT(t.value("bytes", 0), 0) << t.dump();
+      EXPECT_FALSE(res->kvwire.value("corrupted_page", true));
+    }
+  }
+  ExpectDrained(*p, "prefill");
+  ExpectDrained(*d, "decode");
+  // Metrics carry the connector's counters and the server's own.
+  HttpCallOptions o;
+  absl::StatusOr<HttpResponse> m = HttpCall(*d, "GET", "/metrics", "", o);
+  ASSERT_TRUE(m.ok());
+  EXPECT_NE(m->body.find("kvwire_connector_requests_total"), std::string::npos);
+  EXPECT_NE(m->body.find("kvwire_dsv4_generated_tokens_total"), std::string::npos);
+}
+
+TEST_P(DisaggregatedTest, BadRequestsAreClear400s) {
+  const std::string transport = GetParam();
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", transport);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> d = c.Serve("decode", "decode", transport);
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::string> r = c.Router("router", *p, *d, "read");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::vector<std::tuple<std::string, json, std::string>> cases = {
+      {*r, {{"max_tokens", 3}}, "'prompt' is required"},
+      {*r, {{"prompt", "x"}, {"max_tokens", -2}}, "'max_tokens'"},
+      {*r, {{"prompt", std::string(5000, 'x')}}, "exceeds max_seq_len"},
+      {*d,
+       {{"prompt", "x"}, {"kv_transfer_params", {{"do_remote_prefill", true}}}},
+       "'first_token'"},
+      {*p,
+       {{"prompt", "x"}, {"first_token", 3}, {"kv_transfer_params", {{"do_remote_prefill", true}}}},
+       "this is a prefill server"},
+      {*d,
+       {{"prompt", "x"},
+        {"first_token", 3},
+        {"kv_transfer_params", {{"do_remote_prefill", true}, {"remote_host", "127.0.0.1"}}}},
+       "kv_transfer_params"},
+  };
+  for (const auto& [address, body, want] : cases) {
+    absl::StatusOr<CompletionResult> res = Complete(address, body, absl::Seconds(30));
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->status, 400) << body.dump() << " -> " << res->error;
+    EXPECT_NE(res->error.find(want), std::string::npos) << res->error;
+  }
+  ExpectDrained(*p, "prefill");
+  ExpectDrained(*d, "decode");
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DisaggregatedTest, ::testing::Values("tcp", "shm"));
+
+// The comparison is sensitive: one corrupted received page changes the tokens.
+TEST(FaultInjection, CorruptedKvPageMakesTheComparisonFail) {
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  const std::vector<std::string> prompts = {PromptOfTokens(129), PromptOfTokens(300)};
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts);
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> bad = c.Serve("decode-bad", "decode", "tcp", {"--corrupt-kv-page"});
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  for (const char* mode : {"read", "write"}) {
+    absl::StatusOr<std::string> r = c.Router(absl::StrCat("router-", mode), *p, *bad, mode);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat(mode, " prompt ", i));
+      absl::StatusOr<CompletionResult> res =
+          Complete(*r, Request(prompts[i], false), absl::Seconds(120));
+      ASSERT_TRUE(res.ok()) << res.status();
+      ASSERT_EQ(res->status, 200) << res->error;
+      EXPECT_TRUE(res->kvwire.value("corrupted_page", false));
+      ASSERT_EQ(res->tokens.size(), (*want)[i].size());
+      EXPECT_NE(res->tokens, (*want)[i]) << "a corrupted KV page went unnoticed";
+      EXPECT_EQ(res->tokens[0], (*want)[i][0]);  // the first token is prefill's own
+    }
+  }
+  ExpectDrained(*p, "prefill");
+  ExpectDrained(*bad, "decode");
+}
+
+// Decode dies mid-request (SIGKILL while it generates): the client gets 502 with a JSON
+// message; the other decode and the prefill keep serving and hold no blocks afterwards.
+TEST(Failures, DecodeKilledMidRequest) {
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  const std::string prompt = PromptOfTokens(140);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> d1 =
+      c.Serve("decode1", "decode", "tcp", {"--inject-delay-ms", "100"});
+  ASSERT_TRUE(d1.ok()) << d1.status();
+  absl::StatusOr<std::string> d2 = c.Serve("decode2", "decode", "tcp");
+  ASSERT_TRUE(d2.ok()) << d2.status();
+  absl::StatusOr<std::string> r = c.Router("router", *p, absl::StrCat(*d1, ",", *d2), "read");
+  ASSERT_TRUE(r.ok()) << r.status();
+  absl::StatusOr<CompletionResult> res = absl::UnknownError("not run");
+  std::thread client([&] { res = Complete(*r, Request(prompt, false, 200), absl::Seconds(120)); });
+  // decode1 is generating: kill it.
+  const bool busy = WaitHealth(*d1, [](const json& h) { return h["active_requests"] == 1; });
+  c.process("decode1").Stop(SIGKILL);
+  client.join();
+  ASSERT_TRUE(busy) << c.Logs();
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->status, 502) << res->error;
+  EXPECT_NE(res->error.find("decode server"), std::string::npos) << res->error;
+  // The survivors serve (the dead decode is skipped) and the tokens still match.
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<CompletionResult> ok = Complete(*r, Request(prompt, true), absl::Seconds(120));
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    ASSERT_EQ(ok->status, 200) << ok->error;
+    EXPECT_EQ(ok->tokens, (*want)[0]);
+  }
+  ExpectDrained(*p, "prefill");
+  ExpectDrained(*d2, "decode2");
+}
+
+// Prefill dies while it computes a write-mode request (decode has prepared its blocks): the
+// client gets an HTTP error; decode gives the prepared blocks back; the other prefill serves.
+TEST(Failures, PrefillKilledMidRequest) {
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  const std::string prompt = PromptOfTokens(260);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::string> p1 =
+      c.Serve("prefill1", "prefill", "shm", {"--inject-delay-ms", "300"});
+  ASSERT_TRUE(p1.ok()) << p1.status();
+  absl::StatusOr<std::string> p2 = c.Serve("prefill2", "prefill", "shm");
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  absl::StatusOr<std::string> d = c.Serve("decode", "decode", "shm");
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::string> r = c.Router("router", absl::StrCat(*p1, ",", *p2), *d, "write");
+  ASSERT_TRUE(r.ok()) << r.status();
+  absl::StatusOr<CompletionResult> res = absl::UnknownError("not run");
+  std::thread client([&] { res = Complete(*r, Request(prompt, true), absl::Seconds(120)); });
+  const bool busy = WaitHealth(*p1, [](const json& h) { return h["prefilling"] == 1; });
+  c.process("prefill1").Stop(SIGKILL);
+  client.join();
+  ASSERT_TRUE(busy) << c.Logs();
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->status, 502) << res->error;
+  EXPECT_NE(res->error.find("prefill server"), std::string::npos) << res->error;
+  ExpectDrained(*d, "decode");
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<CompletionResult> ok = Complete(*r, Request(prompt, i == 0), absl::Seconds(120));
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    ASSERT_EQ(ok->status, 200) << ok->error;
+    EXPECT_EQ(ok->tokens, (*want)[0]);
+  }
+  ExpectDrained(*p2, "prefill2");
+  ExpectDrained(*d, "decode");
+}
+
+}  // namespace
+}  // namespace dsv4::serve
