@@ -1,0 +1,178 @@
+// The transfer contract: a decode instance that receives exactly the bytes
+// kvwire::PlanTransfer lists (full-history blocks, SWA blocks in the window, the unfinished
+// compression windows of the state rings) computes bit-identically to the instance that ran
+// the prompt. Everything else in the receiving cache is poisoned (NaN fp8 codes, huge
+// floats), so a read outside the contract shows up in the logits.
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "examples/dsv4/model/kv_cache.h"
+#include "examples/dsv4/model/model.h"
+#include "kvwire/layout.h"
+#include "tests/dsv4/model/tiny_model.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int kDecodeSteps = 3;
+
+std::unique_ptr<KvCache> PoisonedCache(uint64_t seed) {
+  absl::StatusOr<std::unique_ptr<KvCache>> c =
+      KvCache::Create(TinyModelFiles::Get().config(), 8, 2, seed);
+  EXPECT_TRUE(c.ok()) << c.status();
+  for (const kvwire::KvMemory& m : (*c)->memory()) std::memset(m.ptr, 0x7F, m.length);
+  return std::move(*c);
+}
+
+// Copies the planned ranges from A to B; returns the plan.
+kvwire::TransferPlan Transfer(const KvCache& a, const kvwire::BlockTable& ta, const KvCache& b,
+                              const kvwire::BlockTable& tb, uint64_t tokens) {
+  absl::StatusOr<kvwire::TransferPlan> plan =
+      kvwire::PlanTransfer(a.layout(), ta, b.layout(), tb, tokens);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  for (const kvwire::GroupPlan& g : plan->groups) {
+    for (const kvwire::ByteRange& r : g.ranges) {
+      std::memcpy(reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.length);
+    }
+  }
+  return *plan;
+}
+
+bool Same(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * 4) == 0;
+}
+
+struct Observed {
+  uint64_t checkpoint;  // prompt length transferred
+  uint64_t tokens;      // logits after this many tokens
+  std::vector<float> logits;
+};
+
+// Prompt lengths crossing the 4-, 64-, 128- and 256-token boundaries.
+TEST(TransferContractTest, DecodeAfterTransferIsBitIdentical) {
+  const std::vector<uint64_t> lengths = {1, 3, 4, 5, 127, 128, 129, 255, 256, 257, 300};
+  const uint64_t last = lengths.back() + kDecodeSteps;
+  const std::vector<int32_t> seq = TestPrompt(static_cast<int>(last), 5);
+  std::unique_ptr<Model> model = TinyModelFiles::Get().Load(2);
+  auto a = PoisonedCache(1);
+  absl::StatusOr<kvwire::BlockTable> ta = a->Allocate(last);
+  ASSERT_TRUE(ta.ok()) << ta.status();
+  // A runs the sequence once, stopping at every checkpoint and at the decode steps after it
+  // (chunked prefill is bit-identical to one-shot, see ModelTest); logits_a[n] are the
+  // logits after n tokens.
+  std::set<uint64_t> stops;
+  for (uint64_t n : lengths) {
+    for (int k = 0; k <= kDecodeSteps; ++k) stops.insert(n + k);
+  }
+  std::map<uint64_t, std::vector<float>> logits_a;
+  std::vector<Observed> observed;
+  uint64_t pos = 0;
+  for (uint64_t stop : stops) {
+    absl::StatusOr<std::vector<float>> l =
+        model->Forward(*a, *ta, std::span<const int32_t>(seq).subspan(pos, stop - pos), pos);
+    ASSERT_TRUE(l.ok()) << l.status();
+    pos = stop;
+    logits_a[stop] = *l;
+    if (std::find(lengths.begin(), lengths.end(), stop) == lengths.end()) continue;
+    // Prompt of `stop` tokens done in A: move it to a fresh, poisoned B with other block ids.
+    auto b = PoisonedCache(1000 + stop);
+    absl::StatusOr<kvwire::BlockTable> tb = b->Allocate(stop + kDecodeSteps);
+    ASSERT_TRUE(tb.ok()) << tb.status();
+    Transfer(*a, *ta, *b, *tb, stop);
+    for (int k = 0; k < kDecodeSteps; ++k) {
+      const uint64_t p = stop + k;
+      absl::StatusOr<std::vector<float>> lb =
+          model->Forward(*b, *tb, std::span<const int32_t>(seq).subspan(p, 1), p);
+      ASSERT_TRUE(lb.ok()) << lb.status();
+      observed.push_back({stop, p + 1, *lb});
+    }
+  }
+  ASSERT_EQ(observed.size(), lengths.size() * kDecodeSteps);
+  for (const Observed& o : observed) {
+    ASSERT_TRUE(logits_a.count(o.tokens));
+    for (float x : o.logits) {
+      ASSERT_TRUE(std::isfinite(x))
+          << "poison read: prompt " << o.checkpoint << ", logits after " << o.tokens << " tokens";
+    }
+    EXPECT_TRUE(Same(logits_a[o.tokens], o.logits))
+        << "prompt of " << o.checkpoint << " tokens: logits after " << o.tokens << " differ";
+  }
+}
+
+// The check above is sensitive: one corrupted page of a transferred group changes what
+// decode computes. Paged groups change the logits; a corrupted compressor ring changes the
+// next compressed entry (c128a entries are attended without selection, so the logits too).
+TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
+  struct Case {
+    const char* group;
+    uint64_t prompt;
+    int entry_ratio;        // state groups: the ratio of the entry the ring feeds
+    const char* out_group;  // state groups: where that entry lands
+  };
+  const Case cases[] = {
+      {"swa_kv", 200, 0, nullptr},
+      {"c4a_kv", 257, 0, nullptr},
+      {"c128a_kv", 257, 0, nullptr},
+      {"c4a_indexer_k", 257, 0, nullptr},
+      {"c4a_compressor_state", 257, 4, "c4a_kv"},
+      {"c4a_indexer_compressor_state", 257, 4, "c4a_indexer_k"},
+      {"c128a_compressor_state", 127, 128, "c128a_kv"},
+  };
+  std::unique_ptr<Model> model = TinyModelFiles::Get().Load(2);
+  const Config& config = TinyModelFiles::Get().config();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.group);
+    const std::vector<int32_t> seq = TestPrompt(static_cast<int>(c.prompt) + kDecodeSteps, 9);
+    auto a = PoisonedCache(1);
+    auto b = PoisonedCache(2);
+    absl::StatusOr<kvwire::BlockTable> ta = a->Allocate(seq.size());
+    absl::StatusOr<kvwire::BlockTable> tb = b->Allocate(seq.size());
+    ASSERT_TRUE(ta.ok() && tb.ok());
+    ASSERT_TRUE(model->Forward(*a, *ta, std::span<const int32_t>(seq).first(c.prompt), 0).ok());
+    kvwire::TransferPlan plan = Transfer(*a, *ta, *b, *tb, c.prompt);
+    // Corrupt the last transferred page of the group's last layer (one bit per byte).
+    const kvwire::GroupPlan* gp = nullptr;
+    for (const kvwire::GroupPlan& g : plan.groups) {
+      if (g.group == c.group) gp = &g;
+    }
+    ASSERT_NE(gp, nullptr);
+    ASSERT_FALSE(gp->ranges.empty());
+    const kvwire::ByteRange& r = gp->ranges.back();
+    const uint64_t page = b->layout().FindGroup(c.group)->page_bytes;
+    const uint64_t len = std::min(r.length, page);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(r.dst + r.length - len);
+    for (uint64_t i = 0; i < len; ++i) dst[i] ^= 0x40;
+    bool logits_differ = false;
+    for (int k = 0; k < kDecodeSteps; ++k) {
+      const uint64_t p = c.prompt + k;
+      auto one = std::span<const int32_t>(seq).subspan(p, 1);
+      absl::StatusOr<std::vector<float>> la = model->Forward(*a, *ta, one, p);
+      absl::StatusOr<std::vector<float>> lb = model->Forward(*b, *tb, one, p);
+      ASSERT_TRUE(la.ok() && lb.ok());
+      logits_differ |= !Same(*la, *lb);
+    }
+    if (c.out_group == nullptr || c.entry_ratio == 128) {
+      EXPECT_TRUE(logits_differ);
+    }
+    if (c.out_group != nullptr) {
+      // The entry completed during decode: j = the first entry ending at or after the prompt.
+      const int ratio = c.entry_ratio;
+      const uint64_t j = c.prompt / ratio;
+      ASSERT_LE((j + 1) * ratio, c.prompt + kDecodeSteps);
+      const kvwire::CacheGroup* g = a->layout().FindGroup(c.out_group);
+      const uint64_t logical = j * ratio / g->tokens_per_block;
+      const int layer = g->layers.back();
+      const uint8_t* pa = a->Page(c.out_group, layer, ta->at(c.out_group)[logical]);
+      const uint8_t* pb = b->Page(c.out_group, layer, tb->at(c.out_group)[logical]);
+      EXPECT_NE(std::memcmp(pa, pb, g->page_bytes), 0) << "entry " << j << " unchanged";
+    }
+    (void)config;
+  }
+}
+
+}  // namespace
+}  // namespace dsv4
