@@ -372,25 +372,22 @@ absl::Status Model::Impl::Attention(int l, KvCache& cache, const kvwire::BlockTa
     }
   }
 
+  std::vector<const float*> ikeys;
+  for (int64_t j = 0; j < static_cast<int64_t>(index_keys.size()) / ID; ++j) {
+    ikeys.push_back(index_keys.data() + j * ID);
+  }
   std::vector<float> o(int64_t{T} * H * D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   pool.ParallelFor(T, [&](int64_t b, int64_t e) {
     std::vector<const float*> keys;
-    std::vector<const float*> ikeys;
-    std::vector<float> scores;
     for (int64_t t = b; t < e; ++t) {
       const int64_t i = pos + t;
       keys.clear();
       if (L.ratio == 128) {
-        for (int64_t j = 0; j < (i + 1) / 128; ++j) keys.push_back(comp.data() + j * D);
+        for (int64_t j = 0; j < VisibleEntries(i, 128); ++j) keys.push_back(comp.data() + j * D);
       } else if (L.ratio == 4) {
-        const int64_t visible = (i + 1) / 4;  // entry j is complete once i >= 4j + 3
-        ikeys.clear();
-        for (int64_t j = 0; j < visible; ++j) ikeys.push_back(index_keys.data() + j * ID);
-        scores.resize(visible);
-        IndexerScores(iq.data() + t * IH * ID, iw.data() + t * IH, IH, ikeys.data(),
-                      static_cast<int>(visible), ID, scores.data());
-        for (int j : TopK(scores.data(), static_cast<int>(visible), c.index_topk)) {
+        for (int j : IndexerSelect(iq.data() + t * IH * ID, iw.data() + t * IH, IH, ikeys.data(),
+                                   entries, ID, i, 4, c.index_topk)) {
           keys.push_back(comp.data() + int64_t{j} * D);
         }
       }

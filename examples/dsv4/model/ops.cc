@@ -96,6 +96,14 @@ std::vector<int> TopK(const float* scores, int n, int k) {
   return idx;
 }
 
+std::vector<int> IndexerSelect(const float* q, const float* w, int heads, const float* const* keys,
+                               int64_t num_keys, int dim, int64_t pos, int ratio, int topk) {
+  const int visible = static_cast<int>(std::min(num_keys, VisibleEntries(pos, ratio)));
+  std::vector<float> scores(visible);
+  IndexerScores(q, w, heads, keys, visible, dim, scores.data());
+  return TopK(scores.data(), visible, topk);
+}
+
 void RouteExperts(const float* logits, const float* bias, const int32_t* hash_experts,
                   int num_experts, int k, float scaling, int* experts, float* weights) {
   std::vector<float> score(num_experts);

@@ -31,6 +31,13 @@ void IndexerScores(const float* q, const float* w, int heads, const float* const
                    int dim, float* scores);
 // Indices of the k largest scores (ties: lower index first), returned ascending.
 std::vector<int> TopK(const float* scores, int n, int k);
+// Compressed entries a query at `pos` may see: entry j (tokens ending at ratio * j +
+// ratio - 1) is visible once pos >= ratio * j + ratio - 1.
+inline int64_t VisibleEntries(int64_t pos, int ratio) { return (pos + 1) / ratio; }
+// The indexer's choice for a query at `pos`: top-k by IndexerScores among the visible
+// entries of keys[0, num_keys); ascending entry ids.
+std::vector<int> IndexerSelect(const float* q, const float* w, int heads, const float* const* keys,
+                               int64_t num_keys, int dim, int64_t pos, int ratio, int topk);
 
 // MoE gate: sqrt(softplus(logit)) scores; experts chosen by top-k of score + bias (bias may
 // be null), or given by `hash_experts` (k ids) on hash layers; weights are the chosen

@@ -157,6 +157,16 @@ GeneratedTensor GenerateTensor(const Config& c, const WeightSpec& spec) {
         t.floats[i] = range * rng.Symmetric();
     }
   }
+  if (spec.name == "head") {
+    // Random weights have no language; damping the rows of control bytes, non-ASCII bytes
+    // and EOS keeps demo output printable and long enough to compare (greedy text still
+    // depends on the prompt).
+    const int64_t dim = spec.shape[1];
+    for (int64_t r = 0; r < spec.shape[0]; ++r) {
+      if ((r >= 32 && r < 127) || r == '\n') continue;
+      for (int64_t d = 0; d < dim; ++d) t.floats[r * dim + d] *= 0.25f;
+    }
+  }
   return t;
 }
 

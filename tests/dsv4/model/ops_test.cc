@@ -138,19 +138,20 @@ TEST(OpsTest, IndexerScoresAndTopK) {
     ASSERT_NEAR(scores[j], ref[j], 1e-4) << j;
   }
   // Top-k with causal visibility: a query at position i sees entry j only if i >= 4j + 3.
-  for (int i : {0, 2, 3, 6, 7, 40, 299}) {
-    const int visible = (i + 1) / 4;
-    for (int j = 0; j < n; ++j) EXPECT_EQ(j < visible, i >= 4 * j + 3) << i << " " << j;
+  for (int i : {0, 2, 3, 6, 7, 40, 299, 400}) {
     const int k_top = 16;
-    std::vector<int> got = TopK(scores.data(), std::min(visible, n), k_top);
-    std::vector<int> order(std::min(visible, n));
-    for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int>(j);
-    std::sort(order.begin(), order.end(), [&](int a, int b) { return ref[a] > ref[b]; });
-    order.resize(std::min<size_t>(order.size(), k_top));
-    std::sort(order.begin(), order.end());
-    EXPECT_EQ(got, order) << "query position " << i;
-    for (int j : got) EXPECT_GE(i, 4 * j + 3);
+    std::vector<int> got = IndexerSelect(q.data(), w.data(), heads, kp.data(), n, dim, i, 4, k_top);
+    std::vector<int> want;
+    for (int j = 0; j < n; ++j) {
+      if (i >= 4 * j + 3) want.push_back(j);
+    }
+    std::sort(want.begin(), want.end(), [&](int a, int b) { return ref[a] > ref[b]; });
+    want.resize(std::min<size_t>(want.size(), k_top));
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(got, want) << "query position " << i;
   }
+  EXPECT_EQ(VisibleEntries(126, 128), 0);
+  EXPECT_EQ(VisibleEntries(127, 128), 1);
   // Ties go to the lower index.
   const float tied[] = {1, 3, 3, 2, 3};
   EXPECT_EQ(TopK(tied, 5, 2), (std::vector<int>{1, 2}));
