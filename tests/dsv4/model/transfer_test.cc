@@ -114,7 +114,7 @@ TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
     const char* out_group;  // state groups: where that entry lands
   };
   const Case cases[] = {
-      {"swa_kv", 200, 0, nullptr},
+      {"swa_kv", 257, 0, nullptr},
       {"c4a_kv", 257, 0, nullptr},
       {"c128a_kv", 257, 0, nullptr},
       {"c4a_indexer_k", 257, 0, nullptr},
@@ -123,17 +123,28 @@ TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
       {"c128a_compressor_state", 127, 128, "c128a_kv"},
   };
   std::unique_ptr<Model> model = TinyModelFiles::Get().Load(2);
-  const Config& config = TinyModelFiles::Get().config();
+  // One prefill per prompt length; each case decodes a clean and a corrupted copy of it.
+  std::map<uint64_t, std::pair<std::unique_ptr<KvCache>, kvwire::BlockTable>> prefilled;
+  for (const Case& c : cases) {
+    if (prefilled.count(c.prompt)) continue;
+    const std::vector<int32_t> seq = TestPrompt(static_cast<int>(c.prompt), 9);
+    auto a = PoisonedCache(1);
+    absl::StatusOr<kvwire::BlockTable> ta = a->Allocate(seq.size());
+    ASSERT_TRUE(ta.ok());
+    ASSERT_TRUE(model->Forward(*a, *ta, seq, 0).ok());
+    prefilled[c.prompt] = {std::move(a), *ta};
+  }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.group);
     const std::vector<int32_t> seq = TestPrompt(static_cast<int>(c.prompt) + kDecodeSteps, 9);
-    auto a = PoisonedCache(1);
-    auto b = PoisonedCache(2);
-    absl::StatusOr<kvwire::BlockTable> ta = a->Allocate(seq.size());
-    absl::StatusOr<kvwire::BlockTable> tb = b->Allocate(seq.size());
-    ASSERT_TRUE(ta.ok() && tb.ok());
-    ASSERT_TRUE(model->Forward(*a, *ta, std::span<const int32_t>(seq).first(c.prompt), 0).ok());
-    kvwire::TransferPlan plan = Transfer(*a, *ta, *b, *tb, c.prompt);
+    const auto& [a, ta] = prefilled[c.prompt];
+    auto clean = PoisonedCache(2);
+    auto bad = PoisonedCache(3);
+    absl::StatusOr<kvwire::BlockTable> tc = clean->Allocate(seq.size());
+    absl::StatusOr<kvwire::BlockTable> tb = bad->Allocate(seq.size());
+    ASSERT_TRUE(tc.ok() && tb.ok());
+    Transfer(*a, ta, *clean, *tc, c.prompt);
+    kvwire::TransferPlan plan = Transfer(*a, ta, *bad, *tb, c.prompt);
     // Corrupt the last transferred page of the group's last layer (one bit per byte).
     const kvwire::GroupPlan* gp = nullptr;
     for (const kvwire::GroupPlan& g : plan.groups) {
@@ -142,7 +153,7 @@ TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
     ASSERT_NE(gp, nullptr);
     ASSERT_FALSE(gp->ranges.empty());
     const kvwire::ByteRange& r = gp->ranges.back();
-    const uint64_t page = b->layout().FindGroup(c.group)->page_bytes;
+    const uint64_t page = bad->layout().FindGroup(c.group)->page_bytes;
     const uint64_t len = std::min(r.length, page);
     uint8_t* dst = reinterpret_cast<uint8_t*>(r.dst + r.length - len);
     for (uint64_t i = 0; i < len; ++i) dst[i] ^= 0x40;
@@ -150,10 +161,10 @@ TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
     for (int k = 0; k < kDecodeSteps; ++k) {
       const uint64_t p = c.prompt + k;
       auto one = std::span<const int32_t>(seq).subspan(p, 1);
-      absl::StatusOr<std::vector<float>> la = model->Forward(*a, *ta, one, p);
-      absl::StatusOr<std::vector<float>> lb = model->Forward(*b, *tb, one, p);
-      ASSERT_TRUE(la.ok() && lb.ok());
-      logits_differ |= !Same(*la, *lb);
+      absl::StatusOr<std::vector<float>> lc = model->Forward(*clean, *tc, one, p);
+      absl::StatusOr<std::vector<float>> lb = model->Forward(*bad, *tb, one, p);
+      ASSERT_TRUE(lc.ok() && lb.ok());
+      logits_differ |= !Same(*lc, *lb);
     }
     if (c.out_group == nullptr || c.entry_ratio == 128) {
       EXPECT_TRUE(logits_differ);
@@ -163,14 +174,13 @@ TEST(TransferContractTest, CorruptingOneTransferredPageIsDetected) {
       const int ratio = c.entry_ratio;
       const uint64_t j = c.prompt / ratio;
       ASSERT_LE((j + 1) * ratio, c.prompt + kDecodeSteps);
-      const kvwire::CacheGroup* g = a->layout().FindGroup(c.out_group);
+      const kvwire::CacheGroup* g = clean->layout().FindGroup(c.out_group);
       const uint64_t logical = j * ratio / g->tokens_per_block;
       const int layer = g->layers.back();
-      const uint8_t* pa = a->Page(c.out_group, layer, ta->at(c.out_group)[logical]);
-      const uint8_t* pb = b->Page(c.out_group, layer, tb->at(c.out_group)[logical]);
-      EXPECT_NE(std::memcmp(pa, pb, g->page_bytes), 0) << "entry " << j << " unchanged";
+      const uint8_t* pc = clean->Page(c.out_group, layer, tc->at(c.out_group)[logical]);
+      const uint8_t* pb = bad->Page(c.out_group, layer, tb->at(c.out_group)[logical]);
+      EXPECT_NE(std::memcmp(pc, pb, g->page_bytes), 0) << "entry " << j << " unchanged";
     }
-    (void)config;
   }
 }
 
