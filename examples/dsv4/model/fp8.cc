@@ -2,6 +2,7 @@
 #include "examples/dsv4/model/fp8.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -28,7 +29,9 @@ uint8_t E4m3Encode(float v) {
   return sign | static_cast<uint8_t>(((exponent + 7) << 3) | static_cast<int>(q));
 }
 
-float E4m3Decode(uint8_t b) {
+namespace {
+
+float E4m3DecodeSlow(uint8_t b) {
   const int e = (b >> 3) & 0xF;
   const int m = b & 0x7;
   float v;
@@ -41,6 +44,20 @@ float E4m3Decode(uint8_t b) {
   }
   return (b & 0x80) ? -v : v;
 }
+
+// Decoding is on the attention path (every key, every step): a table, not ldexp.
+const std::array<float, 256>& E4m3Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t;
+    for (int i = 0; i < 256; ++i) t[i] = E4m3DecodeSlow(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+float E4m3Decode(uint8_t b) { return E4m3Table()[b]; }
 
 uint8_t Ue8m0Encode(float power_of_two) {
   int e = 0;
@@ -96,11 +113,10 @@ void DecodeKvRecord(const uint8_t* page, int entries, int index, float* kv) {
   const uint8_t* data = page + static_cast<size_t>(index) * kRecordDataBytes;
   const uint8_t* scales = page + static_cast<size_t>(entries) * kRecordDataBytes +
                           static_cast<size_t>(index) * kRecordScaleBytes;
+  const std::array<float, 256>& table = E4m3Table();
   for (int t = 0; t < kNopeTiles; ++t) {
     const float scale = Ue8m0Decode(scales[t]);
-    for (int i = 0; i < kFp8Tile; ++i) {
-      kv[t * kFp8Tile + i] = E4m3Decode(data[t * kFp8Tile + i]) * scale;
-    }
+    for (int i = 0; i < kFp8Tile; ++i) kv[t * kFp8Tile + i] = table[data[t * kFp8Tile + i]] * scale;
   }
   for (int i = 0; i < kRopeDim; ++i) {
     uint16_t b;
