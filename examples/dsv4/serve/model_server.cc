@@ -648,6 +648,24 @@ class ModelServer::Impl {
     load_wait_us_ += static_cast<uint64_t>(wait_ms * 1000);
     a.transfer = TransferStats(a);
     a.transfer["load_wait_ms"] = wait_ms;
+    if (a.transfer.value("mode", "") == "write") {
+      // The plan lives on the prefill side; both layouts are the same, so the bytes and pages
+      // follow from this side's. The transfer overlaps prefill's compute: what counts is the
+      // tail after prefill's last layer.
+      absl::StatusOr<kvwire::TransferPlan> plan = kvwire::PlanTransfer(
+          cache_->layout(), a.blocks, cache_->layout(), a.blocks, a.prompt.size());
+      if (plan.ok()) {
+        a.transfer["bytes"] = plan->bytes;
+        a.transfer["pages"] = plan->ops_before_merge;
+        a.transfer.erase("ops");
+        a.transfer.erase("gbps");
+      }
+      const json& p = a.req.prefill_stats;
+      if (p.is_object() && p.contains("computed_unix_us")) {
+        const absl::Time computed = absl::FromUnixMicros(p["computed_unix_us"].get<int64_t>());
+        a.transfer["tail_ms"] = std::max(0.0, Ms(a.load_end - computed));
+      }
+    }
     if (options_.corrupt_kv_page) a.corrupted = CorruptOnePage(a);
     a.decode_start = absl::Now();
     Emit(a, *a.req.first_token);

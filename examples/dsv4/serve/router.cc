@@ -1,6 +1,7 @@
 #include "examples/dsv4/serve/router.h"
 
 #include <atomic>
+#include <cstdint>
 #include <list>
 #include <map>
 #include <thread>
@@ -130,11 +131,13 @@ class Router::Impl {
       resp->Error(405, "use POST for /v1/completions");
       return;
     }
-    json body = json::parse(r.body, nullptr, false);
-    if (body.is_discarded() || !body.is_object()) {
-      resp->Error(400, "request body must be a JSON object");
+    // Refused here rather than after prefill has computed and holds blocks for decode.
+    if (absl::StatusOr<CompletionRequest> req = ParseCompletionRequest(r.body, INT32_MAX);
+        !req.ok()) {
+      resp->Error(400, std::string(req.status().message()));
       return;
     }
+    json body = json::parse(r.body);
     kvwire::MutexLock lock(&mu_);
     if (stopping_) {
       resp->Error(503, "router is shutting down");
@@ -220,7 +223,7 @@ class Router::Impl {
     const absl::Time deadline = absl::Now() + options_.timeout;
     const bool stream = body.value("stream", false) == true;
     const bool write = options_.mode == "write";
-    const std::string tid = absl::StrCat("rt-", options_.port, "-", getpid(), "-",
+    const std::string tid = absl::StrCat("rt-", server_->port(), "-", getpid(), "-",
                                          seq_.fetch_add(1), "-", absl::ToUnixMicros(absl::Now()));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;

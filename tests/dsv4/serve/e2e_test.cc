@@ -223,6 +223,7 @@ TEST_P(DisaggregatedTest, ReadAndWriteModesMatchGenerate) {
       EXPECT_EQ(t.value("mode", ""), mode) << res->kvwire.dump();
       EXPECT_NE(t.value("transport", "").find(transport), std::string::npos) << t.dump();
       EXPECT_GT(t.value("bytes", 0), 0) << t.dump();
+      EXPECT_GT(t.value("pages", 0), 0) << t.dump();
       EXPECT_FALSE(res->kvwire.value("corrupted_page", true));
     }
   }
@@ -278,7 +279,10 @@ INSTANTIATE_TEST_SUITE_P(Transports, DisaggregatedTest, ::testing::Values("tcp",
 TEST(FaultInjection, CorruptedKvPageMakesTheComparisonFail) {
   Cluster c;
   ASSERT_TRUE(c.MakeWeights().ok());
-  const std::vector<std::string> prompts = {PromptOfTokens(129), PromptOfTokens(300)};
+  const std::vector<std::string> prompts = {
+      "The decode server reads the KV cache of this prompt from the prefill server, one page "
+      "of which is corrupted on arrival; the tokens that follow must show it.",
+      PromptOfTokens(300)};
   absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
