@@ -3,7 +3,8 @@
 # present), so `make test` and `make demo` work on a fresh machine. See README.md.
 #
 #   make test          build build/ (gcc) and run every test
-#   make demo          build and run build/perf/kvwire-demo (shm and tcp, two processes)
+#   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
+#   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
@@ -49,7 +50,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo compare test-asan test-tsan format format-check install clean help
+.PHONY: deps build test demo demo-transfer compare test-asan test-tsan format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -61,8 +62,15 @@ build: deps
 test: build
 	cd $(BUILD_DIR) && $(CTEST) $(CTEST_ARGS)
 
-# Builds only what the demo needs, so a broken test elsewhere does not stop it.
+# Builds only what the demo needs, so a broken test elsewhere does not stop it. The demo's
+# weights are written once into $(BUILD_DIR)/dsv4-demo/ and reused.
 demo: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-dsv4
+	$(BUILD_DIR)/examples/dsv4/serve/kvwire-dsv4 demo --config examples/dsv4/configs/small.json \
+	  --work-dir $(BUILD_DIR)/dsv4-demo $(DEMO_ARGS)
+
+demo-transfer: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-demo
 	$(BUILD_DIR)/perf/kvwire-demo $(DEMO_ARGS)

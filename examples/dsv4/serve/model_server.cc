@@ -663,7 +663,9 @@ class ModelServer::Impl {
       const json& p = a.req.prefill_stats;
       if (p.is_object() && p.contains("computed_unix_us")) {
         const absl::Time computed = absl::FromUnixMicros(p["computed_unix_us"].get<int64_t>());
-        a.transfer["tail_ms"] = std::max(0.0, Ms(a.load_end - computed));
+        // Negative: the last layer had landed before prefill's Forward returned (the final
+        // norm and the logits come after it).
+        a.transfer["tail_ms"] = Ms(a.load_end - computed);
       }
     }
     if (options_.corrupt_kv_page) a.corrupted = CorruptOnePage(a);
