@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <time.h>
 
 #include "examples/dsv4/model/generate.h"
 #include "examples/dsv4/model/tokenizer.h"
@@ -47,26 +46,8 @@ int main(int argc, char** argv) {
   dsv4::GenerateOptions options;
   options.max_tokens = decode_tokens + 1;
   options.stop_at_eos = false;
-  // CPU seconds of the whole process (all threads): on a shared machine wall time says
-  // more about the neighbours than about the model.
-  auto cpu = [] {
-    timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-  };
-  // Prefill alone, to split the CPU time between the phases.
-  const double cpu0 = cpu();
-  double prefill_cpu = 0;
-  {
-    dsv4::GenerateOptions one;
-    one.max_tokens = 1;
-    if (!dsv4::GenerateFromTokens(**model, **cache, prompt, one).ok()) return 1;
-    prefill_cpu = cpu() - cpu0;
-  }
-  const double cpu1 = cpu();
   absl::StatusOr<dsv4::GenerateResult> r =
       dsv4::GenerateFromTokens(**model, **cache, prompt, options);
-  const double decode_cpu = cpu() - cpu1 - prefill_cpu;
   if (!r.ok()) {
     std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
     return 1;
@@ -80,7 +61,8 @@ int main(int argc, char** argv) {
   std::printf(
       "cpu: prefill %.3f s (%.1f tokens per cpu-second), decode %.3f s (%.1f tokens "
       "per cpu-second)\n",
-      prefill_cpu, prompt_tokens / prefill_cpu, decode_cpu, decode_tokens / decode_cpu);
+      r->prefill_cpu_seconds, prompt_tokens / r->prefill_cpu_seconds, r->decode_cpu_seconds,
+      decode_tokens / r->decode_cpu_seconds);
   std::printf("text: %s\n", r->text.c_str());
   return 0;
 }

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <time.h>
 
 #include "examples/dsv4/model/tokenizer.h"
 
@@ -11,6 +12,12 @@ namespace {
 
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+double CpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 // Frees a request's blocks on every exit path.
@@ -41,10 +48,13 @@ absl::StatusOr<GenerateResult> GenerateFromTokens(Model& model, KvCache& cache,
   BlockGuard guard(cache, table);
 
   auto start = std::chrono::steady_clock::now();
+  double cpu = CpuSeconds();
   absl::StatusOr<std::vector<float>> logits = model.Forward(cache, table, result.prompt_tokens, 0);
   if (!logits.ok()) return logits.status();
   result.prefill_seconds = Seconds(start);
+  result.prefill_cpu_seconds = CpuSeconds() - cpu;
   start = std::chrono::steady_clock::now();
+  cpu = CpuSeconds();
   while (static_cast<int>(result.tokens.size()) < options.max_tokens) {
     const int32_t next =
         SampleToken(*logits, options.temperature, options.seed, result.tokens.size());
@@ -59,6 +69,7 @@ absl::StatusOr<GenerateResult> GenerateFromTokens(Model& model, KvCache& cache,
     if (!logits.ok()) return logits.status();
   }
   result.decode_seconds = Seconds(start);
+  result.decode_cpu_seconds = CpuSeconds() - cpu;
   result.text = Decode(result.tokens);
   return result;
 }

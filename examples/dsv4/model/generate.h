@@ -28,8 +28,16 @@ struct GenerateResult {
   std::string text;                    // Decode(tokens)
   double prefill_seconds = 0;          // the prompt's Forward (first token's logits)
   double decode_seconds = 0;           // every later Forward
+  // CPU seconds of the whole process over the same spans (on a shared machine the wall
+  // times say more about the neighbours than about the model).
+  double prefill_cpu_seconds = 0;
+  double decode_cpu_seconds = 0;
 };
 
+// Disaggregated runs reproduce this exactly when prefill samples token 0 from the prompt's
+// logits with SampleToken(logits, temperature, seed, 0) and decode samples token k (k >= 1)
+// with step k after Forward of token k-1 at position prompt_size + k - 1.
+//
 // Encodes `prompt`, allocates its blocks in `cache`, runs the prompt through one Forward,
 // samples, then decodes one token per Forward until max_tokens or EOS; frees the blocks.
 absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, std::string_view prompt,
