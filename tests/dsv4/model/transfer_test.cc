@@ -83,6 +83,17 @@ TEST(TransferContractTest, DecodeAfterTransferIsBitIdentical) {
     absl::StatusOr<kvwire::BlockTable> tb = b->Allocate(stop + kDecodeSteps);
     ASSERT_TRUE(tb.ok()) << tb.status();
     Transfer(*a, *ta, *b, *tb, stop);
+    // Whole SWA blocks move, so B also got records just before the window; poison them so
+    // that a read one token past the window shows too.
+    const kvwire::CacheGroup* swa = b->layout().FindGroup("swa_kv");
+    const int64_t outside = static_cast<int64_t>(stop) - 128;  // newest token out of window
+    for (int64_t tok = outside < 0 ? 0 : outside / 64 * 64; tok <= outside; ++tok) {
+      for (int layer : swa->layers) {
+        uint8_t* page = b->Page("swa_kv", layer, tb->at("swa_kv")[tok / 64]);
+        std::memset(page + (tok % 64) * 576, 0x7F, 576);
+        std::memset(page + 64 * 576 + (tok % 64) * 8, 0x7F, 8);
+      }
+    }
     for (int k = 0; k < kDecodeSteps; ++k) {
       const uint64_t p = stop + k;
       absl::StatusOr<std::vector<float>> lb =
