@@ -23,8 +23,17 @@
 #include "absl/time/time.h"
 
 #include "kvwire/engine.h"
+#include "kvwire/stats.h"
+
+namespace kvwire::pb {
+class Envelope;
+}  // namespace kvwire::pb
 
 namespace kvwire::transport {
+
+// Sends one message to a peer on the engine's control channel (a transport's own setup
+// messages, e.g. rdma's QP exchange, ride there: the channel already authenticated the peer).
+using ControlSender = std::function<absl::Status(const pb::Envelope&)>;
 
 // What a transport can do; the engine decides from this, never from the transport's name.
 struct Capabilities {
@@ -134,6 +143,7 @@ struct PeerLink {
   uint32_t remote_pid = 0;
   uint32_t lanes = 1;  // data connections to open (<= caps().max_lanes)
   absl::Time deadline = absl::InfiniteFuture();
+  ControlSender send_control;  // to this peer; valid while the channel lives
 };
 
 // This transport's link to one peer (initiator side).
@@ -171,6 +181,12 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) = 0;
   // Stops serving: closes listeners and every incoming connection of the peer.
   virtual void DropPeer(PeerId peer) = 0;
+  // A control message for this transport arrived from `peer` (rdma: Envelope fields 50-59);
+  // `reply` sends on that peer's control channel. Runs on the channel's I/O thread.
+  virtual void OnControlMessage(PeerId peer, const pb::Envelope& message,
+                                const ControlSender& reply) {}
+  // Adds this transport's counters to `stats` (rdma: EngineStats::rdma).
+  virtual void AddStats(EngineStats* stats) const {}
   // Stops everything (called before the engine is destroyed).
   virtual void Shutdown() = 0;
 };

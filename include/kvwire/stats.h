@@ -35,6 +35,18 @@ struct PeerStats {
   uint64_t transfers = 0;
 };
 
+// The rdma transport's posting path (all zero without rdma). Chains: one ibv_post_send each.
+struct RdmaStats {
+  uint64_t work_requests = 0;      // WRs posted (a WR gathers up to max_sge merged pieces)
+  uint64_t post_calls = 0;         // ibv_post_send calls
+  uint64_t signalled = 0;          // WRs posted with IBV_SEND_SIGNALED
+  uint64_t inline_wrs = 0;         // WRs whose payload went inline
+  uint64_t queued_wrs = 0;         // WRs that waited for send-queue room (admission control)
+  uint64_t completion_errors = 0;  // work completions with an error status (flushes excluded)
+  uint64_t async_events = 0;       // error events: QP fatal, CQ error, port error, device fatal
+  uint64_t qp_reconnects = 0;      // QPs re-created after a failure
+};
+
 struct EngineStats {
   uint64_t regions = 0;
   uint64_t registered_bytes = 0;
@@ -53,6 +65,7 @@ struct EngineStats {
   LatencyHistogram transfer_latency;
   std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count
   std::vector<PeerStats> peers;
+  RdmaStats rdma;
 
   std::string ToJson() const;
   std::string ToPrometheus(const std::string& engine_name) const;

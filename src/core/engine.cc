@@ -90,7 +90,6 @@ absl::Status Engine::Impl::Init() {
   }
 
   transport::RdmaTransportOptions rdma_options;
-  rdma_options.listen_host = host;
   rdma_options.devices = options_.rdma_devices;
   rdma_options.gid_index = options_.rdma_gid_index;
   rdma_options.qps_per_device =
@@ -280,6 +279,7 @@ EngineStats Engine::Impl::Stats() const {
   out.regions = regions_.size();
   out.registered_bytes = regions_.bytes();
   out.notifications_delivered = arrivals_.delivered();
+  if (rdma_) rdma_->AddStats(&out);
   MutexLock lock(&peers_mu_);
   for (const auto& [id, peer] : peers_) {
     MutexLock peer_lock(&peer->mu);

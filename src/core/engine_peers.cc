@@ -239,6 +239,7 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
   link.token = peer->hello.session_token();
   link.remote_pid = peer->hello.pid();
   link.deadline = deadline;
+  link.send_control = [conn = peer->conn](const pb::Envelope& m) { return conn->Send(m); };
 
   if (preference == TransportKind::kAuto || preference == TransportKind::kShm) {
     const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "shm");
@@ -475,6 +476,14 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
       arrivals_.OnNotify(std::move(n), message.notify().expected_arrivals());
       break;
     }
+    case pb::Envelope::kRdmaConnectRequest:
+    case pb::Envelope::kRdmaConnectReply:
+      if (rdma_) {
+        rdma_->OnControlMessage(peer->id, message, [conn = peer->conn](const pb::Envelope& m) {
+          return conn->Send(m);
+        });
+      }
+      break;
     default:
       KVW_LOG(kWarning, "engine") << "unexpected control message ignored" << Kv("engine", name_)
                                   << Kv("peer", peer->name) << Kv("case", message.body_case());

@@ -62,7 +62,12 @@ std::string EngineStats::ToJson() const {
                     ",\"bytes_written\":", p.bytes_written, ",\"transfers\":", p.transfers, "}");
     first = false;
   }
-  absl::StrAppend(&out, "]}");
+  absl::StrAppend(&out, "],\"rdma\":{\"work_requests\":", rdma.work_requests,
+                  ",\"post_calls\":", rdma.post_calls, ",\"signalled\":", rdma.signalled,
+                  ",\"inline_wrs\":", rdma.inline_wrs, ",\"queued_wrs\":", rdma.queued_wrs,
+                  ",\"completion_errors\":", rdma.completion_errors,
+                  ",\"async_events\":", rdma.async_events,
+                  ",\"qp_reconnects\":", rdma.qp_reconnects, "}}");
   return out;
 }
 
@@ -82,6 +87,17 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("notifications_delivered_total", "Notifications delivered.", notifications_delivered);
   counter("incoming_ops_total", "Ops served as a target.", incoming_ops);
   counter("incoming_rejected_total", "Incoming ops refused by validation.", incoming_rejected);
+  counter("rdma_work_requests_total", "rdma work requests posted.", rdma.work_requests);
+  counter("rdma_post_calls_total", "ibv_post_send calls (one per chain).", rdma.post_calls);
+  counter("rdma_signalled_total", "rdma work requests posted signalled.", rdma.signalled);
+  counter("rdma_inline_total", "rdma work requests with inline payload.", rdma.inline_wrs);
+  counter("rdma_queued_total", "rdma work requests that waited for send-queue room.",
+          rdma.queued_wrs);
+  counter("rdma_completion_errors_total", "rdma work completions with an error status.",
+          rdma.completion_errors);
+  counter("rdma_async_events_total", "rdma error events (QP, CQ, port, device).",
+          rdma.async_events);
+  counter("rdma_qp_reconnects_total", "rdma QPs re-created after a failure.", rdma.qp_reconnects);
   absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
                   "# TYPE kvwire_transfer_latency_us histogram\n");
   uint64_t cumulative = 0;

@@ -1,10 +1,15 @@
 #include "transport/rdma/rdma_device.h"
 
 #include <arpa/inet.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <unistd.h>
+
+#include <net/if.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -36,8 +41,22 @@ int AllowedPort(const std::vector<std::string>& allow, const std::string& name) 
   return -1;
 }
 
+// The network interface behind a RoCE GID (its link state shows a port going down before
+// the port state and the async event do).
+std::string NetdevOf(const DevicePort& d) {
+  ibv_gid_entry entry{};
+  if (ibv_query_gid_ex(d.ctx.get(), d.port, d.gid_index, &entry, 0) != 0) return "";
+  char name[IF_NAMESIZE] = {0};
+  return if_indextoname(entry.ndev_ifindex, name) != nullptr ? name : "";
+}
+
 absl::Status ChooseGid(DevicePort& d, int wanted, std::string* why) {
-  if (!d.ethernet) return absl::OkStatus();
+  if (!d.ethernet) {
+    // InfiniBand addresses by LID; GID 0 (subnet prefix + GUID) tells routed peers apart.
+    if (ibv_query_gid(d.ctx.get(), d.port, 0, &d.gid) != 0) std::memset(d.gid.raw, 0, 16);
+    d.gid_index = 0;
+    return absl::OkStatus();
+  }
   if (wanted >= 0) {
     if (ibv_query_gid(d.ctx.get(), d.port, wanted, &d.gid) != 0) {
       return absl::InvalidArgumentError(absl::StrCat("GID index ", wanted, " of ", d.Describe(),
@@ -76,6 +95,53 @@ pb::RdmaDevice DevicePort::ToProto() const {
   p.set_lid(port_attr.lid);
   p.set_mtu(port_attr.active_mtu);
   return p;
+}
+
+PortAddress DevicePort::Address() const {
+  PortAddress a;
+  a.where = Describe();
+  a.port = port;
+  a.ethernet = ethernet;
+  a.gid_index = gid_index;
+  a.gid = gid;
+  a.lid = port_attr.lid;
+  a.active_mtu = port_attr.active_mtu;
+  return a;
+}
+
+absl::Status DevicePort::Usable() const {
+  if (usable_.load(std::memory_order_acquire)) return absl::OkStatus();
+  MutexLock lock(&state_mu_);
+  return absl::UnavailableError(absl::StrCat(Describe(), " is unusable: ", down_reason_));
+}
+
+std::string DevicePort::PortProblem() const {
+  ibv_port_attr now{};
+  if (ibv_query_port(ctx.get(), port, &now) != 0) {
+    return absl::StrCat("unknown (ibv_query_port: ", std::strerror(errno), ")");
+  }
+  if (now.state != IBV_PORT_ACTIVE) return ibv_port_state_str(now.state);
+  if (netdev.empty()) return "";
+  // IFF_RUNNING drops as soon as the interface stops, before the port state follows.
+  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  ifreq req{};
+  std::strncpy(req.ifr_name, netdev.c_str(), IF_NAMESIZE - 1);
+  const bool running = ioctl(fd, SIOCGIFFLAGS, &req) != 0 || (req.ifr_flags & IFF_RUNNING) != 0;
+  close(fd);
+  return running ? "" : absl::StrCat("going down (netdev ", netdev, " is not running)");
+}
+
+void DevicePort::MarkDown(const std::string& why, bool for_good) {
+  MutexLock lock(&state_mu_);
+  dead_ = dead_ || for_good;
+  down_reason_ = why;
+  usable_.store(false, std::memory_order_release);
+}
+
+void DevicePort::MarkUp() {
+  MutexLock lock(&state_mu_);
+  if (!dead_) usable_.store(true, std::memory_order_release);
 }
 
 absl::Status DevicePort::ReserveCq(uint32_t entries) {
@@ -164,6 +230,7 @@ absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
         ctx = std::move(d->ctx);
         continue;
       }
+      if (d->ethernet) d->netdev = NetdevOf(*d);
       d->pd.reset(ibv_alloc_pd(d->ctx.get()));
       if (!d->pd) {
         skipped->push_back(absl::StrCat(d->Describe(), ": ibv_alloc_pd: ", std::strerror(errno)));

@@ -13,6 +13,8 @@
 #include "absl/status/statusor.h"
 
 #include "proto/kvwire.pb.h"
+#include "src/util/mutex.h"
+#include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/rdma/verbs.h"
 
@@ -31,14 +33,30 @@ struct DevicePort {
   bool ethernet = false;
   int gid_index = 0;
   ibv_gid gid{};
+  std::string netdev;  // RoCE: the network interface of the GID ("" when unknown)
   uint32_t cq_size = 0;
   std::atomic<uint32_t> cq_reserved{0};  // CQ entries promised to QPs
 
   std::string Describe() const;  // "rxe0:1"
   pb::RdmaDevice ToProto() const;
+  PortAddress Address() const;
+  // OK while the port is usable; after a port error (until the port is ACTIVE again) or a
+  // device fatal / CQ error event (for good): Unavailable naming the event.
+  absl::Status Usable() const;
+  // Asks the device (a system call): empty while the port is ACTIVE, else its state, e.g.
+  // "DOWN". For error completions that may overtake the async event of their cause.
+  std::string PortProblem() const;
+  void MarkDown(const std::string& why, bool for_good);
+  void MarkUp();
   // Reserves CQ room for a QP of `entries` WRs, or ResourceExhausted naming the device.
   absl::Status ReserveCq(uint32_t entries);
   void ReleaseCq(uint32_t entries) { cq_reserved -= entries; }
+
+ private:
+  std::atomic<bool> usable_{true};
+  mutable Mutex state_mu_;
+  bool dead_ ABSL_GUARDED_BY(state_mu_) = false;
+  std::string down_reason_ ABSL_GUARDED_BY(state_mu_);
 };
 
 // Opens every allowed device with an ACTIVE port. `skipped` gets one line per device or

@@ -23,9 +23,9 @@
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 #include "src/util/task_runner.h"
+#include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_plan.h"
-#include "transport/rdma/setup_socket.h"
 
 namespace kvwire::transport {
 namespace rdma {
@@ -85,27 +85,16 @@ absl::Status ToInit(ibv_qp* qp, const DevicePort& dev, int access) {
 
 absl::Status ToRtr(ibv_qp* qp, const DevicePort& dev, const pb::RdmaDevice& remote,
                    uint32_t remote_qpn, uint32_t remote_psn, uint8_t max_dest_rd_atomic) {
+  auto ah = RemoteAddress(dev.Address(), remote);
+  if (!ah.ok()) return ah.status();
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = static_cast<ibv_mtu>(
-      std::min<uint32_t>(dev.port_attr.active_mtu, std::max<uint32_t>(remote.mtu(), IBV_MTU_256)));
+  a.path_mtu = PathMtu(dev.port_attr.active_mtu, remote.mtu());
   a.dest_qp_num = remote_qpn;
   a.rq_psn = remote_psn;
   a.max_dest_rd_atomic = std::max<uint8_t>(1, max_dest_rd_atomic);
   a.min_rnr_timer = 12;  // 0.64 ms
-  a.ah_attr.port_num = dev.port;
-  if (dev.ethernet) {
-    if (remote.gid().size() != 16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("peer device ", remote.name(), " sent no 16-byte GID"));
-    }
-    a.ah_attr.is_global = 1;
-    std::memcpy(a.ah_attr.grh.dgid.raw, remote.gid().data(), 16);
-    a.ah_attr.grh.sgid_index = static_cast<uint8_t>(dev.gid_index);
-    a.ah_attr.grh.hop_limit = 64;
-  } else {
-    a.ah_attr.dlid = static_cast<uint16_t>(remote.lid());
-  }
+  a.ah_attr = *ah;
   const int rc =
       ibv_modify_qp(qp, &a,
                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
@@ -141,12 +130,17 @@ struct LocalMr {
   std::vector<Mr> mrs;
 };
 
-// Counters of the posting path (for stats and the per-1000-ops figures).
+// Counters of the posting path (EngineStats::rdma and the per-1000-ops figures).
 struct PostCounters {
   std::atomic<uint64_t> post_calls{0};
   std::atomic<uint64_t> wrs{0};
   std::atomic<uint64_t> signalled{0};
   std::atomic<uint64_t> pieces{0};
+  std::atomic<uint64_t> inline_wrs{0};
+  std::atomic<uint64_t> queued_wrs{0};
+  std::atomic<uint64_t> completion_errors{0};
+  std::atomic<uint64_t> async_events{0};
+  std::atomic<uint64_t> qp_reconnects{0};
 };
 
 // The target end of one QP: receives the immediates of counted WRITE lanes.
@@ -270,8 +264,11 @@ class ServerQp {
 // async events.
 class DeviceLoop {
  public:
-  DeviceLoop(std::shared_ptr<DevicePort> dev, TargetHooks* hooks)
-      : dev_(std::move(dev)), hooks_(hooks), wake_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  DeviceLoop(std::shared_ptr<DevicePort> dev, TargetHooks* hooks, PostCounters* counters)
+      : dev_(std::move(dev)),
+        hooks_(hooks),
+        counters_(counters),
+        wake_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
     thread_ = std::thread([this] { Run(); });
   }
   ~DeviceLoop() { Stop(); }
@@ -307,6 +304,7 @@ class DeviceLoop {
 
   std::shared_ptr<DevicePort> dev_;
   TargetHooks* hooks_;
+  PostCounters* counters_;
   int wake_fd_;
   std::thread thread_;
   Mutex mu_;
@@ -319,7 +317,7 @@ struct ChannelCore {
   RdmaTransportImpl* transport = nullptr;
   PeerId peer = 0;
   std::string peer_name;
-  std::string token;
+  ControlSender send;  // the engine's control channel to the peer
   uint64_t channel_id = 0;
   pb::RdmaEndpoint remote;
 };
@@ -448,18 +446,14 @@ class RdmaTransportImpl final : public Transport {
     }
     caps_.max_lanes =
         static_cast<uint32_t>(devices_.size()) * std::max(1u, options_.qps_per_device);
-    for (const auto& d : devices_) loops_.push_back(std::make_unique<DeviceLoop>(d, hooks_));
+    for (const auto& d : devices_) {
+      loops_.push_back(std::make_unique<DeviceLoop>(d, hooks_, &counters_));
+    }
   }
   ~RdmaTransportImpl() override { Shutdown(); }
 
   absl::Status Start() {
-    auto server = SetupServer::Listen(
-        options_.listen_host, [this](const std::string& request) { return HandleSetup(request); });
-    if (!server.ok()) return server.status();
-    server_ = std::move(*server);
     pb::RdmaEndpoint ep;
-    ep.set_host(options_.listen_host == "0.0.0.0" ? "127.0.0.1" : options_.listen_host);
-    ep.set_port(server_->port());
     std::vector<std::string> names;
     for (const auto& d : devices_) {
       *ep.add_devices() = d->ToProto();
@@ -472,7 +466,6 @@ class RdmaTransportImpl final : public Transport {
     endpoint_ = ep.SerializeAsString();
     summary_ = absl::StrJoin(names, ", ");
     KVW_LOG(kInfo, "rdma") << "transport ready" << Kv("devices", summary_)
-                           << Kv("setup_port", server_->port())
                            << Kv("qps_per_device", options_.qps_per_device);
     return absl::OkStatus();
   }
@@ -486,7 +479,12 @@ class RdmaTransportImpl final : public Transport {
   absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) override;
   void DropPeer(PeerId peer) override;
   void Shutdown() override;
+  void OnControlMessage(PeerId peer, const pb::Envelope& message,
+                        const ControlSender& reply) override;
+  void AddStats(EngineStats* stats) const override;
 
+  // Fails the QP exchanges in flight for `core` (its channel closed).
+  void AbortCalls(const ChannelCore* core, const absl::Status& status);
   // Creates the target ends for `qps` and brings them up; deadline-bound, blocking.
   absl::Status Establish(const ChannelCore& core, const std::vector<std::shared_ptr<ClientQp>>& qps,
                          absl::Time deadline);
@@ -505,7 +503,21 @@ class RdmaTransportImpl final : public Transport {
   const std::string& summary() const { return summary_; }
 
  private:
-  std::string HandleSetup(const std::string& request);
+  // One QP exchange in flight: the request went out on the control channel, the reply (or
+  // an abort) fills `reply` / `status`.
+  struct PendingCall {
+    PeerId peer = 0;
+    const ChannelCore* core = nullptr;
+    bool done = false;
+    absl::Status status;
+    pb::RdmaConnectReply reply;
+  };
+  // Sends `request` on core's control channel and waits for the reply until `deadline`.
+  absl::StatusOr<pb::RdmaConnectReply> Exchange(const ChannelCore& core,
+                                                pb::RdmaConnectRequest request,
+                                                absl::Time deadline);
+  // Target side: creates the QP ends a peer asks for.
+  pb::RdmaConnectReply HandleConnect(PeerId peer, const pb::RdmaConnectRequest& request);
 
   const RdmaTransportOptions options_;
   TargetHooks* const hooks_;
@@ -514,7 +526,6 @@ class RdmaTransportImpl final : public Transport {
   std::string endpoint_;
   std::string summary_;
   std::vector<std::unique_ptr<DeviceLoop>> loops_;
-  std::unique_ptr<SetupServer> server_;
   PostCounters counters_;
   std::atomic<bool> shut_down_{false};
 
@@ -526,6 +537,11 @@ class RdmaTransportImpl final : public Transport {
   // (peer, channel id) -> target QPs by index.
   std::map<std::pair<PeerId, uint64_t>, std::map<uint32_t, std::shared_ptr<ServerQp>>> targets_
       ABSL_GUARDED_BY(server_mu_);
+
+  Mutex calls_mu_;
+  CondVar calls_cv_;
+  uint64_t next_call_ ABSL_GUARDED_BY(calls_mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<PendingCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
 
   std::unique_ptr<TaskRunner> runner_ = std::make_unique<TaskRunner>();  // QP re-creation
 };
@@ -595,6 +611,7 @@ void DeviceLoop::OnAsyncEvent(const ibv_async_event& event) {
     case IBV_EVENT_QP_REQ_ERR:
     case IBV_EVENT_QP_ACCESS_ERR:
     case IBV_EVENT_PATH_MIG_ERR: {
+      counters_->async_events.fetch_add(1, std::memory_order_relaxed);
       const uint32_t qpn = event.element.qp->qp_num;
       KVW_LOG(kWarning, "rdma") << "async event" << Kv("device", dev_->Describe())
                                 << Kv("event", what) << Kv("qpn", qpn);
@@ -612,8 +629,14 @@ void DeviceLoop::OnAsyncEvent(const ibv_async_event& event) {
     case IBV_EVENT_CQ_ERR:
     case IBV_EVENT_PORT_ERR:
     case IBV_EVENT_DEVICE_FATAL: {
+      counters_->async_events.fetch_add(1, std::memory_order_relaxed);
+      // A port comes back (PORT_ACTIVE); a dead device or a broken CQ does not.
+      const bool for_good = event.event_type != IBV_EVENT_PORT_ERR;
+      const std::string why = absl::StrCat("async event ", what, " on ", dev_->Describe());
+      dev_->MarkDown(why, for_good);
       KVW_LOG(kError, "rdma") << "async event: failing every QP of the device"
-                              << Kv("device", dev_->Describe()) << Kv("event", what);
+                              << Kv("device", dev_->Describe()) << Kv("event", what)
+                              << Kv("until", for_good ? "the engine restarts" : "port ACTIVE");
       std::vector<std::shared_ptr<ClientQp>> all;
       {
         MutexLock lock(&mu_);
@@ -621,12 +644,14 @@ void DeviceLoop::OnAsyncEvent(const ibv_async_event& event) {
           if (auto qp = weak.lock()) all.push_back(std::move(qp));
         }
       }
-      for (auto& qp : all) {
-        qp->Break(
-            absl::UnavailableError(absl::StrCat("async event ", what, " on ", dev_->Describe())));
-      }
+      for (auto& qp : all) qp->Break(absl::UnavailableError(why));
       break;
     }
+    case IBV_EVENT_PORT_ACTIVE:
+      dev_->MarkUp();
+      KVW_LOG(kWarning, "rdma") << "port active again; QPs are re-created on next use"
+                                << Kv("device", dev_->Describe());
+      break;
     default:
       KVW_LOG(kInfo, "rdma") << "async event" << Kv("device", dev_->Describe())
                              << Kv("event", what);
@@ -742,15 +767,34 @@ void ClientQp::Enqueue(std::unique_ptr<Lane> lane) {
   std::vector<Finished> finished;
   {
     MutexLock lock(&mu_);
+    absl::Status usable = dev_->Usable();
     if (state_ == State::kClosed) {
       FinishLaneLocked(
           std::move(lane),
           absl::UnavailableError(absl::StrCat("rdma channel to ", core_->peer_name, " is closed")),
           &finished);
+    } else if (!usable.ok()) {
+      // Port down or device dead: fail now rather than after the QP's retries.
+      FinishLaneLocked(std::move(lane),
+                       absl::UnavailableError(
+                           absl::StrCat("rdma transfer ", lane->request.transfer_id, " to peer ",
+                                        core_->peer_name, " refused: ", usable.message())),
+                       &finished);
     } else {
+      const Lane* added = lane.get();
       queued_.push_back(std::move(lane));
-      if (state_ == State::kReady) PumpLocked(&finished);
+      const bool ready = state_ == State::kReady;
+      if (ready) PumpLocked(&finished);
       if (state_ == State::kBroken) ScheduleReconnectLocked();
+      // Admission control: WRs of this lane that found the send queue (or the slots) full.
+      if (ready) {
+        for (auto it = queued_.rbegin(); it != queued_.rend(); ++it) {
+          if (it->get() != added) continue;
+          counters_->queued_wrs.fetch_add(added->plan.wrs.size() - added->next_wr,
+                                          std::memory_order_relaxed);
+          break;
+        }
+      }
     }
   }
   RunFinished(finished);
@@ -772,6 +816,7 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
   if (state_ != State::kReady) return;
   uint32_t n = 0;
   uint32_t signalled = 0;
+  uint32_t inlined = 0;
   ibv_send_wr* prev_last = nullptr;
   while (!queued_.empty()) {
     Lane& lane = *queued_.front();
@@ -803,6 +848,7 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
     const uint64_t seq = window_.Reserve(k);
     signalled += FillChain(lane.plan, lane.next_wr, k, lane.opcode, max_inline_,
                            options_.signal_interval, seq, tag_, &scratch_[n]);
+    for (uint32_t i = n; i < n + k; ++i) inlined += (scratch_[i].send_flags & IBV_SEND_INLINE) != 0;
     if (prev_last != nullptr) prev_last->next = &scratch_[n];
     prev_last = &scratch_[n + k - 1];
     lane.next_wr += k;
@@ -822,6 +868,7 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
   counters_->post_calls.fetch_add(1, std::memory_order_relaxed);
   counters_->wrs.fetch_add(n, std::memory_order_relaxed);
   counters_->signalled.fetch_add(signalled, std::memory_order_relaxed);
+  counters_->inline_wrs.fetch_add(inlined, std::memory_order_relaxed);
   if (rc != 0) {
     BreakLocked(absl::InternalError(absl::StrCat("ibv_post_send on ", dev_->Describe(), " QP ",
                                                  qp_->qp_num, " failed: ", std::strerror(rc))),
@@ -845,6 +892,9 @@ void ClientQp::OnCompletion(const ibv_wc& wc) {
       }
       PumpLocked(&finished);
     } else if (state_ == State::kReady) {
+      if (wc.status != IBV_WC_WR_FLUSH_ERR) {
+        counters_->completion_errors.fetch_add(1, std::memory_order_relaxed);
+      }
       // The first error; the flushes that follow it are ignored (state is broken then).
       const Lane* culprit = nullptr;
       for (const auto& lane : posted_) {
@@ -858,13 +908,19 @@ void ClientQp::OnCompletion(const ibv_wc& wc) {
       }
       const TransferId id = culprit ? culprit->request.transfer_id : 0;
       const char* verb = culprit && culprit->opcode == IBV_WR_RDMA_READ ? "READ" : "WRITE";
-      BreakLocked(absl::Status(CodeForWc(wc.status),
-                               absl::StrCat("rdma ", verb, " of transfer ", id, " failed on ",
-                                            dev_->Describe(), " QP ", wc.qp_num, " to peer ",
-                                            core_->peer_name, ": ", ibv_wc_status_str(wc.status),
-                                            " (vendor error 0x", absl::Hex(wc.vendor_err), ")",
-                                            WcHint(wc.status))),
-                  culprit, &finished);
+      std::string message =
+          absl::StrCat("rdma ", verb, " of transfer ", id, " failed on ", dev_->Describe(), " QP ",
+                       wc.qp_num, " to peer ", core_->peer_name, ": ", ibv_wc_status_str(wc.status),
+                       " (vendor error 0x", absl::Hex(wc.vendor_err), ")", WcHint(wc.status));
+      absl::StatusCode code = CodeForWc(wc.status);
+      // A port going down fails QPs before its async event is read: name the cause now.
+      if (std::string port = dev_->PortProblem(); !port.empty()) {
+        const std::string why = absl::StrCat("port error: ", dev_->Describe(), " is ", port);
+        dev_->MarkDown(why, false);
+        absl::StrAppend(&message, "; ", why);
+        code = absl::StatusCode::kUnavailable;
+      }
+      BreakLocked(absl::Status(code, message), culprit, &finished);
     }
   }
   RunFinished(finished);
@@ -874,6 +930,17 @@ void ClientQp::BreakLocked(const absl::Status& status, const Lane* culprit,
                            std::vector<Finished>* finished) {
   if (state_ == State::kClosed) return;
   state_ = State::kBroken;
+  if (qp_) {
+    // ERROR flushes what is still queued: no READ response lands in memory whose lane is
+    // reported below (the flush completions that follow are ignored).
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    if (const int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
+      KVW_LOG(kWarning, "rdma") << "QP not moved to ERROR; destroying it" << Kv("qpn", qp_->qp_num)
+                                << Kv("error", std::strerror(rc));
+      DestroyLocked();
+    }
+  }
   KVW_LOG(kWarning, "rdma") << "QP failed; it is re-created on next use"
                             << Kv("device", dev_->Describe()) << Kv("qpn", qp_ ? qp_->qp_num : 0)
                             << Kv("peer", core_->peer_name) << Kv("error", status.message());
@@ -967,6 +1034,7 @@ class RdmaChannel final : public Channel {
     for (RegionId id : ids) remote_.erase(id);
   }
   void Close(const absl::Status& reason) override {
+    transport_->AbortCalls(core_.get(), reason);
     for (auto& qp : qps_) qp->Close(reason);
   }
   std::string Describe() const override {
@@ -1178,7 +1246,7 @@ absl::StatusOr<std::unique_ptr<Channel>> RdmaTransportImpl::Connect(const PeerLi
   core->transport = this;
   core->peer = link.peer;
   core->peer_name = link.peer_name;
-  core->token = link.token;
+  core->send = link.send_control;
   core->channel_id = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
   if (!core->remote.ParseFromString(link.remote_endpoint) || core->remote.devices_size() == 0) {
     return absl::InvalidArgumentError(
@@ -1217,38 +1285,106 @@ absl::Status RdmaTransportImpl::Establish(const ChannelCore& core,
                                           const std::vector<std::shared_ptr<ClientQp>>& qps,
                                           absl::Time deadline) {
   pb::RdmaConnectRequest request;
-  request.set_token(core.token);
   request.set_channel_id(core.channel_id);
   for (const auto& qp : qps) {
+    if (absl::Status s = qp->device()->Usable(); !s.ok()) return s;
     auto info = qp->Prepare();
     if (!info.ok()) return info.status();
     *request.add_qps() = *info;
     request.add_remote_device(qp->remote_device());
     *request.add_local_device() = qp->device()->ToProto();
   }
-  pb::RdmaConnectReply reply;
-  if (absl::Status s = SetupCall(core.remote.host(), static_cast<uint16_t>(core.remote.port()),
-                                 request, &reply, deadline);
-      !s.ok()) {
-    return absl::Status(
-        s.code(), absl::StrCat("rdma QP exchange with peer ", core.peer_name, ": ", s.message()));
+  auto reply = Exchange(core, std::move(request), deadline);
+  if (!reply.ok()) {
+    return absl::Status(reply.status().code(),
+                        absl::StrCat("rdma QP exchange with peer ", core.peer_name, ": ",
+                                     reply.status().message()));
   }
-  if (reply.code() != 0) {
+  if (reply->code() != 0) {
     return absl::Status(
-        static_cast<absl::StatusCode>(reply.code()),
-        absl::StrCat("peer ", core.peer_name, " refused rdma QPs: ", reply.error()));
+        static_cast<absl::StatusCode>(reply->code()),
+        absl::StrCat("peer ", core.peer_name, " refused rdma QPs: ", reply->error()));
   }
-  if (reply.qps_size() != static_cast<int>(qps.size())) {
-    return absl::InternalError(absl::StrCat("peer ", core.peer_name, " answered ", reply.qps_size(),
-                                            " QPs for ", qps.size()));
+  if (reply->qps_size() != static_cast<int>(qps.size())) {
+    return absl::InternalError(absl::StrCat("peer ", core.peer_name, " answered ",
+                                            reply->qps_size(), " QPs for ", qps.size()));
   }
   for (size_t i = 0; i < qps.size(); ++i) {
-    if (absl::Status s = qps[i]->Finish(reply.qps(static_cast<int>(i))); !s.ok()) return s;
+    if (absl::Status s = qps[i]->Finish(reply->qps(static_cast<int>(i))); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
+absl::StatusOr<pb::RdmaConnectReply> RdmaTransportImpl::Exchange(const ChannelCore& core,
+                                                                 pb::RdmaConnectRequest request,
+                                                                 absl::Time deadline) {
+  if (!core.send) return absl::FailedPreconditionError("no control channel to the peer");
+  auto call = std::make_shared<PendingCall>();
+  call->peer = core.peer;
+  call->core = &core;
+  uint64_t id = 0;
+  {
+    MutexLock lock(&calls_mu_);
+    if (shut_down_) return absl::UnavailableError("rdma transport shut down");
+    id = next_call_++;
+    calls_[id] = call;
+  }
+  request.set_call_id(id);
+  pb::Envelope envelope;
+  *envelope.mutable_rdma_connect_request() = std::move(request);
+  absl::Status sent = core.send(envelope);
+  MutexLock lock(&calls_mu_);
+  if (!sent.ok() && !call->done) {
+    call->done = true;
+    call->status = absl::Status(sent.code(), absl::StrCat("sending the request on the control "
+                                                          "channel: ",
+                                                          sent.message()));
+  }
+  while (!call->done && absl::Now() < deadline) calls_cv_.WaitUntil(&calls_mu_, deadline);
+  calls_.erase(id);
+  if (!call->done) {
+    return absl::DeadlineExceededError("no reply on the control channel before the deadline");
+  }
+  if (!call->status.ok()) return call->status;
+  return std::move(call->reply);
+}
+
+void RdmaTransportImpl::AbortCalls(const ChannelCore* core, const absl::Status& status) {
+  MutexLock lock(&calls_mu_);
+  for (auto& [id, call] : calls_) {
+    if ((core == nullptr || call->core == core) && !call->done) {
+      call->done = true;
+      call->status = status;
+    }
+  }
+  calls_cv_.SignalAll();
+}
+
+void RdmaTransportImpl::OnControlMessage(PeerId peer, const pb::Envelope& message,
+                                         const ControlSender& reply) {
+  if (message.has_rdma_connect_request()) {
+    pb::Envelope answer;
+    *answer.mutable_rdma_connect_reply() = HandleConnect(peer, message.rdma_connect_request());
+    answer.mutable_rdma_connect_reply()->set_call_id(message.rdma_connect_request().call_id());
+    if (absl::Status s = reply(answer); !s.ok()) {
+      KVW_LOG(kWarning, "rdma") << "QP exchange reply not sent" << Kv("peer", peer)
+                                << Kv("error", s.message());
+    }
+    return;
+  }
+  if (message.has_rdma_connect_reply()) {
+    MutexLock lock(&calls_mu_);
+    auto it = calls_.find(message.rdma_connect_reply().call_id());
+    // A reply after the deadline, or from another peer, finds no call: dropped.
+    if (it == calls_.end() || it->second->peer != peer || it->second->done) return;
+    it->second->done = true;
+    it->second->reply = message.rdma_connect_reply();
+    calls_cv_.SignalAll();
+  }
+}
+
 void RdmaTransportImpl::ScheduleReconnect(std::shared_ptr<ClientQp> qp) {
+  counters_.qp_reconnects.fetch_add(1, std::memory_order_relaxed);
   const bool posted = runner_->Post([this, qp] {
     KVW_LOG(kInfo, "rdma") << "re-creating QP" << Kv("device", qp->device()->Describe())
                            << Kv("index", qp->index());
@@ -1259,29 +1395,28 @@ void RdmaTransportImpl::ScheduleReconnect(std::shared_ptr<ClientQp> qp) {
   if (!posted) qp->SetupFailed(absl::UnavailableError("rdma transport shut down"));
 }
 
-std::string RdmaTransportImpl::HandleSetup(const std::string& bytes) {
-  pb::RdmaConnectRequest request;
+pb::RdmaConnectReply RdmaTransportImpl::HandleConnect(PeerId peer,
+                                                      const pb::RdmaConnectRequest& request) {
   pb::RdmaConnectReply reply;
   auto refuse = [&](const absl::Status& s) {
     reply.Clear();
     reply.set_code(static_cast<uint32_t>(s.code()));
     reply.set_error(std::string(s.message()));
-    return reply.SerializeAsString();
+    return reply;
   };
   if (shut_down_) return refuse(absl::UnavailableError("rdma transport shutting down"));
-  if (!request.ParseFromString(bytes) || request.qps_size() != request.remote_device_size() ||
+  if (request.qps_size() != request.remote_device_size() ||
       request.qps_size() != request.local_device_size()) {
     return refuse(absl::InvalidArgumentError("malformed rdma connect request"));
   }
-  auto peer = hooks_->PeerForToken(request.token());
-  if (!peer.ok()) return refuse(peer.status());
   std::vector<std::shared_ptr<ServerQp>> created;
   for (int i = 0; i < request.qps_size(); ++i) {
     const uint32_t dev = request.remote_device(i);
     if (dev >= devices_.size()) {
       return refuse(absl::InvalidArgumentError(absl::StrCat("no local device ", dev)));
     }
-    auto qp = std::make_shared<ServerQp>(devices_[dev], *peer, request.channel_id(),
+    if (absl::Status s = devices_[dev]->Usable(); !s.ok()) return refuse(s);
+    auto qp = std::make_shared<ServerQp>(devices_[dev], peer, request.channel_id(),
                                          request.qps(i).index());
     auto info = qp->Create(request.qps(i), request.local_device(i), options_);
     if (!info.ok()) return refuse(info.status());
@@ -1289,7 +1424,7 @@ std::string RdmaTransportImpl::HandleSetup(const std::string& bytes) {
     created.push_back(std::move(qp));
   }
   MutexLock lock(&server_mu_);
-  auto& table = targets_[{*peer, request.channel_id()}];
+  auto& table = targets_[{peer, request.channel_id()}];
   for (int i = 0; i < request.qps_size(); ++i) {
     const uint32_t index = request.qps(i).index();
     DeviceLoop* loop = loops_[request.remote_device(i)].get();
@@ -1297,7 +1432,7 @@ std::string RdmaTransportImpl::HandleSetup(const std::string& bytes) {
     loop->AddServer(created[i]->qpn(), created[i]);
     table[index] = created[i];
   }
-  return reply.SerializeAsString();
+  return reply;
 }
 
 void RdmaTransportImpl::DropPeer(PeerId peer) {
@@ -1322,9 +1457,24 @@ void RdmaTransportImpl::DropPeer(PeerId peer) {
   }
 }
 
+void RdmaTransportImpl::AddStats(EngineStats* stats) const {
+  RdmaStats& r = stats->rdma;
+  r.work_requests = counters_.wrs.load(std::memory_order_relaxed);
+  r.post_calls = counters_.post_calls.load(std::memory_order_relaxed);
+  r.signalled = counters_.signalled.load(std::memory_order_relaxed);
+  r.inline_wrs = counters_.inline_wrs.load(std::memory_order_relaxed);
+  r.queued_wrs = counters_.queued_wrs.load(std::memory_order_relaxed);
+  r.completion_errors = counters_.completion_errors.load(std::memory_order_relaxed);
+  r.async_events = counters_.async_events.load(std::memory_order_relaxed);
+  r.qp_reconnects = counters_.qp_reconnects.load(std::memory_order_relaxed);
+}
+
 void RdmaTransportImpl::Shutdown() {
-  if (shut_down_.exchange(true)) return;
-  if (server_) server_->Stop();
+  {
+    MutexLock lock(&calls_mu_);
+    if (shut_down_.exchange(true)) return;
+  }
+  AbortCalls(nullptr, absl::UnavailableError("rdma transport shut down"));
   runner_->Stop();
   {
     MutexLock lock(&server_mu_);

@@ -10,12 +10,14 @@
 // - Memory: RegisterRegion registers an MR on every device at once (local write + remote
 //   read/write as the region allows, never remote atomics); RegionKey hands the rkeys out and
 //   the engine exports them in RegionDescriptor.transport_keys.
-// - Connection: Endpoint() is a serialized pb::RdmaEndpoint: the devices and a small TCP
-//   "connection-setup" socket of this transport. Channel creation (Connect) creates
-//   qps_per_device RC QPs on every local device, sends one pb::RdmaConnectRequest (session
-//   token, QPN, PSN, GID/LID, MTU, per QP) over that socket, and the target creates its ends
-//   and answers with its QPNs, PSNs, read-atomic limit and per-QP slot table. A broken QP is
-//   re-created the same way (one QP) on the next use, on a background thread.
+// - Connection: Endpoint() is a serialized pb::RdmaEndpoint (the device ports). Channel
+//   creation (Connect) creates qps_per_device RC QPs on every local device and sends one
+//   pb::RdmaConnectRequest (QPN, PSN, GID/LID, MTU per QP) to the peer on the engine's
+//   control channel (PeerLink::send_control; the channel already authenticated the peer).
+//   The target creates its ends and answers with a pb::RdmaConnectReply (QPNs, PSNs,
+//   read-atomic limit, per-QP slot table) that the engine hands back through
+//   OnControlMessage. A broken QP is re-created the same way (one QP) on its next use, on a
+//   background thread. Address vectors: rdma_address.h (RoCE GRH, InfiniBand LID).
 // - Posting: each engine lane maps to one QP (LaneToQp). Ops are merged and gathered into
 //   WRs (PlanWrs), a lane's WRs are chained with those of other queued lanes into one
 //   ibv_post_send as far as the send window allows (SendWindow: never past the depth; the
@@ -27,7 +29,10 @@
 //   cannot last; rnr_retry is an option.
 // - Failure: an error completion fails its lane with device, port, QPN, transfer id and the
 //   verbs status, fails the other lanes of that QP, and marks the QP for re-creation. Async
-//   events (QP fatal, CQ error, port error, device fatal) fail every affected lane at once.
+//   events (QP fatal, CQ error, port error, device fatal) fail every affected lane at once;
+//   after a port error the device refuses new lanes (naming the event) until the port is
+//   ACTIVE again, then QPs are re-created on next use. A failed QP is moved to ERROR first,
+//   so nothing touches local memory once its lanes are reported. Counters: AddStats.
 //   Close and DropPeer (peer dead by lease) destroy the QPs.
 #ifndef KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
@@ -43,8 +48,6 @@
 namespace kvwire::transport {
 
 struct RdmaTransportOptions {
-  // Host of the connection-setup socket (the engine's listen host).
-  std::string listen_host = "127.0.0.1";
   // Device allow-list, "name" or "name:port" entries; empty = every device.
   std::vector<std::string> devices;
   // GID index for RoCE; -1 = the first IPv4-mapped RoCE v2 GID among the first 16.

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Builds (once) the soft-RoCE test VM image under $1 (a folder of the build tree):
 #   $1/vmlinuz            the kernel of Debian's current linux-image-amd64 dependency
-#   $1/base.cpio.gz       busybox, the rdma_rxe modules, rdma-core userspace, /init
-# The kernel package is discovered with apt-cache and fetched with apt-get download (after
-# apt-get update if the package lists are missing or stale); nothing is installed.
-# Rebuilt only when the kernel version or this folder's scripts change.
+#   $1/base.cpio.gz       busybox, the rdma_rxe modules, rdma-core userspace, valgrind
+#                         (memcheck only, for the leak check), /init
+# The kernel package is discovered with apt-cache; it and valgrind are fetched with apt-get
+# download (after apt-get update if the package lists are missing or stale); nothing is
+# installed.
+# Rebuilt only when the kernel version, the host's glibc or this folder's scripts change.
 set -euo pipefail
 out=${1:?usage: build_image.sh <cache dir>}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,28 +26,42 @@ fi
 [[ -n "$pkg" ]] || { echo "build_image: cannot discover the kernel package (apt-cache depends linux-image-amd64)" >&2; exit 1; }
 kver=${pkg#linux-image-}
 
-stamp="$kver $(cat "$here/build_image.sh" "$here/init" | md5sum | cut -c1-16)"
+# The image carries the host's glibc (and the debug info of its ld.so): its version counts.
+stamp="$kver $(cat "$here/build_image.sh" "$here/init" | md5sum | cut -c1-16) libc6=$(dpkg-query -W -f='${Version}' libc6)"
 if [[ -f "$out/stamp" && "$(cat "$out/stamp")" == "$stamp" && -f "$out/base.cpio.gz" && -f "$out/vmlinuz" ]]; then
   echo "build_image: cached ($stamp)"
   exit 0
 fi
 echo "build_image: building for kernel $kver"
 
-# --- kernel ----------------------------------------------------------------------------------
+# --- packages --------------------------------------------------------------------------------
 dl=$out/dl
 mkdir -p "$dl"
-deb=$(ls "$dl"/"${pkg}"_*.deb 2>/dev/null | head -1 || true)
-if [[ -z "$deb" ]]; then
-  rm -f "$dl"/*.deb
-  # apt-get download drops privileges to _apt where it can; a root-owned folder is fine
-  # because it then falls back to root (and warns).
-  if ! (cd "$dl" && apt-get download -qq "$pkg" 2>"$dl/download.err"); then
-    echo "build_image: apt-get download $pkg failed ($(tail -1 "$dl/download.err")); apt-get update and retry" >&2
-    apt-get update -qq >/dev/null
-    (cd "$dl" && apt-get download -qq "$pkg")
+# download <package> [version]: prints the path of its .deb in $dl, fetching it once.
+download() {
+  local deb spec=$1 glob="$1"_*.deb
+  if [[ -n "${2:-}" ]]; then
+    spec="$1=$2"
+    glob="$1_${2#*:}_*.deb"
   fi
-  deb=$(ls "$dl"/"${pkg}"_*.deb | head -1)
-fi
+  deb=$(ls "$dl"/$glob 2>/dev/null | head -1 || true)
+  if [[ -z "$deb" ]]; then
+    # apt-get download drops privileges to _apt where it can; a root-owned folder is fine
+    # because it then falls back to root (and warns).
+    if ! (cd "$dl" && apt-get download -qq "$spec" 2>"$dl/download.err" >&2); then
+      echo "build_image: apt-get download $spec failed ($(tail -1 "$dl/download.err")); apt-get update and retry" >&2
+      apt-get update -qq >/dev/null
+      (cd "$dl" && apt-get download -qq "$spec" >&2)
+    fi
+    deb=$(ls "$dl"/$glob | head -1)
+  fi
+  echo "$deb"
+}
+# Kernel packages of other versions are stale.
+for old in "$dl"/linux-image-*.deb; do
+  [[ -e "$old" && "$(basename "$old")" != "${pkg}"_* ]] && rm -f "$old"
+done
+deb=$(download "$pkg")
 rm -rf "$out/kpkg"
 dpkg-deb -x "$deb" "$out/kpkg"
 cp "$out/kpkg/boot/vmlinuz-$kver" "$out/vmlinuz"
@@ -93,10 +109,33 @@ rm -f "$r/bin/ip" "$r/sbin/ip"
 echo 'root:x:0:0:root:/root:/bin/sh' > "$r/etc/passwd"
 echo 'root:x:0:' > "$r/etc/group"
 printf '127.0.0.1 localhost\n' > "$r/etc/hosts"
+# valgrind, memcheck only (tests/rdma/vm/run_in_vm.sh runs the leak check with it).
+vdeb=$(download valgrind)
+rm -rf "$out/vpkg"
+dpkg-deb -x "$vdeb" "$out/vpkg"
+mkdir -p "$r/usr/libexec/valgrind"
+cp "$out/vpkg/usr/bin/valgrind.bin" "$r/usr/bin/valgrind"
+for f in memcheck-amd64-linux vgpreload_core-amd64-linux.so vgpreload_memcheck-amd64-linux.so \
+         default.supp; do
+  cp "$out/vpkg/usr/libexec/valgrind/$f" "$r/usr/libexec/valgrind/"
+done
+ldd "$out/vpkg/usr/bin/valgrind.bin" | grep -q 'libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6' ||
+  { echo "build_image: valgrind.bin needs more than libc (see ldd)" >&2; exit 1; }
+# memcheck must redirect ld.so's strlen, which Debian strips: the debug file of the host's
+# ld.so (the image runs the host's glibc) from libc6-dbg of exactly that version.
+ldso=$(readlink -f /lib64/ld-linux-x86-64.so.2)
+build_id=$(readelf -n "$ldso" | awk '/Build ID:/ { print $3; exit }')
+[[ -n "$build_id" ]] || { echo "build_image: no build id in $ldso" >&2; exit 1; }
+ddeb=$(download libc6-dbg "$(dpkg-query -W -f='${Version}' libc6)")
+dbg=usr/lib/debug/.build-id/${build_id:0:2}/${build_id:2}.debug
+dpkg-deb --fsys-tarfile "$ddeb" | tar -x -C "$out/vpkg" "./$dbg" ||
+  { echo "build_image: $dbg (ld.so debug info) missing from $(basename "$ddeb")" >&2; exit 1; }
+mkdir -p "$r/$(dirname "$dbg")"
+cp "$out/vpkg/$dbg" "$r/$dbg"
 cp "$here/init" "$r/init"
 chmod +x "$r/init"
 (cd "$r" && find . -print0 | cpio --null -o -H newc --quiet | gzip -1) > "$out/base.cpio.gz.tmp"
 mv "$out/base.cpio.gz.tmp" "$out/base.cpio.gz"
-rm -rf "$r" "$out/kpkg"
+rm -rf "$r" "$out/kpkg" "$out/vpkg"
 echo "$stamp" > "$out/stamp"
 echo "build_image: done ($(du -h "$out/base.cpio.gz" | cut -f1) initramfs, kernel $kver)"

@@ -11,7 +11,7 @@ cache=${1:?usage: run_vm_tests.sh <cache dir> <test binary> <peer binary>}
 test_bin=$(readlink -f "${2:?}")
 peer_bin=$(readlink -f "${3:?}")
 here=$(cd "$(dirname "$0")" && pwd)
-vm_timeout=${KVWIRE_VM_TIMEOUT:-330}
+vm_timeout=${KVWIRE_VM_TIMEOUT:-600}
 fail() { echo "rdma VM stage FAILED: $*" >&2; exit 1; }
 start=$(date +%s)
 
@@ -27,7 +27,14 @@ mkdir -p "$overlay/opt"
 "$here/copy_with_libs.sh" "$overlay" "$test_bin" "$peer_bin" || fail "packing the test binaries"
 cp "$here/run_in_vm.sh" "$overlay/opt/run.sh"
 chmod +x "$overlay/opt/run.sh"
-{ echo "TEST_BIN=$test_bin"; echo "GTEST_FILTER='${KVWIRE_VM_GTEST_FILTER:-*}'"; } > "$overlay/opt/tests.env"
+# The leak check (valgrind, in run_in_vm.sh) runs its test alone; KVWIRE_VM_LEAKCHECK=0 skips it.
+leak_filter='RdmaLeakCheck.*'
+[[ ${KVWIRE_VM_LEAKCHECK:-1} == 0 ]] && leak_filter=
+{
+  echo "TEST_BIN=$test_bin"
+  echo "GTEST_FILTER='${KVWIRE_VM_GTEST_FILTER:-*:-RdmaLeakCheck.*}'"
+  echo "LEAK_FILTER='$leak_filter'"
+} > "$overlay/opt/tests.env"
 (cd "$overlay" && find . -print0 | cpio --null -o -H newc --quiet | gzip -1) > "$cache/overlay.cpio.gz" ||
   fail "packing the overlay"
 cat "$cache/base.cpio.gz" "$cache/overlay.cpio.gz" > "$cache/initrd.cpio.gz"
