@@ -68,6 +68,10 @@ const char* MessageName(const pb::Envelope& envelope) {
       return "Notify";
     case pb::Envelope::kGoodbye:
       return "Goodbye";
+    case pb::Envelope::kRdmaConnectRequest:
+      return "RdmaConnectRequest";
+    case pb::Envelope::kRdmaConnectReply:
+      return "RdmaConnectReply";
     case pb::Envelope::BODY_NOT_SET:
       break;
   }
