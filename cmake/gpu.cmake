@@ -60,7 +60,9 @@ if(NOT KVWIRE_GPU STREQUAL none)
   if(NOT KVWIRE_NVCC)
     set(_cuda_why "nvcc not found (looked in ${KVWIRE_CUDA_ROOT}/bin and PATH)")
   else()
-    get_filename_component(_cuda_root ${KVWIRE_NVCC} DIRECTORY)
+    # The toolkit around the real nvcc (/usr/local/bin/nvcc is often a link into it).
+    get_filename_component(_cuda_root ${KVWIRE_NVCC} REALPATH)
+    get_filename_component(_cuda_root ${_cuda_root} DIRECTORY)
     get_filename_component(_cuda_root ${_cuda_root} DIRECTORY)
     find_path(KVWIRE_CUDA_INCLUDE cuda_runtime_api.h
       HINTS ${_cuda_root}/include ${_cuda_root}/targets/x86_64-linux/include NO_DEFAULT_PATH)

@@ -145,13 +145,16 @@ KVW_HOST_DEVICE inline uint8_t EncodeNope(float x, uint8_t scale_byte) {
 
 // One KV-cache write: token i's 512 floats (448 NoPE then 64 RoPE) at src + i * src_stride go
 // to slot slots[i] = block * block_size + offset within the block; a negative slot is skipped
-// (padding tokens), as in vLLM's slot_mapping.
+// (padding tokens), as in vLLM's slot_mapping. Slots at or past num_slots (the cache's pages x
+// block_size) are refused by the CPU path before it writes anything; the GPU kernel, which
+// cannot return an error per token, skips them so that it never writes outside the cache.
 struct KvEncodeArgs {
   const float* src = nullptr;
   uint64_t src_stride = kKvInputDims;  // floats between consecutive tokens
   const int64_t* slots = nullptr;
   uint8_t* cache = nullptr;  // page p starts at cache + p * page_bytes
   uint64_t page_bytes = 0;
+  uint64_t num_slots = 0;
   uint32_t block_size = 0;
   uint32_t num_tokens = 0;
 };

@@ -49,6 +49,7 @@ absl::Status ValidateKvEncodeArgs(const KvEncodeArgs& args) {
         absl::StrCat("kv encode: src_stride ", args.src_stride, " < ", kKvInputDims));
   }
   if (args.block_size == 0) return absl::InvalidArgumentError("kv encode: block_size is 0");
+  if (args.num_slots == 0) return absl::InvalidArgumentError("kv encode: num_slots is 0");
   if (args.page_bytes < uint64_t{args.block_size} * kKvRecordBytes) {
     return absl::InvalidArgumentError(absl::StrCat("kv encode: page_bytes ", args.page_bytes,
                                                    " < block_size ", args.block_size, " x ",
@@ -57,12 +58,12 @@ absl::Status ValidateKvEncodeArgs(const KvEncodeArgs& args) {
   return absl::OkStatus();
 }
 
-absl::Status EncodeKvRecordsCpu(const KvEncodeArgs& args, uint64_t num_slots) {
+absl::Status EncodeKvRecordsCpu(const KvEncodeArgs& args) {
   if (absl::Status s = ValidateKvEncodeArgs(args); !s.ok()) return s;
   for (uint32_t i = 0; i < args.num_tokens; ++i) {
-    if (args.slots[i] >= 0 && static_cast<uint64_t>(args.slots[i]) >= num_slots) {
+    if (args.slots[i] >= 0 && static_cast<uint64_t>(args.slots[i]) >= args.num_slots) {
       return absl::InvalidArgumentError(
-          absl::StrCat("kv encode: token ", i, " slot ", args.slots[i], " >= ", num_slots));
+          absl::StrCat("kv encode: token ", i, " slot ", args.slots[i], " >= ", args.num_slots));
     }
   }
   for (uint32_t i = 0; i < args.num_tokens; ++i) {

@@ -21,8 +21,8 @@ void DecodeKvRecordCpu(const uint8_t* data_row, const uint8_t* scale_row, float*
 // read here (they may live in device memory).
 absl::Status ValidateKvEncodeArgs(const KvEncodeArgs& args);
 // The paged encode on the CPU; `args.slots` must lie in host memory and every non-negative
-// slot below `num_slots` (InvalidArgument otherwise, before anything is written).
-absl::Status EncodeKvRecordsCpu(const KvEncodeArgs& args, uint64_t num_slots);
+// slot below `args.num_slots` (InvalidArgument otherwise, before anything is written).
+absl::Status EncodeKvRecordsCpu(const KvEncodeArgs& args);
 
 }  // namespace kvwire::gpu
 

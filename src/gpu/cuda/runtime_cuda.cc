@@ -45,8 +45,12 @@ absl::Status Error(cudaError_t e, const std::string& what) {
 // Driver entry points; null when the driver (or this CUDA version) lacks them.
 struct Driver {
   using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+#if KVWIRE_GPU_CUDA_HAS_DMABUF
   using GetHandleFn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType,
                                    unsigned long long);
+#else
+  using GetHandleFn = void*;  // this CUDA's headers have no dma-buf export
+#endif
   using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
   using GetErrorStringFn = CUresult (*)(CUresult, const char**);
   GetAddressRangeFn get_address_range = nullptr;
@@ -111,15 +115,16 @@ class CudaRuntimeImpl final : public Runtime {
       }
       (void)cudaGetLastError();
     }
+#if KVWIRE_GPU_CUDA_HAS_DMABUF
     const Driver& d = driver();
-    if (KVWIRE_GPU_CUDA_HAS_DMABUF && d.get_handle != nullptr &&
-        d.device_get_attribute != nullptr) {
+    if (d.get_handle != nullptr && d.device_get_attribute != nullptr) {
       int supported = 0;
       if (d.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device) ==
           CUDA_SUCCESS) {
         info.dma_buf = supported != 0;
       }
     }
+#endif
     return info;
   }
 
@@ -235,8 +240,9 @@ class CudaRuntimeImpl final : public Runtime {
   }
 
   absl::StatusOr<DmaBufRange> ExportDmaBuf(int device, const void* ptr, size_t bytes) override {
+#if KVWIRE_GPU_CUDA_HAS_DMABUF
     const Driver& d = driver();
-    if (!KVWIRE_GPU_CUDA_HAS_DMABUF || d.get_handle == nullptr || d.get_address_range == nullptr) {
+    if (d.get_handle == nullptr || d.get_address_range == nullptr) {
       return absl::UnimplementedError(
           "kvwire gpu: cuMemGetHandleForAddressRange is not available from this CUDA driver");
     }
@@ -263,6 +269,13 @@ class CudaRuntimeImpl final : public Runtime {
       return DriverError(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)");
     }
     return DmaBufRange{fd, p - start, size};
+#else
+    (void)device;
+    (void)ptr;
+    (void)bytes;
+    return absl::UnimplementedError(
+        "kvwire gpu: this build's cuda.h has no cuMemGetHandleForAddressRange (CUDA < 11.7)");
+#endif
   }
   void CloseDmaBuf(int fd) override { close(fd); }
 

@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kThreads) EncodeKernel(KvEncodeArgs args) {
   const unsigned token = blockIdx.x;
   const unsigned j = threadIdx.x;
   const int64_t slot = args.slots[token];
-  if (slot < 0) return;  // the whole block leaves together: no barrier is skipped
+  // The whole block leaves together: no barrier is skipped.
+  if (slot < 0 || static_cast<uint64_t>(slot) >= args.num_slots) return;
   const float* src = args.src + token * args.src_stride;
   float x[kKvTiles];
   for (unsigned t = 0; t < kKvTiles; ++t) {

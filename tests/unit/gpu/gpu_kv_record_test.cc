@@ -203,8 +203,9 @@ TEST(KvRecord, PagedEncodePutsDataRowsFirstThenScaleRows) {
   args.cache = cache.data();
   args.page_bytes = page;
   args.block_size = block_size;
+  args.num_slots = block_size * blocks;
   args.num_tokens = n;
-  ASSERT_TRUE(EncodeKvRecordsCpu(args, block_size * blocks).ok());
+  ASSERT_TRUE(EncodeKvRecordsCpu(args).ok());
 
   std::vector<bool> written(block_size * blocks, false);
   std::vector<uint8_t> data(kKvDataRowBytes), scales(kKvScaleRowBytes);
@@ -243,8 +244,9 @@ TEST(KvRecord, BadArgumentsAreRejectedBeforeAnyWrite) {
   args.cache = cache.data();
   args.page_bytes = cache.size();
   args.block_size = 4;
+  args.num_slots = 4;
   args.num_tokens = 1;
-  absl::Status s = EncodeKvRecordsCpu(args, 4);
+  absl::Status s = EncodeKvRecordsCpu(args);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(cache, std::vector<uint8_t>(cache.size(), 0));
   args.page_bytes = 4 * kKvRecordBytes - 1;
@@ -254,6 +256,9 @@ TEST(KvRecord, BadArgumentsAreRejectedBeforeAnyWrite) {
   EXPECT_EQ(ValidateKvEncodeArgs(args).code(), absl::StatusCode::kInvalidArgument);
   args.src_stride = kKvInputDims;
   args.block_size = 0;
+  EXPECT_EQ(ValidateKvEncodeArgs(args).code(), absl::StatusCode::kInvalidArgument);
+  args.block_size = 4;
+  args.num_slots = 0;
   EXPECT_EQ(ValidateKvEncodeArgs(args).code(), absl::StatusCode::kInvalidArgument);
 }
 

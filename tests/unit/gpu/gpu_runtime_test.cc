@@ -248,6 +248,9 @@ TEST_P(GpuRuntimeTest, KvRecordKernelMatchesCpuReferenceByteForByte) {
   slots.resize(n);
   for (uint32_t i = 0; i < n; i += 97) slots[i] = -1;
 
+  // Token 1 goes to a slot past the cache: the CPU path refuses the batch, the kernel skips
+  // that token (no stray write), so the reference below skips it as well.
+  slots[1] = static_cast<int64_t>(block_size) * blocks + 5;
   std::vector<uint8_t> want(cache_bytes, 0xcd);
   KvEncodeArgs args;
   args.src = src.data();
@@ -255,8 +258,14 @@ TEST_P(GpuRuntimeTest, KvRecordKernelMatchesCpuReferenceByteForByte) {
   args.cache = want.data();
   args.page_bytes = page;
   args.block_size = block_size;
+  args.num_slots = uint64_t{block_size} * blocks;
   args.num_tokens = n;
-  ASSERT_TRUE(EncodeKvRecordsCpu(args, block_size * blocks).ok());
+  ASSERT_EQ(EncodeKvRecordsCpu(args).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int64_t> ref_slots = slots;
+  ref_slots[1] = -1;
+  KvEncodeArgs ref = args;
+  ref.slots = ref_slots.data();
+  ASSERT_TRUE(EncodeKvRecordsCpu(ref).ok());
 
   absl::StatusOr<DeviceBuffer> d_src = DeviceBuffer::Allocate(rt(), 0, src.size() * 4);
   absl::StatusOr<DeviceBuffer> d_slots = DeviceBuffer::Allocate(rt(), 0, slots.size() * 8);
