@@ -62,9 +62,12 @@ run_program() {
   local bin=$1 out=$2
   shift 2
   if [[ -x $BUNDLE/lib/ld-linux-x86-64.so.2 && $bin == "$BUNDLE"/* ]]; then
-    KVWIRE_GPU_IPC_PEER="$PWD/$BUNDLE/lib/ld-linux-x86-64.so.2 --library-path $PWD/$BUNDLE/lib $PWD/$BUNDLE/bin/gpu_ipc_peer" \
-      timeout "$PER_PROGRAM_TIMEOUT" "$BUNDLE/lib/ld-linux-x86-64.so.2" --library-path "$BUNDLE/lib" \
-      "$bin" "$@" >"$out" 2>&1
+    # The bundle's libraries first; LD_LIBRARY_PATH after them, for a libcuda.so.1 that the
+    # loader cache does not list (containers often mount the driver's libraries that way).
+    local libs="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local loader="$PWD/$BUNDLE/lib/ld-linux-x86-64.so.2"
+    KVWIRE_GPU_IPC_PEER="$loader --library-path $libs $PWD/$BUNDLE/bin/gpu_ipc_peer" \
+      timeout "$PER_PROGRAM_TIMEOUT" "$loader" --library-path "$libs" "$bin" "$@" >"$out" 2>&1
   else
     timeout "$PER_PROGRAM_TIMEOUT" "$bin" "$@" >"$out" 2>&1
   fi
@@ -106,8 +109,9 @@ run_all() {
   printf '%.0s-' {1..90}
   echo
   echo "passed $passed, skipped $skipped, failed $failed, in $((SECONDS - start)) s"
-  # The reason a device test skipped (one line per runtime), and any failure in full.
-  grep -h '^kvwire gpu: ' "$log"/*.txt | sort -u | sed 's/^/  /' || true
+  # What the tests saw of the device, the reason a device test skipped (one line per
+  # runtime), and any failure in full.
+  grep -h -E '^(device [0-9]+: |kvwire gpu: )' "$log"/*.txt | sort -u | sed 's/^/  /' || true
   if [[ $status -ne 0 || $failed -ne 0 ]]; then
     for p in "${PROGRAMS[@]}"; do
       if grep -qE 'FAILED|Failure' "$log/$p.txt"; then
