@@ -32,9 +32,11 @@ inline constexpr uint32_t kKvScaleRowBytes = kKvTiles + 1;                      
 inline constexpr uint32_t kKvRecordBytes = kKvDataRowBytes + kKvScaleRowBytes;  // 584
 // Largest finite e4m3 (OCP E4M3FN: no infinities, 0x7f / 0xff are NaN).
 inline constexpr float kE4m3Max = 448.0f;
-// UE8M0 scale bytes are clamped to this range: 2^-24 keeps tiles of (near) zeros finite and
-// the inverse scale a normal float; 247 is the scale of FLT_MAX / 448 rounded up.
-inline constexpr uint32_t kMinScaleByte = 127 - 24;
+// UE8M0 scale bytes are clamped to this range. 105 (2^-22) is the scale of amax = 1e-4: a tile
+// whose largest |x| is smaller counts as 1e-4, as in the reference engine's encoder
+// (examples/dsv4/model/fp8.cc), so that tiles of (near) zeros keep a finite scale. 247 is the
+// scale of FLT_MAX / 448 rounded up.
+inline constexpr uint32_t kMinScaleByte = 105;
 inline constexpr uint32_t kMaxScaleByte = 247;
 
 // Page bytes for `block_size` records: data rows, then scale rows, rounded up to 576.
@@ -58,8 +60,12 @@ KVW_HOST_DEVICE inline float BitsFloat(uint32_t b) {
 }
 
 // |x| as bits: non-negative floats order like their bit patterns, so the tile maximum is an
-// integer max (associative, exact, the same in any reduction order). NaN sorts above +inf.
-KVW_HOST_DEVICE inline uint32_t AbsBits(float f) { return FloatBits(f) & 0x7fffffffu; }
+// integer max (associative, exact, the same in any reduction order). A NaN counts as 0
+// (std::max(amax, |NaN|) in the reference engine keeps amax too).
+KVW_HOST_DEVICE inline uint32_t AbsBits(float f) {
+  const uint32_t a = FloatBits(f) & 0x7fffffffu;
+  return a > 0x7f800000u ? 0 : a;
+}
 
 // The UE8M0 scale byte (scale = 2^(byte-127)) of a tile whose largest |x| has bits
 // `amax_bits`: the smallest power of two with 448 * scale >= amax. With amax = m * 2^E

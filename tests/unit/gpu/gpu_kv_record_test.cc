@@ -13,6 +13,10 @@
 #include "src/gpu/kv_record.h"
 #include "src/gpu/kv_record_cpu.h"
 
+#if KVWIRE_GPU_TEST_DSV4
+#include "examples/dsv4/model/fp8.h"
+#endif
+
 namespace kvwire::gpu {
 namespace {
 
@@ -130,6 +134,9 @@ TEST(ScaleByte, IsTheSmallestPowerOfTwoThatFits) {
   EXPECT_EQ(ScaleByteForAmax(AbsBits(std::nextafter(448.0f, 1e9f))), 128);
   EXPECT_EQ(ScaleByteForAmax(AbsBits(224.0f)), 126);
   EXPECT_EQ(ScaleByteForAmax(0), kMinScaleByte);
+  EXPECT_EQ(ScaleByteForAmax(AbsBits(1e-4f)), kMinScaleByte);  // the 1e-4 floor
+  EXPECT_EQ(ScaleByteForAmax(AbsBits(1e-6f)), kMinScaleByte);
+  EXPECT_EQ(ScaleByteForAmax(AbsBits(std::numeric_limits<float>::quiet_NaN())), kMinScaleByte);
   EXPECT_EQ(ScaleByteForAmax(AbsBits(std::numeric_limits<float>::infinity())), kMaxScaleByte);
   EXPECT_EQ(ScaleByteForAmax(AbsBits(std::numeric_limits<float>::max())), kMaxScaleByte);
 }
@@ -233,6 +240,24 @@ TEST(KvRecord, PagedEncodePutsDataRowsFirstThenScaleRows) {
     }
   }
 }
+
+#if KVWIRE_GPU_TEST_DSV4
+TEST(KvRecord, MatchesTheReferenceEnginesEncoderByteForByte) {
+  const uint32_t n = 200;
+  std::vector<float> src = RandomTokens(n, 4);
+  // Edge tiles: all zeros, below the 1e-4 floor, a NaN among normal values.
+  std::fill(src.begin(), src.begin() + kKvTileDims, 0.0f);
+  for (uint32_t j = 0; j < kKvTileDims; ++j) src[kKvInputDims + j] = 3e-6f * (j % 7) - 1e-5f;
+  src[2 * kKvInputDims + 5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<uint8_t> mine(kKvRecordBytes), theirs(kKvRecordBytes);
+  for (uint32_t t = 0; t < n; ++t) {
+    const float* x = &src[t * kKvInputDims];
+    EncodeKvRecordCpu(x, mine.data(), mine.data() + kKvDataRowBytes);
+    dsv4::EncodeKvRecord(x, theirs.data(), /*entries=*/1, /*index=*/0);
+    ASSERT_EQ(mine, theirs) << "token " << t;
+  }
+}
+#endif
 
 TEST(KvRecord, BadArgumentsAreRejectedBeforeAnyWrite) {
   std::vector<float> src(kKvInputDims, 1.0f);
