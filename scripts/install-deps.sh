@@ -27,6 +27,10 @@ packages=(
   ccache
   # setarch (util-linux) disables ASLR for TSan on kernels whose mmap layout it rejects.
   util-linux
+  # GPU shim (src/gpu, cmake/gpu.cmake): the HIP backend and its kernels compile for
+  # gfx90a/gfx940 in every build, so that they never rot (about 66 MB download, 350 MB on
+  # disk, ~20 s to install). The CUDA backend uses nvcc from /usr/local/cuda when present.
+  hipcc libamdhip64-dev
 )
 # `--compare`: what `make compare` (perf/compare/) runs besides kvwire; not needed by `make test`.
 compare_packages=(ucx-utils iperf3 gnuplot-nox python3)
