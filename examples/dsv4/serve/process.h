@@ -36,6 +36,8 @@ class Process {
   void Stop(int signal, absl::Duration grace = absl::Seconds(10));
   // Waits for the child to exit by itself; its exit code, or DeadlineExceeded.
   absl::StatusOr<int> Wait(absl::Duration timeout);
+  // Exit code once the child has been reaped (128 + signal when a signal ended it), else -1.
+  int exit_code() const { return exit_code_; }
   // The tail of the log (for test failure messages).
   std::string LogTail(size_t bytes = 4000) const;
 
