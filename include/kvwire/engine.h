@@ -86,6 +86,10 @@ struct EngineOptions {
   // Threads running the control channel.
   int io_threads = 1;
 
+  // Largest payload of an engine message (SendMessage), both ways: a peer that sends a larger
+  // one is closed with an error naming the size. Must stay below max_frame_bytes.
+  uint32_t max_message_bytes = 1 << 20;
+
   // --- rdma transport (used when a usable RDMA device exists; kAuto picks it for peers on
   // other hosts that offer it too) ---
   // Device allow-list, "mlx5_0" or "mlx5_0:1" entries (like perftest -d). Empty: every
@@ -138,6 +142,48 @@ struct Notification {
   std::string peer_name;
   TransferId transfer_id = 0;  // the sender's transfer id
   std::string payload;
+};
+
+// What an Inbox delivers: a message a peer sent with Engine::SendMessage, or the end of a
+// peer (Goodbye, lease expiry, I/O or protocol error, local Disconnect or shutdown).
+struct InboxEvent {
+  enum class Kind : uint32_t { kMessage = 0, kPeerClosed = 1 };
+  Kind kind = Kind::kMessage;
+  PeerId peer = 0;
+  std::string peer_name;
+  std::string payload;  // kMessage: the message; kPeerClosed: why the peer closed
+};
+
+struct InboxOptions {
+  // Bytes of undelivered payload this inbox may hold. A peer whose message would exceed it is
+  // closed (ResourceExhausted, named in its Goodbye): a consumer that stops taking never makes
+  // the engine grow without bound.
+  uint64_t max_queued_bytes = 64 << 20;
+  // Also deliver kPeerClosed events.
+  bool peer_events = true;
+};
+
+// The receiving end of one message topic (Engine::OpenInbox). Events come in arrival order;
+// the messages of one peer keep their send order and come before that peer's kPeerClosed,
+// after which nothing more of that peer arrives. Thread-safe. Closing the inbox (destroying
+// it) makes the engine drop later messages of its topic; it may outlive the engine.
+class Inbox {
+ public:
+  class Impl;
+  explicit Inbox(std::shared_ptr<Impl> impl);
+  ~Inbox();
+  Inbox(const Inbox&) = delete;
+  Inbox& operator=(const Inbox&) = delete;
+
+  const std::string& topic() const;
+  // Everything queued so far (each event once); empty when nothing is.
+  std::vector<InboxEvent> Take();
+  // Waits up to `timeout` for at least one event, then takes everything queued (empty on
+  // timeout).
+  std::vector<InboxEvent> Wait(absl::Duration timeout);
+
+ private:
+  std::shared_ptr<Impl> impl_;
 };
 
 struct RemoteRegion {
@@ -206,6 +252,20 @@ class Engine {
   // Notifications received so far (each once).
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+
+  // Data-less messages over the control channel, for protocols layered on the engine (the
+  // KV connector's handshake, releases, aborts). A message goes to the peer's inbox of
+  // `topic` (1 to 64 bytes); one inbox per topic, so consumers never take each other's
+  // messages. Sending fails at once for an unknown or closed peer, a bad topic or a payload
+  // over max_message_bytes; otherwise the message is queued on the control connection and
+  // arrives after everything sent to that peer before it. A peer without an inbox of that
+  // topic drops it (logged there). Delivery is not acknowledged: a peer that dies shows up as
+  // kPeerClosed in the sender's inboxes.
+  absl::Status SendMessage(PeerId peer, const std::string& topic, std::string payload);
+  // Opens the inbox of `topic`; AlreadyExists while another inbox of it is open. Messages that
+  // arrived before it was opened were dropped.
+  absl::StatusOr<std::unique_ptr<Inbox>> OpenInbox(const std::string& topic,
+                                                   InboxOptions options = InboxOptions());
 
   EngineStats Stats() const;
 

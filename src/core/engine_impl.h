@@ -20,6 +20,7 @@
 #include "proto/kvwire.pb.h"
 #include "src/control/control.h"
 #include "src/core/arrival_counter.h"
+#include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
 #include "src/core/transfer_table.h"
 #include "src/util/mutex.h"
@@ -90,6 +91,10 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::Status Wait(TransferId id, absl::Duration timeout) { return transfers_.Wait(id, timeout); }
   std::vector<Notification> TakeNotifications() { return arrivals_.TakeAll(); }
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+  // engine_messages.cc
+  absl::Status SendMessage(PeerId peer, const std::string& topic, std::string payload);
+  absl::StatusOr<std::unique_ptr<Inbox>> OpenInbox(const std::string& topic,
+                                                   InboxOptions options);
   EngineStats Stats() const;
 
   // transport::TargetHooks
@@ -113,6 +118,7 @@ class Engine::Impl final : public transport::TargetHooks {
   std::shared_ptr<transport::Channel> ConnectRdma(const std::shared_ptr<Peer>& peer,
                                                   transport::PeerLink link, std::string* reason);
   void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
+  void OnEngineMessage(const std::shared_ptr<Peer>& peer, const pb::EngineMessage& message);
   absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
   void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
   void ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
@@ -140,6 +146,9 @@ class Engine::Impl final : public transport::TargetHooks {
   core::RegionRegistry regions_;
   core::TransferTable transfers_;
   core::ArrivalCounter arrivals_;
+  // Engine messages per topic; shared with the Inbox handles, which may outlive the engine.
+  std::shared_ptr<core::MessageHub> messages_ =
+      std::make_shared<core::MessageHub>(options_.max_message_bytes);
   std::atomic<TransferId> next_transfer_id_{1};
   std::atomic<PeerId> next_peer_id_{1};
 

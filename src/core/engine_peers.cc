@@ -476,6 +476,9 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
       arrivals_.OnNotify(std::move(n), message.notify().expected_arrivals());
       break;
     }
+    case pb::Envelope::kEngineMessage:
+      OnEngineMessage(peer, message.engine_message());
+      break;
     case pb::Envelope::kRdmaConnectRequest:
     case pb::Envelope::kRdmaConnectReply:
       if (rdma_) {
@@ -528,6 +531,8 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   }
   arrivals_.DropPeer(peer->id);
   regions_.ForgetPeer(peer->id);
+  // After its transfers failed: a consumer that sees the event finds them ended.
+  messages_->PeerClosed(peer->id, peer->name, std::string(reason.message()));
   MutexLock lock(&peers_mu_);
   for (auto it = tokens_.begin(); it != tokens_.end();) {
     if (it->second == peer->id) {

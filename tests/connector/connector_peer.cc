@@ -12,6 +12,11 @@
 // Between commands it polls GetFinished and frees the blocks of finished requests, printing
 // "FREED <id>". Prints "READY <address>" first; exits when stdin closes.
 //
+// With --role=decode it is a decode instance instead (for tests that kill decode):
+//   load <id> <tokens> <kv_transfer_params json>
+//       match, allocate, bind and start the load; prints "STARTED <id>", later
+//       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
+//
 //   kvwire_connector_peer --layout=deepseek-v4-pro --transport=tcp --mode=auto --blocks=64
 //                         --state_blocks=4 --seed=1 --timeout_ms=60000 --name=prefill
 #include <cstdio>
@@ -40,6 +45,7 @@ struct Args {
   uint64_t seed = 1;
   int timeout_ms = 60000;
   std::string name = "prefill";
+  std::string role = "prefill";
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -64,6 +70,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       ok = absl::SimpleAtoi(v, &a->timeout_ms);
     else if (k == "name")
       a->name = v;
+    else if (k == "role")
+      a->role = v;
     else
       ok = false;
     if (!ok) return false;
@@ -92,7 +100,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   kvwire::ConnectorOptions options;
-  options.role = "prefill";
+  options.role = args.role;
   options.engine.name = args.name;
   options.request_timeout = absl::Milliseconds(args.timeout_ms);
   options.engine.peer_lease = absl::Seconds(3);
@@ -124,6 +132,7 @@ int main(int argc, char** argv) {
     all_layers.insert(g.layers.begin(), g.layers.end());
   }
   std::map<std::string, Pending> pending;
+  std::map<std::string, uint64_t> loads;  // decode: tokens of each started load
   Say("READY " + c.engine().address());
 
   std::string buffer;
@@ -131,6 +140,19 @@ int main(int argc, char** argv) {
     kvwire::FinishedRequests f = c.GetFinished();
     for (const std::string& id : f.finished_sending) {
       if (kv.Release(id)) Say("FREED " + id);
+    }
+    for (const std::string& id : f.finished_recving) {
+      auto it = loads.find(id);
+      if (it == loads.end() || kv.live().count(id) == 0) continue;
+      const std::string err = kv.Verify(id, kv.live().at(id), it->second, 0);
+      kv.Release(id);
+      loads.erase(it);
+      Say("LOADED " + id + " " + (err.empty() ? std::string("ok") : err));
+    }
+    for (const kvwire::FailedLoad& fl : f.failed_loads) {
+      kv.Release(fl.request_id);
+      loads.erase(fl.request_id);
+      Say("FAILED " + fl.request_id + " " + fl.reason);
     }
     pollfd p{STDIN_FILENO, POLLIN, 0};
     if (poll(&p, 1, 5) <= 0) continue;
@@ -145,7 +167,26 @@ int main(int argc, char** argv) {
       std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
       if (w.empty()) continue;
       const std::string& cmd = w[0];
-      if (cmd == "req" && w.size() == 6) {
+      if (cmd == "load" && w.size() >= 4) {
+        const std::string& id = w[1];
+        uint64_t tokens = 0;
+        if (!absl::SimpleAtoi(w[2], &tokens)) tokens = 1;
+        const std::string params = line.substr(line.find(w[3]));
+        auto match = c.GetNumNewMatchedTokens(id, tokens, 0, params);
+        absl::StatusOr<kvwire::BlockTable> blocks =
+            match.ok() ? kv.Allocate(id, tokens) : match.status();
+        absl::Status s = blocks.status();
+        if (s.ok()) s = c.UpdateStateAfterAlloc(id, *blocks, match->num_external_tokens);
+        if (s.ok()) s = c.BindConnectorMeta(c.BuildConnectorMeta());
+        if (s.ok()) s = c.StartLoadKv();
+        if (!s.ok()) {
+          kv.Release(id);
+          Say("ERROR " + id + " " + std::string(s.message()));
+          continue;
+        }
+        loads[id] = tokens;
+        Say("STARTED " + id);
+      } else if (cmd == "req" && w.size() == 6) {
         const std::string& id = w[1];
         uint64_t tokens = 0;
         if (!absl::SimpleAtoi(w[2], &tokens)) tokens = 1;

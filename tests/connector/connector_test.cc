@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -112,6 +113,108 @@ class Decode {
   std::set<std::string> done;
 };
 
+// A prefill instance in this process (for the tests that kill decode, which then runs in the
+// child): the scheduler's and worker's steps of connector_peer, without the pipe.
+class PrefillHere {
+ public:
+  PrefillHere(const std::string& transport, const SimSetup& setup) {
+    ConnectorOptions o;
+    o.role = "prefill";
+    o.engine.name = absl::StrCat("prefill-", getpid());
+    o.engine.transport = *ParseTransportKind(transport);
+    o.engine.peer_lease = absl::Seconds(3);
+    o.engine.heartbeat_interval = absl::Milliseconds(200);
+    o.request_timeout = absl::Seconds(60);  // far beyond the lease: peer death must free first
+    auto c = Connector::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    connector = std::move(*c);
+    auto kv = KvCache::Create(setup.layout, setup.blocks, setup.state_blocks, 7);
+    EXPECT_TRUE(kv.ok()) << kv.status();
+    cache = std::move(*kv);
+    EXPECT_TRUE(connector->RegisterKvCaches(cache->layout(), cache->memory()).ok());
+  }
+
+  // Read mode: prefill is done; returns the kv_transfer_params for decode.
+  std::string Handoff(const std::string& id, uint64_t tokens) {
+    absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
+    EXPECT_TRUE(blocks.ok()) << blocks.status();
+    cache->Fill(id, *blocks);
+    KvTransferParams in;
+    in.do_remote_decode = true;
+    in.mode = KvMode::kRead;
+    auto done = connector->RequestFinished(id, *blocks, tokens, in.ToJson());
+    EXPECT_TRUE(done.ok()) << done.status();
+    EXPECT_TRUE(done->delay_free);
+    return done.ok() ? done->kv_transfer_params : "";
+  }
+
+  // Write mode: the request is scheduled and its first `layers` layers are saved.
+  void StartWrite(const std::string& id, const std::string& tid, uint64_t tokens, int layers) {
+    KvTransferParams in;
+    in.do_remote_decode = true;
+    in.mode = KvMode::kWrite;
+    in.transfer_id = tid;
+    write_params_ = in.ToJson();
+    absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    cache->Fill(id, *blocks);
+    ASSERT_TRUE(connector->GetNumNewMatchedTokens(id, tokens, 0, write_params_).ok());
+    ASSERT_TRUE(connector->UpdateStateAfterAlloc(id, *blocks, 0).ok());
+    ASSERT_TRUE(connector->BindConnectorMeta(connector->BuildConnectorMeta()).ok());
+    std::set<int> all;
+    for (const CacheGroup& g : cache->layout().groups) all.insert(g.layers.begin(), g.layers.end());
+    for (int layer : all) {
+      if (layers-- <= 0) break;
+      ASSERT_TRUE(connector->SaveKvLayer(layer).ok());
+    }
+  }
+
+  // Waits until the connector lets go of every request, frees what GetFinished reports (and
+  // what the scheduler finishes now, for write requests that failed before it finished them);
+  // returns how long that took.
+  absl::StatusOr<absl::Duration> WaitAllFreed(const std::string& id, bool scheduler_finishes) {
+    const absl::Time start = absl::Now();
+    while (absl::Now() < start + kWait) {
+      for (const std::string& r : connector->GetFinished().finished_sending) cache->Release(r);
+      if (connector->LiveRequests() == 0) {
+        const absl::Duration took = absl::Now() - start;
+        if (scheduler_finishes && cache->live().count(id) != 0) {
+          auto done = connector->RequestFinished(id, cache->live().at(id), 0, write_params_);
+          if (!done.ok()) return done.status();
+          if (done->delay_free) return absl::InternalError("a failed request still holds blocks");
+          cache->Release(id);
+        }
+        return took;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return absl::DeadlineExceededError("prefill never let go of its requests");
+  }
+
+  // "<outcome>: <reason>" of a retired request, from the stats snapshot.
+  std::string Outcome(const std::string& id) {
+    nlohmann::json j = nlohmann::json::parse(connector->StatsJson());
+    for (const nlohmann::json& r : j["requests"]) {
+      if (r["request_id"] == id) {
+        return absl::StrCat(r["outcome"].get<std::string>(), ": ", r["reason"].get<std::string>());
+      }
+    }
+    return "unknown";
+  }
+
+  void ExpectClean() {
+    EXPECT_EQ(cache->CheckAccounting(), "");
+    EXPECT_EQ(cache->live().size(), 0u);
+    EXPECT_EQ(connector->LiveRequests(), 0u);
+  }
+
+  std::unique_ptr<Connector> connector;
+  std::unique_ptr<KvCache> cache;
+
+ private:
+  std::string write_params_;
+};
+
 // Prefill's accounting line: "ok" and no live requests once everything is freed.
 void ExpectPrefillClean(Child& p) {
   const absl::Time deadline = absl::Now() + kWait;
@@ -187,6 +290,17 @@ class ConnectorTest : public ::testing::TestWithParam<std::string> {
     });
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : std::string(r.status().message());
+  }
+
+  // A decode instance in a child process.
+  std::unique_ptr<Child> DecodeChild(const SimSetup& s) {
+    auto c = Child::Start(KVWIRE_CONNECTOR_PEER,
+                          {"--role=decode", "--name=decode-child", "--layout=" + s.layout,
+                           "--transport=" + transport(), absl::StrCat("--blocks=", s.blocks + 8),
+                           absl::StrCat("--state_blocks=", s.state_blocks + 1), "--seed=99"});
+    EXPECT_TRUE(c.ok()) << c.status();
+    EXPECT_TRUE((*c)->Expect("READY ", absl::Seconds(60)).ok());
+    return std::move(*c);
   }
 
   std::string address_;
@@ -401,10 +515,97 @@ TEST_P(ConnectorTest, PrefillKilledMidTransfer) {
   Decode d(transport(), s, KvMode::kAuto);
   p->Send("req k1 900 write t-k1 2");
   ASSERT_TRUE(p->Expect("SAVED k1 2").ok());
-  auto r = d.Load("k1", WriteParams(address_, "t-k1", 900).ToJson(), 900, 0, [&] { p->Kill(); });
+  absl::Time killed;
+  auto r = d.Load("k1", WriteParams(address_, "t-k1", 900).ToJson(), 900, 0, [&] {
+    p->Kill();
+    killed = absl::Now();
+  });
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE(r->empty());
+  // Within the lease (3 s), far before the request deadline (60 s), naming the peer.
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  EXPECT_NE(r->find("prefill"), std::string::npos) << *r;
+  EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos) << *r;
   d.ExpectClean();
+}
+
+TEST_P(ConnectorTest, PrefillKilledMidReadFailsOrCompletesTheLoad) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  p->Send("req k2 900 read - all");
+  auto params = p->Expect("PARAMS k2 ");
+  ASSERT_TRUE(params.ok());
+  absl::Time killed;
+  auto r = d.Load("k2", params->substr(10), 900, 0, [&] {
+    p->Kill();
+    killed = absl::Now();
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  if (r->empty()) {
+    // The READ finished before the kill took effect (over shm it needs no help from prefill):
+    // then every byte is in place.
+    EXPECT_EQ(d.cache->Verify("k2", d.cache->live().at("k2"), 900, 0), "");
+    d.cache->Release("k2");
+  } else {
+    EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos)
+        << *r;
+  }
+  d.ExpectClean();
+}
+
+TEST_P(ConnectorTest, DecodeKilledMidReadFreesPrefillBlocksAtOnce) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  PrefillHere p(transport(), s);
+  auto d = DecodeChild(s);
+  const std::string params = p.Handoff("x1", 900);
+  d->Send("load x1 900 " + params);
+  ASSERT_TRUE(d->Expect("STARTED x1").ok());
+  d->Kill();
+  // The reader said it started: its death frees the blocks within the lease, not after the
+  // 60 s hold.
+  absl::StatusOr<absl::Duration> took = p.WaitAllFreed("x1", false);
+  ASSERT_TRUE(took.ok()) << took.status();
+  EXPECT_LT(*took, absl::Seconds(10));
+  const std::string outcome = p.Outcome("x1");
+  if (transport() == "shm") {
+    // Over shm decode copies inside its Transfer call, before it says STARTED: the release
+    // may beat the kill. Either way the blocks came back at once.
+    EXPECT_TRUE(outcome == "completed: " || outcome.rfind("failed: peer decode-child died", 0) == 0)
+        << outcome;
+  } else {
+    // Over tcp prefill serves the READ (tens of MB): decode dies while it is in flight.
+    EXPECT_EQ(outcome.rfind("failed: peer decode-child died", 0), 0u) << outcome;
+  }
+  p.ExpectClean();
+  // The prefill instance goes on serving a new decode.
+  auto d2 = DecodeChild(s);
+  d2->Send("load x2 300 " + p.Handoff("x2", 300));
+  ASSERT_TRUE(d2->Expect("LOADED x2 ok").ok());
+  ASSERT_TRUE(p.WaitAllFreed("x2", false).ok());
+  EXPECT_EQ(p.Outcome("x2"), "completed: ");
+  p.ExpectClean();
+}
+
+TEST_P(ConnectorTest, DecodeKilledMidWriteFreesPrefillBlocksAtOnce) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  PrefillHere p(transport(), s);
+  auto d = DecodeChild(s);
+  // Prefill saved 2 layers and waits for the rest; decode asks for the KV and dies.
+  p.StartWrite("w1", "t-w1", 900, 2);
+  KvTransferParams params = WriteParams(p.connector->engine().address(), "t-w1", 900);
+  d->Send("load w1 900 " + params.ToJson());
+  ASSERT_TRUE(d->Expect("STARTED w1").ok());
+  // Let the write request reach prefill (the layers go out then), then kill decode.
+  absl::SleepFor(absl::Milliseconds(500));
+  d->Kill();
+  absl::StatusOr<absl::Duration> took = p.WaitAllFreed("w1", true);
+  ASSERT_TRUE(took.ok()) << took.status();
+  EXPECT_LT(*took, absl::Seconds(10));
+  const std::string outcome = p.Outcome("w1");
+  EXPECT_EQ(outcome.rfind("failed: ", 0), 0u) << outcome;
+  EXPECT_NE(outcome.find("decode-child"), std::string::npos) << outcome;
+  p.ExpectClean();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ConnectorTest, ::testing::Values("tcp", "shm"));

@@ -1,0 +1,303 @@
+// Connector::Impl, shared by the files that implement it, one job each:
+//   connector.cc          the public facade, start-up, KV cache registration, address mapping
+//   scheduler_side.cc     scheduler half (match, alloc, metadata, request finished)
+//   worker_side.cc        worker half (bind metadata, start loads, layer waits and saves, abort)
+//   decode_load.cc        decode: mode choice and the start of a load (READ, or write request)
+//   write_mode.cc         prefill, write mode: layer-wise WRITEs and "done"
+//   peer_messages.cc      connector handshake and messages, peer deaths, the progress thread
+//   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
+//                         transfer polling, deadlines and leases
+//   connector_stats.cc    per-request and per-group accounting, JSON and Prometheus
+//
+// Connector-to-connector messages (hello, read start, write requests, releases, aborts,
+// done) are engine messages of topic kTopic over the control channel, in order per peer.
+// "done" is sent only after every layer WRITE succeeded, i.e. after the target acknowledged
+// the data, so it tells decode that every byte is in place. Peer closes (lease expiry,
+// Goodbye, I/O error) arrive through the same inbox and fail every request bound to the peer
+// at once.
+#ifndef KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
+#define KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <time.h>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "kvwire/connector.h"
+#include "kvwire/engine.h"
+#include "kvwire/layout.h"
+#include "src/connector/metrics_http.h"
+#include "src/util/mutex.h"
+
+namespace kvwire {
+namespace connector_internal {
+
+// Inbox topic of connector messages.
+inline constexpr char kTopic[] = "kvwire.connector";
+inline constexpr char kLog[] = "connector";
+
+nlohmann::json LayoutToJsonValue(const Layout& layout);
+absl::StatusOr<Layout> LayoutFromJsonValue(const nlohmann::json& j);
+
+// A registered memory range (local, or a peer's from its hello).
+struct RegionSpan {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  RegionId id = 0;
+};
+
+// The region holding [addr, addr+length) and the offset in it.
+absl::StatusOr<std::pair<RegionId, uint64_t>> FindRegion(const std::vector<RegionSpan>& regions,
+                                                         uint64_t addr, uint64_t length,
+                                                         const char* side);
+nlohmann::json BlocksToJson(const BlockTable& t);
+BlockTable BlocksFromJson(const nlohmann::json& j);
+double ThreadCpuUs();
+// Microseconds from a to b; -1 when either is unset.
+double Us(absl::Time a, absl::Time b);
+
+// Accumulates the calling thread's CPU time into `*sink` while alive; Pause() excludes a
+// span (e.g. an engine call, whose cost is the transport's, not the connector's).
+class CpuTimer {
+ public:
+  explicit CpuTimer(double* sink) : sink_(sink), start_(ThreadCpuUs()) {}
+  ~CpuTimer() {
+    if (running_) *sink_ += ThreadCpuUs() - start_;
+  }
+  CpuTimer(const CpuTimer&) = delete;
+  CpuTimer& operator=(const CpuTimer&) = delete;
+  void Pause() {
+    *sink_ += ThreadCpuUs() - start_;
+    running_ = false;
+  }
+  void Resume() {
+    start_ = ThreadCpuUs();
+    running_ = true;
+  }
+
+ private:
+  double* sink_;
+  double start_;
+  bool running_ = true;
+};
+
+}  // namespace connector_internal
+
+class Connector::Impl {
+ public:
+  using json = nlohmann::json;
+  using RegionSpan = connector_internal::RegionSpan;
+
+  enum class State {
+    kMatched,   // scheduler knows it; blocks not yet allocated
+    kPending,   // blocks allocated, waiting for the worker (decode load / prefill save)
+    kLoading,   // decode: READ in flight, or waiting for prefill's WRITEs
+    kSaving,    // prefill write mode: layers going out
+    kHeld,      // prefill read mode: blocks held for the reader (lease)
+    kDraining,  // aborted or failed: waiting for transfers touching the blocks to end
+  };
+  static const char* StateName(State s) {
+    static const char* names[] = {"matched", "pending", "loading", "saving", "held", "draining"};
+    return names[static_cast<int>(s)];
+  }
+
+  struct GroupCounters {
+    uint64_t bytes = 0;
+    uint64_t ops_before_merge = 0;
+    uint64_t ops = 0;
+  };
+
+  struct Request {
+    std::string id;
+    bool decode = false;  // role of this side for the request
+    State state = State::kMatched;
+    KvTransferParams params;
+    KvMode mode = KvMode::kAuto;
+    BlockTable blocks;
+    uint64_t num_tokens = 0;
+    uint64_t num_cached = 0;  // decode: tokens already present locally
+    absl::Time deadline = absl::InfiniteFuture();
+    absl::Time t_queued = absl::InfinitePast(), t_first = absl::InfinitePast(),
+               t_last = absl::InfinitePast();
+    std::optional<PeerId> peer;
+    std::set<TransferId> transfers;  // in flight, touching the blocks
+    std::optional<TransferPlan> plan;
+    // Prefill, write mode.
+    bool have_remote = false;
+    BlockTable remote_blocks;
+    uint64_t remote_cached = 0;
+    std::set<int> layers_final, layers_sent;
+    bool finished_by_scheduler = false;  // RequestFinished was called
+    // Decode write mode: abort sent, waiting for prefill to stop.
+    bool abort_sent = false;
+    std::string fail_reason;  // set once a request fails
+    std::map<std::string, GroupCounters> groups;
+    double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
+  };
+
+  struct Peer {
+    PeerId id = 0;
+    std::string engine_id;
+    std::string address;
+    Layout layout;
+    std::vector<RegionSpan> regions;
+    KvMode prefill_mode = KvMode::kAuto, decode_mode = KvMode::kAuto;
+    bool ready = false;
+    std::string error;
+  };
+
+  explicit Impl(ConnectorOptions options) : options_(std::move(options)) {}
+  ~Impl() {
+    metrics_.reset();
+    {
+      MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    if (progress_.joinable()) progress_.join();
+  }
+  absl::Status Init();
+  std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
+  Engine& engine() { return *engine_; }
+  const std::string& engine_id() const { return engine_->name(); }
+
+  // --- registration -----------------------------------------------------------------------
+  absl::Status RegisterKvCaches(const Layout& layout, const std::vector<KvMemory>& memory);
+
+  // --- scheduler side ---------------------------------------------------------------------
+  absl::StatusOr<MatchResult> GetNumNewMatchedTokens(const std::string& req_id, uint64_t num_tokens,
+                                                     uint64_t num_computed,
+                                                     const std::string& params_json);
+  absl::Status UpdateStateAfterAlloc(const std::string& req_id, const BlockTable& blocks,
+                                     uint64_t num_external_tokens);
+  std::string BuildConnectorMeta();
+  absl::StatusOr<RequestFinishedResult> RequestFinished(const std::string& req_id,
+                                                        const BlockTable& blocks,
+                                                        uint64_t num_tokens,
+                                                        const std::string& params_json,
+                                                        bool aborted);
+
+  // --- worker side ------------------------------------------------------------------------
+  absl::Status BindConnectorMeta(const std::string& meta_json);
+  absl::Status StartLoadKv();
+  absl::Status WaitForLayerLoad(int layer);
+  absl::Status SaveKvLayer(int layer);
+  absl::Status WaitForSave() { return absl::OkStatus(); }
+  FinishedRequests GetFinished() {
+    MutexLock lock(&mu_);
+    FinishedRequests out = std::move(finished_);
+    finished_ = FinishedRequests();
+    return out;
+  }
+  absl::Status Abort(const std::string& req_id);
+  size_t LiveRequests() const {
+    MutexLock lock(&mu_);
+    return requests_.size();
+  }
+  std::string StatsJson() const;
+  std::string StatsPrometheus() const;
+
+ private:
+  // --- messages ---------------------------------------------------------------------------
+
+  // Messages to one peer keep their order; a dead peer is an error.
+  absl::Status SendMessage(PeerId peer, const json& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return engine_->SendMessage(peer, connector_internal::kTopic, msg.dump());
+  }
+  json HelloBody() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status ReadHello(const json& m, Peer* p);
+  // Decode: connects to the prefill engine at `address` and runs the connector handshake.
+  absl::StatusOr<PeerId> EnsurePeer(const std::string& address);
+  void OnMessage(const InboxEvent& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Request* FindByTransfer(const std::string& tid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnWriteRequest(PeerId peer, const json& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill write mode: plans once both block tables are known, then sends every final
+  // layer not yet sent; "done" follows when all layers are sent and their transfers ended.
+  void MaybeSendLayersLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinishSaveLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<Op>> ToOps(const std::vector<ByteRange>& ranges, const Peer& p,
+                                        bool local_is_src) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Account(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decode: starts one request's load.
+  void StartLoad(const std::string& id);
+
+  // --- endings ----------------------------------------------------------------------------
+  void TellPeer(Request& r, bool ok, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends a request once nothing touches its blocks any more (else drains first).
+  void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Retire(Request& r, const char* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return dead_peers_.count(id) == 0;
+  }
+
+  // --- progress ---------------------------------------------------------------------------
+  void ProgressLoop();
+  // A hello names the regions the sender exported; they become usable here asynchronously,
+  // so wait (bounded) before answering.
+  void WaitForHelloRegions(const InboxEvent& n);
+  // The engine closed `peer` (lease expiry, Goodbye, I/O error): every request bound to it
+  // fails now, not at its deadline.
+  void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PollTransfers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct EarlyWrite {
+    PeerId peer = 0;
+    json msg;
+    absl::Time expires;
+  };
+
+  const ConnectorOptions options_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Inbox> inbox_;
+  std::thread progress_;
+  std::unique_ptr<connector_internal::MetricsServer> metrics_;
+
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  Layout layout_ ABSL_GUARDED_BY(mu_);
+  std::vector<RegionSpan> local_regions_ ABSL_GUARDED_BY(mu_);
+  std::map<PeerId, Peer> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, PeerId> peer_by_address_ ABSL_GUARDED_BY(mu_);
+  std::set<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> by_transfer_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, EarlyWrite> early_writes_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> retired_early_ ABSL_GUARDED_BY(mu_);
+  // Prefill transfers that failed, with the reason, for decodes that ask late.
+  std::map<std::string, std::string> retired_transfers_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> retired_order_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_saves_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> bound_loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> bound_saves_ ABSL_GUARDED_BY(mu_);
+  FinishedRequests finished_ ABSL_GUARDED_BY(mu_);
+  uint64_t transfer_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
+  double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, GroupCounters> group_totals_ ABSL_GUARDED_BY(mu_);
+  json recent_ ABSL_GUARDED_BY(mu_) = json::array();
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_

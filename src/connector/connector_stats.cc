@@ -1,0 +1,104 @@
+// Connector accounting: per-request timings and per-group bytes/ops, and the JSON and
+// Prometheus snapshots.
+#include "absl/strings/str_cat.h"
+
+#include "src/connector/connector_impl.h"
+#include "src/util/log.h"
+
+namespace kvwire {
+
+using connector_internal::BlocksFromJson;
+using connector_internal::BlocksToJson;
+using connector_internal::CpuTimer;
+using connector_internal::FindRegion;
+using connector_internal::kLog;
+using connector_internal::Us;
+using nlohmann::json;
+
+std::string Connector::Impl::StatsJson() const {
+  MutexLock lock(&mu_);
+  json groups = json::object();
+  for (const auto& [name, c] : group_totals_) {
+    groups[name] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
+  }
+  json j = {{"engine_id", engine_->name()},
+            {"live_requests", requests_.size()},
+            {"completed", completed_},
+            {"failed", failed_},
+            {"groups", groups},
+            {"requests", recent_}};
+  return j.dump();
+}
+
+std::string Connector::Impl::StatsPrometheus() const {
+  MutexLock lock(&mu_);
+  const std::string e = engine_->name();
+  std::string out;
+  absl::StrAppend(&out, "# TYPE kvwire_connector_requests_total counter\n");
+  absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
+                  "\",outcome=\"completed\"} ", completed_, "\n");
+  absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e, "\",outcome=\"failed\"} ",
+                  failed_, "\n");
+  absl::StrAppend(&out, "# TYPE kvwire_connector_live_requests gauge\n");
+  absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ", requests_.size(),
+                  "\n");
+  absl::StrAppend(&out, "# TYPE kvwire_connector_group_bytes_total counter\n");
+  for (const auto& [g, c] : group_totals_) {
+    absl::StrAppend(&out, "kvwire_connector_group_bytes_total{engine=\"", e, "\",group=\"", g,
+                    "\"} ", c.bytes, "\n");
+  }
+  absl::StrAppend(&out, "# TYPE kvwire_connector_group_ops_total counter\n");
+  for (const auto& [g, c] : group_totals_) {
+    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
+                    "\",merged=\"false\"} ", c.ops_before_merge, "\n");
+    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
+                    "\",merged=\"true\"} ", c.ops, "\n");
+  }
+  absl::StrAppend(&out, "# TYPE kvwire_connector_transfer_seconds_sum counter\n");
+  absl::StrAppend(&out, "kvwire_connector_transfer_seconds_sum{engine=\"", e, "\"} ",
+                  transfer_seconds_, "\n");
+  return out;
+}
+
+void Connector::Impl::Account(Request& r) {
+  for (const GroupPlan& g : r.plan->groups) {
+    GroupCounters& c = r.groups[g.group];
+    c.bytes = g.bytes;
+    c.ops_before_merge = g.ops_before_merge;
+    c.ops = g.ranges.size();
+  }
+}
+
+void Connector::Impl::Retire(Request& r, const char* outcome) {
+  json groups = json::object();
+  for (const auto& [g, c] : r.groups) {
+    groups[g] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
+    if (std::string(outcome) == "completed") {
+      GroupCounters& t = group_totals_[g];
+      t.bytes += c.bytes;
+      t.ops_before_merge += c.ops_before_merge;
+      t.ops += c.ops;
+    }
+  }
+  if (r.t_first != absl::InfinitePast() && r.t_last != absl::InfinitePast()) {
+    transfer_seconds_ += absl::ToDoubleSeconds(r.t_last - r.t_first);
+  }
+  recent_.push_back({{"request_id", r.id},
+                     {"transfer_id", r.params.transfer_id},
+                     {"role", r.decode ? "decode" : "prefill"},
+                     {"mode", KvModeName(r.mode)},
+                     {"outcome", outcome},
+                     {"reason", r.fail_reason},
+                     {"queue_us", Us(r.t_queued, r.t_first)},
+                     {"first_byte_us", Us(r.t_queued, r.t_first)},
+                     {"last_byte_us", Us(r.t_queued, r.t_last)},
+                     {"connector_cpu_us", r.cpu_us},
+                     {"groups", groups}});
+  if (recent_.size() > 256) recent_.erase(recent_.begin());
+  by_transfer_.erase(r.params.transfer_id);
+  cv_.SignalAll();
+  const std::string id = r.id;
+  requests_.erase(id);  // `r` dies here
+}
+
+}  // namespace kvwire

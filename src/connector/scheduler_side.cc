@@ -1,0 +1,201 @@
+// Connector scheduler half: GetNumNewMatchedTokens, UpdateStateAfterAlloc,
+// BuildConnectorMeta and RequestFinished (which, in read mode, holds prefill's blocks).
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+#include "src/connector/connector_impl.h"
+#include "src/util/log.h"
+
+namespace kvwire {
+
+using connector_internal::BlocksFromJson;
+using connector_internal::BlocksToJson;
+using connector_internal::CpuTimer;
+using connector_internal::FindRegion;
+using connector_internal::kLog;
+using connector_internal::Us;
+using nlohmann::json;
+
+// --- scheduler side ---------------------------------------------------------------------
+absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
+    const std::string& req_id, uint64_t num_tokens, uint64_t num_computed,
+    const std::string& params_json) {
+  MatchResult result;
+  if (params_json.empty()) return result;
+  absl::StatusOr<KvTransferParams> params = KvTransferParams::FromJson(params_json);
+  if (!params.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", req_id, ": ", params.status().message()));
+  }
+  MutexLock lock(&mu_);
+  if (requests_.count(req_id) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", req_id, " is already known"));
+  }
+  if (params->do_remote_prefill) {
+    const uint64_t remote_tokens = std::min(params->num_tokens, num_tokens);
+    if (remote_tokens <= num_computed) return result;  // full local prefix hit
+    Request r;
+    r.id = req_id;
+    r.decode = true;
+    r.params = *params;
+    r.num_tokens = remote_tokens;
+    r.num_cached = num_computed;
+    r.t_queued = absl::Now();
+    r.deadline = r.t_queued + options_.request_timeout;
+    requests_[req_id] = std::move(r);
+    result.num_external_tokens = remote_tokens - num_computed;
+    result.load_async = true;
+    return result;
+  }
+  if (params->do_remote_decode && params->mode == KvMode::kWrite) {
+    if (params->transfer_id.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", req_id, ": write mode needs a transfer_id"));
+    }
+    if (options_.mode == KvMode::kRead) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", req_id, ": asks for write mode but this prefill engine is 'read'"));
+    }
+    Request r;
+    r.id = req_id;
+    r.params = *params;
+    r.mode = KvMode::kWrite;
+    r.num_tokens = num_tokens;
+    r.t_queued = absl::Now();
+    r.deadline = r.t_queued + options_.request_timeout;
+    by_transfer_[params->transfer_id] = req_id;
+    requests_[req_id] = std::move(r);
+  }
+  return result;
+}
+
+absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
+                                                    const BlockTable& blocks,
+                                                    uint64_t num_external_tokens) {
+  MutexLock lock(&mu_);
+  auto it = requests_.find(req_id);
+  if (it == requests_.end()) return absl::OkStatus();  // not a connector request
+  Request& r = it->second;
+  if (!registered_) {
+    return absl::FailedPreconditionError("RegisterKvCaches must come before requests");
+  }
+  if (r.state != State::kMatched) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "request ", req_id, ": blocks allocated twice (state ", StateName(r.state), ")"));
+  }
+  r.blocks = blocks;
+  if (r.decode) {
+    if (num_external_tokens == 0) {
+      // The scheduler chose not to load: nothing touches the blocks.
+      requests_.erase(it);
+      return absl::OkStatus();
+    }
+    r.state = State::kPending;
+    pending_loads_.push_back(req_id);
+  } else {
+    r.state = State::kSaving;
+    pending_saves_.push_back(req_id);
+    MaybeSendLayersLocked(r);
+  }
+  return absl::OkStatus();
+}
+
+std::string Connector::Impl::BuildConnectorMeta() {
+  MutexLock lock(&mu_);
+  json loads = json::array(), saves = json::array();
+  for (const std::string& id : pending_loads_) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) continue;
+    loads.push_back({{"request_id", id},
+                     {"params", json::parse(it->second.params.ToJson())},
+                     {"blocks", BlocksToJson(it->second.blocks)},
+                     {"num_cached", it->second.num_cached}});
+  }
+  for (const std::string& id : pending_saves_) {
+    if (requests_.count(id) != 0) saves.push_back({{"request_id", id}});
+  }
+  pending_loads_.clear();
+  pending_saves_.clear();
+  return json{{"loads", loads}, {"saves", saves}}.dump();
+}
+
+absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
+    const std::string& req_id, const BlockTable& blocks, uint64_t num_tokens,
+    const std::string& params_json, bool aborted) {
+  RequestFinishedResult out;
+  MutexLock lock(&mu_);
+  if (retired_early_.erase(req_id) != 0) return out;  // failed before it finished
+  auto it = requests_.find(req_id);
+  if (it != requests_.end()) {
+    Request& r = it->second;
+    if (r.decode) {
+      // Decode finished (or aborted) the request: an unfinished load is aborted.
+      if (!r.fail_reason.empty() || r.state == State::kDraining) {
+        out.delay_free = true;
+        return out;
+      }
+      if (r.state == State::kMatched || r.state == State::kPending) {
+        requests_.erase(it);
+        return out;
+      }
+      AbortLocked(r, "request finished by the scheduler while loading");
+      out.delay_free = true;
+      return out;
+    }
+    // Prefill write mode.
+    r.finished_by_scheduler = true;
+    if (aborted) AbortLocked(r, "aborted on prefill");
+    out.delay_free = true;
+    return out;
+  }
+  if (aborted || params_json.empty()) return out;
+  absl::StatusOr<KvTransferParams> in = KvTransferParams::FromJson(params_json);
+  if (!in.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", req_id, ": ", in.status().message()));
+  }
+  if (!in->do_remote_decode) return out;
+  if (options_.mode == KvMode::kWrite) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "request ", req_id, ": read mode hand-off but this prefill engine is 'write'"));
+  }
+  if (!registered_) {
+    return absl::FailedPreconditionError("RegisterKvCaches must come before requests");
+  }
+  // Prefill read mode: hold the blocks for the reader.
+  Request r;
+  r.id = req_id;
+  r.mode = KvMode::kRead;
+  r.state = State::kHeld;
+  r.blocks = blocks;
+  r.t_queued = absl::Now();
+  r.deadline = r.t_queued + options_.request_timeout;
+  r.finished_by_scheduler = true;
+  KvTransferParams p;
+  p.engine_id = engine_->name();
+  const std::string addr = engine_->address();
+  const size_t colon = addr.rfind(':');
+  p.host = addr.substr(0, colon);
+  int port = 0;
+  if (colon != std::string::npos) {
+    if (!absl::SimpleAtoi(addr.substr(colon + 1), &port)) port = 0;
+  }
+  p.port = port;
+  p.transfer_id = absl::StrCat(engine_->name(), "/", req_id, "/", ++transfer_seq_);
+  p.mode = KvMode::kRead;
+  p.block_ids = blocks;
+  p.do_remote_prefill = true;
+  p.num_tokens = num_tokens;
+  r.params = p;
+  by_transfer_[p.transfer_id] = req_id;
+  requests_[req_id] = std::move(r);
+  out.delay_free = true;
+  out.kv_transfer_params = p.ToJson();
+  KVW_LOG(kDebug, kLog) << "holding blocks for reader" << Kv("request", req_id)
+                        << Kv("transfer", p.transfer_id);
+  return out;
+}
+
+}  // namespace kvwire
