@@ -44,6 +44,16 @@ absl::StatusOr<KvMode> ParseKvMode(const std::string& name);
 // Settles the mode of a pair; a conflict names both settings.
 absl::StatusOr<KvMode> NegotiateKvMode(KvMode prefill, KvMode decode);
 
+// A further prefill rank holding part of a request's KV: with tensor-parallel MHA and fewer
+// decode ranks than prefill ranks, one decode rank reads its heads from several prefill ranks.
+struct KvSource {
+  std::string engine_id;
+  std::string host;
+  int port = 0;
+  std::string transfer_id;
+  BlockTable block_ids;
+};
+
 // What travels from prefill to decode (through the router) in kv_transfer_params.
 struct KvTransferParams {
   std::string engine_id;  // prefill engine name
@@ -55,6 +65,13 @@ struct KvTransferParams {
   BlockTable block_ids;            // prefill's blocks per group (read mode)
   bool do_remote_decode = false;   // prefill side: decode happens elsewhere
   bool do_remote_prefill = false;  // decode side: KV comes from a prefill engine
+  // Read mode: the other prefill tensor-parallel ranks of the request ("tp_sources"). Decode
+  // reads from every rank the heads its own layout holds; groups replicated on every rank
+  // (MLA, DeepSeek-V4) come from the first rank only.
+  std::vector<KvSource> tp_sources;
+
+  // Adds another prefill rank's read-mode hand-off of the same request as a source.
+  void AddTpSource(const KvTransferParams& rank);
 
   std::string ToJson() const;
   // Validates: an error says which field is missing or malformed.

@@ -134,6 +134,8 @@ class Connector::Impl {
     absl::Time t_queued = absl::InfinitePast(), t_first = absl::InfinitePast(),
                t_last = absl::InfinitePast();
     std::optional<PeerId> peer;
+    // Decode read mode: further prefill ranks read from (peer, their transfer id).
+    std::vector<std::pair<PeerId, std::string>> tp_sources;
     std::set<TransferId> transfers;  // in flight, touching the blocks
     std::optional<TransferPlan> plan;
     // Prefill, write mode.
@@ -230,9 +232,14 @@ class Connector::Impl {
   void MaybeFinishSaveLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<Op>> ToOps(const std::vector<ByteRange>& ranges, const Peer& p,
                                         bool local_is_src) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Account(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds a plan's bytes and ops to the request's per-group counters.
+  void Account(Request& r, const TransferPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode: starts one request's load.
   void StartLoad(const std::string& id);
+  // Decode, read mode: plans and submits the READs from every source; false when it failed
+  // (the request is failing then).
+  bool StartReads(Request& r, const std::vector<absl::StatusOr<PeerId>>& tp_peers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // --- endings ----------------------------------------------------------------------------
   void TellPeer(Request& r, bool ok, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -60,12 +60,12 @@ std::string Connector::Impl::StatsPrometheus() const {
   return out;
 }
 
-void Connector::Impl::Account(Request& r) {
-  for (const GroupPlan& g : r.plan->groups) {
+void Connector::Impl::Account(Request& r, const TransferPlan& plan) {
+  for (const GroupPlan& g : plan.groups) {
     GroupCounters& c = r.groups[g.group];
-    c.bytes = g.bytes;
-    c.ops_before_merge = g.ops_before_merge;
-    c.ops = g.ranges.size();
+    c.bytes += g.bytes;
+    c.ops_before_merge += g.ops_before_merge;
+    c.ops += g.ranges.size();
   }
 }
 

@@ -21,18 +21,29 @@ using nlohmann::json;
 // Decode: starts one request's load.
 void Connector::Impl::StartLoad(const std::string& id) {
   std::string address;
+  std::vector<std::string> tp_addresses;
   {
     MutexLock lock(&mu_);
     auto it = requests_.find(id);
     if (it == requests_.end() || it->second.state != State::kPending) return;
     it->second.state = State::kLoading;
     address = absl::StrCat(it->second.params.host, ":", it->second.params.port);
+    for (const KvSource& src : it->second.params.tp_sources) {
+      tp_addresses.push_back(absl::StrCat(src.host, ":", src.port));
+    }
   }
   absl::StatusOr<PeerId> peer = EnsurePeer(address);
+  std::vector<absl::StatusOr<PeerId>> tp_peers;
+  for (const std::string& a : tp_addresses) tp_peers.push_back(EnsurePeer(a));
   MutexLock lock(&mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
   Request& r = it->second;
+  // Bound before any failure, so that the sources that hold blocks for it get their release.
+  for (size_t i = 0; i < tp_peers.size(); ++i) {
+    if (tp_peers[i].ok())
+      r.tp_sources.emplace_back(*tp_peers[i], r.params.tp_sources[i].transfer_id);
+  }
   if (!r.fail_reason.empty()) {  // aborted while connecting
     FailLocked(r, r.fail_reason);
     return;
@@ -62,6 +73,13 @@ void Connector::Impl::StartLoad(const std::string& id) {
   }
   r.mode = want;
   if (want == KvMode::kWrite) {
+    if (!r.params.tp_sources.empty()) {
+      r.mode = KvMode::kRead;  // the extra ranks hold read-mode hand-offs: release them
+      FailLocked(r,
+                 "kv_transfer_params name several prefill ranks (tp_sources), which only "
+                 "read mode supports");
+      return;
+    }
     json req = {{"t", "write_req"},
                 {"transfer_id", r.params.transfer_id},
                 {"request_id", r.id},
@@ -78,51 +96,111 @@ void Connector::Impl::StartLoad(const std::string& id) {
     FailLocked(r, "read mode but kv_transfer_params carry no block_ids");
     return;
   }
+  if (!StartReads(r, tp_peers)) return;
+  KVW_LOG(kDebug, kLog) << "load started" << Kv("request", r.id)
+                        << Kv("transfer", r.params.transfer_id) << Kv("bytes", r.plan->bytes)
+                        << Kv("sources", 1 + r.tp_sources.size());
+}
+
+bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<PeerId>>& tp_peers) {
+  for (const absl::StatusOr<PeerId>& tp : tp_peers) {
+    if (!tp.ok()) {
+      FailLocked(r, absl::StrCat("prefill tensor-parallel rank: ", tp.status().message()));
+      return false;
+    }
+  }
   double cpu_us = 0;  // outlives `cpu`; added to the request only while it is alive
   CpuTimer cpu(&cpu_us);
-  absl::StatusOr<TransferPlan> plan =
-      PlanTransfer(p.layout, r.params.block_ids, layout_, r.blocks, r.num_tokens, r.num_cached);
-  if (!plan.ok()) {
-    FailLocked(r, std::string(plan.status().message()));
-    return;
+  struct Source {
+    PeerId peer;
+    const std::string* transfer_id;
+    TransferPlan plan;
+    std::vector<Op> ops;
+  };
+  std::vector<Source> sources;
+  std::vector<std::pair<PeerId, const BlockTable*>> tables = {{*r.peer, &r.params.block_ids}};
+  for (size_t i = 0; i < r.tp_sources.size(); ++i) {
+    tables.emplace_back(r.tp_sources[i].first, &r.params.tp_sources[i].block_ids);
   }
-  r.plan = std::move(*plan);
-  Account(r);
-  std::vector<ByteRange> all;
-  for (const GroupPlan& g : r.plan->groups) all.insert(all.end(), g.ranges.begin(), g.ranges.end());
-  if (all.empty()) {
+  std::map<std::string, uint64_t> head_bytes;  // head-split groups: bytes over all sources
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const Peer& p = peers_[tables[i].first];
+    absl::StatusOr<TransferPlan> plan =
+        PlanTransfer(p.layout, *tables[i].second, layout_, r.blocks, r.num_tokens, r.num_cached);
+    if (!plan.ok()) {
+      FailLocked(r, std::string(plan.status().message()));
+      return false;
+    }
+    std::vector<ByteRange> all;
+    std::vector<GroupPlan> kept;
+    for (GroupPlan& g : plan->groups) {
+      const bool split = layout_.FindGroup(g.group)->heads.total_heads != 0;
+      // Replicated groups are identical on every rank: read them from the first one only.
+      if (i > 0 && !split) continue;
+      if (split) head_bytes[g.group] += g.bytes;
+      all.insert(all.end(), g.ranges.begin(), g.ranges.end());
+      kept.push_back(std::move(g));
+    }
+    plan->groups = std::move(kept);
+    absl::StatusOr<std::vector<Op>> ops = ToOps(all, p, /*local_is_src=*/false);
+    if (!ops.ok()) {
+      FailLocked(r, std::string(ops.status().message()));
+      return false;
+    }
+    sources.push_back({tables[i].first,
+                       i == 0 ? &r.params.transfer_id : &r.params.tp_sources[i - 1].transfer_id,
+                       std::move(*plan), std::move(*ops)});
+  }
+  if (!r.tp_sources.empty()) {
+    // Every head of this rank must come from some prefill rank.
+    for (const CacheGroup& g : layout_.groups) {
+      if (g.heads.total_heads == 0) continue;
+      const uint64_t want = SelectBlocks(g, r.num_tokens, r.num_cached).logical_blocks.size() *
+                            g.layers.size() * g.components * g.page_bytes;
+      if (head_bytes[g.name] != want) {
+        FailLocked(r, absl::StrCat("cache group '", g.name, "': the ", tables.size(),
+                                   " prefill ranks give ", head_bytes[g.name], " of the ", want,
+                                   " bytes of this decode rank's heads"));
+        return false;
+      }
+    }
+  }
+  r.plan = sources[0].plan;
+  bool any = false;
+  for (Source& s : sources) {
+    Account(r, s.plan);
+    any = any || !s.ops.empty();
+  }
+  if (!any) {
     CompleteLocked(r);
-    return;
-  }
-  absl::StatusOr<std::vector<Op>> ops = ToOps(all, p, /*local_is_src=*/false);
-  if (!ops.ok()) {
-    FailLocked(r, std::string(ops.status().message()));
-    return;
-  }
-  cpu.Pause();
-  absl::Status started =
-      SendMessage(*peer, json{{"t", "read_start"}, {"transfer_id", r.params.transfer_id}});
-  cpu.Resume();
-  if (!started.ok()) {
-    FailLocked(r, std::string(started.message()));
-    return;
+    return false;
   }
   TransferOptions to;
   to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
-  cpu.Pause();
-  absl::StatusOr<TransferId> tid = engine_->Transfer(*peer, OpKind::kRead, *ops, to);
-  cpu.Resume();
-  if (!tid.ok()) {
-    FailLocked(r, std::string(tid.status().message()));
-    return;
+  for (Source& s : sources) {
+    // Told first, so that the blocks it holds are bound to this reader (freed if it dies).
+    cpu.Pause();
+    absl::Status started =
+        SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", *s.transfer_id}});
+    absl::StatusOr<TransferId> tid = s.ops.empty()
+                                         ? absl::StatusOr<TransferId>(absl::NotFoundError(""))
+                                         : engine_->Transfer(s.peer, OpKind::kRead, s.ops, to);
+    cpu.Resume();
+    if (!started.ok()) {
+      FailLocked(r, std::string(started.message()));
+      return false;
+    }
+    if (s.ops.empty()) continue;
+    if (!tid.ok()) {
+      FailLocked(r, std::string(tid.status().message()));
+      return false;
+    }
+    r.transfers.insert(*tid);
   }
   r.t_first = absl::Now();
-  r.transfers.insert(*tid);
   cpu.Pause();
   r.cpu_us += cpu_us;
-  KVW_LOG(kDebug, kLog) << "load started" << Kv("request", r.id)
-                        << Kv("transfer", r.params.transfer_id) << Kv("bytes", r.plan->bytes)
-                        << Kv("ops", ops->size());
+  return true;
 }
 
 }  // namespace kvwire

@@ -37,9 +37,32 @@ absl::StatusOr<KvMode> NegotiateKvMode(KvMode prefill, KvMode decode) {
                                                     KvModeName(decode), "'"));
 }
 
-std::string KvTransferParams::ToJson() const {
+namespace {
+
+json BlocksJson(const BlockTable& t) {
   json blocks = json::object();
-  for (const auto& [group, ids] : block_ids) blocks[group] = ids;
+  for (const auto& [group, ids] : t) blocks[group] = ids;
+  return blocks;
+}
+
+absl::Status ReadBlocks(const json& j, BlockTable* out) {
+  if (!j.contains("block_ids")) return absl::OkStatus();
+  const json& b = j.at("block_ids");
+  if (!b.is_object()) {
+    return absl::InvalidArgumentError("kv_transfer_params: block_ids is not an object");
+  }
+  for (const auto& [group, ids] : b.items()) (*out)[group] = ids.get<std::vector<int64_t>>();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void KvTransferParams::AddTpSource(const KvTransferParams& rank) {
+  tp_sources.push_back({rank.engine_id, rank.host, rank.port, rank.transfer_id, rank.block_ids});
+}
+
+std::string KvTransferParams::ToJson() const {
+  json blocks = BlocksJson(block_ids);
   json j = {{"version", 1},
             {"engine_id", engine_id},
             {"remote_host", host},
@@ -50,6 +73,17 @@ std::string KvTransferParams::ToJson() const {
             {"block_ids", std::move(blocks)},
             {"do_remote_decode", do_remote_decode},
             {"do_remote_prefill", do_remote_prefill}};
+  if (!tp_sources.empty()) {
+    json sources = json::array();
+    for (const KvSource& s : tp_sources) {
+      sources.push_back({{"engine_id", s.engine_id},
+                         {"remote_host", s.host},
+                         {"remote_port", s.port},
+                         {"transfer_id", s.transfer_id},
+                         {"block_ids", BlocksJson(s.block_ids)}});
+    }
+    j["tp_sources"] = std::move(sources);
+  }
   return j.dump();
 }
 
@@ -70,13 +104,25 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
     p.num_tokens = j.value("num_tokens", uint64_t{0});
     p.do_remote_decode = j.value("do_remote_decode", false);
     p.do_remote_prefill = j.value("do_remote_prefill", false);
-    if (j.contains("block_ids")) {
-      const json& b = j.at("block_ids");
-      if (!b.is_object()) {
-        return absl::InvalidArgumentError("kv_transfer_params: block_ids is not an object");
+    if (absl::Status s = ReadBlocks(j, &p.block_ids); !s.ok()) return s;
+    if (j.contains("tp_sources")) {
+      if (!j.at("tp_sources").is_array()) {
+        return absl::InvalidArgumentError("kv_transfer_params: tp_sources is not a list");
       }
-      for (const auto& [group, ids] : b.items()) {
-        p.block_ids[group] = ids.get<std::vector<int64_t>>();
+      for (const json& e : j.at("tp_sources")) {
+        KvSource s;
+        s.engine_id = e.value("engine_id", "");
+        s.host = e.at("remote_host").get<std::string>();
+        s.port = e.at("remote_port").get<int>();
+        s.transfer_id = e.at("transfer_id").get<std::string>();
+        if (absl::Status st = ReadBlocks(e, &s.block_ids); !st.ok()) return st;
+        if (s.host.empty() || s.port <= 0 || s.port > 65535 || s.transfer_id.empty() ||
+            s.block_ids.empty()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("kv_transfer_params: tp_sources[", p.tp_sources.size(),
+                           "] needs remote_host, remote_port, transfer_id and block_ids"));
+        }
+        p.tp_sources.push_back(std::move(s));
       }
     }
   } catch (const json::exception& e) {

@@ -260,13 +260,16 @@ void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const st
   }
   std::vector<std::string> ids;
   for (auto& [id, r] : requests_) {
-    if (r.peer == peer) ids.push_back(id);
+    bool bound = r.peer == peer;
+    for (const auto& [source, tid] : r.tp_sources) bound = bound || source == peer;
+    if (bound) ids.push_back(id);
   }
   for (const std::string& id : ids) {
     auto it = requests_.find(id);
     if (it == requests_.end()) continue;
     Request& r = it->second;
-    r.abort_sent = true;  // nobody to tell
+    // Not marked abort_sent: other sources of a multi-rank read still get their release
+    // (TellPeer skips dead peers).
     FailLocked(r, absl::StrCat("peer ", name, " died: ", reason));
   }
 }

@@ -29,6 +29,12 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
   json m;
   if (r.decode && r.mode == KvMode::kRead) {
     m = {{"t", "release"}, {"transfer_id", r.params.transfer_id}, {"ok", ok}, {"reason", reason}};
+    for (const auto& [peer, tid] : r.tp_sources) {
+      if (!PeerAlive(peer)) continue;
+      json more = m;
+      more["transfer_id"] = tid;
+      (void)SendMessage(peer, more);
+    }
   } else {
     m = {{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}};
   }

@@ -78,7 +78,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
       return;
     }
     r.plan = std::move(*plan);
-    Account(r);
+    Account(r, *r.plan);
   }
   for (int layer : r.layers_final) {
     if (r.layers_sent.count(layer) != 0) continue;

@@ -93,8 +93,7 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
   // engine_messages.cc
   absl::Status SendMessage(PeerId peer, const std::string& topic, std::string payload);
-  absl::StatusOr<std::unique_ptr<Inbox>> OpenInbox(const std::string& topic,
-                                                   InboxOptions options);
+  absl::StatusOr<std::unique_ptr<Inbox>> OpenInbox(const std::string& topic, InboxOptions options);
   EngineStats Stats() const;
 
   // transport::TargetHooks
