@@ -151,15 +151,16 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
                        i == 0 ? &r.params.transfer_id : &r.params.tp_sources[i - 1].transfer_id,
                        std::move(*plan), std::move(*ops)});
   }
-  if (!r.tp_sources.empty()) {
-    // Every head of this rank must come from some prefill rank.
+  {
+    // Every head of this rank must come from some prefill rank (a decode rank with more
+    // heads than one prefill rank needs the others in tp_sources).
     for (const CacheGroup& g : layout_.groups) {
       if (g.heads.total_heads == 0) continue;
       const uint64_t want = SelectBlocks(g, r.num_tokens, r.num_cached).logical_blocks.size() *
                             g.layers.size() * g.components * g.page_bytes;
       if (head_bytes[g.name] != want) {
         FailLocked(r, absl::StrCat("cache group '", g.name, "': the ", tables.size(),
-                                   " prefill ranks give ", head_bytes[g.name], " of the ", want,
+                                   " prefill rank(s) give ", head_bytes[g.name], " of the ", want,
                                    " bytes of this decode rank's heads"));
         return false;
       }

@@ -225,7 +225,9 @@ void Connector::Impl::WaitForHelloRegions(const InboxEvent& n) {
     return;  // OnMessage reports it
   }
   // The answer lets the sender start writing here: our data path to it must be up too.
-  if (absl::StatusOr<PeerId> up = engine_->WaitForPeer(n.peer_name, deadline - absl::Now());
+  // Waiting for its regions implies that; a sender without regions is looked up by name.
+  if (absl::StatusOr<PeerId> up =
+          ids.empty() ? engine_->WaitForPeer(n.peer_name, deadline - absl::Now()) : n.peer;
       !up.ok()) {
     KVW_LOG(kWarning, kLog) << "data path to a connector peer never came up" << Kv("peer", n.peer)
                             << Kv("error", up.status());

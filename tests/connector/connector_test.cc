@@ -249,13 +249,14 @@ class ConnectorTest : public ::testing::TestWithParam<std::string> {
 
   // Starts the prefill child and learns its address.
   std::unique_ptr<Child> Prefill(const SimSetup& s, const std::string& mode = "auto",
-                                 int timeout_ms = 60000, const std::string& layout = "") {
+                                 int timeout_ms = 60000, const std::string& layout = "",
+                                 const std::string& name = "prefill") {
     auto c = Child::Start(
         KVWIRE_CONNECTOR_PEER,
         {"--layout=" + (layout.empty() ? s.layout : layout), "--transport=" + transport(),
          "--mode=" + mode, absl::StrCat("--blocks=", s.blocks),
          absl::StrCat("--state_blocks=", s.state_blocks), "--seed=7",
-         absl::StrCat("--timeout_ms=", timeout_ms)});
+         absl::StrCat("--timeout_ms=", timeout_ms), "--name=" + name});
     EXPECT_TRUE(c.ok()) << c.status();
     auto ready = (*c)->Expect("READY ", absl::Seconds(60));
     EXPECT_TRUE(ready.ok()) << ready.status();
@@ -606,6 +607,54 @@ TEST_P(ConnectorTest, DecodeKilledMidWriteFreesPrefillBlocksAtOnce) {
   EXPECT_EQ(outcome.rfind("failed: ", 0), 0u) << outcome;
   EXPECT_NE(outcome.find("decode-child"), std::string::npos) << outcome;
   p.ExpectClean();
+}
+
+// Tensor-parallel MHA: prefill on two ranks (4 of the 8 KV heads each), decode on one rank
+// (all 8): decode reads each half of every page from the rank that holds it, byte for byte,
+// in both page shapes (tokens outside heads, and heads outside tokens).
+TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
+  int n = 0;
+  for (const std::string kind : {"mha-tp", "mha-hnd-tp"}) {
+    SCOPED_TRACE(kind);
+    const SimSetup s{kind + ":1:0", 48, 2};
+    auto p0 = Prefill(s, "auto", 60000, kind + ":2:0", "prefill-r0");
+    auto p1 = Prefill(s, "auto", 60000, kind + ":2:1", "prefill-r1");
+    Decode d(transport(), s, KvMode::kAuto);
+    auto handoff = [&](Child& p, const std::string& id, uint64_t tokens) {
+      p.Send(absl::StrCat("req ", id, " ", tokens, " read - all"));
+      auto line = p.Expect("PARAMS " + id + " ");
+      EXPECT_TRUE(line.ok()) << line.status();
+      auto params = KvTransferParams::FromJson(line.ok() ? line->substr(8 + id.size()) : "");
+      EXPECT_TRUE(params.ok()) << params.status();
+      return params.ok() ? *params : KvTransferParams();
+    };
+    for (auto [tokens, cached] :
+         std::vector<std::pair<uint64_t, uint64_t>>{{1, 0}, {17, 0}, {300, 0}, {700, 129}}) {
+      const std::string id = absl::StrCat("tp", ++n);
+      SCOPED_TRACE(absl::StrCat(id, " tokens=", tokens, " cached=", cached));
+      KvTransferParams merged = handoff(*p0, id, tokens);
+      merged.AddTpSource(handoff(*p1, id, tokens));
+      // Through JSON, as a router would pass it on.
+      auto r = d.Load(id, merged.ToJson(), tokens, cached);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_EQ(*r, "");
+      EXPECT_EQ(d.cache->Verify(id, d.cache->live().at(id), tokens, cached), "");
+      d.cache->Release(id);
+      ASSERT_TRUE(p0->Expect("FREED " + id).ok());
+      ASSERT_TRUE(p1->Expect("FREED " + id).ok());
+    }
+    // Only one rank's hand-off: half of decode's heads would be missing. A clear error, and
+    // both sides get their blocks back (prefill at once, through decode's release).
+    const std::string id = absl::StrCat("tp", ++n);
+    auto r = d.Load(id, handoff(*p0, id, 100).ToJson(), 100, 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NE(r->find("cache group 'kv'"), std::string::npos) << *r;
+    EXPECT_NE(r->find("of this decode rank's heads"), std::string::npos) << *r;
+    ASSERT_TRUE(p0->Expect("FREED " + id).ok());
+    d.ExpectClean();
+    ExpectPrefillClean(*p0);
+    ExpectPrefillClean(*p1);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ConnectorTest, ::testing::Values("tcp", "shm"));

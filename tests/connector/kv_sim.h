@@ -47,8 +47,27 @@ inline uint64_t HashStr(const std::string& s) {
   return h;
 }
 
-// "random:<seed>" gives a random layout of 1-4 groups over 1-6 layers; else a preset name.
+// "random:<seed>" gives a random layout of 1-4 groups over 1-6 layers; "mha-tp:<size>:<rank>"
+// (or "mha-hnd-tp:...", heads outside tokens in a page) a small MHA layout of one
+// tensor-parallel rank; else a preset name.
 inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
+  for (const char* prefix : {"mha-tp:", "mha-hnd-tp:"}) {
+    if (spec.rfind(prefix, 0) != 0) continue;
+    const std::string rest = spec.substr(std::string(prefix).size());
+    const size_t colon = rest.find(':');
+    MhaOptions o;
+    o.layers = 4;
+    o.kv_heads = 8;
+    o.head_dim = 64;
+    o.heads_outer = spec.rfind("mha-hnd", 0) == 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(rest.substr(0, colon), &o.tp_size) ||
+        !absl::SimpleAtoi(rest.substr(colon + 1), &o.tp_rank)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad layout spec ", spec));
+    }
+    Layout l = MhaLayout(o);
+    if (absl::Status s = l.Validate(); !s.ok()) return s;
+    return l;
+  }
   if (spec.rfind("random:", 0) != 0) return PresetLayout(spec);
   uint64_t seed = 0;
   if (!absl::SimpleAtoi(spec.substr(7), &seed)) {
@@ -241,7 +260,7 @@ class KvCache {
             if (ids[lb] < 0) continue;
             auto* p = reinterpret_cast<uint8_t*>(g.BlockAddress(l, ids[lb], c));
             const uint64_t key = PageKey(req, g, l, lb, c);
-            for (uint64_t i = 0; i < g.page_bytes; ++i) p[i] = Expected(key, i);
+            for (uint64_t i = 0; i < g.page_bytes; ++i) p[i] = Expected(key, GlobalOffset(g, i));
           }
         }
       }
@@ -271,10 +290,11 @@ class KvCache {
             }
             for (const auto& [b, e] : spans) {
               for (uint64_t i = b; i < e; ++i) {
-                if (p[i] != Expected(key, i)) {
+                const uint8_t want = Expected(key, GlobalOffset(g, i));
+                if (p[i] != want) {
                   return absl::StrCat("request ", req, " group ", g.name, " layer ", g.layers[l],
                                       " logical block ", lb, " component ", c, " byte ", i,
-                                      ": got ", p[i], " want ", Expected(key, i));
+                                      ": got ", p[i], " want ", want);
                 }
               }
             }
@@ -286,6 +306,17 @@ class KvCache {
   }
 
  private:
+  // Offset `i` of a page of this rank in the page of all heads (tensor parallelism splits a
+  // page [outer][heads][inner] by heads), so that every rank agrees on each head's bytes.
+  static uint64_t GlobalOffset(const CacheGroup& g, uint64_t i) {
+    const HeadSplit& h = g.heads;
+    if (h.total_heads == 0 || h.tp_size == 1) return i;
+    const uint64_t local = h.total_heads / h.tp_size;
+    const uint64_t row = local * h.inner_bytes;
+    const uint64_t o = i / row, head = (i % row) / h.inner_bytes, b = i % h.inner_bytes;
+    return (o * h.total_heads + h.tp_rank * local + head) * h.inner_bytes + b;
+  }
+
   static uint8_t Expected(uint64_t key, uint64_t i) {
     return static_cast<uint8_t>(Mix(key + i / 8) >> (8 * (i % 8)));
   }
