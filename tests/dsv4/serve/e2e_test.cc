@@ -244,7 +244,7 @@ TEST_P(DisaggregatedTest, ReadAndWriteModesMatchGenerate) {
   EXPECT_NE(m->body.find("kvwire_dsv4_generated_tokens_total"), std::string::npos);
 }
 
-TEST_P(DisaggregatedTest, BadRequestsAreClear400s) {
+TEST_P(DisaggregatedTest, BadRequestsAreClear400sAndPlainRequestsServedWhole) {
   const std::string transport = GetParam();
   Cluster c;
   ASSERT_TRUE(c.MakeWeights().ok());
@@ -276,6 +276,15 @@ TEST_P(DisaggregatedTest, BadRequestsAreClear400s) {
     EXPECT_EQ(res->status, 400) << body.dump() << " -> " << res->error;
     EXPECT_NE(res->error.find(want), std::string::npos) << res->error;
   }
+  // A plain request (no kv_transfer_params) is served whole by the server it reaches.
+  const std::string prompt = PromptOfTokens(129);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<CompletionResult> local = Complete(*d, Request(prompt, true), absl::Seconds(60));
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_EQ(local->status, 200) << local->error;
+  EXPECT_EQ(local->tokens, (*want)[0]);
+  EXPECT_EQ(local->kvwire.value("role", ""), "local");
   ExpectDrained(*p, "prefill");
   ExpectDrained(*d, "decode");
 }
