@@ -525,7 +525,9 @@ TEST_P(ConnectorTest, PrefillKilledMidTransfer) {
   // Within the lease (3 s), far before the request deadline (60 s), naming the peer.
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
   EXPECT_NE(r->find("prefill"), std::string::npos) << *r;
-  EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos) << *r;
+  EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos ||
+              r->find("lost") != std::string::npos)
+      << *r;
   d.ExpectClean();
 }
 
@@ -549,7 +551,8 @@ TEST_P(ConnectorTest, PrefillKilledMidReadFailsOrCompletesTheLoad) {
     EXPECT_EQ(d.cache->Verify("k2", d.cache->live().at("k2"), 900, 0), "");
     d.cache->Release("k2");
   } else {
-    EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos)
+    EXPECT_TRUE(r->find("died") != std::string::npos || r->find("closed") != std::string::npos ||
+                r->find("lost") != std::string::npos)
         << *r;
   }
   d.ExpectClean();
