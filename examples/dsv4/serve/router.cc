@@ -75,6 +75,7 @@ class Router::Impl {
     absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(
         so, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!server.ok()) return server.status();
+    port_.store((*server)->port());
     server_ = std::move(*server);
     return absl::OkStatus();
   }
@@ -94,7 +95,7 @@ class Router::Impl {
     server_.reset();
   }
 
-  int port() const { return server_->port(); }
+  int port() const { return port_.load(); }
 
  private:
   struct Worker {
@@ -223,8 +224,8 @@ class Router::Impl {
     const absl::Time deadline = absl::Now() + options_.timeout;
     const bool stream = body.value("stream", false) == true;
     const bool write = options_.mode == "write";
-    const std::string tid = absl::StrCat("rt-", server_->port(), "-", getpid(), "-",
-                                         seq_.fetch_add(1), "-", absl::ToUnixMicros(absl::Now()));
+    const std::string tid = absl::StrCat("rt-", port_.load(), "-", getpid(), "-", seq_.fetch_add(1),
+                                         "-", absl::ToUnixMicros(absl::Now()));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;
     json decode_params;
@@ -409,6 +410,9 @@ class Router::Impl {
   }
 
   const RouterOptions options_;
+  // Request handlers run on the server's threads and must not touch server_ (assigned after
+  // Start, reset at shutdown while a late request may still be handled).
+  std::atomic<int> port_{0};
   std::unique_ptr<HttpServer> server_;
   kvwire::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
