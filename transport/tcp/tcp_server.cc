@@ -3,14 +3,22 @@
 #include <chrono>
 #include <pthread.h>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 #include "src/util/log.h"
 #include "transport/tcp/tcp_socket.h"
 
 namespace kvwire::transport {
 namespace asio = boost::asio;
+
+namespace {
+// How long DropPeer waits for the peer's connections to leave an access in progress; they
+// were shut down, so a receive or send into region memory ends at once.
+constexpr absl::Duration kDropPeerWait = absl::Seconds(2);
+}  // namespace
 using asio::ip::tcp;
 
 absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(const TcpTransportOptions& options,
@@ -125,8 +133,23 @@ void TcpServer::Reap() {
 void TcpServer::DropPeer(PeerId peer) {
   MutexLock lock(&mu_);
   dropped_.insert(peer);
+  std::vector<ServerConnection*> stopping;
   for (const std::unique_ptr<ServerConnection>& connection : connections_) {
-    if (connection->peer() == peer) connection->Stop();
+    if (connection->peer() == peer) {
+      connection->Stop();
+      stopping.push_back(connection.get());
+    }
+  }
+  // The engine reports the peer closed when this returns, and its owner may then reuse the
+  // memory the peer was reading or writing: wait (bounded) until no connection of the peer
+  // is inside an access any more. Serving threads never need mu_ (only Admit, during the
+  // handshake, does), so waiting under it cannot deadlock.
+  const absl::Time deadline = absl::Now() + kDropPeerWait;
+  for (ServerConnection* connection : stopping) {
+    while (!connection->Exited() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    if (!connection->Exited()) {
+      KVW_LOG(kWarning, "tcp") << "connection of a dropped peer still busy" << Kv("peer", peer);
+    }
   }
 }
 
