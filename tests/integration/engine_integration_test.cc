@@ -10,6 +10,7 @@
 
 #include "kvwire/engine.h"
 #include "tests/integration/peer_process.h"
+#include "tests/integration/random_ops.h"
 #include "tests/integration/test_pattern.h"
 
 namespace kvwire::testing {
@@ -73,23 +74,9 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
     return engine_->Wait(*id, absl::Seconds(60));
   }
 
-  // Random non-overlapping ops: local ranges packed from `local_base`, remote ranges in
-  // regions `[0, regions)` of the peer, non-overlapping per region.
-  std::vector<Op> RandomOps(std::mt19937_64& rng, int regions, uint64_t local_base) {
-    std::vector<Op> ops;
-    const int n = 1 + rng() % 48;
-    uint64_t local = local_base;
-    std::vector<uint64_t> cursor(regions, 0);
-    for (int i = 0; i < n; ++i) {
-      const int r = rng() % regions;
-      const uint64_t len = 1 + rng() % (rng() % 4 == 0 ? (1 << 20) : 9000);
-      const uint64_t gap = rng() % 3 == 0 ? 0 : rng() % 5000;
-      if (cursor[r] + gap + len > kRegionBytes || local + len > local_.size()) break;
-      ops.push_back(Op{local_id_, local, peer_->regions()[r], cursor[r] + gap, len});
-      cursor[r] += gap + len;
-      local += len + (rng() % 2 ? 0 : 64);
-    }
-    return ops;
+  std::vector<Op> RandomOps(std::mt19937_64& rng, int regions) {
+    return testing::RandomOps(rng, local_id_, local_.size(), peer_->regions(), regions,
+                              kRegionBytes);
   }
 
   int RegionIndex(RegionId id) const {
@@ -117,7 +104,7 @@ TEST_P(EngineIntegrationTest, RandomReadsAreByteExact) {
   std::mt19937_64 rng(1234);
   for (int round = 0; round < 25; ++round) {
     std::fill(local_.begin(), local_.end(), kPoison);
-    std::vector<Op> ops = RandomOps(rng, 3, 0);  // all three regions allow READ
+    std::vector<Op> ops = RandomOps(rng, 3);  // all three regions allow READ
     ASSERT_FALSE(ops.empty());
     ASSERT_TRUE(RunTransfer(OpKind::kRead, ops).ok()) << "round " << round;
     for (const Op& op : ops) {
@@ -134,7 +121,7 @@ TEST_P(EngineIntegrationTest, RandomWritesReadBackByteExact) {
   std::mt19937_64 rng(99);
   for (int round = 0; round < 15; ++round) {
     for (size_t i = 0; i < local_.size() / 2; ++i) local_[i] = static_cast<std::byte>(rng());
-    std::vector<Op> ops = RandomOps(rng, 2, 0);  // regions 0 and 1 are writable
+    std::vector<Op> ops = RandomOps(rng, 2);  // regions 0 and 1 are writable
     ASSERT_TRUE(RunTransfer(OpKind::kWrite, ops).ok()) << "round " << round;
     // Read everything back into the poisoned upper half.
     std::fill(local_.begin() + local_.size() / 2, local_.end(), kPoison);

@@ -21,6 +21,7 @@
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
+#include "tests/integration/random_ops.h"
 #include "tests/integration/test_pattern.h"
 #include "transport/rdma/rdma_transport.h"
 
@@ -84,20 +85,7 @@ class RdmaEngineTest : public ::testing::Test {
   }
 
   std::vector<Op> RandomOps(std::mt19937_64& rng, int regions, uint64_t local_limit) {
-    std::vector<Op> ops;
-    const int n = 1 + rng() % 48;
-    uint64_t local = 0;
-    std::vector<uint64_t> cursor(regions, 0);
-    for (int i = 0; i < n; ++i) {
-      const int r = rng() % regions;
-      const uint64_t len = 1 + rng() % (rng() % 4 == 0 ? (1 << 20) : 9000);
-      const uint64_t gap = rng() % 3 == 0 ? 0 : rng() % 5000;
-      if (cursor[r] + gap + len > kRegionBytes || local + len > local_limit) break;
-      ops.push_back(Op{local_id_, local, peer_->regions()[r], cursor[r] + gap, len});
-      cursor[r] += gap + len;
-      local += len + (rng() % 2 ? 0 : 64);
-    }
-    return ops;
+    return testing::RandomOps(rng, local_id_, local_limit, peer_->regions(), regions, kRegionBytes);
   }
 
   int RegionIndex(RegionId id) const {
