@@ -46,6 +46,9 @@ struct Capabilities {
   bool counts_arrivals = false;
   uint64_t max_op_bytes = UINT64_MAX;  // the engine splits longer ops
   uint32_t max_lanes = 1;              // parallel streams per peer the engine may stripe over
+  // Moves device memory (MemoryKind::kGpu) correctly. The engine registers GPU regions only
+  // with transports that do, and never routes a transfer that touches one through another.
+  bool gpu_memory = false;
 };
 
 // A region of this engine, as registered with a transport.
@@ -57,6 +60,11 @@ struct LocalRegion {
   MemoryKind kind = MemoryKind::kHost;
   int memfd = -1;             // >= 0 when backed by a ShareableBuffer (not owned here)
   uint64_t memfd_offset = 0;  // offset of `base` within the memfd
+  // kGpu: the device, and the runtime allocation around [base, base + length) (IPC handles
+  // and dma-bufs cover whole allocations; a region may be any part of one).
+  int gpu_device = -1;
+  std::byte* gpu_allocation_base = nullptr;
+  uint64_t gpu_allocation_size = 0;
 };
 
 // A region a peer exported to this engine.
@@ -88,6 +96,7 @@ struct WireOp {
   RegionId remote_region = 0;
   uint64_t remote_offset = 0;
   uint64_t length = 0;
+  int32_t local_gpu_device = -1;  // >= 0: `local` is memory of that device (kGpu region)
 };
 
 // One lane's share of a transfer.
@@ -112,6 +121,7 @@ using DoneCallback = std::function<void(absl::Status)>;
 // Memory the engine resolved for an incoming op; `pin` keeps it registered while in use.
 struct IncomingAccess {
   std::byte* data = nullptr;
+  int gpu_device = -1;  // >= 0: `data` is memory of that device (kGpu region)
   std::shared_ptr<const void> pin;
 };
 

@@ -117,6 +117,9 @@ struct EngineOptions {
 struct RegionOptions {
   uint32_t access = kRemoteReadWrite;
   MemoryKind kind = MemoryKind::kHost;
+  // kGpu: the device the memory belongs to; -1 = ask the GPU runtime (either way the runtime
+  // must confirm it: a host pointer registered as kGpu, or the wrong device, is refused).
+  int gpu_device = -1;
   // Exported to every peer (present and future) without a per-peer Export call.
   bool export_to_all_peers = false;
 };

@@ -47,6 +47,18 @@ struct RdmaStats {
   uint64_t qp_reconnects = 0;      // QPs re-created after a failure
 };
 
+// GPU memory (all zero without kGpu regions): how it was registered and moved.
+struct GpuStats {
+  uint64_t regions = 0;               // kGpu regions registered now
+  uint64_t rdma_dmabuf_regions = 0;   // registered with ibv_reg_dmabuf_mr on a runtime dma-buf
+  uint64_t rdma_peermem_regions = 0;  // registered with ibv_reg_mr on the device pointer
+  // Why the newest GPU region took the rdma path it took (e.g. why not dma-buf); "" if none.
+  std::string rdma_path_reason;
+  uint64_t shm_ipc_opens = 0;      // peer allocations opened from IPC handles
+  uint64_t shm_device_copies = 0;  // copies on the shm transport's device streams
+  uint64_t tcp_staged_bytes = 0;   // bytes staged through pinned host buffers (tcp)
+};
+
 struct EngineStats {
   uint64_t regions = 0;
   uint64_t registered_bytes = 0;
@@ -66,6 +78,7 @@ struct EngineStats {
   std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count
   std::vector<PeerStats> peers;
   RdmaStats rdma;
+  GpuStats gpu;
 
   std::string ToJson() const;
   std::string ToPrometheus(const std::string& engine_name) const;

@@ -8,6 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 #include "src/core/engine_impl.h"
@@ -75,12 +76,14 @@ absl::Status Engine::Impl::Init() {
   // What this engine accepts as a target, whatever its peers' max_op_bytes (they split at
   // their own setting, which EngineOptions caps at this).
   tcp_options.max_op_bytes = kMaxTcpOpBytes;
+  tcp_options.gpu_runtime = gpu_;
   auto tcp = transport::CreateTcpTransport(tcp_options, this);
   if (!tcp.ok()) return tcp.status();
   tcp_ = std::move(*tcp);
 
   transport::ShmTransportOptions shm_options;
   shm_options.engine_name = name_;
+  shm_options.gpu_runtime = gpu_;
   auto shm = transport::CreateShmTransport(shm_options, this);
   if (!shm.ok()) {
     KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << shm.status().message()
@@ -91,6 +94,7 @@ absl::Status Engine::Impl::Init() {
 
   transport::RdmaTransportOptions rdma_options;
   rdma_options.devices = options_.rdma_devices;
+  rdma_options.gpu_runtime = gpu_;
   rdma_options.gid_index = options_.rdma_gid_index;
   rdma_options.qps_per_device =
       static_cast<uint32_t>(std::clamp(options_.rdma_qps_per_peer, 1, 64));
@@ -169,29 +173,59 @@ Engine::Impl::~Impl() {
   for (auto& t : io_threads_) t.join();
 }
 
+absl::Status Engine::Impl::DescribeGpuMemory(const RegionOptions& options,
+                                             transport::LocalRegion* region) {
+  absl::StatusOr<gpu::PointerInfo> info = gpu_->QueryPointer(region->base);
+  if (!info.ok()) {
+    return absl::Status(info.status().code(),
+                        absl::StrCat("RegisterMemory(kGpu): ", info.status().message()));
+  }
+  if (options.gpu_device >= 0 && options.gpu_device != info->device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterMemory(kGpu): the memory belongs to device ", info->device,
+                     ", not to device ", options.gpu_device, " as the options say"));
+  }
+  auto* const alloc = static_cast<std::byte*>(info->allocation_base);
+  if (region->base < alloc ||
+      static_cast<uint64_t>(region->base - alloc) + region->length > info->allocation_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RegisterMemory(kGpu): ", region->length, " B at offset ", region->base - alloc,
+        " run past the device allocation of ", info->allocation_size, " B"));
+  }
+  region->gpu_device = info->device;
+  region->gpu_allocation_base = alloc;
+  region->gpu_allocation_size = info->allocation_size;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
                                                       RegionOptions options) {
   if (ptr == nullptr || length == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("RegisterMemory: null pointer or zero length (length ", length, ")"));
   }
-  if (options.kind != MemoryKind::kHost) {
-    return absl::UnimplementedError("RegisterMemory: only host memory is supported so far");
-  }
   transport::LocalRegion region;
   region.base = static_cast<std::byte*>(ptr);
   region.length = length;
   region.access = options.access;
   region.kind = options.kind;
-  if (auto backing = transport::FindShareable(ptr, length)) {
+  if (options.kind == MemoryKind::kGpu) {
+    if (absl::Status s = DescribeGpuMemory(options, &region); !s.ok()) return s;
+  } else if (auto backing = transport::FindShareable(ptr, length)) {
     region.memfd = backing->fd;
     region.memfd_offset = backing->offset;
   }
   const absl::Time start = absl::Now();
   const RegionId id = regions_.Add(region, options.export_to_all_peers);
   region.id = id;
+  std::vector<std::string> declined;  // transports that cannot move this kind of memory
+  bool registered = false;
   for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
     if (t == nullptr) continue;
+    if (region.kind == MemoryKind::kGpu && !t->caps().gpu_memory) {
+      declined.push_back(t->caps().name);
+      continue;
+    }
     if (absl::Status s = t->RegisterRegion(region); !s.ok()) {
       for (transport::Transport* u : {tcp_.get(), shm_.get(), rdma_.get()}) {
         if (u != nullptr) u->DeregisterRegion(id);
@@ -200,6 +234,19 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
       return absl::Status(s.code(),
                           absl::StrCat("RegisterMemory with ", t->caps().name, ": ", s.message()));
     }
+    registered = true;
+  }
+  if (!registered) {
+    (void)regions_.Remove(id);
+    return absl::FailedPreconditionError(
+        absl::StrCat("RegisterMemory: no transport of engine ", name_, " can move ",
+                     region.kind == MemoryKind::kGpu ? "GPU" : "host",
+                     " memory (declined: ", absl::StrJoin(declined, ", "), ")"));
+  }
+  if (!declined.empty()) {
+    KVW_LOG(kInfo, "engine") << "GPU region not registered with every transport"
+                             << Kv("engine", name_) << Kv("region", id)
+                             << Kv("declined", absl::StrJoin(declined, ","));
   }
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
   {
@@ -208,6 +255,7 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   }
   KVW_LOG(kInfo, "engine") << "registered region" << Kv("engine", name_) << Kv("region", id)
                            << Kv("length", length) << Kv("shareable", region.memfd >= 0)
+                           << Kv("gpu_device", region.gpu_device)
                            << Kv("export_all", options.export_to_all_peers) << Kv("us", us);
   if (options.export_to_all_peers) {
     std::vector<std::shared_ptr<Peer>> peers;
@@ -278,8 +326,11 @@ EngineStats Engine::Impl::Stats() const {
   }
   out.regions = regions_.size();
   out.registered_bytes = regions_.bytes();
+  out.gpu.regions = regions_.gpu_regions();
   out.notifications_delivered = arrivals_.delivered();
-  if (rdma_) rdma_->AddStats(&out);
+  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
+    if (t != nullptr) t->AddStats(&out);
+  }
   MutexLock lock(&peers_mu_);
   for (const auto& [id, peer] : peers_) {
     MutexLock peer_lock(&peer->mu);

@@ -23,6 +23,7 @@
 #include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
 #include "src/core/transfer_table.h"
+#include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
 #include "src/util/task_runner.h"
 #include "transport/transport.h"
@@ -129,6 +130,9 @@ class Engine::Impl final : public transport::TargetHooks {
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
   void ReaperLoop();
 
+  // Fills the GPU fields of a kGpu region from the runtime (device, allocation).
+  absl::Status DescribeGpuMemory(const RegionOptions& options, transport::LocalRegion* region);
+
   const EngineOptions options_;
   std::string name_;
   std::string address_;
@@ -138,6 +142,8 @@ class Engine::Impl final : public transport::TargetHooks {
   std::unique_ptr<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
   std::vector<std::thread> io_threads_;
   std::unique_ptr<control::Server> server_;
+  // The GPU runtime of kGpu regions, fixed at creation (gpu::DefaultRuntime() then).
+  gpu::Runtime* const gpu_ = &gpu::DefaultRuntime();
   std::unique_ptr<transport::Transport> tcp_;
   std::unique_ptr<transport::Transport> shm_;
   std::unique_ptr<transport::Transport> rdma_;  // null without a usable RDMA device

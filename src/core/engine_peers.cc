@@ -153,9 +153,10 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
   for (const transport::LocalRegion& r : regions) {
     pb::RegionDescriptor* d = message.mutable_export_regions()->add_regions();
     *d = Describe(r);
-    if (rdma_) {
-      if (std::string key = rdma_->RegionKey(r.id); !key.empty()) {
-        (*d->mutable_transport_keys())["rdma"] = key;
+    for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
+      if (t == nullptr) continue;
+      if (std::string key = t->RegionKey(r.id); !key.empty()) {
+        (*d->mutable_transport_keys())[t->caps().name] = key;
       }
     }
   }
@@ -371,7 +372,7 @@ std::shared_ptr<transport::Channel> Engine::Impl::ConnectRdma(const std::shared_
 // reaches it. Runs on the worker (channel changes are serialized there).
 void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
   std::vector<transport::RemoteRegionDesc> todo;
-  std::vector<std::string> rdma_keys;  // by todo index
+  std::vector<std::string> rdma_keys, shm_keys;  // by todo index
   std::shared_ptr<transport::Channel> shm, rdma;
   {
     MutexLock lock(&peer->mu);
@@ -383,6 +384,8 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
       todo.push_back(state.desc);
       auto key = state.transport_keys.find("rdma");
       rdma_keys.push_back(key == state.transport_keys.end() ? std::string() : key->second);
+      key = state.transport_keys.find("shm");
+      shm_keys.push_back(key == state.transport_keys.end() ? std::string() : key->second);
     }
   }
   std::vector<std::tuple<RegionId, bool, bool>> routes;
@@ -401,7 +404,9 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
       }
     }
     if (shm) {
-      absl::Status s = shm->AddRemoteRegions({desc});
+      transport::RemoteRegionDesc keyed = desc;
+      absl::Status s = keyed.SetKey(shm_keys[i]) ? shm->AddRemoteRegions({keyed})
+                                                 : absl::InvalidArgumentError("shm key too long");
       via_shm = s.ok();
       if (!s.ok()) {
         KVW_LOG(kInfo, "engine") << "region reached over tcp, not shm" << Kv("engine", name_)

@@ -28,13 +28,16 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // Local side: every op inside a registered region, each region pinned for the transfer.
   absl::flat_hash_map<RegionId, std::shared_ptr<const void>> pins;
   std::vector<transport::WireOp> wire;
+  bool local_gpu = false;
   wire.reserve(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
     auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
     if (!local.ok()) return OpError(i, local.status());
     pins.try_emplace(op.local_region, std::move(local->pin));
-    wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length});
+    wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length,
+                                     local->gpu_device});
+    local_gpu = local_gpu || local->gpu_device >= 0;
   }
 
   // Remote side: exported to us, permission, bounds; and the route.
@@ -92,6 +95,12 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
           " only, and it cannot reach every region of this transfer (connect with transport "
           "auto or tcp)"));
     }
+  }
+
+  if (local_gpu && !caps->gpu_memory) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("transfer: a local region is GPU memory and the route to peer ", peer->name,
+                     " is ", caps->name, ", which cannot move GPU memory"));
   }
 
   core::PlanLimits limits;
@@ -227,8 +236,13 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
     ++stats_.incoming_rejected;
     return resolved.status();
   }
+  if (resolved->gpu_device >= 0 && !tcp_->caps().gpu_memory) {
+    ++stats_.incoming_rejected;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "region ", region, " is GPU memory and this engine's tcp transport cannot move it"));
+  }
   ++stats_.incoming_ops;
-  return transport::IncomingAccess{resolved->data, std::move(resolved->pin)};
+  return transport::IncomingAccess{resolved->data, resolved->gpu_device, std::move(resolved->pin)};
 }
 
 absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {

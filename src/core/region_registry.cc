@@ -49,7 +49,7 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveLocal(RegionId id, uint64_t
   if (absl::Status s = CheckBounds("local", id, offset, length, entry.region.length); !s.ok()) {
     return s;
   }
-  return ResolvedRange{entry.region.base + offset, it->second};
+  return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second};
 }
 
 absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, RegionId id,
@@ -72,7 +72,7 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, Region
   if (absl::Status s = CheckBounds("remote", id, offset, length, entry.region.length); !s.ok()) {
     return s;
   }
-  return ResolvedRange{entry.region.base + offset, it->second};
+  return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second};
 }
 
 absl::StatusOr<transport::LocalRegion> RegionRegistry::ExportedRegion(PeerId peer,
@@ -120,6 +120,13 @@ void RegionRegistry::ForgetPeer(PeerId peer) {
 size_t RegionRegistry::size() const {
   MutexLock lock(&mu_);
   return regions_.size();
+}
+
+size_t RegionRegistry::gpu_regions() const {
+  MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [id, entry] : regions_) n += entry->region.gpu_device >= 0 ? 1 : 0;
+  return n;
 }
 
 uint64_t RegionRegistry::bytes() const {

@@ -26,6 +26,7 @@ struct RegionEntry {
 // A local range resolved for use; `pin` keeps the region registered until released.
 struct ResolvedRange {
   std::byte* data = nullptr;
+  int gpu_device = -1;  // >= 0: device memory (kGpu region)
   std::shared_ptr<const void> pin;
 };
 
@@ -55,6 +56,7 @@ class RegionRegistry {
   void ForgetPeer(PeerId peer) ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t gpu_regions() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -62,21 +62,32 @@ std::string EngineStats::ToJson() const {
                     ",\"bytes_written\":", p.bytes_written, ",\"transfers\":", p.transfers, "}");
     first = false;
   }
-  absl::StrAppend(&out, "],\"rdma\":{\"work_requests\":", rdma.work_requests,
-                  ",\"post_calls\":", rdma.post_calls, ",\"signalled\":", rdma.signalled,
-                  ",\"inline_wrs\":", rdma.inline_wrs, ",\"queued_wrs\":", rdma.queued_wrs,
-                  ",\"completion_errors\":", rdma.completion_errors,
-                  ",\"async_events\":", rdma.async_events,
-                  ",\"qp_reconnects\":", rdma.qp_reconnects, "}}");
+  absl::StrAppend(
+      &out, "],\"rdma\":{\"work_requests\":", rdma.work_requests,
+      ",\"post_calls\":", rdma.post_calls, ",\"signalled\":", rdma.signalled,
+      ",\"inline_wrs\":", rdma.inline_wrs, ",\"queued_wrs\":", rdma.queued_wrs,
+      ",\"completion_errors\":", rdma.completion_errors, ",\"async_events\":", rdma.async_events,
+      ",\"qp_reconnects\":", rdma.qp_reconnects, "},\"gpu\":{\"regions\":", gpu.regions,
+      ",\"rdma_dmabuf_regions\":", gpu.rdma_dmabuf_regions,
+      ",\"rdma_peermem_regions\":", gpu.rdma_peermem_regions, ",\"rdma_path_reason\":\"",
+      JsonEscape(gpu.rdma_path_reason), "\",\"shm_ipc_opens\":", gpu.shm_ipc_opens,
+      ",\"shm_device_copies\":", gpu.shm_device_copies,
+      ",\"tcp_staged_bytes\":", gpu.tcp_staged_bytes, "}}");
   return out;
 }
 
 std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   const std::string label = absl::StrCat("engine=\"", JsonEscape(engine_name), "\"");
   std::string out;
+  auto metric = [&](const char* type, const char* name, const char* help, double value) {
+    absl::StrAppend(&out, "# HELP kvwire_", name, " ", help, "\n# TYPE kvwire_", name, " ", type,
+                    "\nkvwire_", name, "{", label, "} ", value, "\n");
+  };
   auto counter = [&](const char* name, const char* help, double value) {
-    absl::StrAppend(&out, "# HELP kvwire_", name, " ", help, "\n# TYPE kvwire_", name,
-                    " counter\nkvwire_", name, "{", label, "} ", value, "\n");
+    metric("counter", name, help, value);
+  };
+  auto gauge = [&](const char* name, const char* help, double value) {
+    metric("gauge", name, help, value);
   };
   counter("bytes_read_total", "Bytes moved by completed READ transfers.", bytes_read);
   counter("bytes_written_total", "Bytes moved by completed WRITE transfers.", bytes_written);
@@ -98,6 +109,18 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("rdma_async_events_total", "rdma error events (QP, CQ, port, device).",
           rdma.async_events);
   counter("rdma_qp_reconnects_total", "rdma QPs re-created after a failure.", rdma.qp_reconnects);
+  gauge("gpu_regions", "GPU memory regions registered.", gpu.regions);
+  counter("gpu_rdma_dmabuf_regions_total", "GPU regions registered with ibv_reg_dmabuf_mr.",
+          gpu.rdma_dmabuf_regions);
+  counter("gpu_rdma_peermem_regions_total",
+          "GPU regions registered with ibv_reg_mr on the device pointer (peer memory).",
+          gpu.rdma_peermem_regions);
+  counter("gpu_shm_ipc_opens_total", "Peer GPU allocations opened from IPC handles.",
+          gpu.shm_ipc_opens);
+  counter("gpu_shm_device_copies_total", "Copies on the shm transport's device streams.",
+          gpu.shm_device_copies);
+  counter("gpu_tcp_staged_bytes_total", "Bytes staged through pinned host buffers (tcp).",
+          gpu.tcp_staged_bytes);
   absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
                   "# TYPE kvwire_transfer_latency_us histogram\n");
   uint64_t cumulative = 0;

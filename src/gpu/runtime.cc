@@ -19,6 +19,8 @@ const char* BackendName(Backend backend) {
       return "cuda";
     case Backend::kHip:
       return "hip";
+    case Backend::kEmulated:
+      return "emulated";
   }
   return "unknown";
 }
@@ -169,6 +171,33 @@ IpcMapping& IpcMapping::operator=(IpcMapping&& other) noexcept {
 void IpcMapping::Reset() {
   if (ptr_ != nullptr) rt_->CloseIpc(device_, ptr_);
   ptr_ = nullptr;
+}
+
+// --- PinnedHostBuffer ------------------------------------------------------------------------
+
+absl::StatusOr<PinnedHostBuffer> PinnedHostBuffer::Allocate(Runtime& rt, size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("kvwire gpu: pinned allocation of 0 bytes");
+  absl::StatusOr<void*> ptr = rt.AllocatePinnedHost(bytes);
+  if (!ptr.ok()) return ptr.status();
+  return PinnedHostBuffer(&rt, static_cast<std::byte*>(*ptr), bytes);
+}
+PinnedHostBuffer::PinnedHostBuffer(PinnedHostBuffer&& other) noexcept
+    : rt_(std::exchange(other.rt_, nullptr)),
+      ptr_(std::exchange(other.ptr_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+PinnedHostBuffer& PinnedHostBuffer::operator=(PinnedHostBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    rt_ = std::exchange(other.rt_, nullptr);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+void PinnedHostBuffer::Reset() {
+  if (ptr_ != nullptr) rt_->FreePinnedHost(ptr_);
+  ptr_ = nullptr;
+  size_ = 0;
 }
 
 // --- DmaBuf ----------------------------------------------------------------------------------

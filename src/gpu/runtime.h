@@ -25,8 +25,10 @@
 
 namespace kvwire::gpu {
 
-enum class Backend : uint8_t { kNone = 0, kCuda = 1, kHip = 2 };
-const char* BackendName(Backend backend);  // "none", "cuda", "hip"
+// kEmulated: host memory standing in for a device (tests of the engine's GPU paths on machines
+// without one; see tests/support/emulated_gpu.h). Never the default of a build.
+enum class Backend : uint8_t { kNone = 0, kCuda = 1, kHip = 2, kEmulated = 3 };
+const char* BackendName(Backend backend);  // "none", "cuda", "hip", "emulated"
 
 struct DeviceInfo {
   int ordinal = -1;
@@ -55,6 +57,13 @@ struct DmaBufRange {
   uint64_t size = 0;
 };
 
+// The device allocation a pointer lies in (what IPC export and dma-buf export work on).
+struct PointerInfo {
+  int device = -1;
+  void* allocation_base = nullptr;
+  size_t allocation_size = 0;
+};
+
 // The raw calls of one runtime. Process-wide instances; thread-safe as the runtimes are. Every
 // call names its device (the runtimes keep a per-thread current device; the backends set it).
 // Handles are the runtime's own (cudaStream_t, hipEvent_t, ...) as void*.
@@ -70,6 +79,12 @@ class Runtime {
   virtual absl::StatusOr<void*> Allocate(int device, size_t bytes) = 0;
   // Release calls run in destructors: failures are logged, not returned.
   virtual void Free(int device, void* ptr) = 0;
+  // Page-locked host memory (fast, asynchronous copies to and from the devices).
+  virtual absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) = 0;
+  virtual void FreePinnedHost(void* ptr) = 0;
+  // Device and allocation of `ptr`; InvalidArgument when it is not device memory of this
+  // runtime (host memory, pinned host memory, or an unknown address).
+  virtual absl::StatusOr<PointerInfo> QueryPointer(const void* ptr) = 0;
   virtual absl::StatusOr<void*> CreateStream(int device) = 0;  // non-blocking stream
   virtual void DestroyStream(int device, void* stream) = 0;
   virtual absl::Status SynchronizeStream(int device, void* stream) = 0;
@@ -92,8 +107,13 @@ class Runtime {
   virtual absl::Status EncodeKvRecords(int device, const KvEncodeArgs& args, void* stream) = 0;
 };
 
-// The runtime compiled into this build (KVWIRE_GPU), or NoneRuntime().
+// The runtime compiled into this build (KVWIRE_GPU), or NoneRuntime(), unless replaced by
+// SetDefaultRuntime.
 Runtime& DefaultRuntime();
+// Replaces what DefaultRuntime() returns in this process (nullptr: the build's again). For
+// programs that bring their own runtime (the emulated one in tests); call it before any engine
+// or connector exists, as they keep the runtime they were created with.
+void SetDefaultRuntime(Runtime* runtime);
 // Always present: every call fails with "kvwire gpu: no GPU runtime in this build (...)".
 Runtime& NoneRuntime();
 // Defined only when that backend is compiled and linked (see cmake/gpu.cmake).
@@ -202,6 +222,28 @@ class IpcMapping {
   Runtime* rt_ = nullptr;
   int device_ = -1;
   void* ptr_ = nullptr;
+};
+
+// Page-locked host memory; freed on destruction.
+class PinnedHostBuffer {
+ public:
+  static absl::StatusOr<PinnedHostBuffer> Allocate(Runtime& rt, size_t bytes);
+  PinnedHostBuffer() = default;
+  PinnedHostBuffer(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer& operator=(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
+  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+  ~PinnedHostBuffer() { Reset(); }
+
+  std::byte* data() const { return ptr_; }
+  size_t size() const { return size_; }
+
+ private:
+  PinnedHostBuffer(Runtime* rt, std::byte* ptr, size_t size) : rt_(rt), ptr_(ptr), size_(size) {}
+  void Reset();
+  Runtime* rt_ = nullptr;
+  std::byte* ptr_ = nullptr;
+  size_t size_ = 0;
 };
 
 // An exported dma-buf; its fd is closed on destruction.

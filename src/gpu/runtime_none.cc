@@ -1,5 +1,7 @@
 // The runtime of a build without CUDA or HIP: the engine keeps working with host memory, and
 // every GPU call says in one line why it cannot.
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 
 #include "src/gpu/gpu_config.h"
@@ -15,6 +17,9 @@ class NoneRuntimeImpl final : public Runtime {
   absl::StatusOr<DeviceInfo> GetDeviceInfo(int) override { return Fail(); }
   absl::StatusOr<void*> Allocate(int, size_t) override { return Fail(); }
   void Free(int, void*) override {}
+  absl::StatusOr<void*> AllocatePinnedHost(size_t) override { return Fail(); }
+  void FreePinnedHost(void*) override {}
+  absl::StatusOr<PointerInfo> QueryPointer(const void*) override { return Fail(); }
   absl::StatusOr<void*> CreateStream(int) override { return Fail(); }
   void DestroyStream(int, void*) override {}
   absl::Status SynchronizeStream(int, void*) override { return Fail(); }
@@ -46,7 +51,14 @@ Runtime& NoneRuntime() {
   return rt;
 }
 
+namespace {
+std::atomic<Runtime*> default_override{nullptr};
+}  // namespace
+
+void SetDefaultRuntime(Runtime* runtime) { default_override.store(runtime); }
+
 Runtime& DefaultRuntime() {
+  if (Runtime* r = default_override.load(std::memory_order_acquire)) return *r;
 #if KVWIRE_GPU_DEFAULT_CUDA
   return CudaRuntime();
 #elif KVWIRE_GPU_DEFAULT_HIP

@@ -43,11 +43,14 @@
 
 #include "absl/status/statusor.h"
 
+#include "src/gpu/runtime.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
 
 struct RdmaTransportOptions {
+  // The runtime of kGpu regions (the engine's); null: GPU memory is refused.
+  gpu::Runtime* gpu_runtime = nullptr;
   // Device allow-list, "name" or "name:port" entries; empty = every device.
   std::vector<std::string> devices;
   // GID index for RoCE; -1 = the first IPv4-mapped RoCE v2 GID among the first 16.

@@ -13,11 +13,14 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "src/gpu/runtime.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
 
 struct ShmTransportOptions {
+  // The runtime of kGpu regions (the engine's); null: GPU memory is refused.
+  gpu::Runtime* gpu_runtime = nullptr;
   // Identifies this host (and IPC namespace); equal on both sides = reachable.
   // Empty: derived from /proc/sys/kernel/random/boot_id and the IPC/mount namespace ids.
   std::string host_id;

@@ -8,11 +8,14 @@
 
 #include "absl/status/statusor.h"
 
+#include "src/gpu/runtime.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
 
 struct TcpTransportOptions {
+  // The runtime of kGpu regions (the engine's); null: GPU memory is refused.
+  gpu::Runtime* gpu_runtime = nullptr;
   // Data listener address; port 0 picks a free one. The host is what peers dial.
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;

@@ -143,6 +143,43 @@ class CudaRuntimeImpl final : public Runtime {
     LogIfError(Error(cudaFree(ptr), "cudaFree"));
   }
 
+  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) override {
+    void* p = nullptr;
+    if (absl::Status s = Error(cudaHostAlloc(&p, bytes, cudaHostAllocPortable),
+                               absl::StrCat("cudaHostAlloc(", bytes, " B)"));
+        !s.ok()) {
+      return s;
+    }
+    return p;
+  }
+  void FreePinnedHost(void* ptr) override { LogIfError(Error(cudaFreeHost(ptr), "cudaFreeHost")); }
+
+  absl::StatusOr<PointerInfo> QueryPointer(const void* ptr) override {
+    cudaPointerAttributes attr{};
+    if (absl::Status s = Error(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
+        !s.ok()) {
+      return s;
+    }
+    if (attr.type != cudaMemoryTypeDevice) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kvwire gpu: 0x", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+                       " is not CUDA device memory (cudaPointerGetAttributes type ",
+                       static_cast<int>(attr.type), ")"));
+    }
+    const Driver& d = driver();
+    if (d.get_address_range == nullptr) {
+      return absl::UnimplementedError(
+          "kvwire gpu: cuMemGetAddressRange is not available from this CUDA driver");
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (CUresult r = d.get_address_range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
+        r != CUDA_SUCCESS) {
+      return DriverError(r, "cuMemGetAddressRange");
+    }
+    return PointerInfo{attr.device, reinterpret_cast<void*>(base), size};
+  }
+
   absl::StatusOr<void*> CreateStream(int device) override {
     if (absl::Status s = SetDevice(device); !s.ok()) return s;
     cudaStream_t st = nullptr;

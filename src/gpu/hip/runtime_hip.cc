@@ -99,6 +99,41 @@ class HipRuntimeImpl final : public Runtime {
     LogIfError(Error(hipFree(ptr), "hipFree"));
   }
 
+  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) override {
+    void* p = nullptr;
+    if (absl::Status s = Error(hipHostMalloc(&p, bytes, hipHostMallocPortable),
+                               absl::StrCat("hipHostMalloc(", bytes, " B)"));
+        !s.ok()) {
+      return s;
+    }
+    return p;
+  }
+  void FreePinnedHost(void* ptr) override { LogIfError(Error(hipHostFree(ptr), "hipHostFree")); }
+
+  absl::StatusOr<PointerInfo> QueryPointer(const void* ptr) override {
+    hipPointerAttribute_t attr{};
+    if (absl::Status s = Error(hipPointerGetAttributes(&attr, ptr), "hipPointerGetAttributes");
+        !s.ok()) {
+      return s;
+    }
+    // ROCm 5.x names the field memoryType, 6.x type; both are the first member.
+    hipMemoryType type{};
+    std::memcpy(&type, &attr, sizeof type);
+    if (type != hipMemoryTypeDevice) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kvwire gpu: 0x", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+          " is not HIP device memory (hipPointerGetAttributes type ", static_cast<int>(type), ")"));
+    }
+    hipDeviceptr_t base = nullptr;
+    size_t size = 0;
+    if (absl::Status s = Error(hipMemGetAddressRange(&base, &size, const_cast<void*>(ptr)),
+                               "hipMemGetAddressRange");
+        !s.ok()) {
+      return s;
+    }
+    return PointerInfo{attr.device, base, size};
+  }
+
   absl::StatusOr<void*> CreateStream(int device) override {
     if (absl::Status s = SetDevice(device); !s.ok()) return s;
     hipStream_t st = nullptr;
