@@ -27,7 +27,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BUNDLE=build-cuda/gpu-bundle
 # gpu_config_test checks the build machine's toolchains against configure: not for this run.
-PROGRAMS=(gpu_kv_record_test gpu_runtime_test)
+PROGRAMS=(gpu_kv_record_test gpu_runtime_test gpu_shm_transfer_test)
 HELPERS=(gpu_ipc_peer)
 PER_PROGRAM_TIMEOUT=${PER_PROGRAM_TIMEOUT:-120}
 
@@ -67,6 +67,7 @@ run_program() {
     local libs="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     local loader="$PWD/$BUNDLE/lib/ld-linux-x86-64.so.2"
     KVWIRE_GPU_IPC_PEER="$loader --library-path $libs $PWD/$BUNDLE/bin/gpu_ipc_peer" \
+      KVWIRE_GPU_SHM_SELF="$loader --library-path $libs $PWD/$BUNDLE/bin/gpu_shm_transfer_test" \
       timeout "$PER_PROGRAM_TIMEOUT" "$loader" --library-path "$libs" "$bin" "$@" >"$out" 2>&1
   else
     timeout "$PER_PROGRAM_TIMEOUT" "$bin" "$@" >"$out" 2>&1
@@ -112,6 +113,8 @@ run_all() {
   # What the tests saw of the device, the reason a device test skipped (one line per
   # runtime), and any failure in full.
   grep -h -E '^(device [0-9]+: |kvwire gpu: )' "$log"/*.txt | sort -u | sed 's/^/  /' || true
+  # GPU -> GPU over shm (IPC) vs a device-to-device copy, one row per size, in printed order.
+  grep -h -E '^gpu shm: ' "$log"/*.txt | sed 's/^/  /' || true
   if [[ $status -ne 0 || $failed -ne 0 ]]; then
     for p in "${PROGRAMS[@]}"; do
       if grep -qE 'FAILED|Failure' "$log/$p.txt"; then

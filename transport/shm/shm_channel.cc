@@ -16,6 +16,7 @@
 #include "transport/shm/cma.h"
 #include "transport/shm/errno_text.h"
 #include "transport/shm/fd_client.h"
+#include "transport/shm/gpu_region_key.h"
 #include "transport/shm/seqpacket.h"
 
 namespace kvwire::transport::shm {
@@ -35,7 +36,7 @@ absl::Status OpError(const PostRequest& request, size_t index, absl::StatusCode 
 
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
   return a.id == b.id && a.length == b.length && a.access == b.access && a.kind == b.kind &&
-         a.address == b.address && a.shareable == b.shareable;
+         a.address == b.address && a.shareable == b.shareable && a.Key() == b.Key();
 }
 
 }  // namespace
@@ -79,21 +80,45 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
 
 ShmChannel::ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket,
                        pid_t pid, absl::Status cma)
-    : link_(link), options_(options), socket_(std::move(socket)), pid_(pid), cma_(std::move(cma)) {}
+    : link_(link),
+      options_(options),
+      socket_(std::move(socket)),
+      pid_(pid),
+      cma_(std::move(cma)),
+      gpu_imports_(options.gpu_runtime == nullptr
+                       ? nullptr
+                       : std::make_unique<GpuImports>(options.gpu_runtime, options.gpu_counters)),
+      copier_(options.gpu_runtime == nullptr
+                  ? nullptr
+                  : std::make_unique<GpuCopier>(options.gpu_runtime, options.gpu_counters)) {}
 
 ShmChannel::~ShmChannel() { Close(absl::CancelledError("shm channel destroyed")); }
 
 void ShmChannel::Post(PostRequest request, DoneCallback done) {
-  absl::Status status = Execute(request);
-  {
-    // Unpin the local regions before reporting, so that whoever waits for the transfer to end
-    // finds them released.
-    PostRequest finished = std::move(request);
+  GpuWork gpu;
+  absl::Status status = Execute(request, &gpu);
+  if (gpu.batch.empty()) {
+    {
+      // Unpin the local regions before reporting, so that whoever waits for the transfer to
+      // end finds them released.
+      PostRequest finished = std::move(request);
+    }
+    done(std::move(status));
+    return;
   }
-  done(std::move(status));
+  // Device copies are queued: the request (its pins) and the peer regions they use stay held
+  // until the device has finished them, then the copier reports.
+  struct Held {
+    PostRequest request;
+    std::vector<std::shared_ptr<const RemoteRegion>> regions;
+  };
+  std::shared_ptr<std::atomic<bool>> cancelled = request.cancelled;
+  auto held = std::make_shared<Held>(Held{std::move(request), std::move(gpu.regions)});
+  copier_->Complete(std::move(gpu.batch), std::move(status), std::move(cancelled), std::move(held),
+                    std::move(done));
 }
 
-absl::Status ShmChannel::Execute(const PostRequest& request) {
+absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
   const bool write = request.kind == OpKind::kWrite;
   const uint32_t needed = write ? kRemoteWrite : kRemoteRead;
   const std::atomic<bool>* cancelled = request.cancelled.get();
@@ -130,6 +155,29 @@ absl::Status ShmChannel::Execute(const PostRequest& request) {
     if (op.length == 0) continue;
     if (op.local == nullptr) {
       return OpError(request, i, absl::StatusCode::kInvalidArgument, "null local address");
+    }
+    if (op.local_gpu_device >= 0 || region->gpu != nullptr) {
+      if (copier_ == nullptr) {
+        return OpError(request, i, absl::StatusCode::kFailedPrecondition,
+                       "GPU memory, and this shm channel has no GPU runtime");
+      }
+      std::byte* remote;
+      if (region->gpu != nullptr) {
+        remote = region->gpu_base + op.remote_offset;
+      } else if (region->mapped) {
+        remote = region->mapping.data() + op.remote_offset;
+      } else {
+        return OpError(request, i, absl::StatusCode::kFailedPrecondition,
+                       "local GPU memory cannot move to or from a peer host region that is not "
+                       "memfd-backed (cross-memory attach reaches host memory only); allocate "
+                       "the peer's region with kvwire::ShareableBuffer");
+      }
+      const int device = op.local_gpu_device >= 0 ? op.local_gpu_device : region->gpu->device();
+      if (gpu->regions.empty() || gpu->regions.back() != region) gpu->regions.push_back(region);
+      absl::Status copied = write ? copier_->Copy(&gpu->batch, device, remote, op.local, op.length)
+                                  : copier_->Copy(&gpu->batch, device, op.local, remote, op.length);
+      if (!copied.ok()) return OpError(request, i, copied.code(), copied.message());
+      continue;
     }
     if (region->mapped) {
       std::byte* remote = region->mapping.data() + op.remote_offset;
@@ -208,9 +256,9 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddO
     const RemoteRegionDesc& desc) {
   const std::string who =
       absl::StrCat("shm: region ", desc.id, " of peer ", link_.peer, " (", link_.peer_name, ")");
+  if (desc.kind == MemoryKind::kGpu) return MapGpu(desc);
   if (desc.kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(
-        absl::StrCat(who, " is GPU memory; the shm transport moves host memory only"));
+    return absl::UnimplementedError(absl::StrCat(who, " is of an unknown memory kind"));
   }
   if (desc.shareable) return MapShareable(desc);
   if (!cma_.ok()) {
@@ -304,6 +352,50 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   return region;
 }
 
+absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapGpu(
+    const RemoteRegionDesc& desc) {
+  const std::string who = absl::StrCat("shm: GPU region ", desc.id, " of peer ", link_.peer, " (",
+                                       link_.peer_name, ")");
+  if (gpu_imports_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": this engine has no GPU runtime for the shm transport"));
+  }
+  if (desc.key_length == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": the peer sent no shm key for it (its shm transport exports no GPU memory)"));
+  }
+  absl::StatusOr<GpuRegionKey> key = ParseGpuRegionKey(desc.Key());
+  if (!key.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": ", key.status().message()));
+  }
+  if (key->length != desc.length) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": its key says ", key->length,
+                                                   " B, its description ", desc.length, " B"));
+  }
+  if (key->backend != options_.gpu_runtime->backend()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": exported by a ", GpuBackendWord(key->backend), " runtime, this engine's is ",
+        GpuBackendWord(options_.gpu_runtime->backend())));
+  }
+  absl::StatusOr<std::shared_ptr<const GpuPeerAllocation>> allocation =
+      gpu_imports_->Open(*key, desc.address);
+  if (!allocation.ok()) {
+    return absl::Status(allocation.status().code(),
+                        absl::StrCat(who, ": ", allocation.status().message()));
+  }
+  auto region = std::make_shared<RemoteRegion>();
+  region->id = desc.id;
+  region->length = desc.length;
+  region->access = desc.access;
+  region->gpu = *std::move(allocation);
+  region->gpu_base = region->gpu->base() + key->offset;
+  region->desc = desc;
+  KVW_LOG(kDebug, "shm") << "mapped peer GPU region" << Kv("peer", link_.peer)
+                         << Kv("region", desc.id) << Kv("length", desc.length)
+                         << Kv("device", region->gpu->device());
+  return region;
+}
+
 void ShmChannel::RemoveRemoteRegions(const std::vector<RegionId>& ids) {
   std::vector<std::shared_ptr<const RemoteRegion>> removed;  // unmapped outside the lock
   removed.reserve(ids.size());
@@ -325,6 +417,7 @@ void ShmChannel::Close(const absl::Status& reason) {
     closed_.store(true, std::memory_order_release);
     removed.swap(regions_);
   }
+  if (copier_ != nullptr) copier_->Fail(reason.ok() ? absl::CancelledError("closed") : reason);
   // Wakes a request waiting for a reply; the descriptor itself stays open until destruction,
   // so no other thread can see its number reused.
   ::shutdown(socket_.get(), SHUT_RDWR);
@@ -333,8 +426,9 @@ void ShmChannel::Close(const absl::Status& reason) {
 }
 
 std::string ShmChannel::Describe() const {
-  if (cma_.ok()) return "shm memfd+cma";
-  return absl::StrCat("shm memfd (cma refused: ", cma_.message(), ")");
+  const char* gpu = copier_ != nullptr ? "+gpu-ipc" : "";
+  if (cma_.ok()) return absl::StrCat("shm memfd+cma", gpu);
+  return absl::StrCat("shm memfd", gpu, " (cma refused: ", cma_.message(), ")");
 }
 
 }  // namespace kvwire::transport::shm

@@ -1,6 +1,9 @@
 // ShmChannel: the initiator's link to one peer on this host. Memfd-backed regions of the peer
 // are mapped once (AddRemoteRegions) and each op is one memcpy in the caller's thread; other
-// host regions move with cross-memory attach when the kernel permits it.
+// host regions move with cross-memory attach when the kernel permits it. GPU regions of the
+// peer are opened from their allocation's IPC handle (once per allocation, gpu_imports.h), and
+// every op whose local or remote side is device memory is a runtime copy on the channel's
+// device streams, reported when the device has finished it (gpu_copier.h).
 #ifndef KVWIRE_TRANSPORT_SHM_SHM_CHANNEL_H_
 #define KVWIRE_TRANSPORT_SHM_SHM_CHANNEL_H_
 
@@ -16,7 +19,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
+#include "transport/shm/gpu_copier.h"
+#include "transport/shm/gpu_imports.h"
 #include "transport/shm/mapping.h"
 #include "transport/shm/shm_endpoint.h"
 #include "transport/shm/unique_fd.h"
@@ -30,6 +36,9 @@ class ShmChannel final : public Channel {
     bool allow_cma = true;
     bool populate_mappings = true;
     absl::Duration request_timeout = absl::Seconds(10);
+    // Null: the peer's GPU regions are refused (they go over another transport).
+    gpu::Runtime* gpu_runtime = nullptr;
+    std::shared_ptr<ShmGpuCounters> gpu_counters;  // not null when gpu_runtime is set
   };
 
   // Connects to the peer's socket and proves the session token (within link.deadline), then
@@ -61,15 +70,25 @@ class ShmChannel final : public Channel {
     RegionId id = 0;
     uint64_t length = 0;
     uint32_t access = kAccessNone;
-    bool mapped = false;    // memfd-backed: copies go through `mapping`
-    Mapping mapping;        // empty for a 0-byte region
-    uint64_t address = 0;   // CMA: base address in the peer
+    bool mapped = false;   // memfd-backed: copies go through `mapping`
+    Mapping mapping;       // empty for a 0-byte region
+    uint64_t address = 0;  // CMA: base address in the peer
+    // kGpu: the peer's allocation, mapped; the region starts at gpu_base.
+    std::shared_ptr<const GpuPeerAllocation> gpu;
+    std::byte* gpu_base = nullptr;
     RemoteRegionDesc desc;  // as described, to recognise a repeated AddRemoteRegions
   };
+  // The device copies of one request, and the peer regions they use (kept mapped until the
+  // copies have ended).
+  struct GpuWork {
+    GpuCopier::Batch batch;
+    std::vector<std::shared_ptr<const RemoteRegion>> regions;
+  };
 
-  absl::Status Execute(const PostRequest& request);
+  absl::Status Execute(const PostRequest& request, GpuWork* gpu);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapGpu(const RemoteRegionDesc& desc);
   std::shared_ptr<const RemoteRegion> Find(RegionId id) const;
   absl::Status ClosedError() const;
 
@@ -92,6 +111,11 @@ class ShmChannel final : public Channel {
   // A request failed below the protocol (timeout, peer gone): a late reply could answer the
   // next request, so the socket is not used again.
   absl::Status rpc_broken_ ABSL_GUARDED_BY(rpc_mu_);
+
+  // Set when options_.gpu_runtime is. The copier is destroyed first: it waits for the copies
+  // in flight and reports their requests.
+  const std::unique_ptr<GpuImports> gpu_imports_;
+  const std::unique_ptr<GpuCopier> copier_;
 };
 
 }  // namespace kvwire::transport::shm

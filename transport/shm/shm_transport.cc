@@ -1,5 +1,7 @@
-// ShmTransport: the shm Transport. The target side serves region memfds (FdServer); each
-// Connect opens a ShmChannel that maps them and copies in the caller's thread.
+// ShmTransport: the shm Transport. The target side serves region memfds (FdServer) and exports
+// GPU regions' IPC handles in their region keys (GpuExportTable); each Connect opens a
+// ShmChannel that maps them and copies in the caller's thread (host memory) or on device
+// streams (GPU memory).
 #include "transport/shm/shm_transport.h"
 
 #include <atomic>
@@ -12,6 +14,8 @@
 
 #include "src/util/log.h"
 #include "transport/shm/fd_server.h"
+#include "transport/shm/gpu_exports.h"
+#include "transport/shm/gpu_imports.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/seqpacket.h"
 #include "transport/shm/shm_channel.h"
@@ -36,7 +40,13 @@ std::string SocketName(const std::string& engine_name, uint64_t random) {
 class ShmTransport final : public Transport {
  public:
   ShmTransport(const ShmTransportOptions& options, std::string host_id, uint64_t probe_value)
-      : options_(options), host_id_(std::move(host_id)), probe_word_(probe_value) {
+      : options_(options),
+        host_id_(std::move(host_id)),
+        probe_word_(probe_value),
+        gpu_(options.gpu_runtime != nullptr && options.gpu_runtime->backend() != gpu::Backend::kNone
+                 ? options.gpu_runtime
+                 : nullptr),
+        gpu_exports_(gpu_) {
     caps_.name = "shm";
     caps_.one_sided_read = true;
     caps_.one_sided_write = true;
@@ -45,6 +55,8 @@ class ShmTransport final : public Transport {
     caps_.counts_arrivals = false;
     caps_.max_op_bytes = options.max_op_bytes;
     caps_.max_lanes = 1;
+    // Device memory moves with runtime copies between IPC-mapped allocations (one host).
+    caps_.gpu_memory = gpu_ != nullptr;
   }
   ~ShmTransport() override { Shutdown(); }
 
@@ -72,8 +84,24 @@ class ShmTransport final : public Transport {
   const Capabilities& caps() const override { return caps_; }
   std::string Endpoint() const override { return endpoint_; }
 
-  absl::Status RegisterRegion(const LocalRegion& region) override { return regions_.Add(region); }
-  void DeregisterRegion(RegionId id) override { regions_.Remove(id); }
+  absl::Status RegisterRegion(const LocalRegion& region) override {
+    if (region.kind == MemoryKind::kGpu) {
+      if (absl::Status exported = gpu_exports_.Add(region); !exported.ok()) return exported;
+    }
+    absl::Status added = regions_.Add(region);
+    if (!added.ok() && region.kind == MemoryKind::kGpu) gpu_exports_.Remove(region.id);
+    return added;
+  }
+  void DeregisterRegion(RegionId id) override {
+    regions_.Remove(id);
+    gpu_exports_.Remove(id);
+  }
+  std::string RegionKey(RegionId id) const override { return gpu_exports_.Key(id); }
+
+  void AddStats(EngineStats* stats) const override {
+    stats->gpu.shm_ipc_opens += gpu_counters_->ipc_opens.load(std::memory_order_relaxed);
+    stats->gpu.shm_device_copies += gpu_counters_->device_copies.load(std::memory_order_relaxed);
+  }
 
   absl::Status CanReach(const std::string& remote_endpoint) const override {
     absl::StatusOr<ShmEndpoint> endpoint = shm::ParseEndpoint(remote_endpoint);
@@ -92,6 +120,8 @@ class ShmTransport final : public Transport {
     options.allow_cma = options_.allow_cma;
     options.populate_mappings = options_.populate_mappings;
     options.request_timeout = options_.request_timeout;
+    options.gpu_runtime = gpu_;
+    options.gpu_counters = gpu_counters_;
     absl::StatusOr<std::unique_ptr<shm::ShmChannel>> channel =
         shm::ShmChannel::Connect(link, *endpoint, options);
     if (!channel.ok()) return channel.status();
@@ -106,6 +136,7 @@ class ShmTransport final : public Transport {
     if (shut_down_.exchange(true, std::memory_order_acq_rel)) return;
     if (server_ != nullptr) server_->Shutdown();
     regions_.Clear();
+    gpu_exports_.Clear();
   }
 
  private:
@@ -120,9 +151,13 @@ class ShmTransport final : public Transport {
   const std::string host_id_;
   // Peers read this word with process_vm_readv to find out whether CMA works (ShmEndpoint).
   const uint64_t probe_word_;
+  gpu::Runtime* const gpu_;  // null unless options_.gpu_runtime is a real runtime
   Capabilities caps_;
   std::string endpoint_;  // set by Start, constant afterwards
   shm::LocalRegionTable regions_;
+  shm::GpuExportTable gpu_exports_;
+  const std::shared_ptr<shm::ShmGpuCounters> gpu_counters_ =
+      std::make_shared<shm::ShmGpuCounters>();
   std::unique_ptr<shm::FdServer> server_;  // set by Start; stopped by Shutdown
   std::atomic<bool> shut_down_{false};
 };

@@ -1,7 +1,9 @@
 // shm transport: both engines on one host. memfd-backed regions are mapped once by the peer
 // (fds passed over a Unix socket with SCM_RIGHTS) and data moves with one memcpy by the
 // initiator; other host memory moves with cross-memory attach (process_vm_readv/writev) when
-// the kernel permits it.
+// the kernel permits it. GPU memory (kGpu regions, with a gpu_runtime) moves with runtime
+// copies on device streams between allocations opened from IPC handles, which the exporting
+// side puts in its region keys (gpu_region_key.h).
 #ifndef KVWIRE_TRANSPORT_SHM_SHM_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_SHM_SHM_TRANSPORT_H_
 
@@ -19,7 +21,8 @@
 namespace kvwire::transport {
 
 struct ShmTransportOptions {
-  // The runtime of kGpu regions (the engine's); null: GPU memory is refused.
+  // The runtime of kGpu regions (the engine's); null (or the "none" runtime): GPU memory is
+  // refused, caps().gpu_memory is false.
   gpu::Runtime* gpu_runtime = nullptr;
   // Identifies this host (and IPC namespace); equal on both sides = reachable.
   // Empty: derived from /proc/sys/kernel/random/boot_id and the IPC/mount namespace ids.
