@@ -110,7 +110,7 @@ void GpuCopier::Fail(const absl::Status& reason) {
 
 absl::Status GpuCopier::WaitEvents(Pending& p) {
   int polls = 0;
-  absl::Duration nap = absl::Microseconds(5);
+  absl::Duration nap = absl::Microseconds(10);
   for (const auto& [device, event] : p.events) {
     while (true) {
       absl::StatusOr<bool> finished = runtime_->EventDone(device, event);
@@ -125,12 +125,13 @@ absl::Status GpuCopier::WaitEvents(Pending& p) {
         std::exchange(p.done, nullptr)(
             absl::CancelledError("shm: transfer cancelled while its device copies ran"));
       }
-      // Short copies end within microseconds: spin briefly, then back off up to 1 ms.
-      if (++polls < 64) {
+      // Short copies end within microseconds: spin briefly, then back off up to 200 us (a
+      // late look delays the report, never the device: later copies are queued already).
+      if (++polls < 256) {
         std::this_thread::yield();
       } else {
         absl::SleepFor(nap);
-        nap = std::min(nap * 2, absl::Milliseconds(1));
+        nap = std::min(nap * 2, absl::Microseconds(200));
       }
     }
   }

@@ -318,7 +318,7 @@ TEST_F(GpuShmChannelTest, CancelledDuringCopiesReportsAtOnceButHoldsMemoryUntilT
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
 }
 
-TEST_F(GpuShmChannelTest, RemovedRegionStaysMappedUntilItsCopiesEnd) {
+TEST_F(GpuShmChannelTest, RegionRemovedDuringItsCopiesStillCompletes) {
   Init(absl::Milliseconds(100));
   ASSERT_TRUE(channel_->AddRemoteRegions({Desc(target_->RegionKey(region_.id))}).ok());
   auto result = std::make_shared<std::promise<absl::Status>>();
