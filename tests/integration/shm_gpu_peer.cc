@@ -66,7 +66,8 @@ int Run(int argc, char** argv) {
   gpu::SetDefaultRuntime(&emulated.runtime());
   EngineOptions options;
   options.name = name;
-  options.transport = TransportKind::kShm;
+  // Offers tcp too: a tester that cannot use the GPU regions over shm falls back to it.
+  options.transport = TransportKind::kAuto;
   options.peer_lease = absl::Seconds(5);
   options.heartbeat_interval = absl::Milliseconds(200);
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options);

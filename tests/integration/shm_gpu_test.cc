@@ -314,7 +314,7 @@ TEST(ShmGpuFallbackTest, GpuRegionOfAnotherRuntimeGoesOverTcp) {
   ASSERT_TRUE(peer.ok()) << peer.status();
   EngineOptions options;
   options.name = "no-gpu-tester";
-  options.transport = TransportKind::kShm;
+  options.transport = TransportKind::kAuto;  // shm, and tcp for what shm cannot reach
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<std::byte> host(1 << 20, kPoison);
@@ -336,11 +336,13 @@ TEST(ShmGpuFallbackTest, GpuRegionOfAnotherRuntimeGoesOverTcp) {
   std::vector<Op> gpu_op = {Op{*local, 0, (*peer)->regions()[0], 0, 4096}};
   id = (*engine)->Transfer(*pid, OpKind::kRead, gpu_op);
   absl::Status moved = id.ok() ? (*engine)->Wait(*id, absl::Seconds(30)) : id.status();
+  std::printf("GPU region of another runtime, read over tcp: %s\n", moved.ToString().c_str());
   if (moved.ok()) {
     // The peer's tcp moves GPU memory (staged): the bytes must be right.
     for (uint64_t i = 0; i < 4096; ++i) ASSERT_EQ(host[i], PatternByte(3, 0, i));
   } else {
-    EXPECT_THAT(moved.message(), HasSubstr("tcp")) << moved;
+    // Refused by the peer's tcp transport (it does not move GPU memory in this build).
+    EXPECT_THAT(moved.message(), HasSubstr("tcp target")) << moved;
   }
   EXPECT_EQ((*engine)->Stats().gpu.shm_device_copies, 0u);
   engine->reset();
