@@ -1,4 +1,4 @@
-// GPU memory over the shm transport on a real device (the build's runtime, never emulated):
+// GPU memory over the shm transport on a real device (the build's runtime, or --emulated):
 // two processes (this program, and itself again in the --child role) each run a kvwire engine
 // over shm on device 0; this side moves GPU -> GPU both ways with byte verification, then
 // measures the IPC-shm bandwidth against a plain device-to-device copy (CopyAsync within one
@@ -9,6 +9,10 @@
 // A benchmark, not a speed assertion. Without a
 // device the test skips with the runtime's one-line reason. perf/gpu-check.sh runs it; the
 // bundle starts the child through its loader (KVWIRE_GPU_SHM_SELF: the command words).
+//
+// With --emulated (both processes) the emulated runtime stands in for the device, with sizes
+// up to 16 MiB: a check of this program itself on machines without a GPU (its numbers say
+// nothing about a GPU).
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -36,17 +40,29 @@
 
 #include "kvwire/engine.h"
 #include "src/gpu/runtime.h"
+#include "tests/support/emulated_gpu.h"
 
 extern char** environ;
 
 namespace kvwire::gpu {
 namespace {
 
-constexpr uint64_t kMaxBytes = 256ull << 20;
 constexpr uint64_t kSizes[] = {1ull << 20, 16ull << 20, 256ull << 20};
+
+// --emulated: the emulated runtime in place of the build's (set by main, before any engine).
+kvwire::testing::EmulatedGpu* emulated = nullptr;
+
+Runtime& TestRuntime() { return emulated != nullptr ? emulated->runtime() : DefaultRuntime(); }
+uint64_t MaxBytes() { return emulated != nullptr ? 16ull << 20 : 256ull << 20; }
 constexpr int kRuns = 5;
 // Transfers in flight at once while measuring.
 constexpr size_t kWindow = 16;
+
+#define KVW_ASSERT_OK(expr)                                \
+  do {                                                     \
+    const absl::Status status_ = (expr);                   \
+    ASSERT_TRUE(status_.ok()) << #expr << ": " << status_; \
+  } while (0)
 
 uint8_t PatternByte(uint64_t i, uint32_t seed) {
   return static_cast<uint8_t>((i ^ (i >> 8) ^ (i >> 16)) * 31 + seed);
@@ -62,7 +78,7 @@ EngineOptions ShmEngine(const std::string& name) {
   options.name = name;
   options.transport = TransportKind::kShm;
   // One runtime copy per op: splitting a device copy buys nothing (no wire to share).
-  options.max_op_bytes = kMaxBytes;
+  options.max_op_bytes = MaxBytes();
   options.transfer_timeout = absl::Seconds(60);
   return options;
 }
@@ -73,22 +89,22 @@ int Child() {
     std::fflush(stdout);
     return 1;
   };
-  Runtime& rt = DefaultRuntime();
+  Runtime& rt = TestRuntime();
   if (absl::StatusOr<int> n = rt.DeviceCount(); !n.ok()) return fail(n.status().ToString());
   auto engine = Engine::Create(ShmEngine("gpu-shm-child"));
   if (!engine.ok()) return fail(engine.status().ToString());
-  auto buffer = DeviceBuffer::Allocate(rt, 0, kMaxBytes);
+  auto buffer = DeviceBuffer::Allocate(rt, 0, MaxBytes());
   if (!buffer.ok()) return fail(buffer.status().ToString());
   auto stream = Stream::Create(rt, 0);
   if (!stream.ok()) return fail(stream.status().ToString());
-  const std::vector<uint8_t> fill = Pattern(kMaxBytes, 1);
-  if (absl::Status s = stream->Copy(buffer->data(), fill.data(), kMaxBytes); !s.ok()) {
+  const std::vector<uint8_t> fill = Pattern(MaxBytes(), 1);
+  if (absl::Status s = stream->Copy(buffer->data(), fill.data(), MaxBytes()); !s.ok()) {
     return fail(s.ToString());
   }
   RegionOptions ropts;
   ropts.kind = MemoryKind::kGpu;
   ropts.export_to_all_peers = true;
-  auto id = (*engine)->RegisterMemory(buffer->data(), kMaxBytes, ropts);
+  auto id = (*engine)->RegisterMemory(buffer->data(), MaxBytes(), ropts);
   if (!id.ok()) return fail(id.status().ToString());
   std::printf("READY %s %llu\n", (*engine)->address().c_str(),
               static_cast<unsigned long long>(*id));
@@ -123,6 +139,7 @@ class ChildProcess {
     std::vector<std::string> args =
         absl::StrSplit(self != nullptr ? self : "/proc/self/exe", ' ', absl::SkipEmpty());
     args.push_back("--child");
+    if (emulated != nullptr) args.push_back("--emulated");
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -174,16 +191,17 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Enough repetitions of `size` that one run moves about 1 GiB (at least 4).
+// Enough repetitions of `size` that one run moves about 1 GiB (at least 4; 64 MiB emulated).
 int Repetitions(uint64_t size) {
-  return static_cast<int>(std::max<uint64_t>(4, (1ull << 30) / size));
+  const uint64_t run = emulated != nullptr ? 64ull << 20 : 1ull << 30;
+  return static_cast<int>(std::max<uint64_t>(4, run / size));
 }
 
 class GpuShmTransferTest : public ::testing::Test {
  protected:
   void CopyToHost(std::vector<uint8_t>* out, const void* device, uint64_t bytes) {
     out->resize(bytes);
-    ASSERT_TRUE(stream_.Copy(out->data(), device, bytes).ok());
+    KVW_ASSERT_OK(stream_.Copy(out->data(), device, bytes));
   }
   absl::Status Move(OpKind kind, RegionId local, uint64_t local_offset, uint64_t remote_offset,
                     uint64_t length) {
@@ -200,11 +218,11 @@ class GpuShmTransferTest : public ::testing::Test {
 };
 
 TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
-  Runtime& rt = DefaultRuntime();
+  Runtime& rt = TestRuntime();
   absl::StatusOr<int> count = rt.DeviceCount();
   if (!count.ok()) GTEST_SKIP() << count.status().message();
   ChildProcess child;
-  ASSERT_TRUE(child.Start().ok());
+  KVW_ASSERT_OK(child.Start());
   absl::StatusOr<std::string> ready = child.ReadLine(absl::Seconds(60));
   ASSERT_TRUE(ready.ok()) << ready.status();
   std::vector<std::string> words = absl::StrSplit(*ready, ' ');
@@ -218,38 +236,38 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
   auto stream = Stream::Create(rt, 0);
   ASSERT_TRUE(stream.ok()) << stream.status();
   stream_ = std::move(*stream);
-  auto a = DeviceBuffer::Allocate(rt, 0, kMaxBytes);
-  auto b = DeviceBuffer::Allocate(rt, 0, kMaxBytes);
+  auto a = DeviceBuffer::Allocate(rt, 0, MaxBytes());
+  auto b = DeviceBuffer::Allocate(rt, 0, MaxBytes());
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
   RegionOptions ropts;
   ropts.kind = MemoryKind::kGpu;
-  auto local_a = engine_->RegisterMemory(a->data(), kMaxBytes, ropts);
-  auto local_b = engine_->RegisterMemory(b->data(), kMaxBytes, ropts);
+  auto local_a = engine_->RegisterMemory(a->data(), MaxBytes(), ropts);
+  auto local_b = engine_->RegisterMemory(b->data(), MaxBytes(), ropts);
   ASSERT_TRUE(local_a.ok() && local_b.ok()) << local_a.status() << " " << local_b.status();
   auto peer = engine_->Connect(words[1]);
   ASSERT_TRUE(peer.ok()) << peer.status();
   peer_ = *peer;
-  ASSERT_TRUE(engine_->WaitForRemoteRegion(peer_, remote_region_, absl::Seconds(30)).ok());
+  KVW_ASSERT_OK(engine_->WaitForRemoteRegion(peer_, remote_region_, absl::Seconds(30)));
   EngineStats stats = engine_->Stats();
   ASSERT_EQ(stats.peers.size(), 1u);
   EXPECT_THAT(stats.peers[0].transport, ::testing::HasSubstr("gpu-ipc"));
   EXPECT_EQ(stats.gpu.shm_ipc_opens, 1u);
 
   // READ the child's whole region, and an odd sub-range to an odd place.
-  ASSERT_TRUE(Move(OpKind::kRead, *local_a, 0, 0, kMaxBytes).ok());
+  KVW_ASSERT_OK(Move(OpKind::kRead, *local_a, 0, 0, MaxBytes()));
   std::vector<uint8_t> got;
-  CopyToHost(&got, a->data(), kMaxBytes);
-  ASSERT_TRUE(got == Pattern(kMaxBytes, 1)) << "READ of 256 MiB differs";
+  CopyToHost(&got, a->data(), MaxBytes());
+  ASSERT_TRUE(got == Pattern(MaxBytes(), 1)) << "READ of the whole region differs";
   const uint64_t odd = (1 << 20) + 3;
-  ASSERT_TRUE(Move(OpKind::kRead, *local_a, 777, 4097, odd).ok());
+  KVW_ASSERT_OK(Move(OpKind::kRead, *local_a, 777, 4097, odd));
   CopyToHost(&got, static_cast<uint8_t*>(a->data()) + 777, odd);
   for (uint64_t i = 0; i < odd; ++i) ASSERT_EQ(got[i], PatternByte(4097 + i, 1)) << i;
   // WRITE a new pattern into the child, READ it back elsewhere.
-  const uint64_t w = (16 << 20) + 5;
+  const uint64_t w = (MaxBytes() >> 4) + 5;
   const std::vector<uint8_t> fresh = Pattern(w, 2);
-  ASSERT_TRUE(stream_.Copy(b->data(), fresh.data(), w).ok());
-  ASSERT_TRUE(Move(OpKind::kWrite, *local_b, 0, 12345, w).ok());
-  ASSERT_TRUE(Move(OpKind::kRead, *local_a, 0, 12345, w).ok());
+  KVW_ASSERT_OK(stream_.Copy(b->data(), fresh.data(), w));
+  KVW_ASSERT_OK(Move(OpKind::kWrite, *local_b, 0, 12345, w));
+  KVW_ASSERT_OK(Move(OpKind::kRead, *local_a, 0, 12345, w));
   CopyToHost(&got, a->data(), w);
   ASSERT_TRUE(got == fresh) << "WRITE then READ back differs";
 
@@ -263,6 +281,7 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
     return engine_->Transfer(peer_, OpKind::kRead, ops);
   };
   for (uint64_t size : kSizes) {
+    if (size > MaxBytes()) continue;
     ops[0] = Op{*local_a, 0, remote_region_, 0, size};
     const int n = Repetitions(size);
     const int serial_n = std::min(n, 64);
@@ -273,29 +292,29 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
     for (int run = 0; run <= kRuns; ++run) {  // run 0 warms up
       auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < serial_n; ++i) {
-        ASSERT_TRUE(stream_.Copy(a->data(), b->data(), size).ok());
+        KVW_ASSERT_OK(stream_.Copy(a->data(), b->data(), size));
       }
       auto t1 = std::chrono::steady_clock::now();
       for (int i = 0; i < serial_n; ++i) {
         absl::StatusOr<TransferId> id = transfer();
         ASSERT_TRUE(id.ok()) << id.status();
-        ASSERT_TRUE(engine_->Wait(*id, absl::Seconds(60)).ok());
+        KVW_ASSERT_OK(engine_->Wait(*id, absl::Seconds(60)));
       }
       auto t2 = std::chrono::steady_clock::now();
-      for (int i = 0; i < n; ++i) ASSERT_TRUE(stream_.CopyAsync(a->data(), b->data(), size).ok());
-      ASSERT_TRUE(stream_.Synchronize().ok());
+      for (int i = 0; i < n; ++i) KVW_ASSERT_OK(stream_.CopyAsync(a->data(), b->data(), size));
+      KVW_ASSERT_OK(stream_.Synchronize());
       auto t3 = std::chrono::steady_clock::now();
       std::deque<TransferId> inflight;
       for (int i = 0; i < n; ++i) {
         if (inflight.size() >= kWindow) {
-          ASSERT_TRUE(engine_->Wait(inflight.front(), absl::Seconds(60)).ok());
+          KVW_ASSERT_OK(engine_->Wait(inflight.front(), absl::Seconds(60)));
           inflight.pop_front();
         }
         absl::StatusOr<TransferId> id = transfer();
         ASSERT_TRUE(id.ok()) << id.status();
         inflight.push_back(*id);
       }
-      for (TransferId id : inflight) ASSERT_TRUE(engine_->Wait(id, absl::Seconds(60)).ok());
+      for (TransferId id : inflight) KVW_ASSERT_OK(engine_->Wait(id, absl::Seconds(60)));
       auto t4 = std::chrono::steady_clock::now();
       if (run == 0) continue;
       d2d_serial.push_back(rate(size * serial_n, t1 - t0));
@@ -318,7 +337,25 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
 }  // namespace kvwire::gpu
 
 int main(int argc, char** argv) {
-  if (argc == 2 && std::strcmp(argv[1], "--child") == 0) return kvwire::gpu::Child();
-  ::testing::InitGoogleTest(&argc, argv);
+  bool child = false, use_emulated = false;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--child") == 0) {
+      child = true;
+    } else if (std::strcmp(argv[i], "--emulated") == 0) {
+      use_emulated = true;
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  std::unique_ptr<kvwire::testing::EmulatedGpu> emulated;
+  if (use_emulated) {
+    emulated = std::make_unique<kvwire::testing::EmulatedGpu>();
+    kvwire::gpu::emulated = emulated.get();
+    kvwire::gpu::SetDefaultRuntime(&emulated->runtime());
+  }
+  if (child) return kvwire::gpu::Child();
+  int n = static_cast<int>(rest.size());
+  ::testing::InitGoogleTest(&n, rest.data());
   return RUN_ALL_TESTS();
 }
