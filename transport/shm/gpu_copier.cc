@@ -108,6 +108,21 @@ void GpuCopier::Fail(const absl::Status& reason) {
   if (failed_.ok()) failed_ = reason.ok() ? absl::CancelledError("closed") : reason;
 }
 
+void GpuCopier::Drain(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  MutexLock lock(&mu_);
+  if (thread_.joinable() && thread_.get_id() == std::this_thread::get_id()) return;
+  while (!queue_.empty() || busy_) {
+    if (absl::Now() >= deadline) {
+      KVW_LOG(kError, "shm") << "device copies still running after close"
+                             << Kv("requests", queue_.size() + (busy_ ? 1 : 0))
+                             << Kv("waited", timeout);
+      return;
+    }
+    drained_.WaitUntil(&mu_, deadline);
+  }
+}
+
 absl::Status GpuCopier::WaitEvents(Pending& p) {
   int polls = 0;
   absl::Duration nap = absl::Microseconds(10);
@@ -147,6 +162,7 @@ void GpuCopier::Run() {
       if (queue_.empty()) return;
       p = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
     absl::Status waited = WaitEvents(*p);
     absl::Status status = p->status.ok() ? std::move(waited) : p->status;
@@ -159,6 +175,10 @@ void GpuCopier::Run() {
     // released.
     p->keep.reset();
     if (p->done) p->done(std::move(status));
+    p.reset();
+    MutexLock lock(&mu_);
+    busy_ = false;
+    drained_.SignalAll();
   }
 }
 

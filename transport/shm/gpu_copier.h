@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
@@ -62,6 +63,10 @@ class GpuCopier {
 
   // Requests completed from now on report `reason` (the channel closed).
   void Fail(const absl::Status& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits (up to `timeout`) until every request handed to Complete so far was reported and
+  // released what it held. Channel::Close calls it, so that no `done` runs after Close
+  // returned (the engine may be tearing down then). A no-op on the completion thread.
+  void Drain(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Pending {
@@ -85,6 +90,8 @@ class GpuCopier {
   absl::flat_hash_map<int, void*> streams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, std::vector<void*>> free_events_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the completion thread holds a request
+  CondVar drained_;                         // signalled when a request was reported
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // started by the first Complete

@@ -417,7 +417,12 @@ void ShmChannel::Close(const absl::Status& reason) {
     closed_.store(true, std::memory_order_release);
     removed.swap(regions_);
   }
-  if (copier_ != nullptr) copier_->Fail(reason.ok() ? absl::CancelledError("closed") : reason);
+  if (copier_ != nullptr) {
+    // Requests whose device copies are queued are reported now (with the close reason), not
+    // after Close returned: the caller may be tearing the engine down.
+    copier_->Fail(reason.ok() ? absl::CancelledError("closed") : reason);
+    copier_->Drain(absl::Seconds(60));
+  }
   // Wakes a request waiting for a reply; the descriptor itself stays open until destruction,
   // so no other thread can see its number reused.
   ::shutdown(socket_.get(), SHUT_RDWR);

@@ -331,6 +331,24 @@ TEST_F(GpuShmChannelTest, RegionRemovedDuringItsCopiesStillCompletes) {
   EXPECT_EQ(PostAndWait(Read(0, 16)).code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(GpuShmChannelTest, CloseReportsRequestsWithQueuedCopiesBeforeItReturns) {
+  Init(absl::Milliseconds(100));
+  ASSERT_TRUE(channel_->AddRemoteRegions({Desc(target_->RegionKey(region_.id))}).ok());
+  auto result = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> future = result->get_future();
+  PostRequest request = Read(0, 65536);
+  request.ops.push_back(
+      WireOp{static_cast<std::byte*>(local_.data()) + 65536, region_.id, 65536, 65536, 0});
+  channel_->Post(std::move(request), [result](absl::Status s) { result->set_value(s); });
+  channel_->Close(absl::UnavailableError("peer went away"));
+  // The engine may be torn down once Close returned: nothing may be reported after it.
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  const absl::Status status = future.get();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("peer went away"));
+  EXPECT_EQ(PostAndWait(Read(0, 16)).code(), absl::StatusCode::kUnavailable);
+}
+
 TEST(GpuShmNoRuntimeTest, WithoutARuntimeGpuMemoryIsRefused) {
   FakeHooks hooks;
   ShmTransportOptions options;

@@ -356,6 +356,7 @@ int main(int argc, char** argv) {
   }
   if (child) return kvwire::gpu::Child();
   int n = static_cast<int>(rest.size());
+  rest.push_back(nullptr);  // argv[argc], which gtest moves along when it removes its flags
   ::testing::InitGoogleTest(&n, rest.data());
   return RUN_ALL_TESTS();
 }
