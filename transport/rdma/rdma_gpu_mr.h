@@ -60,6 +60,8 @@ struct DmaBufMrArgs {
   uint64_t iova = 0;  // == base: peers address the region by its virtual address
 };
 // `range` is the export of [base, base + length) (range.offset is where `base` lies in it).
+// The runtimes export from the page-aligned allocation start, so offset and iova agree modulo
+// the page size, as NICs that map dma-bufs by pages need.
 // InvalidArgument when the region does not fit in the exported range (a runtime fault).
 absl::StatusOr<DmaBufMrArgs> DmaBufArgsFor(const gpu::DmaBufRange& range, const void* base,
                                            uint64_t length);
