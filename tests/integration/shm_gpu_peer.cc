@@ -10,7 +10,8 @@
 //   REREG <index>                   -> "REGION <id>": registered (and exported) again
 //
 // Regions: 0 and 1 are two sub-ranges of ONE device allocation (one IPC handle); 2 is a
-// memfd-backed host buffer. Each starts filled with PatternByte(seed, index, offset).
+// memfd-backed host buffer (mapped by the tester), 3 plain heap memory (cross-memory attach).
+// Each starts filled with PatternByte(seed, index, offset).
 //
 //   shm_gpu_peer --copy_delay_us=0 --seed=7 --name=gpu-peer
 #include <cstdio>
@@ -78,11 +79,12 @@ int Run(int argc, char** argv) {
   if (!device.ok()) return Fail(device.status().ToString());
   absl::StatusOr<ShareableBuffer> host = ShareableBuffer::Create(kPeerRegionBytes, "gpu-peer");
   if (!host.ok()) return Fail(host.status().ToString());
-  std::byte* const bases[3] = {static_cast<std::byte*>(device->data()) + kPeerRegionOffset[0],
-                               static_cast<std::byte*>(device->data()) + kPeerRegionOffset[1],
-                               host->data()};
+  std::vector<std::byte> heap(kPeerRegionBytes);
+  std::byte* const bases[kPeerRegions] = {
+      static_cast<std::byte*>(device->data()) + kPeerRegionOffset[0],
+      static_cast<std::byte*>(device->data()) + kPeerRegionOffset[1], host->data(), heap.data()};
   std::vector<std::byte> fill(kPeerRegionBytes);
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < kPeerRegions; ++r) {
     FillPattern(fill.data(), fill.size(), seed, r);
     if (r < 2) {
       if (absl::Status s = emulated.WriteDevice(bases[r], fill.data(), fill.size()); !s.ok()) {
@@ -98,8 +100,8 @@ int Run(int argc, char** argv) {
     ropts.export_to_all_peers = true;
     return (*engine)->RegisterMemory(bases[r], kPeerRegionBytes, ropts);
   };
-  RegionId ids[3];
-  for (int r = 0; r < 3; ++r) {
+  RegionId ids[kPeerRegions];
+  for (int r = 0; r < kPeerRegions; ++r) {
     absl::StatusOr<RegionId> id = register_region(r);
     if (!id.ok()) return Fail(id.status().ToString());
     ids[r] = *id;
@@ -117,7 +119,7 @@ int Run(int argc, char** argv) {
       std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
       int r = -1;
       std::string reply;
-      if (words.size() < 2 || !absl::SimpleAtoi(words[1], &r) || r < 0 || r > 2) {
+      if (words.size() < 2 || !absl::SimpleAtoi(words[1], &r) || r < 0 || r >= kPeerRegions) {
         reply = absl::StrCat("ERR bad command: ", line);
       } else if (words[0] == "FNV" && words.size() == 4) {
         uint64_t offset = 0, length = 0;

@@ -83,7 +83,7 @@ class ShmGpuTest : public ::testing::TestWithParam<int> {
                                     absl::StrCat("--seed=", kSeed), "--name=gpu-peer"});
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = std::move(*peer);
-    ASSERT_EQ(peer_->regions().size(), 3u);
+    ASSERT_EQ(peer_->regions().size(), static_cast<size_t>(kPeerRegions));
     EngineOptions options;
     options.name = "gpu-tester";
     options.transport = TransportKind::kShm;
@@ -256,6 +256,29 @@ TEST_P(ShmGpuTest, LocalGpuToAndFromPeerHostMemory) {
   for (Piece& p : back) p.region = 2;
   ASSERT_TRUE(Run(OpKind::kWrite, local_gpu_, back).ok());
   ExpectWritten(LocalGpuBytes(), back, 2, 2);
+}
+
+// Cross-memory attach cannot touch device memory: the channel stages through host memory.
+TEST_P(ShmGpuTest, LocalGpuToAndFromPeerHeapMemoryOverCrossMemoryAttach) {
+  const std::string route = engine_->Stats().peers[0].transport;
+  std::mt19937_64 rng(16);
+  std::vector<Piece> pieces = MakePieces(rng);
+  for (Piece& p : pieces) p.region = 3;  // the peer's heap region
+  FillLocalGpu(10);
+  const absl::Status read = Run(OpKind::kRead, local_gpu_, pieces);
+  if (route.find("cma refused") != std::string::npos) {
+    // Then the heap region is reached over tcp, which cannot move local GPU memory.
+    EXPECT_EQ(read.code(), absl::StatusCode::kFailedPrecondition) << read;
+    std::printf("cross-memory attach refused on this host (%s): refusal checked\n", route.c_str());
+    return;
+  }
+  ASSERT_TRUE(read.ok()) << read;
+  ExpectRead(LocalGpuBytes(), pieces);
+  FillLocalGpu(11);
+  std::vector<Piece> back = MakePieces(rng);
+  for (Piece& p : back) p.region = 3;
+  ASSERT_TRUE(Run(OpKind::kWrite, local_gpu_, back).ok());
+  ExpectWritten(LocalGpuBytes(), back, 3, 3);
 }
 
 TEST_P(ShmGpuTest, RevokedRegionsCloseTheMappingAndReRegisteredOnesReopenIt) {

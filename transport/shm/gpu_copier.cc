@@ -67,6 +67,14 @@ absl::Status GpuCopier::Copy(Batch* batch, int device, void* dst, const void* sr
   return runtime_->CopyAsync(device, dst, src, bytes, *stream);
 }
 
+absl::Status GpuCopier::CopyAndWait(Batch* batch, int device, void* dst, const void* src,
+                                    uint64_t bytes) {
+  if (absl::Status copied = Copy(batch, device, dst, src, bytes); !copied.ok()) return copied;
+  absl::StatusOr<void*> stream = StreamFor(device);
+  if (!stream.ok()) return stream.status();
+  return runtime_->SynchronizeStream(device, *stream);
+}
+
 void GpuCopier::Complete(Batch batch, absl::Status status,
                          std::shared_ptr<std::atomic<bool>> cancelled, std::shared_ptr<void> keep,
                          DoneCallback done) {

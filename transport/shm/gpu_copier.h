@@ -54,6 +54,10 @@ class GpuCopier {
   absl::Status Copy(Batch* batch, int device, void* dst, const void* src, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Copy, then waits until `device`'s stream has run it (and everything queued before it).
+  absl::Status CopyAndWait(Batch* batch, int device, void* dst, const void* src, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Hands a request whose copies are queued in `batch` to the completion thread: `done` runs
   // there exactly once, with `status` (or the reason given to Fail) after the copies ended, or
   // with Cancelled as soon as `cancelled` is seen set. `keep` is released after the copies

@@ -111,9 +111,11 @@ void ShmChannel::Post(PostRequest request, DoneCallback done) {
   struct Held {
     PostRequest request;
     std::vector<std::shared_ptr<const RemoteRegion>> regions;
+    std::vector<std::shared_ptr<const void>> buffers;
   };
   std::shared_ptr<std::atomic<bool>> cancelled = request.cancelled;
-  auto held = std::make_shared<Held>(Held{std::move(request), std::move(gpu.regions)});
+  auto held = std::make_shared<Held>(
+      Held{std::move(request), std::move(gpu.regions), std::move(gpu.buffers)});
   copier_->Complete(std::move(gpu.batch), std::move(status), std::move(cancelled), std::move(held),
                     std::move(done));
 }
@@ -161,18 +163,16 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
         return OpError(request, i, absl::StatusCode::kFailedPrecondition,
                        "GPU memory, and this shm channel has no GPU runtime");
       }
-      std::byte* remote;
-      if (region->gpu != nullptr) {
-        remote = region->gpu_base + op.remote_offset;
-      } else if (region->mapped) {
-        remote = region->mapping.data() + op.remote_offset;
-      } else {
-        return OpError(request, i, absl::StatusCode::kFailedPrecondition,
-                       "local GPU memory cannot move to or from a peer host region that is not "
-                       "memfd-backed (cross-memory attach reaches host memory only); allocate "
-                       "the peer's region with kvwire::ShareableBuffer");
-      }
       const int device = op.local_gpu_device >= 0 ? op.local_gpu_device : region->gpu->device();
+      if (region->gpu == nullptr && !region->mapped) {
+        if (absl::Status staged = StageThroughHost(request, i, *region, device, gpu);
+            !staged.ok()) {
+          return staged;
+        }
+        continue;
+      }
+      std::byte* remote = region->gpu != nullptr ? region->gpu_base + op.remote_offset
+                                                 : region->mapping.data() + op.remote_offset;
       if (gpu->regions.empty() || gpu->regions.back() != region) gpu->regions.push_back(region);
       absl::Status copied = write ? copier_->Copy(&gpu->batch, device, remote, op.local, op.length)
                                   : copier_->Copy(&gpu->batch, device, op.local, remote, op.length);
@@ -204,6 +204,35 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
       return OpError(request, failed_op, moved.code(), moved.message());
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status ShmChannel::StageThroughHost(const PostRequest& request, size_t index,
+                                          const RemoteRegion& region, int device, GpuWork* gpu) {
+  const WireOp& op = request.ops[index];
+  auto buffer = std::make_shared<std::vector<std::byte>>(op.length);
+  CmaBatch cma(pid_, request.kind);
+  size_t failed_op = 0;
+  cma.Add(index, buffer->data(), region.address + op.remote_offset, op.length);
+  if (request.kind == OpKind::kWrite) {
+    // The device's bytes must be in the buffer before the peer's memory is written.
+    if (absl::Status copied =
+            copier_->CopyAndWait(&gpu->batch, device, buffer->data(), op.local, op.length);
+        !copied.ok()) {
+      return OpError(request, index, copied.code(), copied.message());
+    }
+    if (absl::Status moved = cma.Flush(&failed_op); !moved.ok()) {
+      return OpError(request, failed_op, moved.code(), moved.message());
+    }
+    return absl::OkStatus();
+  }
+  if (absl::Status moved = cma.Flush(&failed_op); !moved.ok()) {
+    return OpError(request, failed_op, moved.code(), moved.message());
+  }
+  absl::Status copied = copier_->Copy(&gpu->batch, device, op.local, buffer->data(), op.length);
+  // Queued or not, the buffer lives until the request's copies have ended.
+  gpu->buffers.push_back(std::move(buffer));
+  if (!copied.ok()) return OpError(request, index, copied.code(), copied.message());
   return absl::OkStatus();
 }
 

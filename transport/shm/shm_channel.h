@@ -83,9 +83,15 @@ class ShmChannel final : public Channel {
   struct GpuWork {
     GpuCopier::Batch batch;
     std::vector<std::shared_ptr<const RemoteRegion>> regions;
+    // Host buffers that queued copies read (staged READs from cross-memory-attach regions).
+    std::vector<std::shared_ptr<const void>> buffers;
   };
 
   absl::Status Execute(const PostRequest& request, GpuWork* gpu);
+  // Local device memory and a peer host region reached by cross-memory attach (which cannot
+  // touch device memory): staged through a host buffer of this process.
+  absl::Status StageThroughHost(const PostRequest& request, size_t index,
+                                const RemoteRegion& region, int device, GpuWork* gpu);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapGpu(const RemoteRegionDesc& desc);
