@@ -293,7 +293,7 @@ TEST_F(GpuShmChannelTest, CancelledRequestStartsNoCopy) {
 }
 
 TEST_F(GpuShmChannelTest, CancelledDuringCopiesReportsAtOnceButHoldsMemoryUntilTheyEnd) {
-  Init(absl::Milliseconds(300));
+  Init(absl::Seconds(1));  // long enough to be cancelled midway on a loaded machine
   ASSERT_TRUE(channel_->AddRemoteRegions({Desc(target_->RegionKey(region_.id))}).ok());
   PostRequest request = Read(0, 4096);
   auto pin = std::make_shared<int>(0);
@@ -309,13 +309,13 @@ TEST_F(GpuShmChannelTest, CancelledDuringCopiesReportsAtOnceButHoldsMemoryUntilT
   ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const absl::Duration reported = absl::Now() - start;
   EXPECT_EQ(future.get().code(), absl::StatusCode::kCancelled);
-  EXPECT_LT(reported, absl::Milliseconds(250)) << "done waited for the copy";
+  EXPECT_LT(reported, absl::Milliseconds(800)) << "done waited for the copy";
   // The copy still runs into local memory: what the request pinned is still held.
   EXPECT_FALSE(pin_alive.expired());
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (!pin_alive.expired() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_TRUE(pin_alive.expired());
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
 }
 
 TEST_F(GpuShmChannelTest, RegionRemovedDuringItsCopiesStillCompletes) {
