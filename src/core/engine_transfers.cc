@@ -44,6 +44,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   std::shared_ptr<transport::Channel> channel;
   const transport::Capabilities* caps = &tcp_->caps();
   uint32_t lanes = 1;
+  bool remote_gpu = false;
   {
     MutexLock lock(&peer->mu);
     if (!peer->alive) {
@@ -76,6 +77,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
           !s.ok()) {
         return OpError(i, s);
       }
+      remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
       all_shm = all_shm && it->second.resolved && it->second.via_shm;
       all_rdma = all_rdma && it->second.resolved && it->second.via_rdma;
     }
@@ -105,6 +107,11 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
 
   core::PlanLimits limits;
   limits.max_op_bytes = std::min<uint64_t>(options_.max_op_bytes, caps->max_op_bytes);
+  if ((local_gpu || remote_gpu) && caps->same_host_only) {
+    // On one host a GPU op is one device copy, whose launch cost splitting would multiply;
+    // EngineOptions::max_op_bytes exists for pipelining host copies and network streams.
+    limits.max_op_bytes = caps->max_op_bytes;
+  }
   limits.lanes = std::min<uint32_t>(lanes, caps->max_lanes);
   limits.stripe_min_bytes = options_.stripe_min_bytes;
   core::Plan plan = core::PlanOps(std::move(wire), limits);
