@@ -1,6 +1,7 @@
 // The host and device KV executors.
 #include "examples/dsv4/model/gpu/kv_executor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
