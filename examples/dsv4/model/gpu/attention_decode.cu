@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(kThreads) OutputKernel(AttentionArgs args) {
   args.out[i] = OutputOf(args, t, h, d);
 }
 
-unsigned Blocks(uint64_t threads) { return static_cast<unsigned>((threads + kThreads - 1) / kThreads); }
+unsigned Blocks(uint64_t threads) {
+  return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+}
 
 }  // namespace
 
