@@ -99,15 +99,23 @@ KVW_HOST_DEVICE inline float KeyValue(const uint8_t* cache, const KeyRef& key, u
 }
 
 // Step 1 for (key k, head h): dsv4::Dot's order (eight partial sums over i = 8m + j, summed
-// pairwise), times the scale.
+// pairwise), times the scale. Each tile's scale is looked up once; the values are KeyValue's.
 KVW_HOST_DEVICE inline float LogitOf(const AttentionArgs& a, uint32_t k, uint32_t h) {
+  using namespace kvwire::gpu;
   const KeyRef key = a.keys[k];
   const float* q = a.q + (static_cast<uint64_t>(a.key_query[k]) * a.num_heads + h) * kHeadDim;
+  const uint8_t* page = a.cache + key.page_offset;
+  const uint8_t* data = page + KvDataRowOffset(key.index);
+  const uint8_t* scales = page + KvScaleRowOffset(key.entries, key.index);
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (uint32_t i = 0; i < kHeadDim; i += 8) {
-    for (uint32_t j = 0; j < 8; ++j) {
-      acc[j] = AddRn(acc[j], MulRn(q[i + j], KeyValue(a.cache, key, i + j)));
+  for (uint32_t tile = 0; tile < kKvTiles; ++tile) {
+    const float scale = ScaleOfByte(scales[tile]);
+    for (uint32_t i = tile * kKvTileDims; i < (tile + 1) * kKvTileDims; ++i) {
+      acc[i % 8] = AddRn(acc[i % 8], MulRn(q[i], MulRn(E4m3ToFloat(data[i]), scale)));
     }
+  }
+  for (uint32_t i = kKvNopeDims; i < kHeadDim; ++i) {
+    acc[i % 8] = AddRn(acc[i % 8], MulRn(q[i], KeyValue(a.cache, key, i)));
   }
   const float s = AddRn(AddRn(AddRn(acc[0], acc[1]), AddRn(acc[2], acc[3])),
                         AddRn(AddRn(acc[4], acc[5]), AddRn(acc[6], acc[7])));
