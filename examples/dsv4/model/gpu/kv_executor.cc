@@ -54,8 +54,12 @@ class HostExecutor : public KvExecutor {
 // into dsv4_model; see CMakeLists.txt).
 #if DSV4_GPU_KERNELS_CUDA
 namespace launch = cuda_kernels;
+constexpr kvwire::gpu::Backend kKernelBackend = kvwire::gpu::Backend::kCuda;
 #elif DSV4_GPU_KERNELS_HIP
 namespace launch = hip_kernels;
+constexpr kvwire::gpu::Backend kKernelBackend = kvwire::gpu::Backend::kHip;
+#else
+constexpr kvwire::gpu::Backend kKernelBackend = kvwire::gpu::Backend::kNone;
 #endif
 
 class DeviceBufferHolder : public KvExecutor::Buffer {
@@ -136,6 +140,13 @@ absl::StatusOr<std::unique_ptr<KvExecutor>> MakeDeviceExecutor(kvwire::gpu::Runt
     return absl::InvalidArgumentError(absl::StrCat("dsv4 gpu: device ", device, " of ",
                                                    kvwire::gpu::BackendName(runtime.backend()),
                                                    " does not exist (", *count, " devices)"));
+  }
+  // The kernels launch through their own runtime's API on this runtime's streams and memory.
+  if (runtime.backend() != kKernelBackend) {
+    return absl::UnimplementedError(
+        absl::StrCat("dsv4 gpu: this build's attention kernels are for ",
+                     kvwire::gpu::BackendName(kKernelBackend), ", the runtime is ",
+                     kvwire::gpu::BackendName(runtime.backend())));
   }
   absl::StatusOr<kvwire::gpu::Stream> stream = kvwire::gpu::Stream::Create(runtime, device);
   if (!stream.ok()) return stream.status();

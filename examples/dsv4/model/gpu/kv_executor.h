@@ -51,7 +51,8 @@ class KvExecutor {
 
 std::unique_ptr<KvExecutor> MakeHostExecutor();
 // A GPU of `runtime`: Unavailable with the runtime's one-line reason when it has no device,
-// InvalidArgument when `device` is not one of its devices.
+// InvalidArgument when `device` is not one of its devices, Unimplemented when the runtime is
+// not the backend the attention kernels were linked for (libkvwire's, see CMakeLists.txt).
 absl::StatusOr<std::unique_ptr<KvExecutor>> MakeDeviceExecutor(kvwire::gpu::Runtime& runtime,
                                                                int device);
 
