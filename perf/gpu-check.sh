@@ -27,8 +27,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BUNDLE=build-cuda/gpu-bundle
 # gpu_config_test checks the build machine's toolchains against configure: not for this run.
-PROGRAMS=(gpu_kv_record_test gpu_runtime_test gpu_shm_transfer_test)
+PROGRAMS=(gpu_kv_record_test gpu_runtime_test gpu_shm_transfer_test dsv4_gpu_attention_test)
 HELPERS=(gpu_ipc_peer)
+# The reference engine's kernel-vs-CPU checks read the tiny config from the repository here.
+export DSV4_CONFIG_DIR=$PWD/examples/dsv4/configs
+
+# Where a program lies in a build tree (PROGRAM_DIRS overrides tests/unit/gpu).
+declare -A PROGRAM_DIRS=([dsv4_gpu_attention_test]=tests/dsv4/model)
+program_dir() { echo "${PROGRAM_DIRS[$1]:-tests/unit/gpu}"; }
+# A program's path under $1: the bundle's bin/, or a build tree.
+program_bin() {
+  if [[ $1 == "$BUNDLE/bin" ]]; then echo "$1/$2"; else echo "$1/$(program_dir "$2")/$2"; fi
+}
 PER_PROGRAM_TIMEOUT=${PER_PROGRAM_TIMEOUT:-120}
 
 build() {
@@ -46,9 +56,9 @@ make_bundle() {
   mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
   local p lib
   for p in "${PROGRAMS[@]}" "${HELPERS[@]}"; do
-    cp "$dir/tests/unit/gpu/$p" "$BUNDLE/bin/"
+    cp "$(program_bin "$dir" "$p")" "$BUNDLE/bin/"
     strip --strip-debug "$BUNDLE/bin/$p"
-    ldd "$dir/tests/unit/gpu/$p" | awk '/=> \//{print $3} /^\t\/.*ld-linux/{print $1}'
+    ldd "$(program_bin "$dir" "$p")" | awk '/=> \//{print $3} /^\t\/.*ld-linux/{print $1}'
   done | sort -u | while read -r lib; do
     case $(basename "$lib") in libcuda.so*) continue ;; esac
     cp -L "$lib" "$BUNDLE/lib/$(basename "$lib")"
@@ -87,7 +97,9 @@ run_all() {
     echo "  gpu: nvidia-smi not found"
   fi
   for p in "${PROGRAMS[@]}"; do
-    if ! run_program "$bindir/$p" "$log/$p.txt" --gtest_color=no; then status=1; fi
+    if ! run_program "$(program_bin "$bindir" "$p")" "$log/$p.txt" --gtest_color=no; then
+      status=1
+    fi
   done
   printf '\n%-72s %-8s %8s\n' "test" "result" "ms"
   printf '%.0s-' {1..90}
@@ -135,14 +147,14 @@ case ${1:-} in
   --build)
     dir=${2:-build-cuda}
     build "$dir"
-    run_all "$dir/tests/unit/gpu"
+    run_all "$dir"
     ;;
   "")
     if [[ -x $BUNDLE/bin/gpu_runtime_test ]]; then
       run_all "$BUNDLE/bin"
     else
       build build-cuda
-      run_all build-cuda/tests/unit/gpu
+      run_all build-cuda
     fi
     ;;
   *)

@@ -1,4 +1,4 @@
-// Paged KV cache over one ShareableBuffer, with per-group free lists.
+// Paged KV cache over one ShareableBuffer (or one GPU allocation), with per-group free lists.
 #include "examples/dsv4/model/kv_cache.h"
 
 #include <algorithm>
@@ -7,15 +7,20 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "examples/dsv4/model/gpu/kv_executor.h"
 #include "kvwire/memory.h"
+#include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
 
 namespace dsv4 {
 
 class KvCache::Impl {
  public:
+  KvCacheOptions options;
   kvwire::Layout layout;
-  kvwire::ShareableBuffer buffer;
+  kvwire::ShareableBuffer buffer;           // kCpu, kHostKernels
+  kvwire::gpu::DeviceBuffer device_buffer;  // kGpu
+  std::unique_ptr<gpu::KvExecutor> executor;
   mutable kvwire::Mutex mu;
   // Free block ids per group; handed out from the back.
   std::map<std::string, std::vector<int64_t>> free ABSL_GUARDED_BY(mu);
@@ -50,21 +55,67 @@ class KvCache::Impl {
   }
 };
 
+const char* KvDeviceName(KvDevice device) {
+  switch (device) {
+    case KvDevice::kCpu:
+      return "cpu";
+    case KvDevice::kGpu:
+      return "gpu";
+    case KvDevice::kHostKernels:
+      return "host-kernels";
+  }
+  return "?";
+}
+
+absl::StatusOr<KvDevice> ParseKvDevice(std::string_view name) {
+  if (name == "cpu") return KvDevice::kCpu;
+  if (name == "gpu") return KvDevice::kGpu;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-device ", std::string(name), ": expected cpu or gpu"));
+}
+
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Config& config, uint64_t num_blocks,
                                                          uint64_t max_requests,
-                                                         uint64_t allocation_seed) {
+                                                         uint64_t allocation_seed,
+                                                         const KvCacheOptions& options) {
   if (num_blocks == 0 || max_requests == 0) {
     return absl::InvalidArgumentError("KvCache: num_blocks and max_requests must be > 0");
   }
   auto impl = std::make_unique<Impl>();
+  impl->options = options;
   impl->layout = config.CacheLayout();
-  const uint64_t bytes = kvwire::AssignBacking(&impl->layout, 0, num_blocks, max_requests);
-  absl::StatusOr<kvwire::ShareableBuffer> buffer =
-      kvwire::ShareableBuffer::Create(std::max<uint64_t>(bytes, 1), "dsv4-kv-cache");
-  if (!buffer.ok()) return buffer.status();
-  impl->buffer = std::move(*buffer);
-  kvwire::AssignBacking(&impl->layout, reinterpret_cast<uint64_t>(impl->buffer.data()), num_blocks,
-                        max_requests);
+  const uint64_t bytes =
+      std::max<uint64_t>(kvwire::AssignBacking(&impl->layout, 0, num_blocks, max_requests), 1);
+  void* base = nullptr;
+  if (options.device == KvDevice::kGpu) {
+    kvwire::gpu::Runtime& rt = kvwire::gpu::DefaultRuntime();
+    absl::StatusOr<std::unique_ptr<gpu::KvExecutor>> executor =
+        gpu::MakeDeviceExecutor(rt, options.gpu_device);
+    if (!executor.ok()) return executor.status();
+    impl->executor = std::move(*executor);
+    absl::StatusOr<kvwire::gpu::DeviceBuffer> memory =
+        kvwire::gpu::DeviceBuffer::Allocate(rt, options.gpu_device, bytes);
+    if (!memory.ok()) return memory.status();
+    impl->device_buffer = std::move(*memory);
+    base = impl->device_buffer.data();
+    // Zeroed, as the host cache's fresh mapping is: no page starts with stale device bytes.
+    const std::vector<uint8_t> zeros(std::min<uint64_t>(bytes, 4 << 20), 0);
+    for (uint64_t at = 0; at < bytes; at += zeros.size()) {
+      if (absl::Status s = impl->executor->Upload(static_cast<uint8_t*>(base) + at, zeros.data(),
+                                                  std::min<uint64_t>(zeros.size(), bytes - at));
+          !s.ok()) {
+        return s;
+      }
+    }
+  } else {
+    absl::StatusOr<kvwire::ShareableBuffer> buffer =
+        kvwire::ShareableBuffer::Create(bytes, "dsv4-kv-cache");
+    if (!buffer.ok()) return buffer.status();
+    impl->buffer = std::move(*buffer);
+    base = impl->buffer.data();
+    if (options.device == KvDevice::kHostKernels) impl->executor = gpu::MakeHostExecutor();
+  }
+  kvwire::AssignBacking(&impl->layout, reinterpret_cast<uint64_t>(base), num_blocks, max_requests);
   // A seeded shuffle per group: two instances with different seeds use different block ids
   // for the same request, which is what the transfer has to cope with.
   uint64_t state = allocation_seed * 0x9E3779B97F4A7C15ull + 1;
@@ -89,7 +140,18 @@ KvCache::~KvCache() = default;
 
 const kvwire::Layout& KvCache::layout() const { return impl_->layout; }
 
+KvDevice KvCache::kv_device() const { return impl_->options.device; }
+
+int KvCache::gpu_device() const {
+  return impl_->options.device == KvDevice::kGpu ? impl_->options.gpu_device : -1;
+}
+
+gpu::KvExecutor* KvCache::executor() const { return impl_->executor.get(); }
+
 std::vector<kvwire::KvMemory> KvCache::memory() const {
+  if (impl_->options.device == KvDevice::kGpu) {
+    return {kvwire::KvMemory{impl_->device_buffer.data(), impl_->device_buffer.size()}};
+  }
   return {kvwire::KvMemory{impl_->buffer.data(), impl_->buffer.size()}};
 }
 

@@ -6,6 +6,11 @@
 // connector moves (kvwire::SelectBlocks) therefore computes exactly what this instance
 // would: SWA keys older than the window and ring slots before the unfinished compression
 // window are never read.
+//
+// A cache in executor memory (KvCache::executor(), e.g. a GPU) takes the same steps with the
+// cache work moved there: records are written by the encode kernel, attention reads them in
+// the kernels of gpu/ (bit-identical to the CPU path, see gpu/attention_math.h), the
+// compressor rings and indexer keys are copied to the host and back around the CPU code.
 #include "examples/dsv4/model/model.h"
 
 #include <algorithm>
@@ -17,6 +22,8 @@
 #include "absl/strings/str_join.h"
 
 #include "examples/dsv4/model/fp8.h"
+#include "examples/dsv4/model/gpu/kv_executor.h"
+#include "examples/dsv4/model/gpu/kv_ops.h"
 #include "examples/dsv4/model/ops.h"
 #include "examples/dsv4/model/safetensors.h"
 #include "examples/dsv4/model/thread_pool.h"
@@ -250,6 +257,16 @@ absl::Status Model::Impl::Attention(int l, KvCache& cache, const kvwire::BlockTa
   auto page_of = [&](const std::string& group, int64_t logical) -> uint8_t* {
     return cache.Page(group, l, blocks.at(group)[logical]);
   };
+  // Non-null: the pages are executor memory, reached only through it.
+  gpu::KvExecutor* const dev = cache.executor();
+  // The KV-cache write on the executor: records from `src` (host) to slots of this layer.
+  auto write_records = [&](const std::string& group, const float* src,
+                           std::span<const int64_t> slots) {
+    const kvwire::CacheGroup* g = cache.layout().FindGroup(group);
+    return gpu::EncodeRecords(*dev, cache.Page(group, l, 0), g->page_bytes,
+                              static_cast<uint32_t>(g->entries_per_block()), g->num_blocks, src,
+                              slots);
+  };
 
   // Queries: low-rank path, per-head RMS normalisation, RoPE on the last 64 dims.
   std::vector<float> qlat(int64_t{T} * c.q_lora_rank), q(int64_t{T} * H * D);
@@ -270,25 +287,43 @@ absl::Status Model::Impl::Attention(int l, KvCache& cache, const kvwire::BlockTa
   // This token's own KV: normalised, RoPE'd, written as an fp8 record into swa_kv.
   std::vector<float> kv(int64_t{T} * D);
   Linear(L.wkv, D, dim, Yn, T, kv.data());
+  std::vector<int64_t> swa_slots;
   for (int t = 0; t < T; ++t) {
     float* x = kv.data() + int64_t{t} * D;
     RmsNorm(x, L.kv_norm, D, c.norm_eps, x);
     Rope(x + D - R, R, pos + t, L.theta);
     const int64_t tok = pos + t;
-    EncodeKvRecord(x, page_of("swa_kv", tok / 64), 64, static_cast<int>(tok % 64));
+    if (dev == nullptr) {
+      EncodeKvRecord(x, page_of("swa_kv", tok / 64), 64, static_cast<int>(tok % 64));
+    } else {
+      swa_slots.push_back(blocks.at("swa_kv")[tok / 64] * 64 + tok % 64);
+    }
+  }
+  if (dev != nullptr) {
+    if (absl::Status s = write_records("swa_kv", kv.data(), swa_slots); !s.ok()) return s;
   }
 
   // Compressors: each token's [kv | score] goes into the ring; a completed window becomes
   // an entry computed from the ring alone.
   auto compress = [&](const Compressor& cp, int head_dim, int ratio, const char* state_group,
-                      const std::function<void(int64_t, const float*)>& emit) {
+                      const std::function<void(int64_t, const float*)>& emit) -> absl::Status {
     const int coff = ratio == 4 ? 2 : 1;
     const int W = coff * head_dim;
     std::vector<float> ck(int64_t{T} * W), cs(int64_t{T} * W);
     Linear(cp.wkv, W, dim, Yn, T, ck.data());
     Linear(cp.wgate, W, dim, Yn, T, cs.data());
     const kvwire::CacheGroup* g = cache.layout().FindGroup(state_group);
-    Ring ring{reinterpret_cast<float*>(page_of(state_group, 0)), g->tokens_per_block, 2 * W};
+    uint8_t* const state_page = page_of(state_group, 0);
+    // Executor memory: the ring is updated in a host copy of its page, then copied back.
+    std::vector<float> ring_copy;
+    if (dev != nullptr) {
+      ring_copy.resize(g->page_bytes / sizeof(float));
+      if (absl::Status s = dev->Download(ring_copy.data(), state_page, g->page_bytes); !s.ok()) {
+        return s;
+      }
+    }
+    Ring ring{dev != nullptr ? ring_copy.data() : reinterpret_cast<float*>(state_page),
+              g->tokens_per_block, 2 * W};
     std::vector<float> entry(head_dim);
     std::vector<const float*> kvp, scp;
     for (int t = 0; t < T; ++t) {
@@ -319,46 +354,90 @@ absl::Status Model::Impl::Attention(int l, KvCache& cache, const kvwire::BlockTa
       Rope(entry.data() + head_dim - R, R, j * ratio, L.theta);
       emit(j, entry.data());
     }
+    if (dev != nullptr) return dev->Upload(state_page, ring_copy.data(), g->page_bytes);
+    return absl::OkStatus();
   };
   const std::string main_group = L.ratio == 4 ? "c4a_kv" : "c128a_kv";
   if (L.ratio > 0) {
     const char* state = L.ratio == 4 ? "c4a_compressor_state" : "c128a_compressor_state";
     const int per_page = 256 / L.ratio;
-    compress(L.comp, D, L.ratio, state, [&](int64_t j, const float* e) {
-      EncodeKvRecord(e, page_of(main_group, j / per_page), per_page,
-                     static_cast<int>(j % per_page));
+    std::vector<float> entries_src;  // executor: the entries, written after the compressor
+    std::vector<int64_t> entry_slots;
+    absl::Status s = compress(L.comp, D, L.ratio, state, [&](int64_t j, const float* e) {
+      if (dev == nullptr) {
+        EncodeKvRecord(e, page_of(main_group, j / per_page), per_page,
+                       static_cast<int>(j % per_page));
+      } else {
+        entries_src.insert(entries_src.end(), e, e + D);
+        entry_slots.push_back(blocks.at(main_group)[j / per_page] * per_page + j % per_page);
+      }
     });
+    if (s.ok() && dev != nullptr) s = write_records(main_group, entries_src.data(), entry_slots);
+    if (!s.ok()) return s;
   }
   if (L.ratio == 4) {
-    compress(L.index_comp, c.index_head_dim, 4, "c4a_indexer_compressor_state",
-             [&](int64_t j, const float* e) {
-               EncodeIndexerKey(e, page_of("c4a_indexer_k", j / 64), 64, static_cast<int>(j % 64));
-             });
+    // Executor: each 132-byte key is encoded on the host and copied into its page (data row
+    // at j % 64, fp32 scale after the 64 data rows).
+    std::vector<std::pair<int64_t, std::vector<float>>> keys_src;
+    absl::Status s = compress(
+        L.index_comp, c.index_head_dim, 4, "c4a_indexer_compressor_state",
+        [&](int64_t j, const float* e) {
+          if (dev == nullptr) {
+            EncodeIndexerKey(e, page_of("c4a_indexer_k", j / 64), 64, static_cast<int>(j % 64));
+          } else {
+            keys_src.emplace_back(j, std::vector<float>(e, e + c.index_head_dim));
+          }
+        });
+    for (const auto& [j, e] : keys_src) {
+      if (!s.ok()) break;
+      uint8_t key[kIndexDim + kIndexScaleBytes];
+      EncodeIndexerKey(e.data(), key, 1, 0);
+      uint8_t* page = page_of("c4a_indexer_k", j / 64);
+      s = dev->Upload(page + (j % 64) * kIndexDim, key, kIndexDim);
+      if (s.ok()) {
+        s = dev->Upload(page + 64 * kIndexDim + (j % 64) * kIndexScaleBytes, key + kIndexDim,
+                        kIndexScaleBytes);
+      }
+    }
+    if (!s.ok()) return s;
   }
   if (on_layer_done) on_layer_done(l);
 
   // Keys, read back from the cache: the window of the first query onwards, and every
   // complete compressed entry.
+  // (Executor memory: the attention kernels read the records in place.)
   const int64_t first = std::max<int64_t>(0, pos - (c.window - 1));
-  std::vector<float> swa((end - first) * D);
-  for (int64_t tok = first; tok < end; ++tok) {
-    DecodeKvRecord(page_of("swa_kv", tok / 64), 64, static_cast<int>(tok % 64),
-                   swa.data() + (tok - first) * D);
-  }
   const int64_t entries = L.ratio > 0 ? end / L.ratio : 0;
-  std::vector<float> comp(entries * D), index_keys;
-  for (int64_t j = 0; j < entries; ++j) {
-    const int per_page = 256 / L.ratio;
-    DecodeKvRecord(page_of(main_group, j / per_page), per_page, static_cast<int>(j % per_page),
-                   comp.data() + j * D);
+  std::vector<float> swa, comp, index_keys;
+  if (dev == nullptr) {
+    swa.resize((end - first) * D);
+    for (int64_t tok = first; tok < end; ++tok) {
+      DecodeKvRecord(page_of("swa_kv", tok / 64), 64, static_cast<int>(tok % 64),
+                     swa.data() + (tok - first) * D);
+    }
+    comp.resize(entries * D);
+    for (int64_t j = 0; j < entries; ++j) {
+      const int per_page = 256 / L.ratio;
+      DecodeKvRecord(page_of(main_group, j / per_page), per_page, static_cast<int>(j % per_page),
+                     comp.data() + j * D);
+    }
   }
   std::vector<float> iq, iw;
   const int IH = c.index_n_heads, ID = c.index_head_dim;
   if (L.ratio == 4) {
     index_keys.resize(entries * ID);
+    std::vector<uint8_t> index_page;  // executor: a host copy of the page being decoded
     for (int64_t j = 0; j < entries; ++j) {
-      DecodeIndexerKey(page_of("c4a_indexer_k", j / 64), 64, static_cast<int>(j % 64),
-                       index_keys.data() + j * ID);
+      const uint8_t* page = page_of("c4a_indexer_k", j / 64);
+      if (dev != nullptr) {
+        if (j % 64 == 0) {
+          const uint64_t bytes = cache.layout().FindGroup("c4a_indexer_k")->page_bytes;
+          index_page.resize(bytes);
+          if (absl::Status s = dev->Download(index_page.data(), page, bytes); !s.ok()) return s;
+        }
+        page = index_page.data();
+      }
+      DecodeIndexerKey(page, 64, static_cast<int>(j % 64), index_keys.data() + j * ID);
     }
     iq.resize(int64_t{T} * IH * ID);
     iw.resize(int64_t{T} * IH);
@@ -378,30 +457,67 @@ absl::Status Model::Impl::Attention(int l, KvCache& cache, const kvwire::BlockTa
   }
   std::vector<float> o(int64_t{T} * H * D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  pool.ParallelFor(T, [&](int64_t b, int64_t e) {
-    std::vector<const float*> keys;
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t i = pos + t;
-      keys.clear();
-      if (L.ratio == 128) {
-        for (int64_t j = 0; j < VisibleEntries(i, 128); ++j) keys.push_back(comp.data() + j * D);
-      } else if (L.ratio == 4) {
-        for (int j : IndexerSelect(iq.data() + t * IH * ID, iw.data() + t * IH, IH, ikeys.data(),
-                                   entries, ID, i, 4, c.index_topk)) {
-          keys.push_back(comp.data() + int64_t{j} * D);
+  if (dev != nullptr) {
+    // The same keys in the same order as below, as references to their records.
+    const uint8_t* base = static_cast<const uint8_t*>(cache.memory()[0].ptr);
+    auto ref = [&](const std::string& group, int64_t logical, int per_page, int64_t index) {
+      return gpu::KeyRef{static_cast<uint64_t>(page_of(group, logical) - base),
+                         static_cast<uint32_t>(per_page), static_cast<uint32_t>(index)};
+    };
+    std::vector<std::vector<gpu::KeyRef>> keys(T);
+    pool.ParallelFor(T, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t i = pos + t;
+        if (L.ratio == 128) {
+          for (int64_t j = 0; j < VisibleEntries(i, 128); ++j) {
+            keys[t].push_back(ref(main_group, j / 2, 2, j % 2));
+          }
+        } else if (L.ratio == 4) {
+          for (int j : IndexerSelect(iq.data() + t * IH * ID, iw.data() + t * IH, IH, ikeys.data(),
+                                     entries, ID, i, 4, c.index_topk)) {
+            keys[t].push_back(ref(main_group, j / 64, 64, j % 64));
+          }
+        }
+        for (int64_t tok = std::max<int64_t>(0, i - (c.window - 1)); tok <= i; ++tok) {
+          keys[t].push_back(ref("swa_kv", tok / 64, 64, tok % 64));
         }
       }
-      for (int64_t tok = std::max<int64_t>(0, i - (c.window - 1)); tok <= i; ++tok) {
-        keys.push_back(swa.data() + (tok - first) * D);
-      }
+    });
+    if (absl::Status s = gpu::Attend(*dev, base, q.data(), H, keys, scale, L.sink, o.data());
+        !s.ok()) {
+      return s;
+    }
+    for (int t = 0; t < T; ++t) {
       for (int h = 0; h < H; ++h) {
-        float* oh = o.data() + (t * H + h) * D;
-        AttendWithSink(q.data() + (t * H + h) * D, keys.data(), static_cast<int>(keys.size()), D,
-                       scale, L.sink[h], oh);
-        Rope(oh + D - R, R, i, L.theta, /*inverse=*/true);
+        Rope(o.data() + (int64_t{t} * H + h) * D + D - R, R, pos + t, L.theta, /*inverse=*/true);
       }
     }
-  });
+  } else {
+    pool.ParallelFor(T, [&](int64_t b, int64_t e) {
+      std::vector<const float*> keys;
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t i = pos + t;
+        keys.clear();
+        if (L.ratio == 128) {
+          for (int64_t j = 0; j < VisibleEntries(i, 128); ++j) keys.push_back(comp.data() + j * D);
+        } else if (L.ratio == 4) {
+          for (int j : IndexerSelect(iq.data() + t * IH * ID, iw.data() + t * IH, IH, ikeys.data(),
+                                     entries, ID, i, 4, c.index_topk)) {
+            keys.push_back(comp.data() + int64_t{j} * D);
+          }
+        }
+        for (int64_t tok = std::max<int64_t>(0, i - (c.window - 1)); tok <= i; ++tok) {
+          keys.push_back(swa.data() + (tok - first) * D);
+        }
+        for (int h = 0; h < H; ++h) {
+          float* oh = o.data() + (t * H + h) * D;
+          AttendWithSink(q.data() + (t * H + h) * D, keys.data(), static_cast<int>(keys.size()), D,
+                         scale, L.sink[h], oh);
+          Rope(oh + D - R, R, i, L.theta, /*inverse=*/true);
+        }
+      }
+    });
+  }
 
   // Grouped output projection: each group of heads through its own low-rank matrix.
   const int G = c.o_groups, OR = c.o_lora_rank, gin = H / G * D;

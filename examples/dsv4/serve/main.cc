@@ -3,6 +3,7 @@
 //   kvwire-dsv4 weights  --config C.json --out W.safetensors
 //   kvwire-dsv4 generate --config C.json --weights W --prompt TEXT [--prompt ...]
 //                        [--max-tokens 32 --temperature 0 --seed 0 --threads 0]
+//                        [--kv-device cpu|gpu]
 //   kvwire-dsv4 serve    --role prefill|decode|both --config C.json --weights W
 //                        [--port 0 --kv-port 0 --transport auto|tcp|shm --mode read|write|auto]
 //   kvwire-dsv4 router   --prefill host:port[,...] --decode host:port[,...] --mode read|write
@@ -43,6 +44,7 @@ int Usage() {
                "  weights  --config C.json --out W.safetensors\n"
                "  generate --config C.json --weights W --prompt TEXT [--prompt TEXT ...]\n"
                "           [--max-tokens 32] [--temperature 0] [--seed 0] [--threads 0]\n"
+               "           [--kv-device cpu|gpu]\n"
                "  serve    --role prefill|decode|both --config C.json --weights W [--port 0]\n"
                "           [--kv-port 0] [--transport auto|tcp|shm] [--mode read|write|auto]\n"
                "           [--num-blocks N] [--max-requests 4] [--threads 0]\n"
@@ -91,16 +93,21 @@ int Generate(const Flags& f) {
   absl::StatusOr<double> temperature = f.GetDouble("temperature", 0);
   absl::StatusOr<int64_t> seed = f.GetInt("seed", 0);
   absl::StatusOr<int64_t> threads = f.GetInt("threads", 0);
-  for (const absl::Status& s :
-       {max_tokens.status(), temperature.status(), seed.status(), threads.status()}) {
+  absl::StatusOr<KvDevice> kv_device = ParseKvDevice(f.Get("kv-device", "cpu"));
+  for (const absl::Status& s : {max_tokens.status(), temperature.status(), seed.status(),
+                                threads.status(), kv_device.status()}) {
     if (!s.ok()) return Fail(s);
   }
+  // The cache first: --kv-device gpu on a machine without one fails before the weights load.
+  const uint64_t blocks = config->max_seq_len / 64 + 2;
+  KvCacheOptions cache_options;
+  cache_options.device = *kv_device;
+  absl::StatusOr<std::unique_ptr<KvCache>> cache =
+      KvCache::Create(*config, blocks, 1, 1, cache_options);
+  if (!cache.ok()) return Fail(cache.status());
   absl::StatusOr<std::unique_ptr<Model>> model =
       Model::Load(*config, f.Get("weights"), static_cast<int>(*threads));
   if (!model.ok()) return Fail(model.status());
-  const uint64_t blocks = config->max_seq_len / 64 + 2;
-  absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(*config, blocks, 1, 1);
-  if (!cache.ok()) return Fail(cache.status());
   GenerateOptions o;
   o.max_tokens = static_cast<int>(*max_tokens);
   o.temperature = static_cast<float>(*temperature);
@@ -111,6 +118,7 @@ int Generate(const Flags& f) {
     const size_t n = r->prompt_tokens.size();
     json j = {
         {"prompt_tokens", n},
+        {"kv_device", KvDeviceName(*kv_device)},
         {"tokens", r->tokens},
         {"text", r->text},
         {"prefill_ms", r->prefill_seconds * 1e3},
@@ -223,7 +231,8 @@ int Main(int argc, char** argv) {
     f = parse({"config", "out"});
     if (f.ok()) return Weights(*f);
   } else if (cmd == "generate") {
-    f = parse({"config", "weights", "prompt", "max-tokens", "temperature", "seed", "threads"});
+    f = parse({"config", "weights", "prompt", "max-tokens", "temperature", "seed", "threads",
+               "kv-device"});
     if (f.ok()) return Generate(*f);
   } else if (cmd == "serve") {
     f = parse({"role", "config", "weights", "host", "port", "kv-host", "kv-port", "transport",
