@@ -176,7 +176,8 @@ configure_file(${CMAKE_CURRENT_LIST_DIR}/gpu_config.h.in ${KVWIRE_PROTO_OUT}/src
 kvwire_component(kvwire_gpu src/gpu/*.cc)
 set(_kernel_sources ${CMAKE_CURRENT_SOURCE_DIR}/src/gpu/kernels/kv_record_encode.cu)
 
-# Compiles `ARGN` (.cu files) with `backend`'s compiler into objects listed in `out`.
+# Compiles `ARGN` (.cu files) with `backend`'s compiler into objects listed in `out` (under the
+# calling directory's binary dir); kernels include from the repository root.
 function(kvwire_gpu_kernels backend out)
   set(objs)
   foreach(src ${ARGN})
@@ -203,7 +204,7 @@ function(kvwire_gpu_kernels backend out)
     endif()
     add_custom_command(
       OUTPUT ${obj}
-      COMMAND ${cmd} -I${CMAKE_CURRENT_SOURCE_DIR} -MD -MF ${obj}.d -c ${src} -o ${obj}
+      COMMAND ${cmd} -I${PROJECT_SOURCE_DIR} -MD -MF ${obj}.d -c ${src} -o ${obj}
       DEPFILE ${obj}.d
       DEPENDS ${src}
       COMMENT "${backend} kernels: ${name}.cu"

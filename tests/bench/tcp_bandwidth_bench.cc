@@ -49,7 +49,7 @@ class OpenHooks final : public TargetHooks {
   absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t offset, uint64_t length,
                                                  OpKind) override {
     if (offset > bytes_ || length > bytes_ - offset) return absl::OutOfRangeError("bounds");
-    return IncomingAccess{memory_.data() + offset, nullptr};
+    return IncomingAccess{memory_.data() + offset, /*gpu_device=*/-1, nullptr};
   }
   absl::StatusOr<LocalRegion> ExportedRegion(PeerId, RegionId) override {
     return absl::UnimplementedError("unused");
