@@ -1,0 +1,365 @@
+// GPU memory over the tcp transport: two engines in this process, talking over loopback tcp
+// (several lanes), with the emulated GPU runtime (tests/support/emulated_gpu.h) whose device
+// memory the CPU cannot touch (any access faults), so every device byte must go through the
+// transport's pinned staging buffers. Bytes are verified through EmulatedGpu::ReadDevice.
+// Each test runs without and with a copy delay (late copies expose missing waits).
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "kvwire/engine.h"
+#include "src/gpu/runtime.h"
+#include "tests/support/emulated_gpu.h"
+
+namespace kvwire::testing {
+namespace {
+
+constexpr std::byte kPoison{0xC3};
+constexpr absl::Duration kWait = absl::Seconds(60);
+// Big enough for several 1 MiB staging chunks per op and transfer, odd sizes included.
+constexpr uint64_t kRegionBytes = 40 << 20;
+
+enum class Where { kHost, kGpu };
+
+const char* Name(Where w) { return w == Where::kHost ? "host" : "gpu"; }
+
+// One side's memory: a host region and a GPU region (device `device`), both registered.
+struct Memory {
+  std::vector<std::byte> host;
+  gpu::DeviceBuffer device;
+  RegionId host_id = 0;
+  RegionId gpu_id = 0;
+};
+
+void Fill(std::vector<std::byte>& bytes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  size_t i = 0;
+  for (; i + 8 <= bytes.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(bytes.data() + i, &v, 8);
+  }
+  for (; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>(rng());
+}
+
+// Index of the first differing byte, or -1.
+int64_t FirstDifference(const std::vector<std::byte>& a, const std::vector<std::byte>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+class TcpGpuFixture : public ::testing::Test {
+ protected:
+  // Installs an emulated GPU whose copies each take `copy_delay` longer, then two engines
+  // (initiator: host + GPU 0 memory; target: host + GPU 1 memory, exported) over tcp.
+  void Start(absl::Duration copy_delay) {
+    gpu_ = std::make_unique<EmulatedGpu>(
+        EmulatedGpuOptions{.devices = 2, .host_accessible = false, .copy_delay = copy_delay});
+    gpu::SetDefaultRuntime(&gpu_->runtime());
+    initiator_ = MakeEngine("initiator");
+    target_ = MakeEngine("target");
+    ASSERT_NE(initiator_, nullptr);
+    ASSERT_NE(target_, nullptr);
+    ASSERT_NO_FATAL_FAILURE(Register(*initiator_, 0, &local_));
+    ASSERT_NO_FATAL_FAILURE(Register(*target_, 1, &remote_));
+    auto peer = initiator_->Connect(target_->address());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+    for (RegionId r : {remote_.host_id, remote_.gpu_id}) {
+      ASSERT_TRUE(initiator_->WaitForRemoteRegion(peer_, r, absl::Seconds(10)).ok());
+    }
+  }
+
+  void TearDown() override {
+    initiator_.reset();
+    target_.reset();
+    local_.device = gpu::DeviceBuffer();
+    remote_.device = gpu::DeviceBuffer();
+    gpu::SetDefaultRuntime(nullptr);
+    gpu_.reset();
+  }
+
+  std::unique_ptr<Engine> MakeEngine(const std::string& name) {
+    EngineOptions options;
+    options.name = name;
+    options.transport = TransportKind::kTcp;
+    options.tcp_connections = 4;
+    // Ops up to 4 MiB stay whole: one op spans several staging chunks.
+    options.max_op_bytes = 4 << 20;
+    auto engine = Engine::Create(options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? *std::move(engine) : nullptr;
+  }
+
+  void Register(Engine& engine, int device, Memory* memory) {
+    memory->host.assign(kRegionBytes, kPoison);
+    auto buffer = gpu::DeviceBuffer::Allocate(gpu_->runtime(), device, kRegionBytes);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    memory->device = *std::move(buffer);
+    RegionOptions options;
+    options.export_to_all_peers = true;
+    auto host = engine.RegisterMemory(memory->host.data(), kRegionBytes, options);
+    ASSERT_TRUE(host.ok()) << host.status();
+    memory->host_id = *host;
+    options.kind = MemoryKind::kGpu;
+    auto dev = engine.RegisterMemory(memory->device.data(), kRegionBytes, options);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    memory->gpu_id = *dev;
+  }
+
+  RegionId Region(const Memory& m, Where w) const {
+    return w == Where::kHost ? m.host_id : m.gpu_id;
+  }
+
+  // Writes `bytes` at `offset` of one side's host or GPU memory (GPU: through the runtime).
+  void Put(Memory& m, Where w, uint64_t offset, const std::vector<std::byte>& bytes) {
+    if (w == Where::kHost) {
+      std::copy(bytes.begin(), bytes.end(), m.host.begin() + offset);
+    } else {
+      ASSERT_TRUE(gpu_->WriteDevice(static_cast<std::byte*>(m.device.data()) + offset, bytes.data(),
+                                    bytes.size())
+                      .ok());
+    }
+  }
+  std::vector<std::byte> Get(const Memory& m, Where w, uint64_t offset, uint64_t length) {
+    std::vector<std::byte> out(length);
+    if (w == Where::kHost) {
+      std::copy_n(m.host.begin() + offset, length, out.begin());
+    } else {
+      EXPECT_TRUE(
+          gpu_->ReadDevice(out.data(), static_cast<std::byte*>(m.device.data()) + offset, length)
+              .ok());
+    }
+    return out;
+  }
+  // Poisons [offset, offset + length) of one side's memory.
+  void Poison(Memory& m, Where w, uint64_t offset = 0, uint64_t length = kRegionBytes) {
+    Put(m, w, offset, std::vector<std::byte>(length, kPoison));
+  }
+
+  absl::Status Run(OpKind kind, const std::vector<Op>& ops,
+                   TransferOptions options = TransferOptions()) {
+    auto id = initiator_->Transfer(peer_, kind, ops, options);
+    if (!id.ok()) return id.status();
+    return initiator_->Wait(*id, kWait);
+  }
+
+  static uint64_t Staged(const Engine& engine) { return engine.Stats().gpu.tcp_staged_bytes; }
+
+  std::unique_ptr<EmulatedGpu> gpu_;
+  std::unique_ptr<Engine> initiator_;
+  std::unique_ptr<Engine> target_;
+  Memory local_;
+  Memory remote_;
+  PeerId peer_ = 0;
+};
+
+// Without and with a copy delay.
+class TcpGpuTest : public TcpGpuFixture, public ::testing::WithParamInterface<absl::Duration> {
+ protected:
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(GetParam())); }
+};
+
+// WRITE then READ back of one contiguous range, for every pairing of host and GPU memory and
+// sizes from a few bytes to tens of MiB (not multiples of the 1 MiB staging chunk).
+TEST_P(TcpGpuTest, WritesAndReadsEveryPairingByteExact) {
+  const std::vector<uint64_t> sizes = {
+      1, 7, 4099, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 12345, (24 << 20) + 5};
+  uint64_t seed = 1;
+  for (Where local : {Where::kGpu, Where::kHost}) {
+    for (Where remote : {Where::kGpu, Where::kHost}) {
+      if (local == Where::kHost && remote == Where::kHost) continue;  // the host path's tests
+      for (uint64_t size : sizes) {
+        SCOPED_TRACE(absl::StrCat(Name(local), " <-> ", Name(remote), ", ", size, " bytes"));
+        // Odd offsets: ranges do not start at chunk or page boundaries.
+        const uint64_t local_offset = 13 + size % 1000;
+        const uint64_t remote_offset = 101 + size % 777;
+        std::vector<std::byte> data(size);
+        Fill(data, seed++);
+
+        // WRITE: local (data) -> remote (poison, one byte more either side).
+        ASSERT_NO_FATAL_FAILURE(Poison(remote_, remote, remote_offset - 1, size + 2));
+        ASSERT_NO_FATAL_FAILURE(Put(local_, local, local_offset, data));
+        uint64_t staged_i = Staged(*initiator_), staged_t = Staged(*target_);
+        const Op op{Region(local_, local), local_offset, Region(remote_, remote), remote_offset,
+                    size};
+        absl::Status s = Run(OpKind::kWrite, {op});
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_EQ(FirstDifference(Get(remote_, remote, remote_offset, size), data), -1);
+        // Nothing written outside the range.
+        EXPECT_EQ(Get(remote_, remote, remote_offset - 1, 1)[0], kPoison);
+        EXPECT_EQ(Get(remote_, remote, remote_offset + size, 1)[0], kPoison);
+        EXPECT_EQ(Staged(*initiator_) - staged_i, local == Where::kGpu ? size : 0);
+        EXPECT_EQ(Staged(*target_) - staged_t, remote == Where::kGpu ? size : 0);
+
+        // READ: remote (data) -> local (poison).
+        ASSERT_NO_FATAL_FAILURE(Poison(local_, local, local_offset - 1, size + 2));
+        staged_i = Staged(*initiator_);
+        staged_t = Staged(*target_);
+        s = Run(OpKind::kRead, {op});
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_EQ(FirstDifference(Get(local_, local, local_offset, size), data), -1);
+        EXPECT_EQ(Get(local_, local, local_offset - 1, 1)[0], kPoison);
+        EXPECT_EQ(Get(local_, local, local_offset + size, 1)[0], kPoison);
+        EXPECT_EQ(Staged(*initiator_) - staged_i, local == Where::kGpu ? size : 0);
+        EXPECT_EQ(Staged(*target_) - staged_t, remote == Where::kGpu ? size : 0);
+      }
+    }
+  }
+}
+
+// Thousands of small scattered pieces in one transfer (many per staging chunk and per writer
+// batch), host and GPU pieces mixed on the initiator, GPU on the target.
+TEST_P(TcpGpuTest, ThousandsOfSmallPiecesByteExact) {
+  constexpr int kPieces = 3000;
+  std::mt19937_64 rng(42);
+  std::uniform_int_distribution<uint64_t> len(1, 3000);
+  struct Piece {
+    Where local;
+    uint64_t local_offset, remote_offset, length;
+  };
+  std::vector<Piece> pieces;
+  uint64_t local_at = 0, remote_at = 0, total = 0, gpu_bytes = 0;
+  for (int i = 0; i < kPieces; ++i) {
+    const uint64_t n = len(rng);
+    const Where where = i % 3 == 0 ? Where::kHost : Where::kGpu;
+    pieces.push_back({where, local_at, remote_at, n});
+    local_at += n + rng() % 64;  // gaps: nothing merges
+    remote_at += n + 1 + rng() % 64;
+    total += n;
+    gpu_bytes += where == Where::kGpu ? n : 0;
+  }
+  constexpr uint64_t kSpan = 8 << 20;
+  ASSERT_LT(std::max(local_at, remote_at), kSpan);
+  std::shuffle(pieces.begin(), pieces.end(), rng);
+
+  std::vector<std::byte> host_src(kSpan), gpu_src(kSpan);
+  Fill(host_src, 5);
+  Fill(gpu_src, 6);
+  ASSERT_NO_FATAL_FAILURE(Put(local_, Where::kHost, 0, host_src));
+  ASSERT_NO_FATAL_FAILURE(Put(local_, Where::kGpu, 0, gpu_src));
+  ASSERT_NO_FATAL_FAILURE(Poison(remote_, Where::kGpu, 0, kSpan));
+  std::vector<Op> ops;
+  for (const Piece& p : pieces) {
+    ops.push_back(
+        {Region(local_, p.local), p.local_offset, remote_.gpu_id, p.remote_offset, p.length});
+  }
+  uint64_t staged_i = Staged(*initiator_), staged_t = Staged(*target_);
+  absl::Status s = Run(OpKind::kWrite, ops);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Staged(*initiator_) - staged_i, gpu_bytes);
+  EXPECT_EQ(Staged(*target_) - staged_t, total);
+  std::vector<std::byte> expected(kSpan, kPoison);
+  for (const Piece& p : pieces) {
+    const std::vector<std::byte>& src = p.local == Where::kHost ? host_src : gpu_src;
+    std::copy_n(src.begin() + p.local_offset, p.length, expected.begin() + p.remote_offset);
+  }
+  EXPECT_EQ(FirstDifference(Get(remote_, Where::kGpu, 0, kSpan), expected), -1);
+
+  // READ them back into poisoned local memory.
+  ASSERT_NO_FATAL_FAILURE(Poison(local_, Where::kHost, 0, kSpan));
+  ASSERT_NO_FATAL_FAILURE(Poison(local_, Where::kGpu, 0, kSpan));
+  staged_i = Staged(*initiator_);
+  staged_t = Staged(*target_);
+  s = Run(OpKind::kRead, ops);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Staged(*initiator_) - staged_i, gpu_bytes);
+  EXPECT_EQ(Staged(*target_) - staged_t, total);
+  std::vector<std::byte> expected_host(kSpan, kPoison), expected_gpu(kSpan, kPoison);
+  for (const Piece& p : pieces) {
+    std::vector<std::byte>& dst = p.local == Where::kHost ? expected_host : expected_gpu;
+    std::copy_n(expected.begin() + p.remote_offset, p.length, dst.begin() + p.local_offset);
+  }
+  EXPECT_EQ(FirstDifference(Get(local_, Where::kHost, 0, kSpan), expected_host), -1);
+  EXPECT_EQ(FirstDifference(Get(local_, Where::kGpu, 0, kSpan), expected_gpu), -1);
+}
+
+// Several transfers in flight at once over the lanes, GPU on both sides, each verified.
+TEST_P(TcpGpuTest, ConcurrentTransfersOnSeveralLanes) {
+  constexpr int kTransfers = 8;
+  constexpr uint64_t kBytes = (2 << 20) + 333;
+  std::vector<std::byte> data(kBytes * kTransfers);
+  Fill(data, 9);
+  ASSERT_NO_FATAL_FAILURE(Put(local_, Where::kGpu, 0, data));
+  ASSERT_NO_FATAL_FAILURE(Poison(remote_, Where::kGpu));
+  std::vector<TransferId> ids;
+  for (int i = 0; i < kTransfers; ++i) {
+    auto id = initiator_->Transfer(
+        peer_, OpKind::kWrite, {Op{local_.gpu_id, i * kBytes, remote_.gpu_id, i * kBytes, kBytes}});
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  for (TransferId id : ids) {
+    absl::Status s = initiator_->Wait(id, kWait);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  EXPECT_EQ(FirstDifference(Get(remote_, Where::kGpu, 0, data.size()), data), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(CopyDelay, TcpGpuTest,
+                         ::testing::Values(absl::ZeroDuration(), absl::Microseconds(300)),
+                         [](const ::testing::TestParamInfo<absl::Duration>& info) {
+                           return info.param == absl::ZeroDuration() ? std::string("NoDelay")
+                                                                     : std::string("CopyDelay");
+                         });
+
+// Copies so slow (kSlowCopy each) that a READ of kBytes into GPU memory cannot finish within
+// its deadline: the payload arrives faster than it can be copied to the device.
+class TcpGpuCancelTest : public TcpGpuFixture {
+ protected:
+  static constexpr absl::Duration kSlowCopy = absl::Milliseconds(20);
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(kSlowCopy)); }
+};
+
+// A READ into GPU memory ended by its deadline while its payload is still arriving: no copy
+// to the device is queued once the engine ended the transfer, so device memory holds still
+// after the copies already queued then have run (at most one staging buffer per lane), and
+// the connections stay usable.
+TEST_F(TcpGpuCancelTest, ReadCancelledByDeadlineMidPayloadLeavesDeviceMemoryAlone) {
+  constexpr uint64_t kBytes = 32 << 20;
+  std::vector<std::byte> data(kBytes);
+  Fill(data, 11);
+  ASSERT_NO_FATAL_FAILURE(Put(remote_, Where::kHost, 0, data));
+  ASSERT_NO_FATAL_FAILURE(Poison(local_, Where::kGpu, 0, kBytes));
+  // 32 chunk copies of kSlowCopy over 4 lanes: >= 160 ms; the deadline is far sooner.
+  TransferOptions options;
+  options.timeout = absl::Milliseconds(50);
+  std::vector<Op> ops;
+  for (uint64_t at = 0; at < kBytes; at += 4 << 20) {
+    ops.push_back({local_.gpu_id, at, remote_.host_id, at, 4 << 20});
+  }
+  const uint64_t staged_before = Staged(*initiator_);
+  absl::Status s = Run(OpKind::kRead, ops, options);
+  ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  // The copies queued before the end (one buffer per lane, a copy in progress) are done
+  // within a few copy times.
+  absl::SleepFor(4 * kSlowCopy + absl::Milliseconds(100));
+  const std::vector<std::byte> after_end = Get(local_, Where::kGpu, 0, kBytes);
+  const uint64_t staged_after_end = Staged(*initiator_);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(FirstDifference(Get(local_, Where::kGpu, 0, kBytes), after_end), -1)
+      << "device memory changed after the transfer ended";
+  EXPECT_EQ(Staged(*initiator_), staged_after_end) << "copies were queued after the end";
+  // Mid-payload: part of it never reached the device.
+  EXPECT_LT(staged_after_end - staged_before, kBytes);
+  EXPECT_NE(FirstDifference(after_end, data), -1);
+
+  // The lanes are still in sync: a full READ works and is exact.
+  ASSERT_NO_FATAL_FAILURE(Poison(local_, Where::kGpu, 0, kBytes));
+  s = Run(OpKind::kRead, ops);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(FirstDifference(Get(local_, Where::kGpu, 0, kBytes), data), -1);
+}
+
+}  // namespace
+}  // namespace kvwire::testing
