@@ -62,12 +62,12 @@ class TcpGpuFixture : public ::testing::Test {
  protected:
   // Installs an emulated GPU whose copies each take `copy_delay` longer, then two engines
   // (initiator: host + GPU 0 memory; target: host + GPU 1 memory, exported) over tcp.
-  void Start(absl::Duration copy_delay) {
+  void Start(absl::Duration copy_delay, uint64_t max_op_bytes = 4 << 20) {
     gpu_ = std::make_unique<EmulatedGpu>(
         EmulatedGpuOptions{.devices = 2, .host_accessible = false, .copy_delay = copy_delay});
     gpu::SetDefaultRuntime(&gpu_->runtime());
-    initiator_ = MakeEngine("initiator");
-    target_ = MakeEngine("target");
+    initiator_ = MakeEngine("initiator", max_op_bytes);
+    target_ = MakeEngine("target", max_op_bytes);
     ASSERT_NE(initiator_, nullptr);
     ASSERT_NE(target_, nullptr);
     ASSERT_NO_FATAL_FAILURE(Register(*initiator_, 0, &local_));
@@ -89,13 +89,13 @@ class TcpGpuFixture : public ::testing::Test {
     gpu_.reset();
   }
 
-  std::unique_ptr<Engine> MakeEngine(const std::string& name) {
+  std::unique_ptr<Engine> MakeEngine(const std::string& name, uint64_t max_op_bytes) {
     EngineOptions options;
     options.name = name;
     options.transport = TransportKind::kTcp;
     options.tcp_connections = 4;
-    // Ops up to 4 MiB stay whole: one op spans several staging chunks.
-    options.max_op_bytes = 4 << 20;
+    // Ops stay whole up to this (4 MiB: one op spans several staging chunks).
+    options.max_op_bytes = max_op_bytes;
     auto engine = Engine::Create(options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     return engine.ok() ? *std::move(engine) : nullptr;
@@ -313,40 +313,42 @@ INSTANTIATE_TEST_SUITE_P(CopyDelay, TcpGpuTest,
                                                                      : std::string("CopyDelay");
                          });
 
-// Copies so slow (kSlowCopy each) that a READ of kBytes into GPU memory cannot finish within
-// its deadline: the payload arrives faster than it can be copied to the device.
+// Copies so slow (kSlowCopy each) that a READ of 32 MiB into GPU memory (one 8 MiB op per
+// lane: 8 staging chunks each) cannot finish within its deadline: the payload arrives faster
+// than it can be copied to the device.
 class TcpGpuCancelTest : public TcpGpuFixture {
  protected:
-  static constexpr absl::Duration kSlowCopy = absl::Milliseconds(20);
-  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(kSlowCopy)); }
+  static constexpr absl::Duration kSlowCopy = absl::Milliseconds(40);
+  static constexpr uint64_t kOpBytes = 8 << 20;
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(kSlowCopy, kOpBytes)); }
 };
 
 // A READ into GPU memory ended by its deadline while its payload is still arriving: no copy
-// to the device is queued once the engine ended the transfer, so device memory holds still
-// after the copies already queued then have run (at most one staging buffer per lane), and
-// the connections stay usable.
+// to the device is queued once the engine ended the transfer (the staged-bytes counter holds
+// still), device memory holds still once the copies already queued then have run (at most
+// two per lane: one running, one whose queueing raced the end), and the lanes stay usable.
 TEST_F(TcpGpuCancelTest, ReadCancelledByDeadlineMidPayloadLeavesDeviceMemoryAlone) {
   constexpr uint64_t kBytes = 32 << 20;
   std::vector<std::byte> data(kBytes);
   Fill(data, 11);
   ASSERT_NO_FATAL_FAILURE(Put(remote_, Where::kHost, 0, data));
   ASSERT_NO_FATAL_FAILURE(Poison(local_, Where::kGpu, 0, kBytes));
-  // 32 chunk copies of kSlowCopy over 4 lanes: >= 160 ms; the deadline is far sooner.
+  // 8 chunk copies of kSlowCopy per lane: >= 320 ms; the deadline is far sooner.
   TransferOptions options;
-  options.timeout = absl::Milliseconds(50);
+  options.timeout = absl::Milliseconds(60);
   std::vector<Op> ops;
-  for (uint64_t at = 0; at < kBytes; at += 4 << 20) {
-    ops.push_back({local_.gpu_id, at, remote_.host_id, at, 4 << 20});
+  for (uint64_t at = 0; at < kBytes; at += kOpBytes) {
+    ops.push_back({local_.gpu_id, at, remote_.host_id, at, kOpBytes});
   }
   const uint64_t staged_before = Staged(*initiator_);
   absl::Status s = Run(OpKind::kRead, ops, options);
   ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  // The copies queued before the end (one buffer per lane, a copy in progress) are done
-  // within a few copy times.
-  absl::SleepFor(4 * kSlowCopy + absl::Milliseconds(100));
+  // What was queued before the end runs out within two copy times. Without the cancellation
+  // checks, each lane would go on copying its op's remaining chunks for 150-250 ms more.
+  absl::SleepFor(2 * kSlowCopy + absl::Milliseconds(30));
   const std::vector<std::byte> after_end = Get(local_, Where::kGpu, 0, kBytes);
   const uint64_t staged_after_end = Staged(*initiator_);
-  absl::SleepFor(absl::Milliseconds(500));
+  absl::SleepFor(absl::Milliseconds(400));
   EXPECT_EQ(FirstDifference(Get(local_, Where::kGpu, 0, kBytes), after_end), -1)
       << "device memory changed after the transfer ended";
   EXPECT_EQ(Staged(*initiator_), staged_after_end) << "copies were queued after the end";

@@ -209,13 +209,14 @@ absl::Status StagedReceiver::WaitSlot(int slot) {
 
 absl::Status StagedReceiver::Seal() {
   if (pending_.empty()) return absl::OkStatus();
+  // One buffer's copies at a time: the other buffer's ran while this one was received. This
+  // also bounds what a cancellation can no longer stop to one buffer's copies.
+  if (absl::Status s = WaitSlot(1 - current_); !s.ok()) return s;
+  // Checked after that wait (which may be long): nothing is queued once the transfer ended.
   if (cancelled_ != nullptr && cancelled_->load(std::memory_order_acquire)) {
     pending_.clear();
     return absl::CancelledError("receive into device memory cancelled");
   }
-  // One buffer's copies at a time: the other buffer's ran while this one was received. This
-  // also bounds what a cancellation can no longer stop to one buffer's copies.
-  if (absl::Status s = WaitSlot(1 - current_); !s.ok()) return s;
   for (const Copy& c : pending_) {
     if (absl::Status s = buffers_.Copy(c.device, c.dst, c.src, c.bytes); !s.ok()) return s;
   }
