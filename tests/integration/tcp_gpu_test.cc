@@ -5,6 +5,7 @@
 // Each test runs without and with a copy delay (late copies expose missing waits).
 #include <algorithm>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <random>
 #include <string>
@@ -361,6 +362,43 @@ TEST_F(TcpGpuCancelTest, ReadCancelledByDeadlineMidPayloadLeavesDeviceMemoryAlon
   s = Run(OpKind::kRead, ops);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(FirstDifference(Get(local_, Where::kGpu, 0, kBytes), data), -1);
+}
+
+// Not a speed assertion: prints the throughput of staged transfers next to the host path's
+// in this process (EMULATED GPU: "device" copies are memcpy on stream threads, so this shows
+// the staging pipeline's overhead, not PCIe), and checks the bytes.
+class TcpGpuThroughputTest : public TcpGpuFixture {
+ protected:
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(absl::ZeroDuration())); }
+};
+
+TEST_F(TcpGpuThroughputTest, PrintsEmulatedStagedThroughput) {
+  constexpr uint64_t kBytes = 32 << 20;
+  constexpr int kRounds = 3;
+  std::vector<std::byte> data(kBytes);
+  Fill(data, 21);
+  for (Where w : {Where::kHost, Where::kGpu}) {
+    ASSERT_NO_FATAL_FAILURE(Put(local_, w, 0, data));
+    for (OpKind kind : {OpKind::kWrite, OpKind::kRead}) {
+      std::vector<Op> ops;
+      for (uint64_t at = 0; at < kBytes; at += 4 << 20) {
+        ops.push_back({Region(local_, w), at, Region(remote_, w), at, 4 << 20});
+      }
+      const absl::Time start = absl::Now();
+      for (int i = 0; i < kRounds; ++i) {
+        absl::Status s = Run(kind, ops);
+        ASSERT_TRUE(s.ok()) << s;
+      }
+      const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+      std::cout << "[ emulated ] tcp " << (kind == OpKind::kWrite ? "WRITE" : "READ ") << " "
+                << Name(w) << "->" << Name(w) << " " << kRounds << " x " << (kBytes >> 20)
+                << " MiB, 4 lanes: " << static_cast<int>(kRounds * kBytes / seconds / 1e6)
+                << " MB/s" << (w == Where::kGpu ? " (EMULATED GPU, staged both sides)" : "")
+                << std::endl;
+    }
+    EXPECT_EQ(FirstDifference(Get(remote_, w, 0, kBytes), data), -1);
+    EXPECT_EQ(FirstDifference(Get(local_, w, 0, kBytes), data), -1);
+  }
 }
 
 }  // namespace
