@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -64,15 +65,34 @@ class TcpGpuFixture : public ::testing::Test {
   // Installs an emulated GPU whose copies each take `copy_delay` longer, then two engines
   // (initiator: host + GPU 0 memory; target: host + GPU 1 memory, exported) over tcp.
   void Start(absl::Duration copy_delay, uint64_t max_op_bytes = 4 << 20) {
-    gpu_ = std::make_unique<EmulatedGpu>(
+    emulated_ = std::make_unique<EmulatedGpu>(
         EmulatedGpuOptions{.devices = 2, .host_accessible = false, .copy_delay = copy_delay});
-    gpu::SetDefaultRuntime(&gpu_->runtime());
+    gpu::SetDefaultRuntime(&emulated_->runtime());
+    rt_ = &emulated_->runtime();
+    ASSERT_NO_FATAL_FAILURE(StartEngines(max_op_bytes, 0, 1));
+  }
+  // The same on this build's real GPU runtime (the last device for the target); false when
+  // there is no device, with the runtime's reason in `why`.
+  bool StartOnRealDevice(std::string* why) {
+    rt_ = &gpu::DefaultRuntime();
+    absl::StatusOr<int> devices = rt_->DeviceCount();
+    if (!devices.ok() || *devices < 1) {
+      *why = devices.ok() ? "no GPU device" : std::string(devices.status().message());
+      return false;
+    }
+    auto stream = gpu::Stream::Create(*rt_, 0);
+    EXPECT_TRUE(stream.ok()) << stream.status();
+    if (stream.ok()) test_stream_ = *std::move(stream);
+    StartEngines(4 << 20, 0, *devices - 1);
+    return true;
+  }
+  void StartEngines(uint64_t max_op_bytes, int initiator_device, int target_device) {
     initiator_ = MakeEngine("initiator", max_op_bytes);
     target_ = MakeEngine("target", max_op_bytes);
     ASSERT_NE(initiator_, nullptr);
     ASSERT_NE(target_, nullptr);
-    ASSERT_NO_FATAL_FAILURE(Register(*initiator_, 0, &local_));
-    ASSERT_NO_FATAL_FAILURE(Register(*target_, 1, &remote_));
+    ASSERT_NO_FATAL_FAILURE(Register(*initiator_, initiator_device, &local_));
+    ASSERT_NO_FATAL_FAILURE(Register(*target_, target_device, &remote_));
     auto peer = initiator_->Connect(target_->address());
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = *peer;
@@ -86,8 +106,9 @@ class TcpGpuFixture : public ::testing::Test {
     target_.reset();
     local_.device = gpu::DeviceBuffer();
     remote_.device = gpu::DeviceBuffer();
+    test_stream_ = gpu::Stream();
     gpu::SetDefaultRuntime(nullptr);
-    gpu_.reset();
+    emulated_.reset();
   }
 
   std::unique_ptr<Engine> MakeEngine(const std::string& name, uint64_t max_op_bytes) {
@@ -104,7 +125,7 @@ class TcpGpuFixture : public ::testing::Test {
 
   void Register(Engine& engine, int device, Memory* memory) {
     memory->host.assign(kRegionBytes, kPoison);
-    auto buffer = gpu::DeviceBuffer::Allocate(gpu_->runtime(), device, kRegionBytes);
+    auto buffer = gpu::DeviceBuffer::Allocate(*rt_, device, kRegionBytes);
     ASSERT_TRUE(buffer.ok()) << buffer.status();
     memory->device = *std::move(buffer);
     RegionOptions options;
@@ -122,24 +143,29 @@ class TcpGpuFixture : public ::testing::Test {
     return w == Where::kHost ? m.host_id : m.gpu_id;
   }
 
-  // Writes `bytes` at `offset` of one side's host or GPU memory (GPU: through the runtime).
+  // Writes `bytes` at `offset` of one side's host or GPU memory (GPU: through the emulated
+  // runtime's test access, or a synchronous copy on a real device).
   void Put(Memory& m, Where w, uint64_t offset, const std::vector<std::byte>& bytes) {
+    std::byte* device = static_cast<std::byte*>(m.device.data()) + offset;
     if (w == Where::kHost) {
       std::copy(bytes.begin(), bytes.end(), m.host.begin() + offset);
+    } else if (emulated_ != nullptr) {
+      ASSERT_TRUE(emulated_->WriteDevice(device, bytes.data(), bytes.size()).ok());
     } else {
-      ASSERT_TRUE(gpu_->WriteDevice(static_cast<std::byte*>(m.device.data()) + offset, bytes.data(),
-                                    bytes.size())
-                      .ok());
+      absl::Status s = test_stream_.Copy(device, bytes.data(), bytes.size());
+      ASSERT_TRUE(s.ok()) << s;
     }
   }
   std::vector<std::byte> Get(const Memory& m, Where w, uint64_t offset, uint64_t length) {
     std::vector<std::byte> out(length);
+    const std::byte* device = static_cast<const std::byte*>(m.device.data()) + offset;
     if (w == Where::kHost) {
       std::copy_n(m.host.begin() + offset, length, out.begin());
+    } else if (emulated_ != nullptr) {
+      EXPECT_TRUE(emulated_->ReadDevice(out.data(), device, length).ok());
     } else {
-      EXPECT_TRUE(
-          gpu_->ReadDevice(out.data(), static_cast<std::byte*>(m.device.data()) + offset, length)
-              .ok());
+      absl::Status s = test_stream_.Copy(out.data(), device, length);
+      EXPECT_TRUE(s.ok()) << s;
     }
     return out;
   }
@@ -157,7 +183,9 @@ class TcpGpuFixture : public ::testing::Test {
 
   static uint64_t Staged(const Engine& engine) { return engine.Stats().gpu.tcp_staged_bytes; }
 
-  std::unique_ptr<EmulatedGpu> gpu_;
+  std::unique_ptr<EmulatedGpu> emulated_;  // null on a real device
+  gpu::Runtime* rt_ = nullptr;
+  gpu::Stream test_stream_;  // a real device's test copies
   std::unique_ptr<Engine> initiator_;
   std::unique_ptr<Engine> target_;
   Memory local_;
@@ -165,10 +193,26 @@ class TcpGpuFixture : public ::testing::Test {
   PeerId peer_ = 0;
 };
 
-// Without and with a copy delay.
-class TcpGpuTest : public TcpGpuFixture, public ::testing::WithParamInterface<absl::Duration> {
+// The emulated GPU without and with a copy delay, and this build's real GPU runtime (skipped
+// where there is no device).
+struct Variant {
+  std::string name;
+  bool real_device = false;
+  absl::Duration copy_delay;
+};
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
+class TcpGpuTest : public TcpGpuFixture, public ::testing::WithParamInterface<Variant> {
  protected:
-  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Start(GetParam())); }
+  void SetUp() override {
+    if (!GetParam().real_device) {
+      ASSERT_NO_FATAL_FAILURE(Start(GetParam().copy_delay));
+      return;
+    }
+    std::string why;
+    if (!StartOnRealDevice(&why)) GTEST_SKIP() << why;
+  }
 };
 
 // WRITE then READ back of one contiguous range, for every pairing of host and GPU memory and
@@ -307,12 +351,12 @@ TEST_P(TcpGpuTest, ConcurrentTransfersOnSeveralLanes) {
   EXPECT_EQ(FirstDifference(Get(remote_, Where::kGpu, 0, data.size()), data), -1);
 }
 
-INSTANTIATE_TEST_SUITE_P(CopyDelay, TcpGpuTest,
-                         ::testing::Values(absl::ZeroDuration(), absl::Microseconds(300)),
-                         [](const ::testing::TestParamInfo<absl::Duration>& info) {
-                           return info.param == absl::ZeroDuration() ? std::string("NoDelay")
-                                                                     : std::string("CopyDelay");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Gpu, TcpGpuTest,
+    ::testing::Values(Variant{"EmulatedNoDelay", false, absl::ZeroDuration()},
+                      Variant{"EmulatedCopyDelay", false, absl::Microseconds(300)},
+                      Variant{"RealDevice", true, absl::ZeroDuration()}),
+    [](const ::testing::TestParamInfo<Variant>& info) { return info.param.name; });
 
 // Copies so slow (kSlowCopy each) that a READ of 32 MiB into GPU memory (one 8 MiB op per
 // lane: 8 staging chunks each) cannot finish within its deadline: the payload arrives faster
