@@ -25,6 +25,7 @@
 #include "src/util/task_runner.h"
 #include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_device.h"
+#include "transport/rdma/rdma_gpu_mr.h"
 #include "transport/rdma/rdma_plan.h"
 
 namespace kvwire::transport {
@@ -122,11 +123,15 @@ absl::Status ToRts(ibv_qp* qp, const DevicePort& dev, uint32_t psn, const RdmaTr
 class RdmaTransportImpl;
 class ClientQp;
 
-// A registered region: one MR per device.
+// A registered region: one MR per device. A GPU region registered through a dma-buf keeps the
+// dma-buf's fd open until its MRs are gone (declared first: destroyed last).
 struct LocalMr {
   RegionId id = 0;
   uint64_t base = 0;
   uint64_t length = 0;
+  bool gpu = false;
+  bool peer_memory = false;  // gpu: some device took the peer-memory path
+  ExportedDmaBuf dmabuf;
   std::vector<Mr> mrs;
 };
 
@@ -440,6 +445,7 @@ class RdmaTransportImpl final : public Transport {
       : options_(options), hooks_(hooks), devices_(std::move(devices)) {
     caps_.name = "rdma";
     caps_.counts_arrivals = true;
+    caps_.gpu_memory = options_.gpu_runtime != nullptr;
     caps_.max_op_bytes = options_.max_op_bytes;
     for (const auto& d : devices_) {
       caps_.max_op_bytes = std::min<uint64_t>(caps_.max_op_bytes, d->port_attr.max_msg_sz);
@@ -518,6 +524,9 @@ class RdmaTransportImpl final : public Transport {
                                                 absl::Time deadline);
   // Target side: creates the QP ends a peer asks for.
   pb::RdmaConnectReply HandleConnect(PeerId peer, const pb::RdmaConnectRequest& request);
+  // A kGpu region's MRs on every device (rdma_gpu_mr.h); `reason` gets the path per device.
+  absl::Status RegisterGpuRegion(const LocalRegion& region, int access, LocalMr& mr,
+                                 std::string* reason);
 
   const RdmaTransportOptions options_;
   TargetHooks* const hooks_;
@@ -532,6 +541,10 @@ class RdmaTransportImpl final : public Transport {
   mutable Mutex mrs_mu_;
   std::map<uint64_t, std::shared_ptr<LocalMr>> mrs_by_addr_ ABSL_GUARDED_BY(mrs_mu_);
   absl::flat_hash_map<RegionId, std::shared_ptr<LocalMr>> mrs_ ABSL_GUARDED_BY(mrs_mu_);
+  // GpuStats: GPU regions registered now, by path, and why the newest took its path.
+  uint64_t gpu_dmabuf_regions_ ABSL_GUARDED_BY(mrs_mu_) = 0;
+  uint64_t gpu_peermem_regions_ ABSL_GUARDED_BY(mrs_mu_) = 0;
+  std::string gpu_path_reason_ ABSL_GUARDED_BY(mrs_mu_);
 
   Mutex server_mu_;
   // (peer, channel id) -> target QPs by index.
@@ -1173,21 +1186,98 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
   if (region.access & kRemoteRead) access |= IBV_ACCESS_REMOTE_READ;
   if (region.access & kRemoteWrite) access |= IBV_ACCESS_REMOTE_WRITE;
   const absl::Time start = absl::Now();
-  for (const auto& d : devices_) {
-    Mr m(ibv_reg_mr(d->pd.get(), region.base, region.length, access));
-    if (!m) {
-      return absl::ResourceExhaustedError(absl::StrCat("ibv_reg_mr of region ", region.id, " (",
-                                                       region.length, " bytes) on ", d->Describe(),
-                                                       ": ", std::strerror(errno)));
+  std::string gpu_reason;
+  if (region.kind == MemoryKind::kGpu) {
+    if (absl::Status s = RegisterGpuRegion(region, access, *mr, &gpu_reason); !s.ok()) return s;
+  } else {
+    for (const auto& d : devices_) {
+      Mr m(ibv_reg_mr(d->pd.get(), region.base, region.length, access));
+      if (!m) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("ibv_reg_mr of region ", region.id, " (", region.length, " bytes) on ",
+                         d->Describe(), ": ", std::strerror(errno)));
+      }
+      mr->mrs.push_back(std::move(m));
     }
-    mr->mrs.push_back(std::move(m));
   }
   KVW_LOG(kDebug, "rdma") << "registered" << Kv("region", region.id) << Kv("bytes", region.length)
                           << Kv("devices", devices_.size())
                           << Kv("us", absl::ToDoubleMicroseconds(absl::Now() - start));
   MutexLock lock(&mrs_mu_);
+  if (mr->gpu) {
+    ++(mr->peer_memory ? gpu_peermem_regions_ : gpu_dmabuf_regions_);
+    gpu_path_reason_ = std::move(gpu_reason);
+  }
   mrs_[region.id] = mr;
   mrs_by_addr_[mr->base] = mr;  // regions may overlap; lookups check the length
+  return absl::OkStatus();
+}
+
+absl::Status RdmaTransportImpl::RegisterGpuRegion(const LocalRegion& region, int access,
+                                                  LocalMr& mr, std::string* reason) {
+  const auto describe = [&] {
+    return absl::StrCat("GPU region ", region.id, " (", region.length, " bytes at 0x",
+                        absl::Hex(reinterpret_cast<uint64_t>(region.base)), " of GPU ",
+                        region.gpu_device, ")");
+  };
+  if (options_.gpu_runtime == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(describe(), ": this rdma transport has no GPU runtime"));
+  }
+  // One export for every device; each registers its own MR on it (one per PD, as for host
+  // memory). Its fd stays open while any MR uses it.
+  absl::StatusOr<ExportedDmaBuf> dmabuf =
+      ExportedDmaBuf::Export(*options_.gpu_runtime, region.gpu_device, region.base, region.length);
+  absl::Status exported = dmabuf.status();
+  DmaBufMrArgs args;
+  if (dmabuf.ok()) {
+    absl::StatusOr<DmaBufMrArgs> a = DmaBufArgsFor(dmabuf->range(), region.base, region.length);
+    if (a.ok()) {
+      args = *a;
+    } else {
+      exported = a.status();
+    }
+    mr.dmabuf = std::move(*dmabuf);  // outlives the MRs, on failure too (LocalMr order)
+  }
+  mr.gpu = true;
+  std::vector<std::string> reasons;
+  bool any_dmabuf = false;
+  for (const auto& d : devices_) {
+    Mr m;
+    absl::StatusOr<GpuMrChoice> choice = ChooseGpuMr(
+        exported,
+        [&] {
+          m.reset(
+              ibv_reg_dmabuf_mr(d->pd.get(), args.offset, args.length, args.iova, args.fd, access));
+          return m ? absl::OkStatus()
+                   : absl::UnavailableError(
+                         absl::StrCat("ibv_reg_dmabuf_mr: ", std::strerror(errno)));
+        },
+        [&] {
+          m.reset(ibv_reg_mr(d->pd.get(), region.base, region.length, access));
+          return m ? absl::OkStatus()
+                   : absl::UnavailableError(
+                         absl::StrCat("ibv_reg_mr on the device pointer: ", std::strerror(errno)));
+        });
+    if (!choice.ok()) {
+      KVW_LOG(kInfo, "rdma") << "GPU region not registered" << Kv("region", region.id)
+                             << Kv("device", d->Describe()) << Kv("gpu", region.gpu_device)
+                             << Kv("error", choice.status().message());
+      return absl::Status(choice.status().code(), absl::StrCat(describe(), " on ", d->Describe(),
+                                                               ": ", choice.status().message()));
+    }
+    KVW_LOG(kInfo, "rdma") << "GPU region registered" << Kv("region", region.id)
+                           << Kv("device", d->Describe()) << Kv("gpu", region.gpu_device)
+                           << Kv("path", GpuMrPathName(choice->path))
+                           << Kv("reason", choice->reason);
+    any_dmabuf = any_dmabuf || choice->path == GpuMrPath::kDmaBuf;
+    mr.peer_memory = mr.peer_memory || choice->path == GpuMrPath::kPeerMemory;
+    reasons.push_back(
+        absl::StrCat(d->Describe(), " ", GpuMrPathName(choice->path), ": ", choice->reason));
+    mr.mrs.push_back(std::move(m));
+  }
+  if (!any_dmabuf) mr.dmabuf.Reset();  // no MR uses it
+  *reason = absl::StrJoin(reasons, "; ");
   return absl::OkStatus();
 }
 
@@ -1201,7 +1291,9 @@ void RdmaTransportImpl::DeregisterRegion(RegionId id) {
     mrs_.erase(it);
     auto by = mrs_by_addr_.find(mr->base);
     if (by != mrs_by_addr_.end() && by->second == mr) mrs_by_addr_.erase(by);
+    if (mr->gpu) --(mr->peer_memory ? gpu_peermem_regions_ : gpu_dmabuf_regions_);
   }
+  // The MRs are deregistered here, then a GPU region's dma-buf fd is closed (LocalMr order).
 }
 
 std::string RdmaTransportImpl::RegionKey(RegionId id) const {
@@ -1467,6 +1559,10 @@ void RdmaTransportImpl::AddStats(EngineStats* stats) const {
   r.completion_errors = counters_.completion_errors.load(std::memory_order_relaxed);
   r.async_events = counters_.async_events.load(std::memory_order_relaxed);
   r.qp_reconnects = counters_.qp_reconnects.load(std::memory_order_relaxed);
+  MutexLock lock(&mrs_mu_);
+  stats->gpu.rdma_dmabuf_regions = gpu_dmabuf_regions_;
+  stats->gpu.rdma_peermem_regions = gpu_peermem_regions_;
+  stats->gpu.rdma_path_reason = gpu_path_reason_;
 }
 
 void RdmaTransportImpl::Shutdown() {

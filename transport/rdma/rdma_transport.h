@@ -9,7 +9,10 @@
 //   the async-event fd.
 // - Memory: RegisterRegion registers an MR on every device at once (local write + remote
 //   read/write as the region allows, never remote atomics); RegionKey hands the rkeys out and
-//   the engine exports them in RegionDescriptor.transport_keys.
+//   the engine exports them in RegionDescriptor.transport_keys. GPU regions (kGpu, with
+//   options.gpu_runtime set): ibv_reg_dmabuf_mr on a dma-buf the runtime exports, else
+//   ibv_reg_mr on the device pointer (peer memory); the path taken and why is logged and in
+//   EngineStats::gpu (rdma_gpu_mr.h). The posting path does not care which.
 // - Connection: Endpoint() is a serialized pb::RdmaEndpoint (the device ports). Channel
 //   creation (Connect) creates qps_per_device RC QPs on every local device and sends one
 //   pb::RdmaConnectRequest (QPN, PSN, GID/LID, MTU per QP) to the peer on the engine's

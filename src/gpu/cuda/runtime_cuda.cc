@@ -1,7 +1,7 @@
-// CUDA backend: the CUDA runtime API (linked statically; it loads libcuda.so.1 on first use),
-// plus the two driver calls dma-buf export needs, resolved at run time through
-// cudaGetDriverEntryPointByVersion so that nothing links against libcuda.
-#include <cstring>
+// CUDA backend: the CUDA runtime API (linked statically; it loads libcuda.so.1 on first use)
+// mapped onto DeviceRuntime, plus the driver calls that pointer ranges and dma-buf export need,
+// resolved at run time through cudaGetDriverEntryPointByVersion so that nothing links against
+// libcuda.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -10,37 +10,12 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "src/gpu/device_runtime.h"
 #include "src/gpu/gpu_config.h"
 #include "src/gpu/kernels/kernels.h"
-#include "src/gpu/runtime.h"
-#include "src/util/log.h"
 
 namespace kvwire::gpu {
 namespace {
-
-static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes);
-
-std::string ErrorText(cudaError_t e) {
-  return absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
-}
-absl::Status Error(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  const std::string msg = absl::StrCat("kvwire gpu: ", what, ": ", ErrorText(e));
-  switch (e) {
-    case cudaErrorMemoryAllocation:
-      return absl::ResourceExhaustedError(msg);
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidDevicePointer:
-    case cudaErrorInvalidResourceHandle:
-      return absl::InvalidArgumentError(msg);
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      return absl::UnavailableError(msg);
-    default:
-      return absl::InternalError(msg);
-  }
-}
 
 // Driver entry points; null when the driver (or this CUDA version) lacks them.
 struct Driver {
@@ -69,96 +44,136 @@ void Resolve(const char* symbol, Fn* fn) {
   }
 }
 
-class CudaRuntimeImpl final : public Runtime {
- public:
-  Backend backend() const override { return Backend::kCuda; }
+const Driver& GetDriver() {
+  static std::once_flag once;
+  static Driver driver;
+  std::call_once(once, [] {
+    Resolve("cuMemGetAddressRange", &driver.get_address_range);
+    Resolve("cuMemGetHandleForAddressRange", &driver.get_handle);
+    Resolve("cuDeviceGetAttribute", &driver.device_get_attribute);
+    Resolve("cuGetErrorString", &driver.get_error_string);
+    (void)cudaGetLastError();
+  });
+  return driver;
+}
 
-  absl::StatusOr<int> DeviceCount() override {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e == cudaSuccess && n > 0) return n;
-    std::string why = e == cudaSuccess ? "0 devices" : ErrorText(e);
-    // cudart reports a missing driver as "insufficient driver"; say which it is.
-    if (void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL); h == nullptr) {
-      const char* err = dlerror();
-      absl::StrAppend(&why, "; NVIDIA driver not loadable: ", err ? err : "libcuda.so.1");
-    } else {
-      dlclose(h);
+absl::Status DriverError(CUresult r, const char* what) {
+  const char* text = nullptr;
+  if (GetDriver().get_error_string == nullptr ||
+      GetDriver().get_error_string(r, &text) != CUDA_SUCCESS) {
+    text = "unknown driver error";
+  }
+  return absl::InternalError(
+      absl::StrCat("kvwire gpu: ", what, ": CUresult ", static_cast<int>(r), ": ", text));
+}
+
+struct CudaApi {
+  using Error = cudaError_t;
+  using StreamT = cudaStream_t;
+  using EventT = cudaEvent_t;
+  using IpcT = cudaIpcMemHandle_t;
+  using Props = cudaDeviceProp;
+  static constexpr Backend kBackend = Backend::kCuda;
+  static constexpr const char* kName = "CUDA";
+  static constexpr const char* kPrefix = "cuda";
+  static constexpr const char* kHostAllocCall = "cudaHostAlloc";
+  static constexpr const char* kFreeHostCall = "cudaFreeHost";
+  static constexpr Error kSuccess = cudaSuccess;
+  static constexpr Error kNotReady = cudaErrorNotReady;
+
+  static absl::StatusCode CodeOf(Error e) {
+    switch (e) {
+      case cudaErrorMemoryAllocation:
+        return absl::StatusCode::kResourceExhausted;
+      case cudaErrorInvalidValue:
+      case cudaErrorInvalidDevice:
+      case cudaErrorInvalidDevicePointer:
+      case cudaErrorInvalidResourceHandle:
+        return absl::StatusCode::kInvalidArgument;
+      case cudaErrorNoDevice:
+      case cudaErrorInsufficientDriver:
+        return absl::StatusCode::kUnavailable;
+      default:
+        return absl::StatusCode::kInternal;
     }
-    return absl::UnavailableError(
-        absl::StrCat("kvwire gpu: no CUDA device (cudaGetDeviceCount: ", why, ")"));
+  }
+  static std::string ErrorText(Error e) {
+    return absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
   }
 
-  absl::StatusOr<DeviceInfo> GetDeviceInfo(int device) override {
-    cudaDeviceProp prop{};
-    if (absl::Status s = Error(cudaGetDeviceProperties(&prop, device),
-                               absl::StrCat("cudaGetDeviceProperties(", device, ")"));
-        !s.ok()) {
-      return s;
+  static Error GetDeviceCount(int* n) { return cudaGetDeviceCount(n); }
+  static Error GetDeviceProperties(Props* p, int d) { return cudaGetDeviceProperties(p, d); }
+  static Error DeviceGetPCIBusId(char* bus, int len, int d) {
+    return cudaDeviceGetPCIBusId(bus, len, d);
+  }
+  static Error SetDevice(int d) { return cudaSetDevice(d); }
+  static Error Malloc(void** p, size_t n) { return cudaMalloc(p, n); }
+  static Error Free(void* p) { return cudaFree(p); }
+  static Error HostAlloc(void** p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocPortable); }
+  static Error FreeHost(void* p) { return cudaFreeHost(p); }
+  static Error StreamCreateNonBlocking(StreamT* s) {
+    return cudaStreamCreateWithFlags(s, cudaStreamNonBlocking);
+  }
+  static Error StreamDestroy(StreamT s) { return cudaStreamDestroy(s); }
+  static Error StreamSynchronize(StreamT s) { return cudaStreamSynchronize(s); }
+  static Error EventCreateNoTiming(EventT* e) {
+    return cudaEventCreateWithFlags(e, cudaEventDisableTiming);
+  }
+  static Error EventDestroy(EventT e) { return cudaEventDestroy(e); }
+  static Error EventRecord(EventT e, StreamT s) { return cudaEventRecord(e, s); }
+  static Error StreamWaitEvent(StreamT s, EventT e) { return cudaStreamWaitEvent(s, e, 0); }
+  static Error EventQuery(EventT e) { return cudaEventQuery(e); }
+  static Error EventSynchronize(EventT e) { return cudaEventSynchronize(e); }
+  static Error GetLastError() { return cudaGetLastError(); }
+  static Error MemcpyAsync(void* dst, const void* src, size_t n, StreamT s) {
+    return cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s);
+  }
+  static Error IpcGetMemHandle(IpcT* h, void* p) { return cudaIpcGetMemHandle(h, p); }
+  static Error IpcOpenMemHandle(void** p, IpcT h) {
+    return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
+  }
+  static Error IpcCloseMemHandle(void* p) { return cudaIpcCloseMemHandle(p); }
+  static Error EncodeKvRecords(const KvEncodeArgs& args, void* stream) {
+    return static_cast<Error>(cuda_kernels::EncodeKvRecords(args, stream));
+  }
+
+  // cudart reports a missing driver as "insufficient driver"; say which it is.
+  static std::string NoDeviceHint() {
+    void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (h != nullptr) {
+      dlclose(h);
+      return "";
     }
-    DeviceInfo info;
-    info.ordinal = device;
-    info.name = prop.name;
-    info.total_bytes = prop.totalGlobalMem;
-    char bus[64] = {};
-    if (absl::Status s = Error(cudaDeviceGetPCIBusId(bus, sizeof bus, device),
-                               absl::StrCat("cudaDeviceGetPCIBusId(", device, ")"));
-        !s.ok()) {
-      return s;
-    }
-    info.pci_bus_id = NormalizePciBusId(bus);
-    info.numa_node = NumaNodeOfPciDevice(info.pci_bus_id);
-    if (info.numa_node < 0) {
+    const char* err = dlerror();
+    return absl::StrCat("; NVIDIA driver not loadable: ", err ? err : "libcuda.so.1");
+  }
+
+  static void AddDeviceInfo(int device, DeviceInfo* info) {
+    if (info->numa_node < 0) {
       int node = -1;
       if (cudaDeviceGetAttribute(&node, cudaDevAttrHostNumaId, device) == cudaSuccess) {
-        info.numa_node = node < 0 ? -1 : node;
+        info->numa_node = node < 0 ? -1 : node;
       }
       (void)cudaGetLastError();
     }
 #if KVWIRE_GPU_CUDA_HAS_DMABUF
-    const Driver& d = driver();
+    const Driver& d = GetDriver();
     if (d.get_handle != nullptr && d.device_get_attribute != nullptr) {
       int supported = 0;
       if (d.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device) ==
           CUDA_SUCCESS) {
-        info.dma_buf = supported != 0;
+        info->dma_buf = supported != 0;
       }
     }
 #endif
-    return info;
   }
 
-  absl::StatusOr<void*> Allocate(int device, size_t bytes) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    void* p = nullptr;
-    if (absl::Status s = Error(cudaMalloc(&p, bytes),
-                               absl::StrCat("cudaMalloc(", bytes, " B, device ", device, ")"));
-        !s.ok()) {
-      return s;
-    }
-    return p;
-  }
-  void Free(int device, void* ptr) override {
-    LogIfError(SetDevice(device));
-    LogIfError(Error(cudaFree(ptr), "cudaFree"));
-  }
-
-  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) override {
-    void* p = nullptr;
-    if (absl::Status s = Error(cudaHostAlloc(&p, bytes, cudaHostAllocPortable),
-                               absl::StrCat("cudaHostAlloc(", bytes, " B)"));
-        !s.ok()) {
-      return s;
-    }
-    return p;
-  }
-  void FreePinnedHost(void* ptr) override { LogIfError(Error(cudaFreeHost(ptr), "cudaFreeHost")); }
-
-  absl::StatusOr<PointerInfo> QueryPointer(const void* ptr) override {
+  static absl::StatusOr<int> PointerDevice(const void* ptr) {
     cudaPointerAttributes attr{};
-    if (absl::Status s = Error(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
-        !s.ok()) {
-      return s;
+    if (Error e = cudaPointerGetAttributes(&attr, ptr); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::Status(CodeOf(e),
+                          absl::StrCat("kvwire gpu: cudaPointerGetAttributes: ", ErrorText(e)));
     }
     if (attr.type != cudaMemoryTypeDevice) {
       return absl::InvalidArgumentError(
@@ -166,7 +181,11 @@ class CudaRuntimeImpl final : public Runtime {
                        " is not CUDA device memory (cudaPointerGetAttributes type ",
                        static_cast<int>(attr.type), ")"));
     }
-    const Driver& d = driver();
+    return attr.device;
+  }
+
+  static absl::StatusOr<PointerInfo> AllocationRange(const void* ptr) {
+    const Driver& d = GetDriver();
     if (d.get_address_range == nullptr) {
       return absl::UnimplementedError(
           "kvwire gpu: cuMemGetAddressRange is not available from this CUDA driver");
@@ -177,129 +196,30 @@ class CudaRuntimeImpl final : public Runtime {
         r != CUDA_SUCCESS) {
       return DriverError(r, "cuMemGetAddressRange");
     }
-    return PointerInfo{attr.device, reinterpret_cast<void*>(base), size};
+    return PointerInfo{-1, reinterpret_cast<void*>(base), size};
   }
 
-  absl::StatusOr<void*> CreateStream(int device) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    cudaStream_t st = nullptr;
-    if (absl::Status s = Error(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking),
-                               "cudaStreamCreateWithFlags");
-        !s.ok()) {
-      return s;
-    }
-    return static_cast<void*>(st);
-  }
-  void DestroyStream(int device, void* stream) override {
-    LogIfError(SetDevice(device));
-    LogIfError(Error(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy"));
-  }
-  absl::Status SynchronizeStream(int device, void* stream) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
-  }
-
-  absl::StatusOr<void*> CreateEvent(int device) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    cudaEvent_t ev = nullptr;
-    if (absl::Status s = Error(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
-                               "cudaEventCreateWithFlags");
-        !s.ok()) {
-      return s;
-    }
-    return static_cast<void*>(ev);
-  }
-  void DestroyEvent(int device, void* event) override {
-    LogIfError(SetDevice(device));
-    LogIfError(Error(cudaEventDestroy(static_cast<cudaEvent_t>(event)), "cudaEventDestroy"));
-  }
-  absl::Status RecordEvent(int device, void* event, void* stream) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(
-        cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)),
-        "cudaEventRecord");
-  }
-  absl::Status StreamWaitEvent(int device, void* stream, void* event) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(
-        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
-        "cudaStreamWaitEvent");
-  }
-  absl::StatusOr<bool> EventDone(int device, void* event) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not an error, but cudart records it
-      return false;
-    }
-    if (absl::Status s = Error(e, "cudaEventQuery"); !s.ok()) return s;
-    return true;
-  }
-  absl::Status SynchronizeEvent(int device, void* event) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
-  }
-
-  absl::Status CopyAsync(int device, void* dst, const void* src, size_t bytes,
-                         void* stream) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
-        absl::StrCat("cudaMemcpyAsync(", bytes, " B)"));
-  }
-
-  absl::StatusOr<IpcHandle> ExportIpc(int device, void* ptr) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    cudaIpcMemHandle_t h{};
-    if (absl::Status s = Error(cudaIpcGetMemHandle(&h, ptr), "cudaIpcGetMemHandle"); !s.ok()) {
-      return s;
-    }
-    IpcHandle out;
-    out.backend = Backend::kCuda;
-    std::memcpy(out.bytes.data(), &h, sizeof h);
-    return out;
-  }
-  absl::StatusOr<void*> OpenIpc(int device, const IpcHandle& handle) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    cudaIpcMemHandle_t h{};
-    std::memcpy(&h, handle.bytes.data(), sizeof h);
-    void* p = nullptr;
-    if (absl::Status s = Error(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-                               "cudaIpcOpenMemHandle");
-        !s.ok()) {
-      return s;
-    }
-    return p;
-  }
-  void CloseIpc(int device, void* ptr) override {
-    LogIfError(SetDevice(device));
-    LogIfError(Error(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"));
-  }
-
-  absl::StatusOr<DmaBufRange> ExportDmaBuf(int device, const void* ptr, size_t bytes) override {
+  static absl::StatusOr<DmaBufRange> ExportDmaBuf(const void* ptr, size_t bytes) {
 #if KVWIRE_GPU_CUDA_HAS_DMABUF
-    const Driver& d = driver();
+    const Driver& d = GetDriver();
     if (d.get_handle == nullptr || d.get_address_range == nullptr) {
       return absl::UnimplementedError(
           "kvwire gpu: cuMemGetHandleForAddressRange is not available from this CUDA driver");
     }
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
     // Export the whole allocation around [ptr, ptr+bytes), page-aligned as the driver wants;
     // the caller registers its sub-range at `offset` within the dma-buf.
-    CUdeviceptr base = 0;
-    size_t alloc_size = 0;
+    absl::StatusOr<PointerInfo> range = AllocationRange(ptr);
+    if (!range.ok()) return range.status();
+    const auto base = reinterpret_cast<CUdeviceptr>(range->allocation_base);
     const auto p = reinterpret_cast<CUdeviceptr>(ptr);
-    if (CUresult r = d.get_address_range(&base, &alloc_size, p); r != CUDA_SUCCESS) {
-      return DriverError(r, "cuMemGetAddressRange");
-    }
-    if (p + bytes > base + alloc_size) {
+    if (p + bytes > base + range->allocation_size) {
       return absl::InvalidArgumentError(
           absl::StrCat("kvwire gpu: dma-buf range of ", bytes, " B at offset ", p - base,
-                       " runs past its allocation of ", alloc_size, " B"));
+                       " runs past its allocation of ", range->allocation_size, " B"));
     }
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const CUdeviceptr start = base & ~(page - 1);
-    const uint64_t size = (base + alloc_size - start + page - 1) & ~(page - 1);
+    const uint64_t size = (base + range->allocation_size - start + page - 1) & ~(page - 1);
     int fd = -1;
     if (CUresult r = d.get_handle(&fd, start, size, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
         r != CUDA_SUCCESS) {
@@ -307,58 +227,19 @@ class CudaRuntimeImpl final : public Runtime {
     }
     return DmaBufRange{fd, p - start, size};
 #else
-    (void)device;
     (void)ptr;
     (void)bytes;
     return absl::UnimplementedError(
         "kvwire gpu: this build's cuda.h has no cuMemGetHandleForAddressRange (CUDA < 11.7)");
 #endif
   }
-  void CloseDmaBuf(int fd) override { close(fd); }
-
-  absl::Status EncodeKvRecords(int device, const KvEncodeArgs& args, void* stream) override {
-    if (absl::Status s = SetDevice(device); !s.ok()) return s;
-    return Error(static_cast<cudaError_t>(cuda_kernels::EncodeKvRecords(args, stream)),
-                 "EncodeKvRecords kernel launch");
-  }
-
- private:
-  static absl::Status SetDevice(int device) {
-    return Error(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
-  }
-  static void LogIfError(const absl::Status& s) {
-    if (!s.ok()) {
-      KVW_LOG(kError, "gpu") << s.message();
-    }
-  }
-  absl::Status DriverError(CUresult r, const char* what) {
-    const char* text = nullptr;
-    if (driver().get_error_string == nullptr ||
-        driver().get_error_string(r, &text) != CUDA_SUCCESS) {
-      text = "unknown driver error";
-    }
-    return absl::InternalError(
-        absl::StrCat("kvwire gpu: ", what, ": CUresult ", static_cast<int>(r), ": ", text));
-  }
-  const Driver& driver() {
-    std::call_once(driver_once_, [this] {
-      Resolve("cuMemGetAddressRange", &driver_.get_address_range);
-      Resolve("cuMemGetHandleForAddressRange", &driver_.get_handle);
-      Resolve("cuDeviceGetAttribute", &driver_.device_get_attribute);
-      Resolve("cuGetErrorString", &driver_.get_error_string);
-      (void)cudaGetLastError();
-    });
-    return driver_;
-  }
-
-  std::once_flag driver_once_;
-  Driver driver_;
+  static void CloseDmaBuf(int fd) { close(fd); }
 };
 
 }  // namespace
 
 Runtime& CudaRuntime() {
-  static CudaRuntimeImpl rt;
+  static DeviceRuntime<CudaApi> rt;
   return rt;
 }
 

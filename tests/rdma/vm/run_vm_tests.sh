@@ -27,8 +27,9 @@ mkdir -p "$overlay/opt"
 "$here/copy_with_libs.sh" "$overlay" "$test_bin" "$peer_bin" || fail "packing the test binaries"
 cp "$here/run_in_vm.sh" "$overlay/opt/run.sh"
 chmod +x "$overlay/opt/run.sh"
-# The leak check (valgrind, in run_in_vm.sh) runs its test alone; KVWIRE_VM_LEAKCHECK=0 skips it.
-leak_filter='RdmaLeakCheck.*'
+# The leak check (valgrind, in run_in_vm.sh) runs its tests alone; KVWIRE_VM_LEAKCHECK=0 skips
+# it, KVWIRE_VM_LEAK_FILTER picks a subset of them.
+leak_filter=${KVWIRE_VM_LEAK_FILTER:-RdmaLeakCheck.*}
 [[ ${KVWIRE_VM_LEAKCHECK:-1} == 0 ]] && leak_filter=
 {
   echo "TEST_BIN=$test_bin"
