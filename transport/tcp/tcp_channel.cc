@@ -22,7 +22,8 @@ absl::Status Prefixed(const absl::Status& s, const std::string& context) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link, uint32_t lane,
-                                                           int socket_buffer_bytes) {
+                                                           int socket_buffer_bytes,
+                                                           const GpuStaging& staging) {
   const std::string context = absl::StrCat("tcp data connection to ", link.remote_endpoint,
                                            " (lane ", lane, " of ", link.lanes, ")");
   if (link.token.size() > wire::kMaxTokenBytes) {
@@ -79,7 +80,7 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
   if (s = SetIoTimeout(fd, absl::ZeroDuration()); !s.ok()) return Prefixed(s, context);
 
   auto connection = std::make_shared<ClientConnection>(std::move(*socket), link.remote_endpoint,
-                                                       lane, reply.max_op_bytes);
+                                                       lane, reply.max_op_bytes, staging);
   connection->Start();
   return connection;
 }

@@ -17,8 +17,10 @@ namespace kvwire::transport {
 
 // Dials one data connection of `link`, presents the token, and starts it. Errors name the
 // endpoint and the lane: DeadlineExceeded, Unavailable, Unauthenticated (token refused), ...
+// `staging` moves the connection's ops on device memory.
 absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link, uint32_t lane,
-                                                           int socket_buffer_bytes);
+                                                           int socket_buffer_bytes,
+                                                           const GpuStaging& staging);
 
 class TcpChannel final : public Channel {
  public:

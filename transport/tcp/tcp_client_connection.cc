@@ -25,11 +25,14 @@ constexpr uint64_t kMaxBatchBytes = 4 << 20;
 }  // namespace
 
 ClientConnection::ClientConnection(std::unique_ptr<Socket> socket, std::string endpoint,
-                                   uint32_t lane, uint64_t remote_max_op_bytes)
+                                   uint32_t lane, uint64_t remote_max_op_bytes, GpuStaging staging)
     : socket_(std::move(socket)),
       endpoint_(std::move(endpoint)),
       lane_(lane),
-      remote_max_op_bytes_(remote_max_op_bytes) {}
+      remote_max_op_bytes_(remote_max_op_bytes),
+      gpu_(staging.runtime != nullptr),
+      staged_out_(staging),
+      staged_in_(staging) {}
 
 ClientConnection::~ClientConnection() {
   Close(absl::CancelledError(absl::StrCat("tcp connection to ", endpoint_, " destroyed")));
@@ -89,6 +92,12 @@ void ClientConnection::Post(PostRequest request, DoneCallback done) {
     if (op.local == nullptr && op.length > 0) {
       done(absl::InvalidArgumentError(
           absl::StrCat("transfer ", request.transfer_id, " op ", i, ": no local address")));
+      return;
+    }
+    if (op.local_gpu_device >= 0 && !gpu_) {
+      done(absl::FailedPreconditionError(
+          absl::StrCat("transfer ", request.transfer_id, " op ", i, ": local memory is on GPU ",
+                       op.local_gpu_device, " and this tcp transport has no GPU runtime")));
       return;
     }
   }
@@ -158,6 +167,9 @@ void ClientConnection::WriterLoop() {
   std::vector<std::array<std::byte, wire::kRequestBytes>> headers(kMaxBatchOps);
   std::vector<iovec> iov;
   iov.reserve(2 * kMaxBatchOps);
+  // The same batch when a payload lies in device memory (sent through the staging buffers).
+  std::vector<StagedSender::Piece> pieces;
+  pieces.reserve(2 * kMaxBatchOps);
   // The requests of the current batch: kept alive (ops, pins) while their bytes are sent.
   std::vector<std::shared_ptr<Pending>> holds;
   holds.reserve(kMaxBatchOps);
@@ -221,6 +233,13 @@ void ClientConnection::WriterLoop() {
       follow = has_payload ? 1 : static_cast<uint16_t>(std::min<int>(follow + 1, wire::kMaxFollow));
     }
     iov.clear();
+    pieces.clear();
+    bool staged = false;
+    for (const Slot& slot : slots) {
+      const WireOp& op = slot.pending->request.ops[slot.op];
+      staged = staged || (slot.pending->request.kind == OpKind::kWrite && op.length > 0 &&
+                          op.local_gpu_device >= 0);
+    }
     for (size_t i = 0; i < slots.size(); ++i) {
       std::byte* header = headers[i].data();
       // Adjacent headers (READs) share one iovec: the header array is contiguous.
@@ -233,10 +252,27 @@ void ClientConnection::WriterLoop() {
       const Pending& p = *slots[i].pending;
       const WireOp& op = p.request.ops[slots[i].op];
       if (p.request.kind == OpKind::kWrite && op.length > 0) {
-        iov.push_back({op.local, op.length});
+        if (staged) {
+          for (const iovec& v : iov) {
+            pieces.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
+          }
+          iov.clear();
+          pieces.push_back({op.local, op.length, op.local_gpu_device});
+        } else {
+          iov.push_back({op.local, op.length});
+        }
       }
     }
-    const absl::Status sent = SendAll(socket_->fd(), iov.data(), iov.size());
+    absl::Status sent;
+    if (staged) {
+      for (const iovec& v : iov) {
+        pieces.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
+      }
+      // When this returns, no copy reads the batch's device memory any more.
+      sent = staged_out_.Send(socket_->fd(), pieces);
+    } else {
+      sent = SendAll(socket_->fd(), iov.data(), iov.size());
+    }
     for (const std::shared_ptr<Pending>& pending : Release(holds, current.get())) {
       Complete(*pending, pending->result);
     }
@@ -335,8 +371,14 @@ void ClientConnection::ReaderLoop() {
       absl::Status s;
       // Once the engine ended the transfer, its local memory is no longer ours to write.
       head_cancelled = head_cancelled || Cancelled(*head);
-      s = head_cancelled ? reader.DiscardTrailing(payload)
-                         : reader.ReadTrailing(wop.local, payload, head->request.cancelled.get());
+      if (head_cancelled) {
+        s = reader.DiscardTrailing(payload);
+      } else if (wop.local_gpu_device >= 0) {
+        s = staged_in_.Receive(reader, wop.local_gpu_device, wop.local, payload,
+                               head->request.cancelled.get());
+      } else {
+        s = reader.ReadTrailing(wop.local, payload, head->request.cancelled.get());
+      }
       if (absl::IsCancelled(s)) {
         head_cancelled = true;  // the engine ended it mid-payload; the stream is still in sync
         s = absl::OkStatus();
@@ -348,6 +390,17 @@ void ClientConnection::ReaderLoop() {
       }
     }
     if (++op == head->request.ops.size()) {
+      if (staged_in_.has_work()) {
+        // The READ completes only once its last bytes reached the device.
+        absl::Status s = staged_in_.Drain();
+        if (absl::IsCancelled(s)) {
+          head_cancelled = true;
+        } else if (!s.ok()) {
+          error = absl::Status(s.code(),
+                               absl::StrCat("tcp connection to ", endpoint_, ": ", s.message()));
+          break;
+        }
+      }
       const absl::Status result =
           head_cancelled || Cancelled(*head)
               ? absl::CancelledError(absl::StrCat("transfer ", head->request.transfer_id,
@@ -368,6 +421,11 @@ void ClientConnection::ReaderLoop() {
   }
 
   if (!error.ok()) Fail(error);
+  // Copies into the device memory of requests about to fail must end before they do.
+  if (absl::Status s = staged_in_.Abandon(); !s.ok()) {
+    KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("endpoint", endpoint_)
+                           << Kv("error", s.message());
+  }
   std::deque<std::shared_ptr<Pending>> failed;
   absl::Status why;
   {

@@ -1,7 +1,8 @@
 // One data connection of a tcp channel, initiator side: a writer thread that sends op headers
 // and WRITE payloads with gather I/O, many ops pipelined without waiting for responses, and a
 // reader thread that receives the responses in order (READ data straight into local memory)
-// and completes the requests.
+// and completes the requests. Device memory (WireOp::local_gpu_device >= 0) goes through
+// pinned staging buffers instead (tcp_staging.h): one pair for the writer, one for the reader.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_CLIENT_CONNECTION_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_CLIENT_CONNECTION_H_
 
@@ -18,6 +19,7 @@
 
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_socket.h"
+#include "transport/tcp/tcp_staging.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
@@ -25,8 +27,9 @@ namespace kvwire::transport {
 class ClientConnection {
  public:
   // `socket` has completed the hello; the target accepts ops up to `remote_max_op_bytes`.
+  // `staging` moves ops on device memory (without a runtime, such ops are refused).
   ClientConnection(std::unique_ptr<Socket> socket, std::string endpoint, uint32_t lane,
-                   uint64_t remote_max_op_bytes);
+                   uint64_t remote_max_op_bytes, GpuStaging staging);
   // Closes and joins. If that happens on one of the connection's own threads, the threads
   // are detached instead (the owner of the connection should have joined it elsewhere).
   ~ClientConnection();
@@ -86,6 +89,11 @@ class ClientConnection {
   const std::string endpoint_;
   const uint32_t lane_;
   const uint64_t remote_max_op_bytes_;
+  const bool gpu_;  // a runtime is there for ops on device memory
+  // WRITE payloads on device memory; used by the writer thread only.
+  StagedSender staged_out_;
+  // READ payloads into device memory; used by the reader thread only.
+  StagedReceiver staged_in_;
 
   Mutex mu_;
   CondVar writer_cv_;  // to_send_ grew, or closed

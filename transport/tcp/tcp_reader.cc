@@ -98,6 +98,15 @@ absl::Status HeaderReader::DiscardTrailing(uint64_t length) {
   return ReadTrailing(scratch_.data(), length);
 }
 
+absl::Status HeaderReader::ReadTrailingPart(std::byte* dest, size_t length,
+                                            const std::atomic<bool>* cancelled) {
+  const size_t ahead = ahead_;
+  ahead_ = 0;
+  absl::Status s = ReadTrailing(dest, length, cancelled);
+  ahead_ = ahead;
+  return s;
+}
+
 absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length,
                                         const std::atomic<bool>* cancelled) {
   Compact(ahead_);

@@ -49,6 +49,11 @@ class HeaderReader {
   // the kernel when the flag flips).
   absl::Status ReadTrailing(std::byte* dest, size_t length,
                             const std::atomic<bool>* cancelled = nullptr);
+  // ReadTrailing for a part of the trailing bytes that is not their end: no header is read
+  // ahead with it (the stream holds more trailing bytes first). A cancelled part drops only
+  // its own `length` bytes; the caller drops the rest.
+  absl::Status ReadTrailingPart(std::byte* dest, size_t length,
+                                const std::atomic<bool>* cancelled = nullptr);
   // Receives and drops the `length` trailing bytes (through a small scratch buffer).
   absl::Status DiscardTrailing(uint64_t length);
 

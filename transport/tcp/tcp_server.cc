@@ -22,8 +22,9 @@ constexpr absl::Duration kDropPeerWait = absl::Seconds(2);
 using asio::ip::tcp;
 
 absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(const TcpTransportOptions& options,
-                                                            TargetHooks* hooks) {
-  std::unique_ptr<TcpServer> server(new TcpServer(options, hooks));
+                                                            TargetHooks* hooks,
+                                                            GpuStaging staging) {
+  std::unique_ptr<TcpServer> server(new TcpServer(options, hooks, std::move(staging)));
   if (absl::Status s = server->Listen(); !s.ok()) return s;
   server->Accept();
   server->accept_thread_ = std::thread([s = server.get()] {
@@ -33,8 +34,12 @@ absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(const TcpTransportOp
   return server;
 }
 
-TcpServer::TcpServer(const TcpTransportOptions& options, TargetHooks* hooks)
-    : options_(options), hooks_(hooks), acceptor_(io_), retry_timer_(io_) {}
+TcpServer::TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging)
+    : options_(options),
+      hooks_(hooks),
+      staging_(std::move(staging)),
+      acceptor_(io_),
+      retry_timer_(io_) {}
 
 TcpServer::~TcpServer() { Shutdown(); }
 
@@ -102,7 +107,7 @@ void TcpServer::OnAccepted(tcp::socket socket) {
   const int fd = socket.release(ec);
   if (ec) return;
   auto connection = std::make_unique<ServerConnection>(
-      std::make_unique<Socket>(fd), remote_text, hooks_, options_.max_op_bytes,
+      std::make_unique<Socket>(fd), remote_text, hooks_, options_.max_op_bytes, staging_,
       [this](ServerConnection* c, PeerId peer) { return Admit(c, peer); });
   MutexLock lock(&mu_);
   if (stopped_) return;  // the connection closes its socket on destruction

@@ -18,6 +18,7 @@
 
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_server_connection.h"
+#include "transport/tcp/tcp_staging.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvwire::transport {
@@ -25,8 +26,9 @@ namespace kvwire::transport {
 class TcpServer {
  public:
   // Listens on options.listen_host:listen_port and starts accepting.
+  // Connections stage device memory with `staging` (its runtime is options.gpu_runtime).
   static absl::StatusOr<std::unique_ptr<TcpServer>> Start(const TcpTransportOptions& options,
-                                                          TargetHooks* hooks);
+                                                          TargetHooks* hooks, GpuStaging staging);
   ~TcpServer();  // Shutdown()
   TcpServer(const TcpServer&) = delete;
   TcpServer& operator=(const TcpServer&) = delete;
@@ -39,7 +41,7 @@ class TcpServer {
   void Shutdown();
 
  private:
-  TcpServer(const TcpTransportOptions& options, TargetHooks* hooks);
+  TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging);
   absl::Status Listen();
   void Accept();
   void OnAccepted(boost::asio::ip::tcp::socket socket);
@@ -49,6 +51,7 @@ class TcpServer {
 
   const TcpTransportOptions options_;
   TargetHooks* const hooks_;
+  const GpuStaging staging_;
   std::string endpoint_;  // set by Listen, read-only after Start
 
   // Used only by the accept thread after Start (and by Shutdown once that thread is joined).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <pthread.h>
 #include <utility>
 #include <vector>
@@ -31,34 +32,63 @@ constexpr uint64_t kFlushBytes = 1 << 20;
 }  // namespace
 
 // Responses queued for one gather send: headers in one contiguous array (so that runs of
-// acks go out as one iovec), READ payloads referenced in place and pinned until sent.
+// acks go out as one iovec), READ payloads referenced in place and pinned until sent. With
+// device memory: READ payloads are staged on the way out, and the acks of WRITEs received
+// through `staged_in` wait (like their arrival reports) until its copies ended.
 class ServerConnection::Responses final : public PendingOutput {
  public:
-  explicit Responses(int fd)
-      : fd_(fd), headers_(kMaxResponses), payloads_(kMaxResponses), pins_(kMaxResponses) {
+  Responses(int fd, const GpuStaging& staging, std::function<void(TransferId)> arrived)
+      : fd_(fd),
+        headers_(kMaxResponses),
+        payloads_(kMaxResponses),
+        pins_(kMaxResponses),
+        arrived_(std::move(arrived)),
+        staged_out_(staging),
+        staged_in_(staging) {
     iov_.reserve(2 * kMaxResponses);
   }
+  // Copies still running may write memory that the pins hold.
+  ~Responses() { (void)Abandon(); }
+
+  StagedReceiver& staged_in() { return staged_in_; }
 
   void AddAck(uint64_t sequence, uint64_t acked_bytes) {
-    Add(wire::kKindWrite, sequence, nullptr, 0, nullptr);
+    Add(wire::kKindWrite, sequence, nullptr, 0, -1, nullptr);
     bytes_ += acked_bytes;
   }
-  void AddRead(uint64_t sequence, const std::byte* data, uint64_t length,
-               std::shared_ptr<const void> pin) {
-    Add(wire::kKindRead, sequence, data, length, std::move(pin));
-    bytes_ += length;
+  // A WRITE received through staged_in(): `pin` holds the memory until the copies ended.
+  void AddStagedAck(uint64_t sequence, uint64_t acked_bytes, bool count, TransferId transfer_id,
+                    std::shared_ptr<const void> pin) {
+    Add(wire::kKindWrite, sequence, nullptr, 0, -1, std::move(pin));
+    if (count) staged_arrivals_.push_back(transfer_id);
+    staged_bytes_ += acked_bytes;
   }
-  bool Full() const { return count_ == kMaxResponses || bytes_ >= kFlushBytes; }
+  void AddRead(uint64_t sequence, const std::byte* data, uint64_t length, int device,
+               std::shared_ptr<const void> pin) {
+    Add(wire::kKindRead, sequence, data, length, device, std::move(pin));
+    (device >= 0 ? staged_bytes_ : bytes_) += length;
+    staged_reads_ += device >= 0 && length > 0 ? 1 : 0;
+  }
+  bool Full() const {
+    return count_ == kMaxResponses || bytes_ >= kFlushBytes || staged_bytes_ >= kStagedBatchBytes;
+  }
   bool HasPending() const override { return count_ > 0; }
 
   absl::Status Flush() override {
     if (count_ == 0) return absl::OkStatus();
+    if (staged_in_.has_work()) {
+      // Acks (and arrival reports) of staged WRITEs only once their bytes are on the device.
+      if (absl::Status s = staged_in_.Drain(); !s.ok()) return s;
+    }
+    for (TransferId id : staged_arrivals_) arrived_(id);
+    staged_arrivals_.clear();
     uint16_t follow = 0;
     for (size_t i = count_; i-- > 0;) {
       wire::PatchFollow(headers_[i].data(), follow);
       follow = payloads_[i].length > 0 ? 1 : static_cast<uint16_t>(follow + 1);
     }
     iov_.clear();
+    pieces_.clear();
     for (size_t i = 0; i < count_; ++i) {
       std::byte* header = headers_[i].data();
       if (!iov_.empty() &&
@@ -67,14 +97,41 @@ class ServerConnection::Responses final : public PendingOutput {
       } else {
         iov_.push_back({header, wire::kResponseBytes});
       }
-      if (payloads_[i].length > 0) {
-        iov_.push_back({const_cast<std::byte*>(payloads_[i].data), payloads_[i].length});
+      const Payload& p = payloads_[i];
+      if (p.length == 0) continue;
+      if (staged_reads_ == 0) {
+        iov_.push_back({const_cast<std::byte*>(p.data), p.length});
+        continue;
       }
+      for (const iovec& v : iov_) {
+        pieces_.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
+      }
+      iov_.clear();
+      pieces_.push_back({p.data, p.length, p.device});
     }
-    absl::Status s = SendAll(fd_, iov_.data(), iov_.size());
+    absl::Status s;
+    if (staged_reads_ == 0) {
+      s = SendAll(fd_, iov_.data(), iov_.size());
+    } else {
+      for (const iovec& v : iov_) {
+        pieces_.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
+      }
+      s = staged_out_.Send(fd_, pieces_);
+    }
     for (size_t i = 0; i < count_; ++i) pins_[i].reset();
     count_ = 0;
     bytes_ = 0;
+    staged_bytes_ = 0;
+    staged_reads_ = 0;
+    return s;
+  }
+
+  // The connection ends: waits for the copies of staged WRITEs, then releases every pin.
+  absl::Status Abandon() {
+    absl::Status s = staged_in_.Abandon();
+    for (size_t i = 0; i < count_; ++i) pins_[i].reset();
+    count_ = 0;
+    staged_arrivals_.clear();
     return s;
   }
 
@@ -82,16 +139,17 @@ class ServerConnection::Responses final : public PendingOutput {
   struct Payload {
     const std::byte* data = nullptr;
     uint64_t length = 0;
+    int device = -1;
   };
 
-  void Add(uint8_t kind, uint64_t sequence, const std::byte* data, uint64_t length,
+  void Add(uint8_t kind, uint64_t sequence, const std::byte* data, uint64_t length, int device,
            std::shared_ptr<const void> pin) {
     wire::ResponseHeader h;
     h.kind = kind;
     h.sequence = sequence;
     h.payload_len = length;
     wire::EncodeResponse(h, headers_[count_].data());
-    payloads_[count_] = {data, length};
+    payloads_[count_] = {data, length, device};
     pins_[count_] = std::move(pin);
     ++count_;
   }
@@ -101,16 +159,26 @@ class ServerConnection::Responses final : public PendingOutput {
   std::vector<Payload> payloads_;
   std::vector<std::shared_ptr<const void>> pins_;
   std::vector<iovec> iov_;
+  std::vector<StagedSender::Piece> pieces_;
   size_t count_ = 0;
-  uint64_t bytes_ = 0;
+  uint64_t bytes_ = 0;         // host payload and acked host bytes
+  uint64_t staged_bytes_ = 0;  // staged READ payload and staged acked bytes
+  size_t staged_reads_ = 0;
+  std::vector<TransferId> staged_arrivals_;
+  const std::function<void(TransferId)> arrived_;
+  StagedSender staged_out_;
+  // Declared last: destroyed first, so its copies end before the pins are released.
+  StagedReceiver staged_in_;
 };
 
 ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote,
-                                   TargetHooks* hooks, uint64_t max_op_bytes, AdmitFn admit)
+                                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging,
+                                   AdmitFn admit)
     : socket_(std::move(socket)),
       remote_(std::move(remote)),
       hooks_(hooks),
       max_op_bytes_(max_op_bytes),
+      staging_(std::move(staging)),
       admit_(std::move(admit)) {}
 
 ServerConnection::~ServerConnection() {
@@ -206,7 +274,8 @@ absl::StatusOr<PeerId> ServerConnection::Handshake() {
 
 void ServerConnection::Serve(PeerId peer) {
   const int fd = socket_->fd();
-  Responses responses(fd);
+  Responses responses(fd, staging_,
+                      [this, peer](TransferId id) { hooks_->OnWriteArrived(peer, id); });
   HeaderReader reader(fd, wire::kRequestBytes, &responses);
   const std::string context =
       absl::StrCat("tcp data connection from ", remote_, " (peer ", peer, ")");
@@ -253,16 +322,37 @@ void ServerConnection::Serve(PeerId peer) {
                absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
       return;
     }
-    if (write) {
+    const bool staged = access->gpu_device >= 0 && h.length > 0;
+    if (staged && staging_.runtime == nullptr) {
+      RefuseOp(peer, responses, h.sequence,
+               absl::FailedPreconditionError(
+                   absl::StrCat("remote region ", h.region,
+                                " is GPU memory and this tcp target has no GPU "
+                                "runtime")),
+               absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+      return;
+    }
+    const bool count = (h.flags & wire::kFlagCountArrivals) != 0;
+    if (write && staged) {
+      // Through the staging buffers; acked (and counted) once on the device, pinned until then.
+      if (absl::Status s = responses.staged_in().Receive(reader, access->gpu_device, access->data,
+                                                         h.length, nullptr);
+          !s.ok()) {
+        io = s;
+        break;
+      }
+      responses.AddStagedAck(h.sequence, h.length, count, h.transfer_id, std::move(access->pin));
+    } else if (write) {
       // Straight into the engine's memory; `access` pins it meanwhile.
       if (absl::Status s = reader.ReadTrailing(access->data, h.length); !s.ok()) {
         io = s;
         break;
       }
-      if (h.flags & wire::kFlagCountArrivals) hooks_->OnWriteArrived(peer, h.transfer_id);
+      if (count) hooks_->OnWriteArrived(peer, h.transfer_id);
       responses.AddAck(h.sequence, h.length);
     } else {
-      responses.AddRead(h.sequence, access->data, h.length, std::move(access->pin));
+      responses.AddRead(h.sequence, access->data, h.length, staged ? access->gpu_device : -1,
+                        std::move(access->pin));
     }
     if (responses.Full()) {
       if (absl::Status s = responses.Flush(); !s.ok()) {
@@ -270,6 +360,10 @@ void ServerConnection::Serve(PeerId peer) {
         break;
       }
     }
+  }
+  if (absl::Status s = responses.Abandon(); !s.ok()) {
+    KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("remote", remote_)
+                           << Kv("error", s.message());
   }
   KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer)
                         << Kv("reason", io.message())

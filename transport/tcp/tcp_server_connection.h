@@ -1,8 +1,10 @@
 // One incoming data connection, target side: checks the hello (session token), then serves
 // ops on one thread. Every op is validated by TargetHooks::ResolveIncoming before memory is
 // touched; WRITE payloads are received straight into the resolved memory and READ payloads
-// sent straight from it. An invalid op or a malformed stream gets an error response,
-// TargetHooks::OnPeerError, and the end of this connection (only).
+// sent straight from it; device memory (IncomingAccess::gpu_device >= 0) goes through pinned
+// staging buffers (tcp_staging.h), and a WRITE into it is acknowledged (and counted as
+// arrived) only after its last host->device copy ended. An invalid op or a malformed stream
+// gets an error response, TargetHooks::OnPeerError, and the end of this connection (only).
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 
@@ -19,6 +21,7 @@
 
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_socket.h"
+#include "transport/tcp/tcp_staging.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
@@ -31,7 +34,7 @@ class ServerConnection {
   using AdmitFn = std::function<bool(ServerConnection*, PeerId)>;
 
   ServerConnection(std::unique_ptr<Socket> socket, std::string remote, TargetHooks* hooks,
-                   uint64_t max_op_bytes, AdmitFn admit);
+                   uint64_t max_op_bytes, GpuStaging staging, AdmitFn admit);
   // Stops and joins.
   ~ServerConnection();
   ServerConnection(const ServerConnection&) = delete;
@@ -65,6 +68,7 @@ class ServerConnection {
   const std::string remote_;
   TargetHooks* const hooks_;
   const uint64_t max_op_bytes_;
+  const GpuStaging staging_;
   const AdmitFn admit_;
 
   mutable Mutex mu_;

@@ -2,6 +2,7 @@
 // and owns every thread either of them starts.
 #include "transport/tcp/tcp_transport.h"
 
+#include <atomic>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -16,14 +17,16 @@
 #include "transport/tcp/tcp_client_connection.h"
 #include "transport/tcp/tcp_server.h"
 #include "transport/tcp/tcp_socket.h"
+#include "transport/tcp/tcp_staging.h"
 
 namespace kvwire::transport {
 namespace {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(const TcpTransportOptions& options, std::unique_ptr<TcpServer> server)
-      : options_(options), server_(std::move(server)) {
+  TcpTransport(const TcpTransportOptions& options, GpuStaging staging,
+               std::unique_ptr<TcpServer> server)
+      : options_(options), staging_(std::move(staging)), server_(std::move(server)) {
     caps_.name = "tcp";
     caps_.one_sided_read = true;
     caps_.one_sided_write = true;
@@ -31,6 +34,8 @@ class TcpTransport final : public Transport {
     caps_.counts_arrivals = true;
     caps_.max_op_bytes = options.max_op_bytes;
     caps_.max_lanes = options.max_lanes;
+    // Device memory is staged through pinned host buffers (tcp_staging.h).
+    caps_.gpu_memory = options.gpu_runtime != nullptr;
   }
   ~TcpTransport() override { Shutdown(); }
 
@@ -81,7 +86,7 @@ class TcpTransport final : public Transport {
     std::vector<std::shared_ptr<ClientConnection>> connections;
     for (uint32_t lane = 0; lane < link.lanes; ++lane) {
       absl::StatusOr<std::shared_ptr<ClientConnection>> connection =
-          OpenLane(link, lane, options_.socket_buffer_bytes);
+          OpenLane(link, lane, options_.socket_buffer_bytes, staging_);
       if (!connection.ok()) {
         for (const auto& c : connections) c->Close(connection.status());
         for (const auto& c : connections) c->Join();
@@ -107,6 +112,10 @@ class TcpTransport final : public Transport {
   }
 
   void DropPeer(PeerId peer) override { server_->DropPeer(peer); }
+
+  void AddStats(EngineStats* stats) const override {
+    stats->gpu.tcp_staged_bytes += staging_.staged_bytes->load(std::memory_order_relaxed);
+  }
 
   void Shutdown() override {
     std::vector<std::shared_ptr<ClientConnection>> clients;
@@ -141,6 +150,8 @@ class TcpTransport final : public Transport {
   }
 
   const TcpTransportOptions options_;
+  // Shared with every connection (which may outlive a channel, never the counter).
+  const GpuStaging staging_;
   Capabilities caps_;
   const std::unique_ptr<TcpServer> server_;
 
@@ -159,9 +170,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   if (options.max_op_bytes == 0 || options.max_lanes == 0) {
     return absl::InvalidArgumentError("tcp transport: max_op_bytes and max_lanes must be > 0");
   }
-  absl::StatusOr<std::unique_ptr<TcpServer>> server = TcpServer::Start(options, hooks);
+  GpuStaging staging;
+  staging.runtime = options.gpu_runtime;
+  staging.staged_bytes = std::make_shared<std::atomic<uint64_t>>(0);
+  absl::StatusOr<std::unique_ptr<TcpServer>> server = TcpServer::Start(options, hooks, staging);
   if (!server.ok()) return server.status();
-  return std::make_unique<TcpTransport>(options, *std::move(server));
+  return std::make_unique<TcpTransport>(options, std::move(staging), *std::move(server));
 }
 
 }  // namespace kvwire::transport

@@ -1,5 +1,6 @@
 // tcp transport: one-sided READ/WRITE emulated over Boost.Asio TCP connections; the target
-// validates every op (TargetHooks::ResolveIncoming) before touching memory.
+// validates every op (TargetHooks::ResolveIncoming) before touching memory. With a GPU
+// runtime, ops on device memory (either side) are staged through pinned host buffers.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 
@@ -14,7 +15,8 @@
 namespace kvwire::transport {
 
 struct TcpTransportOptions {
-  // The runtime of kGpu regions (the engine's); null: GPU memory is refused.
+  // The runtime of kGpu regions (the engine's); null: GPU memory is refused
+  // (caps().gpu_memory is false).
   gpu::Runtime* gpu_runtime = nullptr;
   // Data listener address; port 0 picks a free one. The host is what peers dial.
   std::string listen_host = "127.0.0.1";
