@@ -130,6 +130,7 @@ void Connector::Impl::PollTransfers() {
         continue;
       }
       if (!s.ok() && first_error.ok()) first_error = s;
+      if (s.ok()) LayerTransferDone(r, *t);
       t = r.transfers.erase(t);
     }
     if (!first_error.ok()) {
@@ -144,6 +145,21 @@ void Connector::Impl::PollTransfers() {
     } else if (!r.decode && r.state == State::kSaving) {
       MaybeFinishSaveLocked(r);
     }
+  }
+}
+
+void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
+  auto it = r.transfer_layer.find(id);
+  if (it == r.transfer_layer.end()) return;
+  const int layer = it->second;
+  r.transfer_layer.erase(it);
+  if (--r.layer_transfers_left[layer] > 0) return;
+  r.layer_transfers_left.erase(layer);
+  if (r.decode) {
+    r.layers_pending.erase(layer);
+    cv_.SignalAll();  // WaitForLayerLoad
+  } else if (r.state == State::kSaving && r.fail_reason.empty()) {
+    TellLayerDone(r, layer);
   }
 }
 
