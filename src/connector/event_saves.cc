@@ -73,10 +73,12 @@ void Connector::Impl::EventWaitLoop() {
     }
     EventSave& head = event_saves_.front();
     // Requests that ended (failed, aborted, their peer died) no longer wait for the layer.
-    std::erase_if(head.requests, [&](const std::string& id) {
+    std::vector<std::string> saving;
+    for (const std::string& id : head.requests) {
       auto it = requests_.find(id);
-      return it == requests_.end() || it->second.state != State::kSaving;
-    });
+      if (it != requests_.end() && it->second.state == State::kSaving) saving.push_back(id);
+    }
+    head.requests = std::move(saving);
     bool take = head.requests.empty() || head.event.handle == nullptr;
     if (!take) {
       const GpuEvent event = head.event;
