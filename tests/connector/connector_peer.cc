@@ -128,9 +128,15 @@ int main(int argc, char** argv) {
     kvwire::gpu::SetDefaultRuntime(&emulated->runtime());
   }
   auto connector = kvwire::Connector::Create(options);
+  kvwire::testing::KvCache::DeviceWriter writer;
+  if (emulated) {
+    writer = [&emulated](void* device, const void* host, size_t bytes) {
+      return emulated->WriteDevice(device, host, bytes);
+    };
+  }
   auto cache =
       kvwire::testing::KvCache::Create(args.layout, args.blocks, args.state_blocks, args.seed,
-                                       emulated ? &emulated->runtime() : nullptr);
+                                       emulated ? &emulated->runtime() : nullptr, 0, writer);
   if (!connector.ok() || !cache.ok()) {
     std::fprintf(stderr, "connector_peer: %s %s\n", connector.status().ToString().c_str(),
                  cache.status().ToString().c_str());

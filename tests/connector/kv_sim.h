@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -114,10 +115,16 @@ inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
 // the emulated GPU and on a real one.
 class KvCache {
  public:
+  // Writes host bytes to device memory synchronously on the calling thread (the emulated GPU's
+  // WriteDevice). Given, Fill pushes with it instead of a stream copy, so that the
+  // ThreadSanitizer annotation in Fill covers those writes too.
+  using DeviceWriter = std::function<absl::Status(void* device, const void* host, size_t bytes)>;
+
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const std::string& spec,
                                                          uint64_t num_blocks, uint64_t state_blocks,
                                                          uint64_t seed, gpu::Runtime* gpu = nullptr,
-                                                         int device = 0) {
+                                                         int device = 0,
+                                                         DeviceWriter writer = nullptr) {
     absl::StatusOr<Layout> layout = MakeLayout(spec);
     if (!layout.ok()) return layout.status();
     auto c = std::make_unique<KvCache>();
@@ -135,6 +142,7 @@ class KvCache {
       c->device_ = std::move(*d);
       c->stream_ = std::move(*st);
       c->base_ = reinterpret_cast<uint64_t>(c->device_.data());
+      c->writer_ = std::move(writer);
     }
     AssignBacking(&c->layout_, c->base_, num_blocks, state_blocks);
     std::memset(c->memory_.data(), 0xab, c->memory_.size());
@@ -278,17 +286,20 @@ class KvCache {
   // Under ThreadSanitizer these writes are not recorded: a block is reused only after decode's
   // release reached this process through a socket, an ordering TSan cannot see, so it would
   // report the engine thread that served the previous read of the block as racing with this
-  // fill. (Connector and engine state stay fully checked.)
+  // fill (and likewise the transport's reads of the device memory Fill wrote, which follow
+  // decode's request through a socket). (Connector and engine state stay fully checked.)
   void Fill(const std::string& req, const BlockTable& t) {
 #ifdef KVWIRE_TSAN
     AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
 #endif
     FillPages(req, t);
+    // The whole shadow: only prefill fills, and nothing but Fill writes its memory.
+    absl::Status s =
+        writer_ && on_gpu() ? writer_(device_.data(), memory_.data(), device_.size()) : Push();
+    if (!s.ok()) gpu_error_ = std::string(s.message());
 #ifdef KVWIRE_TSAN
     AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
 #endif
-    // The whole shadow: only prefill fills, and nothing but Fill writes its memory.
-    if (absl::Status s = Push(); !s.ok()) gpu_error_ = std::string(s.message());
   }
 
   void FillPages(const std::string& req, const BlockTable& t) {
@@ -371,6 +382,7 @@ class KvCache {
   uint64_t base_ = 0;       // address of the KV memory (memory_ or device_)
   gpu::DeviceBuffer device_;
   gpu::Stream stream_;
+  DeviceWriter writer_;
   std::string gpu_error_;
   std::mt19937_64 rng_;
   bool sequential_ = false;
