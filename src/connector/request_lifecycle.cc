@@ -166,7 +166,21 @@ void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
 void Connector::Impl::CheckDeadlines() {
   const absl::Time now = absl::Now();
   for (auto e = early_writes_.begin(); e != early_writes_.end();) {
-    e = e->second.expires < now ? early_writes_.erase(e) : std::next(e);
+    if (e->second.expires >= now) {
+      ++e;
+      continue;
+    }
+    // No request ever claimed it: tell decode now rather than let it wait for its deadline.
+    if (PeerAlive(e->second.peer)) {
+      (void)SendMessage(
+          e->second.peer,
+          json{{"t", "fail"},
+               {"transfer_id", e->first},
+               {"reason", absl::StrCat("prefill engine ", engine_->name(),
+                                       " has no request for this transfer after ",
+                                       absl::FormatDuration(options_.request_timeout))}});
+    }
+    e = early_writes_.erase(e);
   }
   std::vector<std::string> late;
   for (auto& [id, r] : requests_) {

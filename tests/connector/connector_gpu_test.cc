@@ -52,10 +52,11 @@ struct Side {
 
 // One connector over a simulated KV cache (in GPU memory of `kv_gpu` when given).
 Side MakeSide(const std::string& role, const std::string& transport, const std::string& layout,
-              absl::Duration timeout, gpu::Runtime* kv_gpu, uint64_t extra_blocks, uint64_t seed) {
+              absl::Duration timeout, gpu::Runtime* kv_gpu, uint64_t extra_blocks, uint64_t seed,
+              const std::string& name = "") {
   ConnectorOptions o;
   o.role = role;
-  o.engine.name = absl::StrCat(role, "-", getpid());
+  o.engine.name = absl::StrCat(name.empty() ? role : name, "-", getpid());
   o.engine.transport = *ParseTransportKind(transport);
   o.engine.peer_lease = absl::Seconds(3);
   o.engine.heartbeat_interval = absl::Milliseconds(200);
@@ -292,12 +293,15 @@ TEST_P(GpuConnectorTest, EventGatedSaveSendsTheLayerOnlyAfterItsEvent) {
 TEST_P(GpuConnectorTest, AbortOrDeadlineWhileTheEventIsPendingReleasesEverything) {
   GpuScope scope({.devices = 1, .copy_delay = kCopyDelay});
   gpu::Runtime& rt = scope.runtime();
-  // Prefill's deadline (1 s) comes long before the deadline case's event (8 copies, 2.4 s);
-  // decode starts first, so that the connection is up before the request's clock runs.
-  Side p = MakeSide("prefill", transport(), "deepseek-v3", absl::Seconds(1), nullptr, 0, 7);
+  // The deadline case's prefill (`q`, 2 s) fails the request long before its event (12
+  // copies, 3.6 s); decode starts first, so that the connection is up before the request's
+  // clock runs. The other cases use `p`, whose deadline is far away.
+  Side p60 = MakeSide("prefill", transport(), "deepseek-v3", absl::Seconds(60), nullptr, 0, 7);
+  Side q = MakeSide("prefill", transport(), "deepseek-v3", absl::Seconds(2), nullptr, 0, 8,
+                    "prefill-2s");
   Side d = MakeSide("decode", transport(), "deepseek-v3", absl::Seconds(60), nullptr, 8, 99);
-  ASSERT_TRUE(p.connector && p.cache && d.connector && d.cache);
-  const std::vector<int> layers = AllLayers(p.cache->layout());
+  ASSERT_TRUE(p60.connector && p60.cache && q.connector && q.cache && d.connector && d.cache);
+  const std::vector<int> layers = AllLayers(p60.cache->layout());
   auto scratch = gpu::DeviceBuffer::Allocate(rt, 0, 4096);
   ASSERT_TRUE(scratch.ok()) << scratch.status();
   std::vector<uint8_t> sink(4096);
@@ -305,6 +309,7 @@ TEST_P(GpuConnectorTest, AbortOrDeadlineWhileTheEventIsPendingReleasesEverything
   // "peer" (decode's engine goes away) comes last: decode is gone after it.
   for (const std::string how : {"prefill", "decode", "deadline", "peer"}) {
     SCOPED_TRACE(how);
+    Side& p = how == "deadline" ? q : p60;
     const std::string id = "e-" + how, tid = "t-e-" + how;
     constexpr uint64_t kTokens = 500;
     ASSERT_TRUE(StartLoad(d, id,
@@ -316,7 +321,7 @@ TEST_P(GpuConnectorTest, AbortOrDeadlineWhileTheEventIsPendingReleasesEverything
     ASSERT_TRUE(compute.ok()) << compute.status();
     // The aborts need the event pending for a moment only; the deadline for over a second,
     // decode's shutdown for a little more than a moment.
-    for (int i = 0; i < (how == "deadline" ? 8 : how == "peer" ? 5 : 3); ++i) {
+    for (int i = 0; i < (how == "deadline" ? 12 : how == "peer" ? 5 : 3); ++i) {
       ASSERT_TRUE(compute->CopyAsync(sink.data(), scratch->data(), 64).ok());
     }
     auto e = gpu::Event::Create(rt, 0);

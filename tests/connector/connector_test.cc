@@ -572,6 +572,20 @@ TEST_P(ConnectorTest, DeadlineFailsTheLoadAndFreesBothSides) {
   ExpectPrefillClean(*p);
 }
 
+// Decode asks for a write-mode transfer that no prefill request ever claims: prefill keeps the
+// request for its request timeout, then tells decode, whose load fails then rather than at its
+// own (60 s) deadline.
+TEST_P(ConnectorTest, UnclaimedWriteRequestFailsAtPrefillsTimeout) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s, "auto", 1500);
+  Decode d(transport(), s, KvMode::kAuto);
+  auto r = d.Load("u1", WriteParams(address_, "t-nobody", 300).ToJson(), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("has no request for this transfer"), std::string::npos) << *r;
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
 TEST_P(ConnectorTest, PrefillLeaseFreesBlocksWhenDecodeNeverReads) {
   const SimSetup s = SetupFor("deepseek-v3");
   auto p = Prefill(s, "auto", 1500);
