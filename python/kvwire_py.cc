@@ -1,6 +1,7 @@
 // Python binding (pybind11, Debian's pybind11-dev) of the engine, layouts and connector.
 // Errors become RuntimeError (ValueError for invalid arguments) with the status message.
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <pybind11/pybind11.h>
@@ -33,6 +34,16 @@ struct Buffer {
   kvwire::ShareableBuffer rep;
 };
 
+// A Buffer (host memory) or a KvMemory (any range, e.g. a torch tensor's data_ptr()).
+kvwire::KvMemory ToKvMemory(const py::handle& h) {
+  if (py::isinstance<Buffer>(h)) {
+    const Buffer& b = h.cast<const Buffer&>();
+    return {b.rep.data(), b.rep.size()};
+  }
+  if (py::isinstance<kvwire::KvMemory>(h)) return h.cast<kvwire::KvMemory>();
+  throw py::type_error("register_kv_caches: expected kvwire.Buffer or kvwire.KvMemory items");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kvwire, m) {
@@ -49,6 +60,30 @@ PYBIND11_MODULE(_kvwire, m) {
         return py::buffer_info(b.rep.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {b.rep.size()}, {1});
       });
+
+  py::class_<kvwire::KvMemory>(m, "KvMemory")
+      .def(py::init([](uint64_t ptr, size_t length, const std::string& kind, int gpu_device) {
+             if (kind != "host" && kind != "gpu") {
+               throw py::value_error("KvMemory kind must be 'host' or 'gpu', not '" + kind + "'");
+             }
+             kvwire::KvMemory km;
+             km.ptr = reinterpret_cast<void*>(ptr);
+             km.length = length;
+             km.kind = kind == "gpu" ? kvwire::MemoryKind::kGpu : kvwire::MemoryKind::kHost;
+             km.gpu_device = gpu_device;
+             return km;
+           }),
+           py::arg("ptr"), py::arg("length"), py::arg("kind") = "host", py::arg("gpu_device") = -1,
+           "A registered range: host memory, or GPU memory ('gpu', e.g. a CUDA tensor's "
+           "data_ptr(); gpu_device -1 asks the runtime)")
+      .def_property_readonly(
+          "ptr", [](const kvwire::KvMemory& k) { return reinterpret_cast<uint64_t>(k.ptr); })
+      .def_readonly("length", &kvwire::KvMemory::length)
+      .def_property_readonly("kind",
+                             [](const kvwire::KvMemory& k) {
+                               return k.kind == kvwire::MemoryKind::kGpu ? "gpu" : "host";
+                             })
+      .def_readonly("gpu_device", &kvwire::KvMemory::gpu_device);
 
   py::class_<kvwire::CacheGroup>(m, "CacheGroup")
       .def_readonly("name", &kvwire::CacheGroup::name)
@@ -172,12 +207,15 @@ PYBIND11_MODULE(_kvwire, m) {
            py::arg("request_timeout_s") = 60.0)
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
-      .def("register_kv_caches",
-           [](kvwire::Connector& c, const kvwire::Layout& l, std::vector<Buffer*> buffers) {
-             std::vector<kvwire::KvMemory> mem;
-             for (Buffer* b : buffers) mem.push_back({b->rep.data(), b->rep.size()});
-             Check(c.RegisterKvCaches(l, mem));
-           })
+      .def(
+          "register_kv_caches",
+          [](kvwire::Connector& c, const kvwire::Layout& l, const py::list& memory) {
+            std::vector<kvwire::KvMemory> mem;
+            for (const py::handle& h : memory) mem.push_back(ToKvMemory(h));
+            Check(c.RegisterKvCaches(l, mem));
+          },
+          py::arg("layout"), py::arg("memory"),
+          "memory: kvwire.Buffer (host) or kvwire.KvMemory (host or gpu) items")
       .def("get_num_new_matched_tokens",
            [](kvwire::Connector& c, const std::string& id, uint64_t tokens, uint64_t computed,
               const std::string& params) {
@@ -210,7 +248,20 @@ PYBIND11_MODULE(_kvwire, m) {
              py::gil_scoped_release release;
              Check(c.WaitForLayerLoad(layer));
            })
-      .def("save_kv_layer", [](kvwire::Connector& c, int layer) { Check(c.SaveKvLayer(layer)); })
+      .def(
+          "save_kv_layer",
+          [](kvwire::Connector& c, int layer, std::optional<uint64_t> event, int device) {
+            if (!event || *event == 0) {
+              Check(c.SaveKvLayer(layer));
+            } else {
+              Check(
+                  c.SaveKvLayer(layer, kvwire::GpuEvent{reinterpret_cast<void*>(*event), device}));
+            }
+          },
+          py::arg("layer"), py::arg("event") = py::none(), py::arg("device") = 0,
+          "event: the native event handle as an int (torch.cuda.Event().cuda_event) recorded "
+          "after the layer's KV was written; returns at once, the layer goes out once it "
+          "completed. Keep the event alive until wait_for_save() returns.")
       .def("wait_for_save",
            [](kvwire::Connector& c) {
              py::gil_scoped_release release;

@@ -9,7 +9,7 @@ import time
 import unittest
 
 import kvwire
-from kvwire.vllm_connector import KVConnectorRole, KvwireConnector
+from kvwire.vllm_connector import KVConnectorRole, KvwireConnector, _event_handle
 
 LAYOUT = json.dumps({
     "model": "toy",
@@ -33,7 +33,7 @@ class Request:
 class Instance:
     """One vLLM instance: scheduler-side and worker-side connectors plus a block pool."""
 
-    def __init__(self, name, mode="auto", seed=0):
+    def __init__(self, name, mode="auto", seed=0, as_kv_memory=False):
         config = {"kv_transfer_config": {
             "engine_id": name,
             "kv_connector_extra_config": {"mode": mode, "transport": "tcp"}}}
@@ -44,7 +44,11 @@ class Instance:
         self.buffer = kvwire.Buffer(size)
         self.view = memoryview(self.buffer)
         self.layout.assign_backing(self.buffer.address, BLOCKS)
-        self.worker.register_kv_caches((self.layout, [self.buffer]))
+        # A kvwire.Buffer, or the same memory as a kvwire.KvMemory range (as a GPU engine
+        # passes a tensor's data_ptr(), with kind "gpu").
+        memory = (kvwire.KvMemory(self.buffer.address, len(self.buffer), "host")
+                  if as_kv_memory else self.buffer)
+        self.worker.register_kv_caches((self.layout, [memory]))
         self.scheduler.set_kv_cache_groups([g.name for g in self.layout.groups])
         self.rng = random.Random(seed)
         self.free = {g.name: list(range(BLOCKS)) for g in self.layout.groups}
@@ -123,7 +127,7 @@ class ConnectorTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.prefill = Instance("py-prefill", seed=1)
-        cls.decode = Instance("py-decode", seed=2)
+        cls.decode = Instance("py-decode", seed=2, as_kv_memory=True)
 
     def load_on_decode(self, request):
         d = self.decode
@@ -197,6 +201,28 @@ class ConnectorTest(unittest.TestCase):
             self.wait_sending(rid)
         p.release(rid)
         self.assertTrue(p.accounting_ok() and d.accounting_ok())
+
+    def test_kv_memory_and_event_arguments(self):
+        m = kvwire.KvMemory(4096, 8192, "gpu", 1)
+        self.assertEqual((m.ptr, m.length, m.kind, m.gpu_device), (4096, 8192, "gpu", 1))
+        self.assertEqual(kvwire.KvMemory(1, 2).kind, "host")
+        with self.assertRaises(ValueError):
+            kvwire.KvMemory(1, 2, "tpu")
+        with self.assertRaises(TypeError):
+            self.decode.worker.native.register_kv_caches(self.decode.layout, ["not memory"])
+
+        class Device:
+            index = 1
+
+        class TorchLikeEvent:  # what torch.cuda.Event offers
+            cuda_event = 0x1234
+            device = Device()
+
+        self.assertEqual(_event_handle(None), (None, 0))
+        self.assertEqual(_event_handle(0x99), (0x99, 0))
+        self.assertEqual(_event_handle(TorchLikeEvent()), (0x1234, 1))
+        with self.assertRaises(TypeError):
+            _event_handle(object())
 
     def test_failed_load_is_reported_with_reason(self):
         d = self.decode

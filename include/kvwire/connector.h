@@ -35,6 +35,7 @@
 
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
+#include "kvwire/memory.h"
 
 namespace kvwire {
 
@@ -116,10 +117,23 @@ struct FinishedRequests {
   std::vector<FailedLoad> failed_loads;       // decode: blocks may be freed; recompute
 };
 
-// A registered memory range backing the layout.
+// A registered memory range backing the layout: host memory (kHost), or device memory of the
+// connector's GPU runtime (kGpu; gpu_device -1 asks the runtime which device holds it).
 struct KvMemory {
   void* ptr = nullptr;
   size_t length = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int gpu_device = -1;
+};
+
+// A GPU event the engine recorded on its compute stream after a layer's KV was written: the
+// runtime's own handle (cudaEvent_t / hipEvent_t) and its device. It belongs to the runtime
+// the connector was created with (gpu::DefaultRuntime() at Connector::Create). The engine keeps
+// it alive and does not record it again until WaitForSave returns (or the requests saving it
+// ended), as with any event another party waits on.
+struct GpuEvent {
+  void* handle = nullptr;
+  int device = 0;
 };
 
 class Connector {
@@ -164,11 +178,26 @@ class Connector {
   absl::Status BindConnectorMeta(const std::string& meta_json);
   // Starts the loads of the bound metadata (decode).
   absl::Status StartLoadKv();
-  // Waits (up to the request deadline) until `layer` of every loading request is in place.
+  // Waits (up to the request deadline) until `layer` of every loading request is in place, or
+  // the request failed (GetFinished reports it). Layers arrive one by one (read mode: one
+  // transfer per layer; write mode: prefill reports each layer once its WRITE is
+  // acknowledged), so an engine computes layer i while later layers still load. A GPU engine
+  // has nothing to wait for on a stream after this returns: the transport has finished its
+  // device copies (synchronized on its own stream) before the layer counts as in place, so
+  // the bytes are in device memory and any later kernel on any stream sees them.
   absl::Status WaitForLayerLoad(int layer);
-  // Prefill, write mode: the KV of `layer` is final; its blocks go out now.
+  // Prefill, write mode: the KV of `layer` is final; its blocks go out now (after the
+  // event-gated saves issued before it, so that layers go out in order).
   absl::Status SaveKvLayer(int layer);
-  // Waits until the saves issued so far have been handed to the transport.
+  // Prefill, write mode: the KV of `layer` is final once `ready` has completed on the GPU.
+  // Returns at once, never blocking the caller or the compute stream: the connector waits for
+  // the event on its own thread, then sends the layer's blocks as SaveKvLayer(layer) does.
+  // Layers go out in the order of these calls. A request that fails meanwhile (deadline,
+  // abort, peer death) stops waiting for the event.
+  absl::Status SaveKvLayer(int layer, GpuEvent ready);
+  // Waits until the saves issued so far (event-gated ones included: their events completed,
+  // or their requests ended) have been handed to the transport; bounded by the request
+  // deadline.
   absl::Status WaitForSave();
   FinishedRequests GetFinished();
 

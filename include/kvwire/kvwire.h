@@ -36,6 +36,8 @@ enum {
   KVW_FINISHED_SENDING = 0,
   KVW_FINISHED_RECVING = 1,
   KVW_FAILED_LOADS = 2,
+  KVW_MEMORY_HOST = 0,
+  KVW_MEMORY_GPU = 1,
 };
 
 const char* kvw_version(void);
@@ -93,6 +95,12 @@ char* kvw_connector_address(kvw_connector_t* connector);
 /* worker side */
 int kvw_register_kv_caches(kvw_connector_t* connector, const kvw_layout_t* layout,
                            void* const* ptrs, const size_t* lengths, size_t count, char** errptr);
+/* As kvw_register_kv_caches, with each range's memory kind (KVW_MEMORY_HOST or
+ * KVW_MEMORY_GPU; kinds NULL: all host) and GPU device (-1: ask the runtime; gpu_devices
+ * NULL: all -1). GPU memory belongs to the connector's GPU runtime. */
+int kvw_register_kv_memory(kvw_connector_t* connector, const kvw_layout_t* layout,
+                           void* const* ptrs, const size_t* lengths, const int* kinds,
+                           const int* gpu_devices, size_t count, char** errptr);
 
 /* scheduler side */
 int kvw_get_num_new_matched_tokens(kvw_connector_t* connector, const char* request_id,
@@ -114,6 +122,11 @@ int kvw_bind_connector_meta(kvw_connector_t* connector, const char* meta, char**
 int kvw_start_load_kv(kvw_connector_t* connector, char** errptr);
 int kvw_wait_for_layer_load(kvw_connector_t* connector, int layer, char** errptr);
 int kvw_save_kv_layer(kvw_connector_t* connector, int layer, char** errptr);
+/* The layer's KV is final once `event` (cudaEvent_t / hipEvent_t of the connector's GPU
+ * runtime, on `device`) has completed; returns at once, the connector waits on its own thread
+ * (see Connector::SaveKvLayer(int, GpuEvent)). event NULL: as kvw_save_kv_layer. */
+int kvw_save_kv_layer_event(kvw_connector_t* connector, int layer, void* event, int device,
+                            char** errptr);
 int kvw_wait_for_save(kvw_connector_t* connector, char** errptr);
 kvw_finished_t* kvw_get_finished(kvw_connector_t* connector);
 size_t kvw_finished_count(const kvw_finished_t* finished, int kind);

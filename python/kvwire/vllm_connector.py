@@ -59,6 +59,19 @@ def _native_for(config: dict) -> "_kvwire.Connector":
         return native
 
 
+def _event_handle(event):
+    """(native handle, device) of a GPU event: an int handle, or a torch.cuda.Event."""
+    if event is None:
+        return None, 0
+    if isinstance(event, int):
+        return event, 0
+    handle = getattr(event, "cuda_event", None)
+    if handle is None:
+        raise TypeError(f"save_kv_layer: not a GPU event: {event!r}")
+    device = getattr(getattr(event, "device", None), "index", None)
+    return int(handle), int(device or 0)
+
+
 def _layer_index(layer_name) -> int:
     """'model.layers.12.self_attn.attn' -> 12; an int stays an int."""
     if isinstance(layer_name, int):
@@ -79,6 +92,7 @@ class KvwireConnector:
         self._group_names = list(vllm_config.get("kv_cache_groups", []))
         self._meta = None
         self._failed = {}
+        self._events = []  # GPU events of saves not yet waited for (kept alive)
 
     @property
     def native(self):
@@ -135,7 +149,8 @@ class KvwireConnector:
     # ---- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches):
-        """kv_caches: (kvwire.Layout with backing, [kvwire.Buffer, ...])."""
+        """kv_caches: (kvwire.Layout with backing, [kvwire.Buffer or kvwire.KvMemory, ...]);
+        GPU memory is kvwire.KvMemory(tensor.data_ptr(), nbytes, "gpu", device)."""
         layout, buffers = kv_caches
         self._layout = layout
         if not self._group_names:
@@ -158,11 +173,19 @@ class KvwireConnector:
     def wait_for_layer_load(self, layer_name):
         self._native.wait_for_layer_load(_layer_index(layer_name))
 
-    def save_kv_layer(self, layer_name, kv_layer=None, attn_metadata=None, **kwargs):
-        self._native.save_kv_layer(_layer_index(layer_name))
+    def save_kv_layer(self, layer_name, kv_layer=None, attn_metadata=None, event=None,
+                      **kwargs):
+        """event: recorded on the compute stream after the layer's KV was written (an int
+        handle or a torch.cuda.Event); the call returns at once and the layer goes out once
+        the event completed. The event is kept alive here until wait_for_save()."""
+        handle, device = _event_handle(event)
+        if handle is not None:
+            self._events.append(event)
+        self._native.save_kv_layer(_layer_index(layer_name), handle, device)
 
     def wait_for_save(self):
         self._native.wait_for_save()
+        self._events = []
 
     def get_finished(self, finished_req_ids=None):
         """Returns (finished_sending, finished_recving) as sets (None when empty). Failed

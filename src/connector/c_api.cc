@@ -199,6 +199,26 @@ int kvw_register_kv_caches(kvw_connector_t* c, const kvw_layout_t* l, void* cons
   });
 }
 
+int kvw_register_kv_memory(kvw_connector_t* c, const kvw_layout_t* l, void* const* ptrs,
+                           const size_t* lengths, const int* kinds, const int* gpu_devices,
+                           size_t count, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    std::vector<kvwire::KvMemory> memory;
+    for (size_t i = 0; i < count; ++i) {
+      kvwire::KvMemory m{ptrs[i], lengths[i]};
+      const int kind = kinds == nullptr ? KVW_MEMORY_HOST : kinds[i];
+      if (kind != KVW_MEMORY_HOST && kind != KVW_MEMORY_GPU) {
+        return absl::InvalidArgumentError("kvw_register_kv_memory: unknown memory kind " +
+                                          std::to_string(kind) + " of range " + std::to_string(i));
+      }
+      m.kind = kind == KVW_MEMORY_GPU ? kvwire::MemoryKind::kGpu : kvwire::MemoryKind::kHost;
+      m.gpu_device = gpu_devices == nullptr ? -1 : gpu_devices[i];
+      memory.push_back(m);
+    }
+    return c->rep->RegisterKvCaches(l->rep, memory);
+  });
+}
+
 int kvw_get_num_new_matched_tokens(kvw_connector_t* c, const char* request_id, uint64_t num_tokens,
                                    uint64_t num_computed_tokens, const char* params,
                                    uint64_t* num_external_tokens, int* load_async, char** errptr) {
@@ -248,6 +268,12 @@ int kvw_wait_for_layer_load(kvw_connector_t* c, int layer, char** errptr) {
 }
 int kvw_save_kv_layer(kvw_connector_t* c, int layer, char** errptr) {
   return Guard(errptr, [&] { return c->rep->SaveKvLayer(layer); });
+}
+int kvw_save_kv_layer_event(kvw_connector_t* c, int layer, void* event, int device, char** errptr) {
+  return Guard(errptr, [&] {
+    return event == nullptr ? c->rep->SaveKvLayer(layer)
+                            : c->rep->SaveKvLayer(layer, kvwire::GpuEvent{event, device});
+  });
 }
 int kvw_wait_for_save(kvw_connector_t* c, char** errptr) {
   return Guard(errptr, [&] { return c->rep->WaitForSave(); });

@@ -54,6 +54,7 @@ using connector_internal::FindRegion;
 // --- Connector::Impl: start-up and registration ---------------------------------------------
 
 absl::Status Connector::Impl::Init() {
+  gpu_runtime_ = &gpu::DefaultRuntime();  // what Engine::Create takes too
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options_.engine);
   if (!engine.ok()) return engine.status();
   engine_ = std::move(*engine);
@@ -80,6 +81,8 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
   for (const KvMemory& m : memory) {
     RegionOptions ro;
     ro.export_to_all_peers = true;
+    ro.kind = m.kind;
+    ro.gpu_device = m.gpu_device;
     absl::StatusOr<RegionId> id = engine_->RegisterMemory(m.ptr, m.length, ro);
     if (!id.ok()) return id.status();
     spans.push_back({reinterpret_cast<uint64_t>(m.ptr), m.length, *id});
@@ -166,6 +169,9 @@ absl::Status Connector::BindConnectorMeta(const std::string& meta) {
 absl::Status Connector::StartLoadKv() { return impl_->StartLoadKv(); }
 absl::Status Connector::WaitForLayerLoad(int layer) { return impl_->WaitForLayerLoad(layer); }
 absl::Status Connector::SaveKvLayer(int layer) { return impl_->SaveKvLayer(layer); }
+absl::Status Connector::SaveKvLayer(int layer, GpuEvent ready) {
+  return impl_->SaveKvLayer(layer, ready);
+}
 absl::Status Connector::WaitForSave() { return impl_->WaitForSave(); }
 FinishedRequests Connector::GetFinished() { return impl_->GetFinished(); }
 absl::Status Connector::Abort(const std::string& request_id) { return impl_->Abort(request_id); }

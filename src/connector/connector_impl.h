@@ -3,7 +3,9 @@
 //   scheduler_side.cc     scheduler half (match, alloc, metadata, request finished)
 //   worker_side.cc        worker half (bind metadata, start loads, layer waits and saves, abort)
 //   decode_load.cc        decode: mode choice and the start of a load (READ, or write request)
-//   write_mode.cc         prefill, write mode: layer-wise WRITEs and "done"
+//   write_mode.cc         prefill, write mode: layer-wise WRITEs, "layer" and "done"
+//   event_saves.cc        prefill, write mode: layer saves gated on a GPU event, waited for on
+//                         a waiter thread of their own
 //   peer_messages.cc      connector handshake and messages, peer deaths, the progress thread
 //   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
 //                         transfer polling, deadlines and leases
@@ -12,7 +14,9 @@
 // Connector-to-connector messages (hello, read start, write requests, releases, aborts,
 // done) are engine messages of topic kTopic over the control channel, in order per peer.
 // "done" is sent only after every layer WRITE succeeded, i.e. after the target acknowledged
-// the data, so it tells decode that every byte is in place. Peer closes (lease expiry,
+// the data, so it tells decode that every byte is in place; "layer" says the same of one layer
+// (decode's WaitForLayerLoad returns on it). Read mode moves each layer in a transfer of its
+// own for the same reason. Peer closes (lease expiry,
 // Goodbye, I/O error) arrive through the same inbox and fail every request bound to the peer
 // at once.
 #ifndef KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
@@ -41,6 +45,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
 #include "src/connector/metrics_http.h"
+#include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
 
 namespace kvwire {
@@ -137,6 +142,11 @@ class Connector::Impl {
     // Decode read mode: further prefill ranks read from (peer, their transfer id).
     std::vector<std::pair<PeerId, std::string>> tp_sources;
     std::set<TransferId> transfers;  // in flight, touching the blocks
+    // The layer each transfer moves (layer-wise progress), and transfers left per layer.
+    std::map<TransferId, int> transfer_layer;
+    std::map<int, int> layer_transfers_left;
+    // Decode: layers not yet in place (WaitForLayerLoad waits on them).
+    std::set<int> layers_pending;
     std::optional<TransferPlan> plan;
     // Prefill, write mode.
     bool have_remote = false;
@@ -168,8 +178,10 @@ class Connector::Impl {
     {
       MutexLock lock(&mu_);
       stop_ = true;
+      waiter_cv_.SignalAll();
     }
     if (progress_.joinable()) progress_.join();
+    if (event_waiter_.joinable()) event_waiter_.join();
   }
   absl::Status Init();
   std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
@@ -197,7 +209,8 @@ class Connector::Impl {
   absl::Status StartLoadKv();
   absl::Status WaitForLayerLoad(int layer);
   absl::Status SaveKvLayer(int layer);
-  absl::Status WaitForSave() { return absl::OkStatus(); }
+  absl::Status SaveKvLayer(int layer, GpuEvent ready);
+  absl::Status WaitForSave();
   FinishedRequests GetFinished() {
     MutexLock lock(&mu_);
     FinishedRequests out = std::move(finished_);
@@ -241,6 +254,26 @@ class Connector::Impl {
   bool StartReads(Request& r, const std::vector<absl::StatusOr<PeerId>>& tp_peers)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Marks `layer` final for every request in `ids` still saving, and sends what it can.
+  void SaveLayerLocked(int layer, const std::vector<std::string>& ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A transfer of `r` that moved one layer ended well: decode marks the layer in place,
+  // prefill (write mode) tells decode.
+  void LayerTransferDone(Request& r, TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, write mode: tells decode that `layer` of `r` is in place.
+  void TellLayerDone(Request& r, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- event-gated saves (event_saves.cc) -------------------------------------------------
+  struct EventSave {
+    uint64_t seq = 0;
+    int layer = 0;
+    GpuEvent event;  // handle null: no event (a plain save queued behind gated ones)
+    std::vector<std::string> requests;
+  };
+  // The waiter thread: takes the queue's head when its event completed (or its requests
+  // ended), in order.
+  void EventWaitLoop();
+
   // --- endings ----------------------------------------------------------------------------
   void TellPeer(Request& r, bool ok, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -271,14 +304,22 @@ class Connector::Impl {
   };
 
   const ConnectorOptions options_;
+  // The engine's GPU runtime (both take gpu::DefaultRuntime() at creation): events handed to
+  // SaveKvLayer belong to it.
+  gpu::Runtime* gpu_runtime_ = nullptr;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Inbox> inbox_;
   std::thread progress_;
   std::unique_ptr<connector_internal::MetricsServer> metrics_;
+  std::thread event_waiter_;  // started by the first event-gated save
 
   mutable Mutex mu_;
   CondVar cv_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  CondVar waiter_cv_;  // wakes the event waiter (new save, stop)
+  std::deque<EventSave> event_saves_ ABSL_GUARDED_BY(mu_);
+  uint64_t event_saves_queued_ ABSL_GUARDED_BY(mu_) = 0;  // sequence of the last one queued
+  uint64_t event_saves_taken_ ABSL_GUARDED_BY(mu_) = 0;   // all up to this one are taken
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   Layout layout_ ABSL_GUARDED_BY(mu_);
   std::vector<RegionSpan> local_regions_ ABSL_GUARDED_BY(mu_);

@@ -27,6 +27,11 @@ void Connector::Impl::StartLoad(const std::string& id) {
     auto it = requests_.find(id);
     if (it == requests_.end() || it->second.state != State::kPending) return;
     it->second.state = State::kLoading;
+    // Every layer is pending until its data is known to be in place (read: its transfers
+    // ended; write: prefill's "layer" or "done").
+    for (const CacheGroup& g : layout_.groups) {
+      it->second.layers_pending.insert(g.layers.begin(), g.layers.end());
+    }
     address = absl::StrCat(it->second.params.host, ":", it->second.params.port);
     for (const KvSource& src : it->second.params.tp_sources) {
       tp_addresses.push_back(absl::StrCat(src.host, ":", src.port));
@@ -115,7 +120,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     PeerId peer;
     const std::string* transfer_id;
     TransferPlan plan;
-    std::vector<Op> ops;
+    std::map<int, std::vector<Op>> layer_ops;  // layers with something to move
   };
   std::vector<Source> sources;
   std::vector<std::pair<PeerId, const BlockTable*>> tables = {{*r.peer, &r.params.block_ids}};
@@ -131,25 +136,29 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
       FailLocked(r, std::string(plan.status().message()));
       return false;
     }
-    std::vector<ByteRange> all;
     std::vector<GroupPlan> kept;
     for (GroupPlan& g : plan->groups) {
       const bool split = layout_.FindGroup(g.group)->heads.total_heads != 0;
       // Replicated groups are identical on every rank: read them from the first one only.
       if (i > 0 && !split) continue;
       if (split) head_bytes[g.group] += g.bytes;
-      all.insert(all.end(), g.ranges.begin(), g.ranges.end());
       kept.push_back(std::move(g));
     }
     plan->groups = std::move(kept);
-    absl::StatusOr<std::vector<Op>> ops = ToOps(all, p, /*local_is_src=*/false);
-    if (!ops.ok()) {
-      FailLocked(r, std::string(ops.status().message()));
-      return false;
+    std::map<int, std::vector<Op>> layer_ops;
+    for (int layer : plan->Layers()) {
+      std::vector<ByteRange> ranges = plan->LayerRanges(layer);
+      if (ranges.empty()) continue;
+      absl::StatusOr<std::vector<Op>> ops = ToOps(ranges, p, /*local_is_src=*/false);
+      if (!ops.ok()) {
+        FailLocked(r, std::string(ops.status().message()));
+        return false;
+      }
+      layer_ops[layer] = std::move(*ops);
     }
     sources.push_back({tables[i].first,
                        i == 0 ? &r.params.transfer_id : &r.params.tp_sources[i - 1].transfer_id,
-                       std::move(*plan), std::move(*ops)});
+                       std::move(*plan), std::move(layer_ops)});
   }
   {
     // Every head of this rank must come from some prefill rank (a decode rank with more
@@ -167,36 +176,46 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     }
   }
   r.plan = sources[0].plan;
-  bool any = false;
+  std::set<int> layers;
   for (Source& s : sources) {
     Account(r, s.plan);
-    any = any || !s.ops.empty();
+    for (const auto& [layer, ops] : s.layer_ops) layers.insert(layer);
   }
-  if (!any) {
+  if (layers.empty()) {
     CompleteLocked(r);
     return false;
   }
-  TransferOptions to;
-  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
   for (Source& s : sources) {
     // Told first, so that the blocks it holds are bound to this reader (freed if it dies).
     cpu.Pause();
     absl::Status started =
         SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", *s.transfer_id}});
-    absl::StatusOr<TransferId> tid = s.ops.empty()
-                                         ? absl::StatusOr<TransferId>(absl::NotFoundError(""))
-                                         : engine_->Transfer(s.peer, OpKind::kRead, s.ops, to);
     cpu.Resume();
     if (!started.ok()) {
       FailLocked(r, std::string(started.message()));
       return false;
     }
-    if (s.ops.empty()) continue;
-    if (!tid.ok()) {
-      FailLocked(r, std::string(tid.status().message()));
-      return false;
+  }
+  // One transfer per layer and source, in layer order: WaitForLayerLoad(i) returns once
+  // layer i is in place while later layers still move.
+  r.layers_pending = layers;
+  TransferOptions to;
+  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
+  for (int layer : layers) {
+    for (Source& s : sources) {
+      auto ops = s.layer_ops.find(layer);
+      if (ops == s.layer_ops.end()) continue;
+      cpu.Pause();
+      absl::StatusOr<TransferId> tid = engine_->Transfer(s.peer, OpKind::kRead, ops->second, to);
+      cpu.Resume();
+      if (!tid.ok()) {
+        FailLocked(r, absl::StrCat("layer ", layer, ": ", tid.status().message()));
+        return false;
+      }
+      r.transfers.insert(*tid);
+      r.transfer_layer[*tid] = layer;
+      ++r.layer_transfers_left[layer];
     }
-    r.transfers.insert(*tid);
   }
   r.t_first = absl::Now();
   cpu.Pause();

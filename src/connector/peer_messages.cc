@@ -174,6 +174,11 @@ void Connector::Impl::OnMessage(const InboxEvent& n) {
   for (auto& [id, r] : requests_) {
     if (!r.decode || r.params.transfer_id != tid || r.mode != KvMode::kWrite) continue;
     if (r.state != State::kLoading && r.state != State::kDraining) break;
+    if (type == "layer") {
+      r.layers_pending.erase(m.value("layer", -1));
+      cv_.SignalAll();  // WaitForLayerLoad
+      return;
+    }
     if (type == "done" && r.state == State::kLoading && r.fail_reason.empty()) {
       CompleteLocked(r);
     } else if (type == "done" || type == "fail") {

@@ -130,6 +130,7 @@ void Connector::Impl::PollTransfers() {
         continue;
       }
       if (!s.ok() && first_error.ok()) first_error = s;
+      if (s.ok()) LayerTransferDone(r, *t);
       t = r.transfers.erase(t);
     }
     if (!first_error.ok()) {
@@ -147,10 +148,39 @@ void Connector::Impl::PollTransfers() {
   }
 }
 
+void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
+  auto it = r.transfer_layer.find(id);
+  if (it == r.transfer_layer.end()) return;
+  const int layer = it->second;
+  r.transfer_layer.erase(it);
+  if (--r.layer_transfers_left[layer] > 0) return;
+  r.layer_transfers_left.erase(layer);
+  if (r.decode) {
+    r.layers_pending.erase(layer);
+    cv_.SignalAll();  // WaitForLayerLoad
+  } else if (r.state == State::kSaving && r.fail_reason.empty()) {
+    TellLayerDone(r, layer);
+  }
+}
+
 void Connector::Impl::CheckDeadlines() {
   const absl::Time now = absl::Now();
   for (auto e = early_writes_.begin(); e != early_writes_.end();) {
-    e = e->second.expires < now ? early_writes_.erase(e) : std::next(e);
+    if (e->second.expires >= now) {
+      ++e;
+      continue;
+    }
+    // No request ever claimed it: tell decode now rather than let it wait for its deadline.
+    if (PeerAlive(e->second.peer)) {
+      (void)SendMessage(
+          e->second.peer,
+          json{{"t", "fail"},
+               {"transfer_id", e->first},
+               {"reason", absl::StrCat("prefill engine ", engine_->name(),
+                                       " has no request for this transfer after ",
+                                       absl::FormatDuration(options_.request_timeout))}});
+    }
+    e = early_writes_.erase(e);
   }
   std::vector<std::string> late;
   for (auto& [id, r] : requests_) {

@@ -65,13 +65,14 @@ absl::Status Connector::Impl::StartLoadKv() {
 }
 
 absl::Status Connector::Impl::WaitForLayerLoad(int layer) {
-  // Loads move all layers in one transfer (read) or are reported whole (write): waiting
-  // for a layer waits for the bound requests to leave kLoading.
+  // A layer is in place when its transfers ended (read) or prefill said so (write); a request
+  // that left kLoading is complete or failed, which GetFinished reports.
   MutexLock lock(&mu_);
   for (const std::string& id : bound_loads_) {
     while (true) {
       auto it = requests_.find(id);
       if (it == requests_.end() || it->second.state != State::kLoading) break;
+      if (it->second.layers_pending.count(layer) == 0) break;
       if (absl::Now() > it->second.deadline) break;
       cv_.WaitUntil(&mu_, std::min(it->second.deadline, absl::Now() + absl::Milliseconds(50)));
     }
@@ -81,13 +82,23 @@ absl::Status Connector::Impl::WaitForLayerLoad(int layer) {
 
 absl::Status Connector::Impl::SaveKvLayer(int layer) {
   MutexLock lock(&mu_);
-  for (const std::string& id : bound_saves_) {
+  if (!event_saves_.empty()) {
+    // Event-gated saves are still waiting: this layer goes out after them, in order.
+    event_saves_.push_back({++event_saves_queued_, layer, GpuEvent(), bound_saves_});
+    waiter_cv_.SignalAll();
+    return absl::OkStatus();
+  }
+  SaveLayerLocked(layer, bound_saves_);
+  return absl::OkStatus();
+}
+
+void Connector::Impl::SaveLayerLocked(int layer, const std::vector<std::string>& ids) {
+  for (const std::string& id : ids) {
     auto it = requests_.find(id);
     if (it == requests_.end() || it->second.state != State::kSaving) continue;
     it->second.layers_final.insert(layer);
     MaybeSendLayersLocked(it->second);
   }
-  return absl::OkStatus();
 }
 
 absl::Status Connector::Impl::Abort(const std::string& req_id) {

@@ -84,7 +84,10 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     if (r.layers_sent.count(layer) != 0) continue;
     r.layers_sent.insert(layer);
     std::vector<ByteRange> ranges = r.plan->LayerRanges(layer);
-    if (ranges.empty()) continue;
+    if (ranges.empty()) {
+      TellLayerDone(r, layer);
+      continue;
+    }
     absl::StatusOr<std::vector<Op>> ops = ToOps(ranges, p, /*local_is_src=*/true);
     if (!ops.ok()) {
       FailLocked(r, std::string(ops.status().message()));
@@ -101,10 +104,19 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     }
     if (r.t_first == absl::InfinitePast()) r.t_first = absl::Now();
     r.transfers.insert(*id);
+    r.transfer_layer[*id] = layer;
+    ++r.layer_transfers_left[layer];
   }
   cpu.Pause();
   r.cpu_us += cpu_us;
   MaybeFinishSaveLocked(r);
+}
+
+void Connector::Impl::TellLayerDone(Request& r, int layer) {
+  if (!r.peer || !PeerAlive(*r.peer)) return;
+  // A lost message only costs decode the overlap: "done" still completes the load.
+  (void)SendMessage(*r.peer,
+                    json{{"t", "layer"}, {"transfer_id", r.params.transfer_id}, {"layer", layer}});
 }
 
 void Connector::Impl::MaybeFinishSaveLocked(Request& r) {

@@ -17,6 +17,9 @@
 //       match, allocate, bind and start the load; prints "STARTED <id>", later
 //       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
 //
+// --gpu=emulated installs the emulated GPU runtime (tests/support/emulated_gpu.h) before the
+// connector exists and keeps the KV cache in its device memory (registered as kGpu).
+//
 //   kvwire_connector_peer --layout=deepseek-v4-pro --transport=tcp --mode=auto --blocks=64
 //                         --state_blocks=4 --seed=1 --timeout_ms=60000 --name=prefill
 #include <cstdio>
@@ -32,7 +35,9 @@
 #include "absl/strings/str_split.h"
 
 #include "kvwire/connector.h"
+#include "src/gpu/runtime.h"
 #include "tests/connector/kv_sim.h"
+#include "tests/support/emulated_gpu.h"
 
 namespace {
 
@@ -46,6 +51,7 @@ struct Args {
   int timeout_ms = 60000;
   std::string name = "prefill";
   std::string role = "prefill";
+  std::string gpu;  // "" (host memory) or "emulated"
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -72,6 +78,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->name = v;
     else if (k == "role")
       a->role = v;
+    else if (k == "gpu")
+      ok = (a->gpu = v) == "emulated";
     else
       ok = false;
     if (!ok) return false;
@@ -113,9 +121,22 @@ int main(int argc, char** argv) {
   }
   options.engine.transport = *transport;
   options.mode = *mode;
+  // Before the connector: its engine keeps the runtime it was created with.
+  std::unique_ptr<kvwire::testing::EmulatedGpu> emulated;
+  if (args.gpu == "emulated") {
+    emulated = std::make_unique<kvwire::testing::EmulatedGpu>();
+    kvwire::gpu::SetDefaultRuntime(&emulated->runtime());
+  }
   auto connector = kvwire::Connector::Create(options);
+  kvwire::testing::KvCache::DeviceWriter writer;
+  if (emulated) {
+    writer = [&emulated](void* device, const void* host, size_t bytes) {
+      return emulated->WriteDevice(device, host, bytes);
+    };
+  }
   auto cache =
-      kvwire::testing::KvCache::Create(args.layout, args.blocks, args.state_blocks, args.seed);
+      kvwire::testing::KvCache::Create(args.layout, args.blocks, args.state_blocks, args.seed,
+                                       emulated ? &emulated->runtime() : nullptr, 0, writer);
   if (!connector.ok() || !cache.ok()) {
     std::fprintf(stderr, "connector_peer: %s %s\n", connector.status().ToString().c_str(),
                  cache.status().ToString().c_str());

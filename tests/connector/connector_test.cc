@@ -3,9 +3,11 @@
 // each block on both sides is free or owned by exactly one live request.
 #include "kvwire/connector.h"
 
+#include <atomic>
 #include <random>
 #include <set>
 #include <signal.h>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -68,6 +70,14 @@ class Decode {
   absl::StatusOr<std::string> Load(const std::string& id, const std::string& params,
                                    uint64_t tokens, uint64_t cached,
                                    const std::function<void()>& after_start = nullptr) {
+    if (absl::Status s = Start(id, params, tokens, cached); !s.ok()) return s;
+    if (after_start) after_start();
+    return WaitDone(id);
+  }
+
+  // The steps up to StartLoadKv.
+  absl::Status Start(const std::string& id, const std::string& params, uint64_t tokens,
+                     uint64_t cached) {
     auto match = connector->GetNumNewMatchedTokens(id, tokens, cached, params);
     if (!match.ok()) return match.status();
     absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
@@ -79,9 +89,7 @@ class Decode {
     if (absl::Status s = connector->BindConnectorMeta(connector->BuildConnectorMeta()); !s.ok()) {
       return s;
     }
-    if (absl::Status s = connector->StartLoadKv(); !s.ok()) return s;
-    if (after_start) after_start();
-    return WaitDone(id);
+    return connector->StartLoadKv();
   }
 
   absl::StatusOr<std::string> WaitDone(const std::string& id) {
@@ -345,6 +353,69 @@ TEST_P(ConnectorTest, EveryByteArrivesInBothModes) {
   }
 }
 
+// Decode waits layer by layer, so that an engine computes layer i while later layers load.
+// Write mode: layer 0 is in place, byte for byte, while prefill has not even saved layer 1
+// (whose wait goes on). Read mode (one transfer per layer): each wait ends with its layer in
+// place.
+TEST_P(ConnectorTest, DecodeWaitsLayerByLayer) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  std::set<int> all;
+  for (const CacheGroup& g : d.cache->layout().groups) all.insert(g.layers.begin(), g.layers.end());
+  const std::vector<int> layers(all.begin(), all.end());
+  ASSERT_GE(layers.size(), 2u);
+  constexpr uint64_t kTokens = 700;
+
+  p->Send(absl::StrCat("req lw ", kTokens, " write t-lw 1"));
+  ASSERT_TRUE(p->Expect("SAVED lw 1").ok());
+  ASSERT_TRUE(d.Start("lw", WriteParams(address_, "t-lw", kTokens).ToJson(), kTokens, 0).ok());
+  ASSERT_TRUE(d.connector->WaitForLayerLoad(layers[0]).ok());
+  EXPECT_EQ(d.cache->Verify("lw", d.cache->live().at("lw"), kTokens, 0, layers[0]), "");
+  std::atomic<bool> second{false};
+  std::thread waiter([&] {
+    EXPECT_TRUE(d.connector->WaitForLayerLoad(layers[1]).ok());
+    second = true;
+  });
+  // Layer 1 is not saved: its wait cannot end, and the load is not complete.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(second.load());
+  EXPECT_EQ(d.connector->LiveRequests(), 1u);
+  p->Send("finish lw");
+  ASSERT_TRUE(p->Expect("SAVED lw all").ok());
+  waiter.join();
+  EXPECT_TRUE(second.load());
+  EXPECT_EQ(d.cache->Verify("lw", d.cache->live().at("lw"), kTokens, 0, layers[1]), "");
+  auto r = d.WaitDone("lw");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(*r, "");
+  EXPECT_EQ(d.cache->Verify("lw", d.cache->live().at("lw"), kTokens, 0), "");
+  d.cache->Release("lw");
+  // Prefill's "FREED lw" may come before "SAVED lw all" (the last layers can complete before
+  // the scheduler finishes the request): its accounting below covers it.
+
+  p->Send(absl::StrCat("req lr ", kTokens, " read - all"));
+  auto params = p->Expect("PARAMS lr ");
+  ASSERT_TRUE(params.ok()) << params.status();
+  const uint64_t transfers_before = d.connector->engine().Stats().transfers_succeeded;
+  ASSERT_TRUE(d.Start("lr", params->substr(10), kTokens, 0).ok());
+  for (int layer : layers) {
+    ASSERT_TRUE(d.connector->WaitForLayerLoad(layer).ok());
+    EXPECT_EQ(d.cache->Verify("lr", d.cache->live().at("lr"), kTokens, 0, layer), "")
+        << "layer " << layer;
+  }
+  r = d.WaitDone("lr");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(*r, "");
+  // One READ per layer.
+  EXPECT_EQ(d.connector->engine().Stats().transfers_succeeded - transfers_before, layers.size());
+  EXPECT_EQ(d.cache->Verify("lr", d.cache->live().at("lr"), kTokens, 0), "");
+  d.cache->Release("lr");
+  ASSERT_TRUE(p->Expect("FREED lr").ok());
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
 TEST_P(ConnectorTest, DeepSeekV4ProRequest) {
   const SimSetup s = SetupFor("deepseek-v4-pro");
   auto p = Prefill(s);
@@ -497,6 +568,20 @@ TEST_P(ConnectorTest, DeadlineFailsTheLoadAndFreesBothSides) {
   EXPECT_NE(r->find("deadline"), std::string::npos) << *r;
   p->Send("finish d1");
   ASSERT_TRUE(p->Expect("SAVED d1 all").ok());
+  d.ExpectClean();
+  ExpectPrefillClean(*p);
+}
+
+// Decode asks for a write-mode transfer that no prefill request ever claims: prefill keeps the
+// request for its request timeout, then tells decode, whose load fails then rather than at its
+// own (60 s) deadline.
+TEST_P(ConnectorTest, UnclaimedWriteRequestFailsAtPrefillsTimeout) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s, "auto", 1500);
+  Decode d(transport(), s, KvMode::kAuto);
+  auto r = d.Load("u1", WriteParams(address_, "t-nobody", 300).ToJson(), 300, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->find("has no request for this transfer"), std::string::npos) << *r;
   d.ExpectClean();
   ExpectPrefillClean(*p);
 }

@@ -1,12 +1,15 @@
 // A vLLM-like KV cache for the connector tests: layouts by name (presets or random ones from
-// a seed), shareable backing memory, a block pool per group with fragmented allocation, and a
-// deterministic content pattern so decode can check every byte prefill wrote.
+// a seed), shareable backing memory (or GPU memory), a block pool per group with fragmented
+// allocation, and a deterministic content pattern so decode can check every byte prefill
+// wrote.
 #ifndef KVWIRE_TESTS_CONNECTOR_KV_SIM_H_
 #define KVWIRE_TESTS_CONNECTOR_KV_SIM_H_
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +21,7 @@
 #include "kvwire/connector.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"
+#include "src/gpu/runtime.h"
 
 #if defined(__has_feature)
 #if __has_feature(thread_sanitizer)
@@ -104,11 +108,23 @@ inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
 }
 
 // One side's KV cache: memory, layout with backing, block pools.
+//
+// With a GPU runtime the KV memory is device memory of `device` (registered as kGpu): the
+// layout's addresses are device addresses, and Fill / Verify work on a host shadow that the
+// runtime's copies push to (Fill) and pull from (Verify) the device, so the same code runs on
+// the emulated GPU and on a real one.
 class KvCache {
  public:
+  // Writes host bytes to device memory synchronously on the calling thread (the emulated GPU's
+  // WriteDevice). Given, Fill pushes with it instead of a stream copy, so that the
+  // ThreadSanitizer annotation in Fill covers those writes too.
+  using DeviceWriter = std::function<absl::Status(void* device, const void* host, size_t bytes)>;
+
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const std::string& spec,
                                                          uint64_t num_blocks, uint64_t state_blocks,
-                                                         uint64_t seed) {
+                                                         uint64_t seed, gpu::Runtime* gpu = nullptr,
+                                                         int device = 0,
+                                                         DeviceWriter writer = nullptr) {
     absl::StatusOr<Layout> layout = MakeLayout(spec);
     if (!layout.ok()) return layout.status();
     auto c = std::make_unique<KvCache>();
@@ -117,9 +133,20 @@ class KvCache {
     absl::StatusOr<ShareableBuffer> buf = ShareableBuffer::Create(bytes, "kv-sim");
     if (!buf.ok()) return buf.status();
     c->memory_ = std::move(*buf);
-    AssignBacking(&c->layout_, reinterpret_cast<uint64_t>(c->memory_.data()), num_blocks,
-                  state_blocks);
+    c->base_ = reinterpret_cast<uint64_t>(c->memory_.data());
+    if (gpu != nullptr) {
+      absl::StatusOr<gpu::DeviceBuffer> d = gpu::DeviceBuffer::Allocate(*gpu, device, bytes);
+      if (!d.ok()) return d.status();
+      absl::StatusOr<gpu::Stream> st = gpu::Stream::Create(*gpu, device);
+      if (!st.ok()) return st.status();
+      c->device_ = std::move(*d);
+      c->stream_ = std::move(*st);
+      c->base_ = reinterpret_cast<uint64_t>(c->device_.data());
+      c->writer_ = std::move(writer);
+    }
+    AssignBacking(&c->layout_, c->base_, num_blocks, state_blocks);
     std::memset(c->memory_.data(), 0xab, c->memory_.size());
+    if (absl::Status s = c->Push(); !s.ok()) return s;
     c->rng_.seed(seed);
     for (const CacheGroup& g : c->layout_.groups) {
       std::vector<int64_t>& free = c->free_[g.name];
@@ -151,7 +178,27 @@ class KvCache {
   }
 
   const Layout& layout() const { return layout_; }
-  std::vector<KvMemory> memory() const { return {{memory_.data(), memory_.size()}}; }
+  std::vector<KvMemory> memory() const {
+    if (on_gpu()) {
+      return {{device_.data(), device_.size(), MemoryKind::kGpu, device_.device()}};
+    }
+    return {{memory_.data(), memory_.size()}};
+  }
+  bool on_gpu() const { return device_.data() != nullptr; }
+  // Where the bytes at layout address `addr` are on the host: the memory itself, or the
+  // shadow of device memory (current after Fill / Pull).
+  uint8_t* Host(uint64_t addr) const {
+    return reinterpret_cast<uint8_t*>(memory_.data()) + (addr - base_);
+  }
+  // GPU memory: device -> shadow (what Verify reads), shadow -> device.
+  absl::Status Pull() {
+    return on_gpu() ? stream_.Copy(memory_.data(), device_.data(), device_.size())
+                    : absl::OkStatus();
+  }
+  absl::Status Push() {
+    return on_gpu() ? stream_.Copy(device_.data(), memory_.data(), device_.size())
+                    : absl::OkStatus();
+  }
 
   // Allocates what a request of `tokens` tokens needs: every logical block for full-history
   // groups, only in-window blocks for window groups (-1 elsewhere), one block for states.
@@ -239,12 +286,17 @@ class KvCache {
   // Under ThreadSanitizer these writes are not recorded: a block is reused only after decode's
   // release reached this process through a socket, an ordering TSan cannot see, so it would
   // report the engine thread that served the previous read of the block as racing with this
-  // fill. (Connector and engine state stay fully checked.)
+  // fill (and likewise the transport's reads of the device memory Fill wrote, which follow
+  // decode's request through a socket). (Connector and engine state stay fully checked.)
   void Fill(const std::string& req, const BlockTable& t) {
 #ifdef KVWIRE_TSAN
     AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
 #endif
     FillPages(req, t);
+    // The whole shadow: only prefill fills, and nothing but Fill writes its memory.
+    absl::Status s =
+        writer_ && on_gpu() ? writer_(device_.data(), memory_.data(), device_.size()) : Push();
+    if (!s.ok()) gpu_error_ = std::string(s.message());
 #ifdef KVWIRE_TSAN
     AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
 #endif
@@ -258,7 +310,7 @@ class KvCache {
         for (int c = 0; c < g.components; ++c) {
           for (size_t lb = 0; lb < ids.size(); ++lb) {
             if (ids[lb] < 0) continue;
-            auto* p = reinterpret_cast<uint8_t*>(g.BlockAddress(l, ids[lb], c));
+            uint8_t* p = Host(g.BlockAddress(l, ids[lb], c));
             const uint64_t key = PageKey(req, g, l, lb, c);
             for (uint64_t i = 0; i < g.page_bytes; ++i) p[i] = Expected(key, GlobalOffset(g, i));
           }
@@ -267,16 +319,20 @@ class KvCache {
     }
   }
 
-  // Decode: checks every byte that must have moved for the request. Returns "" when all match.
-  std::string Verify(const std::string& req, const BlockTable& t, uint64_t tokens,
-                     uint64_t cached) const {
+  // Decode: checks every byte that must have moved for the request (of model layer
+  // `only_layer`, or of all layers). Returns "" when all match.
+  std::string Verify(const std::string& req, const BlockTable& t, uint64_t tokens, uint64_t cached,
+                     int only_layer = -1) {
+    if (!gpu_error_.empty()) return "gpu: " + gpu_error_;
+    if (absl::Status s = Pull(); !s.ok()) return absl::StrCat("gpu: ", s.message());
     for (const CacheGroup& g : layout_.groups) {
       const BlockSelection sel = SelectBlocks(g, tokens, cached);
       const std::vector<int64_t>& ids = t.at(g.name);
       for (size_t l = 0; l < g.layers.size(); ++l) {
+        if (only_layer >= 0 && g.layers[l] != only_layer) continue;
         for (int c = 0; c < g.components; ++c) {
           for (uint64_t lb : sel.logical_blocks) {
-            auto* p = reinterpret_cast<const uint8_t*>(g.BlockAddress(l, ids[lb], c));
+            const uint8_t* p = Host(g.BlockAddress(l, ids[lb], c));
             const uint64_t key = PageKey(req, g, l, lb, c);
             std::vector<std::pair<uint64_t, uint64_t>> spans;
             if (g.per_request_state) {
@@ -322,7 +378,12 @@ class KvCache {
   }
 
   Layout layout_;
-  ShareableBuffer memory_;
+  ShareableBuffer memory_;  // the KV memory, or the host shadow of device_
+  uint64_t base_ = 0;       // address of the KV memory (memory_ or device_)
+  gpu::DeviceBuffer device_;
+  gpu::Stream stream_;
+  DeviceWriter writer_;
+  std::string gpu_error_;
   std::mt19937_64 rng_;
   bool sequential_ = false;
   std::map<std::string, std::vector<int64_t>> free_;

@@ -99,6 +99,59 @@ TEST(CApiTest, ErrorsComeBackAsCodesAndMessages) {
   kvw_layout_destroy(flash);
 }
 
+// The C ABI's memory kinds and event-gated saves, without a GPU: kinds are checked, host
+// memory registers through either call, GPU memory that is not GPU memory is refused, and an
+// event save with nothing to save returns at once without touching the event.
+TEST(CApiTest, KvMemoryKindsAndEventSaves) {
+  char* err = nullptr;
+  kvw_layout_t* l = kvw_layout_preset("deepseek-v3", &err);
+  ASSERT_NE(l, nullptr) << err;
+  const uint64_t bytes = kvw_layout_assign_backing(l, 0, 8, 2) + 4096;
+  kvw_buffer_t* buf = kvw_buffer_create(bytes, &err);
+  ASSERT_NE(buf, nullptr) << err;
+  kvw_layout_assign_backing(l, reinterpret_cast<uint64_t>(kvw_buffer_data(buf)), 8, 2);
+  kvw_options_t* o = kvw_options_create();
+  kvw_options_set_name(o, "capi-kinds");
+  kvw_connector_t* c = kvw_connector_create(o, &err);
+  ASSERT_NE(c, nullptr) << err;
+  void* ptrs[] = {kvw_buffer_data(buf)};
+  const size_t lengths[] = {kvw_buffer_size(buf)};
+  const int bad_kind[] = {7};
+  EXPECT_EQ(kvw_register_kv_memory(c, l, ptrs, lengths, bad_kind, nullptr, 1, &err),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  ASSERT_NE(err, nullptr);
+  EXPECT_NE(std::string(err).find("unknown memory kind 7"), std::string::npos) << err;
+  kvw_free(err);
+  err = nullptr;
+  // Host memory claimed to be GPU memory: the runtime does not know it.
+  const int gpu_kind[] = {KVW_MEMORY_GPU};
+  const int device[] = {0};
+  EXPECT_NE(kvw_register_kv_memory(c, l, ptrs, lengths, gpu_kind, device, 1, &err), 0);
+  ASSERT_NE(err, nullptr);
+  kvw_free(err);
+  err = nullptr;
+  EXPECT_EQ(kvw_register_kv_memory(c, l, ptrs, lengths, nullptr, nullptr, 1, &err), 0) << err;
+  EXPECT_EQ(kvw_save_kv_layer_event(c, 0, nullptr, 0, &err), 0) << err;
+  int not_an_event = 0;  // never used: no request saves, so nothing waits for it
+  EXPECT_EQ(kvw_save_kv_layer_event(c, 0, &not_an_event, 0, &err), 0) << err;
+  EXPECT_EQ(kvw_wait_for_save(c, &err), 0) << err;
+  EXPECT_EQ(err, nullptr);
+  kvw_connector_destroy(c);
+  kvw_options_destroy(o);
+  kvw_buffer_destroy(buf);
+  kvw_layout_destroy(l);
+}
+
+TEST(ConnectorTest, EventSaveNeedsAnEvent) {
+  ConnectorOptions o;
+  o.engine.name = "event-null";
+  absl::StatusOr<std::unique_ptr<Connector>> c = Connector::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::Status s = (*c)->SaveKvLayer(3, GpuEvent{nullptr, 0});
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("SaveKvLayer(3)"), std::string::npos) << s;
+}
+
 std::string HttpGet(const std::string& address, const std::string& path) {
   const size_t colon = address.rfind(':');
   sockaddr_in addr{};
