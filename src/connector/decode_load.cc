@@ -199,6 +199,8 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   // One transfer per layer and source, in layer order: WaitForLayerLoad(i) returns once
   // layer i is in place while later layers still move.
   r.layers_pending = layers;
+  // Before the first Transfer: shm copies run inside it, so a later stamp misses them.
+  r.t_first = absl::Now();
   TransferOptions to;
   to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
   for (int layer : layers) {
@@ -217,7 +219,6 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
       ++r.layer_transfers_left[layer];
     }
   }
-  r.t_first = absl::Now();
   cpu.Pause();
   r.cpu_us += cpu_us;
   return true;

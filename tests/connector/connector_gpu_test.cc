@@ -401,9 +401,8 @@ TEST_P(GpuConnectorTest, GpuKvMemoryIsRegisteredAsGpuMemory) {
 // in device memory, decode here with its KV in device memory too (and once in host memory),
 // both modes, every byte checked, every block accounted for.
 //
-// Needs the tcp and shm transports' GPU support (caps().gpu_memory; branches h7-tcp and
-// h7-shm): disabled until those are merged, then enabled by dropping DISABLED_.
-TEST_P(GpuConnectorTest, DISABLED_GpuKvMemoryEndToEnd) {
+// Uses the tcp and shm transports' GPU support (staging; IPC handles).
+TEST_P(GpuConnectorTest, GpuKvMemoryEndToEnd) {
   GpuScope scope({.devices = 1});
   auto child = Child::Start(
       KVWIRE_CONNECTOR_PEER,
