@@ -233,7 +233,9 @@ TEST_P(GpuConnectorTest, EventGatedSaveSendsTheLayerOnlyAfterItsEvent) {
     ASSERT_TRUE(e->Record(*compute).ok());
     ASSERT_TRUE(p.connector->SaveKvLayer(g.layers[k], GpuEvent{e->native(), 0}).ok());
     // An ordering check, not a speed check: the copy ahead of the event waits 300 ms.
-    if (k == 0) ASSERT_FALSE(Done(*e)) << "SaveKvLayer returned only after the event completed";
+    if (k == 0) {
+      ASSERT_FALSE(Done(*e)) << "SaveKvLayer returned only after the event completed";
+    }
     events.push_back(std::move(*e));
   }
   for (int layer : AllLayers(p.cache->layout())) {
@@ -445,7 +447,9 @@ TEST_P(GpuConnectorTest, GpuKvMemoryEndToEnd) {
       }
     }
     ExpectClean(d);
-    if (decode_on_gpu) EXPECT_EQ(d.connector->engine().Stats().gpu.regions, 1u);
+    if (decode_on_gpu) {
+      EXPECT_EQ(d.connector->engine().Stats().gpu.regions, 1u);
+    }
   }
   p.Send("acct");
   auto acct = p.Expect("ACCT ");
