@@ -30,6 +30,7 @@
 #include "examples/dsv4/model/model.h"
 #include "examples/dsv4/model/ops.h"
 #include "src/gpu/runtime.h"
+#include "tests/dsv4/model/tiny_model.h"
 
 namespace dsv4 {
 namespace {
@@ -52,46 +53,6 @@ std::string NoDevice() {
   if (const std::string why = NoDevice(); !why.empty()) { \
     GTEST_SKIP() << why;                                  \
   }
-
-// The tiny config (DSV4_CONFIG_DIR in the environment wins: a bundle run elsewhere) and its
-// weights, written once per process.
-class Tiny {
- public:
-  static const Tiny& Get() {
-    static const Tiny* tiny = new Tiny();
-    return *tiny;
-  }
-  const Config& config() const { return config_; }
-  std::unique_ptr<Model> Load() const {
-    absl::StatusOr<std::unique_ptr<Model>> m = Model::Load(config_, weights_, 2);
-    if (!m.ok()) {
-      std::fprintf(stderr, "load: %s\n", m.status().ToString().c_str());
-      std::abort();
-    }
-    return std::move(*m);
-  }
-
- private:
-  Tiny() {
-    const char* env = std::getenv("DSV4_CONFIG_DIR");
-    const std::string dir = env != nullptr ? env : DSV4_CONFIG_DIR;
-    absl::StatusOr<Config> c = Config::FromFile(dir + "/tiny.json");
-    if (!c.ok()) {
-      std::fprintf(stderr, "config: %s\n", c.status().ToString().c_str());
-      std::abort();
-    }
-    config_ = *c;
-    weights_ = "/tmp/dsv4_gpu_test_" + std::to_string(getpid()) + ".safetensors";
-    if (absl::Status s = GenerateWeights(config_, weights_); !s.ok()) {
-      std::fprintf(stderr, "weights: %s\n", s.ToString().c_str());
-      std::abort();
-    }
-    static std::string path = weights_;
-    std::atexit([] { std::remove(path.c_str()); });
-  }
-  Config config_;
-  std::string weights_;
-};
 
 // --- attention alone -------------------------------------------------------------------------
 
@@ -326,7 +287,7 @@ std::vector<int32_t> Prompt(int n) {
 // over before the last decode (the engines' layouts are identical), which keeps the host
 // drivers' share of the test short under the sanitizers.
 void CheckModel(KvDevice device) {
-  std::unique_ptr<Model> model = Tiny::Get().Load();
+  std::unique_ptr<Model> model = TinyModelFiles::Get().Load(2);
   const std::vector<int32_t> prompt = Prompt(600);
   Engine cpu(*model, KvDevice::kCpu, 600), other(*model, device, 600);
   ASSERT_TRUE(cpu.ok() && other.ok());
@@ -354,7 +315,8 @@ TEST(KvCacheDevice, ParseAndNames) {
   EXPECT_EQ(*ParseKvDevice("gpu"), KvDevice::kGpu);
   EXPECT_EQ(ParseKvDevice("tpu").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_STREQ(KvDeviceName(KvDevice::kHostKernels), "host-kernels");
-  absl::StatusOr<std::unique_ptr<KvCache>> cpu = KvCache::Create(Tiny::Get().config(), 4, 1, 1);
+  absl::StatusOr<std::unique_ptr<KvCache>> cpu =
+      KvCache::Create(TinyModelFiles::Get().config(), 4, 1, 1);
   ASSERT_TRUE(cpu.ok());
   EXPECT_EQ((*cpu)->kv_device(), KvDevice::kCpu);
   EXPECT_EQ((*cpu)->gpu_device(), -1);
@@ -367,11 +329,13 @@ TEST(KvCacheDevice, GpuCacheWithoutDeviceFailsWithTheRuntimesReason) {
   o.device = KvDevice::kGpu;
   if (n.ok()) {
     o.gpu_device = *n;  // one past the last device
-    absl::StatusOr<std::unique_ptr<KvCache>> c = KvCache::Create(Tiny::Get().config(), 4, 1, 1, o);
+    absl::StatusOr<std::unique_ptr<KvCache>> c =
+        KvCache::Create(TinyModelFiles::Get().config(), 4, 1, 1, o);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
     return;
   }
-  absl::StatusOr<std::unique_ptr<KvCache>> c = KvCache::Create(Tiny::Get().config(), 4, 1, 1, o);
+  absl::StatusOr<std::unique_ptr<KvCache>> c =
+      KvCache::Create(TinyModelFiles::Get().config(), 4, 1, 1, o);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status(), n.status());
   std::printf("%s\n", std::string(c.status().message()).c_str());
@@ -407,7 +371,7 @@ TEST(Device, ModelWithGpuCacheMatchesCpuAtEveryContextSize) {
 
 TEST(Device, GenerateWithGpuCacheGivesTheCpuTokens) {
   SKIP_WITHOUT_DEVICE();
-  std::unique_ptr<Model> model = Tiny::Get().Load();
+  std::unique_ptr<Model> model = TinyModelFiles::Get().Load(2);
   KvCacheOptions o;
   o.device = KvDevice::kGpu;
   absl::StatusOr<std::unique_ptr<KvCache>> gpu_cache =

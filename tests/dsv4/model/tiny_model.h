@@ -1,8 +1,10 @@
 // The tiny config and its generated weights, shared by the model tests of one program.
+// DSV4_CONFIG_DIR in the environment wins over the build's (a GPU bundle run elsewhere).
 #ifndef KVWIRE_TESTS_DSV4_MODEL_TINY_MODEL_H_
 #define KVWIRE_TESTS_DSV4_MODEL_TINY_MODEL_H_
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <unistd.h>
@@ -31,7 +33,9 @@ class TinyModelFiles {
 
  private:
   TinyModelFiles() {
-    absl::StatusOr<Config> c = Config::FromFile(std::string(DSV4_CONFIG_DIR) + "/tiny.json");
+    const char* env = std::getenv("DSV4_CONFIG_DIR");
+    const std::string dir = env != nullptr ? env : DSV4_CONFIG_DIR;
+    absl::StatusOr<Config> c = Config::FromFile(dir + "/tiny.json");
     if (!c.ok()) {
       std::fprintf(stderr, "config: %s\n", c.status().ToString().c_str());
       std::abort();
