@@ -77,18 +77,6 @@ Side MakeSide(const std::string& role, const std::string& transport, const std::
   return s;
 }
 
-KvTransferParams WriteParams(const std::string& address, const std::string& tid, uint64_t tokens) {
-  KvTransferParams p;
-  const size_t colon = address.rfind(':');
-  p.host = address.substr(0, colon);
-  p.port = std::stoi(address.substr(colon + 1));
-  p.transfer_id = tid;
-  p.mode = KvMode::kWrite;
-  p.num_tokens = tokens;
-  p.do_remote_prefill = true;
-  return p;
-}
-
 // Decode's scheduler and worker steps up to StartLoadKv.
 absl::Status StartLoad(Side& d, const std::string& id, const std::string& params, uint64_t tokens) {
   auto match = d.connector->GetNumNewMatchedTokens(id, tokens, 0, params);

@@ -239,18 +239,6 @@ void ExpectPrefillClean(Child& p) {
   FAIL() << "prefill never became clean: " << last;
 }
 
-KvTransferParams WriteParams(const std::string& address, const std::string& tid, uint64_t tokens) {
-  KvTransferParams p;
-  const size_t colon = address.rfind(':');
-  p.host = address.substr(0, colon);
-  p.port = std::stoi(address.substr(colon + 1));
-  p.transfer_id = tid;
-  p.mode = KvMode::kWrite;
-  p.num_tokens = tokens;
-  p.do_remote_prefill = true;
-  return p;
-}
-
 class ConnectorTest : public ::testing::TestWithParam<std::string> {
  protected:
   std::string transport() const { return GetParam(); }

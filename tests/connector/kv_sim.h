@@ -390,6 +390,20 @@ class KvCache {
   std::map<std::string, BlockTable> live_;
 };
 
+// Decode's kv_transfer_params for a write-mode request to the prefill at `address`.
+inline KvTransferParams WriteParams(const std::string& address, const std::string& tid,
+                                    uint64_t tokens) {
+  KvTransferParams p;
+  const size_t colon = address.rfind(':');
+  p.host = address.substr(0, colon);
+  p.port = std::stoi(address.substr(colon + 1));
+  p.transfer_id = tid;
+  p.mode = KvMode::kWrite;
+  p.num_tokens = tokens;
+  p.do_remote_prefill = true;
+  return p;
+}
+
 }  // namespace kvwire::testing
 
 #endif  // KVWIRE_TESTS_CONNECTOR_KV_SIM_H_
