@@ -129,8 +129,8 @@ struct KvMemory {
 // A GPU event the engine recorded on its compute stream after a layer's KV was written: the
 // runtime's own handle (cudaEvent_t / hipEvent_t) and its device. It belongs to the runtime
 // the connector was created with (gpu::DefaultRuntime() at Connector::Create). The engine keeps
-// it alive and does not record it again until WaitForSave returns (or the requests saving it
-// ended), as with any event another party waits on.
+// it alive and does not record it again until WaitForSave returns, even when the requests
+// saving it ended sooner (the connector's waiter may be querying it at that moment).
 struct GpuEvent {
   void* handle = nullptr;
   int device = 0;

@@ -90,7 +90,8 @@ class DeviceRuntime final : public Runtime {
     LogIfError(Check(Api::Free(ptr), Call("Free")));
   }
 
-  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) override {
+  absl::StatusOr<void*> AllocatePinnedHost(int device, size_t bytes) override {
+    if (absl::Status s = SetDevice(device); !s.ok()) return s;
     void* p = nullptr;
     if (absl::Status s =
             Check(Api::HostAlloc(&p, bytes), absl::StrCat(Api::kHostAllocCall, "(", bytes, " B)"));
@@ -106,6 +107,8 @@ class DeviceRuntime final : public Runtime {
   absl::StatusOr<PointerInfo> QueryPointer(const void* ptr) override {
     absl::StatusOr<int> device = Api::PointerDevice(ptr);
     if (!device.ok()) return device.status();
+    // The range query is a driver call on the thread's current context.
+    if (absl::Status s = SetDevice(*device); !s.ok()) return s;
     absl::StatusOr<PointerInfo> range = Api::AllocationRange(ptr);
     if (!range.ok()) return range.status();
     range->device = *device;

@@ -175,9 +175,9 @@ void IpcMapping::Reset() {
 
 // --- PinnedHostBuffer ------------------------------------------------------------------------
 
-absl::StatusOr<PinnedHostBuffer> PinnedHostBuffer::Allocate(Runtime& rt, size_t bytes) {
+absl::StatusOr<PinnedHostBuffer> PinnedHostBuffer::Allocate(Runtime& rt, int device, size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("kvwire gpu: pinned allocation of 0 bytes");
-  absl::StatusOr<void*> ptr = rt.AllocatePinnedHost(bytes);
+  absl::StatusOr<void*> ptr = rt.AllocatePinnedHost(device, bytes);
   if (!ptr.ok()) return ptr.status();
   return PinnedHostBuffer(&rt, static_cast<std::byte*>(*ptr), bytes);
 }

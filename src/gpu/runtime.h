@@ -79,8 +79,9 @@ class Runtime {
   virtual absl::StatusOr<void*> Allocate(int device, size_t bytes) = 0;
   // Release calls run in destructors: failures are logged, not returned.
   virtual void Free(int device, void* ptr) = 0;
-  // Page-locked host memory (fast, asynchronous copies to and from the devices).
-  virtual absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) = 0;
+  // Page-locked host memory (fast, asynchronous copies to and from the devices), allocated
+  // with `device` current (the runtimes tie it to that device's context).
+  virtual absl::StatusOr<void*> AllocatePinnedHost(int device, size_t bytes) = 0;
   virtual void FreePinnedHost(void* ptr) = 0;
   // Device and allocation of `ptr`; InvalidArgument when it is not device memory of this
   // runtime (host memory, pinned host memory, or an unknown address).
@@ -227,7 +228,7 @@ class IpcMapping {
 // Page-locked host memory; freed on destruction.
 class PinnedHostBuffer {
  public:
-  static absl::StatusOr<PinnedHostBuffer> Allocate(Runtime& rt, size_t bytes);
+  static absl::StatusOr<PinnedHostBuffer> Allocate(Runtime& rt, int device, size_t bytes);
   PinnedHostBuffer() = default;
   PinnedHostBuffer(PinnedHostBuffer&& other) noexcept;
   PinnedHostBuffer& operator=(PinnedHostBuffer&& other) noexcept;

@@ -17,7 +17,7 @@ class NoneRuntimeImpl final : public Runtime {
   absl::StatusOr<DeviceInfo> GetDeviceInfo(int) override { return Fail(); }
   absl::StatusOr<void*> Allocate(int, size_t) override { return Fail(); }
   void Free(int, void*) override {}
-  absl::StatusOr<void*> AllocatePinnedHost(size_t) override { return Fail(); }
+  absl::StatusOr<void*> AllocatePinnedHost(int, size_t) override { return Fail(); }
   void FreePinnedHost(void*) override {}
   absl::StatusOr<PointerInfo> QueryPointer(const void*) override { return Fail(); }
   absl::StatusOr<void*> CreateStream(int) override { return Fail(); }

@@ -183,6 +183,11 @@ TEST_F(RdmaGpuTest, GpuSubRangeRegistersThroughPeerMemoryAndMovesBytesExactly) {
         0, std::memcmp(host_.data() + op.remote_offset, source.data() + op.local_offset, op.length))
         << "WRITE from GPU memory is not byte-exact at " << op.local_offset;
   }
+  // A WRITE small enough to go inline must not: the CPU cannot read device memory.
+  const uint64_t inline_before = a_->Stats().rdma.inline_wrs;
+  ASSERT_TRUE(Run(*a_, *b_at_a, OpKind::kWrite, {Op{*gpu_id, 8, host_id_, 200000, 64}}).ok());
+  EXPECT_EQ(a_->Stats().rdma.inline_wrs, inline_before) << "a WRITE from GPU memory went inline";
+  EXPECT_EQ(0, std::memcmp(host_.data() + 200000, source.data() + 8, 64));
 
   // b initiates, GPU memory remote (a's MR and rkey): WRITE host -> GPU, READ it back.
   auto a_at_b = b_->Connect(a_->address());

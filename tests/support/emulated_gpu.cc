@@ -184,7 +184,8 @@ class EmulatedGpu::Impl final : public gpu::Runtime {
   }
   void Free(int, void* ptr) override { Release(ptr, /*imported=*/false); }
 
-  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes) override {
+  absl::StatusOr<void*> AllocatePinnedHost(int device, size_t bytes) override {
+    if (absl::Status s = CheckDevice(device); !s.ok()) return s;
     void* p = std::aligned_alloc(4096, PageRound(bytes));
     if (p == nullptr) return absl::ResourceExhaustedError("kvwire emulated gpu: pinned host");
     return p;
@@ -299,6 +300,7 @@ class EmulatedGpu::Impl final : public gpu::Runtime {
   }
 
   absl::StatusOr<gpu::IpcHandle> ExportIpc(int, void* ptr) override {
+    if (!options_.ipc) return absl::UnimplementedError("kvwire emulated gpu: IPC export disabled");
     MutexLock lock(&mu_);
     const Allocation* a = Find(ptr);
     if (a == nullptr || a->imported) {

@@ -40,6 +40,8 @@ struct EmulatedGpuOptions {
   bool host_accessible = false;
   // ExportDmaBuf hands out a memfd duplicate (true) or says Unimplemented (false).
   bool dma_buf = true;
+  // ExportIpc works (true) or says Unimplemented (false), as for stream-ordered pool memory.
+  bool ipc = true;
   // Added to every queued copy before it runs (exposes missing synchronization).
   absl::Duration copy_delay = absl::ZeroDuration();
 };

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -333,6 +334,8 @@ struct Lane {
   WrPlan plan;
   ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
   bool counted = false;
+  // Some local piece is device memory: never inline (the CPU would read the payload).
+  bool local_gpu = false;
   uint32_t pieces = 0;
   size_t next_wr = 0;
   std::optional<uint32_t> slot;
@@ -859,8 +862,9 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
     const uint32_t remaining = static_cast<uint32_t>(lane.plan.wrs.size() - lane.next_wr);
     const uint32_t k = std::min(free, remaining);
     const uint64_t seq = window_.Reserve(k);
-    signalled += FillChain(lane.plan, lane.next_wr, k, lane.opcode, max_inline_,
-                           options_.signal_interval, seq, tag_, &scratch_[n]);
+    signalled +=
+        FillChain(lane.plan, lane.next_wr, k, lane.opcode, lane.local_gpu ? 0 : max_inline_,
+                  options_.signal_interval, seq, tag_, &scratch_[n]);
     for (uint32_t i = n; i < n + k; ++i) inlined += (scratch_[i].send_flags & IBV_SEND_INLINE) != 0;
     if (prev_last != nullptr) prev_last->next = &scratch_[n];
     prev_last = &scratch_[n + k - 1];
@@ -1169,6 +1173,8 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
     PlanWrs(&bind, 1, limits, &lane->plan);
   }
   PlanWrs(ops.data(), ops.size(), limits, &lane->plan);
+  lane->local_gpu = std::any_of(request.ops.begin(), request.ops.end(),
+                                [](const WireOp& op) { return op.local_gpu_device >= 0; });
   transport_->counters()->pieces.fetch_add(request.ops.size(), std::memory_order_relaxed);
   lane->request = std::move(request);
   lane->done = std::move(done);

@@ -1,6 +1,7 @@
 #include "transport/shm/gpu_region_key.h"
 
 #include <cstring>
+#include <unistd.h>
 
 #include "absl/random/random.h"
 #include "absl/strings/numbers.h"
@@ -118,7 +119,8 @@ uint64_t ShmProcessNonce() {
     absl::BitGen random;
     return absl::Uniform<uint64_t>(random, 1, UINT64_MAX);
   }();
-  return nonce;
+  // A forked child inherits `nonce`; the pid keeps it from taking its parent's keys as its own.
+  return nonce ^ (static_cast<uint64_t>(getpid()) * 0x9E3779B97F4A7C15ull);
 }
 
 uint32_t PackPciBusId(std::string_view bus_id) {

@@ -86,7 +86,16 @@ class ShmTransport final : public Transport {
 
   absl::Status RegisterRegion(const LocalRegion& region) override {
     if (region.kind == MemoryKind::kGpu) {
-      if (absl::Status exported = gpu_exports_.Add(region); !exported.ok()) return exported;
+      absl::Status exported = gpu_exports_.Add(region);
+      if (!exported.ok() && gpu_ == nullptr) return exported;  // GPU memory was not offered
+      if (!exported.ok()) {
+        // Declined, not failed: memory without an IPC handle (stream-ordered pools, VMM
+        // allocations) stays registered with the other transports; its empty key makes peers
+        // route it over them.
+        KVW_LOG(kWarning, "shm") << "GPU region not reachable over shm" << Kv("region", region.id)
+                                 << Kv("reason", exported.message());
+        return absl::OkStatus();
+      }
     }
     absl::Status added = regions_.Add(region);
     if (!added.ok() && region.kind == MemoryKind::kGpu) gpu_exports_.Remove(region.id);

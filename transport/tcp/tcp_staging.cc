@@ -38,7 +38,7 @@ StagingBuffers::~StagingBuffers() {
   }
 }
 
-absl::Status StagingBuffers::Init() {
+absl::Status StagingBuffers::Init(int device) {
   if (buffers_[1] != nullptr) return absl::OkStatus();
   if (staging_.runtime == nullptr) {
     return absl::FailedPreconditionError(
@@ -46,7 +46,7 @@ absl::Status StagingBuffers::Init() {
   }
   for (std::byte*& buffer : buffers_) {
     if (buffer != nullptr) continue;
-    absl::StatusOr<void*> p = staging_.runtime->AllocatePinnedHost(kStagingChunkBytes);
+    absl::StatusOr<void*> p = staging_.runtime->AllocatePinnedHost(device, kStagingChunkBytes);
     if (!p.ok()) {
       return Staging(
           p.status(),
@@ -179,7 +179,14 @@ absl::Status StagedSender::Issue(size_t k) {
 }
 
 absl::Status StagedSender::Send(int fd, const std::vector<Piece>& pieces) {
-  if (absl::Status s = buffers_.Init(); !s.ok()) return s;
+  int device = 0;
+  for (const Piece& p : pieces) {
+    if (p.device >= 0) {
+      device = p.device;
+      break;
+    }
+  }
+  if (absl::Status s = buffers_.Init(device); !s.ok()) return s;
   Plan(pieces);
   absl::Status s = Issue(0);
   for (size_t k = 0; s.ok() && k < used_; ++k) {
@@ -228,7 +235,7 @@ absl::Status StagedReceiver::Seal() {
 
 absl::Status StagedReceiver::Receive(HeaderReader& reader, int device, std::byte* dst,
                                      uint64_t length, const std::atomic<bool>* cancelled) {
-  if (absl::Status s = buffers_.Init(); !s.ok()) return s;
+  if (absl::Status s = buffers_.Init(device); !s.ok()) return s;
   cancelled_ = cancelled;
   receiving_ = true;
   absl::Status s;

@@ -55,8 +55,9 @@ class StagingBuffers {
   StagingBuffers(const StagingBuffers&) = delete;
   StagingBuffers& operator=(const StagingBuffers&) = delete;
 
-  // Allocates the buffers on first use.
-  absl::Status Init();
+  // Allocates the buffers on first use, with `device` current (pinned memory belongs to a
+  // device's context; a rank using GPU 3 must not create one on GPU 0).
+  absl::Status Init(int device);
   std::byte* buffer(int slot) const { return buffers_[slot]; }
 
   // Queues a copy on `device`'s stream (created on first use) and counts the bytes staged.

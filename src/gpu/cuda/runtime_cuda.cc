@@ -38,8 +38,12 @@ template <typename Fn>
 void Resolve(const char* symbol, Fn* fn) {
   void* p = nullptr;
   cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-      q == cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q);
+#else  // ByVersion came with CUDA 12.5; before it, the (later deprecated) unversioned call
+  const cudaError_t e = cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &q);
+#endif
+  if (e == cudaSuccess && q == cudaDriverEntryPointSuccess) {
     *fn = reinterpret_cast<Fn>(p);
   }
 }

@@ -349,6 +349,33 @@ TEST_F(GpuShmChannelTest, CloseReportsRequestsWithQueuedCopiesBeforeItReturns) {
   EXPECT_EQ(PostAndWait(Read(0, 16)).code(), absl::StatusCode::kUnavailable);
 }
 
+// Memory the runtime cannot export (no IPC handle) is declined, not an error: the engine keeps
+// it registered with its other transports, and the empty key routes peers to them.
+TEST(GpuShmDeclineTest, MemoryWithoutAnIpcHandleIsDeclined) {
+  kvwire::testing::EmulatedGpu emulated({.ipc = false});
+  FakeHooks hooks;
+  ShmTransportOptions options;
+  options.engine_name = "no-ipc";
+  options.gpu_runtime = &emulated.runtime();
+  auto transport = CreateShmTransport(options, &hooks);
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  EXPECT_TRUE((*transport)->caps().gpu_memory);
+  auto device = gpu::DeviceBuffer::Allocate(emulated.runtime(), 0, 1 << 16);
+  ASSERT_TRUE(device.ok()) << device.status();
+  LocalRegion region;
+  region.id = 7;
+  region.base = static_cast<std::byte*>(device->data());
+  region.length = device->size();
+  region.kind = MemoryKind::kGpu;
+  region.gpu_device = 0;
+  region.gpu_allocation_base = region.base;
+  region.gpu_allocation_size = device->size();
+  EXPECT_TRUE((*transport)->RegisterRegion(region).ok());
+  EXPECT_EQ((*transport)->RegionKey(region.id), "");
+  (*transport)->DeregisterRegion(region.id);
+  (*transport)->Shutdown();
+}
+
 TEST(GpuShmNoRuntimeTest, WithoutARuntimeGpuMemoryIsRefused) {
   FakeHooks hooks;
   ShmTransportOptions options;

@@ -128,7 +128,7 @@ class DmaBufOnlyRuntime : public gpu::Runtime {
   absl::StatusOr<gpu::DeviceInfo> GetDeviceInfo(int) override { return Unused(); }
   absl::StatusOr<void*> Allocate(int, size_t) override { return Unused(); }
   void Free(int, void*) override {}
-  absl::StatusOr<void*> AllocatePinnedHost(size_t) override { return Unused(); }
+  absl::StatusOr<void*> AllocatePinnedHost(int, size_t) override { return Unused(); }
   void FreePinnedHost(void*) override {}
   absl::StatusOr<gpu::PointerInfo> QueryPointer(const void*) override { return Unused(); }
   absl::StatusOr<void*> CreateStream(int) override { return Unused(); }
