@@ -13,13 +13,18 @@
 #ifndef KVWIRE_GPU_RUNTIME_H_
 #define KVWIRE_GPU_RUNTIME_H_
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "src/gpu/kv_record.h"
 
@@ -267,6 +272,39 @@ class DmaBuf {
   Runtime* rt_ = nullptr;
   DmaBufRange range_;
 };
+
+// --- bounded waits ------------------------------------------------------------------------------
+
+// Waits for `event` by polling EventDone (spinning briefly, then napping up to 200 us), never
+// with a runtime synchronize that has no deadline: DeadlineExceeded naming `what` once
+// `deadline` passes, so that a device that stops making progress costs the caller an error, not
+// a hung thread. Header-only, so that transports use it without linking a backend.
+inline absl::Status WaitForEvent(Runtime& rt, int device, void* event, absl::Time deadline,
+                                 const char* what) {
+  absl::Duration nap = absl::Microseconds(10);
+  for (int polls = 0;; ++polls) {
+    absl::StatusOr<bool> done = rt.EventDone(device, event);
+    if (!done.ok()) return done.status();
+    if (*done) return absl::OkStatus();
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("kvwire gpu: ", what, " did not complete on device ", device, " in time"));
+    }
+    if (polls < 256) {
+      std::this_thread::yield();
+    } else {
+      absl::SleepFor(nap);
+      nap = std::min(nap * 2, absl::Microseconds(200));
+    }
+  }
+}
+
+// Everything queued on `stream` so far, waited for through `event` (recorded here) as above.
+inline absl::Status WaitForStream(Runtime& rt, int device, void* stream, void* event,
+                                  absl::Time deadline, const char* what) {
+  if (absl::Status s = rt.RecordEvent(device, event, stream); !s.ok()) return s;
+  return WaitForEvent(rt, device, event, deadline, what);
+}
 
 // --- helpers shared by the backends ---------------------------------------------------------
 

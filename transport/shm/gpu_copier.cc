@@ -8,6 +8,19 @@
 #include "src/util/log.h"
 
 namespace kvwire::transport::shm {
+namespace {
+
+// Memory that copies which missed their deadline may still touch: held until the process
+// exits, never freed under the device.
+void KeepUntilExit(std::vector<std::shared_ptr<void>> held) {
+  if (held.empty()) return;
+  static Mutex mu;
+  static std::vector<std::shared_ptr<void>> kept;
+  MutexLock lock(&mu);
+  for (std::shared_ptr<void>& h : held) kept.push_back(std::move(h));
+}
+
+}  // namespace
 
 GpuCopier::~GpuCopier() {
   std::thread thread;
@@ -18,14 +31,21 @@ GpuCopier::~GpuCopier() {
     thread = std::move(thread_);
   }
   if (thread.joinable()) thread.join();
-  MutexLock lock(&mu_);
-  for (auto& [device, stream] : streams_) {
-    if (absl::Status s = runtime_->SynchronizeStream(device, stream); !s.ok()) {
-      KVW_LOG(kWarning, "shm") << "device stream did not drain" << Kv("device", device)
-                               << Kv("status", s);
+  absl::flat_hash_map<int, void*> streams;
+  {
+    MutexLock lock(&mu_);
+    streams.swap(streams_);
+  }
+  for (auto& [device, stream] : streams) {
+    if (absl::Status s = WaitForStream(device, stream); !s.ok()) {
+      KVW_LOG(kError, "shm") << "device stream did not drain: left allocated"
+                             << Kv("device", device) << Kv("status", s);
+      continue;
     }
     runtime_->DestroyStream(device, stream);
   }
+  MutexLock lock(&mu_);
+  KeepUntilExit(std::move(stuck_));
   for (auto& [device, events] : free_events_) {
     for (void* event : events) runtime_->DestroyEvent(device, event);
   }
@@ -72,7 +92,18 @@ absl::Status GpuCopier::CopyAndWait(Batch* batch, int device, void* dst, const v
   if (absl::Status copied = Copy(batch, device, dst, src, bytes); !copied.ok()) return copied;
   absl::StatusOr<void*> stream = StreamFor(device);
   if (!stream.ok()) return stream.status();
-  return runtime_->SynchronizeStream(device, *stream);
+  return WaitForStream(device, *stream);
+}
+
+absl::Status GpuCopier::WaitForStream(int device, void* stream) {
+  absl::StatusOr<void*> event = TakeEvent(device);
+  if (!event.ok()) return event.status();
+  absl::Status s = gpu::WaitForStream(*runtime_, device, stream, *event,
+                                      absl::Now() + kDeviceCopyTimeout, "shm device copies");
+  if (s.code() == absl::StatusCode::kDeadlineExceeded) return s;  // the event may still fire
+  MutexLock lock(&mu_);
+  free_events_[device].push_back(*event);
+  return s;
 }
 
 void GpuCopier::Complete(Batch batch, absl::Status status,
@@ -83,6 +114,7 @@ void GpuCopier::Complete(Batch batch, absl::Status status,
   pending->cancelled = std::move(cancelled);
   pending->keep = std::move(keep);
   pending->done = std::move(done);
+  pending->deadline = absl::Now() + kDeviceCopyTimeout;
   for (int device : batch.devices_) {
     absl::StatusOr<void*> stream = StreamFor(device);
     absl::StatusOr<void*> event = stream.ok() ? TakeEvent(device) : stream.status();
@@ -143,6 +175,11 @@ absl::Status GpuCopier::WaitEvents(Pending& p) {
                             absl::StrCat("shm: device copy failed: ", finished.status().message()));
       }
       if (*finished) break;
+      if (absl::Now() >= p.deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("shm: device copies did not end within ",
+                                                        absl::FormatDuration(kDeviceCopyTimeout),
+                                                        " on device ", device));
+      }
       if (p.done && p.cancelled != nullptr && p.cancelled->load(std::memory_order_acquire)) {
         // The transfer is over for the engine; what the copies hold stays held until they end.
         std::exchange(p.done, nullptr)(
@@ -173,10 +210,16 @@ void GpuCopier::Run() {
       busy_ = true;
     }
     absl::Status waited = WaitEvents(*p);
+    const bool stuck = waited.code() == absl::StatusCode::kDeadlineExceeded;
     absl::Status status = p->status.ok() ? std::move(waited) : p->status;
     {
       MutexLock lock(&mu_);
-      for (const auto& [device, event] : p->events) free_events_[device].push_back(event);
+      if (stuck) {
+        // The copies may still run: their memory and events are not given back.
+        stuck_.push_back(std::move(p->keep));
+      } else {
+        for (const auto& [device, event] : p->events) free_events_[device].push_back(event);
+      }
       if (status.ok() && !failed_.ok()) status = failed_;
     }
     // Unpin before reporting, so that whoever waits for the transfer to end finds its regions

@@ -7,7 +7,10 @@
 //
 // Waiting polls the events, so that a request whose transfer ended meanwhile (deadline,
 // deregistration, peer death: PostRequest::cancelled) is reported at once. Its memory stays
-// held until the device has really finished: a queued copy cannot be taken back.
+// held until the device has really finished: a queued copy cannot be taken back. Every wait
+// is bounded (kDeviceCopyTimeout): a device that stops making progress fails the request and
+// leaves what its copies may still touch allocated (never freed under the device), instead of
+// hanging the channel's threads.
 #ifndef KVWIRE_TRANSPORT_SHM_GPU_COPIER_H_
 #define KVWIRE_TRANSPORT_SHM_GPU_COPIER_H_
 
@@ -30,6 +33,9 @@
 #include "transport/transport.h"
 
 namespace kvwire::transport::shm {
+
+// How long one request's device copies may run before the device is considered stuck.
+inline constexpr absl::Duration kDeviceCopyTimeout = absl::Seconds(60);
 
 class GpuCopier {
  public:
@@ -79,6 +85,7 @@ class GpuCopier {
     std::shared_ptr<std::atomic<bool>> cancelled;
     std::shared_ptr<void> keep;
     DoneCallback done;
+    absl::Time deadline = absl::InfiniteFuture();  // for the copies (kDeviceCopyTimeout)
   };
 
   absl::StatusOr<void*> StreamFor(int device) ABSL_LOCKS_EXCLUDED(mu_);
@@ -86,6 +93,8 @@ class GpuCopier {
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits for `p`'s events; runs done early (and clears it) if the request is cancelled.
   absl::Status WaitEvents(Pending& p);
+  // Waits (bounded) for everything queued on `device`'s `stream`, through a pooled event.
+  absl::Status WaitForStream(int device, void* stream) ABSL_LOCKS_EXCLUDED(mu_);
 
   gpu::Runtime* const runtime_;
   const std::shared_ptr<ShmGpuCounters> counters_;
@@ -98,6 +107,9 @@ class GpuCopier {
   CondVar drained_;                         // signalled when a request was reported
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // What requests held when their copies did not end in time: kept for the copier's life
+  // (and a stream that did not drain is not destroyed), never freed under the device.
+  std::vector<std::shared_ptr<void>> stuck_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // started by the first Complete
 };
 

@@ -25,7 +25,10 @@ StagingBuffers::~StagingBuffers() {
   if (rt == nullptr) return;
   // Nothing may still copy into or out of the buffers when they are freed.
   if (absl::Status s = WaitAll(); !s.ok()) {
-    KVW_LOG(kError, "tcp") << "waiting for staging copies failed" << Kv("error", s.message());
+    KVW_LOG(kError, "tcp") << "staging copies did not end: their pinned buffers and streams are "
+                              "left allocated"
+                           << Kv("error", s.message());
+    return;
   }
   for (const std::unique_ptr<DeviceQueue>& q : queues_) {
     for (void* event : q->events) {
@@ -113,7 +116,9 @@ absl::Status StagingBuffers::Wait(int slot) {
   for (const std::unique_ptr<DeviceQueue>& q : queues_) {
     if (!q->marked[slot]) continue;
     q->marked[slot] = false;
-    if (absl::Status s = staging_.runtime->SynchronizeEvent(q->device, q->events[slot]); !s.ok()) {
+    if (absl::Status s = gpu::WaitForEvent(*staging_.runtime, q->device, q->events[slot],
+                                           absl::Now() + kStagingCopyTimeout, "a staging copy");
+        !s.ok()) {
       return Staging(s, "waiting for a copy");
     }
   }
@@ -125,7 +130,8 @@ absl::Status StagingBuffers::WaitAll() {
   for (const std::unique_ptr<DeviceQueue>& q : queues_) {
     q->marked = {false, false};
     q->queued = false;
-    absl::Status s = staging_.runtime->SynchronizeStream(q->device, q->stream);
+    absl::Status s = gpu::WaitForStream(*staging_.runtime, q->device, q->stream, q->events[0],
+                                        absl::Now() + kStagingCopyTimeout, "the staging stream");
     if (!s.ok() && first.ok()) first = Staging(s, "waiting for the staging stream");
   }
   return first;

@@ -38,6 +38,9 @@ class HeaderReader;
 inline constexpr size_t kStagingChunkBytes = 1 << 20;
 // Staged bytes a writer batch or a target's response flush may hold (4 chunks, see above).
 inline constexpr uint64_t kStagedBatchBytes = 4 * kStagingChunkBytes;
+// How long a staging copy (at most a few chunks) may take before the device is considered
+// stuck: the op fails and the connection closes instead of its thread hanging.
+inline constexpr absl::Duration kStagingCopyTimeout = absl::Seconds(30);
 
 // What a connection needs to move device memory: the runtime (null: it refuses) and the
 // transport's counter of staged bytes (EngineStats::gpu.tcp_staged_bytes).
@@ -47,7 +50,8 @@ struct GpuStaging {
 };
 
 // The two pinned buffers of one direction, and per device a stream and one event per
-// buffer. Used by one thread at a time. Destruction waits for queued copies.
+// buffer. Used by one thread at a time. Destruction waits (bounded) for queued copies; buffers
+// a stuck device may still use are left allocated, never freed under it.
 class StagingBuffers {
  public:
   explicit StagingBuffers(GpuStaging staging) : staging_(std::move(staging)) {}

@@ -83,6 +83,24 @@ TEST(EmulatedGpu, EventsOrderStreams) {
   EXPECT_TRUE(*done);
 }
 
+// The bounded waits the transports use instead of an unbounded synchronize.
+TEST(EmulatedGpu, WaitForEventGivesUpAtItsDeadline) {
+  EmulatedGpu emulated({.copy_delay = absl::Milliseconds(400)});
+  gpu::Runtime& rt = emulated.runtime();
+  auto dev = gpu::DeviceBuffer::Allocate(rt, 0, 4096);
+  auto stream = gpu::Stream::Create(rt, 0);
+  auto event = gpu::Event::Create(rt, 0);
+  ASSERT_TRUE(dev.ok() && stream.ok() && event.ok());
+  std::vector<uint8_t> host(4096, 1);
+  ASSERT_TRUE(stream->CopyAsync(dev->data(), host.data(), host.size()).ok());
+  absl::Status late = gpu::WaitForStream(rt, 0, stream->native(), event->native(),
+                                         absl::Now() + absl::Milliseconds(50), "a slow copy");
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_NE(late.message().find("a slow copy"), std::string::npos) << late;
+  EXPECT_TRUE(
+      gpu::WaitForEvent(rt, 0, event->native(), absl::Now() + absl::Seconds(30), "copy").ok());
+}
+
 TEST(EmulatedGpu, QueryPointerFindsTheAllocationOfASubRange) {
   EmulatedGpu emulated({.devices = 2});
   gpu::Runtime& rt = emulated.runtime();
