@@ -27,13 +27,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BUNDLE=build-cuda/gpu-bundle
 # gpu_config_test checks the build machine's toolchains against configure: not for this run.
-PROGRAMS=(gpu_kv_record_test gpu_runtime_test gpu_shm_transfer_test dsv4_gpu_attention_test)
+PROGRAMS=(gpu_kv_record_test gpu_runtime_test gpu_shm_transfer_test dsv4_gpu_attention_test
+          tcp_gpu_test)
 HELPERS=(gpu_ipc_peer)
 # The reference engine's kernel-vs-CPU checks read the tiny config from the repository here.
 export DSV4_CONFIG_DIR=$PWD/examples/dsv4/configs
 
 # Where a program lies in a build tree (PROGRAM_DIRS overrides tests/unit/gpu).
-declare -A PROGRAM_DIRS=([dsv4_gpu_attention_test]=tests/dsv4/model)
+declare -A PROGRAM_DIRS=([dsv4_gpu_attention_test]=tests/dsv4/model
+                        [tcp_gpu_test]=tests/integration)
 program_dir() { echo "${PROGRAM_DIRS[$1]:-tests/unit/gpu}"; }
 # A program's path under $1: the bundle's bin/, or a build tree.
 program_bin() {
