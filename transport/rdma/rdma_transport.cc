@@ -1143,6 +1143,7 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
       r.rkey = mr->rkeys[remote_dev];
       r.length = op.length;
       ops.push_back(r);
+      lane->local_gpu = lane->local_gpu || op.local_gpu_device >= 0;
     }
   }
   // Local keys (consecutive ops mostly share a region: one lookup each time it changes).
@@ -1173,8 +1174,6 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
     PlanWrs(&bind, 1, limits, &lane->plan);
   }
   PlanWrs(ops.data(), ops.size(), limits, &lane->plan);
-  lane->local_gpu = std::any_of(request.ops.begin(), request.ops.end(),
-                                [](const WireOp& op) { return op.local_gpu_device >= 0; });
   transport_->counters()->pieces.fetch_add(request.ops.size(), std::memory_order_relaxed);
   lane->request = std::move(request);
   lane->done = std::move(done);
