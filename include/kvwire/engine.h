@@ -107,9 +107,21 @@ struct EngineOptions {
   int rdma_retry_count = 7;
   int rdma_rnr_retry = 7;
 
+  // --- shm transport (peers on this host); see docs/SECURITY.md ---
+  // Cross-memory attach for host memory that is not a whole ShareableBuffer, offered to and
+  // used on peers that opt in too (ShmTransportOptions::allow_cma). Off: such regions move
+  // over tcp, validated by the target, and the engine says so in its log and peer stats.
+  // On: any peer that opted in too can read and write ALL of this process's memory.
+  bool shm_cma = false;
+  // Makes the process non-dumpable so that other processes of the same uid cannot reach its
+  // memory through ptrace access (process_vm_*, /proc/<pid>/mem, /proc/<pid>/fd); see
+  // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with shm_cma.
+  bool shm_deny_ptrace = false;
+
   // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
   // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL, KVWIRE_RDMA_DEVICES (comma
-  // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS). The only place the library reads the
+  // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS, KVWIRE_SHM_CMA=1,
+  // KVWIRE_SHM_DENY_PTRACE=1). The only place the library reads the
   // environment.
   static EngineOptions FromEnvironment(EngineOptions base);
 };

@@ -84,6 +84,8 @@ absl::Status Engine::Impl::Init() {
   transport::ShmTransportOptions shm_options;
   shm_options.engine_name = name_;
   shm_options.gpu_runtime = gpu_;
+  shm_options.allow_cma = options_.shm_cma;
+  shm_options.deny_ptrace = options_.shm_deny_ptrace;
   auto shm = transport::CreateShmTransport(shm_options, this);
   if (!shm.ok()) {
     KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << shm.status().message()

@@ -212,6 +212,8 @@ bool FdServer::Serve(Connection& connection) {
   if (entry == nullptr) {
     refused = absl::NotFoundError(
         absl::StrCat("shm: region ", region_id, " is not registered with the shm transport"));
+  } else if (!entry->not_shared.empty()) {
+    refused = absl::FailedPreconditionError(entry->not_shared);
   } else if (!entry->memfd.valid()) {
     refused = absl::FailedPreconditionError(absl::StrCat(
         "shm: region ", region_id,
@@ -224,11 +226,21 @@ bool FdServer::Serve(Connection& connection) {
   reply.memfd_offset = entry->memfd_offset;
   reply.length = entry->length;
   reply.access = entry->access & region->access;
-  // Without write permission the peer gets a read-only descriptor of the same memfd, so that
-  // the kernel, not only the peer's good will, keeps it from writing.
+  // Without write permission the peer gets a read-only descriptor of the same memfd. That
+  // alone would not stop it (it can reopen the descriptor read-write through /proc): the
+  // memfd's F_SEAL_FUTURE_WRITE does (LocalRegionTable::Add).
   UniqueFd read_only;
   int fd = entry->memfd.get();
   if ((reply.access & kRemoteWrite) == 0) {
+    // The engine may export with fewer rights than the region was registered with: a
+    // read-only reply over a memfd that is not sealed against writes would still be writable.
+    const int seals = ::fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) == 0) {
+      const absl::Status error = absl::FailedPreconditionError(absl::StrCat(
+          "shm: region ", region_id,
+          " is exported read-only but its memfd is not sealed against writes; not shared"));
+      return Reply(socket, ErrorReply(region_id, error), -1).ok();
+    }
     const std::string path = absl::StrCat("/proc/self/fd/", entry->memfd.get());
     read_only.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!read_only.valid()) {

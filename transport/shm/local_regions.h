@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -20,14 +21,26 @@ struct LocalRegionEntry {
   RegionId id = 0;
   uint64_t length = 0;
   uint32_t access = kAccessNone;
-  UniqueFd memfd;  // invalid when the region is not memfd-backed
+  UniqueFd memfd;  // invalid when the region is not memfd-backed or its memfd is not shared
   uint64_t memfd_offset = 0;
+  // Why a memfd-backed region's descriptor is never handed to peers (empty when it is, or
+  // when the region has no memfd): the peer is told, and its engine moves the region over a
+  // path where this side validates every access (tcp).
+  std::string not_shared;
 };
 
 class LocalRegionTable {
  public:
   // Checks a memfd-backed region (the memfd covers it, and is sealed against shrinking, so
   // that a peer's mapping can never fault) and keeps a duplicate of its descriptor.
+  //
+  // A peer that receives the descriptor holds the whole file, whatever part of it the region
+  // is and whatever mode the descriptor was passed with (it can reopen it read-write through
+  // /proc/self/fd). So the descriptor is shared only when the region is the whole memfd, and
+  // only after the memfd's seals enforce the region's rights on every holder: F_SEAL_SEAL
+  // always, plus F_SEAL_FUTURE_WRITE (no new writable mapping, no write(2), no hole
+  // punching; this process's own mapping stays writable) when peers may only read it.
+  // Otherwise the region is registered without a shared memfd (`not_shared` says why).
   absl::Status Add(const LocalRegion& region);
   void Remove(RegionId id);
   void Clear();

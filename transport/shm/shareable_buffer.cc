@@ -37,8 +37,11 @@ absl::StatusOr<ShareableBuffer> ShareableBuffer::Create(size_t length, const std
                        absl::StrCat("ftruncate of memfd \"", memfd_name, "\" to ", size, " bytes"));
   }
   // A peer that maps this memfd must not be able to hit SIGBUS because the file shrank under
-  // it: seal the size for good, and let the receiving side check the seals.
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  // it: seal the size for good, and let the receiving side check the seals. F_SEAL_SEAL is
+  // left to the shm transport: it adds F_SEAL_FUTURE_WRITE first when the memory is
+  // registered read-only (LocalRegionTable::Add), so that no holder of the descriptor can
+  // write it, and then forbids further seals.
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return ErrnoStatus(absl::StatusCode::kInternal, errno,
                        absl::StrCat("sealing memfd \"", memfd_name, "\""));
   }

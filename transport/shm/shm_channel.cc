@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <unistd.h>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,38 @@ absl::Status OpError(const PostRequest& request, size_t index, absl::StatusCode 
                       absl::StrCat("shm transfer ", request.transfer_id, " op ", index, " (",
                                    KindName(request.kind), " region ", op.remote_region, " offset ",
                                    op.remote_offset, " length ", op.length, "): ", why));
+}
+
+// Whether this process may use cross-memory attach on the peer behind `socket`: both sides
+// opted in, and the process that listens on the peer's socket (the one that proved the session
+// token) has this process's uid and the pid the peer claimed. Without the pid check a peer
+// could name another process of the same uid (its endpoint and probe word are public in that
+// process's Hello) and have this engine write into it.
+absl::Status CheckCma(const ShmChannel::Options& options, const ShmEndpoint& endpoint, pid_t pid,
+                      int socket) {
+  if (!options.allow_cma) {
+    return absl::FailedPreconditionError("disabled by ShmTransportOptions::allow_cma");
+  }
+  if (!endpoint.cma) {
+    return absl::FailedPreconditionError("the peer does not offer it (its allow_cma is off)");
+  }
+  ucred peer{};
+  socklen_t size = sizeof(peer);
+  if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &peer, &size) != 0) {
+    return ErrnoStatus(absl::StatusCode::kFailedPrecondition, errno,
+                       "SO_PEERCRED of the peer's shm socket");
+  }
+  if (peer.uid != ::geteuid()) {
+    return absl::FailedPreconditionError(absl::StrCat("the peer's shm socket belongs to uid ",
+                                                      peer.uid, ", this process runs as uid ",
+                                                      ::geteuid()));
+  }
+  if (peer.pid != pid || endpoint.pid != static_cast<uint32_t>(pid)) {
+    return absl::FailedPreconditionError(absl::StrCat("the peer's shm socket belongs to pid ",
+                                                      peer.pid, ", but the peer claims pid ", pid,
+                                                      " (endpoint pid ", endpoint.pid, ")"));
+  }
+  return ProbeCma(pid, endpoint.probe_address, endpoint.probe_value);
 }
 
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
@@ -66,10 +99,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
                         absl::StrCat(who, " refused the session: ", response->reply.message));
   }
   const pid_t pid = static_cast<pid_t>(link.remote_pid != 0 ? link.remote_pid : endpoint.pid);
-  absl::Status cma =
-      options.allow_cma
-          ? ProbeCma(pid, endpoint.probe_address, endpoint.probe_value)
-          : absl::FailedPreconditionError("disabled by ShmTransportOptions::allow_cma");
+  absl::Status cma = CheckCma(options, endpoint, pid, socket->get());
   auto channel =
       std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid, cma);
   KVW_LOG(kInfo, "shm") << "channel connected" << Kv("peer", link.peer)

@@ -33,7 +33,7 @@ namespace kvwire::transport::shm {
 class ShmChannel final : public Channel {
  public:
   struct Options {
-    bool allow_cma = true;
+    bool allow_cma = false;  // ShmTransportOptions::allow_cma
     bool populate_mappings = true;
     absl::Duration request_timeout = absl::Seconds(10);
     // Null: the peer's GPU regions are refused (they go over another transport).

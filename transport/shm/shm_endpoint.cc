@@ -71,7 +71,7 @@ std::string EncodeEndpoint(const ShmEndpoint& endpoint) {
   return absl::StrCat(kMagic, " host=", Escape(endpoint.host_id),
                       " socket=", Escape(endpoint.socket_name), " pid=", endpoint.pid,
                       " probe=", absl::Hex(endpoint.probe_address),
-                      " nonce=", absl::Hex(endpoint.probe_value));
+                      " nonce=", absl::Hex(endpoint.probe_value), " cma=", endpoint.cma ? 1 : 0);
 }
 
 absl::StatusOr<ShmEndpoint> ParseEndpoint(absl::string_view text) {
@@ -99,6 +99,9 @@ absl::StatusOr<ShmEndpoint> ParseEndpoint(absl::string_view text) {
     } else if (key == "probe") {
       has_probe = absl::SimpleHexAtoi(*value, &endpoint.probe_address);
       if (!has_probe) return Invalid(text, "bad probe address");
+    } else if (key == "cma") {
+      if (*value != "0" && *value != "1") return Invalid(text, "bad cma (0 or 1)");
+      endpoint.cma = *value == "1";
     } else if (key == "nonce") {
       has_nonce = absl::SimpleHexAtoi(*value, &endpoint.probe_value);
       if (!has_nonce) return Invalid(text, "bad nonce");

@@ -1,5 +1,6 @@
 // What a peer needs to reach an shm transport, serialized into Transport::Endpoint():
-//   "kvwire-shm/1 host=<id> socket=<name> pid=<pid> probe=<hex address> nonce=<hex value>"
+//   "kvwire-shm/1 host=<id> socket=<name> pid=<pid> probe=<hex address> nonce=<hex value>
+//    cma=<0|1>"
 // Values are percent-escaped, so host ids and socket names may hold any byte.
 #ifndef KVWIRE_TRANSPORT_SHM_SHM_ENDPOINT_H_
 #define KVWIRE_TRANSPORT_SHM_SHM_ENDPOINT_H_
@@ -21,6 +22,9 @@ struct ShmEndpoint {
   // owner in the peer's pid namespace (a different process would not hold the value).
   uint64_t probe_address = 0;
   uint64_t probe_value = 0;
+  // The owner lets peers use cross-memory attach on it (ShmTransportOptions::allow_cma).
+  // Absent (an older peer): not offered.
+  bool cma = false;
 };
 
 std::string EncodeEndpoint(const ShmEndpoint& endpoint);

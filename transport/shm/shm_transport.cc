@@ -4,7 +4,10 @@
 // streams (GPU memory).
 #include "transport/shm/shm_transport.h"
 
+#include <sys/prctl.h>
+
 #include <atomic>
+#include <cerrno>
 #include <unistd.h>
 #include <utility>
 
@@ -13,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "src/util/log.h"
+#include "transport/shm/errno_text.h"
 #include "transport/shm/fd_server.h"
 #include "transport/shm/gpu_exports.h"
 #include "transport/shm/gpu_imports.h"
@@ -75,9 +79,11 @@ class ShmTransport final : public Transport {
     endpoint.pid = static_cast<uint32_t>(::getpid());
     endpoint.probe_address = reinterpret_cast<uintptr_t>(&probe_word_);
     endpoint.probe_value = probe_word_;
+    endpoint.cma = options_.allow_cma;
     endpoint_ = shm::EncodeEndpoint(endpoint);
     KVW_LOG(kInfo, "shm") << "transport started" << Kv("socket", socket_name)
-                          << Kv("host_id", host_id_);
+                          << Kv("host_id", host_id_) << Kv("cma", options_.allow_cma)
+                          << Kv("deny_ptrace", options_.deny_ptrace);
     return absl::OkStatus();
   }
 
@@ -176,6 +182,17 @@ class ShmTransport final : public Transport {
 absl::StatusOr<std::unique_ptr<Transport>> CreateShmTransport(const ShmTransportOptions& options,
                                                               TargetHooks* hooks) {
   if (hooks == nullptr) return absl::InvalidArgumentError("shm transport needs TargetHooks");
+  if (options.deny_ptrace) {
+    if (options.allow_cma) {
+      return absl::InvalidArgumentError(
+          "shm transport: deny_ptrace and allow_cma together (peers could not attach to a "
+          "non-dumpable process)");
+    }
+    if (::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+      return shm::ErrnoStatus(absl::StatusCode::kInternal, errno,
+                              "shm transport: prctl(PR_SET_DUMPABLE, 0)");
+    }
+  }
   absl::BitGen random;
   // Non-zero, so that a zero-filled word (wrong process, wrong address) never matches.
   const uint64_t probe_value = absl::Uniform<uint64_t>(random, 1, UINT64_MAX);

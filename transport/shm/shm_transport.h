@@ -29,9 +29,25 @@ struct ShmTransportOptions {
   std::string host_id;
   // Engine name, used to name the Unix socket in the abstract namespace.
   std::string engine_name;
-  // Use cross-memory attach (process_vm_readv/writev) for peer regions that are not
-  // memfd-backed. Without it such regions are refused (FailedPrecondition), never moved slowly.
-  bool allow_cma = true;
+  // Cross-memory attach (process_vm_readv/writev) for host regions that are not
+  // memfd-backed, both ways: this engine offers it to peers (its endpoint says so) and uses it
+  // on peers that offer it. Off by default: an initiator using it can read and write ANY
+  // memory of the target, not only what was exported (the kernel checks ptrace access, not
+  // regions), so a target must opt in. When both sides opt in, the initiator still checks that
+  // the peer's shm socket belongs to a process of its own uid with the pid the peer claimed
+  // (SO_PEERCRED), so a peer cannot point it at a third process. Without it such regions are
+  // refused here (FailedPrecondition naming the reason) and the engine reports that it routes
+  // them over tcp, where the target validates every access.
+  bool allow_cma = false;
+  // Makes this process non-dumpable (prctl(PR_SET_DUMPABLE, 0)), so that the kernel denies
+  // other processes of the same uid without CAP_SYS_PTRACE what the ptrace access check
+  // guards: process_vm_readv/writev, /proc/<pid>/mem, and opening /proc/<pid>/fd/* (which
+  // would reach every memfd of this process, exported or not). Without it a same-uid process
+  // can reach all of this process's memory whatever kvwire does. Process-wide side effects:
+  // no core dumps (unless fs.suid_dumpable says otherwise), no debugger/profiler attach by the
+  // same user, /proc/<pid>/ files owned by root. Off by default for those reasons. Refused
+  // together with allow_cma (peers could not use it).
+  bool deny_ptrace = false;
   // Prefault the page tables of a peer's region when it is mapped (AddRemoteRegions), so the
   // first copy into it does not take one page fault per 4 KiB. This allocates the region's
   // pages in the peer's memfd if the peer has not touched them yet (as RDMA registration would).

@@ -1,0 +1,546 @@
+// Hostile same-host peers against the shm transport, with real processes: a target process
+// (forked, unprivileged when the test runs as root) exports regions, and a second process
+// receives their descriptors through the real fd protocol and tries to reach more than it was
+// exported: bytes outside the range, write access to a read-only region, write access through
+// /proc, access after revocation, and cross-memory attach. Afterwards a legitimate peer still
+// moves bytes exactly.
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <grp.h>
+#include <memory>
+#include <poll.h>
+#include <random>
+#include <signal.h>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "kvwire/memory.h"
+#include "src/util/mutex.h"
+#include "transport/shm/fd_client.h"
+#include "transport/shm/fd_protocol.h"
+#include "transport/shm/seqpacket.h"
+#include "transport/shm/shareable_registry.h"
+#include "transport/shm/shm_endpoint.h"
+#include "transport/shm/shm_transport.h"
+
+namespace kvwire::transport {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr PeerId kPeer = 7;
+constexpr char kToken[] = "session-token-of-peer-7";
+constexpr uid_t kTargetUid = 65534;  // nobody: the target and a same-uid attacker
+constexpr uid_t kOtherUid = 65533;   // an attacker under another uid
+
+// --- plumbing ------------------------------------------------------------------------------
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
+
+bool WaitReady(int fd, short events, absl::Time deadline) {
+  while (true) {
+    pollfd entry{fd, events, 0};
+    const int ms =
+        static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    const int n = poll(&entry, 1, ms);
+    if (n > 0) return true;
+    if (n == 0 || errno != EINTR) return false;
+  }
+}
+
+bool WriteAll(int fd, const void* data, size_t size, absl::Time deadline) {
+  const char* at = static_cast<const char*>(data);
+  while (size > 0) {
+    if (!WaitReady(fd, POLLOUT, deadline)) return false;
+    const ssize_t n = send(fd, at, size, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    at += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, void* data, size_t size, absl::Time deadline) {
+  char* at = static_cast<char*>(data);
+  while (size > 0) {
+    if (!WaitReady(fd, POLLIN, deadline)) return false;
+    const ssize_t n = read(fd, at, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    at += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool WriteString(int fd, const std::string& s, absl::Time deadline = Soon()) {
+  const uint64_t size = s.size();
+  return WriteAll(fd, &size, sizeof(size), deadline) && WriteAll(fd, s.data(), size, deadline);
+}
+
+bool ReadString(int fd, std::string* s, absl::Time deadline = Soon()) {
+  uint64_t size = 0;
+  if (!ReadAll(fd, &size, sizeof(size), deadline) || size > (64 << 20)) return false;
+  s->resize(size);
+  return ReadAll(fd, s->data(), size, deadline);
+}
+
+size_t Page() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+// In a forked child running as root: become an ordinary process of `uid` (no capabilities),
+// still dumpable (a credential change clears that, and an ordinary process has it set).
+bool BecomeUser(uid_t uid) {
+  if (geteuid() != 0) return true;  // already unprivileged: stay the same uid
+  if (setgroups(0, nullptr) != 0 || setresgid(uid, uid, uid) != 0 ||
+      setresuid(uid, uid, uid) != 0) {
+    return false;
+  }
+  return prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) == 0;
+}
+
+// The engine's side of the target, reduced to a region table.
+class FakeHooks : public TargetHooks {
+ public:
+  void AddRegion(const LocalRegion& region, bool exported) {
+    MutexLock lock(&mu_);
+    regions_[region.id] = Entry{region, exported};
+  }
+  void SetExported(RegionId id, bool exported) {
+    MutexLock lock(&mu_);
+    regions_[id].exported = exported;
+  }
+  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
+    if (token == kToken) return kPeer;
+    return absl::UnauthenticatedError("unknown session token");
+  }
+  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
+                                                 OpKind) override {
+    return absl::UnimplementedError("shm never asks the target to move data");
+  }
+  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
+    MutexLock lock(&mu_);
+    auto it = regions_.find(region);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("no region ", region));
+    if (!it->second.exported) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("region ", region, " is not exported to peer ", peer));
+    }
+    return it->second.region;
+  }
+  void OnWriteArrived(PeerId, TransferId) override {}
+  void OnPeerError(PeerId, const absl::Status&) override {}
+
+ private:
+  struct Entry {
+    LocalRegion region;
+    bool exported = false;
+  };
+  Mutex mu_;
+  std::map<RegionId, Entry> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t access) {
+  LocalRegion region;
+  region.id = id;
+  region.base = base;
+  region.length = length;
+  region.access = access;
+  if (std::optional<ShareableBacking> backing = FindShareable(base, length)) {
+    region.memfd = backing->fd;
+    region.memfd_offset = backing->offset;
+  }
+  return region;
+}
+
+RemoteRegionDesc Describe(const LocalRegion& region) {
+  RemoteRegionDesc desc;
+  desc.id = region.id;
+  desc.length = region.length;
+  desc.access = region.access;
+  desc.kind = region.kind;
+  desc.address = reinterpret_cast<uintptr_t>(region.base);
+  desc.shareable = region.memfd >= 0;
+  return desc;
+}
+
+// --- the target process --------------------------------------------------------------------
+
+// Regions of the target (index = id - 1):
+//   1 kSubRange: page 1 of a 4-page buffer, read-only; the other pages hold a secret ('S').
+//   2 kWholeRw:  a whole 4-page buffer, read-write.
+//   3 kHeap:     heap memory, read-write (cross-memory attach only).
+//   4 kWholeRo:  a whole 4-page buffer, read-only.
+enum RegionIndex : uint32_t { kSubRange = 0, kWholeRw = 1, kHeap = 2, kWholeRo = 3 };
+constexpr char kSecret = 'S';
+constexpr char kHeapByte = 'H';
+constexpr char kReadOnlyByte = 'O';
+constexpr char kSubRangeByte = 'R';
+constexpr char kFreshByte = 'N';
+
+struct TargetConfig {
+  bool drop_privileges = true;  // run as kTargetUid when the test runs as root
+  bool allow_cma = false;
+};
+
+enum Command : uint32_t { kExit = 0, kDump = 1, kRevoke = 2, kReallocate = 3, kDumpFresh = 4 };
+struct CommandMessage {
+  Command command;
+  uint32_t region;
+};
+
+struct TargetInfo {
+  std::string endpoint;
+  pid_t pid = -1;
+  std::vector<RemoteRegionDesc> descs;
+  int whole_ro_memfd = -1;  // the target's descriptor number of kWholeRo's memfd
+};
+
+[[noreturn]] void RunTarget(int control, const TargetConfig& config) {
+  if (config.drop_privileges && !BecomeUser(kTargetUid)) _exit(9);
+  FakeHooks hooks;
+  ShmTransportOptions options;
+  options.engine_name = "hostile-target";
+  options.allow_cma = config.allow_cma;
+  options.request_timeout = absl::Seconds(20);
+  absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
+  if (!transport.ok()) _exit(10);
+  const size_t page = Page();
+  absl::StatusOr<ShareableBuffer> big = ShareableBuffer::Create(4 * page, "hostile-big");
+  absl::StatusOr<ShareableBuffer> rw = ShareableBuffer::Create(4 * page, "hostile-rw");
+  absl::StatusOr<ShareableBuffer> ro = ShareableBuffer::Create(4 * page, "hostile-ro");
+  if (!big.ok() || !rw.ok() || !ro.ok()) _exit(11);
+  std::memset(big->data(), kSecret, big->size());
+  std::memset(big->data() + page, kSubRangeByte, page);
+  std::mt19937_64 rng(5);
+  for (size_t i = 0; i < rw->size(); ++i) rw->data()[i] = static_cast<std::byte>(rng());
+  std::memset(ro->data(), kReadOnlyByte, ro->size());
+  std::vector<std::byte> heap(16 * page, std::byte{kHeapByte});
+  std::vector<LocalRegion> regions = {MakeRegion(1, big->data() + page, page, kRemoteRead),
+                                      MakeRegion(2, rw->data(), rw->size(), kRemoteReadWrite),
+                                      MakeRegion(3, heap.data(), heap.size(), kRemoteReadWrite),
+                                      MakeRegion(4, ro->data(), ro->size(), kRemoteRead)};
+  std::string descs;
+  for (const LocalRegion& region : regions) {
+    if (absl::Status s = (*transport)->RegisterRegion(region); !s.ok()) {
+      std::fprintf(stderr, "target: RegisterRegion %d: %s\n", static_cast<int>(region.id),
+                   s.ToString().c_str());
+      _exit(12);
+    }
+    hooks.AddRegion(region, /*exported=*/true);
+    const RemoteRegionDesc desc = Describe(region);
+    descs.append(reinterpret_cast<const char*>(&desc), sizeof(desc));
+  }
+  if (!WriteString(control, (*transport)->Endpoint()) || !WriteString(control, descs) ||
+      !WriteString(control, absl::StrCat(ro->fd()))) {
+    _exit(13);
+  }
+  std::optional<ShareableBuffer> fresh;
+  while (true) {
+    CommandMessage message;
+    if (!ReadAll(control, &message, sizeof(message), absl::Now() + absl::Seconds(120))) _exit(14);
+    if (message.command == kExit) break;
+    if (message.region >= regions.size()) _exit(15);
+    const LocalRegion& region = regions[message.region];
+    std::string reply = "ok";
+    if (message.command == kDump) {
+      reply.assign(reinterpret_cast<const char*>(region.base), region.length);
+    } else if (message.command == kRevoke) {
+      // What the engine does when it revokes: the region is no longer exported, the transport
+      // forgets it, and the peer is dropped.
+      hooks.SetExported(region.id, false);
+      (*transport)->DeregisterRegion(region.id);
+      (*transport)->DropPeer(kPeer);
+    } else if (message.command == kReallocate) {
+      // The owner frees the revoked buffer and allocates new memory for other data.
+      if (message.region != kWholeRw) _exit(16);
+      *rw = ShareableBuffer();
+      absl::StatusOr<ShareableBuffer> next = ShareableBuffer::Create(4 * page, "hostile-fresh");
+      if (!next.ok()) _exit(17);
+      std::memset(next->data(), kFreshByte, next->size());
+      fresh = *std::move(next);
+    } else if (message.command == kDumpFresh) {
+      if (!fresh.has_value()) _exit(18);
+      reply.assign(reinterpret_cast<const char*>(fresh->data()), fresh->size());
+    }
+    if (!WriteString(control, reply)) _exit(19);
+  }
+  (*transport)->Shutdown();
+  _exit(0);
+}
+
+// Starts a target process before this process has threads of its own.
+class Target {
+ public:
+  ~Target() { Stop(); }
+
+  ::testing::AssertionResult Start(const TargetConfig& config) {
+    int fds[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+      return ::testing::AssertionFailure() << "socketpair: " << strerror(errno);
+    }
+    pid_ = fork();
+    if (pid_ < 0) return ::testing::AssertionFailure() << "fork: " << strerror(errno);
+    if (pid_ == 0) {
+      close(fds[0]);
+      RunTarget(fds[1], config);
+    }
+    close(fds[1]);
+    control_ = fds[0];
+    std::string descs, memfd;
+    if (!ReadString(control_, &info_.endpoint) || !ReadString(control_, &descs) ||
+        !ReadString(control_, &memfd)) {
+      return ::testing::AssertionFailure() << "the target process did not start";
+    }
+    info_.pid = pid_;
+    info_.descs.resize(descs.size() / sizeof(RemoteRegionDesc));
+    std::memcpy(info_.descs.data(), descs.data(), descs.size());
+    info_.whole_ro_memfd = std::stoi(memfd);
+    return ::testing::AssertionSuccess();
+  }
+
+  std::string Call(Command command, uint32_t region) {
+    CommandMessage message{command, region};
+    std::string reply;
+    EXPECT_TRUE(WriteAll(control_, &message, sizeof(message), Soon()));
+    EXPECT_TRUE(ReadString(control_, &reply)) << "target did not answer command " << command;
+    return reply;
+  }
+
+  void Stop() {
+    if (pid_ <= 0) return;
+    CommandMessage exit_message{kExit, 0};
+    (void)WriteAll(control_, &exit_message, sizeof(exit_message), Soon());
+    close(control_);
+    int status = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        ADD_FAILURE() << "the target process did not exit";
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "target status " << status;
+    pid_ = -1;
+  }
+
+  const TargetInfo& info() const { return info_; }
+
+ private:
+  pid_t pid_ = -1;
+  int control_ = -1;
+  TargetInfo info_;
+};
+
+// A peer speaking the fd protocol directly, as a hostile process would (no ShmChannel checks).
+struct RawPeer {
+  shm::UniqueFd socket;
+
+  absl::Status Connect(const std::string& endpoint_text) {
+    absl::StatusOr<shm::ShmEndpoint> endpoint = shm::ParseEndpoint(endpoint_text);
+    if (!endpoint.ok()) return endpoint.status();
+    absl::StatusOr<shm::UniqueFd> connected = shm::ConnectSeqpacket(endpoint->socket_name, Soon());
+    if (!connected.ok()) return connected.status();
+    socket = *std::move(connected);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<shm::FdResponse> Fetch(RegionId region) {
+    shm::FdRequest request;
+    request.kind = shm::FdRequestKind::kFetch;
+    request.region = region;
+    request.token = kToken;
+    absl::StatusOr<shm::FdResponse> response = shm::CallFdServer(socket.get(), request, Soon());
+    if (!response.ok()) return response.status();
+    if (response->reply.code != absl::StatusCode::kOk) {
+      return absl::Status(response->reply.code, response->reply.message);
+    }
+    return response;
+  }
+};
+
+std::string Errno(int err) { return absl::StrCat(strerrorname_np(err), " (", strerror(err), ")"); }
+
+// Every way a holder of `fd` might change the file's bytes. Returns what worked ("" if none).
+std::string TryToWrite(int fd, size_t length) {
+  std::string worked;
+  const char byte = 'W';
+  if (pwrite(fd, &byte, 1, 0) == 1) absl::StrAppend(&worked, " pwrite");
+  void* map = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map != MAP_FAILED) {
+    absl::StrAppend(&worked, " mmap(PROT_WRITE,MAP_SHARED)");
+    static_cast<char*>(map)[1] = byte;
+    munmap(map, length);
+  }
+  map = mmap(nullptr, length, PROT_READ, MAP_SHARED, fd, 0);
+  if (map != MAP_FAILED) {
+    if (mprotect(map, length, PROT_READ | PROT_WRITE) == 0) {
+      absl::StrAppend(&worked, " mprotect(PROT_WRITE)");
+      static_cast<char*>(map)[2] = byte;
+    }
+    munmap(map, length);
+  }
+  if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(length)) ==
+      0) {
+    absl::StrAppend(&worked, " fallocate(PUNCH_HOLE)");
+  }
+  return worked;
+}
+
+// Legitimate use through the real initiator: WRITE then READ back `desc` byte-exact, or READ
+// only for a read-only region (compared with `expected`).
+void LegitimatePeerMovesExactBytes(Transport& initiator, const TargetInfo& info,
+                                   const RemoteRegionDesc& desc, const std::string& expected_ro) {
+  PeerLink link;
+  link.peer = 1;
+  link.peer_name = "target";
+  link.remote_endpoint = info.endpoint;
+  link.token = kToken;
+  link.remote_pid = static_cast<uint32_t>(info.pid);
+  link.deadline = Soon();
+  absl::StatusOr<std::unique_ptr<Channel>> channel = initiator.Connect(link);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  ASSERT_TRUE((*channel)->AddRemoteRegions({desc}).ok());
+  std::vector<std::byte> local(desc.length);
+  auto post = [&](OpKind kind) {
+    PostRequest request;
+    request.transfer_id = 1;
+    request.kind = kind;
+    request.ops.push_back(WireOp{local.data(), desc.id, 0, desc.length});
+    absl::Status result = absl::InternalError("done not called");
+    (*channel)->Post(std::move(request), [&](absl::Status s) { result = std::move(s); });
+    return result;
+  };
+  if ((desc.access & kRemoteWrite) != 0) {
+    std::mt19937_64 rng(desc.id * 31);
+    for (std::byte& b : local) b = static_cast<std::byte>(rng());
+    const std::vector<std::byte> written = local;
+    ASSERT_TRUE(post(OpKind::kWrite).ok());
+    std::fill(local.begin(), local.end(), std::byte{0});
+    ASSERT_TRUE(post(OpKind::kRead).ok());
+    EXPECT_TRUE(local == written) << "region " << desc.id << " did not read back exactly";
+  } else {
+    ASSERT_TRUE(post(OpKind::kRead).ok());
+    ASSERT_EQ(expected_ro.size(), local.size());
+    EXPECT_EQ(std::memcmp(local.data(), expected_ro.data(), local.size()), 0)
+        << "region " << desc.id << " read differs";
+  }
+  (*channel)->Close(absl::CancelledError("test over"));
+}
+
+std::unique_ptr<Transport> MakeInitiator(bool allow_cma) {
+  static FakeHooks hooks;
+  ShmTransportOptions options;
+  options.engine_name = "legit-initiator";
+  options.allow_cma = allow_cma;
+  options.request_timeout = absl::Seconds(20);
+  absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
+  EXPECT_TRUE(transport.ok()) << transport.status();
+  return transport.ok() ? *std::move(transport) : nullptr;
+}
+
+// --- (a) a sub-range export --------------------------------------------------------------
+
+TEST(HostileShmTest, SubRangeExportHandsOutNoByteBeyondTheRange) {
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc& sub = target.info().descs[kSubRange];
+  RawPeer peer;
+  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
+  absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(sub.id);
+  if (fetched.ok()) {
+    // Whatever descriptor came, it must hold the region's bytes and nothing else.
+    struct stat info;
+    ASSERT_EQ(fstat(fetched->fd.get(), &info), 0);
+    std::string all(static_cast<size_t>(info.st_size), '\0');
+    ASSERT_EQ(pread(fetched->fd.get(), all.data(), all.size(), 0),
+              static_cast<ssize_t>(all.size()));
+    const size_t secret = static_cast<size_t>(std::count(all.begin(), all.end(), kSecret));
+    std::printf(
+        "attack (a): got a %lld-byte memfd for a %llu-byte region at offset %llu; %zu "
+        "secret bytes outside the region were readable\n",
+        static_cast<long long>(info.st_size), static_cast<unsigned long long>(sub.length),
+        static_cast<unsigned long long>(fetched->reply.memfd_offset), secret);
+    EXPECT_EQ(secret, 0u) << "bytes outside the exported range reached the peer";
+    EXPECT_EQ(static_cast<uint64_t>(info.st_size), sub.length);
+    EXPECT_EQ(fetched->reply.memfd_offset, 0u);
+  } else {
+    std::printf("attack (a): sub-range fetch refused: %s\n", fetched.status().ToString().c_str());
+    EXPECT_EQ(fetched.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(fetched.status().message(), HasSubstr("part of"));
+  }
+  // The target still serves a legitimate peer byte-exact.
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRw], "");
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRo],
+                                std::string(4 * Page(), kReadOnlyByte));
+  initiator->Shutdown();
+}
+
+// --- (b), (c) write access to a read-only export ------------------------------------------
+
+TEST(HostileShmTest, ReadOnlyExportCannotBeWrittenEvenThroughProc) {
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc& ro = target.info().descs[kWholeRo];
+  RawPeer peer;
+  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
+  absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(ro.id);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  const int fd = fetched->fd.get();
+  // (b) on the descriptor as received.
+  const std::string direct = TryToWrite(fd, ro.length);
+  std::printf("attack (b): writes through the received descriptor that worked:%s\n",
+              direct.empty() ? " none" : direct.c_str());
+  EXPECT_EQ(direct, "");
+  // (c) reopen it read-write through /proc (the open itself may succeed: it is what it allows
+  // afterwards that counts).
+  const std::string path = absl::StrCat("/proc/self/fd/", fd);
+  shm::UniqueFd reopened(open(path.c_str(), O_RDWR | O_CLOEXEC));
+  const int open_errno = errno;
+  std::string via_proc;
+  if (reopened.valid()) {
+    via_proc = TryToWrite(reopened.get(), ro.length);
+    if (fcntl(reopened.get(), F_ADD_SEALS, F_SEAL_WRITE) == 0) {
+      absl::StrAppend(&via_proc, " F_ADD_SEALS");
+    }
+  }
+  std::printf("attack (c): open(%s, O_RDWR): %s; writes that worked:%s\n", path.c_str(),
+              reopened.valid() ? "opened" : Errno(open_errno).c_str(),
+              via_proc.empty() ? " none" : via_proc.c_str());
+  EXPECT_EQ(via_proc, "");
+  // The target's bytes are untouched, and it still serves a legitimate peer.
+  EXPECT_EQ(target.Call(kDump, kWholeRo), std::string(ro.length, kReadOnlyByte));
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), ro,
+                                std::string(ro.length, kReadOnlyByte));
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRw], "");
+  initiator->Shutdown();
+}
+
+}  // namespace
+}  // namespace kvwire::transport
