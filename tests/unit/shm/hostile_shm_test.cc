@@ -31,6 +31,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 #include "kvwire/memory.h"
@@ -49,6 +50,9 @@ using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 7;
 constexpr char kToken[] = "session-token-of-peer-7";
+// A second, legitimate peer, still served after peer 7 is dropped.
+constexpr PeerId kLegitPeer = 8;
+constexpr char kLegitToken[] = "session-token-of-peer-8";
 constexpr uid_t kTargetUid = 65534;  // nobody: the target and a same-uid attacker
 constexpr uid_t kOtherUid = 65533;   // an attacker under another uid
 
@@ -131,6 +135,7 @@ class FakeHooks : public TargetHooks {
   }
   absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
     if (token == kToken) return kPeer;
+    if (token == kLegitToken) return kLegitPeer;
     return absl::UnauthenticatedError("unknown session token");
   }
   absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
@@ -200,6 +205,7 @@ constexpr char kFreshByte = 'N';
 struct TargetConfig {
   bool drop_privileges = true;  // run as kTargetUid when the test runs as root
   bool allow_cma = false;
+  bool deny_ptrace = false;
 };
 
 enum Command : uint32_t { kExit = 0, kDump = 1, kRevoke = 2, kReallocate = 3, kDumpFresh = 4 };
@@ -221,6 +227,7 @@ struct TargetInfo {
   ShmTransportOptions options;
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
+  options.deny_ptrace = config.deny_ptrace;
   options.request_timeout = absl::Seconds(20);
   absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
   if (!transport.ok()) _exit(10);
@@ -417,7 +424,7 @@ void LegitimatePeerMovesExactBytes(Transport& initiator, const TargetInfo& info,
   link.peer = 1;
   link.peer_name = "target";
   link.remote_endpoint = info.endpoint;
-  link.token = kToken;
+  link.token = kLegitToken;
   link.remote_pid = static_cast<uint32_t>(info.pid);
   link.deadline = Soon();
   absl::StatusOr<std::unique_ptr<Channel>> channel = initiator.Connect(link);
@@ -533,13 +540,321 @@ TEST(HostileShmTest, ReadOnlyExportCannotBeWrittenEvenThroughProc) {
               via_proc.empty() ? " none" : via_proc.c_str());
   EXPECT_EQ(via_proc, "");
   // The target's bytes are untouched, and it still serves a legitimate peer.
-  EXPECT_EQ(target.Call(kDump, kWholeRo), std::string(ro.length, kReadOnlyByte));
+  const std::string after = target.Call(kDump, kWholeRo);
+  EXPECT_EQ(std::count(after.begin(), after.end(), kReadOnlyByte),
+            static_cast<ptrdiff_t>(ro.length))
+      << "the read-only region changed";
   std::unique_ptr<Transport> initiator = MakeInitiator(false);
   ASSERT_NE(initiator, nullptr);
   LegitimatePeerMovesExactBytes(*initiator, target.info(), ro,
                                 std::string(ro.length, kReadOnlyByte));
   LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRw], "");
   initiator->Shutdown();
+}
+
+// --- (d) revocation ----------------------------------------------------------------------
+
+// What Linux allows: a mapping (or descriptor) of a memfd cannot be taken back from the process
+// that holds it. So revocation cuts every new access at once, and a peer that kept its mapping
+// keeps exactly the region's bytes, with the exported rights, until the owner frees the buffer;
+// from then on it holds an orphaned copy that reaches nothing of the owner (threat model).
+TEST(HostileShmTest, RevocationStopsNewAccessAndFreeingTheBufferEndsTheRest) {
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc rw = target.info().descs[kWholeRw];
+  RawPeer peer;
+  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
+  absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(rw.id);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  void* map = mmap(nullptr, rw.length, PROT_READ | PROT_WRITE, MAP_SHARED, fetched->fd.get(), 0);
+  ASSERT_NE(map, MAP_FAILED) << Errno(errno);
+  fetched->fd.Reset();  // a hostile peer may keep either; the mapping is the stronger hold
+
+  ASSERT_EQ(target.Call(kRevoke, kWholeRw), "ok");
+  // Every new request is refused: on the old connection, and on a new one with the token.
+  absl::StatusOr<shm::FdResponse> refetched = peer.Fetch(rw.id);
+  EXPECT_FALSE(refetched.ok());
+  RawPeer again;
+  ASSERT_TRUE(again.Connect(target.info().endpoint).ok());
+  refetched = again.Fetch(rw.id);
+  std::printf("attack (d): fetch after revocation: %s\n", refetched.status().ToString().c_str());
+  EXPECT_FALSE(refetched.ok());
+
+  // The retained mapping still reaches the buffer while the owner keeps it (documented).
+  std::memset(map, 'X', rw.length);
+  const std::string live = target.Call(kDump, kWholeRw);
+  const ptrdiff_t retained = std::count(live.begin(), live.end(), 'X');
+  std::printf("attack (d): a kept mapping still wrote %td of %llu bytes of the revoked, "
+              "still-allocated buffer\n",
+              retained, static_cast<unsigned long long>(rw.length));
+  EXPECT_EQ(retained, static_cast<ptrdiff_t>(rw.length));
+
+  // The owner frees it and allocates new memory: nothing the peer does reaches that.
+  ASSERT_EQ(target.Call(kReallocate, kWholeRw), "ok");
+  std::memset(map, 'Y', rw.length);
+  const std::string fresh = target.Call(kDumpFresh, kWholeRw);
+  EXPECT_EQ(std::count(fresh.begin(), fresh.end(), kFreshByte),
+            static_cast<ptrdiff_t>(fresh.size()))
+      << "a write through the orphaned mapping reached the owner's new memory";
+  munmap(map, rw.length);
+
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRo],
+                                std::string(4 * Page(), kReadOnlyByte));
+  initiator->Shutdown();
+}
+
+// --- (e) cross-memory attach -----------------------------------------------------------------
+
+// Empty when this kernel lets a process use process_vm_readv at all (on itself), else why not.
+std::string CmaUnavailable() {
+  uint64_t word = 42, copy = 0;
+  iovec local{&copy, sizeof(copy)};
+  iovec remote{&word, sizeof(word)};
+  if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == sizeof(copy)) return "";
+  return absl::StrCat("process_vm_readv on this process itself: ", Errno(errno));
+}
+
+std::string Dump(Target& target, RegionIndex index) { return target.Call(kDump, index); }
+
+ptrdiff_t CountOf(const std::string& bytes, char c) {
+  return std::count(bytes.begin(), bytes.end(), c);
+}
+
+// Posts one op and returns its status.
+absl::Status PostOne(Channel& channel, OpKind kind, RegionId region, std::byte* local,
+                     uint64_t length) {
+  PostRequest request;
+  request.transfer_id = 9;
+  request.kind = kind;
+  request.ops.push_back(WireOp{local, region, 0, length});
+  absl::Status result = absl::InternalError("done not called");
+  channel.Post(std::move(request), [&](absl::Status s) { result = std::move(s); });
+  return result;
+}
+
+PeerLink LinkTo(const std::string& endpoint, pid_t pid, const char* token = kLegitToken) {
+  PeerLink link;
+  link.peer = 1;
+  link.peer_name = "target";
+  link.remote_endpoint = endpoint;
+  link.token = token;
+  link.remote_pid = static_cast<uint32_t>(pid);
+  link.deadline = Soon();
+  return link;
+}
+
+TEST(HostileShmTest, CmaIsOffByDefaultAndNeverUsedOnATargetThatDidNotOptIn) {
+  EXPECT_FALSE(ShmTransportOptions().allow_cma) << "cross-memory attach must be opt-in";
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{.drop_privileges = false}));  // default options
+  // An initiator that wants CMA, against a target that did not opt in.
+  std::unique_ptr<Transport> initiator = MakeInitiator(true);
+  ASSERT_NE(initiator, nullptr);
+  absl::StatusOr<std::unique_ptr<Channel>> channel =
+      initiator->Connect(LinkTo(target.info().endpoint, target.info().pid));
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  std::printf("attack (e): data path to a target with default options: %s\n",
+              (*channel)->Describe().c_str());
+  const RemoteRegionDesc heap = target.info().descs[kHeap];
+  const absl::Status added = (*channel)->AddRemoteRegions({heap});
+  std::printf("attack (e): heap region over shm: %s\n", added.ToString().c_str());
+  std::vector<std::byte> local(heap.length, std::byte{'Z'});
+  if (added.ok()) (void)PostOne(**channel, OpKind::kWrite, heap.id, local.data(), heap.length);
+  EXPECT_EQ(added.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(added.message(), HasSubstr("does not offer it"));
+  EXPECT_EQ(CountOf(Dump(target, kHeap), kHeapByte), static_cast<ptrdiff_t>(heap.length))
+      << "the initiator wrote the target's heap by cross-memory attach";
+  (*channel)->Close(absl::CancelledError("test over"));
+  // Whole buffers still move over shm.
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRw], "");
+  initiator->Shutdown();
+}
+
+// A hostile peer advertises another process's pid and probe word (both are public in that
+// process's Hello) behind its own socket, so that an initiator with CMA on would write into the
+// victim. The initiator checks the socket's SO_PEERCRED pid against the claim.
+TEST(HostileShmTest, CmaRefusedWhenTheSocketIsNotTheClaimedProcess) {
+  if (const std::string why = CmaUnavailable(); !why.empty()) {
+    GTEST_SKIP() << "the kernel refuses cross-memory attach entirely: " << why;
+  }
+  Target victim;
+  // Same uid as this process, CMA offered: the case where an initiator could attach.
+  ASSERT_TRUE(victim.Start(TargetConfig{.drop_privileges = false, .allow_cma = true}));
+  absl::StatusOr<shm::ShmEndpoint> forged = shm::ParseEndpoint(victim.info().endpoint);
+  ASSERT_TRUE(forged.ok());
+  forged->socket_name = absl::StrCat("kvwire-hostile-decoy.", getpid());
+  absl::StatusOr<shm::UniqueFd> listener = shm::ListenSeqpacket(forged->socket_name, 4);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  // The decoy answers the session check like a real fd server, then holds the connection.
+  std::atomic<bool> stop{false};
+  std::thread decoy([&] {
+    shm::UniqueFd connection;
+    const absl::Time deadline = Soon();
+    while (!stop.load() && absl::Now() < deadline) {
+      if (!connection.valid()) {
+        absl::StatusOr<shm::UniqueFd> accepted = shm::AcceptSeqpacket(listener->get());
+        if (accepted.ok()) connection = *std::move(accepted);
+      }
+      if (connection.valid()) {
+        absl::StatusOr<shm::ReceivedMessage> message = shm::ReceiveMessage(
+            connection.get(), shm::kMaxFdMessageBytes, absl::Now() + absl::Milliseconds(10));
+        if (message.ok() && !message->eof) {
+          absl::StatusOr<shm::FdRequest> request = shm::DecodeRequest(message->bytes);
+          shm::FdReply reply;
+          reply.region = request.ok() ? request->region : 0;
+          (void)shm::SendMessage(connection.get(), shm::EncodeReply(reply), -1, Soon());
+        }
+      } else {
+        absl::SleepFor(absl::Milliseconds(2));
+      }
+    }
+  });
+  std::unique_ptr<Transport> initiator = MakeInitiator(true);
+  ASSERT_NE(initiator, nullptr);
+  absl::StatusOr<std::unique_ptr<Channel>> channel =
+      initiator->Connect(LinkTo(shm::EncodeEndpoint(*forged), victim.info().pid));
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  std::printf("attack (e): data path to the decoy claiming pid %d: %s\n", victim.info().pid,
+              (*channel)->Describe().c_str());
+  const RemoteRegionDesc heap = victim.info().descs[kHeap];  // the victim's heap address
+  const absl::Status added = (*channel)->AddRemoteRegions({heap});
+  std::vector<std::byte> local(heap.length, std::byte{'Z'});
+  if (added.ok()) {
+    std::printf("attack (e): write through the decoy: %s\n",
+                PostOne(**channel, OpKind::kWrite, heap.id, local.data(), heap.length)
+                    .ToString()
+                    .c_str());
+  }
+  (*channel)->Close(absl::CancelledError("test over"));
+  stop = true;
+  decoy.join();
+  EXPECT_EQ(added.code(), absl::StatusCode::kFailedPrecondition) << added;
+  EXPECT_THAT((*channel)->Describe(), HasSubstr(absl::StrCat("belongs to pid ", getpid())));
+  EXPECT_EQ(CountOf(Dump(victim, kHeap), kHeapByte), static_cast<ptrdiff_t>(heap.length))
+      << "the initiator wrote into a process that was not its peer";
+
+  // The real peer (same uid, its own socket, CMA offered) still gets CMA, byte-exact.
+  absl::StatusOr<std::unique_ptr<Channel>> real =
+      initiator->Connect(LinkTo(victim.info().endpoint, victim.info().pid));
+  ASSERT_TRUE(real.ok()) << real.status();
+  EXPECT_EQ((*real)->Describe(), "shm memfd+cma");
+  ASSERT_TRUE((*real)->AddRemoteRegions({heap}).ok());
+  std::mt19937_64 rng(17);
+  for (std::byte& b : local) b = static_cast<std::byte>(rng());
+  const std::vector<std::byte> written = local;
+  ASSERT_TRUE(PostOne(**real, OpKind::kWrite, heap.id, local.data(), heap.length).ok());
+  std::fill(local.begin(), local.end(), std::byte{0});
+  ASSERT_TRUE(PostOne(**real, OpKind::kRead, heap.id, local.data(), heap.length).ok());
+  EXPECT_TRUE(local == written);
+  const std::string dumped = Dump(victim, kHeap);
+  ASSERT_EQ(dumped.size(), written.size());
+  EXPECT_EQ(std::memcmp(dumped.data(), written.data(), written.size()), 0);
+  (*real)->Close(absl::CancelledError("test over"));
+  initiator->Shutdown();
+}
+
+// What the kernel grants a same-host process outside kvwire's protocol: with the ptrace access
+// check passed (same uid, target dumpable) it reaches ALL memory of the target, exported or
+// not. deny_ptrace (the target non-dumpable) or another uid makes the kernel refuse.
+struct KernelReach {
+  std::string cma, proc_fd, proc_mem;  // "ok" or the errno
+  bool AllRefused() const { return cma != "ok" && proc_fd != "ok" && proc_mem != "ok"; }
+  std::string Text() const {
+    return absl::StrCat("process_vm_readv: ", cma, "; open /proc/<pid>/fd/<memfd> O_RDWR: ",
+                        proc_fd, "; open /proc/<pid>/mem: ", proc_mem);
+  }
+};
+
+// Runs the probes in a child process of `uid` (when this process is root).
+KernelReach ProbeFromAnotherProcess(uid_t uid, const TargetInfo& target) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return {"pipe failed", "", ""};
+  const pid_t child = fork();
+  if (child == 0) {
+    close(fds[0]);
+    std::string out;
+    if (!BecomeUser(uid)) {
+      out = "setuid failed\n\n\n";
+    } else {
+      const RemoteRegionDesc& heap = target.descs[kHeap];
+      char byte = 0;
+      iovec local{&byte, 1};
+      iovec remote{reinterpret_cast<void*>(heap.address), 1};
+      out += process_vm_readv(target.pid, &local, 1, &remote, 1, 0) == 1 && byte == kHeapByte
+                 ? "ok"
+                 : Errno(errno);
+      out += "\n";
+      const std::string fd_path =
+          absl::StrCat("/proc/", target.pid, "/fd/", target.whole_ro_memfd);
+      const int fd = open(fd_path.c_str(), O_RDWR | O_CLOEXEC);
+      out += fd >= 0 ? "ok" : Errno(errno);
+      out += "\n";
+      const std::string mem_path = absl::StrCat("/proc/", target.pid, "/mem");
+      const int mem = open(mem_path.c_str(), O_RDONLY | O_CLOEXEC);
+      out += mem >= 0 ? "ok" : Errno(errno);
+      out += "\n";
+    }
+    (void)!write(fds[1], out.data(), out.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string text;
+  char buffer[512];
+  const absl::Time deadline = Soon();
+  while (WaitReady(fds[0], POLLIN, deadline)) {
+    const ssize_t n = read(fds[0], buffer, sizeof(buffer));
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  std::vector<std::string> lines = absl::StrSplit(text, '\n');
+  lines.resize(3);
+  return {lines[0], lines[1], lines[2]};
+}
+
+TEST(HostileShmTest, DenyPtraceShutsOutSameUidProcessesTheKernelWouldLetIn) {
+  if (const std::string why = CmaUnavailable(); !why.empty()) {
+    GTEST_SKIP() << "the kernel refuses cross-memory attach entirely: " << why;
+  }
+  const uid_t same_uid = geteuid() == 0 ? kTargetUid : geteuid();
+  {
+    Target open_target;
+    ASSERT_TRUE(open_target.Start(TargetConfig{}));
+    const KernelReach same = ProbeFromAnotherProcess(same_uid, open_target.info());
+    std::printf("same-uid process, default target: %s\n", same.Text().c_str());
+    if (geteuid() == 0) {
+      const KernelReach other = ProbeFromAnotherProcess(kOtherUid, open_target.info());
+      std::printf("other-uid process, default target: %s\n", other.Text().c_str());
+      EXPECT_TRUE(other.AllRefused()) << other.Text();
+    } else {
+      std::printf("not root: no other uid to try\n");
+    }
+  }
+  Target hardened;
+  ASSERT_TRUE(hardened.Start(TargetConfig{.deny_ptrace = true}));
+  const KernelReach denied = ProbeFromAnotherProcess(same_uid, hardened.info());
+  std::printf("same-uid process, deny_ptrace target: %s\n", denied.Text().c_str());
+  EXPECT_TRUE(denied.AllRefused()) << denied.Text();
+  // It still serves a legitimate peer over the fd path.
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  LegitimatePeerMovesExactBytes(*initiator, hardened.info(), hardened.info().descs[kWholeRw], "");
+  LegitimatePeerMovesExactBytes(*initiator, hardened.info(), hardened.info().descs[kWholeRo],
+                                std::string(4 * Page(), kReadOnlyByte));
+  initiator->Shutdown();
+}
+
+TEST(HostileShmTest, DenyPtraceWithCmaIsRefused) {
+  FakeHooks hooks;
+  ShmTransportOptions options;
+  options.allow_cma = true;
+  options.deny_ptrace = true;
+  absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
+  EXPECT_EQ(transport.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
