@@ -142,6 +142,10 @@ class TargetHooks {
   virtual void OnWriteArrived(PeerId peer, TransferId transfer_id) = 0;
   // The peer broke the protocol or was refused; the engine drops that peer (only it).
   virtual void OnPeerError(PeerId peer, const absl::Status& error) = 0;
+  // The pid the peer announced in its handshake, 0 if unknown. The shm transport serves a
+  // session token only to the process with that pid (SO_PEERCRED of its Unix socket), so a
+  // token that leaked (e.g. read off the control connection) is no use to another process.
+  virtual uint32_t PeerProcessId(PeerId peer) { return 0; }
 };
 
 // What a Channel needs to reach one peer.

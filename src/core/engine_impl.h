@@ -105,6 +105,7 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId region) override;
   void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
   void OnPeerError(PeerId peer, const absl::Status& error) override;
+  uint32_t PeerProcessId(PeerId peer) override;
 
  private:
   // engine_peers.cc

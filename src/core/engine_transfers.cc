@@ -268,4 +268,12 @@ void Engine::Impl::OnPeerError(PeerId peer_id, const absl::Status& error) {
   worker_->Post([this, peer, error] { ClosePeer(peer, error); });
 }
 
+// The shm transport's check that its socket peer is the process that handshook.
+uint32_t Engine::Impl::PeerProcessId(PeerId peer) {
+  MutexLock lock(&peers_mu_);
+  auto it = peers_.find(peer);
+  // `hello` is set before the peer is published and never changes.
+  return it == peers_.end() ? 0 : it->second->hello.pid();
+}
+
 }  // namespace kvwire

@@ -39,12 +39,15 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
     auto peer = PeerProcess::Start({"--transport=" + GetParam().transport, "--regions=3",
                                     absl::StrCat("--region_bytes=", kRegionBytes),
                                     absl::StrCat("--shareable=", GetParam().shareable ? 1 : 0),
-                                    absl::StrCat("--seed=", kSeed), "--name=peer-a"});
+                                    absl::StrCat("--seed=", kSeed), "--name=peer-a",
+                                    // Heap regions over shm: cross-memory attach, opted in.
+                                    absl::StrCat("--shm_cma=", GetParam().shareable ? 0 : 1)});
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = std::move(*peer);
     EngineOptions options;
     options.name = "tester";
     options.transport = *ParseTransportKind(GetParam().transport);
+    options.shm_cma = !GetParam().shareable;
     options.peer_lease = absl::Seconds(2);
     options.heartbeat_interval = absl::Milliseconds(200);
     auto engine = Engine::Create(options);

@@ -4,7 +4,7 @@
 // it verifies its own memory at that moment and prints "NOTIFY <transfer> ok|bad".
 //
 //   kvwire_test_peer --transport=tcp --regions=2 --region_bytes=1048576 --shareable=1
-//                    --seed=7 --secret=s --salt=0 --name=peer-a
+//                    --seed=7 --secret=s --salt=0 --name=peer-a --shm_cma=1
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +34,7 @@ struct Args {
   uint64_t salt = 0;
   std::string name = "test-peer";
   int lease_ms = 5000;
+  bool shm_cma = false;  // EngineOptions::shm_cma
 };
 
 bool ParseArgs(int argc, char** argv, Args* args) {
@@ -61,6 +62,8 @@ bool ParseArgs(int argc, char** argv, Args* args) {
       args->name = v;
     else if (key == "lease_ms")
       ok = absl::SimpleAtoi(v, &args->lease_ms);
+    else if (key == "shm_cma")
+      args->shm_cma = v == "1";
     else
       ok = false;
     if (!ok) return false;
@@ -95,6 +98,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.transport = *transport;
+  options.shm_cma = args.shm_cma;
   options = kvwire::EngineOptions::FromEnvironment(options);
   auto engine = kvwire::Engine::Create(options);
   if (!engine.ok()) {

@@ -1,6 +1,7 @@
 #include "transport/shm/fd_server.h"
 
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <fcntl.h>
@@ -21,6 +22,7 @@ namespace kvwire::transport::shm {
 struct FdServer::Connection {
   UniqueFd socket;
   std::optional<PeerId> peer;  // set by the first request with a valid token
+  pid_t pid = 0;               // of the connecting process (SO_PEERCRED at accept), 0: unknown
 };
 
 namespace {
@@ -150,7 +152,14 @@ void FdServer::Run() {
               << "refusing connection: too many" << Kv("limit", max_connections_);
           continue;  // `accepted` closes it
         }
-        connections.push_back(Connection{*std::move(accepted), std::nullopt});
+        ucred credentials{};
+        socklen_t size = sizeof(credentials);
+        if (::getsockopt(accepted->get(), SOL_SOCKET, SO_PEERCRED, &credentials, &size) != 0) {
+          KVW_LOG(kWarning, "shm")
+              << "refusing connection: SO_PEERCRED failed" << Kv("error", ErrnoText(errno));
+          continue;
+        }
+        connections.push_back(Connection{*std::move(accepted), std::nullopt, credentials.pid});
       }
     }
   }
@@ -186,6 +195,19 @@ bool FdServer::Serve(Connection& connection) {
     (void)Reply(socket, ErrorReply(request->region, error), -1);
     hooks_->OnPeerError(*connection.peer, error);
     return false;
+  }
+  if (!connection.peer.has_value()) {
+    // The token is bound to the process that handshook: another process that learned it
+    // (from the control connection, or a log) gets nothing.
+    const uint32_t expected = hooks_->PeerProcessId(*peer);
+    if (expected != 0 && static_cast<uint32_t>(connection.pid) != expected) {
+      const absl::Status error = absl::PermissionDeniedError(
+          absl::StrCat("shm: the session token of peer ", *peer, " was presented by pid ",
+                       connection.pid, ", but the peer handshook from pid ", expected));
+      KVW_LOG(kWarning, "shm") << "fd request refused" << Kv("error", error);
+      (void)Reply(socket, ErrorReply(request->region, error), -1);
+      return false;
+    }
   }
   if (IsDropped(*peer)) {
     (void)Reply(socket,

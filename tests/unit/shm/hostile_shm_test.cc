@@ -154,6 +154,10 @@ class FakeHooks : public TargetHooks {
   }
   void OnWriteArrived(PeerId, TransferId) override {}
   void OnPeerError(PeerId, const absl::Status&) override {}
+  uint32_t PeerProcessId(PeerId) override { return handshake_pid.load(); }
+
+  // Where both peers "handshook" from (0: not checked).
+  std::atomic<uint32_t> handshake_pid{0};
 
  private:
   struct Entry {
@@ -222,8 +226,11 @@ struct TargetInfo {
 };
 
 [[noreturn]] void RunTarget(int control, const TargetConfig& config) {
+  const pid_t test_process = getppid();
   if (config.drop_privileges && !BecomeUser(kTargetUid)) _exit(9);
   FakeHooks hooks;
+  // The peers handshook from the test process; their tokens are bound to it.
+  hooks.handshake_pid = static_cast<uint32_t>(test_process);
   ShmTransportOptions options;
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
@@ -552,6 +559,56 @@ TEST(HostileShmTest, ReadOnlyExportCannotBeWrittenEvenThroughProc) {
   initiator->Shutdown();
 }
 
+// --- a leaked session token -----------------------------------------------------------------
+
+// Another process that learned the token (it travels on the control connection) presents it
+// on the target's shm socket: refused, because the socket's SO_PEERCRED pid is not the pid the
+// peer handshook from.
+TEST(HostileShmTest, SessionTokenServesOnlyTheProcessThatHandshook) {
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc rw = target.info().descs[kWholeRw];
+  int fds[2];
+  ASSERT_EQ(pipe2(fds, O_CLOEXEC), 0);
+  const pid_t thief = fork();
+  ASSERT_GE(thief, 0);
+  if (thief == 0) {
+    close(fds[0]);
+    RawPeer peer;
+    std::string result;
+    if (absl::Status connected = peer.Connect(target.info().endpoint); !connected.ok()) {
+      result = connected.ToString();
+    } else {
+      absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(rw.id);
+      result = fetched.ok() ? "fetched the memfd" : fetched.status().ToString();
+    }
+    (void)!write(fds[1], result.data(), result.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string result;
+  char buffer[1024];
+  while (WaitReady(fds[0], POLLIN, Soon())) {
+    const ssize_t n = read(fds[0], buffer, sizeof(buffer));
+    if (n <= 0) break;
+    result.append(buffer, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(thief, &status, 0);
+  std::printf("attack (token): another process presenting the token: %s\n", result.c_str());
+  EXPECT_THAT(result, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(result, HasSubstr(absl::StrCat("handshook from pid ", getpid())));
+  // The process that handshook is still served.
+  RawPeer peer;
+  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
+  EXPECT_TRUE(peer.Fetch(rw.id).ok());
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  LegitimatePeerMovesExactBytes(*initiator, target.info(), rw, "");
+  initiator->Shutdown();
+}
+
 // --- (d) revocation ----------------------------------------------------------------------
 
 // What Linux allows: a mapping (or descriptor) of a memfd cannot be taken back from the process
@@ -584,9 +641,10 @@ TEST(HostileShmTest, RevocationStopsNewAccessAndFreeingTheBufferEndsTheRest) {
   std::memset(map, 'X', rw.length);
   const std::string live = target.Call(kDump, kWholeRw);
   const ptrdiff_t retained = std::count(live.begin(), live.end(), 'X');
-  std::printf("attack (d): a kept mapping still wrote %td of %llu bytes of the revoked, "
-              "still-allocated buffer\n",
-              retained, static_cast<unsigned long long>(rw.length));
+  std::printf(
+      "attack (d): a kept mapping still wrote %td of %llu bytes of the revoked, "
+      "still-allocated buffer\n",
+      retained, static_cast<unsigned long long>(rw.length));
   EXPECT_EQ(retained, static_cast<ptrdiff_t>(rw.length));
 
   // The owner frees it and allocates new memory: nothing the peer does reaches that.
@@ -722,10 +780,9 @@ TEST(HostileShmTest, CmaRefusedWhenTheSocketIsNotTheClaimedProcess) {
   const absl::Status added = (*channel)->AddRemoteRegions({heap});
   std::vector<std::byte> local(heap.length, std::byte{'Z'});
   if (added.ok()) {
-    std::printf("attack (e): write through the decoy: %s\n",
-                PostOne(**channel, OpKind::kWrite, heap.id, local.data(), heap.length)
-                    .ToString()
-                    .c_str());
+    std::printf(
+        "attack (e): write through the decoy: %s\n",
+        PostOne(**channel, OpKind::kWrite, heap.id, local.data(), heap.length).ToString().c_str());
   }
   (*channel)->Close(absl::CancelledError("test over"));
   stop = true;
@@ -762,8 +819,9 @@ struct KernelReach {
   std::string cma, proc_fd, proc_mem;  // "ok" or the errno
   bool AllRefused() const { return cma != "ok" && proc_fd != "ok" && proc_mem != "ok"; }
   std::string Text() const {
-    return absl::StrCat("process_vm_readv: ", cma, "; open /proc/<pid>/fd/<memfd> O_RDWR: ",
-                        proc_fd, "; open /proc/<pid>/mem: ", proc_mem);
+    return absl::StrCat("process_vm_readv: ", cma,
+                        "; open /proc/<pid>/fd/<memfd> O_RDWR: ", proc_fd,
+                        "; open /proc/<pid>/mem: ", proc_mem);
   }
 };
 
@@ -786,8 +844,7 @@ KernelReach ProbeFromAnotherProcess(uid_t uid, const TargetInfo& target) {
                  ? "ok"
                  : Errno(errno);
       out += "\n";
-      const std::string fd_path =
-          absl::StrCat("/proc/", target.pid, "/fd/", target.whole_ro_memfd);
+      const std::string fd_path = absl::StrCat("/proc/", target.pid, "/fd/", target.whole_ro_memfd);
       const int fd = open(fd_path.c_str(), O_RDWR | O_CLOEXEC);
       out += fd >= 0 ? "ok" : Errno(errno);
       out += "\n";
