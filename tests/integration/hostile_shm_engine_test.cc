@@ -24,7 +24,7 @@ using ::testing::HasSubstr;
 constexpr uint64_t kRegionBytes = 1 << 20;
 constexpr uint64_t kSeed = 11;
 
-absl::Status Run(Engine& engine, PeerId peer, OpKind kind, const std::vector<Op>& ops) {
+absl::Status RunOps(Engine& engine, PeerId peer, OpKind kind, const std::vector<Op>& ops) {
   absl::StatusOr<TransferId> id = engine.Transfer(peer, kind, ops);
   if (!id.ok()) return id.status();
   return engine.Wait(*id, absl::Seconds(60));
@@ -59,13 +59,13 @@ TEST(HostileShmEngineTest, HeapRegionsOfADefaultPeerGoOverTcpAndTheStatsSaySo) {
 
   const RegionId remote = (*peer)->regions()[0];
   ASSERT_TRUE(
-      Run(**engine, *peer_id, OpKind::kRead, {Op{*local_id, 0, remote, 0, kRegionBytes}}).ok());
+      RunOps(**engine, *peer_id, OpKind::kRead, {Op{*local_id, 0, remote, 0, kRegionBytes}}).ok());
   for (uint64_t i = 0; i < kRegionBytes; ++i) {
     ASSERT_EQ(local[i], PatternByte(kSeed, 0, i)) << "byte " << i;
   }
   // The tcp target still validates: past the end is refused there, not silently clipped.
   const absl::Status past =
-      Run(**engine, *peer_id, OpKind::kRead, {Op{*local_id, 0, remote, kRegionBytes - 8, 16}});
+      RunOps(**engine, *peer_id, OpKind::kRead, {Op{*local_id, 0, remote, kRegionBytes - 8, 16}});
   EXPECT_FALSE(past.ok());
   engine->reset();
   (*peer)->Stop();
@@ -102,10 +102,10 @@ TEST(HostileShmEngineTest, PartOfASharedBufferGoesOverTcpWithItsPermission) {
   EXPECT_THAT((*initiator)->Stats().peers.at(0).transport, HasSubstr("tcp"));
 
   ASSERT_TRUE(
-      Run(**initiator, *peer, OpKind::kRead, {Op{*local_id, 0, *part, 0, kRegionBytes}}).ok());
+      RunOps(**initiator, *peer, OpKind::kRead, {Op{*local_id, 0, *part, 0, kRegionBytes}}).ok());
   EXPECT_EQ(std::memcmp(local.data(), buffer->data() + kRegionBytes, kRegionBytes), 0);
   const absl::Status write =
-      Run(**initiator, *peer, OpKind::kWrite, {Op{*local_id, 0, *part, 0, 64}});
+      RunOps(**initiator, *peer, OpKind::kWrite, {Op{*local_id, 0, *part, 0, 64}});
   EXPECT_EQ(write.code(), absl::StatusCode::kPermissionDenied) << write;
   initiator->reset();
   target->reset();
