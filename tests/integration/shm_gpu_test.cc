@@ -87,6 +87,7 @@ class ShmGpuTest : public ::testing::TestWithParam<int> {
     EngineOptions options;
     options.name = "gpu-tester";
     options.transport = TransportKind::kShm;
+    options.shm_cma = true;  // the peer's heap region: staged cross-memory attach (opted in)
     options.peer_lease = absl::Seconds(5);
     options.heartbeat_interval = absl::Milliseconds(200);
     auto engine = Engine::Create(options);
