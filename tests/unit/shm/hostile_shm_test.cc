@@ -525,6 +525,13 @@ TEST(HostileShmTest, ReadOnlyExportCannotBeWrittenEvenThroughProc) {
   absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(ro.id);
   ASSERT_TRUE(fetched.ok()) << fetched.status();
   const int fd = fetched->fd.get();
+  // (a) on a whole-buffer export: the file is the region and nothing else.
+  struct stat info;
+  ASSERT_EQ(fstat(fd, &info), 0);
+  EXPECT_EQ(static_cast<uint64_t>(info.st_size), ro.length);
+  EXPECT_EQ(fetched->reply.memfd_offset, 0u);
+  char beyond = 0;
+  EXPECT_EQ(pread(fd, &beyond, 1, static_cast<off_t>(ro.length)), 0) << "bytes past the region";
   // (b) on the descriptor as received.
   const std::string direct = TryToWrite(fd, ro.length);
   std::printf("attack (b): writes through the received descriptor that worked:%s\n",
