@@ -107,7 +107,7 @@ struct EngineOptions {
   int rdma_retry_count = 7;
   int rdma_rnr_retry = 7;
 
-  // --- shm transport (peers on this host); see docs/SECURITY.md ---
+  // --- shm transport (peers on this host); see docs/SECURITY-shm.md ---
   // Cross-memory attach for host memory that is not a whole ShareableBuffer, offered to and
   // used on peers that opt in too (ShmTransportOptions::allow_cma). Off: such regions move
   // over tcp, validated by the target, and the engine says so in its log and peer stats.

@@ -196,18 +196,17 @@ bool FdServer::Serve(Connection& connection) {
     hooks_->OnPeerError(*connection.peer, error);
     return false;
   }
-  if (!connection.peer.has_value()) {
-    // The token is bound to the process that handshook: another process that learned it
-    // (from the control connection, or a log) gets nothing.
-    const uint32_t expected = hooks_->PeerProcessId(*peer);
-    if (expected != 0 && static_cast<uint32_t>(connection.pid) != expected) {
-      const absl::Status error = absl::PermissionDeniedError(
-          absl::StrCat("shm: the session token of peer ", *peer, " was presented by pid ",
-                       connection.pid, ", but the peer handshook from pid ", expected));
-      KVW_LOG(kWarning, "shm") << "fd request refused" << Kv("error", error);
-      (void)Reply(socket, ErrorReply(request->region, error), -1);
-      return false;
-    }
+  // The token is bound to the process that handshook: another process that learned it (from
+  // the control connection, or a log) gets nothing. Checked on every request: the engine may
+  // learn the pid only after the first one (0 = not known yet).
+  const uint32_t expected = hooks_->PeerProcessId(*peer);
+  if (expected != 0 && static_cast<uint32_t>(connection.pid) != expected) {
+    const absl::Status error = absl::PermissionDeniedError(
+        absl::StrCat("shm: the session token of peer ", *peer, " was presented by pid ",
+                     connection.pid, ", but the peer handshook from pid ", expected));
+    KVW_LOG(kWarning, "shm") << "fd request refused" << Kv("error", error);
+    (void)Reply(socket, ErrorReply(request->region, error), -1);
+    return false;
   }
   if (IsDropped(*peer)) {
     (void)Reply(socket,
