@@ -4,6 +4,7 @@
 
 #include <sys/wait.h>
 
+#include <cstring>
 #include <fcntl.h>
 #include <memory>
 #include <poll.h>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "gtest/gtest.h"
 
 namespace kvwire::testing {
 
@@ -85,6 +87,7 @@ class Child {
     }
   }
 
+  // Kills the child on purpose (a test of peer death): its end is not judged.
   void Kill() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
@@ -93,29 +96,53 @@ class Child {
     }
   }
 
-  void Stop() {
+  // Closes stdin and reaps the child, SIGKILL after `grace`. The child's end is part of the
+  // test: a non-zero exit (a sanitizer report or leak, a failed check), death by a signal,
+  // or having to be killed is reported as a failure of the running test. Idempotent.
+  void Stop(absl::Duration grace = absl::Seconds(20)) {
     if (stdin_ >= 0) close(stdin_);
     stdin_ = -1;
     if (pid_ > 0) {
-      const absl::Time deadline = absl::Now() + absl::Seconds(20);
+      const absl::Time deadline = absl::Now() + grace;
+      int status = 0;
+      bool reaped = false;
       while (absl::Now() < deadline) {
-        if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
-          pid_ = -1;
+        if (waitpid(pid_, &status, WNOHANG) == pid_) {
+          reaped = true;
           break;
         }
         absl::SleepFor(absl::Milliseconds(20));
       }
-      Kill();
+      if (!reaped) {
+        end_problem_ = absl::StrCat("did not exit within ", absl::FormatDuration(grace),
+                                    " of its stdin closing and was killed");
+      } else if (WIFSIGNALED(status)) {
+        end_problem_ = absl::StrCat("died of signal ", WTERMSIG(status), " (",
+                                    strsignal(WTERMSIG(status)), ")");
+      } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+        end_problem_ = absl::StrCat("exited with status ", WEXITSTATUS(status),
+                                    " (a sanitizer report or a failed check; see its stderr)");
+      }
+      if (!end_problem_.empty()) ADD_FAILURE() << "child " << pid_ << " " << end_problem_;
+      if (reaped) {
+        pid_ = -1;
+      } else {
+        Kill();
+      }
     }
     if (stdout_ >= 0) close(stdout_);
     stdout_ = -1;
   }
+
+  // What Stop() judged: empty when the child ended cleanly.
+  const std::string& end_problem() const { return end_problem_; }
 
  private:
   pid_t pid_ = -1;
   int stdin_ = -1, stdout_ = -1;
   std::string buffer_;
   std::vector<std::string> seen_;
+  std::string end_problem_;
 };
 
 }  // namespace kvwire::testing

@@ -1,4 +1,5 @@
 // Two real processes: this test's engine and kvwire_test_peer, over tcp and shm.
+#include <algorithm>
 #include <random>
 #include <signal.h>
 #include <thread>
@@ -185,6 +186,25 @@ TEST_P(EngineIntegrationTest, InvalidOpsAreRefusedBeforeAnythingMoves) {
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
   // The peer is still fine.
   EXPECT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, 0, 4096}}).ok());
+}
+
+// A transfer whose last op is invalid is refused as a whole: the valid ops before it move
+// nothing either (READ: the local buffer stays poisoned; WRITE: the target is unchanged).
+TEST_P(EngineIntegrationTest, InvalidLastOpRefusesTheWholeTransfer) {
+  const RegionId rw = peer_->regions()[0];
+  const RegionId ro = peer_->regions()[2];
+  std::fill(local_.begin(), local_.end(), std::byte{0xa5});
+  absl::Status s = RunTransfer(OpKind::kRead,
+                               {Op{local_id_, 0, rw, 0, 4096}, Op{local_id_, 8192, rw, 65536, 4096},
+                                Op{local_id_, 16384, rw, kRegionBytes - 8, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("op 2"), std::string::npos) << s;
+  for (size_t i = 0; i < local_.size(); ++i) ASSERT_EQ(local_[i], std::byte{0xa5}) << i;
+
+  s = RunTransfer(OpKind::kWrite, {Op{local_id_, 0, rw, 0, 4096}, Op{local_id_, 0, ro, 0, 16}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  ASSERT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, 0, 8192}}).ok());
+  for (uint64_t i = 0; i < 8192; ++i) ASSERT_EQ(local_[i], PatternByte(kSeed, 0, i)) << i;
 }
 
 TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "gtest/gtest.h"
 
 namespace kvwire::testing {
 
@@ -87,7 +88,9 @@ absl::StatusOr<std::string> PeerProcess::ReadLine(absl::Duration timeout) {
 }
 
 void PeerProcess::Signal(int sig) {
-  if (pid_ > 0) kill(pid_, sig);
+  if (pid_ <= 0) return;
+  if (sig != SIGSTOP && sig != SIGCONT && sig != 0) expected_signal_ = sig;
+  kill(pid_, sig);
 }
 
 absl::Status PeerProcess::Freeze(absl::Duration timeout) {
@@ -123,13 +126,28 @@ void PeerProcess::Stop(absl::Duration grace) {
   kill(pid_, SIGCONT);
   const absl::Time deadline = absl::Now() + grace;
   int status = 0;
+  bool had_to_kill = false;
   while (waitpid(pid_, &status, WNOHANG) == 0) {
     if (absl::Now() > deadline) {
       kill(pid_, SIGKILL);
       waitpid(pid_, &status, 0);
+      had_to_kill = true;
       break;
     }
     absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (had_to_kill) {
+    end_problem_ = absl::StrCat("did not exit within ", absl::FormatDuration(grace),
+                                " of its stdin closing and was killed");
+  } else if (WIFSIGNALED(status) && WTERMSIG(status) != expected_signal_) {
+    end_problem_ = absl::StrCat("died of signal ", WTERMSIG(status), " (",
+                                strsignal(WTERMSIG(status)), ") that the test did not send");
+  } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+    end_problem_ = absl::StrCat("exited with status ", WEXITSTATUS(status),
+                                " (a sanitizer report or a failed check; see its stderr above)");
+  }
+  if (!end_problem_.empty()) {
+    ADD_FAILURE() << "test peer " << pid_ << " (" << name_ << ") " << end_problem_;
   }
   pid_ = -1;
 }

@@ -8,9 +8,20 @@
 
 namespace kvwire::testing {
 
+// A keyed hash (splitmix64) of (seed, region, absolute offset / 8): the contents never
+// repeat at any offset, so a piece moved to the wrong place — by any distance, including a
+// multiple of a page or of 64 KiB — or an overrun into a gap is always seen.
+inline uint64_t PatternWord(uint64_t seed, uint64_t region_index, uint64_t word_index) {
+  uint64_t z =
+      word_index + seed * 0x9e3779b97f4a7c15ull + (region_index + 1) * 0xd1b54a32d192ed03ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 inline std::byte PatternByte(uint64_t seed, uint64_t region_index, uint64_t offset) {
-  const uint64_t x = seed * 131 + region_index * 31 + offset * 7 + (offset >> 8) * 13;
-  return static_cast<std::byte>(x & 0xff);
+  return static_cast<std::byte>(
+      (PatternWord(seed, region_index, offset / 8) >> (8 * (offset % 8))) & 0xff);
 }
 
 inline void FillPattern(std::byte* data, uint64_t length, uint64_t seed, uint64_t region_index) {

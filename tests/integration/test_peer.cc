@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
@@ -35,6 +36,10 @@ struct Args {
   std::string name = "test-peer";
   int lease_ms = 5000;
   bool shm_cma = false;  // EngineOptions::shm_cma
+  // Status to exit with once stdin closes: tests of the harness plant a failing peer with it.
+  int exit_code = 0;
+  // Seconds to keep running after stdin closes: plants a peer that hangs on exit.
+  int linger_s = 0;
 };
 
 bool ParseArgs(int argc, char** argv, Args* args) {
@@ -64,6 +69,10 @@ bool ParseArgs(int argc, char** argv, Args* args) {
       ok = absl::SimpleAtoi(v, &args->lease_ms);
     else if (key == "shm_cma")
       args->shm_cma = v == "1";
+    else if (key == "exit_code")
+      ok = absl::SimpleAtoi(v, &args->exit_code);
+    else if (key == "linger_s")
+      ok = absl::SimpleAtoi(v, &args->linger_s);
     else
       ok = false;
     if (!ok) return false;
@@ -162,5 +171,6 @@ int main(int argc, char** argv) {
                 verdict.c_str());
     std::fflush(stdout);
   }
-  return 0;
+  if (args.linger_s > 0) absl::SleepFor(absl::Seconds(args.linger_s));
+  return args.exit_code;
 }

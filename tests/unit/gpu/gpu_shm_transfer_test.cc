@@ -124,13 +124,22 @@ class ChildProcess {
     if (to_child_ >= 0) close(to_child_);
     if (from_child_ >= 0) close(from_child_);
     if (pid_ <= 0) return;
+    // The child's end is part of the test: a sanitizer report (non-zero exit), a signal, or
+    // a hang (killed after 10 s) fails it.
     int status = 0;
-    for (int i = 0; i < 1000 && waitpid(pid_, &status, WNOHANG) == 0; ++i) {
+    pid_t reaped = 0;
+    for (int i = 0; i < 1000 && (reaped = waitpid(pid_, &status, WNOHANG)) == 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    if (waitpid(pid_, &status, WNOHANG) == 0) {
+    if (reaped == 0) {
       kill(pid_, SIGKILL);
       waitpid(pid_, &status, 0);
+      ADD_FAILURE() << "gpu-shm child " << pid_ << " did not exit within 10 s and was killed";
+    } else if (WIFSIGNALED(status)) {
+      ADD_FAILURE() << "gpu-shm child " << pid_ << " died of signal " << WTERMSIG(status);
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+      ADD_FAILURE() << "gpu-shm child " << pid_ << " exited with status " << WEXITSTATUS(status)
+                    << " (a sanitizer report or a failed check; see its stderr)";
     }
   }
 
