@@ -8,6 +8,7 @@
 #include <cstring>
 #include <exception>
 #include <pthread.h>
+#include <system_error>
 #include <utility>
 #include <vector>
 
