@@ -77,9 +77,9 @@ absl::Status Engine::Impl::Init() {
   // their own setting, which EngineOptions caps at this).
   tcp_options.max_op_bytes = kMaxTcpOpBytes;
   tcp_options.gpu_runtime = gpu_;
-  tcp_options.max_connections =
+  tcp_options.max_data_connections =
       static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections));
-  tcp_options.max_connections_per_peer =
+  tcp_options.max_data_connections_per_peer =
       static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections_per_peer));
   tcp_options.max_pending_hellos =
       static_cast<uint32_t>(std::max(1, options_.tcp_max_pending_hellos));

@@ -172,17 +172,17 @@ void TcpServer::OnAccepted(tcp::socket socket) {
     if (stopped_) return;  // `socket` closes
     Reap();
     const size_t open = hellos_.size() + connections_.size();
-    if (open >= options_.max_connections) {
+    if (open >= options_.max_data_connections) {
       refused = absl::ResourceExhaustedError(
           absl::StrCat("tcp data port ", endpoint_, ": ", open,
-                       " connections are open, the limit (max_connections ",
-                       options_.max_connections, ") is reached"));
+                       " connections are open, the limit (tcp_max_data_connections ",
+                       options_.max_data_connections, ") is reached"));
     }
   }
   if (refused.ok() && hellos_.size() >= options_.max_pending_hellos) {
     refused = absl::ResourceExhaustedError(
         absl::StrCat("tcp data port ", endpoint_, ": ", hellos_.size(),
-                     " connections are in the hello stage, the limit (max_pending_hellos ",
+                     " connections are in the hello stage, the limit (tcp_max_pending_hellos ",
                      options_.max_pending_hellos, ") is reached"));
   }
   if (refused.ok()) {
@@ -190,7 +190,7 @@ void TcpServer::OnAccepted(tcp::socket socket) {
     if (it != hellos_by_address_.end() && it->second >= options_.max_pending_hellos_per_address) {
       refused = absl::ResourceExhaustedError(
           absl::StrCat("tcp data port ", endpoint_, ": ", it->second, " connections from ", address,
-                       " are in the hello stage, the limit (max_pending_hellos_per_address ",
+                       " are in the hello stage, the limit (tcp_max_pending_hellos_per_address ",
                        options_.max_pending_hellos_per_address, ") is reached"));
     }
   }
@@ -316,11 +316,12 @@ void TcpServer::Authenticate(const std::shared_ptr<Hello>& hello) {
     refused = absl::UnavailableError("tcp target is shutting down");
   } else if (dropped_.contains(*peer)) {
     refused = absl::UnauthenticatedError(absl::StrCat("peer ", *peer, " was dropped"));
-  } else if (const size_t open = ConnectionsOf(*peer); open >= options_.max_connections_per_peer) {
+  } else if (const size_t open = ConnectionsOf(*peer);
+             open >= options_.max_data_connections_per_peer) {
     refused = absl::ResourceExhaustedError(
         absl::StrCat("peer ", *peer, " has ", open,
-                     " data connections open, the limit (max_connections_per_peer ",
-                     options_.max_connections_per_peer, ") is reached"));
+                     " data connections open, the limit (tcp_max_data_connections_per_peer ",
+                     options_.max_data_connections_per_peer, ") is reached"));
     counter = &refused_over_limit_;
   } else {
     auto connection = std::make_unique<ServerConnection>(std::move(socket), hello->remote, *peer,

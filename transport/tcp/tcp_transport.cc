@@ -171,11 +171,11 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   if (options.max_op_bytes == 0 || options.max_lanes == 0) {
     return absl::InvalidArgumentError("tcp transport: max_op_bytes and max_lanes must be > 0");
   }
-  if (options.max_connections == 0 || options.max_pending_hellos == 0 ||
-      options.max_pending_hellos_per_address == 0 || options.max_connections_per_peer == 0) {
+  if (options.max_data_connections == 0 || options.max_pending_hellos == 0 ||
+      options.max_pending_hellos_per_address == 0 || options.max_data_connections_per_peer == 0) {
     return absl::InvalidArgumentError(
-        "tcp transport: max_connections, max_pending_hellos, max_pending_hellos_per_address "
-        "and max_connections_per_peer must be > 0");
+        "tcp transport: max_data_connections, max_pending_hellos, max_pending_hellos_per_address "
+        "and max_data_connections_per_peer must be > 0");
   }
   if (options.hello_timeout <= absl::ZeroDuration() || options.io_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(

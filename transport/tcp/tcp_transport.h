@@ -32,12 +32,12 @@ struct TcpTransportOptions {
   // refusal is logged with its reason, counted (EngineStats::tcp_listener), and answered with
   // a hello reply that names the limit when the socket can still take it.
   // Data connections open at once, in every stage.
-  uint32_t max_connections = 1024;
+  uint32_t max_data_connections = 1024;
   // Connections in the hello stage (no accepted token yet), in total and per remote address.
   uint32_t max_pending_hellos = 128;
   uint32_t max_pending_hellos_per_address = 32;
   // Authenticated connections (one serving thread each) of one peer.
-  uint32_t max_connections_per_peer = 64;
+  uint32_t max_data_connections_per_peer = 64;
   // Absolute deadline for the whole hello stage (hello header and token) of a connection.
   absl::Duration hello_timeout = absl::Seconds(10);
   // An authenticated connection that takes longer than this to receive one op's payload, or
