@@ -59,8 +59,8 @@ void SendRefusal(int fd, const absl::Status& error) {
 
 }  // namespace
 
-struct TcpServer::Hello {
-  Hello(asio::io_context& io, tcp::socket s, std::string remote_text, std::string address_text)
+struct TcpServer::HelloStage {
+  HelloStage(asio::io_context& io, tcp::socket s, std::string remote_text, std::string address_text)
       : socket(std::move(s)),
         deadline(io),
         remote(std::move(remote_text)),
@@ -210,7 +210,7 @@ void TcpServer::OnAccepted(tcp::socket socket) {
     return;
   }
 
-  auto hello = std::make_shared<Hello>(io_, std::move(socket), remote_text, address);
+  auto hello = std::make_shared<HelloStage>(io_, std::move(socket), remote_text, address);
   hellos_.insert(hello.get());
   ++hellos_by_address_[address];
   pending_.store(hellos_.size(), std::memory_order_relaxed);
@@ -266,7 +266,7 @@ void TcpServer::OnAccepted(tcp::socket socket) {
                    });
 }
 
-void TcpServer::ReadToken(const std::shared_ptr<Hello>& hello) {
+void TcpServer::ReadToken(const std::shared_ptr<HelloStage>& hello) {
   asio::async_read(hello->socket, asio::buffer(hello->token),
                    [this, hello](const boost::system::error_code& e, size_t) {
                      if (hello->ended) return;
@@ -282,7 +282,7 @@ void TcpServer::ReadToken(const std::shared_ptr<Hello>& hello) {
                    });
 }
 
-void TcpServer::Authenticate(const std::shared_ptr<Hello>& hello) {
+void TcpServer::Authenticate(const std::shared_ptr<HelloStage>& hello) {
   EndHelloStage(*hello);
   hello->deadline.cancel();
   const int fd = hello->socket.native_handle();
@@ -348,7 +348,7 @@ void TcpServer::Authenticate(const std::shared_ptr<Hello>& hello) {
   SendRefusal(fd, refused);
 }
 
-void TcpServer::EndHelloStage(Hello& hello) {
+void TcpServer::EndHelloStage(HelloStage& hello) {
   if (hello.ended) return;
   hello.ended = true;
   hellos_.erase(&hello);
@@ -460,7 +460,7 @@ void TcpServer::Shutdown() {
     acceptor_.close(ec);
     retry_timer_.cancel();
     watchdog_.cancel();
-    for (Hello* hello : std::vector<Hello*>(hellos_.begin(), hellos_.end())) {
+    for (HelloStage* hello : std::vector<HelloStage*>(hellos_.begin(), hellos_.end())) {
       hello->deadline.cancel();
       hello->socket.close(ec);
     }

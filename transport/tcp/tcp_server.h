@@ -54,17 +54,17 @@ class TcpServer {
 
  private:
   // A connection in the hello stage; owned by its pending handlers, on the accept thread.
-  struct Hello;
+  struct HelloStage;
 
   TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging);
   absl::Status Listen();
   void Accept();
   void OnAccepted(boost::asio::ip::tcp::socket socket);
-  void ReadToken(const std::shared_ptr<Hello>& hello);
+  void ReadToken(const std::shared_ptr<HelloStage>& hello);
   // The token is in: serve the connection on a thread of its own, or refuse it.
-  void Authenticate(const std::shared_ptr<Hello>& hello);
+  void Authenticate(const std::shared_ptr<HelloStage>& hello);
   // The hello stage of `hello` is over (whatever the outcome): it no longer counts as pending.
-  void EndHelloStage(Hello& hello);
+  void EndHelloStage(HelloStage& hello);
   // Cuts serving connections stuck in one access for longer than io_timeout; reaps.
   void Watch();
   // Joins and forgets connections whose thread has returned.
@@ -81,7 +81,7 @@ class TcpServer {
   boost::asio::ip::tcp::acceptor acceptor_;
   boost::asio::steady_timer retry_timer_;
   boost::asio::steady_timer watchdog_;
-  absl::flat_hash_set<Hello*> hellos_;
+  absl::flat_hash_set<HelloStage*> hellos_;
   absl::flat_hash_map<std::string, uint32_t> hellos_by_address_;
   std::thread accept_thread_;
 
