@@ -83,18 +83,22 @@ bool ParseArgs(int argc, char** argv, Args* args) {
   return true;
 }
 
-// Thread creation fails with EAGAIN once the real uid's task count is at RLIMIT_NPROC; root
-// is exempt from that limit, hence the uid change (the saved uid lets the process return).
+// Thread creation fails with EAGAIN once the real uid's task count is at RLIMIT_NPROC. Root
+// is exempt from that limit, hence (as root) the uid change; the saved uid lets the process
+// return.
 std::string LimitThreads(bool limit) {
+  static const bool root = getuid() == 0;
+  static rlim_t saved_soft = RLIM_INFINITY;
   rlimit nproc{};
   if (getrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
   if (limit) {
+    saved_soft = nproc.rlim_cur;
     nproc.rlim_cur = 0;
     if (setrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
-    if (setresuid(65534, 65534, 0) != 0) return std::strerror(errno);
+    if (root && setresuid(65534, 65534, 0) != 0) return std::strerror(errno);
   } else {
-    if (setresuid(0, 0, 0) != 0) return std::strerror(errno);
-    nproc.rlim_cur = nproc.rlim_max;
+    if (root && setresuid(0, 0, 0) != 0) return std::strerror(errno);
+    nproc.rlim_cur = saved_soft;
     if (setrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
   }
   return "";
