@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 #include "kvwire/layout.h"
@@ -133,12 +134,22 @@ class KvSideImpl : public KvSide {
     return self;
   }
 
-  absl::Status Serve(LineSocket& sock, const std::vector<std::string>& run) override {
+  absl::Status Serve(LineSocket& sock, const std::vector<std::string>& run,
+                     absl::Duration timeout) override {
+    if (run != std::vector<std::string>{"RUN", "kv", "0"}) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed RUN line for the kv workload (expected \"RUN kv 0\"): \"",
+                       absl::StrJoin(run, " "), "\""));
+    }
     const bool verify = o_.check && o_.op == OpKind::kWrite;
     if (verify) ClearDestinations();
     if (absl::Status s = sock.SendLine("READY"); !s.ok()) return s;
-    absl::StatusOr<std::string> done = sock.ReadLine(absl::InfiniteDuration());
+    absl::StatusOr<std::string> done = sock.ReadLine(timeout);
     if (!done.ok()) return done.status();
+    if (*done != "DONE kv 0") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expected \"DONE kv 0\", got \"", *done, "\""));
+    }
     std::string verdict = "-";
     if (verify) {
       absl::Status checked = Verify();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "kvwire/engine.h"
 #include "perf/perf_options.h"
@@ -25,8 +26,10 @@ class KvSide {
                                                         bool initiator);
   virtual ~KvSide() = default;
   virtual RegionId region() const = 0;
-  // Target: one RUN/DONE exchange (`run` is the split RUN line).
-  virtual absl::Status Serve(LineSocket& sock, const std::vector<std::string>& run) = 0;
+  // Target: one RUN/DONE exchange (`run` is the split RUN line), waiting at most `timeout`
+  // for DONE. InvalidArgument: the initiator's lines were not the protocol's.
+  virtual absl::Status Serve(LineSocket& sock, const std::vector<std::string>& run,
+                             absl::Duration timeout) = 0;
   // Initiator: runs the workload against the target's region and returns the table row.
   virtual absl::StatusOr<Result> Run(Engine& engine, PeerId peer, RegionId remote, LineSocket& sock,
                                      ProgressLine* progress) = 0;

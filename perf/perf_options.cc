@@ -144,7 +144,11 @@ Both sides take the same test options; they are compared at connect time.
       --json FILE, --csv FILE  also write the results there
       --report-gbits           bandwidth in Gb/s instead of GB/s (both decimal)
   -p, --port N                 side-channel TCP port (default 18515; 0 on the target: any)
-      --bind ADDR              target: address to listen on (default 0.0.0.0)
+      --bind ADDR              target: address to listen on (default 127.0.0.1; the side
+                               channel is unauthenticated: give 0.0.0.0 or a NIC's address
+                               only on a trusted network, for a run across hosts)
+      --side-timeout SECONDS   longest wait for a side-channel line, a whole run included
+                               (default 600)
   -h, --help
 Bandwidth is decimal: 1 GB/s = 1e9 bytes/s.
 )";
@@ -345,6 +349,17 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
        true,
        [&](const std::string&, const std::string& v) {
          o.bind = v;
+         return absl::OkStatus();
+       }},
+      {{"--side-timeout"},
+       true,
+       [&](const std::string& n, const std::string& v) {
+         double seconds = 0;
+         if (!absl::SimpleAtod(v, &seconds) || !(seconds >= 1 && seconds <= 86400)) {
+           return absl::InvalidArgumentError(
+               absl::StrCat(n, " ", v, ": expected seconds between 1 and 86400"));
+         }
+         o.side_timeout_s = seconds;
          return absl::OkStatus();
        }},
       {{"-h", "--help"},

@@ -26,8 +26,12 @@ struct PerfOptions {
   std::string host;
   // Side-channel TCP port (settings exchange, like perftest's 18515).
   int port = 18515;
-  // Address the target binds (side channel and engine).
-  std::string bind = "0.0.0.0";
+  // Address the target binds (side channel and engine). Loopback unless told otherwise: the
+  // side channel is unauthenticated, so listening elsewhere is an explicit choice.
+  std::string bind = "127.0.0.1";
+  // --side-timeout: longest wait for any side-channel line (a whole run between RUN and
+  // DONE included); the target's wait for HELLO is at most 30 s of it.
+  double side_timeout_s = 600;
 
   OpKind op = OpKind::kWrite;                      // --op read|write
   TransportKind transport = TransportKind::kAuto;  // --transport rdma|tcp|shm|auto

@@ -17,6 +17,21 @@
 namespace kvwire::perf {
 namespace {
 
+// Side-channel lines are short (the longest is HELLO with the settings): a longer one is an
+// error, not a reason to buffer more.
+constexpr size_t kMaxLineBytes = 64 << 10;
+// A peer that stops reading cannot hold a send for longer than this.
+constexpr int kSendTimeoutSeconds = 60;
+
+// TCP_NODELAY (lines are small and answered) and the send timeout.
+void ConfigureLineSocket(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  timeval tv{};
+  tv.tv_sec = kSendTimeoutSeconds;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
 absl::Status Errno(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
@@ -74,8 +89,7 @@ absl::StatusOr<LineSocket> LineSocket::Dial(const std::string& host, int port,
       LineSocket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
       if (s.fd_ < 0) return Errno("socket");
       if (::connect(s.fd_, a->ai_addr, a->ai_addrlen) == 0) {
-        const int one = 1;
-        ::setsockopt(s.fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        ConfigureLineSocket(s.fd_);
         return s;
       }
       last = Errno(absl::StrCat("connecting to the target at ", host, ":", port));
@@ -92,6 +106,10 @@ absl::Status LineSocket::SendLine(const std::string& line) {
     const ssize_t n = ::send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "side channel send: the peer took nothing for ", kSendTimeoutSeconds, " s"));
+      }
       return Errno("side channel send");
     }
     sent += static_cast<size_t>(n);
@@ -108,17 +126,18 @@ absl::StatusOr<std::string> LineSocket::ReadLine(absl::Duration timeout) {
       buffer_.erase(0, nl + 1);
       return line;
     }
-    if (buffer_.size() > (1 << 20)) {
-      return absl::DataLossError("side channel: line longer than 1 MiB");
+    if (buffer_.size() > kMaxLineBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("side channel: line longer than ", kMaxLineBytes, " bytes"));
     }
     absl::StatusOr<bool> ready = WaitFd(
         fd_, POLLIN, deadline == absl::InfiniteFuture() ? absl::Now() + absl::Hours(24) : deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("side channel: no answer from the peer");
     char chunk[4096];
-    const ssize_t n = ::recv(fd_, chunk, sizeof(chunk), 0);
+    const ssize_t n = ::recv(fd_, chunk, sizeof(chunk), MSG_DONTWAIT);
     if (n < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
       return Errno("side channel receive");
     }
     if (n == 0) return absl::UnavailableError("side channel: the peer closed the connection");
@@ -179,8 +198,7 @@ absl::StatusOr<LineSocket> LineListener::Accept(absl::Duration timeout) {
   if (!*ready) return absl::DeadlineExceededError("no initiator connected");
   const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
   if (fd < 0) return Errno("accept");
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ConfigureLineSocket(fd);
   return LineSocket(fd);
 }
 

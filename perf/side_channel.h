@@ -28,7 +28,9 @@ class LineSocket {
   static absl::StatusOr<LineSocket> Dial(const std::string& host, int port, absl::Duration timeout);
 
   absl::Status SendLine(const std::string& line);
-  // Next line without its '\n'; Unavailable when the peer closed, DeadlineExceeded on timeout.
+  // Next line without its '\n' (at most 64 KiB, else InvalidArgument); Unavailable when the
+  // peer closed, DeadlineExceeded when no whole line came within `timeout` (an absolute bound:
+  // bytes trickling in do not extend it).
   absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
 
  private:

@@ -1,11 +1,17 @@
 #include "perf/target.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 
 #include "perf/buffer_plan.h"
 #include "perf/kv_workload.h"
@@ -21,13 +27,38 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+absl::Duration SideTimeout(const PerfOptions& o) { return absl::Seconds(o.side_timeout_s); }
+
+// A protocol error of the initiator: refused with an ERROR line, and the target goes on.
+bool IsRefusal(const absl::Status& s) { return s.code() == absl::StatusCode::kInvalidArgument; }
+
+// Checks a RUN line of the raw workload against what this side agreed to and allocated: the
+// size is one of the agreed sizes and every thread's block of it lies inside the buffer.
+absl::Status CheckRun(const PerfOptions& o, uint64_t buffer_bytes,
+                      const std::vector<std::string>& run, uint64_t* size, uint64_t* planned) {
+  if (run.size() != 3 || !absl::SimpleAtoi(run[1], size) || !absl::SimpleAtoi(run[2], planned)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "malformed RUN line (expected \"RUN <size> <ops>\"): \"", absl::StrJoin(run, " "), "\""));
+  }
+  const std::vector<uint64_t> sizes = o.Sizes();
+  if (std::find(sizes.begin(), sizes.end(), *size) == sizes.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RUN size ", *size, " is not one of the agreed sizes (", absl::StrJoin(sizes, ", "), ")"));
+  }
+  if (*size == 0 || *size > buffer_bytes / static_cast<uint64_t>(o.threads)) {
+    return absl::InvalidArgumentError(absl::StrCat("RUN size ", *size, " for ", o.threads,
+                                                   " threads exceeds the target buffer of ",
+                                                   buffer_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 // Handles one RUN/DONE exchange of a raw size; the reply to DONE says whether WRITEs landed.
 absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
                        const std::vector<std::string>& run) {
   uint64_t size = 0, planned = 0;
-  if (run.size() != 3 || !absl::SimpleAtoi(run[1], &size) || !absl::SimpleAtoi(run[2], &planned) ||
-      size == 0) {
-    return absl::InvalidArgumentError("malformed RUN line");
+  if (absl::Status s = CheckRun(o, buffer.memory.size(), run, &size, &planned); !s.ok()) {
+    return s;
   }
   const bool verify = o.check && o.op == OpKind::kWrite;
   BufferPlan plan(o.pattern, o.threads, size, buffer.memory.size());
@@ -37,11 +68,14 @@ absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buff
     }
   }
   if (absl::Status s = sock.SendLine("READY"); !s.ok()) return s;
-  absl::StatusOr<std::string> done = sock.ReadLine(absl::InfiniteDuration());
+  absl::StatusOr<std::string> done = sock.ReadLine(SideTimeout(o));
   if (!done.ok()) return done.status();
   std::vector<std::string> parts = absl::StrSplit(*done, ' ');
-  if (parts.size() != 3 || parts[0] != "DONE") {
-    return absl::InvalidArgumentError(absl::StrCat("expected DONE, got \"", *done, "\""));
+  uint64_t done_size = 0;
+  if (parts.size() != 3 || parts[0] != "DONE" || !absl::SimpleAtoi(parts[1], &done_size) ||
+      done_size != size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected \"DONE ", size, " <ops>\", got \"", *done, "\""));
   }
   absl::StatusOr<std::vector<uint64_t>> ops = DecodeOps(parts[2], o.threads);
   if (!ops.ok()) return ops.status();
@@ -56,6 +90,36 @@ absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buff
     std::fflush(stdout);
   }
   return sock.SendLine(absl::StrCat("CHECK ", verdict));
+}
+
+// Waits for an initiator that says HELLO in this tool's protocol. A connection that says
+// something else, or nothing within the deadline, gets an ERROR line (when it can take one)
+// and is closed; the target keeps waiting. Settings that differ end the target (exit 2).
+absl::StatusOr<LineSocket> AcceptInitiator(const PerfOptions& o, LineListener& listener,
+                                           std::map<std::string, std::string>* theirs) {
+  const std::string prefix = absl::StrCat("HELLO ", kProtocol, " ");
+  while (true) {
+    absl::StatusOr<LineSocket> sock = listener.Accept(absl::Hours(24 * 365));
+    if (!sock.ok()) return sock.status();
+    absl::StatusOr<std::string> hello = sock->ReadLine(std::min(absl::Seconds(30), SideTimeout(o)));
+    absl::Status refused;
+    if (!hello.ok()) {
+      refused = hello.status();
+    } else if (!absl::StartsWith(*hello, prefix)) {
+      refused = absl::InvalidArgumentError(absl::StrCat("not a ", kProtocol, " HELLO"));
+    } else {
+      absl::StatusOr<std::map<std::string, std::string>> settings =
+          DecodeSettings(hello->substr(prefix.size()));
+      if (settings.ok()) {
+        *theirs = *std::move(settings);
+        return sock;
+      }
+      refused = settings.status();
+    }
+    (void)sock->SendLine(absl::StrCat("ERROR target speaks ", kProtocol, ": ", refused.message()));
+    std::fprintf(stderr, "kvwire-perf (target): side-channel connection refused: %s\n",
+                 std::string(refused.message()).c_str());
+  }
 }
 
 }  // namespace
@@ -84,20 +148,10 @@ int RunTarget(const PerfOptions& o) {
   PrintHeader(stdout, o, info);
   std::fflush(stdout);
 
-  absl::StatusOr<LineSocket> sock = listener->Accept(absl::Hours(24 * 365));
+  std::map<std::string, std::string> theirs;
+  absl::StatusOr<LineSocket> sock = AcceptInitiator(o, *listener, &theirs);
   if (!sock.ok()) return Fail(sock.status());
-  absl::StatusOr<std::string> hello = sock->ReadLine(absl::Seconds(30));
-  if (!hello.ok()) return Fail(hello.status());
-  const std::string prefix = absl::StrCat("HELLO ", kProtocol, " ");
-  if (!absl::StartsWith(*hello, prefix)) {
-    (void)sock->SendLine(absl::StrCat("ERROR target speaks ", kProtocol));
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("the initiator does not speak ", kProtocol, ": \"", *hello, "\"")));
-  }
-  absl::StatusOr<std::map<std::string, std::string>> theirs =
-      DecodeSettings(hello->substr(prefix.size()));
-  if (!theirs.ok()) return Fail(theirs.status());
-  if (absl::Status agree = CheckAgreement(AgreedSettings(o), *theirs, "initiator"); !agree.ok()) {
+  if (absl::Status agree = CheckAgreement(AgreedSettings(o), theirs, "initiator"); !agree.ok()) {
     (void)sock->SendLine(absl::StrCat("ERROR ", agree.message()));
     std::fprintf(stderr, "kvwire-perf (target): %s\n", std::string(agree.message()).c_str());
     return 2;
@@ -112,7 +166,7 @@ int RunTarget(const PerfOptions& o) {
   std::printf(" initiator connected; serving\n");
   std::fflush(stdout);
   while (true) {
-    absl::StatusOr<std::string> line = sock->ReadLine(absl::InfiniteDuration());
+    absl::StatusOr<std::string> line = sock->ReadLine(SideTimeout(o));
     if (!line.ok()) return Fail(line.status());
     std::vector<std::string> parts = absl::StrSplit(*line, ' ');
     if (parts[0] == "BYE") break;
@@ -120,9 +174,18 @@ int RunTarget(const PerfOptions& o) {
     if (parts[0] == "RUN" && !kv) {
       served = ServeSize(o, *sock, buffer, parts);
     } else if (parts[0] == "RUN" && kv) {
-      served = kv->Serve(*sock, parts);
+      served = kv->Serve(*sock, parts, SideTimeout(o));
     } else {
       served = absl::InvalidArgumentError(absl::StrCat("unexpected \"", *line, "\""));
+    }
+    if (IsRefusal(served)) {
+      // The initiator learns what was wrong; this side stays ready for a correct request.
+      std::fprintf(stderr, "kvwire-perf (target): refused: %s\n",
+                   std::string(served.message()).c_str());
+      if (absl::Status s = sock->SendLine(absl::StrCat("ERROR ", served.message())); !s.ok()) {
+        return Fail(s);
+      }
+      continue;
     }
     if (!served.ok()) return Fail(served);
   }

@@ -118,6 +118,21 @@ struct EngineOptions {
   // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with shm_cma.
   bool shm_deny_ptrace = false;
 
+  // --- tcp data listener limits: what a dialer that has not (yet) shown a valid session
+  // token, or a peer that stops mid-op, can hold (details: transport/tcp/tcp_transport.h) ---
+  // Data connections open at once in every stage; per peer once authenticated.
+  int tcp_max_data_connections = 1024;
+  int tcp_max_data_connections_per_peer = 64;
+  // Data connections still in the hello stage, in total and per remote address.
+  int tcp_max_pending_hellos = 128;
+  int tcp_max_pending_hellos_per_address = 32;
+  // Absolute deadline for a data connection's hello (header and token).
+  absl::Duration tcp_hello_timeout = absl::Seconds(10);
+  // A data connection stuck this long inside one op (payload not arriving, responses not
+  // taken) is cut, its pins released, and its peer dropped. Keep it below 10 s, the time
+  // DeregisterMemory waits for ops in flight.
+  absl::Duration tcp_io_timeout = absl::Seconds(5);
+
   // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
   // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL, KVWIRE_RDMA_DEVICES (comma
   // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS, KVWIRE_SHM_CMA=1,

@@ -77,6 +77,16 @@ absl::Status Engine::Impl::Init() {
   // their own setting, which EngineOptions caps at this).
   tcp_options.max_op_bytes = kMaxTcpOpBytes;
   tcp_options.gpu_runtime = gpu_;
+  tcp_options.max_data_connections =
+      static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections));
+  tcp_options.max_data_connections_per_peer =
+      static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections_per_peer));
+  tcp_options.max_pending_hellos =
+      static_cast<uint32_t>(std::max(1, options_.tcp_max_pending_hellos));
+  tcp_options.max_pending_hellos_per_address =
+      static_cast<uint32_t>(std::max(1, options_.tcp_max_pending_hellos_per_address));
+  tcp_options.hello_timeout = options_.tcp_hello_timeout;
+  tcp_options.io_timeout = options_.tcp_io_timeout;
   auto tcp = transport::CreateTcpTransport(tcp_options, this);
   if (!tcp.ok()) return tcp.status();
   tcp_ = std::move(*tcp);

@@ -72,7 +72,13 @@ std::string EngineStats::ToJson() const {
       ",\"rdma_peermem_regions\":", gpu.rdma_peermem_regions, ",\"rdma_path_reason\":\"",
       JsonEscape(gpu.rdma_path_reason), "\",\"shm_ipc_opens\":", gpu.shm_ipc_opens,
       ",\"shm_device_copies\":", gpu.shm_device_copies,
-      ",\"tcp_staged_bytes\":", gpu.tcp_staged_bytes, "}}");
+      ",\"tcp_staged_bytes\":", gpu.tcp_staged_bytes, "}");
+  absl::StrAppend(&out, ",\"tcp_listener\":{\"connections\":", tcp_listener.connections,
+                  ",\"refused_over_limit\":", tcp_listener.refused_over_limit,
+                  ",\"hello_refused\":", tcp_listener.hello_refused,
+                  ",\"hello_timeouts\":", tcp_listener.hello_timeouts,
+                  ",\"thread_failures\":", tcp_listener.thread_failures,
+                  ",\"stalled_dropped\":", tcp_listener.stalled_dropped, "}}");
   return out;
 }
 
@@ -121,6 +127,18 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
           gpu.shm_device_copies);
   counter("gpu_tcp_staged_bytes_total", "Bytes staged through pinned host buffers (tcp).",
           gpu.tcp_staged_bytes);
+  gauge("tcp_data_connections", "tcp data connections open, every stage.",
+        tcp_listener.connections);
+  counter("tcp_refused_over_limit_total", "tcp data connections refused by a connection limit.",
+          tcp_listener.refused_over_limit);
+  counter("tcp_hello_refused_total", "tcp data connections with a bad hello or unknown token.",
+          tcp_listener.hello_refused);
+  counter("tcp_hello_timeouts_total", "tcp data connections cut at the hello deadline.",
+          tcp_listener.hello_timeouts);
+  counter("tcp_thread_failures_total", "tcp data connections refused: no thread could start.",
+          tcp_listener.thread_failures);
+  counter("tcp_stalled_dropped_total", "tcp data connections cut mid-op by the I/O deadline.",
+          tcp_listener.stalled_dropped);
   absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
                   "# TYPE kvwire_transfer_latency_us histogram\n");
   uint64_t cumulative = 0;

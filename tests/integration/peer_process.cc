@@ -64,6 +64,19 @@ absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(
   return peer;
 }
 
+absl::Status PeerProcess::WriteLine(const std::string& line) {
+  const std::string data = line + "\n";
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = write(stdin_fd_, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      return absl::UnavailableError(absl::StrCat("write to peer: ", std::strerror(errno)));
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> PeerProcess::ReadLine(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {

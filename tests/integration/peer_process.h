@@ -27,6 +27,8 @@ class PeerProcess {
   const std::vector<RegionId>& regions() const { return regions_; }
   pid_t pid() const { return pid_; }
 
+  // Writes `line` and a newline to the peer's stdin.
+  absl::Status WriteLine(const std::string& line);
   // Next stdout line, or DeadlineExceeded.
   absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
   // Sends `sig`. A signal other than SIGSTOP/SIGCONT sent here is the test's own doing: the

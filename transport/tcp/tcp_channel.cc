@@ -81,7 +81,11 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
 
   auto connection = std::make_shared<ClientConnection>(std::move(*socket), link.remote_endpoint,
                                                        lane, reply.max_op_bytes, staging);
-  connection->Start();
+  if (s = connection->Start(); !s.ok()) {
+    connection->Close(s);
+    connection->Join();
+    return Prefixed(s, context);
+  }
   return connection;
 }
 

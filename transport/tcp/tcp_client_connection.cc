@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <pthread.h>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -45,12 +46,19 @@ ClientConnection::~ClientConnection() {
   }
 }
 
-void ClientConnection::Start() {
+absl::Status ClientConnection::Start() {
   MutexLock lock(&join_mu_);
-  writer_ = std::thread([this] { WriterLoop(); });
-  reader_ = std::thread([this] { ReaderLoop(); });
-  writer_id_ = writer_.get_id();
-  reader_id_ = reader_.get_id();
+  try {
+    writer_ = std::thread([this] { WriterLoop(); });
+    writer_id_ = writer_.get_id();
+    reader_ = std::thread([this] { ReaderLoop(); });
+    reader_id_ = reader_.get_id();
+  } catch (const std::system_error& e) {
+    // The owner's Close and Join end a writer that did start.
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start the connection's threads: ", e.what()));
+  }
+  return absl::OkStatus();
 }
 
 bool ClientConnection::Join() {

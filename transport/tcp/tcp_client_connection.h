@@ -36,8 +36,9 @@ class ClientConnection {
   ClientConnection(const ClientConnection&) = delete;
   ClientConnection& operator=(const ClientConnection&) = delete;
 
-  // Starts the writer and reader threads. Call once, before Post.
-  void Start();
+  // Starts the writer and reader threads. Call once, before Post. ResourceExhausted when the
+  // system has no thread to give (then Close and Join the connection).
+  absl::Status Start();
 
   // Queues the ops of `request`; never blocks on the network. `done` runs exactly once: on
   // the reader thread when every op was answered (or the first failed), inline when the

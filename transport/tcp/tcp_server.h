@@ -1,8 +1,16 @@
-// The target side of the tcp transport: an Asio acceptor on its own thread, and one
-// ServerConnection (one thread) per incoming data connection.
+// The target side of the tcp transport: an Asio acceptor on its own thread that also reads
+// every connection's hello (no thread per unauthenticated connection), and one
+// ServerConnection (one thread) per authenticated data connection.
+//
+// Limits (TcpTransportOptions): connections open in total, connections in the hello stage in
+// total and per remote address, authenticated connections per peer, an absolute deadline for
+// the hello stage, and an I/O deadline on serving connections (a watchdog on the accept thread
+// cuts a connection stuck inside one op, so that what it pinned is released).
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_SERVER_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_SERVER_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -13,9 +21,12 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "kvwire/stats.h"
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_server_connection.h"
 #include "transport/tcp/tcp_staging.h"
@@ -39,15 +50,26 @@ class TcpServer {
   void DropPeer(PeerId peer);
   // Stops accepting, ends every connection, and joins every thread. Idempotent.
   void Shutdown();
+  TcpListenerStats Stats() const;
 
  private:
+  // A connection in the hello stage; owned by its pending handlers, on the accept thread.
+  struct HelloStage;
+
   TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging);
   absl::Status Listen();
   void Accept();
   void OnAccepted(boost::asio::ip::tcp::socket socket);
-  bool Admit(ServerConnection* connection, PeerId peer);
+  void ReadToken(const std::shared_ptr<HelloStage>& hello);
+  // The token is in: serve the connection on a thread of its own, or refuse it.
+  void Authenticate(const std::shared_ptr<HelloStage>& hello);
+  // The hello stage of `hello` is over (whatever the outcome): it no longer counts as pending.
+  void EndHelloStage(HelloStage& hello);
+  // Cuts serving connections stuck in one access for longer than io_timeout; reaps.
+  void Watch();
   // Joins and forgets connections whose thread has returned.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t ConnectionsOf(PeerId peer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const TcpTransportOptions options_;
   TargetHooks* const hooks_;
@@ -58,9 +80,20 @@ class TcpServer {
   boost::asio::io_context io_;
   boost::asio::ip::tcp::acceptor acceptor_;
   boost::asio::steady_timer retry_timer_;
+  boost::asio::steady_timer watchdog_;
+  absl::flat_hash_set<HelloStage*> hellos_;
+  absl::flat_hash_map<std::string, uint32_t> hellos_by_address_;
   std::thread accept_thread_;
 
-  Mutex mu_;
+  // Counters (TcpListenerStats).
+  std::atomic<uint64_t> pending_{0};  // == hellos_.size(), readable from any thread
+  std::atomic<uint64_t> refused_over_limit_{0};
+  std::atomic<uint64_t> hello_refused_{0};
+  std::atomic<uint64_t> hello_timeouts_{0};
+  std::atomic<uint64_t> thread_failures_{0};
+  std::atomic<uint64_t> stalled_dropped_{0};
+
+  mutable Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<ServerConnection>> connections_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<PeerId> dropped_ ABSL_GUARDED_BY(mu_);

@@ -4,6 +4,7 @@
 #include <array>
 #include <functional>
 #include <pthread.h>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -19,8 +20,6 @@ namespace {
 
 namespace wire = tcp_wire;
 
-// A dialer has this long to send its hello.
-constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
 // After an error response, input is discarded for at most this long / this many bytes.
 constexpr absl::Duration kLingerTime = absl::Seconds(2);
 constexpr uint64_t kLingerBytes = 256 << 20;
@@ -29,7 +28,32 @@ constexpr uint64_t kLingerBytes = 256 << 20;
 constexpr size_t kMaxResponses = 64;
 constexpr uint64_t kFlushBytes = 1 << 20;
 
+int64_t SteadyNs(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 }  // namespace
+
+class ServerConnection::BusyScope {
+ public:
+  BusyScope(ServerConnection* c, const char* what)
+      : c_(c), outer_(c->busy_since_ns_.load(std::memory_order_relaxed) == 0) {
+    if (!outer_) return;
+    c_->busy_what_.store(what, std::memory_order_relaxed);
+    // At least 1: 0 means "not busy".
+    c_->busy_since_ns_.store(std::max<int64_t>(1, SteadyNs(std::chrono::steady_clock::now())),
+                             std::memory_order_release);
+  }
+  ~BusyScope() {
+    if (outer_) c_->busy_since_ns_.store(0, std::memory_order_release);
+  }
+  BusyScope(const BusyScope&) = delete;
+  BusyScope& operator=(const BusyScope&) = delete;
+
+ private:
+  ServerConnection* const c_;
+  const bool outer_;
+};
 
 // Responses queued for one gather send: headers in one contiguous array (so that runs of
 // acks go out as one iovec), READ payloads referenced in place and pinned until sent. With
@@ -37,8 +61,10 @@ constexpr uint64_t kFlushBytes = 1 << 20;
 // through `staged_in` wait (like their arrival reports) until its copies ended.
 class ServerConnection::Responses final : public PendingOutput {
  public:
-  Responses(int fd, const GpuStaging& staging, std::function<void(TransferId)> arrived)
-      : fd_(fd),
+  Responses(ServerConnection* owner, int fd, const GpuStaging& staging,
+            std::function<void(TransferId)> arrived)
+      : owner_(owner),
+        fd_(fd),
         headers_(kMaxResponses),
         payloads_(kMaxResponses),
         pins_(kMaxResponses),
@@ -76,6 +102,8 @@ class ServerConnection::Responses final : public PendingOutput {
 
   absl::Status Flush() override {
     if (count_ == 0) return absl::OkStatus();
+    // The peer must take what is sent (and READ payloads stay pinned) until this returns.
+    BusyScope busy(owner_, "sending responses");
     if (staged_in_.has_work()) {
       // Acks (and arrival reports) of staged WRITEs only once their bytes are on the device.
       if (absl::Status s = staged_in_.Drain(); !s.ok()) return s;
@@ -154,6 +182,7 @@ class ServerConnection::Responses final : public PendingOutput {
     ++count_;
   }
 
+  ServerConnection* const owner_;
   const int fd_;
   std::vector<std::array<std::byte, wire::kResponseBytes>> headers_;
   std::vector<Payload> payloads_;
@@ -171,23 +200,29 @@ class ServerConnection::Responses final : public PendingOutput {
   StagedReceiver staged_in_;
 };
 
-ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote,
-                                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging,
-                                   AdmitFn admit)
+ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote, PeerId peer,
+                                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging)
     : socket_(std::move(socket)),
       remote_(std::move(remote)),
+      peer_(peer),
       hooks_(hooks),
       max_op_bytes_(max_op_bytes),
-      staging_(std::move(staging)),
-      admit_(std::move(admit)) {}
+      staging_(std::move(staging)) {}
 
 ServerConnection::~ServerConnection() {
   Stop();
   Join();
 }
 
-void ServerConnection::Start() {
-  thread_ = std::thread([this] { Run(); });
+absl::Status ServerConnection::Start() {
+  try {
+    thread_ = std::thread([this] { Run(); });
+  } catch (const std::system_error& e) {
+    // E.g. EAGAIN at the process's thread limit: this connection is refused, nothing else.
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start a thread to serve the connection: ", e.what()));
+  }
+  return absl::OkStatus();
 }
 
 void ServerConnection::Stop() {
@@ -195,86 +230,54 @@ void ServerConnection::Stop() {
   socket_->Shutdown();
 }
 
+bool ServerConnection::Expire(std::string reason) {
+  {
+    MutexLock lock(&mu_);
+    if (!expired_.empty()) return false;
+    expired_ = std::move(reason);
+  }
+  socket_->Shutdown();
+  return true;
+}
+
 void ServerConnection::Join() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::optional<PeerId> ServerConnection::peer() const {
-  MutexLock lock(&mu_);
-  return peer_;
-}
-
-void ServerConnection::set_peer(PeerId peer) {
-  MutexLock lock(&mu_);
-  peer_ = peer;
+absl::Duration ServerConnection::BusyFor(std::chrono::steady_clock::time_point now,
+                                         const char** what) const {
+  const int64_t since = busy_since_ns_.load(std::memory_order_acquire);
+  *what = busy_what_.load(std::memory_order_relaxed);
+  if (since == 0) return absl::ZeroDuration();
+  return absl::Nanoseconds(std::max<int64_t>(0, SteadyNs(now) - since));
 }
 
 void ServerConnection::Run() {
   pthread_setname_np(pthread_self(), "kvw-tcp-serve");
-  absl::StatusOr<PeerId> peer = Handshake();
-  if (peer.ok()) {
-    Serve(*peer);
+  wire::HelloReply reply;
+  reply.code = 0;
+  reply.max_op_bytes = max_op_bytes_;
+  std::array<std::byte, wire::kHelloReplyBytes> out;
+  wire::EncodeHelloReply(reply, out.data());
+  absl::Status sent;
+  {
+    BusyScope busy(this, "sending the hello reply");
+    sent = SendAll(socket_->fd(), out.data(), out.size());
+  }
+  if (sent.ok()) {
+    Serve();
   } else {
-    KVW_LOG(kWarning, "tcp") << "data connection refused" << Kv("remote", remote_)
-                             << Kv("reason", peer.status().message());
+    KVW_LOG(kWarning, "tcp") << "data connection lost before it was served" << Kv("remote", remote_)
+                             << Kv("peer", peer_) << Kv("error", sent.message());
   }
   socket_->Close();
   exited_.store(true, std::memory_order_release);
 }
 
-absl::StatusOr<PeerId> ServerConnection::Handshake() {
+void ServerConnection::Serve() {
+  const PeerId peer = peer_;
   const int fd = socket_->fd();
-  if (absl::Status s = SetIoTimeout(fd, kHelloTimeout); !s.ok()) return s;
-  std::array<std::byte, wire::kHelloBytes> raw;
-  if (absl::Status s = RecvExact(fd, raw.data(), raw.size()); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("no hello: ", s.message()));
-  }
-  wire::Hello hello;
-  absl::Status check = wire::DecodeHello(raw.data(), &hello);
-  if (check.ok() && hello.version != wire::kVersion) {
-    check = absl::FailedPreconditionError(absl::StrCat("tcp wire protocol version ", hello.version,
-                                                       " is not supported (this side speaks ",
-                                                       wire::kVersion, ")"));
-  }
-  absl::StatusOr<PeerId> peer = absl::UnknownError("");
-  if (!check.ok()) {
-    peer = check;
-  } else {
-    std::string token(hello.token_len, '\0');
-    if (absl::Status s = RecvExact(fd, token.data(), token.size()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("hello token: ", s.message()));
-    }
-    peer = hooks_->PeerForToken(token);
-    if (!peer.ok()) {
-      // Whatever the engine's reason, the dialer learns that its token was not accepted.
-      peer = absl::UnauthenticatedError(peer.status().message());
-    } else if (!admit_(this, *peer)) {
-      peer = absl::UnauthenticatedError(absl::StrCat("peer ", *peer, " was dropped"));
-    }
-  }
-
-  std::string message(peer.ok() ? "" : peer.status().message());
-  message.resize(std::min<size_t>(message.size(), wire::kMaxMessageBytes));
-  wire::HelloReply reply;
-  reply.code = static_cast<uint32_t>(peer.status().code());
-  reply.message_len = static_cast<uint32_t>(message.size());
-  reply.max_op_bytes = peer.ok() ? max_op_bytes_ : 0;
-  std::array<std::byte, wire::kHelloReplyBytes> out;
-  wire::EncodeHelloReply(reply, out.data());
-  iovec iov[2] = {{out.data(), out.size()}, {message.data(), message.size()}};
-  const absl::Status sent = SendAll(fd, iov, 2);
-  if (!peer.ok()) {
-    Linger();
-    return peer;
-  }
-  if (!sent.ok()) return absl::Status(sent.code(), absl::StrCat("hello reply: ", sent.message()));
-  if (absl::Status s = SetIoTimeout(fd, absl::ZeroDuration()); !s.ok()) return s;
-  return *peer;
-}
-
-void ServerConnection::Serve(PeerId peer) {
-  const int fd = socket_->fd();
-  Responses responses(fd, staging_,
+  Responses responses(this, fd, staging_,
                       [this, peer](TransferId id) { hooks_->OnWriteArrived(peer, id); });
   HeaderReader reader(fd, wire::kRequestBytes, &responses);
   const std::string context =
@@ -290,12 +293,12 @@ void ServerConnection::Serve(PeerId peer) {
     }
     wire::RequestHeader h;
     if (absl::Status s = wire::DecodeRequest(*raw, max_op_bytes_, &h); !s.ok()) {
-      RefuseOp(peer, responses, wire::kNoSequence,
+      RefuseOp(responses, wire::kNoSequence,
                absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
       return;
     }
     if (h.sequence != expected_seq) {
-      RefuseOp(peer, responses, wire::kNoSequence,
+      RefuseOp(responses, wire::kNoSequence,
                absl::InvalidArgumentError(absl::StrCat("protocol error: op sequence ", h.sequence,
                                                        ", expected ", expected_seq)),
                context);
@@ -306,25 +309,25 @@ void ServerConnection::Serve(PeerId peer) {
     absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
         peer, h.region, h.offset, h.length, write ? OpKind::kWrite : OpKind::kRead);
     if (!access.ok()) {
-      RefuseOp(peer, responses, h.sequence, access.status(),
+      RefuseOp(responses, h.sequence, access.status(),
                absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
       return;
     }
     if (access->data == nullptr && h.length > 0) {
       RefuseOp(
-          peer, responses, h.sequence,
+          responses, h.sequence,
           absl::InternalError(absl::StrCat("remote region ", h.region, " resolved to no memory")),
           absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
       return;
     }
     if (absl::Status s = reader.Expect(write ? h.length : 0, h.follow); !s.ok()) {
-      RefuseOp(peer, responses, wire::kNoSequence,
+      RefuseOp(responses, wire::kNoSequence,
                absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
       return;
     }
     const bool staged = access->gpu_device >= 0 && h.length > 0;
     if (staged && staging_.runtime == nullptr) {
-      RefuseOp(peer, responses, h.sequence,
+      RefuseOp(responses, h.sequence,
                absl::FailedPreconditionError(
                    absl::StrCat("remote region ", h.region,
                                 " is GPU memory and this tcp target has no GPU "
@@ -335,16 +338,25 @@ void ServerConnection::Serve(PeerId peer) {
     const bool count = (h.flags & wire::kFlagCountArrivals) != 0;
     if (write && staged) {
       // Through the staging buffers; acked (and counted) once on the device, pinned until then.
-      if (absl::Status s = responses.staged_in().Receive(reader, access->gpu_device, access->data,
-                                                         h.length, nullptr);
-          !s.ok()) {
+      absl::Status s;
+      {
+        BusyScope busy(this, "receiving a WRITE payload");
+        s = responses.staged_in().Receive(reader, access->gpu_device, access->data, h.length,
+                                          nullptr);
+      }
+      if (!s.ok()) {
         io = s;
         break;
       }
       responses.AddStagedAck(h.sequence, h.length, count, h.transfer_id, std::move(access->pin));
     } else if (write) {
       // Straight into the engine's memory; `access` pins it meanwhile.
-      if (absl::Status s = reader.ReadTrailing(access->data, h.length); !s.ok()) {
+      absl::Status s;
+      {
+        BusyScope busy(this, "receiving a WRITE payload");
+        s = reader.ReadTrailing(access->data, h.length);
+      }
+      if (!s.ok()) {
         io = s;
         break;
       }
@@ -365,15 +377,29 @@ void ServerConnection::Serve(PeerId peer) {
     KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("remote", remote_)
                            << Kv("error", s.message());
   }
+  std::string expired;
+  {
+    MutexLock lock(&mu_);
+    expired = expired_;
+  }
+  if (!expired.empty()) {
+    // Every pin is released by now; the engine drops the peer and tells it why.
+    const absl::Status report =
+        absl::DeadlineExceededError(absl::StrCat(context, " dropped: ", expired));
+    KVW_LOG(kWarning, "tcp") << "stalled data connection cut" << Kv("peer", peer)
+                             << Kv("error", report.message());
+    if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer, report);
+    return;
+  }
   KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer)
                         << Kv("reason", io.message())
                         << Kv("stopped", stopped_.load(std::memory_order_acquire));
 }
 
-void ServerConnection::RefuseOp(PeerId peer, Responses& responses, uint64_t sequence,
-                                const absl::Status& error, const std::string& context) {
+void ServerConnection::RefuseOp(Responses& responses, uint64_t sequence, const absl::Status& error,
+                                const std::string& context) {
   const absl::Status report(error.code(), absl::StrCat(context, ": ", error.message()));
-  KVW_LOG(kWarning, "tcp") << "refusing op stream" << Kv("peer", peer)
+  KVW_LOG(kWarning, "tcp") << "refusing op stream" << Kv("peer", peer_)
                            << Kv("error", report.message());
   // Earlier ops succeeded: their responses go first, in order.
   absl::Status sent = responses.Flush();
@@ -389,7 +415,7 @@ void ServerConnection::RefuseOp(PeerId peer, Responses& responses, uint64_t sequ
     iovec iov[2] = {{out.data(), out.size()}, {message.data(), message.size()}};
     sent = SendAll(socket_->fd(), iov, 2);
   }
-  if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer, report);
+  if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer_, report);
   if (sent.ok()) Linger();
 }
 

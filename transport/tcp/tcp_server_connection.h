@@ -1,23 +1,23 @@
-// One incoming data connection, target side: checks the hello (session token), then serves
-// ops on one thread. Every op is validated by TargetHooks::ResolveIncoming before memory is
-// touched; WRITE payloads are received straight into the resolved memory and READ payloads
-// sent straight from it; device memory (IncomingAccess::gpu_device >= 0) goes through pinned
-// staging buffers (tcp_staging.h), and a WRITE into it is acknowledged (and counted as
+// One incoming, authenticated data connection, target side: answers the hello the server
+// accepted, then serves ops on one thread. Every op is validated by TargetHooks::ResolveIncoming
+// before memory is touched; WRITE payloads are received straight into the resolved memory and READ
+// payloads sent straight from it; device memory (IncomingAccess::gpu_device >= 0) goes through
+// pinned staging buffers (tcp_staging.h), and a WRITE into it is acknowledged (and counted as
 // arrived) only after its last host->device copy ended. An invalid op or a malformed stream
 // gets an error response, TargetHooks::OnPeerError, and the end of this connection (only).
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_socket.h"
@@ -28,37 +28,42 @@ namespace kvwire::transport {
 
 class ServerConnection {
  public:
-  // Whether a peer that just authenticated may be served (false once it was dropped). On
-  // true it must have called set_peer, under the same lock that DropPeer takes, so that a
-  // drop cannot slip between the check and the record.
-  using AdmitFn = std::function<bool(ServerConnection*, PeerId)>;
-
-  ServerConnection(std::unique_ptr<Socket> socket, std::string remote, TargetHooks* hooks,
-                   uint64_t max_op_bytes, GpuStaging staging, AdmitFn admit);
+  // `socket` carries a hello the server already accepted for `peer` (TcpServer reads hellos
+  // without a thread); this connection answers it and serves the peer's ops.
+  ServerConnection(std::unique_ptr<Socket> socket, std::string remote, PeerId peer,
+                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging);
   // Stops and joins.
   ~ServerConnection();
   ServerConnection(const ServerConnection&) = delete;
   ServerConnection& operator=(const ServerConnection&) = delete;
 
-  void Start();
+  // Starts the serving thread; ResourceExhausted (nothing started) when the system has no
+  // thread to give.
+  absl::Status Start();
   // Ends the connection without reporting a peer error (DropPeer, Shutdown). Thread-safe.
   void Stop();
+  // Ends a connection that stalled: its thread drops what it pinned and reports `reason` as
+  // the peer's error (the engine then drops the peer). True the first time. Thread-safe.
+  bool Expire(std::string reason);
   void Join();
   bool Exited() const { return exited_.load(std::memory_order_acquire); }
-  // The authenticated peer, once the hello was accepted.
-  std::optional<PeerId> peer() const;
-  void set_peer(PeerId peer);
+  PeerId peer() const { return peer_; }
+  const std::string& remote() const { return remote_; }
+  // How long the serving thread has been inside one access that needs the peer to make
+  // progress (receiving an op's payload, sending a batch of responses), and which one;
+  // zero when it is not inside one (idle between ops holds no memory).
+  absl::Duration BusyFor(std::chrono::steady_clock::time_point now, const char** what) const;
 
  private:
   class Responses;
+  // Marks the serving thread busy with `what` for its scope (the outermost mark counts).
+  class BusyScope;
 
   void Run();
-  // Reads the hello and answers it; the peer on success.
-  absl::StatusOr<PeerId> Handshake();
   // Serves ops until the stream ends or an error was answered.
-  void Serve(PeerId peer);
+  void Serve();
   // Sends an error response (flushing `responses` first), reports it, and returns.
-  void RefuseOp(PeerId peer, Responses& responses, uint64_t sequence, const absl::Status& error,
+  void RefuseOp(Responses& responses, uint64_t sequence, const absl::Status& error,
                 const std::string& context);
   // After an error response: stop sending, and discard input for a moment so that closing
   // does not reset the connection before the peer read the error.
@@ -66,13 +71,16 @@ class ServerConnection {
 
   const std::unique_ptr<Socket> socket_;
   const std::string remote_;
+  const PeerId peer_;
   TargetHooks* const hooks_;
   const uint64_t max_op_bytes_;
   const GpuStaging staging_;
-  const AdmitFn admit_;
 
+  // steady_clock nanoseconds since its epoch when the current access began; 0: none.
+  std::atomic<int64_t> busy_since_ns_{0};
+  std::atomic<const char*> busy_what_{""};
   mutable Mutex mu_;
-  std::optional<PeerId> peer_ ABSL_GUARDED_BY(mu_);
+  std::string expired_ ABSL_GUARDED_BY(mu_);  // why Expire cut the connection; "" if it did not
   std::atomic<bool> stopped_{false};
   std::atomic<bool> exited_{false};
   std::thread thread_;  // started by Start, joined by Join (both on the server's threads)

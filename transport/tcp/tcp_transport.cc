@@ -115,6 +115,7 @@ class TcpTransport final : public Transport {
 
   void AddStats(EngineStats* stats) const override {
     stats->gpu.tcp_staged_bytes += staging_.staged_bytes->load(std::memory_order_relaxed);
+    stats->tcp_listener = server_->Stats();
   }
 
   void Shutdown() override {
@@ -169,6 +170,17 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   if (hooks == nullptr) return absl::InvalidArgumentError("tcp transport: no target hooks");
   if (options.max_op_bytes == 0 || options.max_lanes == 0) {
     return absl::InvalidArgumentError("tcp transport: max_op_bytes and max_lanes must be > 0");
+  }
+  if (options.max_data_connections == 0 || options.max_pending_hellos == 0 ||
+      options.max_pending_hellos_per_address == 0 || options.max_data_connections_per_peer == 0) {
+    return absl::InvalidArgumentError(
+        "tcp transport: max_data_connections, max_pending_hellos, max_pending_hellos_per_address "
+        "and max_data_connections_per_peer must be > 0");
+  }
+  if (options.hello_timeout <= absl::ZeroDuration() || options.io_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tcp transport: hello_timeout (", absl::FormatDuration(options.hello_timeout),
+        ") and io_timeout (", absl::FormatDuration(options.io_timeout), ") must be > 0"));
   }
   GpuStaging staging;
   staging.runtime = options.gpu_runtime;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "src/gpu/runtime.h"
 #include "transport/transport.h"
@@ -25,6 +26,24 @@ struct TcpTransportOptions {
   uint64_t max_op_bytes = 1 << 20;
   // Socket buffer sizes (0 = kernel default).
   int socket_buffer_bytes = 4 << 20;
+
+  // Limits of the data listener. Whatever a dialer sends, it holds at most one socket and no
+  // thread until its session token is accepted, and a serving thread only after that. Every
+  // refusal is logged with its reason, counted (EngineStats::tcp_listener), and answered with
+  // a hello reply that names the limit when the socket can still take it.
+  // Data connections open at once, in every stage.
+  uint32_t max_data_connections = 1024;
+  // Connections in the hello stage (no accepted token yet), in total and per remote address.
+  uint32_t max_pending_hellos = 128;
+  uint32_t max_pending_hellos_per_address = 32;
+  // Authenticated connections (one serving thread each) of one peer.
+  uint32_t max_data_connections_per_peer = 64;
+  // Absolute deadline for the whole hello stage (hello header and token) of a connection.
+  absl::Duration hello_timeout = absl::Seconds(10);
+  // An authenticated connection that takes longer than this to receive one op's payload, or
+  // to send one batch of responses, is cut and its peer dropped: the memory it pinned is
+  // released. Keep it below the 10 s that DeregisterMemory waits for ops in flight.
+  absl::Duration io_timeout = absl::Seconds(5);
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransportOptions& options,

@@ -1,0 +1,180 @@
+// The target of hostile_tcp_test: a kvwire engine in its own process with short tcp listener
+// limits, regions filled with the test pattern and exported to every peer. It prints one READY
+// line (like kvwire_test_peer), then answers commands on stdin, one line each:
+//
+//   DEREGISTER <region>  ->  "DEREGISTER ok <ms>" | "DEREGISTER error <ms> <message>"
+//   STATS                ->  "STATS <EngineStats::ToJson()>"
+//   TRANSPORT <peer name>  ->  "TRANSPORT <chosen transport>" ("" while channels are set up)
+//   LIMIT_THREADS        ->  "LIMIT_THREADS ok" | "LIMIT_THREADS error <message>": from now on
+//                            the process cannot start a thread (real uid nobody, saved uid
+//                            kept, RLIMIT_NPROC 0); running threads go on
+//   UNLIMIT_THREADS      ->  "UNLIMIT_THREADS ok" | "... error <message>": undoes it
+//
+// and exits when stdin closes.
+//
+//   hostile_tcp_target --regions=3 --region_bytes=1048576 --seed=5 --secret=s
+//                      --max_connections=16 --max_per_peer=4 --max_pending=64
+//                      --max_pending_per_address=8 --hello_ms=4000 --io_ms=1000
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "kvwire/engine.h"
+#include "tests/integration/test_pattern.h"
+
+namespace {
+
+struct Args {
+  int regions = 3;
+  uint64_t region_bytes = 1 << 20;
+  uint64_t seed = 5;
+  std::string secret;
+  int max_connections = 1024;
+  int max_per_peer = 64;
+  int max_pending = 128;
+  int max_pending_per_address = 32;
+  int hello_ms = 10000;
+  int io_ms = 5000;
+};
+
+bool ParseArgs(int argc, char** argv, Args* args) {
+  for (int i = 1; i < argc; ++i) {
+    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
+    const std::string key = kv[0].substr(2);
+    const std::string& v = kv[1];
+    bool ok = true;
+    if (key == "regions") {
+      ok = absl::SimpleAtoi(v, &args->regions);
+    } else if (key == "region_bytes") {
+      ok = absl::SimpleAtoi(v, &args->region_bytes);
+    } else if (key == "seed") {
+      ok = absl::SimpleAtoi(v, &args->seed);
+    } else if (key == "secret") {
+      args->secret = v;
+    } else if (key == "max_connections") {
+      ok = absl::SimpleAtoi(v, &args->max_connections);
+    } else if (key == "max_per_peer") {
+      ok = absl::SimpleAtoi(v, &args->max_per_peer);
+    } else if (key == "max_pending") {
+      ok = absl::SimpleAtoi(v, &args->max_pending);
+    } else if (key == "max_pending_per_address") {
+      ok = absl::SimpleAtoi(v, &args->max_pending_per_address);
+    } else if (key == "hello_ms") {
+      ok = absl::SimpleAtoi(v, &args->hello_ms);
+    } else if (key == "io_ms") {
+      ok = absl::SimpleAtoi(v, &args->io_ms);
+    } else {
+      ok = false;
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// Thread creation fails with EAGAIN once the real uid's task count is at RLIMIT_NPROC. Root
+// is exempt from that limit, hence (as root) the uid change; the saved uid lets the process
+// return.
+std::string LimitThreads(bool limit) {
+  static const bool root = getuid() == 0;
+  static rlim_t saved_soft = RLIM_INFINITY;
+  rlimit nproc{};
+  if (getrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
+  if (limit) {
+    saved_soft = nproc.rlim_cur;
+    nproc.rlim_cur = 0;
+    if (setrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
+    if (root && setresuid(65534, 65534, 0) != 0) return std::strerror(errno);
+  } else {
+    if (root && setresuid(0, 0, 0) != 0) return std::strerror(errno);
+    nproc.rlim_cur = saved_soft;
+    if (setrlimit(RLIMIT_NPROC, &nproc) != 0) return std::strerror(errno);
+  }
+  return "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (!ParseArgs(argc, argv, &args)) {
+    std::fprintf(stderr, "hostile_tcp_target: bad arguments\n");
+    return 2;
+  }
+  kvwire::EngineOptions options;
+  options.name = "hostile-tcp-target";
+  options.shared_secret = args.secret;
+  options.transport = kvwire::TransportKind::kTcp;
+  options.tcp_max_data_connections = args.max_connections;
+  options.tcp_max_data_connections_per_peer = args.max_per_peer;
+  options.tcp_max_pending_hellos = args.max_pending;
+  options.tcp_max_pending_hellos_per_address = args.max_pending_per_address;
+  options.tcp_hello_timeout = absl::Milliseconds(args.hello_ms);
+  options.tcp_io_timeout = absl::Milliseconds(args.io_ms);
+  auto engine = kvwire::Engine::Create(options);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "hostile_tcp_target: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<std::vector<std::byte>> memory(args.regions);
+  std::vector<kvwire::RegionId> ids;
+  for (int r = 0; r < args.regions; ++r) {
+    memory[r].resize(args.region_bytes);
+    kvwire::testing::FillPattern(memory[r].data(), args.region_bytes, args.seed, r);
+    kvwire::RegionOptions ropts;
+    ropts.export_to_all_peers = true;
+    auto id = (*engine)->RegisterMemory(memory[r].data(), args.region_bytes, ropts);
+    if (!id.ok()) {
+      std::fprintf(stderr, "hostile_tcp_target: %s\n", id.status().ToString().c_str());
+      return 1;
+    }
+    ids.push_back(*id);
+  }
+  std::printf("READY address=%s name=%s regions=%s pid=%d\n", (*engine)->address().c_str(),
+              (*engine)->name().c_str(), absl::StrJoin(ids, ",").c_str(), getpid());
+  std::fflush(stdout);
+
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (parts.empty()) continue;
+    kvwire::RegionId region = 0;
+    if (parts[0] == "DEREGISTER" && parts.size() == 2 && absl::SimpleAtoi(parts[1], &region)) {
+      const absl::Time start = absl::Now();
+      const absl::Status s = (*engine)->DeregisterMemory(region);
+      const int64_t ms = absl::ToInt64Milliseconds(absl::Now() - start);
+      if (s.ok()) {
+        std::printf("DEREGISTER ok %lld\n", static_cast<long long>(ms));
+      } else {
+        std::printf("DEREGISTER error %lld %s\n", static_cast<long long>(ms),
+                    std::string(s.message()).c_str());
+      }
+    } else if (parts[0] == "LIMIT_THREADS" || parts[0] == "UNLIMIT_THREADS") {
+      const std::string error = LimitThreads(parts[0] == "LIMIT_THREADS");
+      std::printf("%s %s%s\n", parts[0].c_str(), error.empty() ? "ok" : "error ", error.c_str());
+    } else if (parts[0] == "TRANSPORT" && parts.size() == 2) {
+      std::string transport;
+      for (const kvwire::PeerInfo& p : (*engine)->Peers()) {
+        if (p.name == parts[1] && p.alive) transport = p.transport;
+      }
+      std::printf("TRANSPORT %s\n", transport.c_str());
+    } else if (parts[0] == "STATS") {
+      std::printf("STATS %s\n", (*engine)->Stats().ToJson().c_str());
+    } else {
+      std::printf("ERROR unknown command \"%s\"\n", line.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
