@@ -145,6 +145,10 @@ Both sides take the same test options; they are compared at connect time.
       --report-gbits           bandwidth in Gb/s instead of GB/s (both decimal)
   -p, --port N                 side-channel TCP port (default 18515; 0 on the target: any)
       --bind ADDR              target: address to listen on (default 0.0.0.0)
+      --secret-file FILE       the engines' shared secret, from FILE (mode 600); both sides
+                               need the same one (default: KVWIRE_SECRET, if set)
+      --secret S               the same on the command line (visible to local users: prefer
+                               --secret-file)
   -h, --help
 Bandwidth is decimal: 1 GB/s = 1e9 bytes/s.
 )";
@@ -347,6 +351,19 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
          o.bind = v;
          return absl::OkStatus();
        }},
+      {{"--secret-file"},
+       true,
+       [&](const std::string&, const std::string& v) {
+         o.secret_file = v;
+         return absl::OkStatus();
+       }},
+      {{"--secret"},
+       true,
+       [&](const std::string& n, const std::string& v) {
+         if (v.empty()) return absl::InvalidArgumentError(absl::StrCat(n, " is empty"));
+         o.secret = v;
+         return absl::OkStatus();
+       }},
       {{"-h", "--help"},
        false,
        [&](const std::string&, const std::string&) {
@@ -394,6 +411,9 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
   }
   if (!positional.empty()) o.host = positional[0];
   if (o.help) return o;
+  if (!o.secret.empty() && !o.secret_file.empty()) {
+    return absl::InvalidArgumentError("--secret and --secret-file exclude each other");
+  }
   if (size_given && o.all_sizes) {
     return absl::InvalidArgumentError("-s (size) and -a (all sizes) exclude each other");
   }
