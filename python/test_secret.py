@@ -5,10 +5,12 @@ PYTHONPATH=<build>/python:python python3 -m unittest test_secret
 """
 import json
 import os
+import tempfile
 import time
 import unittest
 
 import kvwire
+from kvwire.vllm_connector import _native_for
 
 LAYOUT = json.dumps({"model": "toy", "groups": [
     {"name": "full", "layers": [0, 1], "tokens_per_block": 16, "page_bytes": 256}]})
@@ -17,9 +19,9 @@ TOKENS = 40
 
 
 class Peer:
-    def __init__(self, name, secret=None):
-        self.connector = kvwire.Connector(name=name, transport="tcp", request_timeout_s=10.0,
-                                          secret=secret)
+    def __init__(self, name, secret=None, connector=None):
+        self.connector = connector or kvwire.Connector(
+            name=name, transport="tcp", request_timeout_s=10.0, secret=secret)
         self.layout = kvwire.Layout.from_json(LAYOUT)
         self.buffer = kvwire.Buffer(self.layout.assign_backing(0, BLOCKS))
         self.view = memoryview(self.buffer)
@@ -85,6 +87,30 @@ class SecretTest(unittest.TestCase):
         prefill = Peer("py-env-prefill", secret="from-the-environment")
         self.assertEqual(transfer(prefill, by_env, "e1"), "")
         self.assertIn("secret", transfer(prefill, overridden, "e2"))
+
+    def test_vllm_config_secret_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            def secret_file(name, secret, mode):
+                path = os.path.join(d, name)
+                with open(path, "wb") as f:
+                    f.write(secret + b"\n")
+                os.chmod(path, mode)
+                return path
+
+            def native(engine_id, path):
+                return _native_for({"kv_transfer_config": {
+                    "engine_id": engine_id,
+                    "kv_connector_extra_config": {"transport": "tcp", "secret_file": path}}})
+
+            right = secret_file("right", b"vllm-secret", 0o600)
+            prefill = Peer("py-vllm-prefill", secret=b"vllm-secret")
+            self.assertEqual(transfer(prefill, Peer("", connector=native("py-vllm-d1", right)),
+                                      "v1"), "")
+            wrong = secret_file("wrong", b"other", 0o600)
+            self.assertIn("secret", transfer(
+                prefill, Peer("", connector=native("py-vllm-d2", wrong)), "v2"))
+            with self.assertRaisesRegex(ValueError, "chmod 600"):
+                native("py-vllm-d3", secret_file("readable", b"vllm-secret", 0o644))
 
     def test_secret_type_checked(self):
         with self.assertRaises(TypeError):
