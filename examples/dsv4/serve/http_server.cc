@@ -125,6 +125,9 @@ class Session : public std::enable_shared_from_this<Session> {
     } catch (const std::exception& e) {
       KVW_LOG(kError, "http") << "request handler threw" << kvwire::Kv("error", e.what());
       responder->Error(500, absl::StrCat("internal error: ", e.what()));
+    } catch (...) {
+      KVW_LOG(kError, "http") << "request handler threw";
+      responder->Error(500, "internal error");
     }
   }
 
