@@ -21,6 +21,7 @@
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
 #include "examples/dsv4/serve/router.h"
+#include "src/util/mutex.h"
 
 namespace dsv4::serve {
 namespace {
@@ -105,11 +106,15 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
   });
   const std::string decode_answer =
       R"({"id":"d","object":"text_completion","choices":[{"index":0,"text":"AB","token_ids":[65,66],"finish_reason":"length"}],"kvwire":{"role":"decode"}})";
-  std::atomic<int> decode_calls{0};
+  kvwire::Mutex mu;  // the decode server's io thread writes, the test reads
+  int decode_calls = 0;
   std::string decode_body;
   auto decode = StartServer([&](const HttpRequest& r, std::shared_ptr<Responder> resp) {
-    ++decode_calls;
-    decode_body = r.body;
+    {
+      kvwire::MutexLock lock(&mu);
+      ++decode_calls;
+      decode_body = r.body;
+    }
     resp->Respond(200, decode_answer);
   });
   ASSERT_NE(prefill, nullptr);
@@ -131,8 +136,11 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
     EXPECT_EQ(r->status, 502) << r->body.substr(0, 300);
     EXPECT_NE(r->body.find("prefill"), std::string::npos) << r->body.substr(0, 300);
   }
-  EXPECT_EQ(decode_calls.load(), 0)
-      << "a malformed prefill answer reached decode: " << decode_body.substr(0, 300);
+  {
+    kvwire::MutexLock lock(&mu);
+    EXPECT_EQ(decode_calls, 0) << "a malformed prefill answer reached decode: "
+                               << decode_body.substr(0, 300);
+  }
   // A well-formed exchange afterwards: decode's answer reaches the client byte for byte, and
   // decode was sent prefill's token (never a client's kvwire_prefill).
   which.store(static_cast<int>(answers.size()));
@@ -143,6 +151,7 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_EQ(r->body, decode_answer);
+  kvwire::MutexLock lock(&mu);
   json sent = json::parse(decode_body, nullptr, false);
   ASSERT_TRUE(sent.is_object()) << decode_body;
   EXPECT_EQ(sent["first_token"], 65);
