@@ -1,11 +1,14 @@
 // Hostile peers of the dsv4 HTTP plumbing on real loopback sockets, in one process: upstream
 // "prefill" servers that answer the router with malformed or deeply nested JSON, and clients
 // that flood the HTTP server with connections, trickle a request byte by byte, or send
-// oversized headers. Each gets a clear HTTP error; the server keeps serving a legitimate peer.
+// oversized headers, or find it out of file descriptors. Each gets a clear HTTP error (or a
+// pause, not a spin); the server keeps serving a legitimate peer.
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <atomic>
+#include <fcntl.h>
 #include <memory>
 #include <string>
 #include <unistd.h>
@@ -246,6 +249,53 @@ TEST(HttpLimits, OversizedHeadersGet431) {
   const std::string got = c.ReadAll();
   EXPECT_EQ(got.rfind("HTTP/1.1 431", 0), 0u) << got.substr(0, 200);
   auto r = HttpCall(Addr(server->port()), "GET", "/", "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, 200);
+}
+
+// Out of file descriptors, accept fails (EMFILE) while connections wait in the backlog: the
+// server pauses between attempts instead of spinning on the error, and serves again once
+// descriptors are free.
+TEST(HttpLimits, OutOfFileDescriptorsDoesNotSpin) {
+  auto server = StartServer(
+      [](const HttpRequest&, std::shared_ptr<Responder> resp) { resp->Respond(200, "{}"); });
+  ASSERT_NE(server, nullptr);
+  // Client sockets made first: connecting them needs no new descriptor.
+  std::vector<int> clients;
+  for (int i = 0; i < 4; ++i) clients.push_back(socket(AF_INET, SOCK_STREAM, 0));
+  // The limit bounds descriptor numbers: below the lowest free one, none can be made.
+  int lowest_free = 0;
+  while (fcntl(lowest_free, F_GETFD) != -1) ++lowest_free;
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(server->port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int fd : clients) {
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  }
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  absl::SleepFor(absl::Seconds(1));
+  getrusage(RUSAGE_SELF, &after);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  auto cpu = [](const rusage& r) {
+    return absl::DurationFromTimeval(r.ru_utime) + absl::DurationFromTimeval(r.ru_stime);
+  };
+  // A server retrying at once burns the whole second on one core.
+  EXPECT_LT(cpu(after) - cpu(before), absl::Milliseconds(300));
+  for (int fd : clients) close(fd);
+  absl::StatusOr<HttpResponse> r = absl::UnknownError("not run");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    r = HttpCall(Addr(server->port()), "GET", "/", "");
+    if (r.ok() && r->status == 200) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status, 200);
 }
