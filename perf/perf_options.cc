@@ -149,6 +149,10 @@ Both sides take the same test options; they are compared at connect time.
                                only on a trusted network, for a run across hosts)
       --side-timeout SECONDS   longest wait for a side-channel line, a whole run included
                                (default 600)
+      --secret-file FILE       the engines' shared secret, from FILE (mode 600); both sides
+                               need the same one (default: KVWIRE_SECRET, if set)
+      --secret S               the same on the command line (visible to local users: prefer
+                               --secret-file)
   -h, --help
 Bandwidth is decimal: 1 GB/s = 1e9 bytes/s.
 )";
@@ -362,6 +366,19 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
          o.side_timeout_s = seconds;
          return absl::OkStatus();
        }},
+      {{"--secret-file"},
+       true,
+       [&](const std::string&, const std::string& v) {
+         o.secret_file = v;
+         return absl::OkStatus();
+       }},
+      {{"--secret"},
+       true,
+       [&](const std::string& n, const std::string& v) {
+         if (v.empty()) return absl::InvalidArgumentError(absl::StrCat(n, " is empty"));
+         o.secret = v;
+         return absl::OkStatus();
+       }},
       {{"-h", "--help"},
        false,
        [&](const std::string&, const std::string&) {
@@ -409,6 +426,9 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
   }
   if (!positional.empty()) o.host = positional[0];
   if (o.help) return o;
+  if (!o.secret.empty() && !o.secret_file.empty()) {
+    return absl::InvalidArgumentError("--secret and --secret-file exclude each other");
+  }
   if (size_given && o.all_sizes) {
     return absl::InvalidArgumentError("-s (size) and -a (all sizes) exclude each other");
   }

@@ -63,6 +63,10 @@ struct PerfOptions {
   std::string csv_file;       // --csv FILE
   bool report_gbits = false;  // --report-gbits: Gb/s instead of GB/s (both decimal)
   bool help = false;
+  // The engines' shared secret (never sent over the side channel): --secret-file FILE
+  // (recommended: argv is visible to every local user) or --secret S; neither: KVWIRE_SECRET.
+  std::string secret_file;
+  std::string secret;
 
   bool is_client() const { return !host.empty(); }
   // Message sizes to run (raw workload).

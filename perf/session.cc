@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 
 #include "perf/buffer_plan.h"
+#include "src/util/secret_file.h"
 
 namespace kvwire::perf {
 
@@ -22,6 +23,13 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
     if (o.connections > 0) setenv("KVWIRE_RDMA_QPS", absl::StrCat(o.connections).c_str(), 1);
   }
   EngineOptions e = EngineOptions::FromEnvironment({});
+  if (!o.secret_file.empty()) {
+    absl::StatusOr<std::string> secret = ReadSecretFile(o.secret_file);
+    if (!secret.ok()) return secret.status();
+    e.shared_secret = *std::move(secret);
+  } else if (!o.secret.empty()) {
+    e.shared_secret = o.secret;
+  }
   e.name = "";
   e.listen_address = listen_address;
   e.transport = o.transport;

@@ -44,6 +44,19 @@ kvwire::KvMemory ToKvMemory(const py::handle& h) {
   throw py::type_error("register_kv_caches: expected kvwire.Buffer or kvwire.KvMemory items");
 }
 
+// The engine options of a Python-made engine or connector: the KVWIRE_* environment first
+// (EngineOptions::FromEnvironment, the one place it is read), then `secret` when given (str,
+// UTF-8, or bytes; "" / b"" means none).
+kvwire::EngineOptions EngineOptionsFor(const py::object& secret) {
+  kvwire::EngineOptions o = kvwire::EngineOptions::FromEnvironment({});
+  if (secret.is_none()) return o;
+  if (!py::isinstance<py::bytes>(secret) && !py::isinstance<py::str>(secret)) {
+    throw py::type_error("secret must be str, bytes or None");
+  }
+  o.shared_secret = secret.cast<std::string>();
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kvwire, m) {
@@ -144,15 +157,16 @@ PYBIND11_MODULE(_kvwire, m) {
 
   py::class_<kvwire::Engine>(m, "Engine")
       .def(py::init([](const std::string& name, const std::string& transport,
-                       const std::string& listen) {
-             kvwire::EngineOptions o;
+                       const std::string& listen, const py::object& secret) {
+             kvwire::EngineOptions o = EngineOptionsFor(secret);
              o.name = name;
              o.transport = Take(kvwire::ParseTransportKind(transport));
              o.listen_address = listen;
              return Take(kvwire::Engine::Create(o));
            }),
            py::arg("name") = "", py::arg("transport") = "auto",
-           py::arg("listen_address") = "127.0.0.1:0")
+           py::arg("listen_address") = "127.0.0.1:0", py::arg("secret") = py::none(),
+           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
       .def_property_readonly("name", &kvwire::Engine::name)
       .def_property_readonly("address", &kvwire::Engine::address)
       .def("register_memory",
@@ -195,8 +209,10 @@ PYBIND11_MODULE(_kvwire, m) {
 
   py::class_<kvwire::Connector>(m, "Connector")
       .def(py::init([](const std::string& name, const std::string& mode,
-                       const std::string& transport, double request_timeout_s) {
+                       const std::string& transport, double request_timeout_s,
+                       const py::object& secret) {
              kvwire::ConnectorOptions o;
+             o.engine = EngineOptionsFor(secret);
              o.engine.name = name;
              o.mode = Take(kvwire::ParseKvMode(mode));
              o.engine.transport = Take(kvwire::ParseTransportKind(transport));
@@ -204,7 +220,8 @@ PYBIND11_MODULE(_kvwire, m) {
              return Take(kvwire::Connector::Create(o));
            }),
            py::arg("name") = "", py::arg("mode") = "auto", py::arg("transport") = "auto",
-           py::arg("request_timeout_s") = 60.0)
+           py::arg("request_timeout_s") = 60.0, py::arg("secret") = py::none(),
+           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
       .def(

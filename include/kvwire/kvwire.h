@@ -9,6 +9,10 @@
  *    non-zero error code (an absl::StatusCode value: 3 invalid argument, 4 deadline exceeded,
  *    5 not found, 9 failed precondition, 14 unavailable ...) or NULL. No exception crosses
  *    this boundary.
+ *  - Calls that take errptr check their pointer arguments: a NULL that the call needs is
+ *    reported as an error (code 3, the message names the argument), never dereferenced;
+ *    errptr itself may be NULL (the message is dropped, the code still returned). Calls
+ *    without errptr need valid pointers, as in LevelDB.
  *  - Block tables are passed as kvw_block_table_t (group name -> block ids, -1 = none).
  */
 #ifndef KVWIRE_KVWIRE_H_
@@ -76,6 +80,8 @@ void kvw_block_table_set(kvw_block_table_t* table, const char* group, const int6
 void kvw_block_table_destroy(kvw_block_table_t* table);
 
 /* --- connector options (fields of kvwire::ConnectorOptions) --- */
+/* Starts from the KVWIRE_* environment (KVWIRE_SECRET, KVWIRE_LISTEN, ...; see
+ * EngineOptions::FromEnvironment); the setters below override it. */
 kvw_options_t* kvw_options_create(void);
 void kvw_options_set_role(kvw_options_t* options, const char* role);
 void kvw_options_set_mode(kvw_options_t* options, int mode);
@@ -84,9 +90,16 @@ void kvw_options_set_listen_address(kvw_options_t* options, const char* address)
 /* "auto", "tcp", "shm" or "rdma"; returns non-zero for an unknown name. */
 int kvw_options_set_transport(kvw_options_t* options, const char* transport, char** errptr);
 void kvw_options_set_request_timeout_ms(kvw_options_t* options, int64_t ms);
+/* The deployment's shared secret: `length` bytes (any bytes; length 0 clears it, and then no
+ * peer is asked to prove anything). With a secret, peers prove they know it (HMAC-SHA256
+ * challenge-response both ways) before any KV moves, and a peer without it is refused.
+ * Overrides KVWIRE_SECRET. Returns non-zero when options, or secret with length > 0, is NULL. */
+int kvw_options_set_secret(kvw_options_t* options, const char* secret, size_t length,
+                           char** errptr);
 void kvw_options_destroy(kvw_options_t* options);
 
 /* --- connector --- */
+/* options NULL: the defaults and the KVWIRE_* environment, as kvw_options_create. */
 kvw_connector_t* kvw_connector_create(const kvw_options_t* options, char** errptr);
 void kvw_connector_destroy(kvw_connector_t* connector);
 const char* kvw_connector_engine_id(const kvw_connector_t* connector);

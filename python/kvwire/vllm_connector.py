@@ -16,7 +16,9 @@ up by engine id), as vLLM's two roles share one deployment.
 """
 import enum
 import json
+import os
 import re
+import stat
 import threading
 
 import _kvwire
@@ -41,6 +43,41 @@ _natives = {}
 _natives_lock = threading.Lock()
 
 
+def _read_secret_file(path: str) -> bytes:
+    """A shared secret from a file, as kvwire-dsv4 and kvwire-perf read --secret-file: the
+    bytes less one trailing newline; refused when others can read it or anyone but the owner
+    (and group, read-only) can write it, or when it is empty or over 4 KiB."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"secret file {path} is not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH):
+            raise ValueError(f"secret file {path} can be read or written by other users "
+                             f"(mode {mode:04o}): chmod 600 {path}")
+        data = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    if len(data) > 4096:
+        raise ValueError(f"secret file {path} is larger than 4096 bytes")
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    if not data:
+        raise ValueError(f"secret file {path} is empty")
+    return data
+
+
+def _secret_for(extra: dict):
+    """kv_connector_extra_config's secret_file (recommended: the config may be logged) or
+    secret; None: the connector takes KVWIRE_SECRET from the environment, if set."""
+    if extra.get("secret_file"):
+        return _read_secret_file(extra["secret_file"])
+    return extra.get("secret")
+
+
 def _native_for(config: dict) -> "_kvwire.Connector":
     """One native connector per engine id in this process."""
     kv = config.get("kv_transfer_config", {})
@@ -53,7 +90,8 @@ def _native_for(config: dict) -> "_kvwire.Connector":
                 name=engine_id,
                 mode=extra.get("mode", "auto"),
                 transport=extra.get("transport", "auto"),
-                request_timeout_s=float(extra.get("request_timeout_s", 60.0)))
+                request_timeout_s=float(extra.get("request_timeout_s", 60.0)),
+                secret=_secret_for(extra))
             if engine_id:
                 _natives[engine_id] = native
         return native

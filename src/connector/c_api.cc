@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -65,6 +66,45 @@ int Guard(char** errptr, F&& f) {
   return static_cast<int>(absl::StatusCode::kInternal);
 }
 
+// As Guard, for the calls that make an object: `f` returns absl::StatusOr<std::unique_ptr<T>>;
+// NULL (with *errptr set) on failure.
+template <typename F>
+auto GuardMake(char** errptr, F&& f) -> typename decltype(f())::value_type::pointer {
+  try {
+    auto made = f();
+    if (made.ok()) return made->release();
+    Report(made.status(), errptr);
+  } catch (const std::exception& e) {
+    SetError(errptr, std::string("internal error: ") + e.what());
+  } catch (...) {
+    SetError(errptr, "internal error");
+  }
+  return nullptr;
+}
+
+// One pointer argument a call cannot do without.
+struct Arg {
+  const char* name;
+  const void* ptr;
+};
+
+// A caller's NULL becomes an error naming the call and the argument instead of a crash.
+absl::Status Require(const char* call, std::initializer_list<Arg> args) {
+  for (const Arg& a : args) {
+    if (a.ptr == nullptr) {
+      return absl::InvalidArgumentError(std::string(call) + ": " + a.name + " is NULL");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `count` entries of an array argument: NULL is fine only for an empty one.
+absl::Status RequireArray(const char* call, const char* name, const void* ptr, size_t count) {
+  if (ptr != nullptr || count == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(std::string(call) + ": " + name + " is NULL but count is " +
+                                    std::to_string(count));
+}
+
 std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
 const kvwire::BlockTable& Blocks(const kvw_block_table_t* t) {
@@ -80,34 +120,31 @@ const char* kvw_version(void) { return "kvwire 0.1.0"; }
 void kvw_free(void* ptr) { std::free(ptr); }
 
 kvw_buffer_t* kvw_buffer_create(size_t length, char** errptr) {
-  absl::StatusOr<kvwire::ShareableBuffer> b = kvwire::ShareableBuffer::Create(length, "kvw-c");
-  if (!b.ok()) {
-    Report(b.status(), errptr);
-    return nullptr;
-  }
-  auto* out = new (std::nothrow) kvw_buffer_t{std::move(*b)};
-  if (out == nullptr) SetError(errptr, "out of memory");
-  return out;
+  return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_buffer_t>> {
+    absl::StatusOr<kvwire::ShareableBuffer> b = kvwire::ShareableBuffer::Create(length, "kvw-c");
+    if (!b.ok()) return b.status();
+    return std::make_unique<kvw_buffer_t>(kvw_buffer_t{std::move(*b)});
+  });
 }
 void* kvw_buffer_data(const kvw_buffer_t* b) { return b->rep.data(); }
 size_t kvw_buffer_size(const kvw_buffer_t* b) { return b->rep.size(); }
 void kvw_buffer_destroy(kvw_buffer_t* b) { delete b; }
 
 kvw_layout_t* kvw_layout_preset(const char* name, char** errptr) {
-  absl::StatusOr<kvwire::Layout> l = kvwire::PresetLayout(Str(name));
-  if (!l.ok()) {
-    Report(l.status(), errptr);
-    return nullptr;
-  }
-  return new (std::nothrow) kvw_layout_t{std::move(*l)};
+  return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_layout_t>> {
+    if (absl::Status s = Require("kvw_layout_preset", {{"name", name}}); !s.ok()) return s;
+    absl::StatusOr<kvwire::Layout> l = kvwire::PresetLayout(name);
+    if (!l.ok()) return l.status();
+    return std::make_unique<kvw_layout_t>(kvw_layout_t{std::move(*l)});
+  });
 }
 kvw_layout_t* kvw_layout_from_json(const char* json, char** errptr) {
-  absl::StatusOr<kvwire::Layout> l = kvwire::LayoutFromJson(Str(json));
-  if (!l.ok()) {
-    Report(l.status(), errptr);
-    return nullptr;
-  }
-  return new (std::nothrow) kvw_layout_t{std::move(*l)};
+  return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_layout_t>> {
+    if (absl::Status s = Require("kvw_layout_from_json", {{"json", json}}); !s.ok()) return s;
+    absl::StatusOr<kvwire::Layout> l = kvwire::LayoutFromJson(json);
+    if (!l.ok()) return l.status();
+    return std::make_unique<kvw_layout_t>(kvw_layout_t{std::move(*l)});
+  });
 }
 char* kvw_layout_to_json(const kvw_layout_t* l) { return CopyString(kvwire::LayoutToJson(l->rep)); }
 uint64_t kvw_layout_assign_backing(kvw_layout_t* l, uint64_t base, uint64_t num_blocks,
@@ -137,7 +174,13 @@ uint64_t kvw_layout_block_address(const kvw_layout_t* l, size_t g, size_t layer,
   return group.BlockAddress(layer, block, 0);
 }
 int kvw_layout_check_compatible(const kvw_layout_t* p, const kvw_layout_t* d, char** errptr) {
-  return Guard(errptr, [&] { return kvwire::CheckCompatible(p->rep, d->rep); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_layout_check_compatible", {{"prefill", p}, {"decode", d}});
+        !s.ok()) {
+      return s;
+    }
+    return kvwire::CheckCompatible(p->rep, d->rep);
+  });
 }
 void kvw_layout_destroy(kvw_layout_t* l) { delete l; }
 
@@ -148,7 +191,16 @@ void kvw_block_table_set(kvw_block_table_t* t, const char* group, const int64_t*
 }
 void kvw_block_table_destroy(kvw_block_table_t* t) { delete t; }
 
-kvw_options_t* kvw_options_create(void) { return new (std::nothrow) kvw_options_t; }
+kvw_options_t* kvw_options_create(void) {
+  try {
+    auto o = std::make_unique<kvw_options_t>();
+    // The one place the library turns the environment into options; setters override it.
+    o->rep.engine = kvwire::EngineOptions::FromEnvironment(std::move(o->rep.engine));
+    return o.release();
+  } catch (...) {
+    return nullptr;
+  }
+}
 void kvw_options_set_role(kvw_options_t* o, const char* role) { o->rep.role = Str(role); }
 void kvw_options_set_mode(kvw_options_t* o, int mode) {
   o->rep.mode = mode == KVW_MODE_READ    ? kvwire::KvMode::kRead
@@ -160,29 +212,47 @@ void kvw_options_set_listen_address(kvw_options_t* o, const char* address) {
   o->rep.engine.listen_address = Str(address);
 }
 int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** errptr) {
-  absl::StatusOr<kvwire::TransportKind> t = kvwire::ParseTransportKind(Str(transport));
-  if (!t.ok()) return Report(t.status(), errptr);
-  o->rep.engine.transport = *t;
-  return 0;
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s =
+            Require("kvw_options_set_transport", {{"options", o}, {"transport", transport}});
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<kvwire::TransportKind> t = kvwire::ParseTransportKind(transport);
+    if (!t.ok()) return t.status();
+    o->rep.engine.transport = *t;
+    return absl::OkStatus();
+  });
 }
 void kvw_options_set_request_timeout_ms(kvw_options_t* o, int64_t ms) {
   o->rep.request_timeout = absl::Milliseconds(ms);
 }
+int kvw_options_set_secret(kvw_options_t* o, const char* secret, size_t length, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require("kvw_options_set_secret", {{"options", o}}); !s.ok()) return s;
+    if (absl::Status s = RequireArray("kvw_options_set_secret", "secret", secret, length);
+        !s.ok()) {
+      return s;
+    }
+    o->rep.engine.shared_secret.assign(length == 0 ? "" : secret, length);
+    return absl::OkStatus();
+  });
+}
 void kvw_options_destroy(kvw_options_t* o) { delete o; }
 
 kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
-  try {
-    absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
-        kvwire::Connector::Create(o == nullptr ? kvwire::ConnectorOptions() : o->rep);
-    if (!c.ok()) {
-      Report(c.status(), errptr);
-      return nullptr;
+  return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_connector_t>> {
+    kvwire::ConnectorOptions options;
+    if (o != nullptr) {
+      options = o->rep;
+    } else {
+      options.engine = kvwire::EngineOptions::FromEnvironment(std::move(options.engine));
     }
-    return new kvw_connector_t{std::move(*c)};
-  } catch (const std::exception& e) {
-    SetError(errptr, std::string("internal error: ") + e.what());
-    return nullptr;
-  }
+    absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
+        kvwire::Connector::Create(std::move(options));
+    if (!c.ok()) return c.status();
+    return std::make_unique<kvw_connector_t>(kvw_connector_t{std::move(*c)});
+  });
 }
 void kvw_connector_destroy(kvw_connector_t* c) { delete c; }
 const char* kvw_connector_engine_id(const kvw_connector_t* c) {
@@ -192,7 +262,12 @@ char* kvw_connector_address(kvw_connector_t* c) { return CopyString(c->rep->engi
 
 int kvw_register_kv_caches(kvw_connector_t* c, const kvw_layout_t* l, void* const* ptrs,
                            const size_t* lengths, size_t count, char** errptr) {
-  return Guard(errptr, [&] {
+  return Guard(errptr, [&]() -> absl::Status {
+    constexpr char kCall[] = "kvw_register_kv_caches";
+    absl::Status s = Require(kCall, {{"connector", c}, {"layout", l}});
+    if (s.ok()) s = RequireArray(kCall, "ptrs", ptrs, count);
+    if (s.ok()) s = RequireArray(kCall, "lengths", lengths, count);
+    if (!s.ok()) return s;
     std::vector<kvwire::KvMemory> memory;
     for (size_t i = 0; i < count; ++i) memory.push_back({ptrs[i], lengths[i]});
     return c->rep->RegisterKvCaches(l->rep, memory);
@@ -203,6 +278,11 @@ int kvw_register_kv_memory(kvw_connector_t* c, const kvw_layout_t* l, void* cons
                            const size_t* lengths, const int* kinds, const int* gpu_devices,
                            size_t count, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
+    constexpr char kCall[] = "kvw_register_kv_memory";
+    absl::Status s = Require(kCall, {{"connector", c}, {"layout", l}});
+    if (s.ok()) s = RequireArray(kCall, "ptrs", ptrs, count);
+    if (s.ok()) s = RequireArray(kCall, "lengths", lengths, count);
+    if (!s.ok()) return s;
     std::vector<kvwire::KvMemory> memory;
     for (size_t i = 0; i < count; ++i) {
       kvwire::KvMemory m{ptrs[i], lengths[i]};
@@ -223,8 +303,13 @@ int kvw_get_num_new_matched_tokens(kvw_connector_t* c, const char* request_id, u
                                    uint64_t num_computed_tokens, const char* params,
                                    uint64_t* num_external_tokens, int* load_async, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
-    absl::StatusOr<kvwire::MatchResult> m = c->rep->GetNumNewMatchedTokens(
-        Str(request_id), num_tokens, num_computed_tokens, Str(params));
+    if (absl::Status s = Require("kvw_get_num_new_matched_tokens",
+                                 {{"connector", c}, {"request_id", request_id}});
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<kvwire::MatchResult> m =
+        c->rep->GetNumNewMatchedTokens(request_id, num_tokens, num_computed_tokens, Str(params));
     if (!m.ok()) return m.status();
     if (num_external_tokens != nullptr) *num_external_tokens = m->num_external_tokens;
     if (load_async != nullptr) *load_async = m->load_async ? 1 : 0;
@@ -236,7 +321,12 @@ int kvw_update_state_after_alloc(kvw_connector_t* c, const char* request_id,
                                  const kvw_block_table_t* blocks, uint64_t num_external_tokens,
                                  char** errptr) {
   return Guard(errptr, [&] {
-    return c->rep->UpdateStateAfterAlloc(Str(request_id), Blocks(blocks), num_external_tokens);
+    if (absl::Status s =
+            Require("kvw_update_state_after_alloc", {{"connector", c}, {"request_id", request_id}});
+        !s.ok()) {
+      return s;
+    }
+    return c->rep->UpdateStateAfterAlloc(request_id, Blocks(blocks), num_external_tokens);
   });
 }
 
@@ -248,8 +338,13 @@ int kvw_request_finished(kvw_connector_t* c, const char* request_id,
                          const kvw_block_table_t* blocks, uint64_t num_tokens, const char* params,
                          int aborted, int* delay_free, char** params_out, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
-    absl::StatusOr<kvwire::RequestFinishedResult> r = c->rep->RequestFinished(
-        Str(request_id), Blocks(blocks), num_tokens, Str(params), aborted != 0);
+    if (absl::Status s =
+            Require("kvw_request_finished", {{"connector", c}, {"request_id", request_id}});
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<kvwire::RequestFinishedResult> r =
+        c->rep->RequestFinished(request_id, Blocks(blocks), num_tokens, Str(params), aborted != 0);
     if (!r.ok()) return r.status();
     if (delay_free != nullptr) *delay_free = r->delay_free ? 1 : 0;
     if (params_out != nullptr) *params_out = CopyString(r->kv_transfer_params);
@@ -258,25 +353,48 @@ int kvw_request_finished(kvw_connector_t* c, const char* request_id,
 }
 
 int kvw_bind_connector_meta(kvw_connector_t* c, const char* meta, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->BindConnectorMeta(Str(meta)); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_bind_connector_meta", {{"connector", c}, {"meta", meta}});
+        !s.ok()) {
+      return s;
+    }
+    return c->rep->BindConnectorMeta(meta);
+  });
 }
 int kvw_start_load_kv(kvw_connector_t* c, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->StartLoadKv(); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_start_load_kv", {{"connector", c}}); !s.ok()) return s;
+    return c->rep->StartLoadKv();
+  });
 }
 int kvw_wait_for_layer_load(kvw_connector_t* c, int layer, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->WaitForLayerLoad(layer); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_wait_for_layer_load", {{"connector", c}}); !s.ok()) {
+      return s;
+    }
+    return c->rep->WaitForLayerLoad(layer);
+  });
 }
 int kvw_save_kv_layer(kvw_connector_t* c, int layer, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->SaveKvLayer(layer); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_save_kv_layer", {{"connector", c}}); !s.ok()) return s;
+    return c->rep->SaveKvLayer(layer);
+  });
 }
 int kvw_save_kv_layer_event(kvw_connector_t* c, int layer, void* event, int device, char** errptr) {
   return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_save_kv_layer_event", {{"connector", c}}); !s.ok()) {
+      return s;
+    }
     return event == nullptr ? c->rep->SaveKvLayer(layer)
                             : c->rep->SaveKvLayer(layer, kvwire::GpuEvent{event, device});
   });
 }
 int kvw_wait_for_save(kvw_connector_t* c, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->WaitForSave(); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_wait_for_save", {{"connector", c}}); !s.ok()) return s;
+    return c->rep->WaitForSave();
+  });
 }
 
 kvw_finished_t* kvw_get_finished(kvw_connector_t* c) {
@@ -310,7 +428,13 @@ const char* kvw_finished_reason(const kvw_finished_t* f, size_t i) {
 void kvw_finished_destroy(kvw_finished_t* f) { delete f; }
 
 int kvw_abort(kvw_connector_t* c, const char* request_id, char** errptr) {
-  return Guard(errptr, [&] { return c->rep->Abort(Str(request_id)); });
+  return Guard(errptr, [&] {
+    if (absl::Status s = Require("kvw_abort", {{"connector", c}, {"request_id", request_id}});
+        !s.ok()) {
+      return s;
+    }
+    return c->rep->Abort(request_id);
+  });
 }
 size_t kvw_live_requests(const kvw_connector_t* c) { return c->rep->LiveRequests(); }
 char* kvw_stats_json(const kvw_connector_t* c) { return CopyString(c->rep->StatsJson()); }

@@ -4,71 +4,84 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "examples/dsv4/serve/json_fields.h"
+
 namespace dsv4::serve {
 
 using nlohmann::json;
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
+namespace {
+
+absl::Status ParseKvTransferFields(const json& params, KvTransferFields* out) {
+  const JsonFields f(params, "kv_transfer_params.");
+  absl::Status s = f.Bool("do_remote_decode", &out->do_remote_decode);
+  if (s.ok()) s = f.Bool("do_remote_prefill", &out->do_remote_prefill);
+  if (s.ok()) s = f.String("mode", 16, &out->mode);
+  if (s.ok() && !out->mode.empty() && out->mode != "auto" && out->mode != "read" &&
+      out->mode != "write") {
+    s = f.Bad("mode", "\"read\", \"write\" or \"auto\"");
+  }
+  if (s.ok()) s = f.String("transfer_id", kMaxIdBytes, &out->transfer_id);
+  if (s.ok()) s = f.String("remote_host", kMaxIdBytes, &out->remote_host);
+  int64_t port = 0;
+  if (s.ok()) s = f.Int("remote_port", 0, 65535, &port);
+  out->remote_port = static_cast<int>(port);
+  if (s.ok()) s = f.Uint("num_tokens", uint64_t{1} << 32, &out->num_tokens);
+  // Read by the connector only; checked here too so that its error names the field.
+  std::string engine_id;
+  if (s.ok()) s = f.String("engine_id", kMaxIdBytes, &engine_id);
+  return s;
+}
+
+}  // namespace
+
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size) {
-  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("request body is not valid JSON");
+  absl::StatusOr<json> j = ParseJsonBounded(body, "request body");
+  if (!j.ok()) return j.status();
+  return CompletionRequestFromJson(*j, vocab_size);
+}
+
+absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int vocab_size) {
   if (!j.is_object()) return absl::InvalidArgumentError("request body must be a JSON object");
   CompletionRequest r;
-  auto bad = [](const char* field, const char* want) {
-    return absl::InvalidArgumentError(absl::StrCat("'", field, "' must be ", want));
-  };
-  if (!j.contains("prompt")) return absl::InvalidArgumentError("'prompt' is required");
+  const JsonFields f(j, "");
+  if (!f.Has("prompt")) return absl::InvalidArgumentError("'prompt' is required");
   const json& p = j.at("prompt");
   if (p.is_string()) {
     r.prompt = p.get<std::string>();
   } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
     r.prompt = p[0].get<std::string>();
   } else {
-    return bad("prompt", "a string (or an array of one string)");
+    return f.Bad("prompt", "a string (or an array of one string)");
   }
-  if (j.contains("max_tokens") && !j.at("max_tokens").is_null()) {
-    const json& m = j.at("max_tokens");
-    if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > 1000000) {
-      return bad("max_tokens", "an integer >= 1");
-    }
-    r.max_tokens = static_cast<int>(m.get<int64_t>());
+  int64_t max_tokens = r.max_tokens;
+  absl::Status s = f.Int("max_tokens", 1, 1000000, &max_tokens);
+  r.max_tokens = static_cast<int>(max_tokens);
+  double temperature = r.temperature;
+  if (s.ok()) s = f.Number("temperature", 0, 100, &temperature);
+  r.temperature = static_cast<float>(temperature);
+  if (s.ok()) s = f.Uint("seed", UINT64_MAX, &r.seed);
+  if (s.ok()) s = f.Bool("stream", &r.stream);
+  if (s.ok()) s = f.String("model", kMaxIdBytes, &r.model);
+  const json* kvp = nullptr;
+  if (s.ok()) s = f.Object("kv_transfer_params", &kvp);
+  if (s.ok() && kvp != nullptr) {
+    r.kv_transfer_params = *kvp;
+    s = ParseKvTransferFields(*kvp, &r.kv);
   }
-  if (j.contains("temperature") && !j.at("temperature").is_null()) {
-    const json& t = j.at("temperature");
-    if (!t.is_number() || t.get<double>() < 0 || t.get<double>() > 100) {
-      return bad("temperature", "a number in [0, 100]");
-    }
-    r.temperature = t.get<float>();
+  std::optional<int64_t> first_token;
+  if (s.ok()) s = f.Int("first_token", 0, int64_t{vocab_size} - 1, &first_token);
+  if (first_token) r.first_token = static_cast<int32_t>(*first_token);
+  const json* prefill = nullptr;
+  if (s.ok()) s = f.Object("kvwire_prefill", &prefill);
+  if (s.ok() && prefill != nullptr) {
+    r.prefill_stats = *prefill;
+    s = JsonFields(*prefill, "kvwire_prefill.")
+            .Int("computed_unix_us", 0, INT64_MAX / 2, &r.prefill_computed_unix_us);
   }
-  if (j.contains("seed") && !j.at("seed").is_null()) {
-    const json& s = j.at("seed");
-    if (!s.is_number_integer() ||
-        (s.is_number_integer() && !s.is_number_unsigned() && s.get<int64_t>() < 0)) {
-      return bad("seed", "a non-negative integer");
-    }
-    r.seed = s.get<uint64_t>();
-  }
-  if (j.contains("stream") && !j.at("stream").is_null()) {
-    if (!j.at("stream").is_boolean()) return bad("stream", "a boolean");
-    r.stream = j.at("stream").get<bool>();
-  }
-  if (j.contains("model") && j.at("model").is_string()) r.model = j.at("model").get<std::string>();
-  if (j.contains("kv_transfer_params") && !j.at("kv_transfer_params").is_null()) {
-    if (!j.at("kv_transfer_params").is_object()) return bad("kv_transfer_params", "an object");
-    r.kv_transfer_params = j.at("kv_transfer_params");
-  }
-  if (j.contains("first_token") && !j.at("first_token").is_null()) {
-    const json& f = j.at("first_token");
-    if (!f.is_number_integer() || f.get<int64_t>() < 0 || f.get<int64_t>() >= vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'first_token' must be a token id in [0, ", vocab_size, ")"));
-    }
-    r.first_token = static_cast<int32_t>(f.get<int64_t>());
-  }
-  if (j.contains("kvwire_prefill") && j.at("kvwire_prefill").is_object()) {
-    r.prefill_stats = j.at("kvwire_prefill");
-  }
+  if (!s.ok()) return s;
   return r;
 }
 

@@ -15,6 +15,22 @@
 
 namespace dsv4::serve {
 
+// The kv_transfer_params fields the dsv4 servers act on, type-checked when the request is
+// parsed (the worker thread never reads client JSON). The connector parses the whole object
+// again (engine_id, block_ids, tp_sources) and reports its own errors.
+struct KvTransferFields {
+  bool do_remote_decode = false;
+  bool do_remote_prefill = false;
+  std::string mode;  // "" (unset), "auto", "read" or "write"
+  std::string transfer_id;
+  std::string remote_host;
+  int remote_port = 0;
+  uint64_t num_tokens = 0;  // 0: unset
+};
+
+// Longest transfer id, engine id or host name accepted from a client.
+inline constexpr size_t kMaxIdBytes = 256;
+
 struct CompletionRequest {
   std::string prompt;
   int max_tokens = 16;
@@ -23,13 +39,20 @@ struct CompletionRequest {
   bool stream = false;
   std::string model;
   nlohmann::json kv_transfer_params;  // null or an object
+  KvTransferFields kv;                // its fields, read with their types checked
   std::optional<int32_t> first_token;
   // Decode: the prefill server's timing (the router passes it through to the client).
   nlohmann::json prefill_stats;
+  std::optional<int64_t> prefill_computed_unix_us;  // prefill_stats.computed_unix_us
 };
 
-// Validates a request body; errors name the field and what is wrong (for a 400).
+// Validates a request body; errors name the field and what is wrong (for a 400). The body
+// is parsed within JsonLimits (nesting depth, number of values): bodies are copied and
+// printed recursively.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size);
+// The same, for a body already parsed (with ParseJsonBounded).
+absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const nlohmann::json& body,
+                                                            int vocab_size);
 
 // Serialises JSON with invalid UTF-8 (byte tokens may split a character) replaced.
 std::string Dump(const nlohmann::json& j);

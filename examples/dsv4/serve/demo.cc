@@ -137,8 +137,13 @@ int RunDemo(const Flags& f, const std::string& argv0) {
   for (const std::string& transport : transports) {
     std::printf("-- transport %s: starting prefill, decode and two routers (read, write)\n",
                 transport.c_str());
-    const std::vector<std::string> common = {"--config",    config_path, "--weights", weights,
-                                             "--transport", transport,   "--mode",    "auto"};
+    std::vector<std::string> common = {"--config",    config_path, "--weights", weights,
+                                       "--transport", transport,   "--mode",    "auto"};
+    // The servers' KV peers authenticate each other with it.
+    if (f.Has("secret-file")) {
+      common.push_back("--secret-file");
+      common.push_back(f.Get("secret-file"));
+    }
     auto with = [&](std::vector<std::string> a) {
       a.insert(a.end(), common.begin(), common.end());
       return a;

@@ -8,9 +8,12 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "boost/asio.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+
+#include "src/util/log.h"
 
 namespace dsv4::serve {
 
@@ -22,6 +25,9 @@ using boost::system::error_code;
 std::string ErrorJson(int status, const std::string& message) {
   const char* type = status == 400   ? "invalid_request_error"
                      : status == 404 ? "not_found"
+                     : status == 408 ? "request_timeout"
+                     : status == 413 ? "request_too_large"
+                     : status == 431 ? "request_header_fields_too_large"
                      : status == 502 ? "bad_gateway"
                      : status == 503 ? "service_unavailable"
                      : status == 504 ? "timeout"
@@ -44,10 +50,23 @@ class Session : public std::enable_shared_from_this<Session> {
   void Start() {
     parser_.emplace();
     parser_->body_limit(options_.body_limit);
-    parser_->header_limit(64 << 10);
-    Arm(timer_, options_.read_timeout);
+    parser_->header_limit(options_.header_limit);
+    // One deadline for the whole request: a client that trickles bytes does not extend it.
+    timer_.expires_after(absl::ToChronoNanoseconds(options_.read_timeout));
+    timer_.async_wait([self = shared_from_this()](error_code ec) {
+      if (ec || self->read_done_) return;
+      self->read_timed_out_ = true;
+      error_code ignored;
+      self->socket_.cancel(ignored);  // OnRead answers 408
+    });
     http::async_read(socket_, buffer_, *parser_,
                      [self = shared_from_this()](error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  // Answers `status` without reading a request (the server is full), then closes.
+  void Refuse(int status, const std::string& message) {
+    read_done_ = true;
+    Reject(status, message);
   }
 
   // Queues bytes; `last` closes the connection once they are written.
@@ -69,14 +88,20 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnRead(error_code ec) {
+    read_done_ = true;
     timer_.cancel();
     if (ec) {
-      if (ec == http::error::body_limit) {
-        Queue(Format(413, ErrorJson(413, "request body too large"), "application/json"), true);
+      if (read_timed_out_) {
+        Reject(408, absl::StrCat("request not received in full within ",
+                                 absl::FormatDuration(options_.read_timeout)));
+      } else if (ec == http::error::body_limit) {
+        Reject(413,
+               absl::StrCat("request body too large (at most ", options_.body_limit, " bytes)"));
+      } else if (ec == http::error::header_limit) {
+        Reject(431, absl::StrCat("request headers too large (at most ", options_.header_limit,
+                                 " bytes)"));
       } else if (ec != http::error::end_of_stream && ec != net::error::operation_aborted) {
-        Queue(Format(400, ErrorJson(400, absl::StrCat("malformed HTTP request: ", ec.message())),
-                     "application/json"),
-              true);
+        Reject(400, absl::StrCat("malformed HTTP request: ", ec.message()));
       } else {
         Close();
       }
@@ -93,7 +118,40 @@ class Session : public std::enable_shared_from_this<Session> {
                               if (ec) self->closed_.store(true);
                             });
     auto responder = std::make_shared<Responder>(shared_from_this());
-    handler_(r, std::move(responder));
+    // Handlers check what they parse; this keeps a bug in one from ending the io thread (and
+    // with it the process).
+    try {
+      handler_(r, responder);
+    } catch (const std::exception& e) {
+      KVW_LOG(kError, "http") << "request handler threw" << kvwire::Kv("error", e.what());
+      responder->Error(500, absl::StrCat("internal error: ", e.what()));
+    } catch (...) {
+      KVW_LOG(kError, "http") << "request handler threw";
+      responder->Error(500, "internal error");
+    }
+  }
+
+  // An error answer to a request that was not (fully) read. The client may still be sending:
+  // closing with unread input would send a reset that can overtake the answer, so the
+  // connection lingers (reading and dropping, at most a second) after the answer.
+  void Reject(int status, const std::string& message) {
+    linger_ = true;
+    Queue(Format(status, ErrorJson(status, message), "application/json"), true);
+  }
+
+  void Linger() {
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    Arm(timer_, absl::Seconds(1));
+    Drain();
+  }
+
+  void Drain() {
+    socket_.async_read_some(net::buffer(probe_),
+                            [self = shared_from_this()](error_code ec, size_t) {
+                              if (ec) return self->Close();
+                              self->Drain();
+                            });
   }
 
   void Queue(std::string bytes, bool last) {
@@ -105,7 +163,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void WriteNext() {
     if (queue_.empty()) {
-      if (last_queued_) Close();
+      if (last_queued_) linger_ ? Linger() : Close();
       return;
     }
     writing_ = true;
@@ -159,6 +217,7 @@ class Session : public std::enable_shared_from_this<Session> {
   char probe_[64];
   std::deque<std::string> queue_;
   bool writing_ = false, last_queued_ = false, done_ = false;
+  bool read_done_ = false, read_timed_out_ = false, linger_ = false;
   std::atomic<bool> closed_{false};
 };
 
@@ -220,7 +279,10 @@ void Responder::EndEvents(bool done) {
 class HttpServer::Impl {
  public:
   Impl(HttpServerOptions options, Handler handler)
-      : options_(std::move(options)), handler_(std::move(handler)), acceptor_(io_) {}
+      : options_(std::move(options)),
+        handler_(std::move(handler)),
+        acceptor_(io_),
+        accept_retry_(io_) {}
 
   absl::Status Listen() {
     error_code ec;
@@ -246,8 +308,11 @@ class HttpServer::Impl {
     net::post(io_, [this] {
       error_code ignored;
       acceptor_.close(ignored);
-      for (const std::weak_ptr<Session>& w : sessions_) {
-        if (std::shared_ptr<Session> s = w.lock()) s->Shutdown();
+      accept_retry_.cancel();
+      for (const auto* list : {&sessions_, &refusing_}) {
+        for (const std::weak_ptr<Session>& w : *list) {
+          if (std::shared_ptr<Session> s = w.lock()) s->Shutdown();
+        }
       }
       io_.stop();
     });
@@ -260,15 +325,35 @@ class HttpServer::Impl {
   void Accept() {
     acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
       if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
-      if (!ec) {
-        auto session = std::make_shared<Session>(std::move(socket), options_, handler_);
-        std::erase_if(sessions_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+      if (ec) {
+        // Out of file descriptors (or buffers): accepting again at once would spin on the
+        // same error, so pause.
+        KVW_LOG(kWarning, "http") << "accept failed, pausing" << kvwire::Kv("error", ec.message());
+        accept_retry_.expires_after(std::chrono::milliseconds(100));
+        accept_retry_.async_wait([this](error_code e) {
+          if (!e && acceptor_.is_open()) Accept();
+        });
+        return;
+      }
+      auto expired = [](const std::weak_ptr<Session>& w) { return w.expired(); };
+      std::erase_if(sessions_, expired);
+      std::erase_if(refusing_, expired);
+      const int open = static_cast<int>(sessions_.size());
+      auto session = std::make_shared<Session>(std::move(socket), options_, handler_);
+      if (open < options_.max_connections) {
         sessions_.push_back(session);
         session->Start();
-      }
+      } else if (static_cast<int>(refusing_.size()) < kMaxRefusing) {
+        refusing_.push_back(session);
+        session->Refuse(503, absl::StrCat("too many connections (", open, " open, at most ",
+                                          options_.max_connections, ")"));
+      }  // else: the flood outruns even the refusals; the socket just closes
       Accept();
     });
   }
+
+  // Connections being refused (answered 503, lingering at most a second) at once.
+  static constexpr int kMaxRefusing = 64;
 
   const HttpServerOptions options_;
   const Handler handler_;
@@ -276,7 +361,9 @@ class HttpServer::Impl {
   tcp::acceptor acceptor_;
   std::thread thread_;
   int port_ = 0;
+  net::steady_timer accept_retry_;
   std::vector<std::weak_ptr<Session>> sessions_;  // io thread only
+  std::vector<std::weak_ptr<Session>> refusing_;  // io thread only
 };
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& options,

@@ -62,9 +62,15 @@ std::string ErrorJson(int status, const std::string& message);
 struct HttpServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;  // 0: a free port (see HttpServer::port())
+  // For the whole request (headers and body), however slowly it trickles in: 408 after it.
   absl::Duration read_timeout = absl::Seconds(10);
+  // For each write of the answer (a client that stops reading is dropped).
   absl::Duration write_timeout = absl::Seconds(30);
-  uint64_t body_limit = 4 << 20;
+  uint64_t body_limit = 4 << 20;     // 413 beyond it
+  uint32_t header_limit = 64 << 10;  // 431 beyond it
+  // Connections open at once (being read, or waiting for their answer); one more is answered
+  // 503 and closed at once, so a flood costs neither file descriptors nor memory.
+  int max_connections = 256;
 };
 
 class HttpServer {

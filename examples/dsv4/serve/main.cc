@@ -6,6 +6,7 @@
 //                        [--kv-device cpu|gpu]
 //   kvwire-dsv4 serve    --role prefill|decode|both --config C.json --weights W
 //                        [--port 0 --kv-port 0 --transport auto|tcp|shm --mode read|write|auto]
+//                        [--secret-file F | --secret S]
 //   kvwire-dsv4 router   --prefill host:port[,...] --decode host:port[,...] --mode read|write
 //                        [--port 0]
 //   kvwire-dsv4 demo     (see demo.cc)
@@ -32,6 +33,7 @@
 #include "examples/dsv4/serve/model_server.h"
 #include "examples/dsv4/serve/process.h"
 #include "examples/dsv4/serve/router.h"
+#include "src/util/secret_file.h"
 
 namespace dsv4::serve {
 namespace {
@@ -50,9 +52,13 @@ int Usage() {
                "           [--num-blocks N] [--max-requests 4] [--threads 0]\n"
                "           [--request-timeout-s 60] [--peer-lease-ms 5000] [--ready-file F]\n"
                "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
+               "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
+               "           a file (mode 600) is recommended: argv is visible to local users;\n"
+               "           neither: KVWIRE_SECRET)\n"
                "  router   --prefill H:P[,H:P] --decode H:P[,H:P] --mode read|write [--port 0]\n"
                "           [--timeout-s 300] [--ready-file F]\n"
-               "  demo     [--config C.json] [--weights W] [--work-dir D] (make demo)\n");
+               "  demo     [--config C.json] [--weights W] [--work-dir D] [--secret-file F]\n"
+               "           (make demo)\n");
   return 2;
 }
 
@@ -73,6 +79,26 @@ int WaitForStop(sigset_t* set) {
   int sig = 0;
   sigwait(set, &sig);
   return sig;
+}
+
+// --secret-file, --secret, or neither (the connector then takes KVWIRE_SECRET, if set).
+absl::StatusOr<std::optional<std::string>> SecretFromFlags(const Flags& f) {
+  if (f.Has("secret") && f.Has("secret-file")) {
+    return absl::InvalidArgumentError("--secret and --secret-file exclude each other");
+  }
+  if (f.Has("secret-file")) {
+    absl::StatusOr<std::string> s = kvwire::ReadSecretFile(f.Get("secret-file"));
+    if (!s.ok()) return s.status();
+    return std::optional<std::string>(*std::move(s));
+  }
+  if (f.Has("secret")) {
+    if (f.Get("secret").empty()) return absl::InvalidArgumentError("--secret is empty");
+    std::fprintf(stderr,
+                 "kvwire-dsv4: warning: --secret is visible to every local user (ps, "
+                 "/proc/<pid>/cmdline); prefer --secret-file\n");
+    return std::optional<std::string>(f.Get("secret"));
+  }
+  return std::optional<std::string>();
 }
 
 int Weights(const Flags& f) {
@@ -143,6 +169,9 @@ int Serve(const Flags& f) {
   o.mode = f.Get("mode", "auto");
   o.name = f.Get("name");
   o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
+  absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
+  if (!secret.ok()) return Fail(secret.status());
+  o.shared_secret = *std::move(secret);
   absl::StatusOr<int64_t> port = f.GetInt("port", 0), kv_port = f.GetInt("kv-port", 0),
                           blocks = f.GetInt("num-blocks", 0),
                           requests = f.GetInt("max-requests", 4), threads = f.GetInt("threads", 0),
@@ -235,16 +264,34 @@ int Main(int argc, char** argv) {
                "kv-device"});
     if (f.ok()) return Generate(*f);
   } else if (cmd == "serve") {
-    f = parse({"role", "config", "weights", "host", "port", "kv-host", "kv-port", "transport",
-               "mode", "name", "num-blocks", "max-requests", "threads", "request-timeout-s",
-               "peer-lease-ms", "inject-delay-ms", "allocation-seed", "ready-file"},
+    f = parse({"role",
+               "config",
+               "weights",
+               "host",
+               "port",
+               "kv-host",
+               "kv-port",
+               "transport",
+               "mode",
+               "name",
+               "num-blocks",
+               "max-requests",
+               "threads",
+               "request-timeout-s",
+               "peer-lease-ms",
+               "inject-delay-ms",
+               "allocation-seed",
+               "ready-file",
+               "secret",
+               "secret-file"},
               {"corrupt-kv-page"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
     f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
-    f = parse({"config", "weights", "work-dir", "max-tokens", "transports", "threads"});
+    f = parse(
+        {"config", "weights", "work-dir", "max-tokens", "transports", "threads", "secret-file"});
     if (f.ok()) return RunDemo(*f, argv[0]);
   } else {
     return Usage();

@@ -16,6 +16,7 @@
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "examples/dsv4/serve/json_fields.h"
 #include "kvwire/connector.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
@@ -94,6 +95,7 @@ class ModelServer::Impl {
     if (!mode.ok()) return mode.status();
     co.mode = *mode;
     co.engine = kvwire::EngineOptions::FromEnvironment({});
+    if (options_.shared_secret) co.engine.shared_secret = *options_.shared_secret;
     co.engine.name =
         options_.name.empty() ? absl::StrCat("dsv4-", role, "-", getpid()) : options_.name;
     co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
@@ -187,14 +189,18 @@ class ModelServer::Impl {
       job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
       job.req = std::move(*req);
     } else if (path == "/v1/kv/abort" && r.method == "POST") {
-      json j = json::parse(r.body, nullptr, false);
-      if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
-          !j["transfer_id"].is_string()) {
-        resp->Error(400, "body must be {\"transfer_id\": \"...\"}");
+      absl::StatusOr<json> j = ParseJsonBounded(r.body, "request body");
+      absl::Status s = j.status();
+      if (s.ok() && !j->is_object()) s = absl::InvalidArgumentError("body must be a JSON object");
+      if (s.ok()) s = JsonFields(*j, "").String("transfer_id", kMaxIdBytes, &job.transfer_id);
+      if (s.ok() && job.transfer_id.empty()) {
+        s = absl::InvalidArgumentError("'transfer_id' (a non-empty string) is required");
+      }
+      if (!s.ok()) {
+        resp->Error(400, std::string(s.message()));
         return;
       }
       job.kind = Job::Kind::kAbort;
-      job.transfer_id = j["transfer_id"].get<std::string>();
     } else {
       resp->Error(404, absl::StrCat("no route for ", r.method, " ", path));
       return;
@@ -211,9 +217,9 @@ class ModelServer::Impl {
 
   // What the HTTP thread can refuse at once (400).
   absl::Status Check(const CompletionRequest& req, bool prepare) const {
-    const json& p = req.kv_transfer_params;
-    const bool remote_decode = p.is_object() && p.value("do_remote_decode", false) == true;
-    const bool remote_prefill = p.is_object() && p.value("do_remote_prefill", false) == true;
+    const KvTransferFields& kv = req.kv;
+    const bool remote_decode = kv.do_remote_decode;
+    const bool remote_prefill = kv.do_remote_prefill;
     const uint64_t n = req.prompt.size() + 1;  // BOS + bytes
     if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
       return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
@@ -233,8 +239,7 @@ class ModelServer::Impl {
           "this is a prefill server: do_remote_prefill requests go to a decode server");
     }
     if (prepare) {
-      if (!remote_prefill || p.value("mode", "") != "write" || !p.contains("transfer_id") ||
-          !p["transfer_id"].is_string()) {
+      if (!remote_prefill || kv.mode != "write" || kv.transfer_id.empty()) {
         return absl::InvalidArgumentError(
             "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
             "and a transfer_id");
@@ -276,7 +281,7 @@ class ModelServer::Impl {
         jobs.swap(queue_);
       }
       PollConnector();
-      for (Job& j : jobs) Admit(j);
+      for (Job& j : jobs) AdmitGuarded(j);
       bool progressed = !jobs.empty();
       std::vector<std::string> ids;
       for (const auto& [id, a] : active_) ids.push_back(id);
@@ -338,6 +343,17 @@ class ModelServer::Impl {
 
   std::string NewId() { return absl::StrCat("cmpl-", getpid(), "-", ++seq_); }
 
+  // Requests are parsed and type-checked on the HTTP thread; this is the backstop that keeps
+  // a bug in their handling from ending the process with every other request in it.
+  void AdmitGuarded(Job& job) {
+    try {
+      Admit(job);
+    } catch (const std::exception& e) {
+      KVW_LOG(kError, kLog) << "request handling threw" << Kv("error", e.what());
+      Fail(job.resp, 500, absl::StrCat("internal error: ", e.what()));
+    }
+  }
+
   void Admit(Job& job) {
     switch (job.kind) {
       case Job::Kind::kAbort: {
@@ -359,10 +375,9 @@ class ModelServer::Impl {
       case Job::Kind::kCompletion:
         break;
     }
-    const json& p = job.req.kv_transfer_params;
-    if (p.is_object() && p.value("do_remote_decode", false) == true) {
+    if (job.req.kv.do_remote_decode) {
       RunPrefill(job);
-    } else if (p.is_object() && p.value("do_remote_prefill", false) == true) {
+    } else if (job.req.kv.do_remote_prefill) {
       StartDecode(job);
     } else {
       StartLocal(job);
@@ -380,8 +395,8 @@ class ModelServer::Impl {
     CompletionRequest& req = job.req;
     const std::vector<int32_t> tokens = Encode(req.prompt);
     const uint64_t n = tokens.size();
-    json kvp = req.kv_transfer_params;
-    std::string mode = kvp.value("mode", "auto");
+    json kvp = req.kv_transfer_params;  // an object: do_remote_decode is set
+    std::string mode = req.kv.mode.empty() ? "auto" : req.kv.mode;
     if (mode == "auto") mode = options_.mode == "write" ? "write" : "read";
     kvp["mode"] = mode;
     kvp["do_remote_decode"] = true;
@@ -389,7 +404,7 @@ class ModelServer::Impl {
     if (mode != "read" && mode != "write") {
       return Fail(job.resp, 400, absl::StrCat("kv_transfer_params.mode '", mode, "' is unknown"));
     }
-    if (write && (!kvp.contains("transfer_id") || !kvp["transfer_id"].is_string())) {
+    if (write && req.kv.transfer_id.empty()) {
       return Fail(job.resp, 400, "write mode needs kv_transfer_params.transfer_id");
     }
     const std::string id = NewId();
@@ -486,17 +501,18 @@ class ModelServer::Impl {
 
   // Allocates and starts the load of a remote-prefill request; false (answered) on error.
   bool StartLoad(Active& a, const std::shared_ptr<Responder>& resp) {
-    json kvp = a.req.kv_transfer_params;
+    json kvp = a.req.kv_transfer_params;  // an object: do_remote_prefill is set
+    const KvTransferFields& kv = a.req.kv;
     const uint64_t n = a.prompt.size();
-    if (!kvp.contains("num_tokens") || kvp["num_tokens"] == 0) kvp["num_tokens"] = n;
-    if (!kvp["num_tokens"].is_number_unsigned() || kvp["num_tokens"].get<uint64_t>() != n) {
+    if (kv.num_tokens == 0) kvp["num_tokens"] = n;
+    if (kv.num_tokens != 0 && kv.num_tokens != n) {
       Fail(resp, 400,
-           absl::StrCat("kv_transfer_params.num_tokens ", kvp["num_tokens"].dump(),
+           absl::StrCat("kv_transfer_params.num_tokens ", kv.num_tokens,
                         " does not match the prompt's ", n, " tokens"));
       return false;
     }
-    a.transfer_id = kvp.value("transfer_id", "");
-    a.peer = absl::StrCat(kvp.value("remote_host", ""), ":", kvp.value("remote_port", 0));
+    a.transfer_id = kv.transfer_id;
+    a.peer = absl::StrCat(kv.remote_host, ":", kv.remote_port);
     absl::StatusOr<kvwire::MatchResult> m =
         connector_->GetNumNewMatchedTokens(a.id, n, 0, Dump(kvp));
     if (!m.ok()) {
@@ -527,7 +543,7 @@ class ModelServer::Impl {
   }
 
   void Prepare(Job& job) {
-    const std::string tid = job.req.kv_transfer_params["transfer_id"].get<std::string>();
+    const std::string& tid = job.req.kv.transfer_id;  // Check: not empty
     if (prepared_.count(tid) != 0) {
       return Fail(job.resp, 409, absl::StrCat("transfer_id ", tid, " is already prepared"));
     }
@@ -546,9 +562,8 @@ class ModelServer::Impl {
   }
 
   void StartDecode(Job& job) {
-    const json& kvp = job.req.kv_transfer_params;
-    const std::string tid = kvp.value("transfer_id", "");
-    auto p = kvp.value("mode", "") == "write" ? prepared_.find(tid) : prepared_.end();
+    const std::string& tid = job.req.kv.transfer_id;
+    auto p = job.req.kv.mode == "write" ? prepared_.find(tid) : prepared_.end();
     if (p != prepared_.end()) {
       // Claims the prepared request: its load may be done already.
       Active& a = active_.at(p->second);
@@ -660,9 +675,8 @@ class ModelServer::Impl {
         a.transfer.erase("ops");
         a.transfer.erase("gbps");
       }
-      const json& p = a.req.prefill_stats;
-      if (p.is_object() && p.contains("computed_unix_us")) {
-        const absl::Time computed = absl::FromUnixMicros(p["computed_unix_us"].get<int64_t>());
+      if (a.req.prefill_computed_unix_us) {
+        const absl::Time computed = absl::FromUnixMicros(*a.req.prefill_computed_unix_us);
         // Negative: the last layer had landed before prefill's Forward returned (the final
         // norm and the logits come after it).
         a.transfer["tail_ms"] = Ms(a.load_end - computed);

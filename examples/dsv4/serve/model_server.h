@@ -21,6 +21,7 @@
 #define KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -50,6 +51,8 @@ struct ModelServerOptions {
   // test can kill a server while a request is surely in flight.
   int inject_delay_ms = 0;
   std::string name;
+  // The deployment's shared secret for the connector's peers; unset: KVWIRE_SECRET (if any).
+  std::optional<std::string> shared_secret;
 };
 
 class ModelServer {

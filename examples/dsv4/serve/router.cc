@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <list>
 #include <map>
+#include <optional>
+#include <system_error>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +16,7 @@
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "examples/dsv4/serve/json_fields.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 
@@ -39,11 +42,52 @@ int StatusFor(const absl::Status& s) {
 }
 
 std::string UpstreamMessage(const HttpResponse& r) {
-  json j = json::parse(r.body, nullptr, false);
-  if (!j.is_discarded() && j.is_object() && j.contains("error") && j["error"].is_object()) {
-    return j["error"].value("message", r.body);
+  absl::StatusOr<json> j = ParseJsonBounded(r.body, "upstream error");
+  const json* error = nullptr;
+  std::string message;
+  if (j.ok() && JsonFields(*j, "").Object("error", &error).ok() && error != nullptr &&
+      JsonFields(*error, "error.").String("message", 4096, &message).ok() && !message.empty()) {
+    return message;
   }
   return r.body.substr(0, 300);
+}
+
+// What the router takes from prefill's answer: choices[0].token_ids[0], the
+// kv_transfer_params object (read mode) and the kvwire statistics. A prefill server that
+// answers anything else is a 502, not a crash.
+struct PrefillAnswer {
+  int64_t first_token = 0;
+  json kv_transfer_params;  // null when absent
+  json stats;               // null when absent
+};
+
+absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
+  absl::StatusOr<json> j = ParseJsonBounded(body, "prefill's answer");
+  if (!j.ok()) return j.status();
+  if (!j->is_object()) return absl::InvalidArgumentError("prefill's answer is not an object");
+  const json& root = *j;
+  const auto choices = root.find("choices");
+  if (choices == root.end() || !choices->is_array() || choices->empty() ||
+      !(*choices)[0].is_object()) {
+    return absl::InvalidArgumentError("prefill's answer has no choices[0]");
+  }
+  const auto ids = (*choices)[0].find("token_ids");
+  if (ids == (*choices)[0].end() || !ids->is_array() || ids->empty() ||
+      !(*ids)[0].is_number_unsigned() || (*ids)[0].get<uint64_t>() > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        "prefill's answer has no token id at choices[0].token_ids[0]");
+  }
+  PrefillAnswer a;
+  a.first_token = static_cast<int64_t>((*ids)[0].get<uint64_t>());
+  const json* kvp = nullptr;
+  const json* stats = nullptr;
+  const JsonFields f(root, "");
+  absl::Status s = f.Object("kv_transfer_params", &kvp);
+  if (s.ok()) s = f.Object("kvwire", &stats);
+  if (!s.ok()) return s;
+  if (kvp != nullptr) a.kv_transfer_params = *kvp;
+  if (stats != nullptr) a.stats = *stats;
+  return a;
 }
 
 }  // namespace
@@ -133,12 +177,14 @@ class Router::Impl {
       return;
     }
     // Refused here rather than after prefill has computed and holds blocks for decode.
-    if (absl::StatusOr<CompletionRequest> req = ParseCompletionRequest(r.body, INT32_MAX);
-        !req.ok()) {
+    absl::StatusOr<json> body = ParseJsonBounded(r.body, "request body");
+    absl::StatusOr<CompletionRequest> req =
+        body.ok() ? CompletionRequestFromJson(*body, INT32_MAX) : body.status();
+    if (!req.ok()) {
       resp->Error(400, std::string(req.status().message()));
       return;
     }
-    json body = json::parse(r.body);
+    const bool stream = req->stream;
     kvwire::MutexLock lock(&mu_);
     if (stopping_) {
       resp->Error(503, "router is shutting down");
@@ -158,14 +204,35 @@ class Router::Impl {
     }
     ++inflight_;
     auto done = std::make_shared<std::atomic<bool>>(false);
-    workers_.push_back(
-        {std::thread([this, body = std::move(body), resp = std::move(resp), done]() mutable {
-           Proxy(std::move(body), resp);
-           resp.reset();  // the answer is queued before the thread counts as done
-           --inflight_;
-           done->store(true);
-         }),
-         done});
+    try {
+      workers_.push_back(
+          {std::thread([this, body = *std::move(body), stream, resp, done]() mutable {
+             ProxyGuarded(std::move(body), stream, resp);
+             resp.reset();  // the answer is queued before the thread counts as done
+             --inflight_;
+             done->store(true);
+           }),
+           done});
+    } catch (const std::system_error& e) {
+      --inflight_;
+      resp->Error(503, absl::StrCat("cannot start a request thread: ", e.what()));
+    }
+  }
+
+  // Requests and upstream answers are type-checked; this is the backstop that keeps a bug in
+  // their handling from ending the process with every other request in it.
+  void ProxyGuarded(json body, bool stream, const std::shared_ptr<Responder>& resp) {
+    try {
+      Proxy(std::move(body), stream, resp);
+    } catch (const std::exception& e) {
+      KVW_LOG(kError, kLog) << "request handling threw" << Kv("error", e.what());
+      if (resp->streaming()) {
+        resp->Event(ErrorJson(500, absl::StrCat("internal error: ", e.what())));
+        resp->EndEvents(/*done=*/false);
+      } else {
+        resp->Error(500, absl::StrCat("internal error: ", e.what()));
+      }
+    }
   }
 
   bool Stopping() {
@@ -220,19 +287,18 @@ class Router::Impl {
     kv_address_.erase(server);
   }
 
-  void Proxy(json body, const std::shared_ptr<Responder>& resp) {
+  void Proxy(json body, bool stream, const std::shared_ptr<Responder>& resp) {
     const absl::Time deadline = absl::Now() + options_.timeout;
-    const bool stream = body.value("stream", false) == true;
     const bool write = options_.mode == "write";
     const std::string tid = absl::StrCat("rt-", port_.load(), "-", getpid(), "-", seq_.fetch_add(1),
                                          "-", absl::ToUnixMicros(absl::Now()));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;
     json decode_params;
+    PrefillAnswer prefill_answer;
 
     // --- write mode: decode prepares first (allocates and sends its block ids to prefill
     // through the connector), so prefill can push each layer as soon as it is computed ---
-    json prefill_out;
     auto prefill_body = [&](bool write_mode) {
       json pb = body;
       pb["max_tokens"] = 1;
@@ -257,20 +323,19 @@ class Router::Impl {
                           absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r))};
         return;
       }
-      prefill_out = json::parse(r->body, nullptr, false);
-      if (prefill_out.is_discarded() || !prefill_out.contains("choices") ||
-          !prefill_out["choices"].is_array() || prefill_out["choices"].empty() ||
-          !prefill_out["choices"][0].contains("token_ids") ||
-          prefill_out["choices"][0]["token_ids"].empty()) {
+      absl::StatusOr<PrefillAnswer> answer = ParsePrefillAnswer(r->body);
+      if (!answer.ok()) {
         failure =
-            Failure{502, absl::StrCat("prefill ", prefill_server, " answered without a token")};
-      } else if (!write) {
-        if (!prefill_out.contains("kv_transfer_params") ||
-            !prefill_out["kv_transfer_params"].is_object()) {
+            Failure{502, absl::StrCat("prefill ", prefill_server, ": ", answer.status().message())};
+        return;
+      }
+      prefill_answer = *std::move(answer);
+      if (!write) {
+        if (!prefill_answer.kv_transfer_params.is_object()) {
           failure = Failure{502, absl::StrCat("prefill ", prefill_server,
                                               " answered without kv_transfer_params")};
         } else {
-          decode_params = prefill_out["kv_transfer_params"];
+          decode_params = prefill_answer.kv_transfer_params;
         }
       }
     };
@@ -291,16 +356,19 @@ class Router::Impl {
         }
         std::string host;
         int port = 0;
-        SplitHostPort(*kv, &host, &port);
+        if (!SplitHostPort(*kv, &host, &port)) {
+          ForgetKvAddress(prefill_server);
+          failure = Failure{502, absl::StrCat("prefill server ", prefill_server,
+                                              " has a malformed kv_address '", *kv, "'")};
+          break;
+        }
         decode_params = {{"do_remote_prefill", true},
                          {"mode", "write"},
                          {"remote_host", host},
                          {"remote_port", port},
                          {"transfer_id", tid}};
-        const std::string prep_body = json{
-            {"prompt", body.value("prompt", json())},
-            {"kv_transfer_params",
-             decode_params}}.dump();
+        const std::string prep_body =
+            json{{"prompt", body.at("prompt")}, {"kv_transfer_params", decode_params}}.dump();
         absl::StatusOr<HttpResponse> prep = TryEach(
             options_.decode, next_decode_,
             [&](const std::string& d) {
@@ -347,8 +415,9 @@ class Router::Impl {
     if (!failure) {
       json db = body;
       db["kv_transfer_params"] = decode_params;
-      db["first_token"] = prefill_out["choices"][0]["token_ids"][0];
-      if (prefill_out.contains("kvwire")) db["kvwire_prefill"] = prefill_out["kvwire"];
+      db["first_token"] = prefill_answer.first_token;
+      db.erase("kvwire_prefill");  // prefill's, never the client's
+      if (!prefill_answer.stats.is_null()) db["kvwire_prefill"] = prefill_answer.stats;
       std::string collected;
       int status = 0;
       auto call = [&](const std::string& d) {

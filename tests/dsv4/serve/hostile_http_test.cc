@@ -1,0 +1,425 @@
+// Hostile HTTP clients against real kvwire-dsv4 processes (prefill, decode and a router on
+// loopback): every field of a completion request wrong-typed, null, missing or huge, bodies
+// nested or wide beyond the parser's limits, oversized bodies. Each gets a 4xx naming what
+// was wrong, no process dies, and afterwards a legitimate request through the router is
+// served with exactly the tokens `kvwire-dsv4 generate` produces in one process.
+#include <sys/stat.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/client.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/process.h"
+
+namespace dsv4::serve {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxTokens = 6;
+const char kPrompt[] = "A hostile client sent garbage first; this one is served all the same.";
+
+// One prefill, one decode (tcp) and a read-mode router for the whole suite.
+class Servers {
+ public:
+  Servers() {
+    char tmpl[] = "/tmp/kvwire-dsv4-hostile-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    weights_ = dir_ + "/tiny.safetensors";
+  }
+  ~Servers() {
+    for (auto& [name, p] : procs_) {
+      if (p->Running()) p->Stop(SIGTERM, absl::Seconds(30));
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  absl::Status Start() {
+    absl::StatusOr<std::string> out =
+        Run("weights", {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_});
+    if (!out.ok()) return out.status();
+    out = Run("generate", {"generate", "--config", KVWIRE_DSV4_CONFIG, "--weights", weights_,
+                           "--max-tokens", absl::StrCat(kMaxTokens), "--prompt", kPrompt});
+    if (!out.ok()) return out.status();
+    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+      json j = json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.is_object() && j.contains("tokens")) {
+        reference_ = j["tokens"].get<std::vector<int32_t>>();
+      }
+    }
+    if (reference_.empty()) return absl::InternalError("generate printed no tokens:\n" + *out);
+    for (const char* role : {"prefill", "decode"}) {
+      absl::StatusOr<std::string> a = Serve(role, role);
+      if (!a.ok()) return a.status();
+      address_[role] = *a;
+    }
+    absl::StatusOr<std::string> r = Router("router", address_["prefill"], address_["decode"]);
+    if (!r.ok()) return r.status();
+    address_["router"] = *r;
+    return absl::OkStatus();
+  }
+
+  // Another server or router; returns its HTTP address.
+  absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
+                                    std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"serve",
+                                     "--role",
+                                     role,
+                                     "--config",
+                                     KVWIRE_DSV4_CONFIG,
+                                     "--weights",
+                                     weights_,
+                                     "--transport",
+                                     "tcp",
+                                     "--threads",
+                                     "2",
+                                     "--request-timeout-s",
+                                     "20",
+                                     "--peer-lease-ms",
+                                     "2000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Launch(name, args);
+  }
+  absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
+                                     const std::string& decode) {
+    return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", "read",
+                         "--timeout-s", "60"});
+  }
+
+  // A secret file, mode `mode`.
+  std::string SecretFile(const std::string& name, const std::string& secret, mode_t mode) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path) << secret << "\n";
+    chmod(path.c_str(), mode);
+    return path;
+  }
+
+  const std::string& address(const std::string& name) { return address_.at(name); }
+  Process& process(const std::string& name) { return *procs_.at(name); }
+  const std::vector<int32_t>& reference() const { return reference_; }
+  absl::StatusOr<std::string> RunToEnd(const std::string& name,
+                                       const std::vector<std::string>& args) {
+    return Run(name, args);
+  }
+  std::string Logs() const {
+    std::string all;
+    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
+    return all;
+  }
+
+ private:
+  absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args) {
+    const std::string log = dir_ + "/" + name + ".log";
+    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(KVWIRE_DSV4_BIN, args, log);
+    if (!p.ok()) return p.status();
+    absl::StatusOr<int> code = (*p)->Wait(absl::Seconds(120));
+    if (!code.ok()) return code.status();
+    if (*code != 0) return absl::InternalError(absl::StrCat(name, " failed:\n", (*p)->LogTail()));
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
+    const std::string ready = dir_ + "/" + name + ".ready";
+    args.push_back("--ready-file");
+    args.push_back(ready);
+    absl::StatusOr<std::unique_ptr<Process>> p =
+        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
+    if (!j.ok()) return j.status();
+    procs_[name] = std::move(*p);
+    return (*j)["address"].get<std::string>();
+  }
+
+  std::string dir_, weights_;
+  std::vector<int32_t> reference_;
+  std::map<std::string, std::string> address_;
+  std::map<std::string, std::unique_ptr<Process>> procs_;
+};
+
+class HostileHttpTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    servers_ = new Servers();
+    absl::Status s = servers_->Start();
+    if (!s.ok()) {
+      start_error_ = new std::string(absl::StrCat(s.ToString(), "\n", servers_->Logs()));
+    }
+  }
+  static void TearDownTestSuite() {
+    delete servers_;
+    servers_ = nullptr;
+    delete start_error_;
+    start_error_ = nullptr;
+  }
+  void SetUp() override {
+    if (start_error_ != nullptr) GTEST_SKIP() << "servers did not start: " << *start_error_;
+  }
+
+  // False (with a failure naming the process and what it was sent) when one has died.
+  static bool AllRunning(const std::string& after) {
+    bool all = true;
+    for (const char* name : {"prefill", "decode", "router"}) {
+      if (servers_->process(name).Running()) continue;
+      ADD_FAILURE() << name << " died after " << after << ":\n"
+                    << servers_->process(name).LogTail();
+      all = false;
+    }
+    return all;
+  }
+
+  // A legitimate request through the router (both P/D halves) gets the reference tokens.
+  static void ExpectServedExactly(bool stream) {
+    json req = {{"prompt", kPrompt}, {"max_tokens", kMaxTokens}, {"stream", stream}};
+    absl::StatusOr<CompletionResult> r =
+        Complete(servers_->address("router"), req, absl::Seconds(60));
+    ASSERT_TRUE(r.ok()) << r.status() << servers_->Logs();
+    ASSERT_EQ(r->status, 200) << r->error << servers_->Logs();
+    EXPECT_EQ(r->tokens, servers_->reference());
+    EXPECT_EQ(r->kvwire.value("role", ""), "decode") << r->kvwire.dump();
+  }
+
+  static Servers* servers_;
+  static std::string* start_error_;
+};
+
+Servers* HostileHttpTest::servers_ = nullptr;
+std::string* HostileHttpTest::start_error_ = nullptr;
+
+struct Case {
+  std::string body;
+  std::string want;  // in the error message
+  int status = 400;
+};
+
+std::string Nested(int depth) {
+  return absl::StrCat("{\"prompt\":\"x\",\"junk\":", std::string(depth, '['),
+                      std::string(depth, ']'), "}");
+}
+
+std::string Wide(int values) {
+  std::string s = "{\"prompt\":\"x\",\"junk\":[0";
+  for (int i = 1; i < values; ++i) s += ",0";
+  return s + "]}";
+}
+
+// Every field of a completion request, wrong. `kvp` is a kv_transfer_params object body.
+std::vector<Case> CompletionCases() {
+  auto kvp = [](const std::string& fields) {
+    return absl::StrCat("{\"prompt\":\"x\",\"first_token\":3,\"kv_transfer_params\":{", fields,
+                        "}}");
+  };
+  return {
+      {"{", "not valid JSON"},
+      {"", "not valid JSON"},
+      {"[1]", "JSON object"},
+      {"null", "JSON object"},
+      {"\"prompt\"", "JSON object"},
+      {"{\"max_tokens\":3}", "'prompt' is required"},
+      {"{\"prompt\":null}", "'prompt' is required"},
+      {"{\"prompt\":5}", "'prompt'"},
+      {"{\"prompt\":{}}", "'prompt'"},
+      {"{\"prompt\":[\"a\",\"b\"]}", "'prompt'"},
+      {"{\"prompt\":[7]}", "'prompt'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":\"5\"}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":1.5}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":0}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":-3}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":18446744073709551615}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":184467440737095516150}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":1e400}", "request body"},
+      {"{\"prompt\":\"x\",\"max_tokens\":true}", "'max_tokens'"},
+      {"{\"prompt\":\"x\",\"temperature\":\"hot\"}", "'temperature'"},
+      {"{\"prompt\":\"x\",\"temperature\":1e308}", "'temperature'"},
+      {"{\"prompt\":\"x\",\"temperature\":-0.5}", "'temperature'"},
+      {"{\"prompt\":\"x\",\"seed\":-1}", "'seed'"},
+      {"{\"prompt\":\"x\",\"seed\":\"1\"}", "'seed'"},
+      {"{\"prompt\":\"x\",\"seed\":2.5}", "'seed'"},
+      {"{\"prompt\":\"x\",\"stream\":1}", "'stream'"},
+      {"{\"prompt\":\"x\",\"stream\":\"true\"}", "'stream'"},
+      {"{\"prompt\":\"x\",\"stream\":[]}", "'stream'"},
+      {"{\"prompt\":\"x\",\"model\":5}", "'model'"},
+      {"{\"prompt\":\"x\",\"model\":{}}", "'model'"},
+      {"{\"prompt\":\"x\",\"first_token\":\"3\"}", "'first_token'"},
+      {"{\"prompt\":\"x\",\"first_token\":-1}", "'first_token'"},
+      {"{\"prompt\":\"x\",\"first_token\":3.5}", "'first_token'"},
+      {"{\"prompt\":\"x\",\"first_token\":1e10}", "'first_token'"},
+      {"{\"prompt\":\"x\",\"kv_transfer_params\":5}", "'kv_transfer_params'"},
+      {"{\"prompt\":\"x\",\"kv_transfer_params\":\"x\"}", "'kv_transfer_params'"},
+      {"{\"prompt\":\"x\",\"kv_transfer_params\":[]}", "'kv_transfer_params'"},
+      {kvp("\"do_remote_decode\":1"), "'kv_transfer_params.do_remote_decode'"},
+      {kvp("\"do_remote_decode\":\"true\""), "'kv_transfer_params.do_remote_decode'"},
+      {kvp("\"do_remote_prefill\":1"), "'kv_transfer_params.do_remote_prefill'"},
+      {kvp("\"do_remote_prefill\":{}"), "'kv_transfer_params.do_remote_prefill'"},
+      {kvp("\"do_remote_decode\":true,\"mode\":5"), "'kv_transfer_params.mode'"},
+      {kvp("\"do_remote_prefill\":true,\"mode\":[]"), "'kv_transfer_params.mode'"},
+      {kvp("\"do_remote_decode\":true,\"mode\":\"sideways\""), "'kv_transfer_params.mode'"},
+      {kvp("\"do_remote_prefill\":true,\"transfer_id\":5"), "'kv_transfer_params.transfer_id'"},
+      {kvp(absl::StrCat("\"do_remote_prefill\":true,\"transfer_id\":\"", std::string(300, 't'),
+                        "\"")),
+       "'kv_transfer_params.transfer_id'"},
+      {kvp("\"do_remote_decode\":true,\"transfer_id\":{}"), "'kv_transfer_params.transfer_id'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_host\":5"), "'kv_transfer_params.remote_host'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_host\":[]"), "'kv_transfer_params.remote_host'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_port\":\"x\""), "'kv_transfer_params.remote_port'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_port\":-1"), "'kv_transfer_params.remote_port'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_port\":70000"), "'kv_transfer_params.remote_port'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_port\":1e300"), "'kv_transfer_params.remote_port'"},
+      {kvp("\"do_remote_prefill\":true,\"remote_port\":1.5"), "'kv_transfer_params.remote_port'"},
+      {kvp("\"do_remote_prefill\":true,\"num_tokens\":\"3\""), "'kv_transfer_params.num_tokens'"},
+      {kvp("\"do_remote_prefill\":true,\"num_tokens\":-1"), "'kv_transfer_params.num_tokens'"},
+      {kvp("\"do_remote_prefill\":true,\"engine_id\":5"), "'kv_transfer_params.engine_id'"},
+      {"{\"prompt\":\"x\",\"kvwire_prefill\":5}", "'kvwire_prefill'"},
+      {"{\"prompt\":\"x\",\"kvwire_prefill\":{\"computed_unix_us\":\"x\"}}",
+       "'kvwire_prefill.computed_unix_us'"},
+      {Nested(100000), "nests deeper"},
+      {Wide(300000), "more than"},
+      {absl::StrCat("{\"prompt\":\"", std::string(5 << 20, 'x'), "\"}"), "too large", 413},
+  };
+}
+
+void Send(const std::string& address, const std::string& path, const Case& c,
+          const std::string& label) {
+  SCOPED_TRACE(absl::StrCat(label, " ", path, " ", c.body.substr(0, 120)));
+  HttpCallOptions o;
+  o.deadline = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<HttpResponse> r = HttpCall(address, "POST", path, c.body, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, c.status) << r->body.substr(0, 300);
+  json j = json::parse(r->body, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j.contains("error")) << r->body.substr(0, 300);
+  const std::string message = j["error"].value("message", "");
+  EXPECT_NE(message.find(c.want), std::string::npos) << message;
+}
+
+TEST_F(HostileHttpTest, EveryFieldWrongIsA400AndNothingDies) {
+  for (const char* target : {"router", "prefill", "decode"}) {
+    for (const Case& c : CompletionCases()) {
+      Send(servers_->address(target), "/v1/completions", c, target);
+      // Later cases would only fail because a process is gone.
+      ASSERT_TRUE(AllRunning(absl::StrCat(target, " got ", c.body.substr(0, 120))));
+    }
+  }
+  ExpectServedExactly(/*stream=*/false);
+  ExpectServedExactly(/*stream=*/true);
+}
+
+// The decode server's prepare and abort endpoints (write mode's first step).
+TEST_F(HostileHttpTest, PrepareAndAbortBodiesAreChecked) {
+  const std::string& d = servers_->address("decode");
+  auto prepare = [](const std::string& fields) {
+    return absl::StrCat("{\"prompt\":\"x\",\"kv_transfer_params\":{\"do_remote_prefill\":true,",
+                        fields, "}}");
+  };
+  const std::vector<Case> prepares = {
+      {prepare("\"mode\":5,\"transfer_id\":\"t\""), "'kv_transfer_params.mode'"},
+      {prepare("\"mode\":\"write\",\"transfer_id\":{}"), "'kv_transfer_params.transfer_id'"},
+      {prepare("\"mode\":\"write\",\"transfer_id\":\"t\",\"remote_port\":\"x\""),
+       "'kv_transfer_params.remote_port'"},
+      {prepare("\"mode\":\"write\""), "transfer_id"},
+      {Nested(5000), "nests deeper"},
+  };
+  for (const Case& c : prepares) {
+    Send(d, "/v1/kv/prepare", c, "decode");
+    ASSERT_TRUE(AllRunning(absl::StrCat("prepare ", c.body.substr(0, 120))));
+  }
+  const std::vector<Case> aborts = {
+      {"{\"transfer_id\":5}", "'transfer_id'"},
+      {"{\"transfer_id\":null}", "'transfer_id'"},
+      {"{}", "'transfer_id'"},
+      {"[]", "JSON object"},
+      {"{", "not valid JSON"},
+      {absl::StrCat("{\"transfer_id\":\"", std::string(1000, 'a'), "\"}"), "'transfer_id'"},
+  };
+  for (const Case& c : aborts) {
+    Send(d, "/v1/kv/abort", c, "decode");
+    ASSERT_TRUE(AllRunning(absl::StrCat("abort ", c.body.substr(0, 120))));
+  }
+  ExpectServedExactly(/*stream=*/true);
+}
+
+// null means "not given" for every optional field (as OpenAI's API has it): the request is
+// served, through the router and by decode alone.
+TEST_F(HostileHttpTest, NullOptionalFieldsMeanDefaults) {
+  const json req = {{"prompt", kPrompt},        {"max_tokens", kMaxTokens},
+                    {"stream", nullptr},        {"temperature", nullptr},
+                    {"seed", nullptr},          {"model", nullptr},
+                    {"first_token", nullptr},   {"kv_transfer_params", nullptr},
+                    {"kvwire_prefill", nullptr}};
+  for (const char* target : {"router", "decode"}) {
+    SCOPED_TRACE(target);
+    absl::StatusOr<CompletionResult> r =
+        Complete(servers_->address(target), req, absl::Seconds(60));
+    ASSERT_TRUE(AllRunning(absl::StrCat(target, " got nulls")));
+    ASSERT_TRUE(r.ok()) << r.status() << servers_->Logs();
+    ASSERT_EQ(r->status, 200) << r->error;
+    EXPECT_EQ(r->tokens, servers_->reference());
+  }
+  ExpectServedExactly(/*stream=*/false);
+}
+
+// --secret-file / --secret: the KV peers of two servers authenticate with the shared secret.
+// A decode server with another secret (or none) cannot load prefill's KV (the client gets a
+// 502 that names the secret); one with the same secret, from a file or argv, serves exactly.
+TEST_F(HostileHttpTest, ServersAuthenticateTheirKvPeersWithTheSecret) {
+  const std::string right = servers_->SecretFile("right.secret", "dsv4-secret-1", 0600);
+  const std::string wrong = servers_->SecretFile("wrong.secret", "dsv4-secret-2", 0600);
+  const std::string readable = servers_->SecretFile("readable.secret", "dsv4-secret-1", 0644);
+  // A secret file other users can read is refused before anything starts.
+  absl::StatusOr<std::string> refused = servers_->RunToEnd(
+      "serve-readable", {"serve", "--role", "prefill", "--config", KVWIRE_DSV4_CONFIG, "--weights",
+                         "unused", "--secret-file", readable});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("chmod 600"), std::string::npos) << refused.status();
+
+  absl::StatusOr<std::string> p = servers_->Serve("prefill-s", "prefill", {"--secret-file", right});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const json req = {{"prompt", kPrompt}, {"max_tokens", kMaxTokens}};
+  struct Decode {
+    std::string name;
+    std::vector<std::string> flags;
+    bool served;
+  };
+  const std::vector<Decode> decodes = {
+      {"decode-wrong", {"--secret-file", wrong}, false},
+      {"decode-none", {}, false},
+      {"decode-file", {"--secret-file", right}, true},
+      {"decode-argv", {"--secret", "dsv4-secret-1"}, true},
+  };
+  for (const Decode& d : decodes) {
+    SCOPED_TRACE(d.name);
+    absl::StatusOr<std::string> da = servers_->Serve(d.name, "decode", d.flags);
+    ASSERT_TRUE(da.ok()) << da.status();
+    absl::StatusOr<std::string> r = servers_->Router("router-" + d.name, *p, *da);
+    ASSERT_TRUE(r.ok()) << r.status();
+    absl::StatusOr<CompletionResult> res = Complete(*r, req, absl::Seconds(60));
+    ASSERT_TRUE(res.ok()) << res.status();
+    if (d.served) {
+      ASSERT_EQ(res->status, 200) << res->error << servers_->Logs();
+      EXPECT_EQ(res->tokens, servers_->reference());
+    } else {
+      EXPECT_EQ(res->status, 502) << res->error;
+      EXPECT_NE(res->error.find("secret"), std::string::npos) << res->error;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dsv4::serve

@@ -1,0 +1,148 @@
+// kvwire-perf's --secret-file / --secret, as users run it (a target process and an initiator
+// process on loopback): the engines authenticate with the secret, so an initiator with
+// another one is refused with an error that says so, and one with the same secret (from a
+// file or argv) moves bytes that --check verifies. A secret file others can read is refused.
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+// The target process; its stdout is read until it says which side-channel port it took.
+class Target {
+ public:
+  explicit Target(const std::vector<std::string>& args) {
+    int out[2];
+    if (pipe(out) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      std::vector<std::string> all = {KVWIRE_PERF_BIN, "-p", "0", "--bind", "127.0.0.1"};
+      all.insert(all.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (std::string& a : all) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    out_ = fdopen(out[0], "r");
+    char line[512];
+    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
+      const std::string l = line;
+      const size_t at = l.find("waiting on port ");
+      if (at != std::string::npos) {
+        (void)absl::SimpleAtoi(
+            l.substr(at + 16, l.find_first_not_of("0123456789", at + 16) - (at + 16)), &port_);
+        break;
+      }
+    }
+  }
+  ~Target() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int port_ = 0;
+};
+
+int RunInitiator(const std::vector<std::string>& args, std::string* output) {
+  std::string cmd = absl::StrCat(KVWIRE_PERF_BIN, " ", absl::StrJoin(args, " "), " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+std::string SecretFile(const std::string& name, const std::string& secret, mode_t mode) {
+  const std::string path = testing::TempDir() + "/" + name;
+  std::ofstream(path) << secret << "\n";
+  chmod(path.c_str(), mode);
+  return path;
+}
+
+const std::vector<std::string> kTest = {"--transport", "tcp", "-s", "64K",    "-n",
+                                        "16",          "-b",  "2",  "--check"};
+
+std::vector<std::string> Initiator(int port, std::vector<std::string> secret) {
+  std::vector<std::string> args = kTest;
+  args.insert(args.end(), secret.begin(), secret.end());
+  args.insert(args.end(), {"-p", absl::StrCat(port), "127.0.0.1"});
+  return args;
+}
+
+TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
+  const std::string right = SecretFile("perf-right", "perf-secret-1", 0600);
+  const std::string wrong = SecretFile("perf-wrong", "perf-secret-2", 0600);
+  std::vector<std::string> target_args = kTest;
+  target_args.insert(target_args.end(), {"--secret-file", right});
+  {
+    Target target(target_args);
+    ASSERT_GT(target.port(), 0);
+    std::string out;
+    EXPECT_NE(RunInitiator(Initiator(target.port(), {"--secret-file", wrong}), &out), 0) << out;
+    EXPECT_THAT(out, HasSubstr("secret"));
+    EXPECT_THAT(out, ::testing::Not(HasSubstr(" ok\n")));
+  }
+  {
+    Target target(target_args);
+    ASSERT_GT(target.port(), 0);
+    std::string out;
+    EXPECT_NE(RunInitiator(Initiator(target.port(), {}), &out), 0) << out;  // no secret at all
+    EXPECT_THAT(out, HasSubstr("secret"));
+  }
+  {
+    Target target(target_args);
+    ASSERT_GT(target.port(), 0);
+    std::string out;
+    EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret-file", right}), &out), 0) << out;
+    EXPECT_THAT(out, HasSubstr(" ok\n"));
+  }
+  {
+    Target target(target_args);
+    ASSERT_GT(target.port(), 0);
+    std::string out;
+    EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret", "perf-secret-1"}), &out), 0)
+        << out;
+    EXPECT_THAT(out, HasSubstr(" ok\n"));
+  }
+}
+
+TEST(PerfSecretTest, UnsafeOrConflictingSecretOptionsAreRefused) {
+  const std::string readable = SecretFile("perf-readable", "perf-secret-3", 0644);
+  std::string out;
+  EXPECT_NE(RunInitiator({"--secret-file", readable, "-p", "1", "127.0.0.1"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("chmod 600"));
+  out.clear();
+  EXPECT_EQ(RunInitiator({"--secret-file", readable, "--secret", "x", "127.0.0.1"}, &out), 2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("exclude each other"));
+}
+
+}  // namespace
