@@ -146,6 +146,7 @@ int Run(const Args& args) {
   legit("LEGIT_AFTER");
   std::printf("DONE\n");
   std::fflush(stdout);
+  engine->reset();  // says Goodbye through the proxy, which closes after it
   return 0;
 }
 

@@ -6,7 +6,8 @@
 // so the test learns the rkey `secret` was exported with: the strongest out-of-band knowledge
 // an attacker can have. The hostile peer (kvwire_rdma_hostile_peer, its own process) then
 // READs and WRITEs `secret` with that rkey and address on its own QPs to the target.
-// Revocation: after DeregisterMemory the legitimate peer's old rkey must not work either.
+// Revocation: after DeregisterMemory or Unexport the legitimate peer's old rkey (replayed by
+// slipping the old descriptor back into its control stream) must not work either.
 #include <sys/wait.h>
 
 #include <cerrno>
@@ -280,6 +281,41 @@ TEST_F(RdmaIsolationTest, DeregisteredRegionIsUnreachableWithItsOldRkey) {
   EXPECT_FALSE(write.ok()) << "WRITE through a deregistered region's rkey succeeded";
   EXPECT_EQ(0, std::memcmp(secret_mem_.data(), expected_secret_.data(), kRegionBytes));
   ExpectLegitByteExact("after the stale rkey", false);
+}
+
+TEST_F(RdmaIsolationTest, WithdrawnExportIsUnreachableWithItsOldRkey) {
+  ExpectLegitByteExact("before the withdrawal", true);
+  const pb::RegionDescriptor secret = Learned(secret_);
+  ASSERT_EQ(secret.id(), secret_);
+  EXPECT_EQ(target_->Unexport(legit_at_target_, {open_}).code(),
+            absl::StatusCode::kFailedPrecondition);  // exported to all: not one peer's to lose
+  ASSERT_TRUE(target_->Unexport(legit_at_target_, {secret_}).ok());
+  EXPECT_EQ(target_->Unexport(legit_at_target_, {secret_}).code(), absl::StatusCode::kNotFound);
+  WaitRevokedAtLegit(secret_);
+  pb::Envelope stale;
+  *stale.mutable_export_regions()->add_regions() = secret;
+  ASSERT_TRUE(proxy_->Inject(stale).ok());
+  ASSERT_TRUE(legit_->WaitForRemoteRegion(target_at_legit_, secret_, absl::Seconds(30)).ok());
+  std::fill(local_.begin(), local_.end(), std::byte{0xEE});
+  absl::Status read = LegitRun(OpKind::kRead, Op{local_id_, 0, secret_, 0, kAttackBytes});
+  EXPECT_FALSE(read.ok()) << "READ through a withdrawn export's rkey succeeded";
+  EXPECT_NE(read.message().find("remote access error"), std::string::npos) << read;
+  EXPECT_NE(0, std::memcmp(local_.data(), expected_secret_.data(), kAttackBytes));
+  std::fill(local_.begin(), local_.end(), std::byte{0x5A});
+  absl::Status write = LegitRun(OpKind::kWrite, Op{local_id_, 0, secret_, 0, kAttackBytes});
+  EXPECT_FALSE(write.ok()) << "WRITE through a withdrawn export's rkey succeeded";
+  EXPECT_EQ(0, std::memcmp(secret_mem_.data(), expected_secret_.data(), kRegionBytes));
+  ExpectLegitByteExact("after the stale rkey", false);
+
+  // Exported again: a fresh key, and the peer is back to byte-exact access.
+  pb::Envelope forget;
+  forget.mutable_revoke_regions()->add_ids(secret_);
+  ASSERT_TRUE(proxy_->Inject(forget).ok());
+  WaitRevokedAtLegit(secret_);
+  ASSERT_TRUE(target_->Export(legit_at_target_, {secret_}).ok());
+  ASSERT_TRUE(legit_->WaitForRemoteRegion(target_at_legit_, secret_, absl::Seconds(30)).ok());
+  EXPECT_NE(Learned(secret_).transport_keys().at("rdma"), secret.transport_keys().at("rdma"));
+  ExpectLegitByteExact("exported again", true);
 }
 
 // Whether the kernel's rxe offers type-2 memory windows (the alternative design; see
