@@ -151,11 +151,15 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
   if (regions.empty()) return absl::OkStatus();
   pb::Envelope message;
   absl::Status keys_ok;  // a key that failed: the region goes without it (tcp still reaches it)
+  // rdma keys cost a registration per peer: none for a peer that will never use rdma.
+  const bool rdma_usable = FindEndpoint(peer.hello, "rdma") != nullptr &&
+                           peer.preference != TransportKind::kTcp &&
+                           peer.preference != TransportKind::kShm;
   for (const transport::LocalRegion& r : regions) {
     pb::RegionDescriptor* d = message.mutable_export_regions()->add_regions();
     *d = Describe(r);
     for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
-      if (t == nullptr) continue;
+      if (t == nullptr || (t == rdma_.get() && !rdma_usable)) continue;
       absl::StatusOr<std::string> key = t->ExportKey(peer.id, r.id);
       if (key.ok() && !key->empty()) (*d->mutable_transport_keys())[t->caps().name] = *key;
       if (!key.ok() && keys_ok.ok()) {

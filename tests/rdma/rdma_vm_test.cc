@@ -601,7 +601,9 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   desc.length = 1 << 20;  // a lie: the MR is 64 KiB
   desc.access = kRemoteReadWrite;
   desc.address = reinterpret_cast<uint64_t>(remote.data());
-  ASSERT_TRUE(desc.SetKey((*target)->RegionKey(1)));
+  auto key = (*target)->ExportKey(7, 1);  // 7: the peer DirectControl names the initiator
+  ASSERT_TRUE(key.ok()) << key.status();
+  ASSERT_TRUE(desc.SetKey(*key));
   ASSERT_TRUE((*channel)->AddRemoteRegions({desc}).ok());
 
   transport::PostRequest bad;
