@@ -141,9 +141,9 @@ class RdmaIsolationTest : public ::testing::Test {
     local_id_ = *local;
 
     auto proxy = ControlProxy::Start(target_->address(), [this](const pb::Envelope& e) {
-      if (!e.has_export_regions()) return;
       MutexLock lock(&learned_mu_);
       for (const pb::RegionDescriptor& d : e.export_regions().regions()) learned_[d.id()] = d;
+      for (const pb::RdmaQpInfo& q : e.rdma_connect_reply().qps()) slot_tables_.push_back(q);
     });
     ASSERT_TRUE(proxy.ok()) << proxy.status();
     proxy_ = std::move(*proxy);
@@ -217,6 +217,8 @@ class RdmaIsolationTest : public ::testing::Test {
   PeerId target_at_legit_ = 0, legit_at_target_ = 0;
   Mutex learned_mu_;
   std::map<uint64_t, pb::RegionDescriptor> learned_ ABSL_GUARDED_BY(learned_mu_);
+  // The target's QPs for the legitimate peer, with their slot tables (notification binds).
+  std::vector<pb::RdmaQpInfo> slot_tables_ ABSL_GUARDED_BY(learned_mu_);
 };
 
 TEST_F(RdmaIsolationTest, UnexportedPeerCannotReadOrWriteARegionWithItsRealRkey) {
@@ -259,6 +261,49 @@ TEST_F(RdmaIsolationTest, UnexportedPeerCannotReadOrWriteARegionWithItsRealRkey)
   for (const PeerInfo& p : target_->Peers()) legit_alive |= p.id == legit_at_target_ && p.alive;
   EXPECT_TRUE(legit_alive);
   ExpectLegitByteExact("after the attack", true);
+}
+
+// The slot tables of the target's QPs for one peer bind its transfer ids to the immediates of
+// its notified WRITEs: a peer that could write another's would corrupt its arrival counts.
+TEST_F(RdmaIsolationTest, UnexportedPeerCannotWriteAnotherPeersSlotTable) {
+  pb::RdmaQpInfo table;
+  {
+    MutexLock lock(&learned_mu_);
+    ASSERT_FALSE(slot_tables_.empty());
+    table = slot_tables_.front();
+  }
+  std::printf("legitimate peer's slot table at 0x%llx, rkey %u\n",
+              static_cast<unsigned long long>(table.slot_table_addr()), table.slot_table_rkey());
+  auto lines = RunHostilePeer(
+      {absl::StrCat("--target=", target_->address()), "--region=999999",
+       absl::StrCat("--address=", absl::Hex(table.slot_table_addr())), "--length=8",
+       absl::StrCat("--rdma_key=", table.slot_table_rkey()), absl::StrCat("--legit_region=", open_),
+       absl::StrCat("--legit_length=", kAttackBytes)},
+      absl::Seconds(300));
+  ASSERT_TRUE(lines.ok()) << lines.status();
+  ASSERT_TRUE(lines->count("DONE")) << "the hostile peer did not finish its steps";
+  EXPECT_NE(Field((*lines)["WRITE"], "code"), "0") << "WRITE to another peer's slot table worked";
+  EXPECT_NE((*lines)["WRITE"].find("remote access error"), std::string::npos) << (*lines)["WRITE"];
+  EXPECT_EQ(Field((*lines)["LEGIT_AFTER"], "code"), "0") << (*lines)["LEGIT_AFTER"];
+
+  // The legitimate peer's notified WRITEs still bind and count right.
+  for (int round = 0; round < 3; ++round) {
+    for (uint64_t i = 0; i < 4096; ++i) local_[i] = static_cast<std::byte>(i * 13 + round);
+    TransferOptions options;
+    options.timeout = absl::Seconds(60);
+    options.notification = absl::StrCat("legit-", round);
+    auto id = legit_->Transfer(target_at_legit_, OpKind::kWrite,
+                               {Op{local_id_, 0, secret_, 0, 4096}}, options);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(legit_->Wait(*id, absl::Seconds(90)).ok());
+    auto note = target_->WaitNotification(absl::Seconds(60));
+    ASSERT_TRUE(note.ok()) << note.status();
+    EXPECT_EQ(note->payload, absl::StrCat("legit-", round));
+    EXPECT_EQ(note->transfer_id, *id);
+    std::memcpy(expected_secret_.data(), local_.data(), 4096);
+    EXPECT_EQ(0, std::memcmp(secret_mem_.data(), expected_secret_.data(), kRegionBytes));
+  }
+  ExpectLegitByteExact("after the slot table attack", true);
 }
 
 TEST_F(RdmaIsolationTest, DeregisteredRegionIsUnreachableWithItsOldRkey) {
