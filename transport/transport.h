@@ -188,6 +188,14 @@ class Transport {
   // Opaque key a peer needs to access a registered region through this transport (rdma:
   // its rkeys), exported with the region; empty when the transport needs none.
   virtual std::string RegionKey(RegionId id) const { return std::string(); }
+  // The key for `peer` when the engine exports region `id` to it (called on every export; the
+  // same key again for a region already exported to it). A transport that can confine a key
+  // to one peer does it here (rdma: an MR in that peer's own protection domain); the default
+  // is the region's one key. Empty: the transport does not carry this region.
+  virtual absl::StatusOr<std::string> ExportKey(PeerId peer, RegionId id) { return RegionKey(id); }
+  // The export of `id` to `peer` is withdrawn: the key ExportKey gave it stops working before
+  // this returns. DeregisterRegion does this for every peer, DropPeer for every region.
+  virtual void RevokeExport(PeerId peer, RegionId id) {}
   // Whether this transport can reach a peer that advertised `remote_endpoint` (e.g. shm: same
   // host). The reason is logged and shown in stats either way.
   virtual absl::Status CanReach(const std::string& remote_endpoint) const = 0;

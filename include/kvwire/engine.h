@@ -256,6 +256,10 @@ class Engine {
                                  const ConnectOptions& options = ConnectOptions());
   // Makes more regions accessible to a connected peer.
   absl::Status Export(PeerId peer, absl::Span<const RegionId> regions);
+  // Withdraws regions Export gave a peer: the peer is told (RevokeRegions), and every key it
+  // was given for them stops working before this returns. FailedPrecondition for a region
+  // exported to all peers; NotFound for one not exported to this peer.
+  absl::Status Unexport(PeerId peer, absl::Span<const RegionId> regions);
   // Fails the peer's transfers and closes it.
   absl::Status Disconnect(PeerId peer);
 

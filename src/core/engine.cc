@@ -382,6 +382,10 @@ absl::StatusOr<PeerId> Engine::Connect(const std::string& address, const Connect
 absl::Status Engine::Export(PeerId peer, absl::Span<const RegionId> regions) {
   return impl_->Export(peer, regions);
 }
+
+absl::Status Engine::Unexport(PeerId peer, absl::Span<const RegionId> regions) {
+  return impl_->Unexport(peer, regions);
+}
 absl::Status Engine::Disconnect(PeerId peer) { return impl_->Disconnect(peer); }
 std::vector<PeerInfo> Engine::Peers() const { return impl_->Peers(); }
 absl::StatusOr<PeerId> Engine::FindPeer(const std::string& name) const {

@@ -79,6 +79,7 @@ class Engine::Impl final : public transport::TargetHooks {
 
   absl::StatusOr<PeerId> Connect(const std::string& address, const ConnectOptions& options);
   absl::Status Export(PeerId peer, absl::Span<const RegionId> regions);
+  absl::Status Unexport(PeerId peer, absl::Span<const RegionId> regions);
   absl::Status Disconnect(PeerId peer);
   std::vector<PeerInfo> Peers() const;
   absl::StatusOr<PeerId> FindPeer(const std::string& name) const;

@@ -150,17 +150,42 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
                                        const std::vector<transport::LocalRegion>& regions) {
   if (regions.empty()) return absl::OkStatus();
   pb::Envelope message;
+  absl::Status keys_ok;  // a key that failed: the region goes without it (tcp still reaches it)
+  // rdma keys cost a registration per peer: none for a peer that will never use rdma.
+  const bool rdma_usable = FindEndpoint(peer.hello, "rdma") != nullptr &&
+                           peer.preference != TransportKind::kTcp &&
+                           peer.preference != TransportKind::kShm;
   for (const transport::LocalRegion& r : regions) {
     pb::RegionDescriptor* d = message.mutable_export_regions()->add_regions();
     *d = Describe(r);
     for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
-      if (t == nullptr) continue;
-      if (std::string key = t->RegionKey(r.id); !key.empty()) {
-        (*d->mutable_transport_keys())[t->caps().name] = key;
+      if (t == nullptr || (t == rdma_.get() && !rdma_usable)) continue;
+      absl::StatusOr<std::string> key = t->ExportKey(peer.id, r.id);
+      if (key.ok() && !key->empty()) (*d->mutable_transport_keys())[t->caps().name] = *key;
+      if (!key.ok() && keys_ok.ok()) {
+        keys_ok =
+            absl::Status(key.status().code(),
+                         absl::StrCat("exporting region ", r.id, " to peer ", peer.name, " over ",
+                                      t->caps().name, ": ", key.status().message()));
       }
     }
   }
-  return peer.conn->Send(message);
+  {
+    // A key made for a peer that closed meanwhile (after ClosePeer's DropPeer) is dropped again.
+    MutexLock lock(&peer.mu);
+    if (!peer.alive) {
+      for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
+        if (t != nullptr) t->DropPeer(peer.id);
+      }
+      return absl::UnavailableError(absl::StrCat("peer ", peer.name, " closed"));
+    }
+  }
+  if (!keys_ok.ok()) {
+    KVW_LOG(kWarning, "engine") << "export without a transport key" << Kv("engine", name_)
+                                << Kv("error", keys_ok.message());
+  }
+  absl::Status sent = peer.conn->Send(message);
+  return sent.ok() ? keys_ok : sent;
 }
 
 absl::StatusOr<PeerId> Engine::Impl::Connect(const std::string& address,
@@ -555,6 +580,23 @@ absl::Status Engine::Impl::Export(PeerId id, absl::Span<const RegionId> regions)
   auto exported = regions_.ExportTo(id, std::vector<RegionId>(regions.begin(), regions.end()));
   if (!exported.ok()) return exported.status();
   return SendExports(*peer, *exported);
+}
+
+absl::Status Engine::Impl::Unexport(PeerId id, absl::Span<const RegionId> regions) {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  const std::vector<RegionId> ids(regions.begin(), regions.end());
+  if (absl::Status s = regions_.UnexportFrom(id, ids); !s.ok()) return s;
+  // The keys stop working before we return; the peer learns it on the control channel (a
+  // peer that ignores it just gets remote access errors).
+  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
+    if (t == nullptr) continue;
+    for (RegionId r : ids) t->RevokeExport(id, r);
+  }
+  pb::Envelope revoke;
+  for (RegionId r : ids) revoke.mutable_revoke_regions()->add_ids(r);
+  (void)peer->conn->Send(revoke);
+  return absl::OkStatus();
 }
 
 absl::Status Engine::Impl::Disconnect(PeerId id) {

@@ -103,6 +103,23 @@ absl::StatusOr<std::vector<transport::LocalRegion>> RegionRegistry::ExportTo(
   return out;
 }
 
+absl::Status RegionRegistry::UnexportFrom(PeerId peer, const std::vector<RegionId>& ids) {
+  MutexLock lock(&mu_);
+  for (RegionId id : ids) {
+    auto it = regions_.find(id);
+    if (it != regions_.end() && it->second->export_to_all) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot withdraw region ", id, " from peer ", peer, ": it is exported to all peers"));
+    }
+    if (it == regions_.end() || !it->second->exported_to.contains(peer)) {
+      return absl::NotFoundError(
+          absl::StrCat("cannot withdraw region ", id, ": not exported to peer ", peer));
+    }
+  }
+  for (RegionId id : ids) regions_[id]->exported_to.erase(peer);
+  return absl::OkStatus();
+}
+
 std::vector<transport::LocalRegion> RegionRegistry::ExportedToAll() const {
   MutexLock lock(&mu_);
   std::vector<transport::LocalRegion> out;

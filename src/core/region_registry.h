@@ -50,6 +50,9 @@ class RegionRegistry {
   absl::StatusOr<std::vector<transport::LocalRegion>> ExportTo(PeerId peer,
                                                                const std::vector<RegionId>& ids)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Withdraws explicit exports to `peer` (all or none: FailedPrecondition for a region
+  // exported to every peer, NotFound for one not exported to `peer`).
+  absl::Status UnexportFrom(PeerId peer, const std::vector<RegionId>& ids) ABSL_LOCKS_EXCLUDED(mu_);
   // Regions exported to every peer.
   std::vector<transport::LocalRegion> ExportedToAll() const ABSL_LOCKS_EXCLUDED(mu_);
   // Peers a region was exported to explicitly.

@@ -601,7 +601,9 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   desc.length = 1 << 20;  // a lie: the MR is 64 KiB
   desc.access = kRemoteReadWrite;
   desc.address = reinterpret_cast<uint64_t>(remote.data());
-  ASSERT_TRUE(desc.SetKey((*target)->RegionKey(1)));
+  auto key = (*target)->ExportKey(7, 1);  // 7: the peer DirectControl names the initiator
+  ASSERT_TRUE(key.ok()) << key.status();
+  ASSERT_TRUE(desc.SetKey(*key));
   ASSERT_TRUE((*channel)->AddRemoteRegions({desc}).ok());
 
   transport::PostRequest bad;
@@ -657,8 +659,21 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   std::printf("dead target: %s after %s\n", s.ToString().c_str(),
               absl::FormatDuration(absl::Now() - lost).c_str());
   EXPECT_LT(absl::Now() - lost, absl::Seconds(60));
+  // The dropped peer's keys went with it: the re-created QP reaches nothing with the old one.
+  transport::PostRequest stale;
+  stale.transfer_id = 45;
+  stale.kind = OpKind::kRead;
+  stale.ops = {transport::WireOp{local.data(), 1, 0, 4096}};
+  s = PostAndWait(**channel, std::move(stale));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(s.message().find("remote access error"), std::string::npos) << s;
+  // Exported again: a fresh key, and the next QP works.
+  key = (*target)->ExportKey(7, 1);
+  ASSERT_TRUE(key.ok()) << key.status();
+  ASSERT_TRUE(desc.SetKey(*key));
+  ASSERT_TRUE((*channel)->AddRemoteRegions({desc}).ok());
   transport::PostRequest again;
-  again.transfer_id = 45;
+  again.transfer_id = 46;
   again.kind = OpKind::kRead;
   again.ops = {transport::WireOp{local.data(), 1, 0, 4096}};
   s = PostAndWait(**channel, std::move(again));

@@ -27,6 +27,7 @@
 #include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_gpu_mr.h"
+#include "transport/rdma/rdma_grants.h"
 #include "transport/rdma/rdma_plan.h"
 
 namespace kvwire::transport {
@@ -124,16 +125,40 @@ absl::Status ToRts(ibv_qp* qp, const DevicePort& dev, uint32_t psn, const RdmaTr
 class RdmaTransportImpl;
 class ClientQp;
 
-// A registered region: one MR per device. A GPU region registered through a dma-buf keeps the
-// dma-buf's fd open until its MRs are gone (declared first: destroyed last).
+// A registered region: one MR per device in the device's PD, for this engine's own WRs only
+// (local access: no peer can use its rkey). Peers reach the region through the MRs of
+// PeerMr. A GPU region registered through a dma-buf keeps the dma-buf's fd open until its
+// MRs are gone (declared first: destroyed last).
 struct LocalMr {
   RegionId id = 0;
   uint64_t base = 0;
   uint64_t length = 0;
+  int remote_access = 0;  // the ibv access flags a peer's MR of this region gets
   bool gpu = false;
   bool peer_memory = false;  // gpu: some device took the peer-memory path
   ExportedDmaBuf dmabuf;
+  DmaBufMrArgs dmabuf_args;     // gpu: what ibv_reg_dmabuf_mr took
+  std::vector<GpuMrPath> path;  // gpu: by device, the path its registration took
   std::vector<Mr> mrs;
+};
+
+// One peer's protection domain on one device. The peer's target QPs (and their slot tables)
+// and the MRs of the regions exported to it live there and nowhere else: a QP reaches only
+// MRs of its own PD, so an rkey of another peer's region, even the real one, fails on this
+// peer's QPs with a remote access error (and an rkey of this PD fails on every other's).
+struct PeerPd {
+  std::shared_ptr<DevicePort> dev;  // the device context outlives the PD
+  Pd pd;
+};
+using PeerDomain = std::vector<std::shared_ptr<PeerPd>>;  // by device index
+
+// A region exported to one peer: its MRs in that peer's PDs, one per device. Deregistered
+// when the export is withdrawn, the region deregistered or the peer dropped.
+struct PeerMr {
+  std::shared_ptr<const LocalMr> region;  // a GPU region's dma-buf outlives these MRs
+  PeerDomain domain;                      // the PDs outlive their MRs
+  std::vector<Mr> mrs;
+  std::string key;  // the rkeys, by device: what the peer is given
 };
 
 // Counters of the posting path (EngineStats::rdma and the per-1000-ops figures).
@@ -152,8 +177,11 @@ struct PostCounters {
 // The target end of one QP: receives the immediates of counted WRITE lanes.
 class ServerQp {
  public:
-  ServerQp(std::shared_ptr<DevicePort> dev, PeerId peer, uint64_t channel, uint32_t index)
+  // `pd`: the peer's PD on `dev`; its QP and slot table are reachable from that peer only.
+  ServerQp(std::shared_ptr<DevicePort> dev, std::shared_ptr<PeerPd> pd, PeerId peer,
+           uint64_t channel, uint32_t index)
       : dev_(std::move(dev)),
+        pd_(std::move(pd)),
         peer_(peer),
         channel_(channel),
         index_(index),
@@ -173,7 +201,7 @@ class ServerQp {
     reserved_ = depth + 1;
     const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
     table_mr_.reset(
-        ibv_reg_mr(dev_->pd.get(), table_.data(), table_.size() * sizeof(uint64_t), access));
+        ibv_reg_mr(pd_->pd.get(), table_.data(), table_.size() * sizeof(uint64_t), access));
     if (!table_mr_) {
       return absl::InternalError(
           absl::StrCat("ibv_reg_mr of the slot table on ", where, ": ", std::strerror(errno)));
@@ -186,7 +214,7 @@ class ServerQp {
     init.cap.max_recv_wr = depth;
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
-    qp_.reset(ibv_create_qp(dev_->pd.get(), &init));
+    qp_.reset(ibv_create_qp(pd_->pd.get(), &init));
     if (!qp_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("ibv_create_qp (target) on ", where, ": ", std::strerror(errno)));
@@ -257,6 +285,7 @@ class ServerQp {
 
  private:
   std::shared_ptr<DevicePort> dev_;
+  std::shared_ptr<PeerPd> pd_;  // outlives table_mr_ and qp_
   PeerId peer_;
   uint64_t channel_;
   uint32_t index_;
@@ -483,7 +512,8 @@ class RdmaTransportImpl final : public Transport {
   std::string Endpoint() const override { return endpoint_; }
   absl::Status RegisterRegion(const LocalRegion& region) override;
   void DeregisterRegion(RegionId id) override;
-  std::string RegionKey(RegionId id) const override;
+  absl::StatusOr<std::string> ExportKey(PeerId peer, RegionId id) override;
+  void RevokeExport(PeerId peer, RegionId id) override;
   absl::Status CanReach(const std::string& remote_endpoint) const override;
   absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) override;
   void DropPeer(PeerId peer) override;
@@ -530,6 +560,10 @@ class RdmaTransportImpl final : public Transport {
   // A kGpu region's MRs on every device (rdma_gpu_mr.h); `reason` gets the path per device.
   absl::Status RegisterGpuRegion(const LocalRegion& region, int access, LocalMr& mr,
                                  std::string* reason);
+  // The peer's PDs, made on first use (an export to it or its first QPs).
+  absl::StatusOr<PeerDomain> DomainOf(PeerId peer);
+  // Registers `region` in `domain`'s PDs, the way its own MRs were registered.
+  absl::Status RegisterFor(const LocalMr& region, PeerMr& out);
 
   const RdmaTransportOptions options_;
   TargetHooks* const hooks_;
@@ -548,6 +582,10 @@ class RdmaTransportImpl final : public Transport {
   uint64_t gpu_dmabuf_regions_ ABSL_GUARDED_BY(mrs_mu_) = 0;
   uint64_t gpu_peermem_regions_ ABSL_GUARDED_BY(mrs_mu_) = 0;
   std::string gpu_path_reason_ ABSL_GUARDED_BY(mrs_mu_);
+
+  // The regions exported to each peer, registered in that peer's PDs.
+  Mutex grants_mu_;
+  PeerGrants<PeerDomain, std::shared_ptr<PeerMr>> grants_ ABSL_GUARDED_BY(grants_mu_);
 
   Mutex server_mu_;
   // (peer, channel id) -> target QPs by index.
@@ -1187,9 +1225,12 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
   mr->id = region.id;
   mr->base = reinterpret_cast<uint64_t>(region.base);
   mr->length = region.length;
-  int access = IBV_ACCESS_LOCAL_WRITE;  // never remote atomics
-  if (region.access & kRemoteRead) access |= IBV_ACCESS_REMOTE_READ;
-  if (region.access & kRemoteWrite) access |= IBV_ACCESS_REMOTE_WRITE;
+  // This engine's own MRs: local access only, so their rkeys reach nothing from any QP.
+  // Peers get MRs of their own (ExportKey), with the region's remote access.
+  const int access = IBV_ACCESS_LOCAL_WRITE;
+  mr->remote_access = IBV_ACCESS_LOCAL_WRITE;  // never remote atomics
+  if (region.access & kRemoteRead) mr->remote_access |= IBV_ACCESS_REMOTE_READ;
+  if (region.access & kRemoteWrite) mr->remote_access |= IBV_ACCESS_REMOTE_WRITE;
   const absl::Time start = absl::Now();
   std::string gpu_reason;
   if (region.kind == MemoryKind::kGpu) {
@@ -1239,6 +1280,7 @@ absl::Status RdmaTransportImpl::RegisterGpuRegion(const LocalRegion& region, int
     absl::StatusOr<DmaBufMrArgs> a = DmaBufArgsFor(dmabuf->range(), region.base, region.length);
     if (a.ok()) {
       args = *a;
+      mr.dmabuf_args = args;
     } else {
       exported = a.status();
     }
@@ -1276,6 +1318,7 @@ absl::Status RdmaTransportImpl::RegisterGpuRegion(const LocalRegion& region, int
                            << Kv("path", GpuMrPathName(choice->path))
                            << Kv("reason", choice->reason);
     any_dmabuf = any_dmabuf || choice->path == GpuMrPath::kDmaBuf;
+    mr.path.push_back(choice->path);
     mr.peer_memory = mr.peer_memory || choice->path == GpuMrPath::kPeerMemory;
     reasons.push_back(
         absl::StrCat(d->Describe(), " ", GpuMrPathName(choice->path), ": ", choice->reason));
@@ -1288,6 +1331,7 @@ absl::Status RdmaTransportImpl::RegisterGpuRegion(const LocalRegion& region, int
 
 void RdmaTransportImpl::DeregisterRegion(RegionId id) {
   std::shared_ptr<LocalMr> mr;
+  std::vector<std::shared_ptr<PeerMr>> granted;
   {
     MutexLock lock(&mrs_mu_);
     auto it = mrs_.find(id);
@@ -1298,16 +1342,120 @@ void RdmaTransportImpl::DeregisterRegion(RegionId id) {
     if (by != mrs_by_addr_.end() && by->second == mr) mrs_by_addr_.erase(by);
     if (mr->gpu) --(mr->peer_memory ? gpu_peermem_regions_ : gpu_dmabuf_regions_);
   }
-  // The MRs are deregistered here, then a GPU region's dma-buf fd is closed (LocalMr order).
+  // After the region left mrs_: an ExportKey racing with us either granted before this (and
+  // loses it here) or finds the region gone after its grant (and revokes it itself).
+  {
+    MutexLock lock(&grants_mu_);
+    granted = grants_.RevokeRegion(id);
+  }
+  // The peers' MRs are deregistered first (their rkeys stop working at once), then ours, then
+  // a GPU region's dma-buf fd is closed (LocalMr order).
+  granted.clear();
 }
 
-std::string RdmaTransportImpl::RegionKey(RegionId id) const {
-  MutexLock lock(&mrs_mu_);
-  auto it = mrs_.find(id);
-  if (it == mrs_.end()) return std::string();
-  std::vector<uint32_t> keys;
-  for (const Mr& m : it->second->mrs) keys.push_back(m->rkey);
-  return absl::StrJoin(keys, ",");
+absl::StatusOr<PeerDomain> RdmaTransportImpl::DomainOf(PeerId peer) {
+  MutexLock lock(&grants_mu_);
+  absl::StatusOr<PeerDomain*> domain = grants_.DomainOf(peer, [&]() -> absl::StatusOr<PeerDomain> {
+    PeerDomain made;
+    for (const auto& d : devices_) {
+      auto pd = std::make_shared<PeerPd>();
+      pd->dev = d;
+      pd->pd.reset(ibv_alloc_pd(d->ctx.get()));
+      if (!pd->pd) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "ibv_alloc_pd for peer ", peer, " on ", d->Describe(), ": ", std::strerror(errno)));
+      }
+      made.push_back(std::move(pd));
+    }
+    return made;
+  });
+  if (!domain.ok()) return domain.status();
+  return **domain;
+}
+
+absl::Status RdmaTransportImpl::RegisterFor(const LocalMr& region, PeerMr& out) {
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    ibv_pd* pd = out.domain[i]->pd.get();
+    Mr m;
+    if (region.gpu && region.path[i] == GpuMrPath::kDmaBuf) {
+      const DmaBufMrArgs& a = region.dmabuf_args;
+      m.reset(ibv_reg_dmabuf_mr(pd, a.offset, a.length, a.iova, region.dmabuf.range().fd,
+                                region.remote_access));
+    } else {
+      m.reset(ibv_reg_mr(pd, reinterpret_cast<void*>(region.base), region.length,
+                         region.remote_access));
+    }
+    if (!m) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ibv_reg_mr of region ", region.id, " (", region.length, " bytes) on ",
+                       devices_[i]->Describe(), " for a peer: ", std::strerror(errno)));
+    }
+    keys.push_back(absl::StrCat(m->rkey));
+    out.mrs.push_back(std::move(m));
+  }
+  out.key = absl::StrJoin(keys, ",");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RdmaTransportImpl::ExportKey(PeerId peer, RegionId id) {
+  std::shared_ptr<const LocalMr> region;
+  {
+    MutexLock lock(&mrs_mu_);
+    auto it = mrs_.find(id);
+    if (it == mrs_.end()) return std::string();  // not registered with rdma: no key
+    region = it->second;
+  }
+  {
+    MutexLock lock(&grants_mu_);
+    if (const auto* granted = grants_.Find(peer, id)) return (*granted)->key;
+  }
+  absl::StatusOr<PeerDomain> domain = DomainOf(peer);
+  if (!domain.ok()) return domain.status();
+  // Registration pins and maps the region again (a system call per device): outside the lock.
+  const absl::Time start = absl::Now();
+  auto mr = std::make_shared<PeerMr>();
+  mr->region = region;
+  mr->domain = std::move(*domain);
+  if (absl::Status s = RegisterFor(*region, *mr); !s.ok()) return s;
+  std::optional<std::shared_ptr<PeerMr>> unused;
+  std::string key;
+  {
+    MutexLock lock(&grants_mu_);
+    unused = grants_.Add(peer, id, mr);
+    const auto* granted = grants_.Find(peer, id);
+    if (granted != nullptr) key = (*granted)->key;
+  }
+  if (key.empty()) {
+    // The peer was dropped while we registered: nothing is granted.
+    return absl::UnavailableError(
+        absl::StrCat("region ", id, " not exported to peer ", peer, " over rdma: the peer closed"));
+  }
+  bool registered;
+  {
+    MutexLock lock(&mrs_mu_);
+    auto it = mrs_.find(id);
+    registered = it != mrs_.end() && it->second == region;
+  }
+  if (!registered) {
+    RevokeExport(peer, id);
+    return absl::NotFoundError(
+        absl::StrCat("region ", id, " deregistered while being exported to peer ", peer));
+  }
+  // A concurrent export of the same region won: `unused` is deregistered on return.
+  KVW_LOG(kDebug, "rdma") << "region exported" << Kv("region", id) << Kv("peer", peer)
+                          << Kv("bytes", region->length)
+                          << Kv("us", absl::ToDoubleMicroseconds(absl::Now() - start));
+  return key;
+}
+
+void RdmaTransportImpl::RevokeExport(PeerId peer, RegionId id) {
+  std::optional<std::shared_ptr<PeerMr>> revoked;
+  {
+    MutexLock lock(&grants_mu_);
+    revoked = grants_.Revoke(peer, id);
+  }
+  // Deregistered here: the peer's rkey stops working before we return.
 }
 
 absl::StatusOr<uint32_t> RdmaTransportImpl::LocalKey(uint64_t addr, uint64_t length,
@@ -1506,6 +1654,9 @@ pb::RdmaConnectReply RdmaTransportImpl::HandleConnect(PeerId peer,
       request.qps_size() != request.local_device_size()) {
     return refuse(absl::InvalidArgumentError("malformed rdma connect request"));
   }
+  // The peer's QPs go into its own PDs: they reach what was exported to it, nothing else.
+  absl::StatusOr<PeerDomain> domain = DomainOf(peer);
+  if (!domain.ok()) return refuse(domain.status());
   std::vector<std::shared_ptr<ServerQp>> created;
   for (int i = 0; i < request.qps_size(); ++i) {
     const uint32_t dev = request.remote_device(i);
@@ -1513,7 +1664,7 @@ pb::RdmaConnectReply RdmaTransportImpl::HandleConnect(PeerId peer,
       return refuse(absl::InvalidArgumentError(absl::StrCat("no local device ", dev)));
     }
     if (absl::Status s = devices_[dev]->Usable(); !s.ok()) return refuse(s);
-    auto qp = std::make_shared<ServerQp>(devices_[dev], peer, request.channel_id(),
+    auto qp = std::make_shared<ServerQp>(devices_[dev], (*domain)[dev], peer, request.channel_id(),
                                          request.qps(i).index());
     auto info = qp->Create(request.qps(i), request.local_device(i), options_);
     if (!info.ok()) return refuse(info.status());
@@ -1548,9 +1699,15 @@ void RdmaTransportImpl::DropPeer(PeerId peer) {
   for (auto& qp : dropped) {
     for (auto& loop : loops_) loop->Remove(qp->qpn());
   }
-  if (!dropped.empty()) {
-    KVW_LOG(kInfo, "rdma") << "target QPs of peer torn down" << Kv("peer", peer)
-                           << Kv("qps", dropped.size());
+  // Its MRs are deregistered here; its PDs go with the last of its QPs.
+  PeerGrants<PeerDomain, std::shared_ptr<PeerMr>>::Dropped grants;
+  {
+    MutexLock lock(&grants_mu_);
+    grants = grants_.DropPeer(peer);
+  }
+  if (!dropped.empty() || !grants.grants.empty()) {
+    KVW_LOG(kInfo, "rdma") << "target QPs and exports of peer torn down" << Kv("peer", peer)
+                           << Kv("qps", dropped.size()) << Kv("regions", grants.grants.size());
   }
 }
 
@@ -1580,6 +1737,10 @@ void RdmaTransportImpl::Shutdown() {
   {
     MutexLock lock(&server_mu_);
     targets_.clear();
+  }
+  {
+    MutexLock lock(&grants_mu_);
+    (void)grants_.Clear();
   }
   for (auto& loop : loops_) loop->Stop();
   KVW_LOG(kInfo, "rdma") << "transport stopped" << Kv("post_calls", counters_.post_calls.load())

@@ -7,12 +7,28 @@
 //   a configured index; InfiniBand ports use the LID. One PD and one CQ (with its completion
 //   channel) per device; one event thread per device waits on the completion channel and on
 //   the async-event fd.
-// - Memory: RegisterRegion registers an MR on every device at once (local write + remote
-//   read/write as the region allows, never remote atomics); RegionKey hands the rkeys out and
-//   the engine exports them in RegionDescriptor.transport_keys. GPU regions (kGpu, with
-//   options.gpu_runtime set): ibv_reg_dmabuf_mr on a dma-buf the runtime exports, else
+// - Memory: RegisterRegion registers an MR on every device at once, in the device's PD, for
+//   this engine's own WRs: local access only, so its rkey opens nothing to anyone. GPU regions
+//   (kGpu, with options.gpu_runtime set): ibv_reg_dmabuf_mr on a dma-buf the runtime exports, else
 //   ibv_reg_mr on the device pointer (peer memory); the path taken and why is logged and in
 //   EngineStats::gpu (rdma_gpu_mr.h). The posting path does not care which.
+// - Peer isolation: every peer gets a PD of its own on each device. Its target QPs (and their
+//   slot tables) are created there, and ExportKey registers each region exported to it there
+//   (remote read/write as the region allows, never remote atomics; the same path as the
+//   region's own MR, dma-buf or peer memory); those rkeys go out in
+//   RegionDescriptor.transport_keys. A QP reaches only MRs of its own PD, so a peer's QPs
+//   reach exactly what was exported to it: another peer's rkey, even the real one, or a
+//   guessed one (rxe's are an index and 8 random bits) is a remote access error that breaks
+//   the attacker's QP and nothing else. RevokeExport (export withdrawn), DeregisterRegion and
+//   DropPeer (peer closed) deregister the peer's MRs before they return, so its keys stop
+//   working at once. Cost: one more registration per device for each (peer, exported
+//   region): the pages are already pinned (their pin count goes up, no memory is added), but
+//   the NIC's translation entries for the region are made again for each peer, and the
+//   registration time, which grows with the region's size in pages, is paid on the export
+//   path (AddPeer for regions exported to all, Export, RegisterMemory) once per peer.
+//   Type-2 memory windows (rxe has 2B) were the alternative: their rkeys are bound to one QP,
+//   so a peer with n QPs needs n keys per region, every QP re-creation needs a bind round
+//   trip, and EFA and some other providers have no windows at all.
 // - Connection: Endpoint() is a serialized pb::RdmaEndpoint (the device ports). Channel
 //   creation (Connect) creates qps_per_device RC QPs on every local device and sends one
 //   pb::RdmaConnectRequest (QPN, PSN, GID/LID, MTU per QP) to the peer on the engine's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ctest entry point of the rdma VM stage:
-#   run_vm_tests.sh <cache dir> <rdma test binary> <test peer binary>
+#   run_vm_tests.sh <cache dir> <rdma test binary> <test peer binary> [more binaries...]
 # Builds (or reuses) the VM image in <cache dir>, packs the test binaries and their shared
 # libraries (at their host paths) into an overlay initramfs, boots Debian's kernel under qemu
 # TCG, runs the tests inside against soft-RoCE (rdma_rxe) and fails unless they pass. Every
@@ -24,7 +24,9 @@ mkdir -p "$cache"
 overlay=$(mktemp -d)
 trap 'rm -rf "$overlay"' EXIT
 mkdir -p "$overlay/opt"
-"$here/copy_with_libs.sh" "$overlay" "$test_bin" "$peer_bin" || fail "packing the test binaries"
+extra=()
+for f in "${@:4}"; do extra+=("$(readlink -f "$f")"); done
+"$here/copy_with_libs.sh" "$overlay" "$test_bin" "$peer_bin" "${extra[@]}" || fail "packing the test binaries"
 cp "$here/run_in_vm.sh" "$overlay/opt/run.sh"
 chmod +x "$overlay/opt/run.sh"
 # The leak check (valgrind, in run_in_vm.sh) runs its tests alone; KVWIRE_VM_LEAKCHECK=0 skips
