@@ -572,6 +572,11 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     tcp = peer->tcp;
     rdma = peer->rdma;
   }
+  {
+    // First: the peer's token stops opening data connections at once.
+    MutexLock lock(&peers_mu_);
+    absl::erase_if(tokens_, [&](const auto& entry) { return entry.second == peer->id; });
+  }
   // An orderly close (local Disconnect or shutdown, or the peer's) is not a warning.
   const bool orderly = reason.code() == absl::StatusCode::kCancelled;
   if (LogEnabled(orderly ? LogLevel::kInfo : LogLevel::kWarning)) {
@@ -601,13 +606,6 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   // After its transfers failed: a consumer that sees the event finds them ended.
   messages_->PeerClosed(peer->id, peer->name, std::string(reason.message()));
   MutexLock lock(&peers_mu_);
-  for (auto it = tokens_.begin(); it != tokens_.end();) {
-    if (it->second == peer->id) {
-      tokens_.erase(it++);
-    } else {
-      ++it;
-    }
-  }
   // Kept a while for Peers()/Stats() and their close reason, then forgotten: a stream of
   // peers that come and go must not grow the engine.
   if (peers_.contains(peer->id)) closed_peers_.push_back(peer->id);

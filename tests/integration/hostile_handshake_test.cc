@@ -182,12 +182,13 @@ pb::Envelope ForgedHello(const std::string& name, bool with_secret) {
   return envelope;
 }
 
-std::string TcpEndpointOf(const pb::Hello& hello) {
+std::string TransportEndpointOf(const pb::Hello& hello, const std::string& kind) {
   for (const pb::TransportEndpoint& t : hello.transports()) {
-    if (t.kind() == "tcp") return t.endpoint();
+    if (t.kind() == kind) return t.endpoint();
   }
   return "";
 }
+std::string TcpEndpointOf(const pb::Hello& hello) { return TransportEndpointOf(hello, "tcp"); }
 
 // --- presenting a token on a tcp data port ---------------------------------------------
 
@@ -372,6 +373,7 @@ TEST(HostileHandshakeTest, UnprovenListenerGetsNoLiveTokenAndReadsNothing) {
   EXPECT_EQ(connected->status().code(), absl::StatusCode::kPermissionDenied) << connected->status();
   EXPECT_THAT(connected->status().message(), HasSubstr("shared secret mismatch"));
   EXPECT_TRUE((*victim)->Peers().empty());
+  EXPECT_EQ((*victim)->Stats().control.session_tokens, 0u);
 
   // The victim still serves a legitimate peer byte-exact (it listens too).
   ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 21, 0);
@@ -486,7 +488,8 @@ TEST(HostileHandshakeTest, AbandonedAndFailedHandshakesLeaveNoTokenPendingEntryO
   EXPECT_EQ(ThreadCount(), threads_before);
 
   target->ExpectServesLegitimatePeer("s3cret");
-  EXPECT_EQ(target->control().session_tokens, 0u);  // the legitimate peer has gone again
+  // The legitimate peer has gone again, and its token with it.
+  EXPECT_TRUE(Eventually([&] { return target->control().session_tokens == 0; }));
 }
 
 // Wrong secret on either side of a handshake between two real engines: each Connect fails
@@ -733,6 +736,7 @@ struct HandshakenHostile {
       io.get_executor()};
   std::thread thread{[this] { io.run(); }};
   std::shared_ptr<control::Connection> conn;
+  pb::Hello remote_hello;
   Mutex mu;
   CondVar cv;
   std::optional<absl::Status> closed ABSL_GUARDED_BY(mu);
@@ -757,6 +761,7 @@ struct HandshakenHostile {
     ep->set_endpoint(tcp->Endpoint());
     auto accepted = control::Dial(io, address, hello, config);
     if (!accepted.ok()) return accepted.status();
+    remote_hello = accepted->remote_hello;
     conn = accepted->connection;
     conn->Start([](const pb::Envelope&) {},
                 [this](const absl::Status& s) {
@@ -780,6 +785,7 @@ struct BadMessage {
   pb::Envelope (*make)();
   const char* expect_in_goodbye;
   bool counted;  // in ControlStats::peers_closed_for_protocol (the engine's checks)
+  bool needs_no_rdma = false;
 };
 void PrintTo(const BadMessage& m, std::ostream* os) { *os << m.name; }
 
@@ -792,6 +798,9 @@ TEST_P(BadControlMessageTest, ClosesOnlyThatPeerWithTheReasonInItsGoodbye) {
   ASSERT_TRUE(hostile.Connect(target->engine->address(), "s3cret").ok());
   // A peer in good standing first (its data path is up), so the close is the message's doing.
   ASSERT_TRUE(target->engine->WaitForPeer("hostile", kWait).ok());
+  if (GetParam().needs_no_rdma && !TransportEndpointOf(hostile.remote_hello, "rdma").empty()) {
+    GTEST_SKIP() << "the target has an rdma device, so rdma messages are expected from peers";
+  }
   const uint64_t closed_before = target->control().peers_closed_for_protocol;
   ASSERT_TRUE(hostile.conn->Send(GetParam().make()).ok());
   absl::Status closed = hostile.WaitClosed();
@@ -827,7 +836,14 @@ INSTANTIATE_TEST_SUITE_P(
                                  "unexpected Welcome after the handshake", false},
                       BadMessage{"HelloAfterTheHandshake",
                                  [] { return ForgedHello("again", true); },
-                                 "unexpected Hello after the handshake", false}),
+                                 "unexpected Hello after the handshake", false},
+                      BadMessage{"RdmaConnectRequestToAnEngineWithoutRdma",
+                                 [] {
+                                   pb::Envelope e;
+                                   e.mutable_rdma_connect_request();
+                                   return e;
+                                 },
+                                 "offers no rdma", true, /*needs_no_rdma=*/true}),
     [](const ::testing::TestParamInfo<BadMessage>& info) { return info.param.name; });
 
 // --- what a peer can make the engine hold --------------------------------------------------
@@ -845,15 +861,15 @@ TEST(HostileHandshakeTest, ClosedPeersAreReclaimed) {
     ASSERT_TRUE(dialer.ok());
     ASSERT_TRUE((*dialer)->Connect(target->engine->address()).ok());
   }  // each dialer leaves again
-  ASSERT_TRUE(Eventually([&] {
-    for (const PeerInfo& p : target->engine->Peers()) {
+  // Six peers came and went; the target settles with at most two of them listed.
+  EXPECT_TRUE(Eventually([&] {
+    std::vector<PeerInfo> peers = target->engine->Peers();
+    for (const PeerInfo& p : peers) {
       if (p.alive) return false;
     }
-    return true;
-  }));
-  EXPECT_LE(target->engine->Peers().size(), 2u);
+    return peers.size() <= 2 && target->control().session_tokens == 0;
+  })) << target->engine->Stats().ToJson();
   EXPECT_LE(target->engine->Stats().peers.size(), 2u);
-  EXPECT_EQ(target->control().session_tokens, 0u);
   target->ExpectServesLegitimatePeer("");
 }
 
@@ -893,7 +909,11 @@ TEST(HostileHandshakeTest, UndrainedNotificationsAreBoundedAndCounted) {
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->payload, "n5");
   EXPECT_EQ(target->control().notifications_dropped, 2u);
-  EXPECT_TRUE(target->engine->FindPeer((*sender)->name()).ok());
+  bool sender_alive = false;
+  for (const PeerInfo& p : target->engine->Peers()) {
+    sender_alive |= p.name == (*sender)->name() && p.alive;
+  }
+  EXPECT_TRUE(sender_alive) << "the sender was closed for notifications the consumer left";
 }
 
 }  // namespace
