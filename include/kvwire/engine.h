@@ -133,6 +133,26 @@ struct EngineOptions {
   // DeregisterMemory waits for ops in flight.
   absl::Duration tcp_io_timeout = absl::Seconds(5);
 
+  // --- bounds on what peers (authenticated or not) can make this engine hold ---
+  // Every inbound control handshake, all stages together, must finish within connect_timeout
+  // of its accept (an absolute deadline: trickling bytes does not extend it).
+  // Inbound control handshakes not yet finished (unauthenticated) at once; a dialer beyond it
+  // is refused with ResourceExhausted ("too many control handshakes in flight (limit N)").
+  int max_pending_handshakes = 64;
+  // Inbound control connections open at once (handshaking plus established); beyond it a
+  // dialer is refused with ResourceExhausted ("too many control connections (limit N)").
+  int max_control_connections = 1024;
+  // Bytes queued on one control connection for a peer that does not read; a peer that lets
+  // more pile up is closed (ResourceExhausted, in its Goodbye). At least max_frame_bytes + 4.
+  uint64_t max_control_send_queue_bytes = 64 << 20;
+  // Notifications delivered but not yet taken (TakeNotifications / WaitNotification). Past
+  // it, a newly complete notification is dropped, counted in
+  // EngineStats::control.notifications_dropped and logged. Notifications still waiting for
+  // their data are bounded by the same number: a peer that exceeds it is closed.
+  uint64_t max_undrained_notifications = 1 << 16;
+  // Closed peers kept for Peers()/Stats() (with their close reason); older ones are forgotten.
+  int closed_peers_kept = 16;
+
   // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
   // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL, KVWIRE_RDMA_DEVICES (comma
   // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS, KVWIRE_SHM_CMA=1,

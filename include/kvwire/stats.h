@@ -69,6 +69,17 @@ struct TcpListenerStats {
   uint64_t stalled_dropped = 0;     // cut mid-op by io_timeout; the peer was dropped
 };
 
+// The control channel's trust boundary: handshakes, session tokens, bounded queues.
+struct ControlStats {
+  uint64_t handshakes_in_flight = 0;       // inbound, not yet authenticated
+  uint64_t control_connections = 0;        // inbound control sockets open
+  uint64_t handshakes_failed = 0;          // inbound: bad Hello or proof, deadline, I/O error
+  uint64_t handshakes_refused = 0;         // inbound: over max_pending_handshakes/connections
+  uint64_t session_tokens = 0;             // live tokens (one per authenticated peer)
+  uint64_t notifications_dropped = 0;      // over max_undrained_notifications
+  uint64_t peers_closed_for_protocol = 0;  // unknown/malformed control message, queue overrun
+};
+
 struct EngineStats {
   uint64_t regions = 0;
   uint64_t registered_bytes = 0;
@@ -90,6 +101,7 @@ struct EngineStats {
   RdmaStats rdma;
   GpuStats gpu;
   TcpListenerStats tcp_listener;
+  ControlStats control;
 
   std::string ToJson() const;
   std::string ToPrometheus(const std::string& engine_name) const;

@@ -34,21 +34,27 @@ std::string RemoteAddressOf(const asio::ip::tcp::socket& socket) {
 }  // namespace
 
 std::shared_ptr<TcpConnection> TcpConnection::Create(asio::ip::tcp::socket socket,
-                                                     FrameDecoder decoder) {
+                                                     FrameDecoder decoder, uint32_t max_frame_bytes,
+                                                     uint64_t max_send_queue_bytes,
+                                                     std::shared_ptr<const void> slot) {
   std::string remote = RemoteAddressOf(socket);
+  decoder.set_max_frame_bytes(max_frame_bytes);
   return std::make_shared<TcpConnection>(PrivateTag{}, std::move(socket), std::move(decoder),
-                                         std::move(remote));
+                                         std::move(remote), max_send_queue_bytes, std::move(slot));
 }
 
 TcpConnection::TcpConnection(PrivateTag, asio::ip::tcp::socket socket, FrameDecoder decoder,
-                             std::string remote_address)
+                             std::string remote_address, uint64_t max_send_queue_bytes,
+                             std::shared_ptr<const void> slot)
     : remote_address_(std::move(remote_address)),
       max_frame_bytes_(decoder.max_frame_bytes()),
+      max_send_queue_bytes_(max_send_queue_bytes),
       decoder_(std::move(decoder)),
       socket_(std::move(socket)),
       heartbeat_timer_(socket_.get_executor()),
       lease_timer_(socket_.get_executor()),
-      linger_timer_(socket_.get_executor()) {}
+      linger_timer_(socket_.get_executor()),
+      slot_(std::move(slot)) {}
 
 void TcpConnection::Start(MessageHandler on_message, CloseHandler on_close,
                           absl::Duration heartbeat_interval, absl::Duration lease) {
@@ -93,14 +99,30 @@ absl::Status TcpConnection::Send(const pb::Envelope& message) {
                         absl::StrCat("cannot send ", MessageName(message), " to ", remote_address_,
                                      ": ", frame.status().message()));
   }
-  MutexLock lock(&mu_);
-  if (closed_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("connection to ", remote_address_, " is closed: ", close_status_.ToString()));
+  absl::Status overflow;
+  {
+    MutexLock lock(&mu_);
+    if (closed_) {
+      return absl::FailedPreconditionError(absl::StrCat("connection to ", remote_address_,
+                                                        " is closed: ", close_status_.ToString()));
+    }
+    if (queued_bytes_ + frame->size() <= max_send_queue_bytes_) {
+      queued_bytes_ += frame->size();
+      send_queue_.push_back(*std::move(frame));
+      StartWriteLocked();
+      return absl::OkStatus();
+    }
+    // The peer is not reading (or far slower than we send): holding more would let it grow
+    // this process's memory without bound.
+    overflow = absl::ResourceExhaustedError(absl::StrCat(
+        "peer ", remote_address_, " is not reading its control channel: ", queued_bytes_,
+        " bytes already queued, ", MessageName(message), " of ", frame->size(),
+        " bytes would exceed the send queue limit of ", max_send_queue_bytes_, " bytes"));
   }
-  send_queue_.push_back(*std::move(frame));
-  StartWriteLocked();
-  return absl::OkStatus();
+  KVW_LOG(kWarning, "control") << "closing a peer that does not read" << Kv("peer", remote_address_)
+                               << Kv("error", overflow.message());
+  CloseWith(overflow, /*send_goodbye=*/true);
+  return overflow;
 }
 
 void TcpConnection::Close(const absl::Status& reason) { CloseWith(reason, /*send_goodbye=*/true); }
@@ -128,7 +150,11 @@ void TcpConnection::CloseWith(const absl::Status& status, bool send_goodbye) {
         goodbye.mutable_goodbye()->mutable_reason()->resize(max_frame_bytes_ / 2);
         frame = EncodeFrame(goodbye, max_frame_bytes_);
       }
-      if (frame.ok()) send_queue_.push_back(*std::move(frame));
+      // Past the limit on purpose: one small frame, and the linger timer bounds it.
+      if (frame.ok()) {
+        queued_bytes_ += frame->size();
+        send_queue_.push_back(*std::move(frame));
+      }
       // The writer shuts down the sending side once the queue is flushed; the linger timer
       // bounds how long a peer that does not read can keep the socket open.
       linger_timer_.expires_after(absl::ToChronoNanoseconds(kGoodbyeLinger));
@@ -150,6 +176,10 @@ void TcpConnection::CloseSocketLocked() {
     socket_.close(ignored);
   }
   linger_timer_.cancel();
+  // Nothing queued can be sent any more; in_flight_ is freed by the aborted write's handler.
+  for (const std::string& frame : send_queue_) queued_bytes_ -= frame.size();
+  send_queue_.clear();
+  slot_.reset();
 }
 
 void TcpConnection::OnStart() {
@@ -258,6 +288,7 @@ void TcpConnection::DeliverDecoded() {
       case pb::Envelope::kHello:
       case pb::Envelope::kHelloAck:
       case pb::Envelope::kAuthProof:
+      case pb::Envelope::kWelcome:
         CloseWith(absl::InvalidArgumentError(
                       absl::StrCat("protocol error from peer ", remote_address_, ": unexpected ",
                                    MessageName(envelope), " after the handshake")),
@@ -289,6 +320,7 @@ void TcpConnection::OnWrite(const error_code& error) {
   {
     MutexLock lock(&mu_);
     writing_ = false;
+    for (const std::string& frame : in_flight_) queued_bytes_ -= frame.size();
     in_flight_.clear();
     if (error) {
       if (closed_) {
@@ -326,6 +358,7 @@ void TcpConnection::OnHeartbeat(const error_code& error) {
     heartbeat.mutable_heartbeat()->set_seq(++heartbeat_seq_);
     absl::StatusOr<std::string> frame = EncodeFrame(heartbeat, max_frame_bytes_);
     if (frame.ok()) {
+      queued_bytes_ += frame->size();
       send_queue_.push_back(*std::move(frame));
       StartWriteLocked();
     }

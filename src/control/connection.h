@@ -39,9 +39,14 @@ class TcpConnection final : public Connection {
   static constexpr absl::Duration kGoodbyeLinger = absl::Seconds(2);
 
   // Takes a connected socket whose handshake is complete. `decoder` holds whatever the
-  // handshake read past its last message; those envelopes are delivered first after Start.
+  // handshake read past its last message; those envelopes are delivered first after Start
+  // (its frame limit is raised to `max_frame_bytes`). At most `max_send_queue_bytes` may wait
+  // for a peer that does not read. `slot` is released when the socket closes (the listener
+  // counts its open connections with it).
   static std::shared_ptr<TcpConnection> Create(boost::asio::ip::tcp::socket socket,
-                                               FrameDecoder decoder);
+                                               FrameDecoder decoder, uint32_t max_frame_bytes,
+                                               uint64_t max_send_queue_bytes,
+                                               std::shared_ptr<const void> slot = nullptr);
 
   ~TcpConnection() override = default;
 
@@ -61,7 +66,8 @@ class TcpConnection final : public Connection {
 
  public:
   TcpConnection(PrivateTag, boost::asio::ip::tcp::socket socket, FrameDecoder decoder,
-                std::string remote_address);
+                std::string remote_address, uint64_t max_send_queue_bytes,
+                std::shared_ptr<const void> slot);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -94,6 +100,7 @@ class TcpConnection final : public Connection {
 
   const std::string remote_address_;
   const uint32_t max_frame_bytes_;
+  const uint64_t max_send_queue_bytes_;
 
   // Owned by the read chain: written by Start before the chain begins, then only touched
   // by the chain's handlers.
@@ -119,6 +126,9 @@ class TcpConnection final : public Connection {
   std::deque<std::string> send_queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> in_flight_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // Bytes in send_queue_ and in_flight_ together.
+  uint64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<const void> slot_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvwire::control

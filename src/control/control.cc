@@ -22,6 +22,16 @@ absl::Status CheckConfig(const HandshakeConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat("max_frame_bytes ", config.max_frame_bytes,
                                                    " is below the minimum of ", kMinFrameBytes));
   }
+  if (config.max_send_queue_bytes < uint64_t{config.max_frame_bytes} + 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_send_queue_bytes ", config.max_send_queue_bytes,
+                     " cannot hold one frame of max_frame_bytes ", config.max_frame_bytes));
+  }
+  if (config.max_pending_handshakes < 1 || config.max_connections < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_pending_handshakes (", config.max_pending_handshakes,
+                     ") and max_connections (", config.max_connections, ") must be at least 1"));
+  }
   return absl::OkStatus();
 }
 

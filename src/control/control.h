@@ -36,7 +36,31 @@ struct HandshakeConfig {
       on_handshake_failure;
   // Tests only: the protocol version this side claims and expects.
   uint32_t protocol_version_for_testing = kProtocolVersion;
+
+  // Session tokens: what a peer presents on this side's data ports. The handshake owns the
+  // Hello's session_token field (anything the caller put there is dropped) and asks for a
+  // token only at the last moment: with a secret, once the peer's proof has verified (the
+  // dialer sends its token in AuthProof, the listener in Welcome); without one, right before
+  // the message that carries it (Hello, HelloAck). A token issued for a handshake that then
+  // fails is handed to `revoke_token` before Dial returns / the listener forgets the dialer;
+  // on success it is Accepted::local_token and the caller owns it. Unset: no token is sent.
+  // Called on the dialing thread or an io_context thread.
+  std::function<absl::StatusOr<std::string>()> issue_token;
+  std::function<void(const std::string& token)> revoke_token;
+
+  // Listener bounds. Inbound handshakes not yet finished (unauthenticated), and inbound
+  // connections in total (handshaking plus established ones whose socket is still open). A
+  // dialer beyond either is sent Reject{ResourceExhausted} naming the limit and closed.
+  int max_pending_handshakes = 64;
+  int max_connections = 1024;
+  // Bytes a Connection may hold queued for a peer that is not reading (at least one frame of
+  // max_frame_bytes). A Send that would exceed it closes the connection (ResourceExhausted).
+  uint64_t max_send_queue_bytes = 64 << 20;
 };
+
+// Largest frame accepted before the handshake has finished: a Hello with many transports
+// fits easily, and an unauthenticated dialer cannot make the listener buffer more.
+inline constexpr uint32_t kMaxHandshakeFrameBytes = 64 << 10;
 
 // An established, authenticated control connection to one peer.
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -59,7 +83,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
 struct Accepted {
   std::shared_ptr<Connection> connection;
+  // The peer's Hello; session_token holds the peer's token wherever the protocol carried it.
   pb::Hello remote_hello;
+  // The token this side issued to the peer (HandshakeConfig::issue_token), empty if none.
+  std::string local_token;
 };
 
 // Builds the listener's Hello for a dialer's Hello, or refuses it (the status is sent to the
@@ -68,11 +95,20 @@ using HelloResponder = std::function<absl::StatusOr<pb::Hello>(const pb::Hello& 
 // A handshake finished (the connection is not started yet: call Start).
 using AcceptHandler = std::function<void(Accepted accepted)>;
 
+// What a listener holds now, and what it refused so far.
+struct ServerStats {
+  uint64_t handshakes_in_flight = 0;  // accepted, not yet authenticated and handed over
+  uint64_t connections = 0;           // inbound sockets open: handshaking + established
+  uint64_t handshakes_failed = 0;     // bad Hello/proof, deadline, I/O error
+  uint64_t refused_over_limit = 0;    // dialers refused by max_pending_handshakes/connections
+};
+
 class Server {
  public:
   virtual ~Server() = default;
   virtual uint16_t port() const = 0;
   virtual void Stop() = 0;
+  virtual ServerStats stats() const = 0;
 };
 
 // Listens on host:port (port 0: any free port). Failed handshakes are logged with their

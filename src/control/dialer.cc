@@ -10,6 +10,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/write.hpp>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -31,10 +32,11 @@ using boost::system::error_code;
 class HandshakeStream {
  public:
   HandshakeStream(std::string address, absl::Time deadline, absl::Duration timeout,
-                  uint32_t max_frame_bytes)
+                  uint32_t max_frame_bytes, uint64_t max_send_queue_bytes)
       : address_(std::move(address)),
         deadline_(deadline),
         timeout_(timeout),
+        max_send_queue_bytes_(max_send_queue_bytes),
         resolver_(io_),
         socket_(io_),
         decoder_(max_frame_bytes) {}
@@ -56,6 +58,7 @@ class HandshakeStream {
   const std::string address_;
   const absl::Time deadline_;
   const absl::Duration timeout_;
+  const uint64_t max_send_queue_bytes_;
   asio::io_context io_;
   tcp::resolver resolver_;
   tcp::socket socket_;
@@ -190,7 +193,9 @@ absl::StatusOr<std::shared_ptr<TcpConnection>> HandshakeStream::Release(asio::io
     return absl::InternalError(
         absl::StrCat("cannot hand the socket to ", address_, " over: ", error.message()));
   }
-  return TcpConnection::Create(std::move(socket), std::move(decoder_));
+  const uint32_t max_frame_bytes = decoder_.max_frame_bytes();
+  return TcpConnection::Create(std::move(socket), std::move(decoder_), max_frame_bytes,
+                               max_send_queue_bytes_);
 }
 
 }  // namespace
@@ -202,10 +207,34 @@ absl::StatusOr<Accepted> DialBlocking(asio::io_context& io, const std::string& a
   if (!target.ok()) return target.status();
   absl::StatusOr<pb::Hello> hello = PrepareHello(local_hello, config);
   if (!hello.ok()) return hello.status();
+  const bool with_secret = !config.shared_secret.empty();
 
-  HandshakeStream stream(address, deadline, config.timeout, config.max_frame_bytes);
+  // The token this side issues to the listener; revoked unless the handshake succeeds.
+  std::string local_token;
+  absl::Cleanup revoke = [&] {
+    if (!local_token.empty() && config.revoke_token) config.revoke_token(local_token);
+  };
+  auto issue = [&]() -> absl::Status {
+    if (!config.issue_token) return absl::OkStatus();
+    absl::StatusOr<std::string> token = config.issue_token();
+    if (!token.ok()) {
+      return absl::Status(token.status().code(),
+                          absl::StrCat("cannot issue a session token for ", address, ": ",
+                                       token.status().message()));
+    }
+    local_token = *std::move(token);
+    return absl::OkStatus();
+  };
+
+  HandshakeStream stream(address, deadline, config.timeout, config.max_frame_bytes,
+                         config.max_send_queue_bytes);
   if (absl::Status s = stream.Connect(*target); !s.ok()) return s;
 
+  if (!with_secret) {
+    // No secret, nothing to prove: the token must be live before the listener can use it.
+    if (absl::Status s = issue(); !s.ok()) return s;
+    hello->set_session_token(local_token);
+  }
   pb::Envelope hello_envelope;
   *hello_envelope.mutable_hello() = *hello;
   if (absl::Status s = stream.Write(hello_envelope); !s.ok()) return s;
@@ -223,13 +252,15 @@ absl::StatusOr<Accepted> DialBlocking(asio::io_context& io, const std::string& a
     stream.SendRejectBestEffort(error);
     return error;
   }
-  const pb::HelloAck& ack = answer->hello_ack();
+  pb::HelloAck& ack = *answer->mutable_hello_ack();
   const std::string peer = DescribePeer(ack.hello(), address);
   if (absl::Status s = CheckPeerHello(ack.hello(), address, config, kDialerRoles); !s.ok()) {
     stream.SendRejectBestEffort(s);
     return s;
   }
-  if (!config.shared_secret.empty()) {
+  if (with_secret) {
+    // A token in HelloAck would come from a listener that has not proven anything yet.
+    ack.mutable_hello()->clear_session_token();
     const std::string expected =
         ListenerProof(config.shared_secret, hello->auth_nonce(), ack.hello().auth_nonce());
     if (!ProofMatches(expected, ack.auth_proof())) {
@@ -239,17 +270,41 @@ absl::StatusOr<Accepted> DialBlocking(asio::io_context& io, const std::string& a
       return absl::PermissionDeniedError(
           absl::StrCat("shared secret mismatch: peer ", peer, " failed the HMAC challenge"));
     }
+    // The listener is authenticated: only now is a token issued to it. It is live before the
+    // listener can hold it, so the listener may use it as soon as it has checked our proof.
+    if (absl::Status s = issue(); !s.ok()) {
+      stream.SendRejectBestEffort(s);
+      return s;
+    }
     pb::Envelope proof;
     proof.mutable_auth_proof()->set_proof(
         DialerProof(config.shared_secret, ack.hello().auth_nonce(), hello->auth_nonce()));
+    proof.mutable_auth_proof()->set_session_token(local_token);
     if (absl::Status s = stream.Write(proof); !s.ok()) return s;
+
+    absl::StatusOr<pb::Envelope> verdict = stream.Read("Welcome");
+    if (!verdict.ok()) return verdict.status();
+    if (verdict->has_reject()) {
+      return StatusFromWire(verdict->reject().code(), verdict->reject().reason(),
+                            absl::StrCat("rejected by peer ", address, ": "),
+                            absl::StatusCode::kPermissionDenied);
+    }
+    if (!verdict->has_welcome()) {
+      const absl::Status error =
+          absl::InvalidArgumentError(absl::StrCat("peer ", peer, " answered AuthProof with ",
+                                                  MessageName(*verdict), " instead of Welcome"));
+      stream.SendRejectBestEffort(error);
+      return error;
+    }
+    ack.mutable_hello()->set_session_token(verdict->welcome().session_token());
   }
 
   absl::StatusOr<std::shared_ptr<TcpConnection>> connection = stream.Release(io);
   if (!connection.ok()) return connection.status();
   KVW_LOG(kInfo, "control") << "dialed" << Kv("peer", address)
                             << Kv("name", ack.hello().engine_name());
-  return Accepted{*std::move(connection), ack.hello()};
+  std::move(revoke).Cancel();
+  return Accepted{*std::move(connection), ack.hello(), std::move(local_token)};
 }
 
 }  // namespace kvwire::control

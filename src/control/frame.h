@@ -49,6 +49,8 @@ class FrameDecoder {
   // Bytes of an incomplete frame held back.
   size_t buffered_bytes() const { return buffer_.size(); }
   uint32_t max_frame_bytes() const { return max_frame_bytes_; }
+  // Changes the limit for frames not yet decoded (the handshake reads with a small one).
+  void set_max_frame_bytes(uint32_t max_frame_bytes) { max_frame_bytes_ = max_frame_bytes; }
 
  private:
   absl::Status DecodeBuffered();

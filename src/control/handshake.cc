@@ -68,6 +68,10 @@ const char* MessageName(const pb::Envelope& envelope) {
       return "Notify";
     case pb::Envelope::kGoodbye:
       return "Goodbye";
+    case pb::Envelope::kWelcome:
+      return "Welcome";
+    case pb::Envelope::kEngineMessage:
+      return "EngineMessage";
     case pb::Envelope::kRdmaConnectRequest:
       return "RdmaConnectRequest";
     case pb::Envelope::kRdmaConnectReply:
@@ -83,6 +87,8 @@ absl::StatusOr<pb::Hello> PrepareHello(pb::Hello hello, const HandshakeConfig& c
   hello.set_compat_hash(config.compat_hash);
   hello.set_has_secret(!config.shared_secret.empty());
   hello.clear_auth_nonce();
+  // Tokens are added by the handshake itself, and only once it is safe (see control.h).
+  hello.clear_session_token();
   if (!config.shared_secret.empty()) {
     absl::StatusOr<std::string> nonce = RandomNonce(kAuthNonceBytes);
     if (!nonce.ok()) return nonce.status();

@@ -1,15 +1,20 @@
 // The pure half of the control-channel handshake: building and checking Hellos, HMAC proofs,
 // and Reject messages. The socket work lives in dialer.cc and listener.cc.
 //
-// Exchange (D = dialer, L = listener):
-//   D -> L  Hello{version, compat_hash, has_secret, auth_nonce = Nd if secret}
-//   L -> D  HelloAck{Hello{..., auth_nonce = Nl if secret},
-//                    auth_proof = HMAC(secret, "kvwire-listener" | Nd | Nl) if secret}
-//   D -> L  AuthProof{HMAC(secret, "kvwire-dialer" | Nl | Nd)}      only with a secret
-// Either side may send Reject{code, reason} instead of its next message and close. Without a
-// secret the handshake ends with HelloAck; with one, it ends when L has checked AuthProof.
-// D does not wait for a verdict on its proof: if L rejects it, the Reject is the first
-// message D's Connection receives, which closes it with that reason.
+// Exchange (D = dialer, L = listener; Td, Tl = session tokens, see HandshakeConfig):
+//   without a secret:
+//     D -> L  Hello{version, compat_hash, has_secret = false, session_token = Td}
+//     L -> D  HelloAck{Hello{..., session_token = Tl}}
+//   with a secret:
+//     D -> L  Hello{version, compat_hash, has_secret, auth_nonce = Nd}             no token
+//     L -> D  HelloAck{Hello{..., auth_nonce = Nl},
+//                      auth_proof = HMAC(secret, "kvwire-listener" | Nd | Nl)}    no token
+//     D -> L  AuthProof{HMAC(secret, "kvwire-dialer" | Nl | Nd), session_token = Td}
+//     L -> D  Welcome{session_token = Tl}
+// With a secret, each token is issued (made live) and sent only after its side has verified
+// the other's proof, so a party that does not know the secret never holds a live token, and
+// both sides know the handshake succeeded before anything else flows. Either side may send
+// Reject{code, reason} instead of its next message and close.
 #ifndef KVWIRE_CONTROL_HANDSHAKE_H_
 #define KVWIRE_CONTROL_HANDSHAKE_H_
 

@@ -1,6 +1,8 @@
 #include "src/control/listener.h"
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -32,7 +34,69 @@ using boost::system::error_code;
 // loop does not spin.
 constexpr auto kAcceptRetryDelay = std::chrono::milliseconds(100);
 
+// How long a dialer refused at accept may take to read the Reject and close its side.
+constexpr auto kRefusalLinger = std::chrono::seconds(1);
+
 class InboundHandshake;
+
+// Tells a dialer refused at accept why (Reject), then closes: FIN first and a short, bounded
+// wait for the dialer's EOF, so that closing with its Hello unread does not reset the
+// connection and lose the Reject.
+class Refusal : public std::enable_shared_from_this<Refusal> {
+ public:
+  Refusal(tcp::socket socket, std::string frame, std::shared_ptr<std::atomic<int>> count)
+      : socket_(std::move(socket)),
+        timer_(socket_.get_executor()),
+        frame_(std::move(frame)),
+        count_(std::move(count)) {}
+  ~Refusal() { count_->fetch_sub(1); }
+
+  void Start() {
+    MutexLock lock(&mu_);
+    timer_.expires_after(kRefusalLinger);
+    timer_.async_wait([self = shared_from_this()](const error_code& error) {
+      if (error) return;
+      MutexLock lock(&self->mu_);
+      error_code ignored;
+      self->socket_.close(ignored);
+    });
+    asio::async_write(socket_, asio::buffer(frame_),
+                      [self = shared_from_this()](const error_code& error, size_t) {
+                        MutexLock lock(&self->mu_);
+                        error_code ignored;
+                        if (error) {
+                          self->socket_.close(ignored);
+                          self->timer_.cancel();
+                          return;
+                        }
+                        self->socket_.shutdown(tcp::socket::shutdown_send, ignored);
+                        self->DrainLocked();
+                      });
+  }
+
+ private:
+  void DrainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!socket_.is_open()) return;
+    socket_.async_read_some(asio::buffer(drain_),
+                            [self = shared_from_this()](const error_code& error, size_t) {
+                              MutexLock lock(&self->mu_);
+                              if (!error) {
+                                self->DrainLocked();
+                                return;
+                              }
+                              error_code ignored;
+                              self->socket_.close(ignored);
+                              self->timer_.cancel();
+                            });
+  }
+
+  Mutex mu_;
+  tcp::socket socket_ ABSL_GUARDED_BY(mu_);
+  asio::steady_timer timer_ ABSL_GUARDED_BY(mu_);
+  const std::string frame_;
+  std::array<char, 4096> drain_;
+  const std::shared_ptr<std::atomic<int>> count_;
+};
 
 // Shared by the Server handle and every pending handshake, so handlers never outlive it.
 class ListenerState : public std::enable_shared_from_this<ListenerState> {
@@ -50,6 +114,7 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
 
   const HandshakeConfig& config() const { return config_; }
   absl::StatusOr<pb::Hello> Respond(const pb::Hello& remote) const { return responder_(remote); }
+  ServerStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Called once per handshake, outside the handshake's lock.
   void Succeeded(const InboundHandshake* handshake, Accepted accepted) ABSL_LOCKS_EXCLUDED(mu_);
@@ -59,6 +124,10 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
  private:
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnAccept(const error_code& error, tcp::socket socket) ABSL_LOCKS_EXCLUDED(mu_);
+  // Refuses a dialer over a limit: Reject{ResourceExhausted} and close.
+  void RefuseLocked(tcp::socket socket, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts one open inbound socket until the returned slot is released.
+  std::shared_ptr<const void> TakeConnectionSlot();
   // Brackets a user callback; false if stopped (the callback must not run).
   bool BeginCallback(const InboundHandshake* handshake) ABSL_LOCKS_EXCLUDED(mu_);
   void EndCallback() ABSL_LOCKS_EXCLUDED(mu_);
@@ -67,7 +136,7 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   const HelloResponder responder_;
   const AcceptHandler on_accept_;
 
-  Mutex mu_;
+  mutable Mutex mu_;
   CondVar callbacks_done_;
   tcp::acceptor acceptor_ ABSL_GUARDED_BY(mu_);
   asio::steady_timer retry_timer_ ABSL_GUARDED_BY(mu_);
@@ -75,6 +144,12 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   absl::flat_hash_map<const InboundHandshake*, std::shared_ptr<InboundHandshake>> pending_
       ABSL_GUARDED_BY(mu_);
   int callbacks_running_ ABSL_GUARDED_BY(mu_) = 0;
+  // Inbound sockets open (handshaking or handed over), and refusals still lingering.
+  const std::shared_ptr<std::atomic<uint64_t>> open_connections_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
+  const std::shared_ptr<std::atomic<int>> refusing_ = std::make_shared<std::atomic<int>>(0);
+  std::atomic<uint64_t> handshakes_failed_{0};
+  std::atomic<uint64_t> refused_over_limit_{0};
 };
 
 // Set while this thread runs a listener callback, so that Stop from inside one does not wait
@@ -84,13 +159,15 @@ thread_local const ListenerState* t_in_callback = nullptr;
 // One inbound handshake: Hello -> HelloAck [-> AuthProof], as described in handshake.h.
 class InboundHandshake : public std::enable_shared_from_this<InboundHandshake> {
  public:
-  InboundHandshake(std::shared_ptr<ListenerState> listener, tcp::socket socket)
+  InboundHandshake(std::shared_ptr<ListenerState> listener, tcp::socket socket,
+                   std::shared_ptr<const void> slot)
       : listener_(std::move(listener)),
         config_(listener_->config()),
         remote_address_(RemoteAddress(socket)),
-        decoder_(config_.max_frame_bytes),
+        decoder_(std::min(config_.max_frame_bytes, kMaxHandshakeFrameBytes)),
         socket_(std::move(socket)),
-        deadline_timer_(socket_.get_executor()) {}
+        deadline_timer_(socket_.get_executor()),
+        slot_(std::move(slot)) {}
 
   void Start() ABSL_LOCKS_EXCLUDED(mu_);
   // Listener stopped: drop the connection without callbacks.
@@ -112,7 +189,10 @@ class InboundHandshake : public std::enable_shared_from_this<InboundHandshake> {
   void Pump();
   void HandleHello(const pb::Hello& hello);
   void HandleProof(const pb::AuthProof& proof);
-  void SendAck(pb::Envelope ack, bool then_succeed);
+  // Issues this side's session token (see HandshakeConfig::issue_token); "" without an issuer.
+  absl::StatusOr<std::string> IssueToken() ABSL_LOCKS_EXCLUDED(mu_);
+  void RevokeToken(std::string token);
+  void SendFrame(pb::Envelope envelope, bool then_succeed);
   void OnDeadline(const error_code& error);
 
   void Fail(const absl::Status& error, bool send_reject) ABSL_LOCKS_EXCLUDED(mu_);
@@ -134,13 +214,17 @@ class InboundHandshake : public std::enable_shared_from_this<InboundHandshake> {
   tcp::socket socket_ ABSL_GUARDED_BY(mu_);
   asio::steady_timer deadline_timer_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  std::string outgoing_ ABSL_GUARDED_BY(mu_);  // the frame being written
+  std::string outgoing_ ABSL_GUARDED_BY(mu_);     // the frame being written
+  std::string local_token_ ABSL_GUARDED_BY(mu_);  // issued to the dialer, live until revoked
+  std::shared_ptr<const void> slot_ ABSL_GUARDED_BY(mu_);  // this socket in the connection count
 };
 
 void InboundHandshake::Start() {
   MutexLock lock(&mu_);
   error_code ignored;
   socket_.set_option(tcp::no_delay(true), ignored);
+  // One absolute deadline for every stage (Hello, AuthProof, our writes, a Reject): a dialer
+  // that trickles bytes gains nothing, as nothing it sends re-arms it.
   deadline_timer_.expires_after(absl::ToChronoNanoseconds(config_.timeout));
   deadline_timer_.async_wait(
       [self = shared_from_this()](const error_code& error) { self->OnDeadline(error); });
@@ -151,11 +235,41 @@ void InboundHandshake::Start() {
 }
 
 void InboundHandshake::Abort() {
-  MutexLock lock(&mu_);
-  finished_ = true;
-  error_code ignored;
-  socket_.close(ignored);
-  deadline_timer_.cancel();
+  std::string token;
+  {
+    MutexLock lock(&mu_);
+    finished_ = true;
+    error_code ignored;
+    socket_.close(ignored);
+    deadline_timer_.cancel();
+    token = std::exchange(local_token_, std::string());
+    slot_.reset();
+  }
+  RevokeToken(std::move(token));
+}
+
+absl::StatusOr<std::string> InboundHandshake::IssueToken() {
+  if (!config_.issue_token) return std::string();
+  absl::StatusOr<std::string> token = config_.issue_token();
+  if (!token.ok()) {
+    return absl::Status(token.status().code(),
+                        absl::StrCat("cannot issue a session token for ", remote_address_, ": ",
+                                     token.status().message()));
+  }
+  {
+    MutexLock lock(&mu_);
+    if (!finished_) {
+      local_token_ = *token;
+      return token;
+    }
+  }
+  // Stopped or timed out meanwhile: nobody else will revoke it.
+  RevokeToken(*std::move(token));
+  return absl::CancelledError("handshake ended while issuing its token");
+}
+
+void InboundHandshake::RevokeToken(std::string token) {
+  if (!token.empty() && config_.revoke_token) config_.revoke_token(token);
 }
 
 void InboundHandshake::ReadMore() {
@@ -233,14 +347,24 @@ void InboundHandshake::HandleHello(const pb::Hello& hello) {
   }
   listener_hello_ = *std::move(prepared);
   pb::Envelope ack;
-  *ack.mutable_hello_ack()->mutable_hello() = listener_hello_;
   const bool with_secret = !config_.shared_secret.empty();
   if (with_secret) {
+    // The dialer's token comes with its proof; one in its Hello is not trusted.
+    dialer_hello_.clear_session_token();
     ack.mutable_hello_ack()->set_auth_proof(
         ListenerProof(config_.shared_secret, hello.auth_nonce(), listener_hello_.auth_nonce()));
     phase_ = Phase::kAwaitProof;
+  } else {
+    // No secret: nothing to prove, so the Hello checks were the whole handshake.
+    absl::StatusOr<std::string> token = IssueToken();
+    if (!token.ok()) {
+      Fail(token.status(), /*send_reject=*/true);
+      return;
+    }
+    listener_hello_.set_session_token(*std::move(token));
   }
-  SendAck(std::move(ack), /*then_succeed=*/!with_secret);
+  *ack.mutable_hello_ack()->mutable_hello() = listener_hello_;
+  SendFrame(std::move(ack), /*then_succeed=*/!with_secret);
 }
 
 void InboundHandshake::HandleProof(const pb::AuthProof& proof) {
@@ -253,33 +377,44 @@ void InboundHandshake::HandleProof(const pb::AuthProof& proof) {
          /*send_reject=*/true);
     return;
   }
-  Succeed();
+  // Authenticated: only now does the dialer's token count, and only now is one issued to it.
+  dialer_hello_.set_session_token(proof.session_token());
+  absl::StatusOr<std::string> token = IssueToken();
+  if (!token.ok()) {
+    Fail(token.status(), /*send_reject=*/true);
+    return;
+  }
+  pb::Envelope welcome;
+  welcome.mutable_welcome()->set_session_token(*std::move(token));
+  SendFrame(std::move(welcome), /*then_succeed=*/true);
 }
 
-void InboundHandshake::SendAck(pb::Envelope ack, bool then_succeed) {
-  absl::StatusOr<std::string> frame = EncodeFrame(ack, config_.max_frame_bytes);
+void InboundHandshake::SendFrame(pb::Envelope envelope, bool then_succeed) {
+  const char* const name = MessageName(envelope);
+  absl::StatusOr<std::string> frame = EncodeFrame(envelope, config_.max_frame_bytes);
   if (!frame.ok()) {
     Fail(absl::Status(frame.status().code(),
-                      absl::StrCat("cannot send HelloAck: ", frame.status().message())),
+                      absl::StrCat("cannot send ", name, ": ", frame.status().message())),
          /*send_reject=*/true);
     return;
   }
   MutexLock lock(&mu_);
   if (finished_) return;
   outgoing_ = *std::move(frame);
-  asio::async_write(socket_, asio::buffer(outgoing_),
-                    [self = shared_from_this(), then_succeed](const error_code& error, size_t) {
-                      if (error) {
-                        self->Fail(absl::UnavailableError(absl::StrCat(
-                                       "sending HelloAck to dialer ", self->remote_address_,
-                                       " failed: ", error.message())),
-                                   /*send_reject=*/false);
-                      } else if (then_succeed) {
-                        self->Succeed();
-                      } else {
-                        self->Pump();  // AuthProof may already be decoded
-                      }
-                    });
+  asio::async_write(
+      socket_, asio::buffer(outgoing_),
+      [self = shared_from_this(), then_succeed, name](const error_code& error, size_t) {
+        if (error) {
+          self->Fail(absl::UnavailableError(absl::StrCat("sending ", name, " to dialer ",
+                                                         self->remote_address_,
+                                                         " failed: ", error.message())),
+                     /*send_reject=*/false);
+        } else if (then_succeed) {
+          self->Succeed();
+        } else {
+          self->Pump();  // AuthProof may already be decoded
+        }
+      });
 }
 
 void InboundHandshake::OnDeadline(const error_code& error) {
@@ -292,6 +427,7 @@ void InboundHandshake::OnDeadline(const error_code& error) {
       // A Reject that the dialer does not read must not hold the socket open forever.
       error_code ignored;
       socket_.close(ignored);
+      slot_.reset();
     }
   }
   if (!finished) {
@@ -303,10 +439,12 @@ void InboundHandshake::OnDeadline(const error_code& error) {
 }
 
 void InboundHandshake::Fail(const absl::Status& error, bool send_reject) {
+  std::string token;
   {
     MutexLock lock(&mu_);
     if (finished_) return;
     finished_ = true;
+    token = std::exchange(local_token_, std::string());
     absl::StatusOr<std::string> frame =
         send_reject ? EncodeFrame(MakeReject(error), config_.max_frame_bytes)
                     : absl::StatusOr<std::string>(absl::CancelledError());
@@ -321,12 +459,15 @@ void InboundHandshake::Fail(const absl::Status& error, bool send_reject) {
                           self->socket_.shutdown(tcp::socket::shutdown_both, ignored);
                           self->socket_.close(ignored);
                           self->deadline_timer_.cancel();
+                          self->slot_.reset();
                         });
     } else {
       socket_.close(ignored);
       deadline_timer_.cancel();
+      slot_.reset();
     }
   }
+  RevokeToken(std::move(token));
   KVW_LOG(kWarning, "control") << "inbound handshake failed" << Kv("dialer", remote_address_)
                                << Kv("error", error.ToString());
   listener_->Failed(this, remote_address_, error);
@@ -334,16 +475,20 @@ void InboundHandshake::Fail(const absl::Status& error, bool send_reject) {
 
 void InboundHandshake::Succeed() {
   std::shared_ptr<TcpConnection> connection;
+  std::string token;
   {
     MutexLock lock(&mu_);
     if (finished_) return;
     finished_ = true;
     deadline_timer_.cancel();
-    connection = TcpConnection::Create(std::move(socket_), std::move(decoder_));
+    connection =
+        TcpConnection::Create(std::move(socket_), std::move(decoder_), config_.max_frame_bytes,
+                              config_.max_send_queue_bytes, std::move(slot_));
+    token = std::exchange(local_token_, std::string());
   }
   KVW_LOG(kInfo, "control") << "inbound handshake done" << Kv("dialer", remote_address_)
                             << Kv("name", dialer_hello_.engine_name());
-  listener_->Succeeded(this, Accepted{std::move(connection), dialer_hello_});
+  listener_->Succeeded(this, Accepted{std::move(connection), dialer_hello_, std::move(token)});
 }
 
 absl::StatusOr<uint16_t> ListenerState::Open(const std::string& host, uint16_t port) {
@@ -408,11 +553,61 @@ void ListenerState::OnAccept(const error_code& error, tcp::socket socket) {
       });
       return;
     }
-    handshake = std::make_shared<InboundHandshake>(shared_from_this(), std::move(socket));
-    pending_.emplace(handshake.get(), handshake);
     AcceptLocked();
+    if (pending_.size() >= static_cast<size_t>(std::max(config_.max_pending_handshakes, 0))) {
+      RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
+                                          "too many control handshakes in flight (limit ",
+                                          config_.max_pending_handshakes, "); try again later")));
+      return;
+    }
+    if (open_connections_->load() >= static_cast<uint64_t>(std::max(config_.max_connections, 0))) {
+      RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
+                                          "too many control connections (limit ",
+                                          config_.max_connections, "); try again later")));
+      return;
+    }
+    handshake = std::make_shared<InboundHandshake>(shared_from_this(), std::move(socket),
+                                                   TakeConnectionSlot());
+    pending_.emplace(handshake.get(), handshake);
   }
   handshake->Start();
+}
+
+std::shared_ptr<const void> ListenerState::TakeConnectionSlot() {
+  open_connections_->fetch_add(1);
+  return std::shared_ptr<const void>(
+      open_connections_.get(), [count = open_connections_](const void*) { count->fetch_sub(1); });
+}
+
+void ListenerState::RefuseLocked(tcp::socket socket, const absl::Status& why) {
+  refused_over_limit_.fetch_add(1);
+  error_code ignored;
+  const std::string remote = [&] {
+    const tcp::endpoint endpoint = socket.remote_endpoint(ignored);
+    return ignored ? std::string("<unknown dialer>") : FormatEndpoint(endpoint);
+  }();
+  KVW_LOG(kWarning, "control") << "dialer refused" << Kv("dialer", remote)
+                               << Kv("reason", why.message());
+  absl::StatusOr<std::string> frame = EncodeFrame(MakeReject(why), config_.max_frame_bytes);
+  // Lingering refusals are bounded too: past that, the dialer only sees the connection close.
+  if (!frame.ok() || refusing_->load() >= std::max(config_.max_pending_handshakes, 1)) {
+    socket.close(ignored);
+    return;
+  }
+  refusing_->fetch_add(1);
+  std::make_shared<Refusal>(std::move(socket), *std::move(frame), refusing_)->Start();
+}
+
+ServerStats ListenerState::Stats() const {
+  ServerStats stats;
+  {
+    MutexLock lock(&mu_);
+    stats.handshakes_in_flight = pending_.size();
+  }
+  stats.connections = open_connections_->load();
+  stats.handshakes_failed = handshakes_failed_.load();
+  stats.refused_over_limit = refused_over_limit_.load();
+  return stats;
 }
 
 bool ListenerState::BeginCallback(const InboundHandshake* handshake) {
@@ -431,6 +626,9 @@ void ListenerState::EndCallback() {
 void ListenerState::Succeeded(const InboundHandshake* handshake, Accepted accepted) {
   if (!BeginCallback(handshake)) {
     accepted.connection->Close(absl::UnavailableError("listener stopped"));
+    if (!accepted.local_token.empty() && config_.revoke_token) {
+      config_.revoke_token(accepted.local_token);
+    }
     return;
   }
   t_in_callback = this;
@@ -441,6 +639,7 @@ void ListenerState::Succeeded(const InboundHandshake* handshake, Accepted accept
 
 void ListenerState::Failed(const InboundHandshake* handshake, const std::string& remote_address,
                            const absl::Status& error) {
+  handshakes_failed_.fetch_add(1);
   if (!BeginCallback(handshake)) return;
   if (config_.on_handshake_failure) {
     t_in_callback = this;
@@ -476,6 +675,7 @@ class TcpServer final : public Server {
   ~TcpServer() override { Stop(); }
   uint16_t port() const override { return port_; }
   void Stop() override { state_->Stop(); }
+  ServerStats stats() const override { return state_->Stats(); }
 
  private:
   const std::shared_ptr<ListenerState> state_;

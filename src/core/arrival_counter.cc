@@ -1,35 +1,66 @@
 #include "src/core/arrival_counter.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
+#include "src/util/log.h"
 
 namespace kvwire::core {
 
 void ArrivalCounter::MaybeDeliverLocked(const Key& key, Entry& entry) {
   if (!entry.notified || entry.arrived < entry.expected) return;
-  ready_.push_back(std::move(entry.notification));
-  ++delivered_;
+  if (ready_.size() >= limit_) {
+    if (dropped_++ == 0 || dropped_ % 1024 == 0) {
+      KVW_LOG(kWarning, "engine") << "notification dropped: the consumer is not taking them"
+                                  << Kv("undrained", ready_.size()) << Kv("limit", limit_)
+                                  << Kv("peer", entry.notification.peer_name)
+                                  << Kv("transfer", entry.notification.transfer_id)
+                                  << Kv("dropped_total", dropped_);
+    }
+  } else {
+    ready_.push_back(std::move(entry.notification));
+    ++delivered_;
+    ready_cv_.SignalAll();
+  }
   entries_.erase(key);
-  ready_cv_.SignalAll();
 }
 
-void ArrivalCounter::OnArrival(PeerId peer, TransferId transfer) {
+absl::Status ArrivalCounter::OnArrival(PeerId peer, TransferId transfer) {
   MutexLock lock(&mu_);
   const Key key{peer, transfer};
-  auto [it, inserted] = entries_.try_emplace(key);
-  if (inserted) it->second.first_seen = absl::Now();
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    if (entries_.size() >= limit_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("data of transfer ", transfer, " arrived while ", entries_.size(),
+                       " transfers wait for their data or notification (limit ", limit_, ")"));
+    }
+    it = entries_.try_emplace(key).first;
+    it->second.first_seen = absl::Now();
+  }
   ++it->second.arrived;
   MaybeDeliverLocked(key, it->second);
+  return absl::OkStatus();
 }
 
-void ArrivalCounter::OnNotify(Notification notification, uint64_t expected) {
+absl::Status ArrivalCounter::OnNotify(Notification notification, uint64_t expected) {
   MutexLock lock(&mu_);
   const Key key{notification.peer, notification.transfer_id};
-  auto [it, inserted] = entries_.try_emplace(key);
-  if (inserted) it->second.first_seen = absl::Now();
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    if (entries_.size() >= limit_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "notification of transfer ", notification.transfer_id, " arrived while ", entries_.size(),
+          " transfers wait for their data or notification (limit ", limit_, ")"));
+    }
+    it = entries_.try_emplace(key).first;
+    it->second.first_seen = absl::Now();
+  }
   it->second.notified = true;
   it->second.expected = expected;
   it->second.notification = std::move(notification);
   MaybeDeliverLocked(key, it->second);
+  return absl::OkStatus();
 }
 
 size_t ArrivalCounter::DropPeer(PeerId peer) {
@@ -76,6 +107,11 @@ bool ArrivalCounter::WaitOne(absl::Time deadline, Notification* out) {
   *out = std::move(ready_.front());
   ready_.pop_front();
   return true;
+}
+
+uint64_t ArrivalCounter::dropped() const {
+  MutexLock lock(&mu_);
+  return dropped_;
 }
 
 uint64_t ArrivalCounter::delivered() const {

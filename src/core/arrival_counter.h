@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 #include "kvwire/engine.h"
@@ -20,10 +21,18 @@ namespace kvwire::core {
 
 class ArrivalCounter {
  public:
-  // One data piece of (peer, transfer) became visible.
-  void OnArrival(PeerId peer, TransferId transfer) ABSL_LOCKS_EXCLUDED(mu_);
+  // `limit` bounds both the notifications delivered but not taken, and the (peer, transfer)
+  // entries still counting arrivals or waiting for them.
+  explicit ArrivalCounter(uint64_t limit = UINT64_MAX) : limit_(limit) {}
+
+  // One data piece of (peer, transfer) became visible. ResourceExhausted (nothing recorded)
+  // when it would open an entry past the limit: the peer has too many transfers unfinished.
+  absl::Status OnArrival(PeerId peer, TransferId transfer) ABSL_LOCKS_EXCLUDED(mu_);
   // The notification of (peer, transfer); delivered once `expected` pieces have arrived.
-  void OnNotify(Notification notification, uint64_t expected) ABSL_LOCKS_EXCLUDED(mu_);
+  // ResourceExhausted (dropped) as OnArrival. A notification complete while `limit`
+  // delivered ones wait to be taken is dropped and counted (dropped()): the consumer is not
+  // taking them, and the engine must not grow for it.
+  absl::Status OnNotify(Notification notification, uint64_t expected) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets everything of a peer (it died or was dropped); returns how many notifications
   // were still waiting for data.
   size_t DropPeer(PeerId peer) ABSL_LOCKS_EXCLUDED(mu_);
@@ -35,6 +44,7 @@ class ArrivalCounter {
   // Waits until one notification is ready or `deadline`.
   bool WaitOne(absl::Time deadline, Notification* out) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t delivered() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t dropped() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending_entries() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -49,11 +59,13 @@ class ArrivalCounter {
 
   void MaybeDeliverLocked(const Key& key, Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const uint64_t limit_;
   mutable Mutex mu_;
   CondVar ready_cv_;
   absl::flat_hash_map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::deque<Notification> ready_ ABSL_GUARDED_BY(mu_);
   uint64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvwire::core

@@ -44,25 +44,43 @@ absl::Status SplitHostPort(const std::string& address, std::string* host, uint16
 
 Engine::Impl::Impl(EngineOptions options) : options_(std::move(options)) {}
 
-std::string Engine::Impl::NewToken() {
+absl::StatusOr<std::string> Engine::Impl::NewToken() {
+  // A session token is a bearer credential for every region exported to its holder: it must
+  // be unguessable, so there is no fallback when the CSPRNG fails.
   unsigned char bytes[16];
   if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
-    // Tokens only need to be unguessable by other local processes; the counter keeps them
-    // unique should the CSPRNG ever fail.
-    for (size_t i = 0; i < sizeof(bytes); ++i) bytes[i] = static_cast<unsigned char>(i);
+    return absl::InternalError(
+        "the OpenSSL CSPRNG (RAND_bytes) failed; refusing to make a predictable session token");
   }
-  return absl::StrCat(absl::BytesToHexString(
-                          absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes))),
-                      "-", next_peer_id_.load());
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
 absl::Status Engine::Impl::Init() {
+  // Also proves the CSPRNG works before anything listens: an engine that could not issue
+  // tokens refuses to start.
+  absl::StatusOr<std::string> probe = NewToken();
+  if (!probe.ok()) {
+    return absl::Status(probe.status().code(),
+                        absl::StrCat("engine cannot start: ", probe.status().message()));
+  }
   name_ = options_.name;
-  if (name_.empty()) name_ = absl::StrCat("kvwire-", getpid(), "-", NewToken().substr(0, 8));
+  if (name_.empty()) name_ = absl::StrCat("kvwire-", getpid(), "-", probe->substr(0, 8));
   handshake_.compat_hash = control::CompatibilityHash(options_.compat_salt);
   handshake_.shared_secret = options_.shared_secret;
   handshake_.max_frame_bytes = options_.max_frame_bytes;
   handshake_.timeout = options_.connect_timeout;
+  handshake_.issue_token = [this] { return IssueToken(); };
+  handshake_.revoke_token = [this](const std::string& token) { RevokeToken(token); };
+  handshake_.max_pending_handshakes = options_.max_pending_handshakes;
+  handshake_.max_connections = options_.max_control_connections;
+  handshake_.max_send_queue_bytes = options_.max_control_send_queue_bytes;
+  if (options_.max_undrained_notifications == 0 || options_.closed_peers_kept < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_undrained_notifications (",
+                                                   options_.max_undrained_notifications,
+                                                   ") must be at least 1 and closed_peers_kept (",
+                                                   options_.closed_peers_kept, ") not negative"));
+  }
 
   std::string host = "127.0.0.1";
   uint16_t port = 0;
@@ -340,10 +358,20 @@ EngineStats Engine::Impl::Stats() const {
   out.registered_bytes = regions_.bytes();
   out.gpu.regions = regions_.gpu_regions();
   out.notifications_delivered = arrivals_.delivered();
+  out.control.notifications_dropped = arrivals_.dropped();
+  out.control.peers_closed_for_protocol = peers_closed_for_protocol_.load();
+  if (server_) {
+    const control::ServerStats server = server_->stats();
+    out.control.handshakes_in_flight = server.handshakes_in_flight;
+    out.control.control_connections = server.connections;
+    out.control.handshakes_failed = server.handshakes_failed;
+    out.control.handshakes_refused = server.refused_over_limit;
+  }
   for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
     if (t != nullptr) t->AddStats(&out);
   }
   MutexLock lock(&peers_mu_);
+  out.control.session_tokens = tokens_.size();
   for (const auto& [id, peer] : peers_) {
     MutexLock peer_lock(&peer->mu);
     PeerStats p;

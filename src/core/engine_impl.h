@@ -5,6 +5,7 @@
 #define KVWIRE_CORE_ENGINE_IMPL_H_
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -110,7 +111,8 @@ class Engine::Impl final : public transport::TargetHooks {
 
  private:
   // engine_peers.cc
-  pb::Hello LocalHello(const std::string& token, TransportKind preference) const;
+  // The handshake adds the session token (HandshakeConfig::issue_token).
+  pb::Hello LocalHello(TransportKind preference) const;
   absl::StatusOr<pb::Hello> RespondToHello(const pb::Hello& remote);
   void OnAccepted(control::Accepted accepted);
   std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
@@ -125,7 +127,16 @@ class Engine::Impl final : public transport::TargetHooks {
   void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
   void ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
   std::shared_ptr<Peer> GetPeer(PeerId id) const;
-  std::string NewToken();
+  // 16 bytes from the CSPRNG, hex; an error (never predictable bytes) if it fails.
+  absl::StatusOr<std::string> NewToken();
+  // HandshakeConfig::issue_token/revoke_token: a token becomes live (PeerForToken finds it)
+  // for a new peer id only once the handshake has authenticated the peer it goes to.
+  absl::StatusOr<std::string> IssueToken();
+  void RevokeToken(const std::string& token);
+  // The peer id a live token was issued for; 0 if it is not live (revoked: engine stopping).
+  PeerId TokenPeer(const std::string& token) const;
+  // Drops a peer from a malformed or unexpected control message: Goodbye says why.
+  void ClosePeerForProtocol(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
 
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
@@ -152,7 +163,7 @@ class Engine::Impl final : public transport::TargetHooks {
 
   core::RegionRegistry regions_;
   core::TransferTable transfers_;
-  core::ArrivalCounter arrivals_;
+  core::ArrivalCounter arrivals_{options_.max_undrained_notifications};
   // Engine messages per topic; shared with the Inbox handles, which may outlive the engine.
   std::shared_ptr<core::MessageHub> messages_ =
       std::make_shared<core::MessageHub>(options_.max_message_bytes);
@@ -162,10 +173,12 @@ class Engine::Impl final : public transport::TargetHooks {
   mutable Mutex peers_mu_;
   CondVar peers_cv_;  // a peer was added, changed state, or learned a region
   absl::flat_hash_map<PeerId, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);
+  // Live session tokens: issued only to authenticated peers (see IssueToken).
   absl::flat_hash_map<std::string, PeerId> tokens_ ABSL_GUARDED_BY(peers_mu_);
-  // Listener side: the dialer's token -> (peer id, token issued to it), until accepted.
-  absl::flat_hash_map<std::string, std::pair<PeerId, std::string>> pending_
-      ABSL_GUARDED_BY(peers_mu_);
+  // Closed peers still in peers_ (for Peers()/Stats()), oldest first; bounded by
+  // options_.closed_peers_kept.
+  std::deque<PeerId> closed_peers_ ABSL_GUARDED_BY(peers_mu_);
+  std::atomic<uint64_t> peers_closed_for_protocol_{0};
 
   mutable Mutex stats_mu_;
   EngineStats stats_ ABSL_GUARDED_BY(stats_mu_);

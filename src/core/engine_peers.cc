@@ -6,12 +6,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "src/control/handshake.h"
 #include "src/core/engine_impl.h"
 #include "src/util/log.h"
 #include "transport/shm/shm_transport.h"
 
 namespace kvwire {
 namespace {
+
+// Regions one peer may export to this engine; a KV cache needs a few hundred at most.
+constexpr size_t kMaxRemoteRegionsPerPeer = 1 << 16;
 
 TransportKind PreferenceOf(const pb::Hello& hello) {
   auto kind = ParseTransportKind(hello.transport_preference());
@@ -50,12 +54,11 @@ pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
 
 }  // namespace
 
-pb::Hello Engine::Impl::LocalHello(const std::string& token, TransportKind preference) const {
+pb::Hello Engine::Impl::LocalHello(TransportKind preference) const {
   pb::Hello hello;
   hello.set_engine_name(name_);
   hello.set_host_id(transport::LocalHostId());
   hello.set_pid(static_cast<uint32_t>(getpid()));
-  hello.set_session_token(token);
   hello.set_transport_preference(TransportKindName(preference));
   pb::TransportEndpoint* tcp = hello.add_transports();
   tcp->set_kind("tcp");
@@ -79,29 +82,46 @@ std::shared_ptr<Peer> Engine::Impl::GetPeer(PeerId id) const {
   return it == peers_.end() ? nullptr : it->second;
 }
 
+absl::StatusOr<std::string> Engine::Impl::IssueToken() {
+  if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
+  absl::StatusOr<std::string> token = NewToken();
+  if (!token.ok()) return token.status();
+  const PeerId id = next_peer_id_++;
+  MutexLock lock(&peers_mu_);
+  if (!tokens_.try_emplace(*token, id).second) {
+    return absl::InternalError("the CSPRNG repeated a session token");
+  }
+  return token;
+}
+
+void Engine::Impl::RevokeToken(const std::string& token) {
+  MutexLock lock(&peers_mu_);
+  tokens_.erase(token);
+}
+
+PeerId Engine::Impl::TokenPeer(const std::string& token) const {
+  MutexLock lock(&peers_mu_);
+  auto it = tokens_.find(token);
+  return it == tokens_.end() ? 0 : it->second;
+}
+
 absl::StatusOr<pb::Hello> Engine::Impl::RespondToHello(const pb::Hello& remote) {
+  // Runs before the dialer has proven anything: decides, holds no state, issues no token.
   if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
   auto preference =
       SettlePreference(options_.transport, name_, PreferenceOf(remote), remote.engine_name());
   if (!preference.ok()) return preference.status();
-  const PeerId id = next_peer_id_++;
-  const std::string token = NewToken();
-  {
-    MutexLock lock(&peers_mu_);
-    tokens_[token] = id;
-    pending_[remote.session_token()] = {id, token};
-  }
-  return LocalHello(token, options_.transport);
+  return LocalHello(options_.transport);
 }
 
 void Engine::Impl::OnAccepted(control::Accepted accepted) {
-  PeerId id = 0;
-  {
-    MutexLock lock(&peers_mu_);
-    auto it = pending_.find(accepted.remote_hello.session_token());
-    if (it == pending_.end()) return;  // cannot happen: RespondToHello ran for this handshake
-    id = it->second.first;
-    pending_.erase(it);
+  const PeerId id = TokenPeer(accepted.local_token);
+  if (id == 0 || stopping_) {
+    // Revoked meanwhile (the engine is stopping): the dialer learns it from the Goodbye.
+    RevokeToken(accepted.local_token);
+    accepted.connection->Close(
+        absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping")));
+    return;
   }
   auto preference = SettlePreference(options_.transport, name_, PreferenceOf(accepted.remote_hello),
                                      accepted.remote_hello.engine_name());
@@ -192,21 +212,21 @@ absl::StatusOr<PeerId> Engine::Impl::Connect(const std::string& address,
                                              const ConnectOptions& options) {
   if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
   const TransportKind preference = options.transport.value_or(options_.transport);
-  const PeerId id = next_peer_id_++;
-  const std::string token = NewToken();
-  {
-    MutexLock lock(&peers_mu_);
-    tokens_[token] = id;
-  }
-  auto forget_token = [&] {
-    MutexLock lock(&peers_mu_);
-    tokens_.erase(token);
-  };
-  auto accepted = control::Dial(io_, address, LocalHello(token, preference), handshake_);
+  // The handshake issues this side's token only once the listener is authenticated, and
+  // revokes it itself if the handshake fails.
+  auto accepted = control::Dial(io_, address, LocalHello(preference), handshake_);
   if (!accepted.ok()) {
-    forget_token();
     return absl::Status(accepted.status().code(),
                         absl::StrCat("connect to ", address, ": ", accepted.status().message()));
+  }
+  const std::string token = accepted->local_token;
+  auto forget_token = [&] { RevokeToken(token); };
+  const PeerId id = TokenPeer(token);
+  if (id == 0) {
+    const absl::Status stopping = absl::UnavailableError(
+        absl::StrCat("connect to ", address, ": engine ", name_, " is stopping"));
+    accepted->connection->Close(stopping);
+    return stopping;
   }
   auto settled = SettlePreference(preference, name_, PreferenceOf(accepted->remote_hello),
                                   accepted->remote_hello.engine_name());
@@ -458,9 +478,27 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
 void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message) {
   switch (message.body_case()) {
     case pb::Envelope::kExportRegions: {
+      for (const pb::RegionDescriptor& d : message.export_regions().regions()) {
+        if (d.memory_kind() > static_cast<uint32_t>(MemoryKind::kGpu)) {
+          ClosePeerForProtocol(
+              peer, absl::InvalidArgumentError(absl::StrCat(
+                        "malformed ExportRegions from peer ", peer->name, ": region ", d.id(),
+                        " has memory_kind ", d.memory_kind(), " (known: 0 host, 1 gpu)")));
+          return;
+        }
+      }
+      absl::Status too_many;
       {
         MutexLock lock(&peer->mu);
+        if (peer->remote.size() + message.export_regions().regions_size() >
+            kMaxRemoteRegionsPerPeer) {
+          too_many = absl::ResourceExhaustedError(absl::StrCat(
+              "peer ", peer->name, " exported ", message.export_regions().regions_size(),
+              " more regions on top of ", peer->remote.size(), " (limit ", kMaxRemoteRegionsPerPeer,
+              " per peer)"));
+        }
         for (const pb::RegionDescriptor& d : message.export_regions().regions()) {
+          if (!too_many.ok()) break;
           RemoteRegionState state;
           state.desc.id = d.id();
           state.desc.length = d.length();
@@ -471,6 +509,10 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
           state.transport_keys.insert(d.transport_keys().begin(), d.transport_keys().end());
           peer->remote[d.id()] = state;
         }
+      }
+      if (!too_many.ok()) {
+        ClosePeerForProtocol(peer, too_many);
+        return;
       }
       worker_->Post([this, peer] {
         bool ready;
@@ -503,7 +545,12 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
       n.peer_name = peer->name;
       n.transfer_id = message.notify().transfer_id();
       n.payload = message.notify().payload();
-      arrivals_.OnNotify(std::move(n), message.notify().expected_arrivals());
+      if (absl::Status s = arrivals_.OnNotify(std::move(n), message.notify().expected_arrivals());
+          !s.ok()) {
+        ClosePeerForProtocol(
+            peer, absl::Status(s.code(), absl::StrCat("peer ", peer->name, ": ", s.message())));
+        return;
+      }
       break;
     }
     case pb::Envelope::kEngineMessage:
@@ -511,17 +558,32 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
       break;
     case pb::Envelope::kRdmaConnectRequest:
     case pb::Envelope::kRdmaConnectReply:
-      if (rdma_) {
-        rdma_->OnControlMessage(peer->id, message, [conn = peer->conn](const pb::Envelope& m) {
-          return conn->Send(m);
-        });
+      if (!rdma_) {
+        // This engine offered no rdma endpoint, so a correct peer never sends these.
+        ClosePeerForProtocol(peer, absl::InvalidArgumentError(absl::StrCat(
+                                       "unexpected ", control::MessageName(message), " from peer ",
+                                       peer->name, ": engine ", name_, " offers no rdma")));
+        return;
       }
+      rdma_->OnControlMessage(peer->id, message,
+                              [conn = peer->conn](const pb::Envelope& m) { return conn->Send(m); });
       break;
     default:
-      KVW_LOG(kWarning, "engine") << "unexpected control message ignored" << Kv("engine", name_)
-                                  << Kv("peer", peer->name) << Kv("case", message.body_case());
-      break;
+      ClosePeerForProtocol(
+          peer, absl::InvalidArgumentError(absl::StrCat(
+                    "unexpected control message ", control::MessageName(message), " (field ",
+                    static_cast<int>(message.body_case()), ") from peer ", peer->name)));
+      return;
   }
+}
+
+void Engine::Impl::ClosePeerForProtocol(const std::shared_ptr<Peer>& peer,
+                                        const absl::Status& reason) {
+  peers_closed_for_protocol_.fetch_add(1);
+  KVW_LOG(kWarning, "engine") << "closing peer for a protocol error" << Kv("engine", name_)
+                              << Kv("peer", peer->name) << Kv("error", reason.message());
+  // Teardown joins transport threads: never on the I/O thread that read the message.
+  worker_->Post([this, peer, reason] { ClosePeer(peer, reason); });
 }
 
 void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason) {
@@ -534,6 +596,11 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     shm = peer->shm;
     tcp = peer->tcp;
     rdma = peer->rdma;
+  }
+  {
+    // First: the peer's token stops opening data connections at once.
+    MutexLock lock(&peers_mu_);
+    absl::erase_if(tokens_, [&](const auto& entry) { return entry.second == peer->id; });
   }
   // An orderly close (local Disconnect or shutdown, or the peer's) is not a warning.
   const bool orderly = reason.code() == absl::StatusCode::kCancelled;
@@ -564,12 +631,12 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   // After its transfers failed: a consumer that sees the event finds them ended.
   messages_->PeerClosed(peer->id, peer->name, std::string(reason.message()));
   MutexLock lock(&peers_mu_);
-  for (auto it = tokens_.begin(); it != tokens_.end();) {
-    if (it->second == peer->id) {
-      tokens_.erase(it++);
-    } else {
-      ++it;
-    }
+  // Kept a while for Peers()/Stats() and their close reason, then forgotten: a stream of
+  // peers that come and go must not grow the engine.
+  if (peers_.contains(peer->id)) closed_peers_.push_back(peer->id);
+  while (closed_peers_.size() > static_cast<size_t>(options_.closed_peers_kept)) {
+    peers_.erase(closed_peers_.front());
+    closed_peers_.pop_front();
   }
   peers_cv_.SignalAll();
 }

@@ -227,10 +227,11 @@ void Engine::Impl::ReaperLoop() {
 // --- target side ---------------------------------------------------------------------------
 
 absl::StatusOr<PeerId> Engine::Impl::PeerForToken(const std::string& token) {
+  if (token.empty()) return absl::UnauthenticatedError("no session token presented");
   MutexLock lock(&peers_mu_);
   auto it = tokens_.find(token);
   if (it == tokens_.end()) {
-    return absl::UnauthenticatedError("unknown session token (no handshake for it)");
+    return absl::UnauthenticatedError("unknown session token (no completed handshake issued it)");
   }
   return it->second;
 }
@@ -257,7 +258,7 @@ absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer,
 }
 
 void Engine::Impl::OnWriteArrived(PeerId peer, TransferId transfer_id) {
-  arrivals_.OnArrival(peer, transfer_id);
+  if (absl::Status s = arrivals_.OnArrival(peer, transfer_id); !s.ok()) OnPeerError(peer, s);
 }
 
 void Engine::Impl::OnPeerError(PeerId peer_id, const absl::Status& error) {

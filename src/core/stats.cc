@@ -42,6 +42,13 @@ std::string EngineStats::ToJson() const {
       ",\"notifications_sent\":", notifications_sent,
       ",\"notifications_delivered\":", notifications_delivered, ",\"incoming_ops\":", incoming_ops,
       ",\"incoming_rejected\":", incoming_rejected,
+      ",\"control\":{\"handshakes_in_flight\":", control.handshakes_in_flight,
+      ",\"connections\":", control.control_connections,
+      ",\"handshakes_failed\":", control.handshakes_failed,
+      ",\"handshakes_refused\":", control.handshakes_refused,
+      ",\"session_tokens\":", control.session_tokens,
+      ",\"notifications_dropped\":", control.notifications_dropped,
+      ",\"peers_closed_for_protocol\":", control.peers_closed_for_protocol, "}",
       ",\"transfer_latency_us\":{\"samples\":", transfer_latency.samples, ",\"avg\":",
       transfer_latency.samples ? transfer_latency.sum_us / transfer_latency.samples : 0,
       ",\"p50_le\":", transfer_latency.QuantileUpperBoundUs(0.5),
@@ -139,6 +146,19 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
           tcp_listener.thread_failures);
   counter("tcp_stalled_dropped_total", "tcp data connections cut mid-op by the I/O deadline.",
           tcp_listener.stalled_dropped);
+  gauge("control_handshakes_in_flight", "Inbound control handshakes not yet authenticated.",
+        control.handshakes_in_flight);
+  gauge("control_connections", "Inbound control connections open.", control.control_connections);
+  counter("control_handshakes_failed_total", "Inbound control handshakes that failed.",
+          control.handshakes_failed);
+  counter("control_handshakes_refused_total", "Dialers refused over a control-port limit.",
+          control.handshakes_refused);
+  gauge("control_session_tokens", "Live session tokens.", control.session_tokens);
+  counter("control_notifications_dropped_total", "Notifications dropped: consumer not taking.",
+          control.notifications_dropped);
+  counter("control_peers_closed_for_protocol_total",
+          "Peers closed for a malformed/unknown control message or an overrun queue.",
+          control.peers_closed_for_protocol);
   absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
                   "# TYPE kvwire_transfer_latency_us histogram\n");
   uint64_t cumulative = 0;
