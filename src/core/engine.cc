@@ -165,6 +165,17 @@ absl::Status Engine::Impl::Init() {
     if (!server.ok()) return server.status();
     server_ = std::move(*server);
     address_ = absl::StrCat(host == "0.0.0.0" ? "127.0.0.1" : host, ":", server_->port());
+    // Without a secret, whoever reaches the control port becomes a peer and reaches every
+    // region exported to all peers (docs/SECURITY.md). Loopback (the default) keeps that to
+    // this host; anything else is the operator's call, so it is said loudly.
+    if (options_.shared_secret.empty() && host != "127.0.0.1" && host != "::1" &&
+        host != "localhost") {
+      KVW_LOG(kWarning, "engine")
+          << "listening beyond loopback without a shared secret: any host that reaches " << host
+          << " can connect and access regions exported to all peers; set "
+          << "EngineOptions::shared_secret (KVWIRE_SECRET) on any shared network"
+          << Kv("engine", name_);
+    }
   }
   KVW_LOG(kInfo, "engine") << "started" << Kv("engine", name_) << Kv("address", address_)
                            << Kv("tcp", tcp_->Endpoint()) << Kv("shm", shm_ ? "yes" : "no")
