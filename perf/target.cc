@@ -21,6 +21,8 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+}  // namespace
+
 // Handles one RUN/DONE exchange of a raw size; the reply to DONE says whether WRITEs landed.
 absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
                        const std::vector<std::string>& run) {
@@ -57,8 +59,6 @@ absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buff
   }
   return sock.SendLine(absl::StrCat("CHECK ", verdict));
 }
-
-}  // namespace
 
 int RunTarget(const PerfOptions& o) {
   absl::StatusOr<LineListener> listener = LineListener::Listen(o.bind, o.port);
