@@ -52,8 +52,8 @@ for t in "${targets[@]}"; do
     grep -m1 -E "ERROR: |runtime error|fuzz check failed|terminate called|deadly signal" \
       "$dir/fuzz-$t.log" | sed 's/^/    /' || true
   else
-    grep -E "^stat::number_of_executed_units|^stat::new_units_added" "$dir/fuzz-$t.log" |
-      tr '\n' ' ' | sed 's/^/    /'
+    { grep -E "^stat::number_of_executed_units|^stat::new_units_added" "$dir/fuzz-$t.log" ||
+      true; } | tr '\n' ' ' | sed 's/^/    /'
     echo
   fi
 done
