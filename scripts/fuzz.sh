@@ -6,8 +6,9 @@
 # SECONDS, starting from its seed corpus tests/fuzz/corpus/<target>/ (never written to: new
 # inputs go to $FUZZ_DIR/corpus/<target>/, kept between runs). Every target runs even when an
 # earlier one crashed; the script fails if any did, after listing the reproducers (in
-# $FUZZ_DIR/crashes/<target>/). A reproducer belongs in tests/fuzz/corpus/<target>/ once
-# fixed (the ctest replay then keeps it fixed), in tests/fuzz/open/<target>/ until then.
+# $FUZZ_DIR/crashes/<target>/, emptied when the target runs again). A reproducer belongs in
+# tests/fuzz/corpus/<target>/ once fixed (the ctest replay then keeps it fixed), in
+# tests/fuzz/open/<target>/ until then.
 # Without TARGETs: every target, in the order of tests/fuzz/CMakeLists.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,6 +38,8 @@ failed=()
 for t in "${targets[@]}"; do
   work="$dir/corpus/$t"
   crashes="$dir/crashes/$t"
+  # Reproducers of this run only: a listing of older ones would point at fixed bugs.
+  rm -rf "$crashes"
   mkdir -p "$work" "$crashes"
   echo "=== fuzz: $t for ${seconds}s"
   # -timeout: an input that takes 10 s is a hang; -rss_limit_mb: a bounded parser stays far
