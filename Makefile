@@ -8,6 +8,8 @@
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
+#   make fuzz          build-fuzz/ (clang, libFuzzer, ASan+UBSan), each fuzz target FUZZ_SECONDS
+#   make fuzz-ci       the same, FUZZ_CI_SECONDS per target (CI's bounded run)
 #   make format        clang-format -i every C/C++ file of the tree
 #   make format-check  fail if any file is not clang-formatted
 #   make install       install build/ (PREFIX=/some/dir to stage elsewhere)
@@ -50,7 +52,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo demo-transfer compare test-asan test-tsan format format-check install clean help
+.PHONY: deps build test demo demo-transfer compare test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -101,6 +103,20 @@ test-tsan: deps
 	$$pfx ninja -C $(TSAN_DIR) -j$(JOBS); \
 	cd $(TSAN_DIR) && $$pfx $(CTEST) -L '^(unit|concurrent)$$' $(CTEST_ARGS)
 
+# Fuzzing (tests/fuzz/README.md): every target of tests/fuzz/ for a bounded time each, from
+# its seed corpus; fails on any crash, sanitizer report, hang (10 s) or RSS over 2 GiB, and
+# names the reproducers. FUZZ_TARGETS='tcp_wire kv_params' runs only those.
+FUZZ_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_CI_SECONDS ?= 10
+FUZZ_TARGETS ?=
+export FUZZ_DIR
+fuzz: deps
+	scripts/fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+fuzz-ci: deps
+	scripts/fuzz.sh $(FUZZ_CI_SECONDS) $(FUZZ_TARGETS)
+
 format: deps
 	$(FORMAT_FILES) | xargs -0 -r $(CLANG_FORMAT) -i
 
@@ -114,7 +130,7 @@ install: build
 	$(if $(PREFIX),,if [[ $$(id -u) == 0 ]]; then ldconfig; fi)
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(FUZZ_DIR)
 
 help:
 	@sed -n '/^#   make/s/^#   //p' Makefile

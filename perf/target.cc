@@ -53,6 +53,8 @@ absl::Status CheckRun(const PerfOptions& o, uint64_t buffer_bytes,
   return absl::OkStatus();
 }
 
+}  // namespace
+
 // Handles one RUN/DONE exchange of a raw size; the reply to DONE says whether WRITEs landed.
 absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
                        const std::vector<std::string>& run) {
@@ -91,6 +93,8 @@ absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buff
   }
   return sock.SendLine(absl::StrCat("CHECK ", verdict));
 }
+
+namespace {
 
 // Waits for an initiator that says HELLO in this tool's protocol. A connection that says
 // something else, or nothing within the deadline, gets an ERROR line (when it can take one)

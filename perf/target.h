@@ -3,12 +3,24 @@
 #ifndef KVWIRE_PERF_TARGET_H_
 #define KVWIRE_PERF_TARGET_H_
 
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
 #include "perf/perf_options.h"
+#include "perf/session.h"
+#include "perf/side_channel.h"
 
 namespace kvwire::perf {
 
 // Returns the process exit status (0 ok, 1 failed, 2 options refused).
 int RunTarget(const PerfOptions& options);
+
+// One RUN/DONE exchange of a raw test on `sock` (`run`: the RUN line's words), serving
+// `buffer`. Exposed for tests/fuzz/perf_side_channel_fuzz.cc: the initiator is untrusted.
+absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
+                       const std::vector<std::string>& run);
 
 }  // namespace kvwire::perf
 

@@ -19,7 +19,8 @@ packages=(
   # Connector: JSON (layouts, kv_transfer_params) and the Python binding.
   nlohmann-json3-dev pybind11-dev python3-dev
   # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer
-  # that turns sanitizer stack traces into file:line.
+  # that turns sanitizer stack traces into file:line. libclang-rt-14-dev also holds libFuzzer
+  # (libclang_rt.fuzzer*.a) for `make fuzz`.
   clang libclang-rt-14-dev llvm
   clang-format
   # Compiler cache: CI builds three trees from a fresh clone each run; ccache makes the
