@@ -9,7 +9,8 @@
 # $FUZZ_DIR/crashes/<target>/, emptied when the target runs again). A reproducer belongs in
 # tests/fuzz/corpus/<target>/ once fixed (the ctest replay then keeps it fixed), in
 # tests/fuzz/open/<target>/ until then.
-# Without TARGETs: every target, in the order of tests/fuzz/CMakeLists.txt.
+# Without TARGETs: every target, in the order of tests/fuzz/CMakeLists.txt. FUZZ_SEED=N fixes
+# libFuzzer's seed (CI does, so that a finding there can be replayed; 0: a random seed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -46,7 +47,7 @@ for t in "${targets[@]}"; do
   # below 2 GiB; -max_len: the targets' largest seeds are 6 KiB.
   # shellcheck disable=SC2086  # the prefix is meant to split into words
   if ! $pfx "$dir/tests/fuzz/fuzz_$t" -max_total_time="$seconds" -timeout=10 \
-      -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1 \
+      -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1 -seed="${FUZZ_SEED:-0}" \
       -artifact_prefix="$crashes/" "$work" "tests/fuzz/corpus/$t" \
       >"$dir/fuzz-$t.log" 2>&1; then
     failed+=("$t")
