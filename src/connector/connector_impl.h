@@ -277,7 +277,7 @@ class Connector::Impl {
 
   // Messages to one peer keep their order; a dead peer is an error.
   absl::Status SendMessage(PeerId peer, const json& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return engine_->SendMessage(peer, connector_internal::kTopic, msg.dump());
+    return engine_->SendMessage(peer, connector_internal::kTopic, DumpJson(msg));
   }
   json HelloBody() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode: connects to the prefill engine at `address` and runs the connector handshake.
@@ -349,15 +349,21 @@ class Connector::Impl {
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
-  // A hello names the regions the sender exported; they become usable here asynchronously,
-  // so wait (bounded) before answering.
-  void WaitForHelloRegions(const InboxEvent& n);
+  // Answers the hellos whose regions arrived (or whose deadline passed).
+  void ServePendingHellos() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine closed `peer` (lease expiry, Goodbye, I/O error): every request bound to it
   // fails now, not at its deadline.
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PollTransfers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct PendingHello {
+    PeerId peer = 0;
+    std::string name;
+    connector_internal::PeerMessage msg;
+    absl::Time deadline;
+  };
 
   struct EarlyWrite {
     PeerId peer = 0;
@@ -390,6 +396,7 @@ class Connector::Impl {
   std::map<std::string, PeerId> peer_by_address_ ABSL_GUARDED_BY(mu_);
   std::set<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<PeerId, absl::Status>> peers_to_close_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingHello> pending_hellos_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> by_transfer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, EarlyWrite> early_writes_ ABSL_GUARDED_BY(mu_);

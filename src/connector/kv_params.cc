@@ -81,7 +81,7 @@ std::string KvTransferParams::ToJson() const {
     }
     j["tp_sources"] = std::move(sources);
   }
-  return j.dump();
+  return DumpJson(j);
 }
 
 absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& text) {

@@ -86,7 +86,7 @@ absl::StatusOr<Layout> LayoutFromJsonValue(const json& j) {
 }  // namespace connector_internal
 
 std::string LayoutToJson(const Layout& layout) {
-  return connector_internal::LayoutToJsonValue(layout).dump();
+  return DumpJson(connector_internal::LayoutToJsonValue(layout));
 }
 
 absl::StatusOr<Layout> LayoutFromJson(const std::string& text) {

@@ -4,6 +4,7 @@
 #include <iterator>
 #include <limits>
 #include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -51,14 +52,14 @@ absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload) {
       if (absl::StatusOr<KvMode> k = ParseKvMode(mode); k.ok()) {
         m.mode = *k;
       } else {
-        f.Fail("mode", k.status().message());
+        f.Fail("mode", absl::StrCat("must be read, write or auto, got \"", mode, "\""));
       }
       if (const json* layout = f.Object("layout", /*required=*/true); layout != nullptr) {
         absl::StatusOr<Layout> l = LayoutFromJsonValue(*layout);
         if (l.ok()) {
           m.layout = std::move(*l);
         } else {
-          f.Fail("layout", l.status().message());
+          f.Fail("layout", absl::StrCat("is not usable: ", l.status().message()));
         }
       }
       const json* regions = f.Array("regions", /*required=*/true, kMaxRegions);
@@ -124,9 +125,11 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
     MutexLock lock(&mu_);
     auto it = peer_by_address_.find(address);
     if (it != peer_by_address_.end()) {
-      Peer& p = peers_[it->second];
-      if (p.ready) return p.id;
-      if (!p.error.empty()) return absl::FailedPreconditionError(p.error);
+      auto p = peers_.find(it->second);
+      if (p != peers_.end() && p->second.ready) return p->second.id;
+      if (p != peers_.end() && !p->second.error.empty()) {
+        return absl::FailedPreconditionError(p->second.error);
+      }
     }
   }
   absl::StatusOr<PeerId> peer = engine_->Connect(address);
@@ -136,25 +139,49 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
   std::vector<RegionId> regions;
   {
     MutexLock lock(&mu_);
-    Peer& p = peers_[id];
-    p.id = id;
-    p.address = address;
+    if (!PeerAlive(id)) {
+      return absl::UnavailableError(
+          absl::StrCat("connector handshake with ", address, ": the peer closed"));
+    }
+    {
+      Peer& p = peers_[id];
+      p.id = id;
+      p.address = address;
+    }
     peer_by_address_[address] = id;
     json hello = HelloBody();
     hello["t"] = "hello";
     if (absl::Status s = SendMessage(id, hello); !s.ok()) return s;
-    while (!p.ready && p.error.empty()) {
+    // Looked up again after every wait: a peer that dies is forgotten (OnPeerDeath).
+    std::string error;
+    while (true) {
+      auto p = peers_.find(id);
+      if (p == peers_.end()) {
+        error = absl::StrCat("connector handshake with ", address, ": the peer closed");
+        break;
+      }
+      if (p->second.ready) {
+        for (const RegionSpan& r : p->second.regions) regions.push_back(r.id);
+        break;
+      }
+      if (!p->second.error.empty()) {
+        error = p->second.error;
+        break;
+      }
       if (!cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
-        p.error = absl::StrCat("connector handshake with ", address,
-                               " timed out (is it a kvwire connector?)");
+        error = absl::StrCat("connector handshake with ", address,
+                             " timed out (is it a kvwire connector?)");
+        p = peers_.find(id);
+        if (p != peers_.end()) p->second.error = error;
         break;
       }
     }
-    if (!p.ready) {
-      peer_by_address_.erase(address);
-      return absl::FailedPreconditionError(p.error);
+    if (!error.empty()) {
+      if (auto a = peer_by_address_.find(address); a != peer_by_address_.end() && a->second == id) {
+        peer_by_address_.erase(a);
+      }
+      return absl::FailedPreconditionError(error);
     }
-    for (const RegionSpan& r : p.regions) regions.push_back(r.id);
   }
   // Prefill's KV regions become usable here asynchronously.
   for (RegionId r : regions) {
@@ -177,14 +204,17 @@ void Connector::Impl::OnMessage(const InboxEvent& n) {
   connector_internal::PeerMessage& m = *parsed;
   auto pit = peers_.find(n.peer);
   if (m.type == Type::kHello) {
-    if (pit != peers_.end()) {
+    const bool pending = std::any_of(pending_hellos_.begin(), pending_hellos_.end(),
+                                     [&](const PendingHello& h) { return h.peer == n.peer; });
+    if (pit != peers_.end() || pending) {
       ClosePeerLocked(n.peer, n.peer_name,
                       absl::FailedPreconditionError(
                           "connector message 'hello' repeated or unexpected (the connector "
                           "handshake runs once per connection, from the dialing side)"));
       return;
     }
-    OnHello(n.peer, m);
+    pending_hellos_.push_back(
+        {n.peer, n.peer_name, std::move(m), absl::Now() + options_.handshake_timeout});
     return;
   }
   if (m.type == Type::kHelloAck || m.type == Type::kHelloErr) {
@@ -391,9 +421,6 @@ void Connector::Impl::CloseQueuedPeers() {
 void Connector::Impl::ProgressLoop() {
   while (true) {
     std::vector<InboxEvent> events = inbox_->Wait(absl::Milliseconds(2));
-    for (const InboxEvent& e : events) {
-      if (e.kind == InboxEvent::Kind::kMessage) WaitForHelloRegions(e);
-    }
     {
       MutexLock lock(&mu_);
       if (stop_) return;
@@ -404,6 +431,7 @@ void Connector::Impl::ProgressLoop() {
           OnPeerDeath(e.peer, e.peer_name, e.payload);
         }
       }
+      ServePendingHellos();
       PollTransfers();
       CheckDeadlines();
     }
@@ -411,37 +439,40 @@ void Connector::Impl::ProgressLoop() {
   }
 }
 
-// A hello names the regions the sender exported; they become usable here asynchronously,
-// so wait (bounded) before answering.
-void Connector::Impl::WaitForHelloRegions(const InboxEvent& n) {
-  if (n.payload.find("\"hello\"") == std::string::npos) return;
-  absl::StatusOr<connector_internal::PeerMessage> m =
-      connector_internal::ParsePeerMessage(n.payload);
-  if (!m.ok() || m->type != connector_internal::PeerMessage::Type::kHello) return;  // OnMessage
-  {
-    MutexLock lock(&mu_);
-    if (peers_.count(n.peer) != 0 || !PeerAlive(n.peer)) return;  // OnMessage refuses it
-  }
-  const absl::Time deadline = absl::Now() + options_.handshake_timeout;
-  std::vector<RegionId> ids;
-  for (const RegionSpan& r : m->regions) ids.push_back(r.id);
-  // The answer lets the sender start writing here: our data path to it must be up too.
-  // Waiting for its regions implies that; a sender without regions is looked up by name.
-  if (absl::StatusOr<PeerId> up =
-          ids.empty() ? engine_->WaitForPeer(n.peer_name, deadline - absl::Now()) : n.peer;
-      !up.ok()) {
-    KVW_LOG(kWarning, kLog) << "data path to a connector peer never came up" << Kv("peer", n.peer)
-                            << Kv("error", up.status());
-    return;
-  }
-  for (RegionId id : ids) {
-    absl::Status s = engine_->WaitForRemoteRegion(
-        n.peer, id, std::max(absl::ZeroDuration(), deadline - absl::Now()));
-    if (!s.ok()) {
-      KVW_LOG(kWarning, kLog) << "hello names a region that never arrived" << Kv("peer", n.peer)
-                              << Kv("region", id) << Kv("error", s);
-      return;
+// A hello names the regions the sender exported; they become usable here asynchronously.
+// It is answered once they all arrived (or at its deadline), checked on every turn of the
+// progress loop rather than waited for: a hello naming regions that never come must not stall
+// the other peers' requests.
+void Connector::Impl::ServePendingHellos() {
+  const absl::Time now = absl::Now();
+  for (auto it = pending_hellos_.begin(); it != pending_hellos_.end();) {
+    PendingHello& h = *it;
+    if (!PeerAlive(h.peer)) {
+      it = pending_hellos_.erase(it);
+      continue;
     }
+    // The answer lets the sender start writing here: our data path to it must be up too.
+    // Its regions having arrived implies that; a sender without regions is looked up by name.
+    bool ready = false;
+    if (h.msg.regions.empty()) {
+      ready = engine_->FindPeer(h.name).ok();
+    } else {
+      // A zero timeout checks without waiting (set up, and every region resolved).
+      ready = std::all_of(h.msg.regions.begin(), h.msg.regions.end(), [&](const RegionSpan& r) {
+        return engine_->WaitForRemoteRegion(h.peer, r.id, absl::ZeroDuration()).ok();
+      });
+    }
+    if (!ready && now < h.deadline) {
+      ++it;
+      continue;
+    }
+    if (!ready) {
+      KVW_LOG(kWarning, kLog) << "hello names regions (or a data path) that never arrived"
+                              << Kv("peer", h.peer) << Kv("name", h.name);
+    }
+    PendingHello done = std::move(h);
+    it = pending_hellos_.erase(it);
+    OnHello(done.peer, done.msg);
   }
 }
 
@@ -456,11 +487,13 @@ void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const st
       break;
     }
   }
-  auto p = peers_.find(peer);
-  if (p != peers_.end()) {
-    if (p->second.error.empty()) p->second.error = absl::StrCat("peer ", name, " died: ", reason);
-    cv_.SignalAll();  // a handshake waiting on it ends now
-  }
+  // Forgotten (its layout and regions are not kept for a connection that is gone); a handshake
+  // waiting on it ends now, and requests bound to it find it missing.
+  peers_.erase(peer);
+  pending_hellos_.erase(std::remove_if(pending_hellos_.begin(), pending_hellos_.end(),
+                                       [&](const PendingHello& h) { return h.peer == peer; }),
+                        pending_hellos_.end());
+  cv_.SignalAll();
   std::vector<std::string> ids;
   for (auto& [id, r] : requests_) {
     bool bound = r.peer == peer;

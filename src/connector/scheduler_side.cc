@@ -136,17 +136,18 @@ std::string Connector::Impl::BuildConnectorMeta() {
   for (const std::string& id : pending_loads_) {
     auto it = requests_.find(id);
     if (it == requests_.end()) continue;
-    loads.push_back({{"request_id", id},
-                     {"params", json::parse(it->second.params.ToJson())},
-                     {"blocks", BlocksToJson(it->second.blocks)},
-                     {"num_cached", it->second.num_cached}});
+    loads.push_back(
+        {{"request_id", id},
+         {"params", json::parse(it->second.params.ToJson(), nullptr, /*allow_exceptions=*/false)},
+         {"blocks", BlocksToJson(it->second.blocks)},
+         {"num_cached", it->second.num_cached}});
   }
   for (const std::string& id : pending_saves_) {
     if (requests_.count(id) != 0) saves.push_back({{"request_id", id}});
   }
   pending_loads_.clear();
   pending_saves_.clear();
-  return json{{"loads", loads}, {"saves", saves}}.dump();
+  return DumpJson(json{{"loads", loads}, {"saves", saves}});
 }
 
 absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(

@@ -77,6 +77,10 @@ absl::StatusOr<json> ParseJsonObject(absl::string_view text, absl::string_view c
   return j;
 }
 
+std::string DumpJson(const json& j) {
+  return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
+}
+
 JsonFields::JsonFields(const json& object, std::string context)
     : JsonFields(object, std::move(context), std::make_shared<absl::Status>()) {}
 

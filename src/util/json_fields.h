@@ -47,6 +47,10 @@ absl::StatusOr<nlohmann::json> ParseJsonObject(absl::string_view text, absl::str
                                                size_t max_bytes = 16 << 20,
                                                int max_depth = kJsonMaxDepth);
 
+// j.dump() that never throws: strings that are not valid UTF-8 (a caller's request id, say)
+// are written with U+FFFD in place of the bad bytes instead of throwing type_error 316.
+std::string DumpJson(const nlohmann::json& j);
+
 class JsonFields {
  public:
   // Reads the fields of `object` (which must outlive the reader); a non-object is an error

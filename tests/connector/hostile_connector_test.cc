@@ -392,6 +392,7 @@ TEST_P(HostileConnectorTest, ForgedWriteModeMessagesAreRefused) {
   for (const CacheGroup& g : d.cache->layout().groups)
     layers.insert(g.layers.begin(), g.layers.end());
   ASSERT_TRUE(d.connector->WaitForLayerLoad(*layers.begin()).ok());
+  ASSERT_FALSE(d.WaitDone("w1", absl::Milliseconds(100)).ok()) << "the load ended early";
 
   const std::string decode_address = d.connector->engine().address();
   struct Forgery {
@@ -507,6 +508,29 @@ TEST_P(HostileConnectorTest, MalformedMessagesCloseOnlyTheSender) {
     EXPECT_TRUE(absl::StrContains(*reason, "connector")) << *reason;
   }
   ExpectServesLegitimatePeer(*prefill, "after");
+  ExpectPrefillClean(*prefill);
+}
+
+// A hello naming regions that were never exported is answered only at the handshake
+// deadline; meanwhile the connector goes on serving everyone else (before the fix its
+// progress thread waited for those regions, so no other request moved).
+TEST_P(HostileConnectorTest, HelloWithRegionsThatNeverArriveStallsNobody) {
+  auto prefill = Prefill();
+  RawPeer staller("staller", transport());
+  ASSERT_TRUE(staller.Connect(address_).ok());
+  auto probe = KvCache::Create(kLayout, kBlocks, kStateBlocks, 1);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  ASSERT_TRUE(staller
+                  .Send(json{{"t", "hello"},
+                             {"engine_id", "staller"},
+                             {"mode", "auto"},
+                             {"layout", json::parse(LayoutToJson((*probe)->layout()))},
+                             {"regions", json::array({json::array({4096, 4096, 987654})})}})
+                  .ok());
+  ExpectServesLegitimatePeer(*prefill, "meanwhile");
+  // The staller is still waiting for its answer.
+  EXPECT_FALSE(staller.Next("hello_ack", absl::ZeroDuration()).ok());
+  EXPECT_FALSE(staller.Next("hello_err", absl::ZeroDuration()).ok());
   ExpectPrefillClean(*prefill);
 }
 
