@@ -110,6 +110,7 @@ class RawPeer {
   // The next connector message of type `type` (others are kept for later).
   absl::StatusOr<json> Next(const std::string& type, absl::Duration timeout = kWait) {
     const absl::Time deadline = absl::Now() + timeout;
+    for (InboxEvent& e : inbox_->Take()) events_.push_back(std::move(e));
     while (true) {
       for (auto it = events_.begin(); it != events_.end(); ++it) {
         if (it->kind != InboxEvent::Kind::kMessage) continue;
