@@ -19,6 +19,13 @@
 // own for the same reason. Peer closes (lease expiry,
 // Goodbye, I/O error) arrive through the same inbox and fail every request bound to the peer
 // at once.
+//
+// Peers are not trusted with each other's requests: every message is parsed into a
+// PeerMessage (typed, bounded) before use; a transfer is bound to the engine peer that first
+// claims it (read_start or release in read mode, write_req in write mode; decode binds its
+// loads to the prefill it dialed), and a message about it from any other peer, a malformed or
+// unknown message, or a message before the connector handshake closes that peer alone, with
+// the reason in its Goodbye. Read-mode transfer ids are 128 random bits.
 #ifndef KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
 #define KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
 

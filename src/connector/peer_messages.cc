@@ -4,7 +4,6 @@
 #include <iterator>
 #include <limits>
 #include <optional>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 
