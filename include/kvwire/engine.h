@@ -282,6 +282,9 @@ class Engine {
   absl::Status Unexport(PeerId peer, absl::Span<const RegionId> regions);
   // Fails the peer's transfers and closes it.
   absl::Status Disconnect(PeerId peer);
+  // The same for a reason of the caller's, e.g. a protocol layered on the engine that caught
+  // the peer misbehaving: the peer gets `reason` in its Goodbye.
+  absl::Status Disconnect(PeerId peer, const absl::Status& reason);
 
   std::vector<PeerInfo> Peers() const;
   absl::StatusOr<PeerId> FindPeer(const std::string& name) const;

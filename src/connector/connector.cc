@@ -30,9 +30,26 @@ nlohmann::json BlocksToJson(const BlockTable& t) {
   return j;
 }
 
-BlockTable BlocksFromJson(const nlohmann::json& j) {
+BlockTable BlocksFromJson(JsonFields& f, absl::string_view field, bool required) {
+  constexpr size_t kMaxGroups = 256, kMaxIds = 1 << 20, kMaxName = 256;
+  constexpr int64_t kMaxBlockId = int64_t{1} << 40;
   BlockTable t;
-  for (const auto& [g, ids] : j.items()) t[g] = ids.get<std::vector<int64_t>>();
+  const nlohmann::json* j = f.Object(field, required);
+  if (j == nullptr) return t;
+  if (j->size() > kMaxGroups) {
+    f.Fail(field, absl::StrCat("has ", j->size(), " groups, over the limit of ", kMaxGroups));
+    return t;
+  }
+  JsonFields groups = f.Nested(field, required);
+  for (const auto& [g, ids] : j->items()) {
+    if (g.size() > kMaxName) {
+      groups.Fail("<group>", absl::StrCat("is a name of ", g.size(), " bytes"));
+      break;
+    }
+    t[g] = groups.IntArray(g, /*required=*/true, -1, kMaxBlockId, kMaxIds);
+    if (!f.ok()) break;
+  }
+  if (!f.ok()) t.clear();
   return t;
 }
 

@@ -19,6 +19,13 @@
 // own for the same reason. Peer closes (lease expiry,
 // Goodbye, I/O error) arrive through the same inbox and fail every request bound to the peer
 // at once.
+//
+// Peers are not trusted with each other's requests: every message is parsed into a
+// PeerMessage (typed, bounded) before use; a transfer is bound to the engine peer that first
+// claims it (read_start or release in read mode, write_req in write mode; decode binds its
+// loads to the prefill it dialed), and a message about it from any other peer, a malformed or
+// unknown message, or a message before the connector handshake closes that peer alone, with
+// the reason in its Goodbye. Read-mode transfer ids are 128 random bits.
 #ifndef KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
 #define KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
 
@@ -46,6 +53,7 @@
 #include "kvwire/layout.h"
 #include "src/connector/metrics_http.h"
 #include "src/gpu/runtime.h"
+#include "src/util/json_fields.h"
 #include "src/util/mutex.h"
 
 namespace kvwire {
@@ -70,7 +78,53 @@ absl::StatusOr<std::pair<RegionId, uint64_t>> FindRegion(const std::vector<Regio
                                                          uint64_t addr, uint64_t length,
                                                          const char* side);
 nlohmann::json BlocksToJson(const BlockTable& t);
-BlockTable BlocksFromJson(const nlohmann::json& j);
+// The block table in object field `field` of `f` ({group: [block id, ...]}), typed and bounded.
+BlockTable BlocksFromJson(JsonFields& f, absl::string_view field, bool required);
+
+// Bounds on what a peer's connector message may hold.
+inline constexpr size_t kMaxTransferIdBytes = 256;
+inline constexpr size_t kMaxReasonBytes = 4096;
+inline constexpr size_t kMaxRegions = 4096;
+// Write requests a prefill keeps for requests its scheduler has not seen yet: per peer, and
+// in all. Beyond them a write request is answered with "fail" at once.
+inline constexpr size_t kMaxEarlyWritesPerPeer = 1024;
+inline constexpr size_t kMaxEarlyWrites = 8192;
+
+// One connector message from a peer, with every field checked (type, range, size) before any
+// of it is used.
+struct PeerMessage {
+  enum class Type {
+    kHello,
+    kHelloAck,
+    kHelloErr,
+    kReadStart,
+    kRelease,
+    kWriteReq,
+    kLayer,
+    kDone,
+    kFail
+  };
+  Type type = Type::kHello;
+  std::string name;  // the type as sent ("hello", "release", ...)
+  std::string transfer_id;
+  // hello, hello_ack
+  std::string engine_id;
+  KvMode mode = KvMode::kAuto;
+  Layout layout;
+  std::vector<RegionSpan> regions;
+  // release
+  bool ok = true;
+  // release, fail; hello_err's error
+  std::string reason;
+  // write_req
+  BlockTable blocks;
+  uint64_t num_cached = 0;
+  // layer
+  int layer = 0;
+};
+// Errors name the message type and the field ("connector message 'release': 'transfer_id'
+// must be a string, got 5").
+absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload);
 double ThreadCpuUs();
 // Microseconds from a to b; -1 when either is unset.
 double Us(absl::Time a, absl::Time b);
@@ -230,15 +284,30 @@ class Connector::Impl {
 
   // Messages to one peer keep their order; a dead peer is an error.
   absl::Status SendMessage(PeerId peer, const json& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return engine_->SendMessage(peer, connector_internal::kTopic, msg.dump());
+    return engine_->SendMessage(peer, connector_internal::kTopic, DumpJson(msg));
   }
   json HelloBody() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static absl::Status ReadHello(const json& m, Peer* p);
   // Decode: connects to the prefill engine at `address` and runs the connector handshake.
   absl::StatusOr<PeerId> EnsurePeer(const std::string& address);
   void OnMessage(const InboxEvent& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnHello(PeerId peer, connector_internal::PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The peer broke the protocol (a malformed, unknown or unexpected message, or one about a
+  // transfer bound to another peer): it is closed, with `reason` in its Goodbye, once the
+  // lock is released; requests bound to it fail now. Nothing else is touched.
+  void ClosePeerLocked(PeerId peer, const std::string& name, absl::Status reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the peers ClosePeerLocked queued (outside mu_: closing joins transport threads).
+  void CloseQueuedPeers() ABSL_LOCKS_EXCLUDED(mu_);
+  // False (and the sender is closed) when `r` is bound to a peer other than `peer`; binds an
+  // unbound `r` to `peer` when `bind`.
+  bool CheckBinding(Request& r, PeerId peer, const std::string& name,
+                    const connector_internal::PeerMessage& m, bool bind)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Request* FindByTransfer(const std::string& tid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnWriteRequest(PeerId peer, const json& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decode: the live request loading `tid` (any mode), or nullptr.
+  Request* FindDecodeByTransfer(const std::string& tid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnWriteRequest(PeerId peer, const std::string& name, connector_internal::PeerMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill write mode: plans once both block tables are known, then sends every final
   // layer not yet sent; "done" follows when all layers are sent and their transfers ended.
   void MaybeSendLayersLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -287,9 +356,8 @@ class Connector::Impl {
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
-  // A hello names the regions the sender exported; they become usable here asynchronously,
-  // so wait (bounded) before answering.
-  void WaitForHelloRegions(const InboxEvent& n);
+  // Answers the hellos whose regions arrived (or whose deadline passed).
+  void ServePendingHellos() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine closed `peer` (lease expiry, Goodbye, I/O error): every request bound to it
   // fails now, not at its deadline.
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
@@ -297,9 +365,17 @@ class Connector::Impl {
   void PollTransfers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  struct PendingHello {
+    PeerId peer = 0;
+    std::string name;
+    connector_internal::PeerMessage msg;
+    absl::Time deadline;
+  };
+
   struct EarlyWrite {
     PeerId peer = 0;
-    json msg;
+    BlockTable blocks;
+    uint64_t num_cached = 0;
     absl::Time expires;
   };
 
@@ -326,6 +402,8 @@ class Connector::Impl {
   std::map<PeerId, Peer> peers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, PeerId> peer_by_address_ ABSL_GUARDED_BY(mu_);
   std::set<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<PeerId, absl::Status>> peers_to_close_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingHello> pending_hellos_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> by_transfer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, EarlyWrite> early_writes_ ABSL_GUARDED_BY(mu_);
@@ -338,7 +416,6 @@ class Connector::Impl {
   std::vector<std::string> bound_loads_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> bound_saves_ ABSL_GUARDED_BY(mu_);
   FinishedRequests finished_ ABSL_GUARDED_BY(mu_);
-  uint64_t transfer_seq_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
   double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;

@@ -27,7 +27,7 @@ std::string Connector::Impl::StatsJson() const {
             {"failed", failed_},
             {"groups", groups},
             {"requests", recent_}};
-  return j.dump();
+  return DumpJson(j);
 }
 
 std::string Connector::Impl::StatsPrometheus() const {

@@ -58,7 +58,12 @@ void Connector::Impl::StartLoad(const std::string& id) {
     return;
   }
   r.peer = *peer;
-  Peer& p = peers_[*peer];
+  auto pit = peers_.find(*peer);
+  if (pit == peers_.end() || !pit->second.ready) {
+    FailLocked(r, absl::StrCat("prefill engine at ", address, " closed"));
+    return;
+  }
+  Peer& p = pit->second;
   // Mode: the request's override, else block ids decide (present: read), then the pair.
   KvMode want = r.params.mode;
   if (want == KvMode::kAuto) {
@@ -129,7 +134,12 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   }
   std::map<std::string, uint64_t> head_bytes;  // head-split groups: bytes over all sources
   for (size_t i = 0; i < tables.size(); ++i) {
-    const Peer& p = peers_[tables[i].first];
+    auto pit = peers_.find(tables[i].first);
+    if (pit == peers_.end() || !pit->second.ready) {
+      FailLocked(r, "a prefill engine of the request closed");
+      return false;
+    }
+    const Peer& p = pit->second;
     absl::StatusOr<TransferPlan> plan =
         PlanTransfer(p.layout, *tables[i].second, layout_, r.blocks, r.num_tokens, r.num_cached);
     if (!plan.ok()) {

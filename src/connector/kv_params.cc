@@ -4,6 +4,8 @@
 #include "absl/strings/str_cat.h"
 
 #include "kvwire/connector.h"
+#include "src/connector/connector_impl.h"
+#include "src/util/json_fields.h"
 
 namespace kvwire {
 
@@ -39,20 +41,15 @@ absl::StatusOr<KvMode> NegotiateKvMode(KvMode prefill, KvMode decode) {
 
 namespace {
 
+// Bounds on what kv_transfer_params (from a router, i.e. from the network) may hold.
+using connector_internal::kMaxTransferIdBytes;
+constexpr uint64_t kMaxTokens = uint64_t{1} << 40;
+constexpr size_t kMaxTpSources = 256;
+
 json BlocksJson(const BlockTable& t) {
   json blocks = json::object();
   for (const auto& [group, ids] : t) blocks[group] = ids;
   return blocks;
-}
-
-absl::Status ReadBlocks(const json& j, BlockTable* out) {
-  if (!j.contains("block_ids")) return absl::OkStatus();
-  const json& b = j.at("block_ids");
-  if (!b.is_object()) {
-    return absl::InvalidArgumentError("kv_transfer_params: block_ids is not an object");
-  }
-  for (const auto& [group, ids] : b.items()) (*out)[group] = ids.get<std::vector<int64_t>>();
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -84,50 +81,46 @@ std::string KvTransferParams::ToJson() const {
     }
     j["tp_sources"] = std::move(sources);
   }
-  return j.dump();
+  return DumpJson(j);
 }
 
 absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& text) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError("kv_transfer_params: not a JSON object");
-  }
+  absl::StatusOr<json> j = ParseJsonObject(text, "kv_transfer_params");
+  if (!j.ok()) return j.status();
   KvTransferParams p;
-  try {
-    p.engine_id = j.value("engine_id", "");
-    p.host = j.value("remote_host", "");
-    p.port = j.value("remote_port", 0);
-    p.transfer_id = j.value("transfer_id", "");
-    absl::StatusOr<KvMode> mode = ParseKvMode(j.value("mode", "auto"));
-    if (!mode.ok()) return mode.status();
+  JsonFields f(*j, "kv_transfer_params");
+  p.engine_id = f.OptString("engine_id");
+  p.host = f.OptString("remote_host");
+  p.port = static_cast<int>(f.OptInt("remote_port", 0, 65535, 0));
+  p.transfer_id = f.OptString("transfer_id", "", kMaxTransferIdBytes);
+  const std::string mode_name = f.OptString("mode", "auto");
+  if (absl::StatusOr<KvMode> mode = ParseKvMode(mode_name); mode.ok()) {
     p.mode = *mode;
-    p.num_tokens = j.value("num_tokens", uint64_t{0});
-    p.do_remote_decode = j.value("do_remote_decode", false);
-    p.do_remote_prefill = j.value("do_remote_prefill", false);
-    if (absl::Status s = ReadBlocks(j, &p.block_ids); !s.ok()) return s;
-    if (j.contains("tp_sources")) {
-      if (!j.at("tp_sources").is_array()) {
-        return absl::InvalidArgumentError("kv_transfer_params: tp_sources is not a list");
-      }
-      for (const json& e : j.at("tp_sources")) {
-        KvSource s;
-        s.engine_id = e.value("engine_id", "");
-        s.host = e.at("remote_host").get<std::string>();
-        s.port = e.at("remote_port").get<int>();
-        s.transfer_id = e.at("transfer_id").get<std::string>();
-        if (absl::Status st = ReadBlocks(e, &s.block_ids); !st.ok()) return st;
-        if (s.host.empty() || s.port <= 0 || s.port > 65535 || s.transfer_id.empty() ||
-            s.block_ids.empty()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("kv_transfer_params: tp_sources[", p.tp_sources.size(),
-                           "] needs remote_host, remote_port, transfer_id and block_ids"));
-        }
-        p.tp_sources.push_back(std::move(s));
-      }
-    }
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_transfer_params: ", e.what()));
+  } else if (f.ok()) {
+    f.Fail("mode", mode.status().message());
   }
+  p.num_tokens = f.OptUint("num_tokens", kMaxTokens, 0);
+  p.do_remote_decode = f.OptBool("do_remote_decode", false);
+  p.do_remote_prefill = f.OptBool("do_remote_prefill", false);
+  p.block_ids = connector_internal::BlocksFromJson(f, "block_ids", /*required=*/false);
+  const json* sources = f.Array("tp_sources", /*required=*/false, kMaxTpSources);
+  for (size_t i = 0; sources != nullptr && i < sources->size() && f.ok(); ++i) {
+    JsonFields e = f.Item((*sources)[i], absl::StrCat("tp_sources[", i, "]"));
+    KvSource s;
+    s.engine_id = e.OptString("engine_id");
+    s.host = e.String("remote_host");
+    s.port = static_cast<int>(e.Int("remote_port", 1, 65535));
+    s.transfer_id = e.String("transfer_id", kMaxTransferIdBytes);
+    s.block_ids = connector_internal::BlocksFromJson(e, "block_ids", /*required=*/false);
+    if (!f.ok()) break;
+    if (s.host.empty() || s.transfer_id.empty() || s.block_ids.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_transfer_params: tp_sources[", i,
+                       "] needs remote_host, remote_port, transfer_id and block_ids"));
+    }
+    p.tp_sources.push_back(std::move(s));
+  }
+  if (!f.ok()) return f.status();
   if (p.port < 0 || p.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("kv_transfer_params: bad port ", p.port));
   }

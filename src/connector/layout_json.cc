@@ -1,10 +1,13 @@
 // Layouts to and from JSON (nlohmann-json, Debian's nlohmann-json3-dev; used only here and in
 // other .cc files of the connector, never in public headers).
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 
 #include "kvwire/layout.h"
+#include "src/util/json_fields.h"
 
 namespace kvwire {
 
@@ -39,41 +42,43 @@ json LayoutToJsonValue(const Layout& layout) {
 }
 
 absl::StatusOr<Layout> LayoutFromJsonValue(const json& j) {
+  // Peers send their layout in the connector handshake: every field is typed and bounded
+  // here, and Validate() checks what the fields mean together.
+  constexpr int64_t kMaxInt = int64_t{1} << 30;
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 56;
+  constexpr size_t kMaxGroups = 256, kMaxLayers = 4096;
   Layout layout;
-  try {
-    if (!j.is_object()) return absl::InvalidArgumentError("layout JSON: not an object");
-    layout.model = j.value("model", "");
-    if (!j.contains("groups") || !j.at("groups").is_array()) {
-      return absl::InvalidArgumentError("layout JSON: missing 'groups' array");
+  JsonFields f(j, "layout JSON");
+  layout.model = f.OptString("model");
+  const json* groups = f.Array("groups", /*required=*/true, kMaxGroups);
+  for (size_t i = 0; groups != nullptr && i < groups->size() && f.ok(); ++i) {
+    JsonFields jg = f.Item((*groups)[i], absl::StrCat("groups[", i, "]"));
+    CacheGroup g;
+    g.name = jg.String("name", 256);
+    for (int64_t l : jg.IntArray("layers", /*required=*/true, 0, kMaxInt, kMaxLayers)) {
+      g.layers.push_back(static_cast<int>(l));
     }
-    for (const json& jg : j.at("groups")) {
-      CacheGroup g;
-      g.name = jg.at("name").get<std::string>();
-      g.layers = jg.at("layers").get<std::vector<int>>();
-      g.tokens_per_block = jg.at("tokens_per_block").get<int>();
-      g.page_bytes = jg.at("page_bytes").get<uint64_t>();
-      g.tokens_per_entry = jg.value("tokens_per_entry", 1);
-      g.window_tokens = jg.value("window_tokens", 0);
-      g.per_request_state = jg.value("per_request_state", false);
-      g.components = jg.value("components", 1);
-      g.block_major = jg.value("block_major", true);
-      if (jg.contains("heads")) {
-        const json& h = jg.at("heads");
-        g.heads.total_heads = h.value("total", 0);
-        g.heads.tp_size = h.value("tp_size", 1);
-        g.heads.tp_rank = h.value("tp_rank", 0);
-        g.heads.outer = h.value("outer", uint64_t{1});
-        g.heads.inner_bytes = h.value("inner_bytes", uint64_t{0});
-      }
-      g.layer_base = jg.value("layer_base", std::vector<uint64_t>{});
-      g.num_blocks = jg.value("num_blocks", uint64_t{0});
-      g.block_stride = jg.value("block_stride", uint64_t{0});
-      g.component_stride = jg.value("component_stride", uint64_t{0});
-      layout.groups.push_back(std::move(g));
-    }
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("layout JSON: ", e.what()));
+    g.tokens_per_block = static_cast<int>(jg.Int("tokens_per_block", 0, kMaxInt));
+    g.page_bytes = jg.Uint("page_bytes", kMaxBytes);
+    g.tokens_per_entry = static_cast<int>(jg.OptInt("tokens_per_entry", 0, kMaxInt, 1));
+    g.window_tokens = static_cast<int>(jg.OptInt("window_tokens", 0, kMaxInt, 0));
+    g.per_request_state = jg.OptBool("per_request_state", false);
+    g.components = static_cast<int>(jg.OptInt("components", 0, 64, 1));
+    g.block_major = jg.OptBool("block_major", true);
+    JsonFields h = jg.Nested("heads", /*required=*/false);
+    g.heads.total_heads = static_cast<int>(h.OptInt("total", 0, kMaxInt, 0));
+    g.heads.tp_size = static_cast<int>(h.OptInt("tp_size", 0, kMaxInt, 1));
+    g.heads.tp_rank = static_cast<int>(h.OptInt("tp_rank", 0, kMaxInt, 0));
+    g.heads.outer = h.OptUint("outer", kMaxBytes, 1);
+    g.heads.inner_bytes = h.OptUint("inner_bytes", kMaxBytes, 0);
+    g.layer_base = jg.UintArray("layer_base", /*required=*/false,
+                                std::numeric_limits<uint64_t>::max(), kMaxLayers);
+    g.num_blocks = jg.OptUint("num_blocks", kMaxBytes, 0);
+    g.block_stride = jg.OptUint("block_stride", kMaxBytes, 0);
+    g.component_stride = jg.OptUint("component_stride", kMaxBytes, 0);
+    layout.groups.push_back(std::move(g));
   }
+  if (!f.ok()) return f.status();
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
   return layout;
 }
@@ -81,13 +86,13 @@ absl::StatusOr<Layout> LayoutFromJsonValue(const json& j) {
 }  // namespace connector_internal
 
 std::string LayoutToJson(const Layout& layout) {
-  return connector_internal::LayoutToJsonValue(layout).dump();
+  return DumpJson(connector_internal::LayoutToJsonValue(layout));
 }
 
 absl::StatusOr<Layout> LayoutFromJson(const std::string& text) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("layout JSON: parse error");
-  return connector_internal::LayoutFromJsonValue(j);
+  absl::StatusOr<json> j = ParseJsonObject(text, "layout JSON");
+  if (!j.ok()) return j.status();
+  return connector_internal::LayoutFromJsonValue(*j);
 }
 
 }  // namespace kvwire

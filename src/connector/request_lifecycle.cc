@@ -22,6 +22,14 @@ Connector::Impl::Request* Connector::Impl::FindByTransfer(const std::string& tid
   return it == requests_.end() ? nullptr : &it->second;
 }
 
+Connector::Impl::Request* Connector::Impl::FindDecodeByTransfer(const std::string& tid) {
+  if (tid.empty()) return nullptr;
+  for (auto& [id, r] : requests_) {
+    if (r.decode && r.params.transfer_id == tid) return &r;
+  }
+  return nullptr;
+}
+
 // --- endings ----------------------------------------------------------------------------
 void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
   if (!r.peer) return;

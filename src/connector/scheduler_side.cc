@@ -2,6 +2,9 @@
 // BuildConnectorMeta and RequestFinished (which, in read mode, holds prefill's blocks).
 #include <algorithm>
 
+#include <openssl/rand.h>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -9,6 +12,19 @@
 #include "src/util/log.h"
 
 namespace kvwire {
+namespace {
+
+// 128 bits from the CSPRNG, hex; an error (never a weaker id) when it fails.
+absl::StatusOr<std::string> RandomTransferId() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    return absl::UnavailableError("RAND_bytes failed: no transfer id can be made");
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+}  // namespace
 
 using connector_internal::BlocksFromJson;
 using connector_internal::BlocksToJson;
@@ -36,6 +52,13 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
   if (params->do_remote_prefill) {
     const uint64_t remote_tokens = std::min(params->num_tokens, num_tokens);
     if (remote_tokens <= num_computed) return result;  // full local prefix hit
+    // Prefill's messages about a transfer name it by id: two loads of one id cannot be told
+    // apart.
+    if (const Request* other = FindDecodeByTransfer(params->transfer_id); other != nullptr) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", req_id, ": transfer id '",
+                                                   params->transfer_id, "' is in use by request ",
+                                                   other->id));
+    }
     Request r;
     r.id = req_id;
     r.decode = true;
@@ -57,6 +80,11 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     if (options_.mode == KvMode::kRead) {
       return absl::FailedPreconditionError(absl::StrCat(
           "request ", req_id, ": asks for write mode but this prefill engine is 'read'"));
+    }
+    if (auto other = by_transfer_.find(params->transfer_id); other != by_transfer_.end()) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", req_id, ": transfer id '",
+                                                   params->transfer_id, "' is in use by request ",
+                                                   other->second));
     }
     Request r;
     r.id = req_id;
@@ -108,17 +136,18 @@ std::string Connector::Impl::BuildConnectorMeta() {
   for (const std::string& id : pending_loads_) {
     auto it = requests_.find(id);
     if (it == requests_.end()) continue;
-    loads.push_back({{"request_id", id},
-                     {"params", json::parse(it->second.params.ToJson())},
-                     {"blocks", BlocksToJson(it->second.blocks)},
-                     {"num_cached", it->second.num_cached}});
+    loads.push_back(
+        {{"request_id", id},
+         {"params", json::parse(it->second.params.ToJson(), nullptr, /*allow_exceptions=*/false)},
+         {"blocks", BlocksToJson(it->second.blocks)},
+         {"num_cached", it->second.num_cached}});
   }
   for (const std::string& id : pending_saves_) {
     if (requests_.count(id) != 0) saves.push_back({{"request_id", id}});
   }
   pending_loads_.clear();
   pending_saves_.clear();
-  return json{{"loads", loads}, {"saves", saves}}.dump();
+  return DumpJson(json{{"loads", loads}, {"saves", saves}});
 }
 
 absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
@@ -183,7 +212,11 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     if (!absl::SimpleAtoi(addr.substr(colon + 1), &port)) port = 0;
   }
   p.port = port;
-  p.transfer_id = absl::StrCat(engine_->name(), "/", req_id, "/", ++transfer_seq_);
+  // Unguessable: the id is what a reader presents (read_start, release), so a peer that was
+  // not handed it cannot claim or release the blocks.
+  absl::StatusOr<std::string> tid = RandomTransferId();
+  if (!tid.ok()) return tid.status();
+  p.transfer_id = std::move(*tid);
   p.mode = KvMode::kRead;
   p.block_ids = blocks;
   p.do_remote_prefill = true;

@@ -1,5 +1,7 @@
 // Connector worker half: binding the scheduler's metadata, starting loads, waiting for
 // layers, saving layers, and aborts.
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 
 #include "src/connector/connector_impl.h"
@@ -7,50 +9,76 @@
 
 namespace kvwire {
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
-using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::Us;
 using nlohmann::json;
 
 // --- worker side ------------------------------------------------------------------------
 absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
-  json j = json::parse(meta_json, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError("connector metadata: not a JSON object");
+  absl::StatusOr<json> j = ParseJsonObject(meta_json, "connector metadata");
+  if (!j.ok()) return j.status();
+  // Everything is read and checked before any of it is bound.
+  struct Load {
+    std::string id;
+    std::optional<KvTransferParams> params;  // only for requests this worker does not know
+    BlockTable blocks;
+    uint64_t num_cached = 0;
+  };
+  std::vector<Load> loads;
+  std::vector<std::string> saves;
+  JsonFields f(*j, "connector metadata");
+  const json* jl = f.Array("loads", /*required=*/false);
+  for (size_t i = 0; jl != nullptr && i < jl->size() && f.ok(); ++i) {
+    JsonFields l = f.Item((*jl)[i], absl::StrCat("loads[", i, "]"));
+    Load load;
+    load.id = l.String("request_id");
+    const json* params = l.Object("params", /*required=*/false);
+    load.num_cached = l.OptUint("num_cached", uint64_t{1} << 40, 0);
+    load.blocks = connector_internal::BlocksFromJson(l, "blocks", /*required=*/params != nullptr);
+    if (!f.ok()) break;
+    if (params != nullptr) {
+      absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(params->dump());
+      if (!p.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("connector metadata: loads[", i, "].params: ", p.status().message()));
+      }
+      load.params = std::move(*p);
+    }
+    loads.push_back(std::move(load));
   }
+  const json* js = f.Array("saves", /*required=*/false);
+  for (size_t i = 0; js != nullptr && i < js->size() && f.ok(); ++i) {
+    saves.push_back(f.Item((*js)[i], absl::StrCat("saves[", i, "]")).String("request_id"));
+  }
+  if (!f.ok()) return f.status();
   MutexLock lock(&mu_);
   bound_loads_.clear();
   bound_saves_.clear();
-  try {
-    for (const json& l : j.value("loads", json::array())) {
-      const std::string id = l.at("request_id").get<std::string>();
-      if (requests_.count(id) == 0) {
-        // Scheduler in another process: rebuild the worker's view.
-        absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(l.at("params").dump());
-        if (!p.ok()) return p.status();
-        Request r;
-        r.id = id;
-        r.decode = true;
-        r.params = *p;
-        r.num_tokens = p->num_tokens;
-        r.num_cached = l.value("num_cached", uint64_t{0});
-        r.blocks = BlocksFromJson(l.at("blocks"));
-        r.state = State::kPending;
-        r.t_queued = absl::Now();
-        r.deadline = r.t_queued + options_.request_timeout;
-        requests_[id] = std::move(r);
+  for (Load& l : loads) {
+    if (requests_.count(l.id) == 0) {
+      // Scheduler in another process: rebuild the worker's view.
+      if (!l.params) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("connector metadata: load of request ", l.id, " has no params"));
       }
-      bound_loads_.push_back(id);
+      if (const Request* other = FindDecodeByTransfer(l.params->transfer_id); other != nullptr) {
+        return absl::AlreadyExistsError(absl::StrCat("connector metadata: request ", l.id,
+                                                     ": transfer id '", l.params->transfer_id,
+                                                     "' is in use by request ", other->id));
+      }
+      Request r;
+      r.id = l.id;
+      r.decode = true;
+      r.params = std::move(*l.params);
+      r.num_tokens = r.params.num_tokens;
+      r.num_cached = l.num_cached;
+      r.blocks = std::move(l.blocks);
+      r.state = State::kPending;
+      r.t_queued = absl::Now();
+      r.deadline = r.t_queued + options_.request_timeout;
+      requests_[l.id] = std::move(r);
     }
-    for (const json& s : j.value("saves", json::array())) {
-      bound_saves_.push_back(s.at("request_id").get<std::string>());
-    }
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("connector metadata: ", e.what()));
+    bound_loads_.push_back(l.id);
   }
+  bound_saves_ = std::move(saves);
   return absl::OkStatus();
 }
 

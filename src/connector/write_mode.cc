@@ -9,16 +9,12 @@
 
 namespace kvwire {
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
 using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::Us;
 using nlohmann::json;
 
-void Connector::Impl::OnWriteRequest(PeerId peer, const json& m) {
-  const std::string tid = m.value("transfer_id", "");
+void Connector::Impl::OnWriteRequest(PeerId peer, const std::string& name,
+                                     connector_internal::PeerMessage& m) {
+  const std::string& tid = m.transfer_id;
   Request* r = FindByTransfer(tid);
   if (r == nullptr) {
     auto gone = retired_transfers_.find(tid);
@@ -27,19 +23,58 @@ void Connector::Impl::OnWriteRequest(PeerId peer, const json& m) {
       (void)SendMessage(peer, json{{"t", "fail"}, {"transfer_id", tid}, {"reason", gone->second}});
       return;
     }
-    // Decode may ask before prefill's scheduler has seen the request: keep it a while.
-    early_writes_[tid] = {peer, m, absl::Now() + options_.request_timeout};
+    if (auto e = early_writes_.find(tid); e != early_writes_.end()) {
+      ClosePeerLocked(peer, name,
+                      absl::PermissionDeniedError(absl::StrCat(
+                          "connector message 'write_req' for transfer ", tid,
+                          e->second.peer == peer ? ", which this peer asked for already"
+                                                 : ", which another peer asked for already")));
+      return;
+    }
+    // Decode may ask before prefill's scheduler has seen the request: keep it a while, within
+    // bounds (a peer cannot grow this without limit).
+    size_t of_peer = 0;
+    for (const auto& [t, e] : early_writes_) of_peer += e.peer == peer ? 1 : 0;
+    if (of_peer >= connector_internal::kMaxEarlyWritesPerPeer ||
+        early_writes_.size() >= connector_internal::kMaxEarlyWrites) {
+      (void)SendMessage(
+          peer,
+          json{{"t", "fail"},
+               {"transfer_id", tid},
+               {"reason", absl::StrCat("prefill engine ", engine_->name(), " holds ", of_peer,
+                                       " write requests of this peer and ", early_writes_.size(),
+                                       " in all for requests it has not seen (limits ",
+                                       connector_internal::kMaxEarlyWritesPerPeer, " and ",
+                                       connector_internal::kMaxEarlyWrites, ")")}});
+      return;
+    }
+    early_writes_[tid] = {peer, std::move(m.blocks), m.num_cached,
+                          absl::Now() + options_.request_timeout};
     return;
   }
-  r->peer = peer;
+  if (r->mode != KvMode::kWrite) {
+    ClosePeerLocked(
+        peer, name,
+        absl::FailedPreconditionError(absl::StrCat("connector message 'write_req' for transfer ",
+                                                   tid, ", which is a read-mode hand-off")));
+    return;
+  }
+  // One write request per transfer: a second one (from its decode or anyone else) would
+  // redirect the KV.
+  auto early = early_writes_.find(tid);
+  if (r->have_remote || early != early_writes_.end()) {
+    const std::optional<PeerId> asked = r->have_remote ? r->peer : early->second.peer;
+    ClosePeerLocked(peer, name,
+                    absl::PermissionDeniedError(
+                        absl::StrCat("connector message 'write_req' for transfer ", tid,
+                                     asked == peer ? ", which this peer asked for already"
+                                                   : ", which is bound to another peer")));
+    return;
+  }
+  if (!CheckBinding(*r, peer, name, m, /*bind=*/true)) return;
   r->have_remote = true;
-  try {
-    r->remote_blocks = BlocksFromJson(m.at("blocks"));
-    r->remote_cached = m.value("num_cached", uint64_t{0});
-  } catch (const json::exception& e) {
-    FailLocked(*r, absl::StrCat("bad write request: ", e.what()));
-    return;
-  }
+  r->remote_blocks = std::move(m.blocks);
+  r->remote_cached = m.num_cached;
   MaybeSendLayersLocked(*r);
 }
 
@@ -55,13 +90,8 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     early_writes_.erase(e);
     r.peer = ew.peer;
     r.have_remote = true;
-    try {
-      r.remote_blocks = BlocksFromJson(ew.msg.at("blocks"));
-      r.remote_cached = ew.msg.value("num_cached", uint64_t{0});
-    } catch (const json::exception& ex) {
-      FailLocked(r, absl::StrCat("bad write request: ", ex.what()));
-      return;
-    }
+    r.remote_blocks = std::move(ew.blocks);
+    r.remote_cached = ew.num_cached;
   }
   if (r.state != State::kSaving) return;
   auto pit = peers_.find(*r.peer);

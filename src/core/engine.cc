@@ -426,6 +426,9 @@ absl::Status Engine::Unexport(PeerId peer, absl::Span<const RegionId> regions) {
   return impl_->Unexport(peer, regions);
 }
 absl::Status Engine::Disconnect(PeerId peer) { return impl_->Disconnect(peer); }
+absl::Status Engine::Disconnect(PeerId peer, const absl::Status& reason) {
+  return impl_->Disconnect(peer, reason);
+}
 std::vector<PeerInfo> Engine::Peers() const { return impl_->Peers(); }
 absl::StatusOr<PeerId> Engine::FindPeer(const std::string& name) const {
   return impl_->FindPeer(name);

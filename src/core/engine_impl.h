@@ -82,6 +82,7 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::Status Export(PeerId peer, absl::Span<const RegionId> regions);
   absl::Status Unexport(PeerId peer, absl::Span<const RegionId> regions);
   absl::Status Disconnect(PeerId peer);
+  absl::Status Disconnect(PeerId peer, const absl::Status& reason);
   std::vector<PeerInfo> Peers() const;
   absl::StatusOr<PeerId> FindPeer(const std::string& name) const;
   absl::StatusOr<PeerId> WaitForPeer(const std::string& name, absl::Duration timeout);

@@ -673,6 +673,14 @@ absl::Status Engine::Impl::Disconnect(PeerId id) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::Disconnect(PeerId id, const absl::Status& reason) {
+  std::shared_ptr<Peer> peer = GetPeer(id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
+  ClosePeer(peer,
+            reason.ok() ? absl::CancelledError(absl::StrCat("disconnected by ", name_)) : reason);
+  return absl::OkStatus();
+}
+
 std::vector<PeerInfo> Engine::Impl::Peers() const {
   std::vector<PeerInfo> out;
   MutexLock lock(&peers_mu_);

@@ -9,6 +9,7 @@
 //   abort <id>       Connector::Abort (+ RequestFinished(aborted) in write mode), "ABORTED <id>"
 //   acct             "ACCT <accounting error or ok> live=<requests> connector_live=<n>"
 //   stats            "STATS <json>"
+//   quit             exits (destroying the connector), like closing stdin
 // Between commands it polls GetFinished and frees the blocks of finished requests, printing
 // "FREED <id>". Prints "READY <address>" first; exits when stdin closes.
 //
@@ -16,6 +17,9 @@
 //   load <id> <tokens> <kv_transfer_params json>
 //       match, allocate, bind and start the load; prints "STARTED <id>", later
 //       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
+//
+// --metrics=host:port starts the connector's metrics endpoint and prints "METRICS <address>"
+// after READY.
 //
 // --gpu=emulated installs the emulated GPU runtime (tests/support/emulated_gpu.h) before the
 // connector exists and keeps the KV cache in its device memory (registered as kGpu).
@@ -52,6 +56,7 @@ struct Args {
   std::string name = "prefill";
   std::string role = "prefill";
   std::string gpu;  // "" (host memory) or "emulated"
+  std::string metrics;
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -78,6 +83,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->name = v;
     else if (k == "role")
       a->role = v;
+    else if (k == "metrics")
+      a->metrics = v;
     else if (k == "gpu")
       ok = (a->gpu = v) == "emulated";
     else
@@ -121,6 +128,7 @@ int main(int argc, char** argv) {
   }
   options.engine.transport = *transport;
   options.mode = *mode;
+  options.metrics_address = args.metrics;
   // Before the connector: its engine keeps the runtime it was created with.
   std::unique_ptr<kvwire::testing::EmulatedGpu> emulated;
   if (args.gpu == "emulated") {
@@ -155,9 +163,11 @@ int main(int argc, char** argv) {
   std::map<std::string, Pending> pending;
   std::map<std::string, uint64_t> loads;  // decode: tokens of each started load
   Say("READY " + c.engine().address());
+  if (!args.metrics.empty()) Say("METRICS " + c.metrics_address());
 
   std::string buffer;
-  while (true) {
+  bool quit = false;
+  while (!quit) {
     kvwire::FinishedRequests f = c.GetFinished();
     for (const std::string& id : f.finished_sending) {
       if (kv.Release(id)) Say("FREED " + id);
@@ -290,6 +300,9 @@ int main(int argc, char** argv) {
             " connector_live=" + std::to_string(c.LiveRequests()));
       } else if (cmd == "stats") {
         Say("STATS " + c.StatsJson());
+      } else if (cmd == "quit") {
+        quit = true;
+        break;
       } else {
         Say("ERROR bad command: " + line);
       }

@@ -1,0 +1,276 @@
+#include "src/util/json_fields.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvwire {
+namespace {
+
+using nlohmann::json;
+
+// What an error shows of a wrong value: numbers and (short) strings as they are, anything
+// else by its type, so that a hostile value is never dumped whole.
+std::string Describe(const json* v) {
+  if (v == nullptr || v->is_null()) return "null";
+  switch (v->type()) {
+    case json::value_t::number_integer:
+      return absl::StrCat(v->get<int64_t>());
+    case json::value_t::number_unsigned:
+      return absl::StrCat(v->get<uint64_t>());
+    case json::value_t::number_float:
+      return absl::StrCat(v->get<double>());
+    case json::value_t::boolean:
+      return v->get<bool>() ? "true" : "false";
+    case json::value_t::string: {
+      const std::string& s = v->get_ref<const std::string&>();
+      if (s.size() > 40) return absl::StrCat("a string of ", s.size(), " bytes");
+      std::string out = "\"";
+      for (char c : s) out += (static_cast<unsigned char>(c) < 0x20 || c == '"') ? '?' : c;
+      return out + "\"";
+    }
+    default:
+      return v->type_name();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<json> ParseJsonObject(absl::string_view text, absl::string_view context,
+                                     size_t max_bytes, int max_depth) {
+  if (text.size() > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        context, ": ", text.size(), " bytes of JSON is over the limit of ", max_bytes));
+  }
+  // Nesting is bounded before the parser sees it: values are destroyed and printed
+  // recursively, so depth is stack.
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(context, ": JSON nested deeper than ", max_depth, " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(context, ": not JSON"));
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": not a JSON object (got ", j.type_name(), ")"));
+  }
+  return j;
+}
+
+std::string DumpJson(const json& j) {
+  return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
+}
+
+JsonFields::JsonFields(const json& object, std::string context)
+    : JsonFields(object, std::move(context), std::make_shared<absl::Status>()) {}
+
+JsonFields::JsonFields(const json& object, std::string context, std::shared_ptr<absl::Status> error)
+    : object_(&object), context_(std::move(context)), error_(std::move(error)) {
+  if (!object.is_object() && error_->ok()) {
+    *error_ = absl::InvalidArgumentError(
+        absl::StrCat(context_, ": not a JSON object (got ", Describe(&object), ")"));
+  }
+}
+
+bool JsonFields::Has(absl::string_view field) const {
+  if (!object_->is_object()) return false;
+  auto it = object_->find(std::string(field));
+  return it != object_->end() && !it->is_null();
+}
+
+void JsonFields::Fail(absl::string_view field, absl::string_view problem) {
+  if (!error_->ok()) return;
+  *error_ = absl::InvalidArgumentError(absl::StrCat(context_, ": '", field, "' ", problem));
+}
+
+void JsonFields::FailValue(absl::string_view name, absl::string_view problem, const json* got) {
+  Fail(name, absl::StrCat(problem, ", got ", Describe(got)));
+}
+
+const json* JsonFields::Find(absl::string_view field, bool required) {
+  if (!ok() || !object_->is_object()) return nullptr;
+  auto it = object_->find(std::string(field));
+  if (it == object_->end() || it->is_null()) {
+    if (required) Fail(field, it == object_->end() ? "is missing" : "is null");
+    return nullptr;
+  }
+  return &*it;
+}
+
+int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, int64_t hi) {
+  const std::string want = absl::StrCat("must be an integer in [", lo, ", ", hi, "]");
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (hi >= 0 && u <= static_cast<uint64_t>(hi) && static_cast<int64_t>(u) >= lo) {
+      return static_cast<int64_t>(u);
+    }
+  } else if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i >= lo && i <= hi) return i;
+  }
+  FailValue(name, want, &v);
+  return 0;
+}
+
+uint64_t JsonFields::UintValue(const json& v, absl::string_view name, uint64_t hi) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u <= hi) return u;
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    const uint64_t u = static_cast<uint64_t>(v.get<int64_t>());
+    if (u <= hi) return u;
+  }
+  FailValue(name, absl::StrCat("must be an integer in [0, ", hi, "]"), &v);
+  return 0;
+}
+
+std::string JsonFields::StringValue(const json& v, absl::string_view name, size_t max_bytes) {
+  if (!v.is_string()) {
+    FailValue(name, "must be a string", &v);
+    return "";
+  }
+  const std::string& s = v.get_ref<const std::string&>();
+  if (s.size() > max_bytes) {
+    Fail(name, absl::StrCat("is ", s.size(), " bytes long, over the limit of ", max_bytes));
+    return "";
+  }
+  return s;
+}
+
+std::string JsonFields::String(absl::string_view field, size_t max_bytes) {
+  const json* v = Find(field, /*required=*/true);
+  return v == nullptr ? "" : StringValue(*v, field, max_bytes);
+}
+
+std::string JsonFields::OptString(absl::string_view field, std::string fallback, size_t max_bytes) {
+  const json* v = Find(field, /*required=*/false);
+  if (v == nullptr) return fallback;
+  std::string s = StringValue(*v, field, max_bytes);
+  return ok() ? s : fallback;
+}
+
+int64_t JsonFields::Int(absl::string_view field, int64_t lo, int64_t hi) {
+  const json* v = Find(field, /*required=*/true);
+  return v == nullptr ? 0 : IntValue(*v, field, lo, hi);
+}
+
+int64_t JsonFields::OptInt(absl::string_view field, int64_t lo, int64_t hi, int64_t fallback) {
+  const json* v = Find(field, /*required=*/false);
+  if (v == nullptr) return fallback;
+  const int64_t i = IntValue(*v, field, lo, hi);
+  return ok() ? i : fallback;
+}
+
+uint64_t JsonFields::Uint(absl::string_view field, uint64_t hi) {
+  const json* v = Find(field, /*required=*/true);
+  return v == nullptr ? 0 : UintValue(*v, field, hi);
+}
+
+uint64_t JsonFields::OptUint(absl::string_view field, uint64_t hi, uint64_t fallback) {
+  const json* v = Find(field, /*required=*/false);
+  if (v == nullptr) return fallback;
+  const uint64_t u = UintValue(*v, field, hi);
+  return ok() ? u : fallback;
+}
+
+bool JsonFields::Bool(absl::string_view field) {
+  const json* v = Find(field, /*required=*/true);
+  if (v == nullptr) return false;
+  if (!v->is_boolean()) {
+    FailValue(field, "must be true or false", v);
+    return false;
+  }
+  return v->get<bool>();
+}
+
+bool JsonFields::OptBool(absl::string_view field, bool fallback) {
+  const json* v = Find(field, /*required=*/false);
+  if (v == nullptr) return fallback;
+  if (!v->is_boolean()) {
+    FailValue(field, "must be true or false", v);
+    return fallback;
+  }
+  return v->get<bool>();
+}
+
+const json* JsonFields::Array(absl::string_view field, bool required, size_t max_items) {
+  const json* v = Find(field, required);
+  if (v == nullptr) return nullptr;
+  if (!v->is_array()) {
+    FailValue(field, "must be an array", v);
+    return nullptr;
+  }
+  if (v->size() > max_items) {
+    Fail(field, absl::StrCat("has ", v->size(), " items, over the limit of ", max_items));
+    return nullptr;
+  }
+  return v;
+}
+
+std::vector<int64_t> JsonFields::IntArray(absl::string_view field, bool required, int64_t lo,
+                                          int64_t hi, size_t max_items) {
+  std::vector<int64_t> out;
+  const json* a = Array(field, required, max_items);
+  if (a == nullptr) return out;
+  out.reserve(a->size());
+  for (size_t i = 0; i < a->size() && ok(); ++i) {
+    out.push_back(IntValue((*a)[i], absl::StrCat(field, "[", i, "]"), lo, hi));
+  }
+  if (!ok()) out.clear();
+  return out;
+}
+
+std::vector<uint64_t> JsonFields::UintArray(absl::string_view field, bool required, uint64_t hi,
+                                            size_t max_items) {
+  std::vector<uint64_t> out;
+  const json* a = Array(field, required, max_items);
+  if (a == nullptr) return out;
+  out.reserve(a->size());
+  for (size_t i = 0; i < a->size() && ok(); ++i) {
+    out.push_back(UintValue((*a)[i], absl::StrCat(field, "[", i, "]"), hi));
+  }
+  if (!ok()) out.clear();
+  return out;
+}
+
+const json* JsonFields::Object(absl::string_view field, bool required) {
+  const json* v = Find(field, required);
+  if (v == nullptr) return nullptr;
+  if (!v->is_object()) {
+    FailValue(field, "must be an object", v);
+    return nullptr;
+  }
+  return v;
+}
+
+JsonFields JsonFields::Nested(absl::string_view field, bool required) {
+  static const json kEmpty = json::object();
+  const json* v = Object(field, required);
+  return JsonFields(v == nullptr ? kEmpty : *v, absl::StrCat(context_, ".", field), error_);
+}
+
+JsonFields JsonFields::Item(const json& value, absl::string_view name) {
+  return JsonFields(value, absl::StrCat(context_, ".", name), error_);
+}
+
+}  // namespace kvwire
