@@ -34,42 +34,73 @@ std::string Describe(const json* v) {
   }
 }
 
+// The first pass of ParseJsonObject: it builds nothing and stops at the first level or
+// value over the limits, before the DOM parser sees the document.
+class LimitScan : public nlohmann::json_sax<json> {
+ public:
+  explicit LimitScan(const JsonLimits& limits) : limits_(limits) {}
+
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override { return Open(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return Close(); }
+  bool start_array(std::size_t) override { return Open(); }
+  bool end_array() override { return Close(); }
+  // The parser's own message quotes the offending token: a position is all a peer gets.
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception&) override {
+    error_ = absl::StrCat("not valid JSON (error at byte ", position, ")");
+    return false;
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  bool Value() {
+    if (++values_ <= limits_.max_values) return true;
+    error_ = absl::StrCat("JSON has more than ", limits_.max_values, " values");
+    return false;
+  }
+  bool Open() {
+    if (!Value()) return false;
+    if (++depth_ <= limits_.max_depth) return true;
+    error_ = absl::StrCat("JSON nested deeper than ", limits_.max_depth, " levels");
+    return false;
+  }
+  bool Close() {
+    --depth_;
+    return true;
+  }
+
+  const JsonLimits limits_;
+  int depth_ = 0;
+  uint64_t values_ = 0;
+  std::string error_;
+};
+
 }  // namespace
 
 absl::StatusOr<json> ParseJsonObject(absl::string_view text, absl::string_view context,
-                                     size_t max_bytes, int max_depth) {
-  if (text.size() > max_bytes) {
+                                     const JsonLimits& limits) {
+  if (text.size() > limits.max_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        context, ": ", text.size(), " bytes of JSON is over the limit of ", max_bytes));
+        context, ": ", text.size(), " bytes of JSON is over the limit of ", limits.max_bytes));
   }
-  // Nesting is bounded before the parser sees it: values are destroyed and printed
-  // recursively, so depth is stack.
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > max_depth) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(context, ": JSON nested deeper than ", max_depth, " levels"));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
+  LimitScan scan(limits);
+  if (!json::sax_parse(text.begin(), text.end(), &scan)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": ", scan.error().empty() ? "not valid JSON" : scan.error()));
   }
   json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(context, ": not JSON"));
+  if (j.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": not valid JSON"));
+  }
   if (!j.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(context, ": not a JSON object (got ", j.type_name(), ")"));
@@ -103,8 +134,9 @@ void JsonFields::Fail(absl::string_view field, absl::string_view problem) {
   *error_ = absl::InvalidArgumentError(absl::StrCat(context_, ": '", field, "' ", problem));
 }
 
-void JsonFields::FailValue(absl::string_view name, absl::string_view problem, const json* got) {
-  Fail(name, absl::StrCat(problem, ", got ", Describe(got)));
+void JsonFields::Fail(absl::string_view field, absl::string_view problem, const json& got) {
+  if (!error_->ok()) return;
+  Fail(field, absl::StrCat(problem, ", got ", Describe(&got)));
 }
 
 const json* JsonFields::Find(absl::string_view field, bool required) {
@@ -128,7 +160,7 @@ int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, 
     const int64_t i = v.get<int64_t>();
     if (i >= lo && i <= hi) return i;
   }
-  FailValue(name, want, &v);
+  Fail(name, want, v);
   return 0;
 }
 
@@ -140,13 +172,13 @@ uint64_t JsonFields::UintValue(const json& v, absl::string_view name, uint64_t h
     const uint64_t u = static_cast<uint64_t>(v.get<int64_t>());
     if (u <= hi) return u;
   }
-  FailValue(name, absl::StrCat("must be an integer in [0, ", hi, "]"), &v);
+  Fail(name, absl::StrCat("must be an integer in [0, ", hi, "]"), v);
   return 0;
 }
 
 std::string JsonFields::StringValue(const json& v, absl::string_view name, size_t max_bytes) {
   if (!v.is_string()) {
-    FailValue(name, "must be a string", &v);
+    Fail(name, "must be a string", v);
     return "";
   }
   const std::string& s = v.get_ref<const std::string&>();
@@ -197,7 +229,7 @@ bool JsonFields::Bool(absl::string_view field) {
   const json* v = Find(field, /*required=*/true);
   if (v == nullptr) return false;
   if (!v->is_boolean()) {
-    FailValue(field, "must be true or false", v);
+    Fail(field, "must be true or false", *v);
     return false;
   }
   return v->get<bool>();
@@ -207,17 +239,38 @@ bool JsonFields::OptBool(absl::string_view field, bool fallback) {
   const json* v = Find(field, /*required=*/false);
   if (v == nullptr) return fallback;
   if (!v->is_boolean()) {
-    FailValue(field, "must be true or false", v);
+    Fail(field, "must be true or false", *v);
     return fallback;
   }
   return v->get<bool>();
+}
+
+double JsonFields::NumberValue(const json& v, absl::string_view name, double lo, double hi) {
+  if (v.is_number()) {
+    const double d = v.get<double>();
+    if (d >= lo && d <= hi) return d;
+  }
+  Fail(name, absl::StrCat("must be a number in [", lo, ", ", hi, "]"), v);
+  return 0;
+}
+
+double JsonFields::Number(absl::string_view field, double lo, double hi) {
+  const json* v = Find(field, /*required=*/true);
+  return v == nullptr ? 0 : NumberValue(*v, field, lo, hi);
+}
+
+double JsonFields::OptNumber(absl::string_view field, double lo, double hi, double fallback) {
+  const json* v = Find(field, /*required=*/false);
+  if (v == nullptr) return fallback;
+  const double d = NumberValue(*v, field, lo, hi);
+  return ok() ? d : fallback;
 }
 
 const json* JsonFields::Array(absl::string_view field, bool required, size_t max_items) {
   const json* v = Find(field, required);
   if (v == nullptr) return nullptr;
   if (!v->is_array()) {
-    FailValue(field, "must be an array", v);
+    Fail(field, "must be an array", *v);
     return nullptr;
   }
   if (v->size() > max_items) {
@@ -257,7 +310,7 @@ const json* JsonFields::Object(absl::string_view field, bool required) {
   const json* v = Find(field, required);
   if (v == nullptr) return nullptr;
   if (!v->is_object()) {
-    FailValue(field, "must be an object", v);
+    Fail(field, "must be an object", *v);
     return nullptr;
   }
   return v;

@@ -41,11 +41,20 @@ inline constexpr size_t kJsonMaxArrayItems = 1 << 20;
 // Nesting deeper than this is refused before parsing.
 inline constexpr int kJsonMaxDepth = 32;
 
-// Parses `text` (at most `max_bytes`, nesting at most `max_depth`) that must be one JSON
-// object; errors start with `context`. Never throws.
+// Bounds of one document, checked by a first pass that builds nothing: copying or printing
+// a value recurses once per level, so depth is stack, and each parsed value costs far more
+// memory than its bytes of text (a 4 MiB body of "0," is two million values).
+struct JsonLimits {
+  size_t max_bytes = 16 << 20;
+  int max_depth = kJsonMaxDepth;
+  // Scalars, arrays and objects at all levels together (keys are not counted).
+  uint64_t max_values = std::numeric_limits<uint64_t>::max();
+};
+
+// Parses `text`, which must be one JSON object within `limits`; errors start with
+// `context`. Never throws.
 absl::StatusOr<nlohmann::json> ParseJsonObject(absl::string_view text, absl::string_view context,
-                                               size_t max_bytes = 16 << 20,
-                                               int max_depth = kJsonMaxDepth);
+                                               const JsonLimits& limits = {});
 
 // j.dump() that never throws: strings that are not valid UTF-8 (a caller's request id, say)
 // are written with U+FFFD in place of the bad bytes instead of throwing type_error 316.
@@ -67,6 +76,8 @@ class JsonFields {
   bool Has(absl::string_view field) const;
   // Records `problem` about `field` (checks the caller makes itself); the first error wins.
   void Fail(absl::string_view field, absl::string_view problem);
+  // The same, showing the value found (a short rendering, never a hostile value whole).
+  void Fail(absl::string_view field, absl::string_view problem, const nlohmann::json& got);
 
   // Required fields: missing, null or of another type is an error (and the fallback-less
   // reads return "", 0 or false then).
@@ -74,6 +85,8 @@ class JsonFields {
   int64_t Int(absl::string_view field, int64_t lo, int64_t hi);
   uint64_t Uint(absl::string_view field, uint64_t hi = std::numeric_limits<uint64_t>::max());
   bool Bool(absl::string_view field);
+  // Any JSON number (integer or not) in [lo, hi].
+  double Number(absl::string_view field, double lo, double hi);
 
   // Optional fields: missing or null gives `fallback`; present with another type is an error.
   std::string OptString(absl::string_view field, std::string fallback = "",
@@ -81,6 +94,7 @@ class JsonFields {
   int64_t OptInt(absl::string_view field, int64_t lo, int64_t hi, int64_t fallback);
   uint64_t OptUint(absl::string_view field, uint64_t hi, uint64_t fallback);
   bool OptBool(absl::string_view field, bool fallback);
+  double OptNumber(absl::string_view field, double lo, double hi, double fallback);
 
   // An array field with at most `max_items` items: nullptr when optional and missing/null,
   // or on error.
@@ -106,13 +120,13 @@ class JsonFields {
                      uint64_t hi = std::numeric_limits<uint64_t>::max());
   std::string StringValue(const nlohmann::json& value, absl::string_view name,
                           size_t max_bytes = kJsonMaxStringBytes);
+  double NumberValue(const nlohmann::json& value, absl::string_view name, double lo, double hi);
 
  private:
   JsonFields(const nlohmann::json& object, std::string context,
              std::shared_ptr<absl::Status> error);
   // The field when present and not null (nullptr otherwise, or when this reader failed).
   const nlohmann::json* Find(absl::string_view field, bool required);
-  void FailValue(absl::string_view name, absl::string_view problem, const nlohmann::json* got);
 
   const nlohmann::json* object_;
   std::string context_;

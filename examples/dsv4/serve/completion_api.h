@@ -13,6 +13,8 @@
 
 #include "absl/status/statusor.h"
 
+#include "src/util/json_fields.h"
+
 namespace dsv4::serve {
 
 // The kv_transfer_params fields the dsv4 servers act on, type-checked when the request is
@@ -46,11 +48,15 @@ struct CompletionRequest {
   std::optional<int64_t> prefill_computed_unix_us;  // prefill_stats.computed_unix_us
 };
 
+// Bounds of a JSON body the dsv4 servers read (a client's request, an upstream's answer). A
+// 4 MiB body of brackets would otherwise nest a million levels deep, and one of "0," hold two
+// million values; bodies are copied and printed recursively.
+inline constexpr kvwire::JsonLimits kHttpJsonLimits = {.max_depth = 32, .max_values = 100000};
+
 // Validates a request body; errors name the field and what is wrong (for a 400). The body
-// is parsed within JsonLimits (nesting depth, number of values): bodies are copied and
-// printed recursively.
+// is parsed within kHttpJsonLimits.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size);
-// The same, for a body already parsed (with ParseJsonBounded).
+// The same, for a body already parsed (with kvwire::ParseJsonObject and kHttpJsonLimits).
 absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const nlohmann::json& body,
                                                             int vocab_size);
 

@@ -16,8 +16,8 @@
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_server.h"
-#include "examples/dsv4/serve/json_fields.h"
 #include "kvwire/connector.h"
+#include "src/util/json_fields.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 
@@ -189,12 +189,13 @@ class ModelServer::Impl {
       job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
       job.req = std::move(*req);
     } else if (path == "/v1/kv/abort" && r.method == "POST") {
-      absl::StatusOr<json> j = ParseJsonBounded(r.body, "request body");
+      absl::StatusOr<json> j = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
       absl::Status s = j.status();
-      if (s.ok() && !j->is_object()) s = absl::InvalidArgumentError("body must be a JSON object");
-      if (s.ok()) s = JsonFields(*j, "").String("transfer_id", kMaxIdBytes, &job.transfer_id);
-      if (s.ok() && job.transfer_id.empty()) {
-        s = absl::InvalidArgumentError("'transfer_id' (a non-empty string) is required");
+      if (s.ok()) {
+        kvwire::JsonFields f(*j, "request body");
+        job.transfer_id = f.String("transfer_id", kMaxIdBytes);
+        if (f.ok() && job.transfer_id.empty()) f.Fail("transfer_id", "must not be empty");
+        s = f.status();
       }
       if (!s.ok()) {
         resp->Error(400, std::string(s.message()));

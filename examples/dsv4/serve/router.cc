@@ -16,12 +16,13 @@
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
-#include "examples/dsv4/serve/json_fields.h"
+#include "src/util/json_fields.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 
 namespace dsv4::serve {
 
+using kvwire::JsonFields;
 using kvwire::Kv;
 using nlohmann::json;
 
@@ -42,12 +43,11 @@ int StatusFor(const absl::Status& s) {
 }
 
 std::string UpstreamMessage(const HttpResponse& r) {
-  absl::StatusOr<json> j = ParseJsonBounded(r.body, "upstream error");
-  const json* error = nullptr;
-  std::string message;
-  if (j.ok() && JsonFields(*j, "").Object("error", &error).ok() && error != nullptr &&
-      JsonFields(*error, "error.").String("message", 4096, &message).ok() && !message.empty()) {
-    return message;
+  absl::StatusOr<json> j = kvwire::ParseJsonObject(r.body, "upstream error", kHttpJsonLimits);
+  if (j.ok()) {
+    JsonFields f(*j, "upstream error");
+    std::string message = f.Nested("error", /*required=*/true).String("message");
+    if (f.ok() && !message.empty()) return message;
   }
   return r.body.substr(0, 300);
 }
@@ -62,9 +62,8 @@ struct PrefillAnswer {
 };
 
 absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
-  absl::StatusOr<json> j = ParseJsonBounded(body, "prefill's answer");
+  absl::StatusOr<json> j = kvwire::ParseJsonObject(body, "prefill's answer", kHttpJsonLimits);
   if (!j.ok()) return j.status();
-  if (!j->is_object()) return absl::InvalidArgumentError("prefill's answer is not an object");
   const json& root = *j;
   const auto choices = root.find("choices");
   if (choices == root.end() || !choices->is_array() || choices->empty() ||
@@ -79,12 +78,10 @@ absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
   }
   PrefillAnswer a;
   a.first_token = static_cast<int64_t>((*ids)[0].get<uint64_t>());
-  const json* kvp = nullptr;
-  const json* stats = nullptr;
-  const JsonFields f(root, "");
-  absl::Status s = f.Object("kv_transfer_params", &kvp);
-  if (s.ok()) s = f.Object("kvwire", &stats);
-  if (!s.ok()) return s;
+  JsonFields f(root, "prefill's answer");
+  const json* kvp = f.Object("kv_transfer_params", /*required=*/false);
+  const json* stats = f.Object("kvwire", /*required=*/false);
+  if (!f.ok()) return f.status();
   if (kvp != nullptr) a.kv_transfer_params = *kvp;
   if (stats != nullptr) a.stats = *stats;
   return a;
@@ -177,7 +174,7 @@ class Router::Impl {
       return;
     }
     // Refused here rather than after prefill has computed and holds blocks for decode.
-    absl::StatusOr<json> body = ParseJsonBounded(r.body, "request body");
+    absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
     absl::StatusOr<CompletionRequest> req =
         body.ok() ? CompletionRequestFromJson(*body, INT32_MAX) : body.status();
     if (!req.ok()) {

@@ -70,6 +70,11 @@ TEST(JsonFieldsTest, EveryBadValueNamesItsField) {
       {R"({"a":[1,"2"]})", "a[1]", [](JsonFields& f) { f.IntArray("a", true, 0, 9); }},
       {R"({"a":[1,-2]})", "a[1]", [](JsonFields& f) { f.UintArray("a", true, 9); }},
       {R"({"o":[]})", "o", [](JsonFields& f) { f.Object("o", true); }},
+      {R"({"d":"1"})", "d", [](JsonFields& f) { f.Number("d", 0, 9); }},
+      {R"({"d":true})", "d", [](JsonFields& f) { f.OptNumber("d", 0, 9, 1); }},
+      {R"({"d":9.5})", "d", [](JsonFields& f) { f.Number("d", 0, 9); }},
+      {R"({"d":-1e308})", "d", [](JsonFields& f) { f.OptNumber("d", 0, 9, 1); }},
+      {R"({"d":null})", "d", [](JsonFields& f) { f.Number("d", 0, 9); }},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.text);
@@ -78,6 +83,32 @@ TEST(JsonFieldsTest, EveryBadValueNamesItsField) {
     c.read(f);
     ExpectError(f, c.field);
   }
+}
+
+TEST(JsonFieldsTest, NumbersTakeIntegersAndFractionsInRange) {
+  json j = Parse(R"({"f":0.5,"i":7,"u":18446744073709551615,"n":null})");
+  JsonFields f(j, "ctx");
+  EXPECT_EQ(f.Number("f", 0, 1), 0.5);
+  EXPECT_EQ(f.Number("i", -10, 10), 7.0);
+  EXPECT_EQ(f.OptNumber("n", 0, 1, 0.25), 0.25);
+  EXPECT_EQ(f.OptNumber("missing", 0, 1, 0.25), 0.25);
+  EXPECT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f.OptNumber("u", 0, 100, 3), 3);
+  ExpectError(f, "u");
+}
+
+// A check the caller makes itself names the field and shows (a bounded rendering of) the
+// value, never the value whole.
+TEST(JsonFieldsTest, FailShowsTheValueFoundBounded) {
+  json j = Parse(R"({"m":"sideways"})");
+  JsonFields f(j, "ctx");
+  f.Fail("m", "must be \"read\" or \"write\"", json("sideways"));
+  ExpectError(f, "m");
+  EXPECT_TRUE(absl::StrContains(f.status().message(), "got \"sideways\"")) << f.status();
+  JsonFields g(j, "ctx");
+  g.Fail("m", "must be short", json(std::string(10000, 'x')));
+  EXPECT_TRUE(absl::StrContains(g.status().message(), "a string of 10000 bytes")) << g.status();
+  EXPECT_LT(g.status().message().size(), 200u);
 }
 
 TEST(JsonFieldsTest, FirstErrorWinsAndNestedReadersShareIt) {
@@ -100,7 +131,26 @@ TEST(JsonFieldsTest, ParseRefusesNonObjectsDeepNestingAndOversizedText) {
   EXPECT_TRUE(absl::StrContains(j.status().message(), "nested")) << j.status();
   // Brackets inside strings do not count.
   EXPECT_TRUE(ParseJsonObject(R"({"s":")" + std::string(100, '[') + R"("})", "ctx").ok());
-  EXPECT_FALSE(ParseJsonObject(std::string(100, ' '), "ctx", 10).ok());
+  EXPECT_FALSE(ParseJsonObject(std::string(100, ' '), "ctx", {.max_bytes = 10}).ok());
+  // A syntax error gives its position, not the parser's quote of the hostile text.
+  absl::StatusOr<json> bad = ParseJsonObject("{\"k\":\x01}", "ctx");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "ctx: not valid JSON")) << bad.status();
+  // A number no double holds is no JSON the reader can use.
+  EXPECT_FALSE(ParseJsonObject(R"({"d":1e400})", "ctx").ok());
+  // A flat document of many values (here 1002: the object, the array, 1000 items) is refused
+  // before it is built; keys do not count.
+  std::string wide = R"({"a":[0)";
+  for (int i = 1; i < 1000; ++i) wide += ",0";
+  wide += "]}";
+  EXPECT_TRUE(ParseJsonObject(wide, "ctx", {.max_values = 1002}).ok());
+  absl::StatusOr<json> many = ParseJsonObject(wide, "ctx", {.max_values = 1001});
+  ASSERT_FALSE(many.ok());
+  EXPECT_TRUE(absl::StrContains(many.status().message(), "more than 1001 values")) << many.status();
+  EXPECT_TRUE(ParseJsonObject(R"({"a":1,"b":2})", "ctx", {.max_values = 3}).ok());
+  // The depth limit is the caller's to set.
+  EXPECT_TRUE(ParseJsonObject(R"({"a":[[1]]})", "ctx", {.max_depth = 3}).ok());
+  EXPECT_FALSE(ParseJsonObject(R"({"a":[[[1]]]})", "ctx", {.max_depth = 3}).ok());
   // A non-object given to a reader is an error, not a throw.
   JsonFields f(json(5), "ctx");
   EXPECT_FALSE(f.ok());
