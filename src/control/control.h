@@ -4,17 +4,21 @@
 #define KVWIRE_CONTROL_CONTROL_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <boost/asio/io_context.hpp>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 #include "proto/kvwire.pb.h"
+#include "src/util/mutex.h"
 
 namespace kvwire::control {
 
@@ -23,6 +27,26 @@ inline constexpr uint32_t kProtocolVersion = 1;
 // Hash of the protocol definition (kvwire.proto's descriptor) mixed with `salt`; engines with
 // different values refuse each other.
 uint64_t CompatibilityHash(uint64_t salt);
+
+// The auth nonces one engine issued recently (its dialer's and its listener's). A Hello that
+// carries one of them is the engine's own Hello played back by a relay (A dials M, M replays
+// A's Hello to A's listener and shuttles the proofs between A's two halves): refused, or a
+// party without the secret would end up holding one of A's live tokens. Kept well past any
+// handshake's deadline; bounded so that a flood of handshakes cannot grow it without end (the
+// oldest go first). Thread-safe.
+class OwnNonces {
+ public:
+  void Add(const std::string& nonce);
+  bool Contains(const std::string& nonce);
+
+ private:
+  static constexpr size_t kMaxNonces = 1 << 16;
+  static constexpr absl::Duration kRetention = absl::Minutes(5);
+
+  Mutex mu_;
+  absl::flat_hash_set<std::string> issued_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, std::string>> order_ ABSL_GUARDED_BY(mu_);
+};
 
 struct HandshakeConfig {
   uint64_t compat_hash = 0;
@@ -56,6 +80,9 @@ struct HandshakeConfig {
   // Bytes a Connection may hold queued for a peer that is not reading (at least one frame of
   // max_frame_bytes). A Send that would exceed it closes the connection (ResourceExhausted).
   uint64_t max_send_queue_bytes = 64 << 20;
+  // Shared by the dialer and the listener of one engine (copies of the config share it);
+  // null: no reflection check.
+  std::shared_ptr<OwnNonces> own_nonces;
 };
 
 // Largest frame accepted before the handshake has finished: a Hello with many transports

@@ -39,7 +39,10 @@ class HandshakeStream {
         max_send_queue_bytes_(max_send_queue_bytes),
         resolver_(io_),
         socket_(io_),
-        decoder_(max_frame_bytes) {}
+        max_frame_bytes_(max_frame_bytes),
+        // Until the listener has proven itself, it cannot make this side buffer more than a
+        // handshake frame; the connection gets the full limit once the handshake is done.
+        decoder_(std::min(max_frame_bytes, kMaxHandshakeFrameBytes)) {}
 
   absl::Status Connect(const HostPort& target);
   absl::Status Write(const pb::Envelope& envelope);
@@ -62,6 +65,7 @@ class HandshakeStream {
   asio::io_context io_;
   tcp::resolver resolver_;
   tcp::socket socket_;
+  const uint32_t max_frame_bytes_;
   FrameDecoder decoder_;
   absl::Status decode_error_;
   std::array<char, 16 << 10> read_buffer_;
@@ -117,7 +121,7 @@ absl::Status HandshakeStream::Connect(const HostPort& target) {
 }
 
 absl::Status HandshakeStream::Write(const pb::Envelope& envelope) {
-  absl::StatusOr<std::string> frame = EncodeFrame(envelope, decoder_.max_frame_bytes());
+  absl::StatusOr<std::string> frame = EncodeFrame(envelope, max_frame_bytes_);
   if (!frame.ok()) {
     return absl::Status(frame.status().code(),
                         absl::StrCat("cannot send ", MessageName(envelope), " to ", address_, ": ",
@@ -193,8 +197,7 @@ absl::StatusOr<std::shared_ptr<TcpConnection>> HandshakeStream::Release(asio::io
     return absl::InternalError(
         absl::StrCat("cannot hand the socket to ", address_, " over: ", error.message()));
   }
-  const uint32_t max_frame_bytes = decoder_.max_frame_bytes();
-  return TcpConnection::Create(std::move(socket), std::move(decoder_), max_frame_bytes,
+  return TcpConnection::Create(std::move(socket), std::move(decoder_), max_frame_bytes_,
                                max_send_queue_bytes_);
 }
 

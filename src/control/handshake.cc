@@ -3,6 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "src/control/hmac.h"
 
@@ -82,6 +84,22 @@ const char* MessageName(const pb::Envelope& envelope) {
   return "empty Envelope";
 }
 
+void OwnNonces::Add(const std::string& nonce) {
+  MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  while (!order_.empty() &&
+         (order_.size() >= kMaxNonces || order_.front().first + kRetention < now)) {
+    issued_.erase(order_.front().second);
+    order_.pop_front();
+  }
+  if (issued_.insert(nonce).second) order_.emplace_back(now, nonce);
+}
+
+bool OwnNonces::Contains(const std::string& nonce) {
+  MutexLock lock(&mu_);
+  return issued_.contains(nonce);
+}
+
 absl::StatusOr<pb::Hello> PrepareHello(pb::Hello hello, const HandshakeConfig& config) {
   hello.set_protocol_version(config.protocol_version_for_testing);
   hello.set_compat_hash(config.compat_hash);
@@ -92,6 +110,7 @@ absl::StatusOr<pb::Hello> PrepareHello(pb::Hello hello, const HandshakeConfig& c
   if (!config.shared_secret.empty()) {
     absl::StatusOr<std::string> nonce = RandomNonce(kAuthNonceBytes);
     if (!nonce.ok()) return nonce.status();
+    if (config.own_nonces != nullptr) config.own_nonces->Add(*nonce);
     hello.set_auth_nonce(*std::move(nonce));
   }
   return hello;
@@ -126,6 +145,13 @@ absl::Status CheckPeerHello(const pb::Hello& peer, absl::string_view peer_addres
     return absl::InvalidArgumentError(absl::StrCat(roles.peer, " ", who, " sent a ",
                                                    peer.auth_nonce().size(),
                                                    "-byte auth nonce; expected ", kAuthNonceBytes));
+  }
+  if (local_secret && config.own_nonces != nullptr &&
+      config.own_nonces->Contains(peer.auth_nonce())) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(roles.peer, " ", who,
+                     " sent an auth nonce that this process issued itself: a relay is "
+                     "playing this engine's own Hello back to it (reflection), refused"));
   }
   return absl::OkStatus();
 }

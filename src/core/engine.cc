@@ -70,6 +70,7 @@ absl::Status Engine::Impl::Init() {
   handshake_.shared_secret = options_.shared_secret;
   handshake_.max_frame_bytes = options_.max_frame_bytes;
   handshake_.timeout = options_.connect_timeout;
+  handshake_.own_nonces = std::make_shared<control::OwnNonces>();
   handshake_.issue_token = [this] { return IssueToken(); };
   handshake_.revoke_token = [this](const std::string& token) { RevokeToken(token); };
   handshake_.max_pending_handshakes = options_.max_pending_handshakes;

@@ -35,6 +35,7 @@
 #include "proto/kvwire.pb.h"
 #include "src/control/control.h"
 #include "src/control/frame.h"
+#include "src/control/handshake.h"
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
@@ -435,6 +436,69 @@ EngineOptions ShortDeadlines(const std::string& secret) {
   options.shared_secret = secret;
   options.connect_timeout = absl::Seconds(1);
   return options;
+}
+
+// A relay that the victim was made to dial (e.g. a forged remote_host) plays the victim's own
+// Hello back to the victim's listener and shuttles the proofs between the victim's two halves:
+// without the secret, it would end up holding the listener's live token (reflection). The
+// listener refuses a Hello carrying a nonce this process issued.
+TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
+  EngineOptions options;
+  options.name = "victim";
+  options.shared_secret = "s3cret";
+  options.transport = TransportKind::kTcp;
+  options.connect_timeout = absl::Seconds(5);
+  auto victim = Engine::Create(options);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  std::vector<std::byte> memory(kRegionBytes);
+  FillPattern(memory.data(), memory.size(), 23, 0);
+  RegionOptions exported;
+  exported.export_to_all_peers = true;
+  auto region = (*victim)->RegisterMemory(memory.data(), memory.size(), exported);
+  ASSERT_TRUE(region.ok()) << region.status();
+
+  RawAcceptor relay;
+  std::optional<absl::StatusOr<PeerId>> connected;
+  std::thread dialer([&] { connected = (*victim)->Connect(relay.address()); });
+  std::string stolen_token;
+  absl::Status read = absl::UnknownError("no token to try");
+  {
+    auto from_victim = relay.Accept();
+    ASSERT_TRUE(from_victim.ok()) << from_victim.status();
+    absl::StatusOr<pb::Envelope> hello = from_victim->Read();
+    ASSERT_TRUE(hello.ok() && hello->has_hello()) << hello.status();
+    auto to_victim = RawSocket::Dial((*victim)->address());
+    ASSERT_TRUE(to_victim.ok()) << to_victim.status();
+    ASSERT_TRUE(to_victim->Send(*hello));  // the victim's own Hello, played back
+    absl::StatusOr<pb::Envelope> ack = to_victim->Read();
+    ASSERT_TRUE(ack.ok()) << ack.status();
+    if (ack->has_hello_ack()) {
+      // Unfixed: shuttle the proofs between the victim's halves and take the Welcome.
+      const pb::Hello listener_hello = ack->hello_ack().hello();
+      ASSERT_TRUE(from_victim->Send(*ack));
+      absl::StatusOr<pb::Envelope> proof = from_victim->Read();
+      if (proof.ok() && to_victim->Send(*proof)) {
+        absl::StatusOr<pb::Envelope> welcome = to_victim->Read();
+        if (welcome.ok() && welcome->has_welcome()) {
+          stolen_token = welcome->welcome().session_token();
+          std::vector<std::byte> stolen(kRegionBytes);
+          read = ReadWithToken(TcpEndpointOf(listener_hello), stolen_token, *region, kRegionBytes,
+                               stolen.data());
+        }
+      }
+    } else {
+      ASSERT_TRUE(ack->has_reject()) << control::MessageName(*ack);
+      EXPECT_EQ(ack->reject().code(), static_cast<uint32_t>(absl::StatusCode::kPermissionDenied));
+      EXPECT_THAT(ack->reject().reason(), HasSubstr("reflection"));
+    }
+  }  // the relay hangs up on both
+  dialer.join();
+  EXPECT_EQ(stolen_token, "") << "the relay holds a live token of the victim's listener";
+  EXPECT_FALSE(read.ok()) << "the relay READ the victim's region without the secret";
+  ASSERT_TRUE(connected.has_value());
+  EXPECT_FALSE(connected->ok());
+  EXPECT_TRUE(Eventually([&] { return (*victim)->Stats().control.session_tokens == 0; }));
+  ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 23, 0);
 }
 
 TEST(HostileHandshakeTest, AbandonedAndFailedHandshakesLeaveNoTokenPendingEntryOrThread) {
@@ -895,6 +959,14 @@ TEST(HostileHandshakeTest, UndrainedNotificationsAreBoundedAndCounted) {
     auto id = (*sender)->Transfer(*peer, OpKind::kWrite, {Op{*local, 0, target->region, 0, 64}}, t);
     ASSERT_TRUE(id.ok()) << id.status();
     ASSERT_TRUE((*sender)->Wait(*id, kWait).ok());
+    // The notification travels on the control connection, the data on tcp data connections:
+    // settle each one (delivered or dropped) before the next transfer, so that the entries
+    // waiting for their notification never exceed the bound this test sets.
+    ASSERT_TRUE(Eventually([&] {
+      const EngineStats stats = target->engine->Stats();
+      return stats.notifications_delivered + stats.control.notifications_dropped ==
+             static_cast<uint64_t>(i) + 1;
+    })) << target->engine->Stats().ToJson();
   };
   for (int i = 0; i < 5; ++i) send(i);
   ASSERT_TRUE(Eventually([&] { return target->control().notifications_dropped == 2; }))
