@@ -150,7 +150,7 @@ absl::Status CheckPeerHello(const pb::Hello& peer, absl::string_view peer_addres
       config.own_nonces->Contains(peer.auth_nonce())) {
     return absl::PermissionDeniedError(
         absl::StrCat(roles.peer, " ", who,
-                     " sent an auth nonce that this process issued itself: a relay is "
+                     " sent an auth nonce that this engine issued itself: a relay is "
                      "playing this engine's own Hello back to it (reflection), refused"));
   }
   return absl::OkStatus();

@@ -95,8 +95,22 @@ absl::StatusOr<std::string> Engine::Impl::IssueToken() {
 }
 
 void Engine::Impl::RevokeToken(const std::string& token) {
-  MutexLock lock(&peers_mu_);
-  tokens_.erase(token);
+  PeerId id = 0;
+  {
+    MutexLock lock(&peers_mu_);
+    auto it = tokens_.find(token);
+    if (it == tokens_.end()) return;
+    id = it->second;
+    tokens_.erase(it);
+    // A published peer is closed by ClosePeer, which drops it from every transport.
+    if (peers_.contains(id)) return;
+  }
+  // The token was live while its handshake ran (the other side had proven the secret, or none
+  // is set), so data connections may have been opened with it: a handshake that then failed
+  // must not leave them serving a peer that never was.
+  tcp_->DropPeer(id);
+  if (shm_) shm_->DropPeer(id);
+  if (rdma_) rdma_->DropPeer(id);
 }
 
 PeerId Engine::Impl::TokenPeer(const std::string& token) const {

@@ -256,6 +256,67 @@ absl::Status ReadWithToken(const std::string& endpoint, const std::string& token
   return result;
 }
 
+// A tcp data connection held open with one token, for READs at chosen moments.
+class HeldDataConnection {
+ public:
+  HeldDataConnection(const std::string& endpoint, const std::string& token) {
+    auto tcp = transport::CreateTcpTransport(transport::TcpTransportOptions(), &hooks_);
+    if (!tcp.ok()) {
+      open_ = tcp.status();
+      return;
+    }
+    tcp_ = *std::move(tcp);
+    transport::PeerLink link;
+    link.peer = 1;
+    link.peer_name = "victim";
+    link.remote_endpoint = endpoint;
+    link.token = token;
+    link.lanes = 1;
+    link.deadline = absl::Now() + absl::Seconds(10);
+    auto channel = tcp_->Connect(link);
+    if (!channel.ok()) {
+      open_ = channel.status();
+      return;
+    }
+    channel_ = *std::move(channel);
+  }
+  ~HeldDataConnection() {
+    if (channel_ != nullptr) channel_->Close(absl::CancelledError("thief done"));
+    channel_.reset();
+    if (tcp_ != nullptr) tcp_->Shutdown();
+  }
+  const absl::Status& open() const { return open_; }
+
+  absl::Status Read(RegionId region, uint64_t length, std::byte* out) {
+    if (channel_ == nullptr) return open_;
+    transport::PostRequest request;
+    request.transfer_id = ++transfer_id_;
+    request.kind = OpKind::kRead;
+    request.ops.push_back(transport::WireOp{out, region, 0, length});
+    request.cancelled = std::make_shared<std::atomic<bool>>(false);
+    auto done = std::make_shared<std::pair<Mutex, std::optional<absl::Status>>>();
+    auto done_cv = std::make_shared<CondVar>();
+    channel_->Post(std::move(request), [done, done_cv](absl::Status s) {
+      MutexLock lock(&done->first);
+      done->second = std::move(s);
+      done_cv->SignalAll();
+    });
+    const absl::Time deadline = absl::Now() + kWait;
+    MutexLock lock(&done->first);
+    while (!done->second.has_value() && absl::Now() < deadline) {
+      done_cv->WaitUntil(&done->first, deadline);
+    }
+    return done->second.value_or(absl::DeadlineExceededError("READ never completed"));
+  }
+
+ private:
+  NoTargetHooks hooks_;
+  std::unique_ptr<transport::Transport> tcp_;
+  std::unique_ptr<transport::Channel> channel_;
+  absl::Status open_;
+  TransferId transfer_id_ = 0;
+};
+
 // A legitimate engine READs all of `region` (exported to all peers, pattern `seed`/`index`) of
 // the engine at `address` and checks every byte.
 void ExpectLegitimateReadIsExact(const std::string& address, const std::string& secret,
@@ -499,6 +560,72 @@ TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
   EXPECT_FALSE(connected->ok());
   EXPECT_TRUE(Eventually([&] { return (*victim)->Stats().control.session_tokens == 0; }));
   ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 23, 0);
+}
+
+// A listener that knows the secret gets the dialer's token in AuthProof (the dialer verified
+// its proof), opens a data connection with it, then Rejects the handshake. The dialer's
+// Connect fails, so the connection must not outlive it: no peer was ever published.
+TEST(HostileHandshakeTest, RejectedDialLeavesNoDataConnectionBehind) {
+  EngineOptions options;
+  options.name = "victim-dialer";
+  options.shared_secret = "s3cret";
+  options.transport = TransportKind::kTcp;
+  options.connect_timeout = absl::Seconds(5);
+  auto victim = Engine::Create(options);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  std::vector<std::byte> memory(kRegionBytes);
+  FillPattern(memory.data(), memory.size(), 25, 0);
+  RegionOptions exported;
+  exported.export_to_all_peers = true;
+  auto region = (*victim)->RegisterMemory(memory.data(), memory.size(), exported);
+  ASSERT_TRUE(region.ok()) << region.status();
+
+  RawAcceptor hostile;
+  std::optional<absl::StatusOr<PeerId>> connected;
+  std::thread dialer([&] { connected = (*victim)->Connect(hostile.address()); });
+  std::unique_ptr<HeldDataConnection> held;
+  absl::Status before_reject = absl::UnknownError("not tried");
+  {
+    auto socket = hostile.Accept();
+    ASSERT_TRUE(socket.ok()) << socket.status();
+    absl::StatusOr<pb::Envelope> hello = socket->Read();
+    ASSERT_TRUE(hello.ok() && hello->has_hello()) << hello.status();
+    pb::Envelope ack;
+    *ack.mutable_hello_ack()->mutable_hello() = ForgedHello("hostile-listener", true).hello();
+    const std::string listener_nonce = ack.hello_ack().hello().auth_nonce();
+    ack.mutable_hello_ack()->set_auth_proof(
+        control::ListenerProof("s3cret", hello->hello().auth_nonce(), listener_nonce));
+    ASSERT_TRUE(socket->Send(ack));
+    absl::StatusOr<pb::Envelope> proof = socket->Read();
+    ASSERT_TRUE(proof.ok() && proof->has_auth_proof()) << proof.status();
+    const std::string token = proof->auth_proof().session_token();
+    ASSERT_FALSE(token.empty());
+    held = std::make_unique<HeldDataConnection>(TcpEndpointOf(hello->hello()), token);
+    std::vector<std::byte> scratch(4096);
+    before_reject = held->Read(*region, scratch.size(), scratch.data());
+    pb::Envelope reject = control::MakeReject(absl::PermissionDeniedError("changed my mind"));
+    EXPECT_TRUE(socket->Send(reject));
+    EXPECT_TRUE(socket->WaitForEof(kWait));
+  }
+  dialer.join();
+  ASSERT_TRUE(connected.has_value());
+  EXPECT_FALSE(connected->ok());
+  EXPECT_TRUE((*victim)->Peers().empty());
+  EXPECT_EQ((*victim)->Stats().control.session_tokens, 0u);
+  // The dialer's token was live while its handshake ran (the listener had proven the secret):
+  // a READ then is what a deployment peer may do. After the Reject it must not be.
+  EXPECT_TRUE(before_reject.ok()) << before_reject;
+  std::vector<std::byte> stolen(kRegionBytes);
+  bool still_served = true;
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (still_served && absl::Now() < deadline) {
+    still_served = held->Read(*region, kRegionBytes, stolen.data()).ok();
+    if (still_served) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_FALSE(still_served)
+      << "a data connection opened with the token of a rejected dial still reads the region";
+  held.reset();
+  ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 25, 0);
 }
 
 TEST(HostileHandshakeTest, AbandonedAndFailedHandshakesLeaveNoTokenPendingEntryOrThread) {
