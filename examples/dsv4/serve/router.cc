@@ -10,12 +10,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "src/control/hmac.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
@@ -287,8 +289,15 @@ class Router::Impl {
   void Proxy(json body, bool stream, const std::shared_ptr<Responder>& resp) {
     const absl::Time deadline = absl::Now() + options_.timeout;
     const bool write = options_.mode == "write";
-    const std::string tid = absl::StrCat("rt-", port_.load(), "-", getpid(), "-", seq_.fetch_add(1),
-                                         "-", absl::ToUnixMicros(absl::Now()));
+    // In write mode the id is a bearer capability between authenticated engines (whoever
+    // presents it to prefill first claims the request's KV): 128 bits from the CSPRNG, never a
+    // counter or a clock.
+    absl::StatusOr<std::string> random = kvwire::control::RandomNonce(16);
+    if (!random.ok()) {
+      resp->Error(500, absl::StrCat("cannot make a transfer id: ", random.status().message()));
+      return;
+    }
+    const std::string tid = absl::StrCat("rt-", absl::BytesToHexString(*random));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;
     json decode_params;
@@ -485,7 +494,7 @@ class Router::Impl {
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_address_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> inflight_{0};
-  std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, seq_{0}, ok_{0}, errors_{0};
+  std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, ok_{0}, errors_{0};
 };
 
 absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
