@@ -139,6 +139,9 @@ struct EngineOptions {
   // Inbound control handshakes not yet finished (unauthenticated) at once; a dialer beyond it
   // is refused with ResourceExhausted ("too many control handshakes in flight (limit N)").
   int max_pending_handshakes = 64;
+  // Of those, from one source address: one host cannot keep the control port refusing every
+  // other dialer ("too many control handshakes in flight from ADDR (limit N)").
+  int max_pending_handshakes_per_source = 16;
   // Inbound control connections open at once (handshaking plus established); beyond it a
   // dialer is refused with ResourceExhausted ("too many control connections (limit N)").
   int max_control_connections = 1024;

@@ -76,6 +76,8 @@ struct HandshakeConfig {
   // connections in total (handshaking plus established ones whose socket is still open). A
   // dialer beyond either is sent Reject{ResourceExhausted} naming the limit and closed.
   int max_pending_handshakes = 64;
+  // Of those, from one source address (so that one host cannot keep the port refusing all).
+  int max_pending_handshakes_per_source = 16;
   int max_connections = 1024;
   // Bytes a Connection may hold queued for a peer that is not reading (at least one frame of
   // max_frame_bytes). A Send that would exceed it closes the connection (ResourceExhausted).

@@ -143,6 +143,10 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<const InboundHandshake*, std::shared_ptr<InboundHandshake>> pending_
       ABSL_GUARDED_BY(mu_);
+  // The source address of each pending handshake, and how many each source has in flight:
+  // one host cannot take every unauthenticated slot (max_pending_handshakes_per_source).
+  absl::flat_hash_map<const InboundHandshake*, std::string> pending_source_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> pending_per_source_ ABSL_GUARDED_BY(mu_);
   int callbacks_running_ ABSL_GUARDED_BY(mu_) = 0;
   // Inbound sockets open (handshaking or handed over), and refusals still lingering.
   const std::shared_ptr<std::atomic<uint64_t>> open_connections_ =
@@ -560,7 +564,19 @@ void ListenerState::OnAccept(const error_code& error, tcp::socket socket) {
                                           config_.max_pending_handshakes, "); try again later")));
       return;
     }
+    error_code endpoint_error;
+    const tcp::endpoint remote = socket.remote_endpoint(endpoint_error);
+    const std::string source = endpoint_error ? std::string() : remote.address().to_string();
+    if (pending_per_source_[source] >= std::max(config_.max_pending_handshakes_per_source, 1)) {
+      if (pending_per_source_[source] == 0) pending_per_source_.erase(source);
+      RefuseLocked(std::move(socket),
+                   absl::ResourceExhaustedError(absl::StrCat(
+                       "too many control handshakes in flight from ", source, " (limit ",
+                       config_.max_pending_handshakes_per_source, "); try again later")));
+      return;
+    }
     if (open_connections_->load() >= static_cast<uint64_t>(std::max(config_.max_connections, 0))) {
+      if (pending_per_source_[source] == 0) pending_per_source_.erase(source);
       RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
                                           "too many control connections (limit ",
                                           config_.max_connections, "); try again later")));
@@ -569,6 +585,8 @@ void ListenerState::OnAccept(const error_code& error, tcp::socket socket) {
     handshake = std::make_shared<InboundHandshake>(shared_from_this(), std::move(socket),
                                                    TakeConnectionSlot());
     pending_.emplace(handshake.get(), handshake);
+    pending_source_.emplace(handshake.get(), source);
+    ++pending_per_source_[source];
   }
   handshake->Start();
 }
@@ -613,6 +631,10 @@ ServerStats ListenerState::Stats() const {
 bool ListenerState::BeginCallback(const InboundHandshake* handshake) {
   MutexLock lock(&mu_);
   pending_.erase(handshake);
+  if (auto it = pending_source_.find(handshake); it != pending_source_.end()) {
+    if (--pending_per_source_[it->second] <= 0) pending_per_source_.erase(it->second);
+    pending_source_.erase(it);
+  }
   if (stopped_) return false;
   ++callbacks_running_;
   return true;
@@ -660,6 +682,8 @@ void ListenerState::Stop() {
       retry_timer_.cancel();
       for (auto& [key, handshake] : pending_) pending.push_back(std::move(handshake));
       pending_.clear();
+      pending_source_.clear();
+      pending_per_source_.clear();
     }
     if (t_in_callback != this) {
       while (callbacks_running_ > 0) callbacks_done_.Wait(&mu_);

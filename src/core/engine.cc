@@ -74,6 +74,7 @@ absl::Status Engine::Impl::Init() {
   handshake_.issue_token = [this] { return IssueToken(); };
   handshake_.revoke_token = [this](const std::string& token) { RevokeToken(token); };
   handshake_.max_pending_handshakes = options_.max_pending_handshakes;
+  handshake_.max_pending_handshakes_per_source = options_.max_pending_handshakes_per_source;
   handshake_.max_connections = options_.max_control_connections;
   handshake_.max_send_queue_bytes = options_.max_control_send_queue_bytes;
   if (options_.max_undrained_notifications == 0 || options_.closed_peers_kept < 0) {

@@ -7,6 +7,7 @@
 // FailingCsprng below replaces OpenSSL's RAND method, an API OpenSSL 3 deprecates.
 #define OPENSSL_SUPPRESS_DEPRECATED
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -70,8 +71,9 @@ class RawSocket {
   }
   int fd() const { return fd_; }
 
-  // Connects to "127.0.0.1:port" (the only form the engines here listen on).
-  static absl::StatusOr<RawSocket> Dial(const std::string& address) {
+  // Connects to "127.0.0.1:port" (the only form the engines here listen on), from `source`
+  // (another loopback address stands for another host).
+  static absl::StatusOr<RawSocket> Dial(const std::string& address, const char* source = nullptr) {
     const size_t colon = address.rfind(':');
     uint32_t port = 0;
     if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
@@ -83,6 +85,14 @@ class RawSocket {
     sa.sin_family = AF_INET;
     sa.sin_port = htons(static_cast<uint16_t>(port));
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (source != nullptr) {
+      sockaddr_in from{};
+      from.sin_family = AF_INET;
+      if (::inet_pton(AF_INET, source, &from.sin_addr) != 1 ||
+          ::bind(s.fd(), reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0) {
+        return absl::InternalError(absl::StrCat("bind to ", source, ": errno ", errno));
+      }
+    }
     if (::connect(s.fd(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
       return absl::UnavailableError(absl::StrCat("connect ", address, ": errno ", errno));
     }
@@ -835,6 +845,39 @@ TEST(HostileHandshakeTest, HandshakeFloodBeyondTheCapIsRefusedThenALegitimatePee
   flood.clear();
   ASSERT_TRUE(Eventually([&] { return target->control().handshakes_in_flight == 0; }));
   target->ExpectServesLegitimatePeer("s3cret");
+}
+
+// One host (127.0.0.2) holding handshakes open cannot take every unauthenticated slot: past
+// its per-source share it is refused, and a dialer from elsewhere is served meanwhile.
+TEST(HostileHandshakeTest, OneSourceCannotTakeEveryHandshakeSlot) {
+  EngineOptions options = ShortDeadlines("s3cret");
+  options.connect_timeout = absl::Seconds(5);
+  options.max_pending_handshakes = 8;
+  options.max_pending_handshakes_per_source = 3;
+  std::unique_ptr<Target> target = Target::Start(options, 63);
+  ASSERT_NE(target, nullptr);
+  std::vector<RawSocket> flood;
+  for (int i = 0; i < 3; ++i) {
+    auto s = RawSocket::Dial(target->engine->address(), "127.0.0.2");
+    ASSERT_TRUE(s.ok()) << s.status();
+    flood.push_back(*std::move(s));
+  }
+  ASSERT_TRUE(Eventually([&] { return target->control().handshakes_in_flight == 3; }));
+  for (int i = 0; i < 5; ++i) {
+    auto more = RawSocket::Dial(target->engine->address(), "127.0.0.2");
+    ASSERT_TRUE(more.ok()) << more.status();
+    absl::StatusOr<pb::Envelope> reject = more->Read();
+    ASSERT_TRUE(reject.ok()) << reject.status();
+    ASSERT_TRUE(reject->has_reject());
+    EXPECT_EQ(reject->reject().code(), static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
+    EXPECT_THAT(reject->reject().reason(),
+                HasSubstr("too many control handshakes in flight from 127.0.0.2 (limit 3)"));
+  }
+  EXPECT_EQ(target->control().handshakes_in_flight, 3u);
+  // While the flood is held, a peer from 127.0.0.1 completes its handshake and reads exactly.
+  target->ExpectServesLegitimatePeer("s3cret");
+  flood.clear();
+  ASSERT_TRUE(Eventually([&] { return target->control().handshakes_in_flight == 0; }));
 }
 
 TEST(HostileHandshakeTest, ControlConnectionsBeyondTheCapAreRefusedUntilOneCloses) {
