@@ -97,7 +97,7 @@ void FdServer::Wake() {
 void FdServer::DropPeer(PeerId peer) {
   {
     MutexLock lock(&mu_);
-    dropped_.insert(peer);
+    dropped_.Insert(peer);
   }
   Wake();
 }
@@ -114,7 +114,7 @@ void FdServer::Shutdown() {
 
 bool FdServer::IsDropped(PeerId peer) {
   MutexLock lock(&mu_);
-  return dropped_.contains(peer);
+  return dropped_.Contains(peer);
 }
 
 void FdServer::Run() {
@@ -154,7 +154,7 @@ void FdServer::Run() {
       if (stopping_) return;
       // Close the connections of dropped peers.
       for (auto it = connections.begin(); it != connections.end();) {
-        it = it->peer.has_value() && dropped_.contains(*it->peer) ? connections.erase(it) : it + 1;
+        it = it->peer.has_value() && dropped_.Contains(*it->peer) ? connections.erase(it) : it + 1;
       }
       // Indices into `polled` no longer match `connections`: poll again.
       continue;

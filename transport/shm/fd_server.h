@@ -8,11 +8,11 @@
 #include <string>
 #include <thread>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 #include "src/util/mutex.h"
+#include "src/util/recent_set.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/unique_fd.h"
@@ -79,7 +79,9 @@ class FdServer {
 
   Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_set<PeerId> dropped_ ABSL_GUARDED_BY(mu_);
+  // Bounded: the engine revokes a peer's token before dropping it, so an old id is refused by
+  // the token check already (peer ids are never reused).
+  RecentSet<PeerId> dropped_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
 
   Mutex join_mu_;  // one joiner at a time
   std::thread thread_ ABSL_GUARDED_BY(join_mu_);
