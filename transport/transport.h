@@ -144,7 +144,9 @@ class TargetHooks {
   virtual void OnPeerError(PeerId peer, const absl::Status& error) = 0;
   // The pid the peer announced in its handshake, 0 if unknown. The shm transport serves a
   // session token only to the process with that pid (SO_PEERCRED of its Unix socket), so a
-  // token that leaked (e.g. read off the control connection) is no use to another process.
+  // token that leaked (e.g. read off the control connection) is no use to another process;
+  // while it is 0 the token is not served (a request waits for it until the connection's
+  // authentication deadline, then is refused).
   virtual uint32_t PeerProcessId(PeerId peer) { return 0; }
 };
 

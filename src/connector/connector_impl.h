@@ -55,6 +55,7 @@
 #include "src/gpu/runtime.h"
 #include "src/util/json_fields.h"
 #include "src/util/mutex.h"
+#include "src/util/recent_set.h"
 
 namespace kvwire {
 namespace connector_internal {
@@ -350,9 +351,7 @@ class Connector::Impl {
   void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Retire(Request& r, const char* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return dead_peers_.count(id) == 0;
-  }
+  bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !dead_peers_.Contains(id); }
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
@@ -401,7 +400,10 @@ class Connector::Impl {
   std::vector<RegionSpan> local_regions_ ABSL_GUARDED_BY(mu_);
   std::map<PeerId, Peer> peers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, PeerId> peer_by_address_ ABSL_GUARDED_BY(mu_);
-  std::set<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_);
+  // Bounded: engine peer ids are never reused, and a dead peer's control connection is closed
+  // (its token revoked) by the engine right after it is marked here, so nothing arriving
+  // after a few thousand later deaths can name it.
+  RecentSet<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
   std::vector<std::pair<PeerId, absl::Status>> peers_to_close_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingHello> pending_hellos_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);

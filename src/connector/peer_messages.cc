@@ -400,7 +400,7 @@ bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& n
 void Connector::Impl::ClosePeerLocked(PeerId peer, const std::string& name, absl::Status reason) {
   KVW_LOG(kWarning, kLog) << "closing connector peer" << Kv("peer", peer) << Kv("name", name)
                           << Kv("reason", reason);
-  if (dead_peers_.insert(peer).second) {
+  if (dead_peers_.Insert(peer)) {
     // Its requests end now, before anything else it sent is looked at.
     OnPeerDeath(peer, name, std::string(reason.message()));
   }
@@ -426,7 +426,7 @@ void Connector::Impl::ProgressLoop() {
       for (const InboxEvent& e : events) {
         if (e.kind == InboxEvent::Kind::kMessage) {
           OnMessage(e);
-        } else if (dead_peers_.insert(e.peer).second) {
+        } else if (dead_peers_.Insert(e.peer)) {
           OnPeerDeath(e.peer, e.peer_name, e.payload);
         }
       }

@@ -81,7 +81,7 @@ absl::Status MessageHub::Deliver(PeerId peer, const std::string& peer_name,
                                  const std::string& topic, std::string payload) {
   MutexLock lock(&mu_);
   // Closed, or being closed for breaking a rule: nothing more of it is delivered.
-  if (closed_.contains(peer) || condemned_.contains(peer)) return absl::OkStatus();
+  if (closed_.Contains(peer) || condemned_.contains(peer)) return absl::OkStatus();
   absl::Status broken;
   if (absl::Status s = CheckTopic(topic); !s.ok()) {
     broken = absl::InvalidArgumentError(absl::StrCat("peer ", peer_name, " sent a ", s.message()));
@@ -107,7 +107,7 @@ absl::Status MessageHub::Deliver(PeerId peer, const std::string& peer_name,
 
 void MessageHub::PeerClosed(PeerId peer, const std::string& peer_name, const std::string& reason) {
   MutexLock lock(&mu_);
-  if (!closed_.insert(peer).second) return;
+  if (!closed_.Insert(peer)) return;
   dropped_.erase(peer);
   condemned_.erase(peer);
   for (auto& [topic, inbox] : inboxes_) {

@@ -16,6 +16,7 @@
 
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
+#include "src/util/recent_set.h"
 
 namespace kvwire {
 namespace core {
@@ -71,12 +72,19 @@ class MessageHub : public std::enable_shared_from_this<MessageHub> {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   uint32_t max_message_bytes() const { return max_message_bytes_; }
+  // How many closed peers are remembered (bounded by kClosedPeersRemembered).
+  size_t closed_peers_remembered() ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    return closed_.size();
+  }
 
  private:
   const uint32_t max_message_bytes_;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Inbox::Impl>> inboxes_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<PeerId> closed_ ABSL_GUARDED_BY(mu_);
+  // Bounded (peer ids are never reused; a closed peer's control connection is closed before
+  // it is marked, so nothing new can name an old one).
+  RecentSet<PeerId> closed_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
   // Peers that broke a rule and are being closed.
   absl::flat_hash_set<PeerId> condemned_ ABSL_GUARDED_BY(mu_);
   // Messages dropped for want of an inbox, per peer (only the first is logged).

@@ -3,8 +3,10 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fcntl.h>
+#include <limits>
 #include <optional>
 #include <poll.h>
 #include <utility>
@@ -23,6 +25,13 @@ struct FdServer::Connection {
   UniqueFd socket;
   std::optional<PeerId> peer;  // set by the first request with a valid token
   pid_t pid = 0;               // of the connecting process (SO_PEERCRED at accept), 0: unknown
+  uid_t uid = 0;               // of the connecting process (SO_PEERCRED at accept)
+  absl::Time auth_deadline;    // closed unless `peer` is set by then
+  // A request with a valid token whose peer's handshake pid is not known yet (the engine
+  // publishes the peer when its side of the handshake completes, which may be after the other
+  // side already asks): retried until `auth_deadline`, then refused.
+  std::optional<FdRequest> waiting;
+  PeerId waiting_peer = 0;
 };
 
 namespace {
@@ -43,26 +52,36 @@ FdReply ErrorReply(RegionId region, const absl::Status& status) {
 
 }  // namespace
 
+// How often a request waiting for its peer's handshake pid is retried.
+constexpr absl::Duration kPidRetry = absl::Milliseconds(5);
+
 absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& socket_name,
                                                           TargetHooks* hooks,
                                                           const LocalRegionTable* regions,
-                                                          size_t max_connections) {
+                                                          const FdServerLimits& limits) {
+  if (limits.max_connections == 0 || limits.max_unauthenticated_per_uid == 0 ||
+      limits.auth_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm: max_connections (", limits.max_connections, ") and max_unauthenticated_per_uid (",
+        limits.max_unauthenticated_per_uid, ") must be at least 1 and auth_timeout (",
+        absl::FormatDuration(limits.auth_timeout), ") positive"));
+  }
   absl::StatusOr<UniqueFd> listener = ListenSeqpacket(socket_name, 64);
   if (!listener.ok()) return listener.status();
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(absl::StatusCode::kResourceExhausted, errno, "eventfd");
-  auto server = std::make_unique<FdServer>(PassKey(), hooks, regions, max_connections,
-                                           *std::move(listener), std::move(wake));
+  auto server = std::make_unique<FdServer>(PassKey(), hooks, regions, limits, *std::move(listener),
+                                           std::move(wake));
   MutexLock lock(&server->join_mu_);
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
 
 FdServer::FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions,
-                   size_t max_connections, UniqueFd listener, UniqueFd wake)
+                   const FdServerLimits& limits, UniqueFd listener, UniqueFd wake)
     : hooks_(hooks),
       regions_(regions),
-      max_connections_(max_connections),
+      limits_(limits),
       listener_(std::move(listener)),
       wake_(std::move(wake)) {}
 
@@ -78,7 +97,7 @@ void FdServer::Wake() {
 void FdServer::DropPeer(PeerId peer) {
   {
     MutexLock lock(&mu_);
-    dropped_.insert(peer);
+    dropped_.Insert(peer);
   }
   Wake();
 }
@@ -95,7 +114,7 @@ void FdServer::Shutdown() {
 
 bool FdServer::IsDropped(PeerId peer) {
   MutexLock lock(&mu_);
-  return dropped_.contains(peer);
+  return dropped_.Contains(peer);
 }
 
 void FdServer::Run() {
@@ -103,13 +122,26 @@ void FdServer::Run() {
   std::vector<Connection> connections;
   std::vector<pollfd> polled;
   while (true) {
+    // Wake for the first authentication deadline, and to retry requests waiting for a pid.
+    absl::Time wake_at = absl::InfiniteFuture();
+    const absl::Time now = absl::Now();
     polled.clear();
     polled.push_back({wake_.get(), POLLIN, 0});
     polled.push_back({listener_.get(), POLLIN, 0});
     for (const Connection& connection : connections) {
-      polled.push_back({connection.socket.get(), POLLIN, 0});
+      if (!connection.peer.has_value()) wake_at = std::min(wake_at, connection.auth_deadline);
+      if (connection.waiting.has_value()) wake_at = std::min(wake_at, now + kPidRetry);
+      // A waiting connection is not read further until its request is answered.
+      polled.push_back(
+          {connection.socket.get(), static_cast<short>(connection.waiting ? 0 : POLLIN), 0});
     }
-    if (::poll(polled.data(), polled.size(), -1) < 0) {
+    int timeout_ms = -1;
+    if (wake_at != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(wake_at - now, absl::Milliseconds(1))), 0,
+          std::numeric_limits<int>::max()));
+    }
+    if (::poll(polled.data(), polled.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       KVW_LOG(kError, "shm") << "fd server poll failed, stopping" << Kv("error", ErrnoText(errno));
       return;
@@ -118,50 +150,95 @@ void FdServer::Run() {
       uint64_t count;
       ssize_t ignored = ::read(wake_.get(), &count, sizeof(count));
       (void)ignored;
-      absl::flat_hash_set<PeerId> dropped;
-      {
-        MutexLock lock(&mu_);
-        if (stopping_) return;
-        dropped = dropped_;
-      }
+      MutexLock lock(&mu_);
+      if (stopping_) return;
       // Close the connections of dropped peers.
-      std::erase_if(connections, [&dropped](const Connection& c) {
-        return c.peer.has_value() && dropped.contains(*c.peer);
-      });
+      for (auto it = connections.begin(); it != connections.end();) {
+        it = it->peer.has_value() && dropped_.Contains(*it->peer) ? connections.erase(it) : it + 1;
+      }
       // Indices into `polled` no longer match `connections`: poll again.
       continue;
     }
     // Serve before accepting: `polled` indices refer to the connections as they were.
     std::vector<bool> keep(connections.size(), true);
     for (size_t i = 0; i < connections.size(); ++i) {
-      if (polled[i + 2].revents != 0) keep[i] = Serve(connections[i]);
+      Connection& connection = connections[i];
+      const short revents = polled[i + 2].revents;
+      if (connection.waiting.has_value()) {
+        if ((revents & (POLLHUP | POLLERR)) != 0) {
+          keep[i] = false;
+        } else {
+          FdRequest request = *std::exchange(connection.waiting, std::nullopt);
+          keep[i] = Handle(connection, request);
+        }
+      } else if (revents != 0) {
+        keep[i] = Serve(connection);
+      }
+    }
+    const absl::Time after = absl::Now();
+    for (size_t i = 0; i < connections.size(); ++i) {
+      Connection& connection = connections[i];
+      if (!keep[i] || connection.peer.has_value() || after < connection.auth_deadline) continue;
+      keep[i] = false;
+      absl::Status error;
+      if (connection.waiting.has_value()) {
+        error = absl::PermissionDeniedError(
+            absl::StrCat("shm: the session token of peer ", connection.waiting_peer,
+                         " was presented, but that peer's handshake pid was not known within ",
+                         absl::FormatDuration(limits_.auth_timeout),
+                         " (handshake not complete, or it announced no pid); refused"));
+        (void)Reply(connection.socket.get(), ErrorReply(connection.waiting->region, error), -1);
+      } else {
+        error = absl::DeadlineExceededError(
+            absl::StrCat("shm: connection presented no valid session token within ",
+                         absl::FormatDuration(limits_.auth_timeout), "; closed"));
+      }
+      KVW_LOG(kWarning, "shm") << "closing unauthenticated connection" << Kv("pid", connection.pid)
+                               << Kv("uid", connection.uid) << Kv("error", error);
     }
     size_t next = 0;
     std::erase_if(connections, [&](const Connection&) { return !keep[next++]; });
-    if (polled[1].revents != 0) {
-      while (true) {
-        absl::StatusOr<UniqueFd> accepted = AcceptSeqpacket(listener_.get());
-        if (!accepted.ok()) {
-          if (!absl::IsUnavailable(accepted.status())) {
-            KVW_LOG(kWarning, "shm") << "accept failed" << Kv("error", accepted.status());
-          }
-          break;
-        }
-        if (connections.size() >= max_connections_) {
-          KVW_LOG(kWarning, "shm")
-              << "refusing connection: too many" << Kv("limit", max_connections_);
-          continue;  // `accepted` closes it
-        }
-        ucred credentials{};
-        socklen_t size = sizeof(credentials);
-        if (::getsockopt(accepted->get(), SOL_SOCKET, SO_PEERCRED, &credentials, &size) != 0) {
-          KVW_LOG(kWarning, "shm")
-              << "refusing connection: SO_PEERCRED failed" << Kv("error", ErrnoText(errno));
-          continue;
-        }
-        connections.push_back(Connection{*std::move(accepted), std::nullopt, credentials.pid});
+    if (polled[1].revents != 0) AcceptAll(connections);
+  }
+}
+
+void FdServer::AcceptAll(std::vector<Connection>& connections) {
+  while (true) {
+    absl::StatusOr<UniqueFd> accepted = AcceptSeqpacket(listener_.get());
+    if (!accepted.ok()) {
+      if (!absl::IsUnavailable(accepted.status())) {
+        KVW_LOG(kWarning, "shm") << "accept failed" << Kv("error", accepted.status());
       }
+      return;
     }
+    if (connections.size() >= limits_.max_connections) {
+      KVW_LOG(kWarning, "shm") << "refusing connection: too many"
+                               << Kv("limit", limits_.max_connections);
+      continue;  // `accepted` closes it
+    }
+    ucred credentials{};
+    socklen_t size = sizeof(credentials);
+    if (::getsockopt(accepted->get(), SOL_SOCKET, SO_PEERCRED, &credentials, &size) != 0) {
+      KVW_LOG(kWarning, "shm") << "refusing connection: SO_PEERCRED failed"
+                               << Kv("error", ErrnoText(errno));
+      continue;
+    }
+    const size_t unauthenticated =
+        std::count_if(connections.begin(), connections.end(), [&credentials](const Connection& c) {
+          return !c.peer.has_value() && c.uid == credentials.uid;
+        });
+    if (unauthenticated >= limits_.max_unauthenticated_per_uid) {
+      KVW_LOG(kWarning, "shm") << "refusing connection: too many without a valid token from uid"
+                               << Kv("uid", credentials.uid)
+                               << Kv("limit", limits_.max_unauthenticated_per_uid);
+      continue;
+    }
+    Connection connection;
+    connection.socket = *std::move(accepted);
+    connection.pid = credentials.pid;
+    connection.uid = credentials.uid;
+    connection.auth_deadline = absl::Now() + limits_.auth_timeout;
+    connections.push_back(std::move(connection));
   }
 }
 
@@ -182,47 +259,65 @@ bool FdServer::Serve(Connection& connection) {
     if (connection.peer.has_value()) hooks_->OnPeerError(*connection.peer, request.status());
     return false;
   }
-  absl::StatusOr<PeerId> peer = hooks_->PeerForToken(request->token);
+  return Handle(connection, *request);
+}
+
+bool FdServer::Handle(Connection& connection, const FdRequest& request) {
+  const int socket = connection.socket.get();
+  absl::StatusOr<PeerId> peer = hooks_->PeerForToken(request.token);
   if (!peer.ok()) {
     KVW_LOG(kWarning, "shm") << "fd request with an unknown token refused"
                              << Kv("error", peer.status());
-    (void)Reply(socket, ErrorReply(request->region, peer.status()), -1);
+    (void)Reply(socket, ErrorReply(request.region, peer.status()), -1);
     return false;
   }
   if (connection.peer.has_value() && *connection.peer != *peer) {
     const absl::Status error = absl::PermissionDeniedError(absl::StrCat(
         "shm: connection of peer ", *connection.peer, " presented the token of peer ", *peer));
-    (void)Reply(socket, ErrorReply(request->region, error), -1);
+    (void)Reply(socket, ErrorReply(request.region, error), -1);
     hooks_->OnPeerError(*connection.peer, error);
     return false;
   }
   // The token is bound to the process that handshook: another process that learned it (from
-  // the control connection, or a log) gets nothing. Checked on every request: the engine may
-  // learn the pid only after the first one (0 = not known yet).
+  // the control connection, or a log) gets nothing. Checked on every request. The engine may
+  // learn the pid only after the first request (0 = not known yet): that request waits, and is
+  // refused at the connection's authentication deadline if the pid is still unknown; never
+  // served unchecked.
   const uint32_t expected = hooks_->PeerProcessId(*peer);
-  if (expected != 0 && static_cast<uint32_t>(connection.pid) != expected) {
+  if (expected == 0) {
+    if (!connection.peer.has_value()) {
+      connection.waiting = request;
+      connection.waiting_peer = *peer;
+      return true;
+    }
+    const absl::Status error = absl::PermissionDeniedError(
+        absl::StrCat("shm: the handshake pid of peer ", *peer, " is no longer known; refused"));
+    (void)Reply(socket, ErrorReply(request.region, error), -1);
+    return false;
+  }
+  if (static_cast<uint32_t>(connection.pid) != expected) {
     const absl::Status error = absl::PermissionDeniedError(
         absl::StrCat("shm: the session token of peer ", *peer, " was presented by pid ",
                      connection.pid, ", but the peer handshook from pid ", expected));
     KVW_LOG(kWarning, "shm") << "fd request refused" << Kv("error", error);
-    (void)Reply(socket, ErrorReply(request->region, error), -1);
+    (void)Reply(socket, ErrorReply(request.region, error), -1);
     return false;
   }
   if (IsDropped(*peer)) {
     (void)Reply(socket,
-                ErrorReply(request->region, absl::UnavailableError(
-                                                absl::StrCat("shm: peer ", *peer, " was dropped"))),
+                ErrorReply(request.region, absl::UnavailableError(
+                                               absl::StrCat("shm: peer ", *peer, " was dropped"))),
                 -1);
     return false;
   }
   connection.peer = *peer;
-  if (request->kind == FdRequestKind::kHello) {
+  if (request.kind == FdRequestKind::kHello) {
     FdReply welcome;
-    welcome.region = request->region;
+    welcome.region = request.region;
     return Reply(socket, welcome, -1).ok();
   }
 
-  const RegionId region_id = request->region;
+  const RegionId region_id = request.region;
   // The engine's verdict first: exported to this peer, and with which rights.
   absl::StatusOr<LocalRegion> region = hooks_->ExportedRegion(*peer, region_id);
   if (!region.ok()) {

@@ -8,15 +8,29 @@
 #include <string>
 #include <thread>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "src/util/mutex.h"
+#include "src/util/recent_set.h"
+#include "transport/shm/fd_protocol.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/unique_fd.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport::shm {
+
+// The socket is in the abstract namespace: any local process, of any uid, can connect. These
+// bound what one that never presents a valid token can hold (see ShmTransportOptions).
+struct FdServerLimits {
+  size_t max_connections = 256;
+  // Connections without a valid token yet, per uid (SO_PEERCRED): one uid cannot take every
+  // slot even for the time `auth_timeout` lets it hold them.
+  size_t max_unauthenticated_per_uid = 16;
+  // A connection that has not presented a valid token (of a peer whose handshake pid is known
+  // and matches) by then is closed.
+  absl::Duration auth_timeout = absl::Seconds(5);
+};
 
 class FdServer {
  public:
@@ -25,14 +39,14 @@ class FdServer {
   static absl::StatusOr<std::unique_ptr<FdServer>> Start(const std::string& socket_name,
                                                          TargetHooks* hooks,
                                                          const LocalRegionTable* regions,
-                                                         size_t max_connections);
+                                                         const FdServerLimits& limits);
   // For Start only (std::make_unique needs a public constructor).
   class PassKey {
     friend class FdServer;
     PassKey() = default;
   };
-  FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions, size_t max_connections,
-           UniqueFd listener, UniqueFd wake);
+  FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions,
+           const FdServerLimits& limits, UniqueFd listener, UniqueFd wake);
   ~FdServer();
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -50,17 +64,24 @@ class FdServer {
   void Run();
   // Answers one message; false when the connection must be closed.
   bool Serve(Connection& connection);
+  // Answers a decoded request, or parks it in `connection.waiting` while the token's peer has
+  // no known handshake pid yet; false when the connection must be closed.
+  bool Handle(Connection& connection, const FdRequest& request);
+  // Accepts every pending connection within the limits.
+  void AcceptAll(std::vector<Connection>& connections);
   bool IsDropped(PeerId peer);
 
   TargetHooks* const hooks_;
   const LocalRegionTable* const regions_;
-  const size_t max_connections_;
+  const FdServerLimits limits_;
   const UniqueFd listener_;
   const UniqueFd wake_;  // eventfd: DropPeer and Shutdown interrupt the thread's poll
 
   Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_set<PeerId> dropped_ ABSL_GUARDED_BY(mu_);
+  // Bounded: the engine revokes a peer's token before dropping it, so an old id is refused by
+  // the token check already (peer ids are never reused).
+  RecentSet<PeerId> dropped_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
 
   Mutex join_mu_;  // one joiner at a time
   std::thread thread_ ABSL_GUARDED_BY(join_mu_);

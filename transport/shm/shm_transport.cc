@@ -67,7 +67,10 @@ class ShmTransport final : public Transport {
   absl::Status Start(TargetHooks* hooks, uint64_t socket_random) {
     const std::string socket_name = SocketName(options_.engine_name, socket_random);
     absl::StatusOr<std::unique_ptr<shm::FdServer>> server =
-        shm::FdServer::Start(socket_name, hooks, &regions_, options_.max_connections);
+        shm::FdServer::Start(socket_name, hooks, &regions_,
+                             {.max_connections = options_.max_connections,
+                              .max_unauthenticated_per_uid = options_.max_unauthenticated_per_uid,
+                              .auth_timeout = options_.auth_timeout});
     if (!server.ok()) {
       return absl::Status(server.status().code(),
                           absl::StrCat("shm transport: ", server.status().message()));

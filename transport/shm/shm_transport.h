@@ -59,6 +59,13 @@ struct ShmTransportOptions {
   // Incoming connections served at once; more are refused (a local process could otherwise
   // exhaust this process's descriptors).
   size_t max_connections = 256;
+  // The fd socket is in the abstract namespace, open to every local uid: a connection that has
+  // not presented a valid session token (of a peer whose handshake pid is known and is the
+  // connecting process's) within `auth_timeout` is closed, and one uid may hold at most
+  // `max_unauthenticated_per_uid` such connections, so idle connections cannot keep legitimate
+  // peers out of `max_connections`.
+  absl::Duration auth_timeout = absl::Seconds(5);
+  size_t max_unauthenticated_per_uid = 16;
 };
 
 // Starts the transport's socket server. `hooks` (not null) must outlive the transport.

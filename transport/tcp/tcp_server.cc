@@ -314,7 +314,7 @@ void TcpServer::Authenticate(const std::shared_ptr<HelloStage>& hello) {
   std::atomic<uint64_t>* counter = &hello_refused_;
   if (stopped_) {
     refused = absl::UnavailableError("tcp target is shutting down");
-  } else if (dropped_.contains(*peer)) {
+  } else if (dropped_.Contains(*peer)) {
     refused = absl::UnauthenticatedError(absl::StrCat("peer ", *peer, " was dropped"));
   } else if (const size_t open = ConnectionsOf(*peer);
              open >= options_.max_data_connections_per_peer) {
@@ -426,7 +426,7 @@ TcpListenerStats TcpServer::Stats() const {
 
 void TcpServer::DropPeer(PeerId peer) {
   MutexLock lock(&mu_);
-  dropped_.insert(peer);
+  dropped_.Insert(peer);
   std::vector<ServerConnection*> stopping;
   for (const std::unique_ptr<ServerConnection>& connection : connections_) {
     if (connection->peer() == peer) {

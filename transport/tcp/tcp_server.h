@@ -28,6 +28,7 @@
 
 #include "kvwire/stats.h"
 #include "src/util/mutex.h"
+#include "src/util/recent_set.h"
 #include "transport/tcp/tcp_server_connection.h"
 #include "transport/tcp/tcp_staging.h"
 #include "transport/tcp/tcp_transport.h"
@@ -96,7 +97,9 @@ class TcpServer {
   mutable Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<ServerConnection>> connections_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<PeerId> dropped_ ABSL_GUARDED_BY(mu_);
+  // Bounded: the engine revokes a peer's token before dropping it, so an old id is refused by
+  // the token check already (peer ids are never reused).
+  RecentSet<PeerId> dropped_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
 };
 
 }  // namespace kvwire::transport

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -48,6 +49,8 @@ class FakeHooks : public TargetHooks {
   }
   void OnWriteArrived(PeerId, TransferId) override {}
   void OnPeerError(PeerId, const absl::Status&) override {}
+  // Both ends of these tests are this process.
+  uint32_t PeerProcessId(PeerId) override { return static_cast<uint32_t>(getpid()); }
 };
 
 uint8_t Byte(uint64_t i, uint32_t seed) { return static_cast<uint8_t>((i ^ (i >> 9)) * 37 + seed); }

@@ -156,7 +156,7 @@ class FakeHooks : public TargetHooks {
   void OnPeerError(PeerId, const absl::Status&) override {}
   uint32_t PeerProcessId(PeerId) override { return handshake_pid.load(); }
 
-  // Where both peers "handshook" from (0: not checked).
+  // Where both peers "handshook" from (0: not published yet, so not served).
   std::atomic<uint32_t> handshake_pid{0};
 
  private:

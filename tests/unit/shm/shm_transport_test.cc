@@ -72,6 +72,10 @@ class FakeHooks : public TargetHooks {
   }
   void OnWriteArrived(PeerId, TransferId) override { ++arrivals; }
   void OnPeerError(PeerId, const absl::Status&) override { ++peer_errors; }
+  uint32_t PeerProcessId(PeerId) override { return peer_pid.load(); }
+
+  // Where the peer "handshook" from: this process, except in the forked target.
+  std::atomic<uint32_t> peer_pid{static_cast<uint32_t>(getpid())};
 
   std::atomic<int> arrivals{0};
   std::atomic<int> peer_errors{0};
@@ -751,6 +755,7 @@ absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
 // 2 heap (CMA), 3 heap not exported, 4 memfd read-only.
 [[noreturn]] void RunChild(int control) {
   FakeHooks hooks;
+  hooks.peer_pid = static_cast<uint32_t>(getppid());
   std::unique_ptr<Transport> transport = MakeTransport("forked-target", &hooks);
   if (transport == nullptr) _exit(10);
   absl::StatusOr<ShareableBuffer> whole = ShareableBuffer::Create(kRegionBytes);
