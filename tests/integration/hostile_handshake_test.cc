@@ -403,9 +403,9 @@ TEST(HostileHandshakeTest, UnprovenListenerGetsNoLiveTokenAndReadsNothing) {
   options.shared_secret = "s3cret";
   options.transport = TransportKind::kTcp;
   options.connect_timeout = absl::Seconds(5);
+  std::vector<std::byte> memory(kRegionBytes);
   auto victim = Engine::Create(options);
   ASSERT_TRUE(victim.ok()) << victim.status();
-  std::vector<std::byte> memory(kRegionBytes);
   FillPattern(memory.data(), memory.size(), 21, 0);
   RegionOptions exported;
   exported.export_to_all_peers = true;
@@ -455,8 +455,10 @@ TEST(HostileHandshakeTest, UnprovenListenerGetsNoLiveTokenAndReadsNothing) {
 
 // An engine listening on loopback with one region of pattern `seed` exported to all peers.
 struct Target {
-  std::unique_ptr<Engine> engine;
+  // Before the engine, so that it outlives it (the engine's destruction joins the threads that
+  // served it; ThreadSanitizer sees no other order between their reads and the free).
   std::vector<std::byte> memory = std::vector<std::byte>(kRegionBytes);
+  std::unique_ptr<Engine> engine;
   RegionId region = 0;
   uint64_t seed = 0;
 
@@ -519,9 +521,9 @@ TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
   options.shared_secret = "s3cret";
   options.transport = TransportKind::kTcp;
   options.connect_timeout = absl::Seconds(5);
+  std::vector<std::byte> memory(kRegionBytes);
   auto victim = Engine::Create(options);
   ASSERT_TRUE(victim.ok()) << victim.status();
-  std::vector<std::byte> memory(kRegionBytes);
   FillPattern(memory.data(), memory.size(), 23, 0);
   RegionOptions exported;
   exported.export_to_all_peers = true;
@@ -581,9 +583,9 @@ TEST(HostileHandshakeTest, RejectedDialLeavesNoDataConnectionBehind) {
   options.shared_secret = "s3cret";
   options.transport = TransportKind::kTcp;
   options.connect_timeout = absl::Seconds(5);
+  std::vector<std::byte> memory(kRegionBytes);
   auto victim = Engine::Create(options);
   ASSERT_TRUE(victim.ok()) << victim.status();
-  std::vector<std::byte> memory(kRegionBytes);
   FillPattern(memory.data(), memory.size(), 25, 0);
   RegionOptions exported;
   exported.export_to_all_peers = true;

@@ -122,12 +122,14 @@ int main(int argc, char** argv) {
   options.tcp_max_pending_hellos_per_address = args.max_pending_per_address;
   options.tcp_hello_timeout = absl::Milliseconds(args.hello_ms);
   options.tcp_io_timeout = absl::Milliseconds(args.io_ms);
+  // Declared before the engine so that it outlives it: the engine's destruction joins the
+  // threads that served it (what ThreadSanitizer needs to see before the memory goes).
+  std::vector<std::vector<std::byte>> memory(args.regions);
   auto engine = kvwire::Engine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "hostile_tcp_target: %s\n", engine.status().ToString().c_str());
     return 1;
   }
-  std::vector<std::vector<std::byte>> memory(args.regions);
   std::vector<kvwire::RegionId> ids;
   for (int r = 0; r < args.regions; ++r) {
     memory[r].resize(args.region_bytes);
