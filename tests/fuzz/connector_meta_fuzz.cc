@@ -13,7 +13,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   kvwire::Connector& connector = *kvwire::fuzz::Victim().connector;
   const std::string meta(reinterpret_cast<const char*>(data), size);
   const absl::Status bound = connector.BindConnectorMeta(meta);
-  KVWIRE_FUZZ_CHECK(bound.ok() || bound.code() == absl::StatusCode::kInvalidArgument);
+  // Refused inputs: malformed (InvalidArgument), or naming a request or transfer id that is
+  // still live from an earlier input (AlreadyExists: duplicate ids are refused, never merged).
+  KVWIRE_FUZZ_CHECK(bound.ok() || bound.code() == absl::StatusCode::kInvalidArgument ||
+                    bound.code() == absl::StatusCode::kAlreadyExists);
   // Unbind. Requests the metadata created stay pending until their 2 s deadline fails them;
   // GetFinished drains those reports so that nothing grows without bound.
   KVWIRE_FUZZ_CHECK(connector.BindConnectorMeta(R"({"loads":[],"saves":[]})").ok());
