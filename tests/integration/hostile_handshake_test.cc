@@ -219,53 +219,6 @@ class NoTargetHooks : public transport::TargetHooks {
   void OnPeerError(PeerId, const absl::Status&) override {}
 };
 
-// Opens a tcp data connection to `endpoint` presenting `token`, and READs `length` bytes of
-// `region` into `out`: what a peer holding a live token can do.
-absl::Status ReadWithToken(const std::string& endpoint, const std::string& token, RegionId region,
-                           uint64_t length, std::byte* out) {
-  NoTargetHooks hooks;
-  auto tcp = transport::CreateTcpTransport(transport::TcpTransportOptions(), &hooks);
-  if (!tcp.ok()) return tcp.status();
-  absl::Status result;
-  {
-    transport::PeerLink link;
-    link.peer = 1;
-    link.peer_name = "victim";
-    link.remote_endpoint = endpoint;
-    link.token = token;
-    link.lanes = 1;
-    link.deadline = absl::Now() + absl::Seconds(10);
-    auto channel = (*tcp)->Connect(link);
-    if (!channel.ok()) {
-      result = channel.status();
-    } else {
-      transport::PostRequest request;
-      request.transfer_id = 1;
-      request.kind = OpKind::kRead;
-      request.ops.push_back(transport::WireOp{out, region, 0, length});
-      request.cancelled = std::make_shared<std::atomic<bool>>(false);
-      auto done = std::make_shared<std::pair<Mutex, std::optional<absl::Status>>>();
-      auto done_cv = std::make_shared<CondVar>();
-      (*channel)->Post(std::move(request), [done, done_cv](absl::Status s) {
-        MutexLock lock(&done->first);
-        done->second = std::move(s);
-        done_cv->SignalAll();
-      });
-      const absl::Time deadline = absl::Now() + kWait;
-      {
-        MutexLock lock(&done->first);
-        while (!done->second.has_value() && absl::Now() < deadline) {
-          done_cv->WaitUntil(&done->first, deadline);
-        }
-        result = done->second.value_or(absl::DeadlineExceededError("READ never completed"));
-      }
-      (*channel)->Close(absl::CancelledError("thief done"));
-    }
-  }
-  (*tcp)->Shutdown();
-  return result;
-}
-
 // A tcp data connection held open with one token, for READs at chosen moments.
 class HeldDataConnection {
  public:
@@ -326,6 +279,15 @@ class HeldDataConnection {
   absl::Status open_;
   TransferId transfer_id_ = 0;
 };
+
+// Opens a tcp data connection to `endpoint` presenting `token`, and READs `length` bytes of
+// `region` into `out`: what a peer holding a live token can do.
+absl::Status ReadWithToken(const std::string& endpoint, const std::string& token, RegionId region,
+                           uint64_t length, std::byte* out) {
+  HeldDataConnection connection(endpoint, token);
+  if (!connection.open().ok()) return connection.open();
+  return connection.Read(region, length, out);
+}
 
 // A legitimate engine READs all of `region` (exported to all peers, pattern `seed`/`index`) of
 // the engine at `address` and checks every byte.

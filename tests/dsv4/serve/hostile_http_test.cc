@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -157,20 +158,17 @@ class Servers {
 class HostileHttpTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    servers_ = new Servers();
+    servers_ = std::make_unique<Servers>();
     absl::Status s = servers_->Start();
-    if (!s.ok()) {
-      start_error_ = new std::string(absl::StrCat(s.ToString(), "\n", servers_->Logs()));
-    }
+    if (!s.ok()) start_error_ = absl::StrCat(s.ToString(), "\n", servers_->Logs());
   }
   static void TearDownTestSuite() {
-    delete servers_;
-    servers_ = nullptr;
-    delete start_error_;
-    start_error_ = nullptr;
+    servers_.reset();
+    start_error_.reset();
   }
+  // Servers that do not start are a failure of every test here, never a skip.
   void SetUp() override {
-    if (start_error_ != nullptr) GTEST_SKIP() << "servers did not start: " << *start_error_;
+    if (start_error_.has_value()) FAIL() << "servers did not start: " << *start_error_;
   }
 
   // False (with a failure naming the process and what it was sent) when one has died.
@@ -196,12 +194,12 @@ class HostileHttpTest : public ::testing::Test {
     EXPECT_EQ(r->kvwire.value("role", ""), "decode") << r->kvwire.dump();
   }
 
-  static Servers* servers_;
-  static std::string* start_error_;
+  static std::unique_ptr<Servers> servers_;
+  static std::optional<std::string> start_error_;
 };
 
-Servers* HostileHttpTest::servers_ = nullptr;
-std::string* HostileHttpTest::start_error_ = nullptr;
+std::unique_ptr<Servers> HostileHttpTest::servers_;
+std::optional<std::string> HostileHttpTest::start_error_;
 
 struct Case {
   std::string body;
