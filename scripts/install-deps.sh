@@ -18,6 +18,11 @@ packages=(
   libssl-dev
   # Connector: JSON (layouts, kv_transfer_params) and the Python binding.
   nlohmann-json3-dev pybind11-dev python3-dev
+  # vLLM connector plugin tests (python/): real torch CPU tensors; the vLLM-style P/D proxy
+  # in the serving tests speaks HTTP through httpx/aiohttp.
+  python3-torch python3-numpy python3-httpx python3-aiohttp
+  # Discovery (issue 16): tests start a real etcd (v3 API) on loopback; etcdctl for checks.
+  etcd-server etcd-client
   # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer
   # that turns sanitizer stack traces into file:line. libclang-rt-14-dev also holds libFuzzer
   # (libclang_rt.fuzzer*.a) for `make fuzz`.
