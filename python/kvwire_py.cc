@@ -210,20 +210,27 @@ PYBIND11_MODULE(_kvwire, m) {
   py::class_<kvwire::Connector>(m, "Connector")
       .def(py::init([](const std::string& name, const std::string& mode,
                        const std::string& transport, double request_timeout_s,
-                       const py::object& secret) {
+                       const py::object& secret, const std::string& listen_address,
+                       const std::string& metrics_address) {
              kvwire::ConnectorOptions o;
              o.engine = EngineOptionsFor(secret);
              o.engine.name = name;
              o.mode = Take(kvwire::ParseKvMode(mode));
              o.engine.transport = Take(kvwire::ParseTransportKind(transport));
+             o.engine.listen_address = listen_address;
              o.request_timeout = absl::Seconds(request_timeout_s);
+             o.metrics_address = metrics_address;
              return Take(kvwire::Connector::Create(o));
            }),
            py::arg("name") = "", py::arg("mode") = "auto", py::arg("transport") = "auto",
            py::arg("request_timeout_s") = 60.0, py::arg("secret") = py::none(),
-           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
+           py::arg("listen_address") = "127.0.0.1:0", py::arg("metrics_address") = "",
+           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET. "
+           "listen_address: control channel host:port (port 0: a free one). metrics_address: "
+           "host:port of GET /metrics and /stats.json (empty: none)")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
+      .def_property_readonly("metrics_address", &kvwire::Connector::metrics_address)
       .def(
           "register_kv_caches",
           [](kvwire::Connector& c, const kvwire::Layout& l, const py::list& memory) {
@@ -246,13 +253,15 @@ PYBIND11_MODULE(_kvwire, m) {
       .def(
           "request_finished",
           [](kvwire::Connector& c, const std::string& id, const kvwire::BlockTable& b,
-             uint64_t tokens, const std::string& params, bool aborted) {
+             uint64_t tokens, const std::string& params, bool aborted,
+             const std::string& transfer_id) {
             kvwire::RequestFinishedResult r =
-                Take(c.RequestFinished(id, b, tokens, params, aborted));
+                Take(c.RequestFinished(id, b, tokens, params, aborted, transfer_id));
             return py::make_tuple(r.delay_free, r.kv_transfer_params);
           },
           py::arg("request_id"), py::arg("blocks"), py::arg("num_tokens"),
-          py::arg("kv_transfer_params"), py::arg("aborted") = false)
+          py::arg("kv_transfer_params"), py::arg("aborted") = false, py::arg("transfer_id") = "",
+          "transfer_id: read mode, the (unguessable) id to hold the blocks under; '': random")
       .def("bind_connector_meta",
            [](kvwire::Connector& c, const std::string& m) { Check(c.BindConnectorMeta(m)); })
       .def("start_load_kv",

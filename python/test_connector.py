@@ -1,15 +1,85 @@
-"""Drives kvwire's vLLM-shaped connector the way vLLM's scheduler and workers would: a prefill
-instance and a decode instance (two engines, real sockets), read and write mode, a failed load,
-byte-for-byte checks and block accounting. Run: PYTHONPATH=<build>/python:python python3 -m
+"""Drives the native kvwire.Connector (the pybind11 binding) through its scheduler and worker
+calls: a prefill instance and a decode instance (two engines, real sockets), read and write
+mode, a failed load, byte-for-byte checks and block accounting. (The vLLM connector class on
+top of it has its own test, test_vllm_plugin.) Run: PYTHONPATH=<build>/python:python python3 -m
 unittest test_connector
 """
 import json
 import random
+import re
 import time
 import unittest
 
 import kvwire
-from kvwire.vllm_connector import KVConnectorRole, KvwireConnector, _event_handle
+
+
+class NativeHalf:
+    """One instance's kvwire.Connector, called with request objects and per-group block lists
+    as a serving engine holds them (both halves of an instance share it)."""
+
+    def __init__(self, native, group_names):
+        self.native = native
+        self.groups = group_names
+
+    @property
+    def address(self):
+        return self.native.address
+
+    def _table(self, lists):
+        return {g: list(ids) for g, ids in zip(self.groups, lists)}
+
+    @staticmethod
+    def _params(request):
+        p = request.kv_transfer_params
+        return "" if not p else (p if isinstance(p, str) else json.dumps(p))
+
+    def get_num_new_matched_tokens(self, request, computed):
+        return self.native.get_num_new_matched_tokens(request.request_id, request.num_tokens,
+                                                      computed, self._params(request))
+
+    def update_state_after_alloc(self, request, lists, n):
+        self.native.update_state_after_alloc(request.request_id, self._table(lists), n)
+
+    def build_connector_meta(self, _):
+        return self.native.build_connector_meta()
+
+    def request_finished(self, request, lists):
+        delay, params = self.native.request_finished(request.request_id, self._table(lists),
+                                                     request.num_tokens, self._params(request),
+                                                     request.aborted)
+        return delay, (json.loads(params) if params else None)
+
+    def register_kv_caches(self, layout_and_memory):
+        self.native.register_kv_caches(*layout_and_memory)
+
+    def bind_connector_metadata(self, text):
+        self.native.bind_connector_meta(text)
+
+    def clear_connector_metadata(self):
+        pass
+
+    def start_load_kv(self, _):
+        self.native.start_load_kv()
+
+    def save_kv_layer(self, name, *_):
+        self.native.save_kv_layer(int(re.findall(r"\d+", name)[0]))
+
+    def wait_for_save(self):
+        self.native.wait_for_save()
+
+    def get_finished(self, _):
+        sending, recving, failed = self.native.get_finished()
+        self.failed = getattr(self, "failed", {})
+        self.failed.update(dict(failed))
+        recving = set(recving) | {rid for rid, _ in failed}
+        return (set(sending) or None), (recving or None)
+
+    def get_failed_loads(self):
+        failed, self.failed = getattr(self, "failed", {}), {}
+        return failed
+
+    def prometheus(self):
+        return self.native.stats_prometheus()
 
 LAYOUT = json.dumps({
     "model": "toy",
@@ -34,12 +104,9 @@ class Instance:
     """One vLLM instance: scheduler-side and worker-side connectors plus a block pool."""
 
     def __init__(self, name, mode="auto", seed=0, as_kv_memory=False):
-        config = {"kv_transfer_config": {
-            "engine_id": name,
-            "kv_connector_extra_config": {"mode": mode, "transport": "tcp"}}}
-        self.scheduler = KvwireConnector(config, KVConnectorRole.SCHEDULER)
-        self.worker = KvwireConnector(config, KVConnectorRole.WORKER)
         self.layout = kvwire.Layout.from_json(LAYOUT)
+        native = kvwire.Connector(name=name, mode=mode, transport="tcp")
+        self.scheduler = self.worker = NativeHalf(native, [g.name for g in self.layout.groups])
         size = self.layout.assign_backing(0, BLOCKS)
         self.buffer = kvwire.Buffer(size)
         self.view = memoryview(self.buffer)
@@ -49,7 +116,6 @@ class Instance:
         memory = (kvwire.KvMemory(self.buffer.address, len(self.buffer), "host")
                   if as_kv_memory else self.buffer)
         self.worker.register_kv_caches((self.layout, [memory]))
-        self.scheduler.set_kv_cache_groups([g.name for g in self.layout.groups])
         self.rng = random.Random(seed)
         self.free = {g.name: list(range(BLOCKS)) for g in self.layout.groups}
         for ids in self.free.values():
@@ -202,7 +268,7 @@ class ConnectorTest(unittest.TestCase):
         p.release(rid)
         self.assertTrue(p.accounting_ok() and d.accounting_ok())
 
-    def test_kv_memory_and_event_arguments(self):
+    def test_kv_memory_arguments(self):
         m = kvwire.KvMemory(4096, 8192, "gpu", 1)
         self.assertEqual((m.ptr, m.length, m.kind, m.gpu_device), (4096, 8192, "gpu", 1))
         self.assertEqual(kvwire.KvMemory(1, 2).kind, "host")
@@ -210,19 +276,6 @@ class ConnectorTest(unittest.TestCase):
             kvwire.KvMemory(1, 2, "tpu")
         with self.assertRaises(TypeError):
             self.decode.worker.native.register_kv_caches(self.decode.layout, ["not memory"])
-
-        class Device:
-            index = 1
-
-        class TorchLikeEvent:  # what torch.cuda.Event offers
-            cuda_event = 0x1234
-            device = Device()
-
-        self.assertEqual(_event_handle(None), (None, 0))
-        self.assertEqual(_event_handle(0x99), (0x99, 0))
-        self.assertEqual(_event_handle(TorchLikeEvent()), (0x1234, 1))
-        with self.assertRaises(TypeError):
-            _event_handle(object())
 
     def test_failed_load_is_reported_with_reason(self):
         d = self.decode

@@ -10,7 +10,7 @@ import time
 import unittest
 
 import kvwire
-from kvwire.vllm_connector import _native_for
+from kvwire.vllm_connector import Settings
 
 LAYOUT = json.dumps({"model": "toy", "groups": [
     {"name": "full", "layers": [0, 1], "tokens_per_block": 16, "page_bytes": 256}]})
@@ -98,9 +98,9 @@ class SecretTest(unittest.TestCase):
                 return path
 
             def native(engine_id, path):
-                return _native_for({"kv_transfer_config": {
-                    "engine_id": engine_id,
-                    "kv_connector_extra_config": {"transport": "tcp", "secret_file": path}}})
+                # The vLLM connector's kv_connector_extra_config, as its workers read it.
+                s = Settings.from_extra({"transport": "tcp", "secret_file": path})
+                return kvwire.Connector(name=engine_id, transport=s.transport, secret=s.secret)
 
             right = secret_file("right", b"vllm-secret", 0o600)
             prefill = Peer("py-vllm-prefill", secret=b"vllm-secret")

@@ -55,15 +55,26 @@ struct KvSource {
   BlockTable block_ids;
 };
 
-// What travels from prefill to decode (through the router) in kv_transfer_params.
+// What travels from prefill to decode (through the router) in kv_transfer_params. The JSON
+// names are vLLM's P/D connectors' (NIXL, MoRIIO) where they have one: remote_engine_id,
+// remote_host, remote_port, remote_block_ids, remote_request_id / transfer_id, tp_size,
+// do_remote_prefill, do_remote_decode; nulls and unknown fields read as absent. kvwire's own
+// names (engine_id, block_ids) and extras (mode, num_tokens, tp_sources) are accepted too.
 struct KvTransferParams {
-  std::string engine_id;  // prefill engine name
+  std::string engine_id;  // prefill engine name ("remote_engine_id"; also "engine_id")
   std::string host;       // prefill control-channel host
   int port = 0;
-  std::string transfer_id;  // unique per request and prefill engine
+  // Unique per request and prefill engine ("transfer_id"; when absent, "remote_request_id").
+  std::string transfer_id;
+  // The prefill's request id, as vLLM's connectors send it (informational; may be empty).
+  std::string remote_request_id;
+  int tp_size = 1;  // prefill tensor-parallel size
   KvMode mode = KvMode::kAuto;
-  uint64_t num_tokens = 0;         // prompt tokens whose KV prefill computes
-  BlockTable block_ids;            // prefill's blocks per group (read mode)
+  uint64_t num_tokens = 0;  // prompt tokens whose KV prefill computes
+  // Prefill's blocks per group (read mode). "remote_block_ids" may be an object {group: ids},
+  // one flat list (group "0") or one list per group (groups "0", "1", ... in order, as vLLM
+  // lists a request's blocks per KV cache group); "block_ids" is an object.
+  BlockTable block_ids;
   bool do_remote_decode = false;   // prefill side: decode happens elsewhere
   bool do_remote_prefill = false;  // decode side: KV comes from a prefill engine
   // Read mode: the other prefill tensor-parallel ranks of the request ("tp_sources"). Decode
@@ -168,11 +179,14 @@ class Connector {
   // do_remote_decode in `kv_transfer_params`: its KV covers `num_tokens` tokens; returns
   // delay_free and, in read mode, the kv_transfer_params for decode. Decode: an unfinished
   // load is aborted (delay_free until GetFinished reports it).
+  // `transfer_id`: read mode, the id to hold the blocks under (the caller made it unguessable,
+  // e.g. a scheduler in another process that already handed it out); empty: a random one.
   absl::StatusOr<RequestFinishedResult> RequestFinished(const std::string& request_id,
                                                         const BlockTable& blocks,
                                                         uint64_t num_tokens,
                                                         const std::string& kv_transfer_params,
-                                                        bool aborted = false);
+                                                        bool aborted = false,
+                                                        const std::string& transfer_id = "");
 
   // --- worker side ---
   absl::Status BindConnectorMeta(const std::string& meta_json);

@@ -173,12 +173,10 @@ absl::Status Connector::UpdateStateAfterAlloc(const std::string& request_id,
   return impl_->UpdateStateAfterAlloc(request_id, blocks, num_external_tokens);
 }
 std::string Connector::BuildConnectorMeta() { return impl_->BuildConnectorMeta(); }
-absl::StatusOr<RequestFinishedResult> Connector::RequestFinished(const std::string& request_id,
-                                                                 const BlockTable& blocks,
-                                                                 uint64_t num_tokens,
-                                                                 const std::string& params,
-                                                                 bool aborted) {
-  return impl_->RequestFinished(request_id, blocks, num_tokens, params, aborted);
+absl::StatusOr<RequestFinishedResult> Connector::RequestFinished(
+    const std::string& request_id, const BlockTable& blocks, uint64_t num_tokens,
+    const std::string& params, bool aborted, const std::string& transfer_id) {
+  return impl_->RequestFinished(request_id, blocks, num_tokens, params, aborted, transfer_id);
 }
 absl::Status Connector::BindConnectorMeta(const std::string& meta) {
   return impl_->BindConnectorMeta(meta);

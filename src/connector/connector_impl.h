@@ -90,6 +90,8 @@ inline constexpr size_t kMaxRegions = 4096;
 // in all. Beyond them a write request is answered with "fail" at once.
 inline constexpr size_t kMaxEarlyWritesPerPeer = 1024;
 inline constexpr size_t kMaxEarlyWrites = 8192;
+// Releases of read-mode transfers not held yet that a prefill remembers.
+inline constexpr size_t kMaxEarlyReleases = 8192;
 
 // One connector message from a peer, with every field checked (type, range, size) before any
 // of it is used.
@@ -253,11 +255,9 @@ class Connector::Impl {
   absl::Status UpdateStateAfterAlloc(const std::string& req_id, const BlockTable& blocks,
                                      uint64_t num_external_tokens);
   std::string BuildConnectorMeta();
-  absl::StatusOr<RequestFinishedResult> RequestFinished(const std::string& req_id,
-                                                        const BlockTable& blocks,
-                                                        uint64_t num_tokens,
-                                                        const std::string& params_json,
-                                                        bool aborted);
+  absl::StatusOr<RequestFinishedResult> RequestFinished(
+      const std::string& req_id, const BlockTable& blocks, uint64_t num_tokens,
+      const std::string& params_json, bool aborted, const std::string& transfer_id);
 
   // --- worker side ------------------------------------------------------------------------
   absl::Status BindConnectorMeta(const std::string& meta_json);
@@ -409,6 +409,16 @@ class Connector::Impl {
   std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> by_transfer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, EarlyWrite> early_writes_ ABSL_GUARDED_BY(mu_);
+  // Read mode, releases of transfer ids not held (yet): a scheduler in another process hands
+  // a transfer id out before its worker holds the blocks under it (RequestFinished with a
+  // given id), so a fast reader's release can come first. Bounded, oldest dropped.
+  struct EarlyRelease {
+    PeerId peer = 0;
+    bool ok = true;
+    std::string reason;
+  };
+  std::map<std::string, EarlyRelease> early_releases_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> early_release_order_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> retired_early_ ABSL_GUARDED_BY(mu_);
   // Prefill transfers that failed, with the reason, for decodes that ask late.
   std::map<std::string, std::string> retired_transfers_ ABSL_GUARDED_BY(mu_);

@@ -45,11 +45,77 @@ namespace {
 using connector_internal::kMaxTransferIdBytes;
 constexpr uint64_t kMaxTokens = uint64_t{1} << 40;
 constexpr size_t kMaxTpSources = 256;
+constexpr size_t kMaxNameBytes = 1024;  // engine ids, host names
 
+// Group names "0", "1", ... "n-1": the table came from (or goes to) vLLM's per-group lists.
+bool IndexedGroups(const BlockTable& t) {
+  size_t i = 0;
+  for (const auto& [group, ids] : t) {
+    (void)ids;
+    if (t.count(std::to_string(i++)) == 0) return false;
+  }
+  return true;
+}
+
+// remote_block_ids as vLLM's connectors read them: one list per KV cache group when the
+// groups are vLLM's (named by index), else kvwire's object {group: ids}.
 json BlocksJson(const BlockTable& t) {
+  if (!t.empty() && IndexedGroups(t)) {
+    json lists = json::array();
+    for (size_t i = 0; i < t.size(); ++i) lists.push_back(t.at(std::to_string(i)));
+    return lists;
+  }
   json blocks = json::object();
   for (const auto& [group, ids] : t) blocks[group] = ids;
   return blocks;
+}
+
+// The blocks of `f`: "remote_block_ids" (object, flat list = group "0", or list of lists =
+// groups "0", "1", ...) when present and not null, else "block_ids" (object).
+BlockTable ParamsBlocks(JsonFields& f) {
+  constexpr size_t kMaxGroups = 256, kMaxIds = 1 << 20;
+  constexpr int64_t kMaxBlockId = int64_t{1} << 40;
+  if (!f.Has("remote_block_ids")) {
+    return connector_internal::BlocksFromJson(f, "block_ids", /*required=*/false);
+  }
+  if (f.Object("remote_block_ids", /*required=*/false) != nullptr || !f.ok()) {
+    return connector_internal::BlocksFromJson(f, "remote_block_ids", /*required=*/false);
+  }
+  // Not an object: it must be an array (Array records the error otherwise).
+  BlockTable t;
+  const json* a = f.Array("remote_block_ids", /*required=*/true, kMaxIds);
+  if (a == nullptr || a->empty()) return t;
+  const bool per_group = (*a)[0].is_array();
+  if (per_group && a->size() > kMaxGroups) {
+    f.Fail("remote_block_ids",
+           absl::StrCat("has ", a->size(), " groups, over the limit of ", kMaxGroups));
+    return t;
+  }
+  for (size_t g = 0; per_group && g < a->size() && f.ok(); ++g) {
+    const json& ids = (*a)[g];
+    const std::string name = absl::StrCat("remote_block_ids[", g, "]");
+    if (!ids.is_array()) {
+      f.Fail(name, "must be a list of block ids (every item a list, or every item an id)", ids);
+      break;
+    }
+    if (ids.size() > kMaxIds) {
+      f.Fail(name, absl::StrCat("has ", ids.size(), " ids, over the limit of ", kMaxIds));
+      break;
+    }
+    std::vector<int64_t>& out = t[std::to_string(g)];
+    for (size_t i = 0; i < ids.size() && f.ok(); ++i) {
+      out.push_back(f.IntValue(ids[i], absl::StrCat(name, "[", i, "]"), -1, kMaxBlockId));
+    }
+  }
+  if (!per_group) {
+    std::vector<int64_t>& out = t["0"];
+    for (size_t i = 0; i < a->size() && f.ok(); ++i) {
+      out.push_back(
+          f.IntValue((*a)[i], absl::StrCat("remote_block_ids[", i, "]"), -1, kMaxBlockId));
+    }
+  }
+  if (!f.ok()) t.clear();
+  return t;
 }
 
 }  // namespace
@@ -59,25 +125,29 @@ void KvTransferParams::AddTpSource(const KvTransferParams& rank) {
 }
 
 std::string KvTransferParams::ToJson() const {
-  json blocks = BlocksJson(block_ids);
+  // vLLM's names (NIXL, MoRIIO), so that a vLLM-style proxy can pass them on unchanged;
+  // engine_id is kept for readers of the first version.
   json j = {{"version", 1},
+            {"do_remote_decode", do_remote_decode},
+            {"do_remote_prefill", do_remote_prefill},
+            {"remote_engine_id", engine_id},
             {"engine_id", engine_id},
             {"remote_host", host},
             {"remote_port", port},
+            {"remote_block_ids", BlocksJson(block_ids)},
+            {"remote_request_id", remote_request_id.empty() ? transfer_id : remote_request_id},
             {"transfer_id", transfer_id},
+            {"tp_size", tp_size},
             {"mode", KvModeName(mode)},
-            {"num_tokens", num_tokens},
-            {"block_ids", std::move(blocks)},
-            {"do_remote_decode", do_remote_decode},
-            {"do_remote_prefill", do_remote_prefill}};
+            {"num_tokens", num_tokens}};
   if (!tp_sources.empty()) {
     json sources = json::array();
     for (const KvSource& s : tp_sources) {
-      sources.push_back({{"engine_id", s.engine_id},
+      sources.push_back({{"remote_engine_id", s.engine_id},
                          {"remote_host", s.host},
                          {"remote_port", s.port},
                          {"transfer_id", s.transfer_id},
-                         {"block_ids", BlocksJson(s.block_ids)}});
+                         {"remote_block_ids", BlocksJson(s.block_ids)}});
     }
     j["tp_sources"] = std::move(sources);
   }
@@ -89,10 +159,14 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
   if (!j.ok()) return j.status();
   KvTransferParams p;
   JsonFields f(*j, "kv_transfer_params");
-  p.engine_id = f.OptString("engine_id");
-  p.host = f.OptString("remote_host");
+  p.engine_id = f.Has("remote_engine_id") ? f.OptString("remote_engine_id", "", kMaxNameBytes)
+                                          : f.OptString("engine_id", "", kMaxNameBytes);
+  p.host = f.OptString("remote_host", "", kMaxNameBytes);
   p.port = static_cast<int>(f.OptInt("remote_port", 0, 65535, 0));
+  p.remote_request_id = f.OptString("remote_request_id", "", kMaxTransferIdBytes);
   p.transfer_id = f.OptString("transfer_id", "", kMaxTransferIdBytes);
+  if (p.transfer_id.empty()) p.transfer_id = p.remote_request_id;
+  p.tp_size = static_cast<int>(f.OptInt("tp_size", 1, kMaxTpSources, 1));
   const std::string mode_name = f.OptString("mode", "auto");
   if (absl::StatusOr<KvMode> mode = ParseKvMode(mode_name); mode.ok()) {
     p.mode = *mode;
@@ -102,16 +176,17 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
   p.num_tokens = f.OptUint("num_tokens", kMaxTokens, 0);
   p.do_remote_decode = f.OptBool("do_remote_decode", false);
   p.do_remote_prefill = f.OptBool("do_remote_prefill", false);
-  p.block_ids = connector_internal::BlocksFromJson(f, "block_ids", /*required=*/false);
+  p.block_ids = ParamsBlocks(f);
   const json* sources = f.Array("tp_sources", /*required=*/false, kMaxTpSources);
   for (size_t i = 0; sources != nullptr && i < sources->size() && f.ok(); ++i) {
     JsonFields e = f.Item((*sources)[i], absl::StrCat("tp_sources[", i, "]"));
     KvSource s;
-    s.engine_id = e.OptString("engine_id");
-    s.host = e.String("remote_host");
+    s.engine_id = e.Has("remote_engine_id") ? e.OptString("remote_engine_id", "", kMaxNameBytes)
+                                            : e.OptString("engine_id", "", kMaxNameBytes);
+    s.host = e.String("remote_host", kMaxNameBytes);
     s.port = static_cast<int>(e.Int("remote_port", 1, 65535));
     s.transfer_id = e.String("transfer_id", kMaxTransferIdBytes);
-    s.block_ids = connector_internal::BlocksFromJson(e, "block_ids", /*required=*/false);
+    s.block_ids = ParamsBlocks(e);
     if (!f.ok()) break;
     if (s.host.empty() || s.transfer_id.empty() || s.block_ids.empty()) {
       return absl::InvalidArgumentError(
@@ -130,11 +205,10 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
           "kv_transfer_params: remote_host/remote_port missing for a remote prefill");
     }
     if (p.transfer_id.empty()) {
-      return absl::InvalidArgumentError("kv_transfer_params: transfer_id missing");
+      return absl::InvalidArgumentError(
+          "kv_transfer_params: transfer_id (or remote_request_id) missing for a remote prefill");
     }
-    if (p.num_tokens == 0) {
-      return absl::InvalidArgumentError("kv_transfer_params: num_tokens missing");
-    }
+    // num_tokens may be absent (vLLM's connectors do not send it): the whole prompt moves.
     if (p.mode == KvMode::kRead && p.block_ids.empty()) {
       return absl::InvalidArgumentError("kv_transfer_params: read mode without block_ids");
     }

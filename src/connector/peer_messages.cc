@@ -269,7 +269,17 @@ void Connector::Impl::OnMessage(const InboxEvent& n) {
     }
     case Type::kRelease: {
       Request* r = FindByTransfer(tid);
-      if (r == nullptr) return;
+      if (r == nullptr) {
+        // Ended here already, or not held yet (see early_releases_): kept for a while.
+        if (early_releases_.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason}).second) {
+          early_release_order_.push_back(tid);
+          if (early_release_order_.size() > connector_internal::kMaxEarlyReleases) {
+            early_releases_.erase(early_release_order_.front());
+            early_release_order_.pop_front();
+          }
+        }
+        return;
+      }
       if (r->mode != KvMode::kRead) {
         ClosePeerLocked(n.peer, n.peer_name,
                         absl::FailedPreconditionError(

@@ -31,6 +31,7 @@ using connector_internal::BlocksToJson;
 using connector_internal::CpuTimer;
 using connector_internal::FindRegion;
 using connector_internal::kLog;
+using connector_internal::kMaxTransferIdBytes;
 using connector_internal::Us;
 using nlohmann::json;
 
@@ -50,7 +51,9 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     return absl::AlreadyExistsError(absl::StrCat("request ", req_id, " is already known"));
   }
   if (params->do_remote_prefill) {
-    const uint64_t remote_tokens = std::min(params->num_tokens, num_tokens);
+    // No num_tokens (vLLM's proxies pass on what its connectors send): the whole prompt.
+    const uint64_t remote_tokens =
+        params->num_tokens == 0 ? num_tokens : std::min(params->num_tokens, num_tokens);
     if (remote_tokens <= num_computed) return result;  // full local prefix hit
     // Prefill's messages about a transfer name it by id: two loads of one id cannot be told
     // apart.
@@ -152,7 +155,7 @@ std::string Connector::Impl::BuildConnectorMeta() {
 
 absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     const std::string& req_id, const BlockTable& blocks, uint64_t num_tokens,
-    const std::string& params_json, bool aborted) {
+    const std::string& params_json, bool aborted, const std::string& given_transfer_id) {
   RequestFinishedResult out;
   MutexLock lock(&mu_);
   if (retired_early_.erase(req_id) != 0) return out;  // failed before it finished
@@ -214,9 +217,23 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   p.port = port;
   // Unguessable: the id is what a reader presents (read_start, release), so a peer that was
   // not handed it cannot claim or release the blocks.
-  absl::StatusOr<std::string> tid = RandomTransferId();
-  if (!tid.ok()) return tid.status();
-  p.transfer_id = std::move(*tid);
+  if (given_transfer_id.empty()) {
+    absl::StatusOr<std::string> tid = RandomTransferId();
+    if (!tid.ok()) return tid.status();
+    p.transfer_id = std::move(*tid);
+  } else {
+    if (given_transfer_id.size() > kMaxTransferIdBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", req_id, ": transfer id of ",
+                                                     given_transfer_id.size(), " bytes"));
+    }
+    if (auto other = by_transfer_.find(given_transfer_id); other != by_transfer_.end()) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", req_id, ": transfer id '",
+                                                   given_transfer_id, "' is in use by request ",
+                                                   other->second));
+    }
+    p.transfer_id = given_transfer_id;
+  }
+  p.remote_request_id = req_id;
   p.mode = KvMode::kRead;
   p.block_ids = blocks;
   p.do_remote_prefill = true;
@@ -226,6 +243,20 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   requests_[req_id] = std::move(r);
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
+  if (auto e = early_releases_.find(p.transfer_id); e != early_releases_.end()) {
+    // The reader was done before this hold: it is bound to that reader and ends now
+    // (GetFinished reports it as sent).
+    Request& held = requests_[req_id];
+    held.peer = e->second.peer;
+    const bool ok = e->second.ok;
+    const std::string reason = e->second.reason;
+    early_releases_.erase(e);
+    if (ok) {
+      CompleteLocked(held);
+    } else {
+      FailLocked(held, absl::StrCat("reader failed: ", reason));
+    }
+  }
   KVW_LOG(kDebug, kLog) << "holding blocks for reader" << Kv("request", req_id)
                         << Kv("transfer", p.transfer_id);
   return out;

@@ -327,6 +327,24 @@ void ConnectorSeeds() {
   Write("kv_params", "write",
         R"({"do_remote_prefill":true,"mode":"write","remote_host":"127.0.0.1",)"
         R"("remote_port":40000,"transfer_id":"t-1","num_tokens":16})");
+  // vLLM's P/D connectors' names (NIXL, MoRIIO), as their proxies pass them on.
+  Write("kv_params", "vllm-proxy-nulls",
+        R"({"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remo)"
+        R"(te_block_ids":null,"remote_host":null,"remote_port":null,"remote_request_id":nul)"
+        R"(l,"tp_size":null})");
+  Write("kv_params", "nixl-per-group",
+        R"({"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[3,7,1],[)"
+        R"(0,0,9]],"remote_engine_id":"prefill-0","remote_request_id":"cmpl-1234-0","remote)"
+        R"(_host":"10.0.0.1","remote_port":5600,"tp_size":2,"extra_field":{"x":[1,null]}})");
+  Write("kv_params", "vllm-flat-tp-sources",
+        R"({"do_remote_prefill":true,"remote_block_ids":[4,5,6],"remote_engine_id":"p","tra)"
+        R"(nsfer_id":"t-9","remote_host":"h","remote_port":1,"mode":"read","num_tokens":33,)"
+        R"("tp_sources":[{"remote_engine_id":"p1","remote_host":"h1","remote_port":2,"trans)"
+        R"(fer_id":"t-9","remote_block_ids":[4,5,6]}]})");
+  Write("kv_params", "moriio-write",
+        R"({"do_remote_prefill":true,"remote_block_ids":{"swa_kv":[1,2],"c4a_kv":[3]},"remo)"
+        R"(te_host":"h","remote_port":9,"transfer_id":"moriio-tx","mode":"write","remote_ha)"
+        R"(ndshake_port":6301,"remote_notify_port":61005})");
 
   for (const char* preset : {"mha", "deepseek-v3", "deepseek-v4-flash"}) {
     absl::StatusOr<Layout> layout = PresetLayout(preset);
