@@ -305,6 +305,9 @@ PYBIND11_MODULE(_kvwire, m) {
       .def("abort", [](kvwire::Connector& c, const std::string& id) { Check(c.Abort(id)); })
       .def("live_requests", &kvwire::Connector::LiveRequests)
       .def("stats_json", &kvwire::Connector::StatsJson)
+      .def(
+          "engine_stats_json", [](kvwire::Connector& c) { return c.engine().Stats().ToJson(); },
+          "the engine's stats: per peer the transport chosen and why, bytes, transfers")
       .def("stats_prometheus", &kvwire::Connector::StatsPrometheus);
 
   m.def("parse_kv_transfer_params",

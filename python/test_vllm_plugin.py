@@ -18,6 +18,7 @@ clear -> (scheduler) invalid blocks -> request_finished_all_groups -> update_con
 Run: PYTHONPATH=<build>/python:python:tests/vllm_standin python3 -m unittest test_vllm_plugin
 """
 import hashlib
+import json
 import multiprocessing
 import os
 import random
@@ -134,6 +135,8 @@ def worker_main(pipe, name, extra, shared_memory):
                 pipe.send(("ok", worker_step(conn, caches, layout, arg)))
             elif cmd == "live":
                 pipe.send(("ok", conn.native.live_requests()))
+            elif cmd == "peers":
+                pipe.send(("ok", json.loads(conn.native.engine_stats_json())["peers"]))
             elif cmd == "stop":
                 conn.shutdown()
                 pipe.send(("ok", None))
@@ -496,7 +499,6 @@ class PluginUnitTest(unittest.TestCase):
 
     def test_kv_transfer_params_in_vllm_names(self):
         parse = kvwire.parse_kv_transfer_params
-        import json
         # What a vLLM proxy sends prefill: nulls everywhere.
         p = json.loads(parse(json.dumps({
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -560,14 +562,41 @@ class PluginUnitTest(unittest.TestCase):
                                  {10, 11, 12, 20, 21, 22})
                 sched.update_connector_output(KVConnectorOutput(finished_recving=recving))
                 worker.clear_connector_metadata()
-            # Prefill side: a hand-off asked with nonsense finishes without one.
+            # Prefill side: a hand-off asked with nonsense finishes without one, logged.
+            sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
             r = Request("bad-p", [1] * 40, kv_transfer_params={"do_remote_decode": "yes?"})
             r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self.assertEqual(sched.request_finished_all_groups(r, ([1, 2, 3], [4, 5, 6])),
-                             (False, None))
+            with self.assertLogs("kvwire.vllm", "ERROR") as logs:
+                self.assertEqual(sched.request_finished_all_groups(r, ([1, 2, 3], [4, 5, 6])),
+                                 (False, None))
+            self.assertIn("bad kv_transfer_params", "\n".join(logs.output))
             self.assertEqual(worker.native.live_requests(), 0)
         finally:
             worker.shutdown()
+
+
+class PluginGpuTest(unittest.TestCase):
+    def test_save_kv_layer_records_an_event_on_the_current_stream(self):
+        if not torch.cuda.is_available():
+            self.skipTest("no CUDA device (torch.cuda.is_available() is False): the GPU path "
+                          "of save_kv_layer is not exercised on this machine")
+        conn = KvwireConnector(vllm_config("gpu-w", {"transport": "tcp"}),
+                               KVConnectorRole.WORKER, kv_cache_config())
+        try:
+            caches = {n: torch.zeros(2, NUM_BLOCKS, BS, HEADS, HEAD, dtype=torch.float16,
+                                     device="cuda") for n in LAYERS}
+            conn.register_kv_caches(caches)
+            conn._worker.saves_bound = True  # as when the step's metadata carries a save
+            torch.cuda.current_stream().synchronize()
+            caches[LAYERS[0]].add_(1)  # the "attention kernel" writing layer 0, queued
+            conn.save_kv_layer(LAYERS[0], caches[LAYERS[0]], None)
+            conn.save_kv_layer(LAYERS[1], caches[LAYERS[1]], None)
+            # One event per layer, recorded on the current stream behind the writes.
+            self.assertEqual(len(conn._worker.events), 2)
+            conn.wait_for_save()
+            self.assertEqual(conn._worker.events, [])
+        finally:
+            conn.shutdown()
 
 
 class PluginProcessesTest(unittest.TestCase):
@@ -589,6 +618,13 @@ class PluginProcessesTest(unittest.TestCase):
         for e in engines:
             self.assertTrue(e.accounting_ok(), f"{e.name}: blocks {e.blocks} free {e.free}")
             self.assertEqual(e.worker.call("live"), 0, e.name)
+
+    def check_transport(self, engine, transport, field):
+        """The peer of `engine` moved bytes over `transport` (never a silent fallback)."""
+        moved = [p for p in engine.worker.call("peers") if p[field] > 0]
+        self.assertTrue(moved, engine.name)
+        for p in moved:
+            self.assertEqual(p["transport"].split()[0], transport, p)
 
     def read_mode(self, transport, shm_memory):
         p, d = self.pair(transport, "read", shm_memory)
@@ -613,6 +649,7 @@ class PluginProcessesTest(unittest.TestCase):
         self.assertEqual(set(d.verified), {f"dr{i}" for i in range(len(LENGTHS))})
         self.assertTrue(all(d.verified.values()))
         self.assertEqual(d.recomputed, set())
+        self.check_transport(d, transport, "bytes_read")
         self.check_clean(p, d)
 
     def write_mode(self, transport, shm_memory):
@@ -633,6 +670,7 @@ class PluginProcessesTest(unittest.TestCase):
         self.assertEqual(d.mismatches, [])
         self.assertEqual(set(d.verified), {f"dw{i}" for i in range(len(LENGTHS))})
         self.assertTrue(all(d.verified.values()))
+        self.check_transport(p, transport, "bytes_written")
         self.check_clean(p, d)
 
     def test_read_tcp(self):

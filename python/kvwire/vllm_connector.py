@@ -37,7 +37,6 @@ import os
 import re
 import secrets
 import stat
-import threading
 from typing import Any
 
 try:
@@ -351,7 +350,6 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self._names = _group_names(kv_cache_config, self._settings)
-        self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self)
             self._worker = None
@@ -563,21 +561,37 @@ class _SchedulerSide:
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        try:
+            self._update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - a connector error must not end vLLM's loop
+            rid = getattr(request, "request_id", "?")
+            logger.error("kvwire connector: update_state_after_alloc(%s): %s; no transfer",
+                         rid, e)
+            params = getattr(request, "kv_transfer_params", None)
+            if (isinstance(params, dict) and params.get("do_remote_prefill") and
+                    num_external_tokens > 0 and rid in self.load_started and
+                    rid not in self.loading):
+                # vLLM waits for this load: it must end, as a failed one.
+                try:
+                    flat = sorted({b for g in _block_lists(blocks) for b in g})
+                except Exception:  # noqa: BLE001
+                    flat = []
+                self.meta.failed.append({"request_id": rid, "reason": str(e),
+                                         "block_ids": flat})
+                self.loading[rid] = None
+
+    def _update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict):
             return
         rid = request.request_id
-        try:
-            lists = _block_lists(blocks)
-        except (TypeError, ValueError) as e:
-            logger.error("kvwire connector: request %s: unusable blocks: %s", rid, e)
-            return
         if params.get("do_remote_prefill"):
             if rid in self.load_started:
                 return  # the second call, after the load: nothing more to do
             self.load_started.add(rid)
             if num_external_tokens <= 0:
                 return  # a full local prefix hit: nothing to load
+            lists = _block_lists(blocks)
             flat = sorted({b for g in lists for b in g})
             prompt_len = _prompt_len(request)
             num_computed = max(prompt_len - int(num_external_tokens), 0)
@@ -600,6 +614,7 @@ class _SchedulerSide:
         if params.get("do_remote_decode") and str(params.get("mode") or "") == "write":
             if rid in self.pending_saves or rid in self.saving:
                 return
+            lists = _block_lists(blocks)
             if self.c._settings.mode == "read":
                 logger.error("kvwire connector: request %s asks for write mode but this engine "
                              "is 'read'; no hand-off", rid)
@@ -678,6 +693,12 @@ class _SchedulerSide:
             self.holding.add(rid)
             return True, None
         if not params.get("do_remote_decode") or str(params.get("mode") or "") == "write":
+            return False, None
+        try:
+            _kvwire.parse_kv_transfer_params(json.dumps(params))
+        except (ValueError, TypeError) as e:
+            logger.error("kvwire connector: request %s: bad kv_transfer_params: %s; no "
+                         "hand-off, blocks freed", rid, e)
             return False, None
         if not _finished_length_capped(request):
             return False, None  # stopped early or aborted: nothing to hand off
@@ -879,13 +900,10 @@ class _WorkerSide:
             logger.error("kvwire connector: start_load_kv: %s", err)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        idx = self.layer_of.get(layer_name)
-        if idx is None or not self.loading:
-            return
-        try:
-            self.native.wait_for_layer_load(idx)
-        except (ValueError, RuntimeError) as err:
-            logger.error("kvwire connector: wait_for_layer_load(%s): %s", layer_name, err)
+        # Nothing to wait for: every load is asynchronous (get_num_new_matched_tokens says so),
+        # so vLLM schedules no request whose KV is still on the way; blocking here would only
+        # hold up the forward pass of the others.
+        return
 
     def _event_for(self, kv_layer):
         """A GPU event recorded on the current stream after the kernel that wrote the layer's
@@ -942,7 +960,6 @@ class _WorkerSide:
         """(finished sending, finished receiving). A failed load is received with its blocks
         in get_block_ids_with_load_errors() (vLLM then recomputes or fails the request per
         kv_load_failure_policy), never as a good load."""
-        self.finished_seen.update(finished_req_ids or ())
         sending, recving, failed = self.native.get_finished()
         recving = set(recving) | self.done_recving
         self.done_recving = set()
@@ -955,6 +972,10 @@ class _WorkerSide:
             self.load_blocks.pop(rid, None)
         self.unreported_sending |= set(sending) | self.done_sending
         self.done_sending = set()
+        # Only ids this worker may still report are remembered (others would pile up).
+        self.finished_seen |= set(finished_req_ids or ()) & (self.sending |
+                                                             self.unreported_sending |
+                                                             self.failed_saves)
         # vLLM: a finished send must be of a request passed here as finished (now or before).
         out_sending = self.unreported_sending & self.finished_seen
         self.unreported_sending -= out_sending

@@ -72,16 +72,16 @@ json BlocksJson(const BlockTable& t) {
 
 // The blocks of `f`: "remote_block_ids" (object, flat list = group "0", or list of lists =
 // groups "0", "1", ...) when present and not null, else "block_ids" (object).
-BlockTable ParamsBlocks(JsonFields& f) {
+BlockTable ParamsBlocks(JsonFields& f, const json& object) {
   constexpr size_t kMaxGroups = 256, kMaxIds = 1 << 20;
   constexpr int64_t kMaxBlockId = int64_t{1} << 40;
   if (!f.Has("remote_block_ids")) {
     return connector_internal::BlocksFromJson(f, "block_ids", /*required=*/false);
   }
-  if (f.Object("remote_block_ids", /*required=*/false) != nullptr || !f.ok()) {
+  // Has() said `object` is an object holding the field.
+  if (!object.find("remote_block_ids")->is_array()) {  // an object, or an error naming it
     return connector_internal::BlocksFromJson(f, "remote_block_ids", /*required=*/false);
   }
-  // Not an object: it must be an array (Array records the error otherwise).
   BlockTable t;
   const json* a = f.Array("remote_block_ids", /*required=*/true, kMaxIds);
   if (a == nullptr || a->empty()) return t;
@@ -176,7 +176,7 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
   p.num_tokens = f.OptUint("num_tokens", kMaxTokens, 0);
   p.do_remote_decode = f.OptBool("do_remote_decode", false);
   p.do_remote_prefill = f.OptBool("do_remote_prefill", false);
-  p.block_ids = ParamsBlocks(f);
+  p.block_ids = ParamsBlocks(f, *j);
   const json* sources = f.Array("tp_sources", /*required=*/false, kMaxTpSources);
   for (size_t i = 0; sources != nullptr && i < sources->size() && f.ok(); ++i) {
     JsonFields e = f.Item((*sources)[i], absl::StrCat("tp_sources[", i, "]"));
@@ -186,7 +186,7 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
     s.host = e.String("remote_host", kMaxNameBytes);
     s.port = static_cast<int>(e.Int("remote_port", 1, 65535));
     s.transfer_id = e.String("transfer_id", kMaxTransferIdBytes);
-    s.block_ids = ParamsBlocks(e);
+    s.block_ids = ParamsBlocks(e, (*sources)[i]);
     if (!f.ok()) break;
     if (s.host.empty() || s.transfer_id.empty() || s.block_ids.empty()) {
       return absl::InvalidArgumentError(
