@@ -277,6 +277,12 @@ class ConnectorTest(unittest.TestCase):
         with self.assertRaises(TypeError):
             self.decode.worker.native.register_kv_caches(self.decode.layout, ["not memory"])
 
+    def test_vllm_connector_module_imports_without_vllm(self):
+        # No vLLM on this test's path: the plugin module still imports, on stand-in bases.
+        import kvwire.vllm_connector as vc
+        self.assertFalse(vc.HAVE_VLLM)
+        self.assertTrue(issubclass(vc.KvwireConnectorMetadata, vc.KVConnectorMetadata))
+
     def test_failed_load_is_reported_with_reason(self):
         d = self.decode
         with self.assertRaises(ValueError):

@@ -715,6 +715,20 @@ class PluginProcessesTest(unittest.TestCase):
         self.assertFalse({"dk0", "dk1", "dk2"} & set(d.verified))
         self.check_clean(d)
 
+    def test_reader_done_before_the_hold(self):
+        """The prefill's scheduler hands the params out one step before its worker holds the
+        blocks; a decode that reads and releases in between still frees them."""
+        p, d = self.pair("tcp", "read", False)
+        p.add("e0", 40, 1, {"do_remote_decode": True}, seed="e0")
+        p.step()  # computed and finished; the hold reaches the worker with the next step
+        self.assertIn("e0", p.outputs)
+        self.assertEqual(p.worker.call("live"), 0)
+        d.add("de0", 40, 2, p.outputs["e0"], seed="e0")
+        run_until([d], d.idle, "the load, with the prefill's worker not stepping")
+        self.assertEqual(d.verified, {"de0": True})
+        run_until([p], p.idle, "the release that came before the hold")
+        self.check_clean(p, d)
+
     def test_decode_death_frees_prefill_blocks(self):
         p, d = self.pair("tcp", "read", False, {"request_timeout_s": 3})
         for i, n in enumerate(LENGTHS[:3]):

@@ -51,6 +51,57 @@ TEST(KvTransferParamsTest, RoundTripAndValidation) {
   }
 }
 
+// vLLM's P/D connectors' names (NIXL, MoRIIO) as their proxies pass them on: nulls and unknown
+// fields read as absent; remote_block_ids flat, per group, or by name; remote_request_id
+// stands in for transfer_id.
+TEST(KvTransferParamsTest, VllmNames) {
+  absl::StatusOr<KvTransferParams> proxy = KvTransferParams::FromJson(
+      R"({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+          "remote_block_ids": null, "remote_host": null, "remote_port": null,
+          "tp_size": null, "something_new": {"x": [1, null]}})");
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  EXPECT_TRUE(proxy->do_remote_decode);
+  EXPECT_TRUE(proxy->host.empty());
+  EXPECT_EQ(proxy->tp_size, 1);
+
+  absl::StatusOr<KvTransferParams> nixl = KvTransferParams::FromJson(
+      R"({"do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": "10.0.0.1",
+          "remote_port": 5600, "remote_request_id": "cmpl-7", "tp_size": 2,
+          "remote_block_ids": [[3, 7], [9]]})");
+  ASSERT_TRUE(nixl.ok()) << nixl.status();
+  EXPECT_EQ(nixl->engine_id, "p0");
+  EXPECT_EQ(nixl->transfer_id, "cmpl-7");
+  EXPECT_EQ(nixl->tp_size, 2);
+  EXPECT_EQ(nixl->num_tokens, 0u);  // absent: the whole prompt
+  EXPECT_EQ(nixl->block_ids, (BlockTable{{"0", {3, 7}}, {"1", {9}}}));
+  // Written back in the same names, per-group lists included.
+  const std::string out = nixl->ToJson();
+  EXPECT_NE(out.find(R"("remote_block_ids":[[3,7],[9]])"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"("remote_engine_id":"p0")"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"("remote_request_id":"cmpl-7")"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"("tp_size":2)"), std::string::npos) << out;
+
+  absl::StatusOr<KvTransferParams> flat = KvTransferParams::FromJson(
+      R"({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1,
+          "transfer_id": "t", "remote_request_id": "r", "remote_block_ids": [4, 5]})");
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  EXPECT_EQ(flat->transfer_id, "t");  // transfer_id wins over remote_request_id
+  EXPECT_EQ(flat->block_ids, (BlockTable{{"0", {4, 5}}}));
+
+  absl::StatusOr<KvTransferParams> named = KvTransferParams::FromJson(
+      R"({"remote_block_ids": {"swa_kv": [1]}, "block_ids": {"ignored": [2]}})");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->block_ids, (BlockTable{{"swa_kv", {1}}}));
+
+  for (const char* bad : {R"({"remote_block_ids": [[1], 2]})", R"({"remote_block_ids": [1, [2]]})",
+                          R"({"remote_block_ids": "1,2"})", R"({"remote_block_ids": [1.5]})",
+                          R"({"tp_size": 0})", R"({"remote_engine_id": 5})"}) {
+    absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(bad);
+    EXPECT_FALSE(p.ok()) << bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(p.status())) << bad;
+  }
+}
+
 TEST(CApiTest, ErrorsComeBackAsCodesAndMessages) {
   char* err = nullptr;
   EXPECT_EQ(kvw_layout_preset("no-such-model", &err), nullptr);
