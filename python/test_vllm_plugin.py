@@ -54,10 +54,12 @@ FULL_LAYERS, SWA_LAYERS = LAYERS[0::2], LAYERS[1::2]  # vLLM's hybrid grouping
 DEADLINE_S = 40.0
 
 
-def kv_cache_config():
-    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+def kv_cache_config(tp_size=1):
+    """vLLM's specs hold a rank's own heads (num_kv_heads / tp_size)."""
+    heads = HEADS // tp_size
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch.float16)
-    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                             dtype=torch.float16, sliding_window=WINDOW)
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -66,20 +68,20 @@ def kv_cache_config():
         kv_cache_groups=[KVCacheGroupSpec(FULL_LAYERS, full), KVCacheGroupSpec(SWA_LAYERS, swa)])
 
 
-def vllm_config(name, extra, role="kv_both"):
+def vllm_config(name, extra, role="kv_both", tp_size=1):
     return VllmConfig(cache_config=CacheConfig(block_size=BS),
-                      parallel_config=ParallelConfig(),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
                       kv_transfer_config=KVTransferConfig(
                           kv_connector="KvwireConnector", engine_id=name, kv_role=role,
                           kv_connector_module_path="kvwire.vllm_connector",
                           kv_connector_extra_config=extra))
 
 
-def make_caches(shared_memory):
+def make_caches(shared_memory, heads=HEADS):
     """{layer: tensor}: full layers NHD (2, blocks, BS, H, D) as flash-attn lays them out,
     window layers HND (the same logical shape over permuted strides). Plain torch memory, or
     (shm) torch tensors over a kvwire.Buffer, which a same-host peer can map."""
-    elems = 2 * NUM_BLOCKS * BS * HEADS * HEAD
+    elems = 2 * NUM_BLOCKS * BS * heads * HEAD
     keep = []
     if shared_memory:
         buf = kvwire.Buffer(elems * 2 * len(LAYERS))
@@ -91,9 +93,9 @@ def make_caches(shared_memory):
     for i, name in enumerate(LAYERS):
         part = flat[i * elems:(i + 1) * elems]
         if name in FULL_LAYERS:
-            caches[name] = part.view(2, NUM_BLOCKS, BS, HEADS, HEAD)
+            caches[name] = part.view(2, NUM_BLOCKS, BS, heads, HEAD)
         else:
-            caches[name] = part.view(2, NUM_BLOCKS, HEADS, BS, HEAD).permute(0, 1, 3, 2, 4)
+            caches[name] = part.view(2, NUM_BLOCKS, heads, BS, HEAD).permute(0, 1, 3, 2, 4)
     return caches, keep
 
 
@@ -111,13 +113,15 @@ def cdiv(a, b):
 # ---------------------------------------------------------------------------------------------
 # Worker process: vLLM's worker with its model runner's connector calls.
 # ---------------------------------------------------------------------------------------------
-def worker_main(pipe, name, extra, shared_memory):
+def worker_main(pipe, name, extra, shared_memory, tp_rank=0, tp_size=1):
     import logging
     logging.basicConfig(level=logging.ERROR)
     try:
-        caches, keep = make_caches(shared_memory)
-        conn = KvwireConnector(vllm_config(name, extra), KVConnectorRole.WORKER,
-                               kv_cache_config())
+        from vllm.distributed import parallel_state
+        parallel_state.set_tensor_model_parallel(tp_rank, tp_size)  # as vLLM's worker init
+        caches, keep = make_caches(shared_memory, HEADS // tp_size)
+        conn = KvwireConnector(vllm_config(name, extra, tp_size=tp_size),
+                               KVConnectorRole.WORKER, kv_cache_config(tp_size))
         assert isinstance(conn, KVConnectorBase)  # vLLM's model runner checks this
         conn.register_kv_caches(caches)
         pipe.send(("ok", conn.get_handshake_metadata()))
@@ -132,7 +136,7 @@ def worker_main(pipe, name, extra, shared_memory):
             return
         try:
             if cmd == "step":
-                pipe.send(("ok", worker_step(conn, caches, layout, arg)))
+                pipe.send(("ok", worker_step(conn, caches, layout, arg, tp_rank, tp_size)))
             elif cmd == "live":
                 pipe.send(("ok", conn.native.live_requests()))
             elif cmd == "peers":
@@ -145,13 +149,14 @@ def worker_main(pipe, name, extra, shared_memory):
             pipe.send(("error", traceback.format_exc()))
 
 
-def worker_step(conn, caches, layout, arg):
+def worker_step(conn, caches, layout, arg, tp_rank=0, tp_size=1):
     """execute_model with the connector (KVConnectorModelRunnerMixin's order)."""
     meta, compute, verify, finished_req_ids = arg
     assert isinstance(meta, KVConnectorMetadata)
     mismatches = []
+    heads = slice(tp_rank * HEADS // tp_size, (tp_rank + 1) * HEADS // tp_size)
     for rid, table, seed, tokens in verify:  # the KV a successful load put in place
-        mismatches += verify_kv(caches, layout, rid, table, seed, tokens)
+        mismatches += verify_kv(caches, layout, rid, table, seed, tokens, heads)
     conn.bind_connector_metadata(meta)
     conn.start_load_kv(None)
     for name in LAYERS:  # the forward pass
@@ -162,7 +167,7 @@ def worker_step(conn, caches, layout, arg):
             for logical in range(cdiv(tokens, BS)):
                 block = table[gi][logical]
                 for comp in (0, 1):
-                    t[comp, block].copy_(page_pattern(seed, name, logical, comp))
+                    t[comp, block].copy_(page_pattern(seed, name, logical, comp)[:, heads])
         conn.save_kv_layer(name, t, None)
     conn.wait_for_save()
     sending, recving = conn.get_finished(finished_req_ids)
@@ -173,7 +178,7 @@ def worker_step(conn, caches, layout, arg):
     return out, mismatches
 
 
-def verify_kv(caches, layout, rid, table, seed, tokens):
+def verify_kv(caches, layout, rid, table, seed, tokens, heads):
     bad = []
     for gi, g in enumerate(layout.groups):
         logical_blocks, _, _ = kvwire.select_blocks(g, tokens)
@@ -182,17 +187,19 @@ def verify_kv(caches, layout, rid, table, seed, tokens):
             for logical in logical_blocks:
                 for comp in (0, 1):
                     got = caches[name][comp, table[gi][logical]].contiguous().view(torch.int16)
-                    want = page_pattern(seed, name, logical, comp).view(torch.int16)
+                    want = page_pattern(seed, name, logical, comp)[:, heads]
+                    want = want.contiguous().view(torch.int16)
                     if not torch.equal(got, want):
                         bad.append(f"{rid}: {name} block {logical} comp {comp} differs")
     return bad
 
 
 class WorkerProc:
-    def __init__(self, name, extra, shared_memory):
+    def __init__(self, name, extra, shared_memory, tp_rank=0, tp_size=1):
         ctx = multiprocessing.get_context("fork")
         self.pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, name, extra, shared_memory),
+        self.proc = ctx.Process(target=worker_main,
+                                args=(child, name, extra, shared_memory, tp_rank, tp_size),
                                 daemon=True)
         self.proc.start()
         child.close()
@@ -227,13 +234,22 @@ class WorkerProc:
 # Scheduler: vLLM's Scheduler, reduced to what the connector sees.
 # ---------------------------------------------------------------------------------------------
 class MiniEngine:
-    def __init__(self, name, extra, shared_memory=False, seed=0):
+    def __init__(self, name, extra, shared_memory=False, seed=0, tp_size=1):
         self.name = name
-        self.worker = WorkerProc(name, extra, shared_memory)
-        self.conn = KvwireConnector(vllm_config(name, extra), KVConnectorRole.SCHEDULER,
-                                    kv_cache_config())
+        self.workers = []
+        try:
+            for rank in range(tp_size):
+                self.workers.append(WorkerProc(name, extra, shared_memory, rank, tp_size))
+        except BaseException:
+            self.stop()
+            raise
+        self.worker = self.workers[0]
+        self.conn = KvwireConnector(vllm_config(name, extra, tp_size=tp_size),
+                                    KVConnectorRole.SCHEDULER, kv_cache_config(tp_size))
         assert self.conn.native is None  # no engine, no memory in the scheduler's process
-        self.conn.set_xfer_handshake_metadata({0: self.worker.handshake})
+        self.conn.set_xfer_handshake_metadata({w.handshake.tp_rank: w.handshake
+                                               for w in self.workers})
+        self.counts = {"sending": {}, "recving": {}}  # vLLM's KVOutputAggregator
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)  # fragmented allocation
         self.requests = {}
@@ -348,12 +364,30 @@ class MiniEngine:
     def step(self):
         out, compute = self.schedule()
         verify, self.verify = self.verify, []
-        result, mismatches = self.worker.call(
-            "step", (out.kv_connector_metadata, compute, verify, out.finished_req_ids))
+        arg = (out.kv_connector_metadata, compute, verify, out.finished_req_ids)
+        for w in self.workers:  # every rank gets the same scheduler output
+            w.pipe.send(("step", arg))
+        results = [w.call(None) for w in self.workers]
+        result = self.aggregate([r for r, _ in results])
+        mismatches = [m for _, ms in results for m in ms]
         self.mismatches += mismatches
         for rid, *_ in verify:
             self.verified[rid] = not [m for m in mismatches if m.startswith(rid + ":")]
         self.update_from_output(out, result)
+
+    def aggregate(self, outputs):
+        """A request is finished sending / receiving once every rank said so."""
+        merged = KVConnectorOutput(finished_sending=set(), finished_recving=set())
+        for kind, field in (("sending", "finished_sending"), ("recving", "finished_recving")):
+            for o in outputs:
+                for rid in getattr(o, field) or ():
+                    self.counts[kind][rid] = self.counts[kind].get(rid, 0) + 1
+                    if self.counts[kind][rid] == len(self.workers):
+                        del self.counts[kind][rid]
+                        getattr(merged, field).add(rid)
+        for o in outputs:
+            merged.invalid_block_ids |= o.invalid_block_ids
+        return merged
 
     def update_from_output(self, out, kv):
         if kv.invalid_block_ids:  # _handle_invalid_blocks, policy "recompute"
@@ -389,7 +423,8 @@ class MiniEngine:
         return sorted(self.free) == list(range(NUM_BLOCKS)) and not self.blocks
 
     def stop(self):
-        self.worker.stop()
+        for w in self.workers:
+            w.stop()
 
 
 def run_until(engines, done, what, timeout=DEADLINE_S):
@@ -602,9 +637,10 @@ class PluginGpuTest(unittest.TestCase):
 class PluginProcessesTest(unittest.TestCase):
     """Prefill and decode instances, scheduler and worker apart, concurrent requests."""
 
-    def pair(self, transport, mode, shm_memory, prefill_extra=None):
+    def pair(self, transport, mode, shm_memory, prefill_extra=None, prefill_tp=1):
         extra = {"transport": transport, "mode": mode}
-        p = MiniEngine("prefill", dict(extra, **(prefill_extra or {})), shm_memory, seed=1)
+        p = MiniEngine("prefill", dict(extra, **(prefill_extra or {})), shm_memory, seed=1,
+                       tp_size=prefill_tp)
         try:
             d = MiniEngine("decode", extra, shm_memory, seed=2)
         except BaseException:
@@ -617,7 +653,8 @@ class PluginProcessesTest(unittest.TestCase):
     def check_clean(self, *engines):
         for e in engines:
             self.assertTrue(e.accounting_ok(), f"{e.name}: blocks {e.blocks} free {e.free}")
-            self.assertEqual(e.worker.call("live"), 0, e.name)
+            for w in e.workers:
+                self.assertEqual(w.call("live"), 0, e.name)
 
     def check_transport(self, engine, transport, field):
         """The peer of `engine` moved bytes over `transport` (never a silent fallback)."""
@@ -626,8 +663,8 @@ class PluginProcessesTest(unittest.TestCase):
         for p in moved:
             self.assertEqual(p["transport"].split()[0], transport, p)
 
-    def read_mode(self, transport, shm_memory):
-        p, d = self.pair(transport, "read", shm_memory)
+    def read_mode(self, transport, shm_memory, prefill_tp=1):
+        p, d = self.pair(transport, "read", shm_memory, prefill_tp=prefill_tp)
         for i, n in enumerate(LENGTHS):
             # What a vLLM proxy sends prefill: do_remote_decode, the other fields null.
             p.add(f"r{i}", n, 1, {"do_remote_decode": True, "do_remote_prefill": False,
@@ -641,6 +678,8 @@ class PluginProcessesTest(unittest.TestCase):
                     handed.add(rid)
                     self.assertEqual(params["remote_request_id"], rid)
                     self.assertTrue(params["do_remote_prefill"])
+                    self.assertEqual(params["tp_size"], prefill_tp)
+                    self.assertEqual(len(params.get("tp_sources", [])), prefill_tp - 1)
                     d.add("d" + rid, LENGTHS[int(rid[1:])], 2, params, seed=f"s{rid[1:]}")
             return len(handed) == len(LENGTHS) and p.idle() and d.idle()
 
@@ -675,6 +714,11 @@ class PluginProcessesTest(unittest.TestCase):
 
     def test_read_tcp(self):
         self.read_mode("tcp", False)
+
+    def test_read_prefill_tp2_decode_tp1(self):
+        # Two prefill ranks with half the heads each (vLLM's TP): the hand-off names both,
+        # the decode reads its heads from each, every rank frees its blocks.
+        self.read_mode("tcp", False, prefill_tp=2)
 
     def test_read_shm(self):
         self.read_mode("shm", True)
