@@ -250,6 +250,7 @@ class MiniEngine:
         self.conn.set_xfer_handshake_metadata({w.handshake.tp_rank: w.handshake
                                                for w in self.workers})
         self.counts = {"sending": {}, "recving": {}}  # vLLM's KVOutputAggregator
+        self.stats = KvwireConnector.build_kv_connector_stats()
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)  # fragmented allocation
         self.requests = {}
@@ -387,6 +388,8 @@ class MiniEngine:
                         getattr(merged, field).add(rid)
         for o in outputs:
             merged.invalid_block_ids |= o.invalid_block_ids
+            if o.kv_connector_stats is not None:  # as vLLM's aggregator and logger use them
+                self.stats.aggregate(o.kv_connector_stats)
         return merged
 
     def update_from_output(self, out, kv):
@@ -564,6 +567,38 @@ class PluginUnitTest(unittest.TestCase):
             with self.assertRaises(ValueError, msg=str(bad)):
                 parse(json.dumps(bad))
 
+    def test_hand_off_only_when_length_capped(self):
+        sched = KvwireConnector(vllm_config("unit-fin", {}), KVConnectorRole.SCHEDULER,
+                                kv_cache_config())
+        sched.set_xfer_handshake_metadata(
+            {0: KvwireHandshakeMetadata("unit-fin", "10.1.2.3:4567", 0)})
+        blocks = ([1, 2, 3], [4, 5, 6])
+        for status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED,
+                       RequestStatus.FINISHED_ERROR):
+            r = Request(f"st-{status.name}", [1] * 40, kv_transfer_params={
+                "do_remote_decode": True})
+            r.status = status
+            self.assertEqual(sched.request_finished_all_groups(r, blocks), (False, None))
+        r = Request("capped", [1] * 40, kv_transfer_params={"do_remote_decode": True})
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = sched.request_finished_all_groups(r, blocks)
+        self.assertTrue(delay)
+        self.assertEqual((params["remote_host"], params["remote_port"]), ("10.1.2.3", 4567))
+        self.assertEqual(params["remote_block_ids"], [[1, 2, 3], [4, 5, 6]])
+        self.assertEqual((params["remote_engine_id"], params["tp_size"]), ("unit-fin", 1))
+        self.assertEqual(len(params["transfer_id"]), 32)  # 128 random bits
+        meta = sched.build_connector_meta(types.SimpleNamespace())
+        self.assertEqual([h["request_id"] for h in meta.holds], ["capped"])
+        # Without the hybrid allocator (one group), vLLM calls request_finished with one
+        # flat list; the params carry one flat list, as NIXL's do.
+        one = KVCacheConfig(num_blocks=8, kv_cache_groups=[kv_cache_config().kv_cache_groups[0]])
+        flat = KvwireConnector(vllm_config("unit-flat", {}), KVConnectorRole.SCHEDULER, one)
+        flat.set_xfer_handshake_metadata({0: KvwireHandshakeMetadata("f", "h:1", 0)})
+        r = Request("flat", [1] * 20, kv_transfer_params={"do_remote_decode": True})
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = flat.request_finished(r, [7, 8])
+        self.assertEqual((delay, params["remote_block_ids"]), (True, [7, 8]))
+
     def test_bad_params_fail_the_load_never_raise(self):
         sched = KvwireConnector(vllm_config("unit-bad", {}), KVConnectorRole.SCHEDULER,
                                 kv_cache_config())
@@ -689,6 +724,9 @@ class PluginProcessesTest(unittest.TestCase):
         self.assertTrue(all(d.verified.values()))
         self.assertEqual(d.recomputed, set())
         self.check_transport(d, transport, "bytes_read")
+        stats = d.stats.reduce()
+        self.assertEqual(stats["requests_completed"], len(LENGTHS))
+        self.assertGreater(stats["bytes"], 0)
         self.check_clean(p, d)
 
     def write_mode(self, transport, shm_memory):

@@ -395,7 +395,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids):
         """One KV cache group (vLLM without the hybrid allocator): a flat block list."""
-        return self._sched.request_finished(request, [list(block_ids)])
+        return self._sched.request_finished(request, [list(block_ids)], flat=True)
 
     def request_finished_all_groups(self, request, block_ids):
         return self._sched.request_finished(request, _block_lists(block_ids))
@@ -658,16 +658,17 @@ class _SchedulerSide:
         meta, self.meta = self.meta, KvwireConnectorMetadata()
         return meta
 
-    def request_finished(self, request, lists):
-        """(delay freeing the blocks, kv_transfer_params for the output). Never raises."""
+    def request_finished(self, request, lists, flat=False):
+        """(delay freeing the blocks, kv_transfer_params for the output). Never raises.
+        `flat`: vLLM passed one flat list (no hybrid allocator); the params carry one too."""
         try:
-            return self._request_finished(request, lists)
+            return self._request_finished(request, lists, flat)
         except Exception as e:  # noqa: BLE001 - a connector error must not end vLLM's loop
             logger.error("kvwire connector: request_finished(%s): %s; blocks freed now",
                          getattr(request, "request_id", "?"), e)
             return False, None
 
-    def _request_finished(self, request, lists):
+    def _request_finished(self, request, lists, flat):
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None)
         params = params if isinstance(params, dict) else {}
@@ -716,6 +717,8 @@ class _SchedulerSide:
         n = _prompt_len(request)
         by_index = all(name == str(i) for i, name in enumerate(self.c._names))
         blocks_out = [list(ids) for ids in lists] if by_index else table
+        if flat and by_index and len(lists) == 1:
+            blocks_out = list(lists[0])
 
         def where(m):
             host, _, port = m.address.rpartition(":")
