@@ -497,6 +497,62 @@ class PluginUnitTest(unittest.TestCase):
         finally:
             conn.shutdown()
 
+    def test_deepseek_v4_groups(self):
+        """Cache specs kvwire knows nothing of (here shaped as DeepSeek-V4's): one dense page
+        per block; what the spec cannot say (compression, window, state) comes from the
+        extra config's "groups". The result matches kvwire's own DeepSeek-V4 groups."""
+        import dataclasses
+        from vllm.v1.kv_cache_interface import KVCacheSpec
+
+        @dataclasses.dataclass(frozen=True)
+        class PagedBytesSpec(KVCacheSpec):  # test data, not a vLLM name
+            page_bytes: int
+
+            @property
+            def page_size_bytes(self):
+                return self.page_bytes
+
+        preset = kvwire.Layout.preset("deepseek-v4-flash")
+        want = [preset.group(n) for n in ("swa_kv", "c4a_kv", "c4a_compressor_state")]
+        names = {"swa_kv": ["m.layers.2.attn.swa", "m.layers.4.attn.swa"],
+                 "c4a_kv": ["m.layers.2.attn.c4a", "m.layers.4.attn.c4a"],
+                 "c4a_compressor_state": ["m.layers.2.attn.state", "m.layers.4.attn.state"]}
+        cfg = KVCacheConfig(num_blocks=6, kv_cache_groups=[
+            KVCacheGroupSpec(names[g.name], PagedBytesSpec(block_size=g.tokens_per_block,
+                                                           page_bytes=g.page_bytes))
+            for g in want])
+        extra = {"transport": "tcp", "groups": [
+            {"name": "swa_kv", "window_tokens": 128},
+            {"name": "c4a_kv", "tokens_per_entry": 4},
+            {"name": "c4a_compressor_state", "tokens_per_entry": 4, "window_tokens": 8,
+             "per_request_state": True}]}
+        c = KvwireConnector(vllm_config("unit-v4", extra), KVConnectorRole.WORKER, cfg)
+        try:
+            caches = {n: torch.zeros(6, g.page_bytes, dtype=torch.uint8)
+                      for g in want for n in names[g.name]}
+            c.register_kv_caches(caches)
+            for got, w in zip(c._worker.layout.groups, want):
+                self.assertEqual(
+                    (got.name, got.tokens_per_block, got.page_bytes, got.tokens_per_entry,
+                     got.window_tokens, got.per_request_state, got.layers),
+                    (w.name, w.tokens_per_block, w.page_bytes, w.tokens_per_entry,
+                     w.window_tokens, w.per_request_state, [2, 4]))
+        finally:
+            c.shutdown()
+
+    def test_metrics_endpoint(self):
+        import urllib.request
+        c = KvwireConnector(vllm_config("unit-m", {"transport": "tcp",
+                                                   "metrics_address": "127.0.0.1:0"}),
+                            KVConnectorRole.WORKER, kv_cache_config())
+        try:
+            addr = c.native.metrics_address
+            self.assertTrue(addr)
+            with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+                self.assertIn("kvwire_connector_requests_total", r.read().decode())
+        finally:
+            c.shutdown()
+
     def test_layouts_refused_with_reasons(self):
         def register(caches, config=None):
             c = KvwireConnector(vllm_config("unit-r", {"transport": "tcp"}),
