@@ -271,7 +271,9 @@ void Connector::Impl::OnMessage(const InboxEvent& n) {
       Request* r = FindByTransfer(tid);
       if (r == nullptr) {
         // Ended here already, or not held yet (see early_releases_): kept for a while.
-        if (early_releases_.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason}).second) {
+        // The reason is cut short: thousands of these may wait.
+        if (early_releases_.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason.substr(0, 256)})
+                .second) {
           early_release_order_.push_back(tid);
           if (early_release_order_.size() > connector_internal::kMaxEarlyReleases) {
             early_releases_.erase(early_release_order_.front());
