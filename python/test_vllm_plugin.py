@@ -655,6 +655,41 @@ class PluginUnitTest(unittest.TestCase):
         delay, params = flat.request_finished(r, [7, 8])
         self.assertEqual((delay, params["remote_block_ids"]), (True, [7, 8]))
 
+    def test_random_params_never_raise(self):
+        """Whatever a client puts in kv_transfer_params, the scheduler side answers: a
+        remote prefill becomes a load or a failed load (never a request left waiting), and
+        request_finished returns."""
+        rng = random.Random(7)
+        values = [None, True, False, 0, -1, 2**70, 1.5, "", "x", "read", "write", [],
+                  [1, 2], [[1], [2]], [[1], "a"], {}, {"0": [1]}, {"a": None}, "127.0.0.1"]
+        fields = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host",
+                  "remote_port", "remote_block_ids", "block_ids", "remote_request_id",
+                  "transfer_id", "tp_size", "mode", "num_tokens", "tp_sources", "other"]
+        sched = KvwireConnector(vllm_config("unit-rand", {}), KVConnectorRole.SCHEDULER,
+                                kv_cache_config())
+        sched.set_xfer_handshake_metadata({0: KvwireHandshakeMetadata("r", "h:1", 0)})
+        with self.assertLogs("kvwire.vllm", "ERROR"):  # the reasons are logged (here: kept)
+            self.random_params(sched, rng, values, fields)
+
+    def random_params(self, sched, rng, values, fields):
+        for i in range(400):
+            params = {f: rng.choice(values) for f in rng.sample(fields, rng.randint(0, 8))}
+            if rng.random() < 0.5:
+                params["do_remote_prefill"] = True
+            r = Request(f"rand-{i}", [1] * rng.randint(1, 60), kv_transfer_params=params)
+            n, load_async = sched.get_num_new_matched_tokens(r, 0)
+            blocks = KVCacheBlocks(([KVCacheBlock(b) for b in range(4)],
+                                    [KVCacheBlock(b) for b in range(4, 8)]))
+            sched.update_state_after_alloc(r, blocks, n)
+            meta = sched.build_connector_meta(types.SimpleNamespace())
+            if load_async:
+                ids = [e["request_id"] for e in meta.loads + meta.failed]
+                self.assertEqual(ids, [r.request_id], params)
+            r.status = rng.choice([RequestStatus.FINISHED_LENGTH_CAPPED,
+                                   RequestStatus.FINISHED_ABORTED])
+            delay, out = sched.request_finished_all_groups(r, ([1], [2]))
+            self.assertIsInstance(delay, bool)
+
     def test_bad_params_fail_the_load_never_raise(self):
         sched = KvwireConnector(vllm_config("unit-bad", {}), KVConnectorRole.SCHEDULER,
                                 kv_cache_config())
