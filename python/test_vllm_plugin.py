@@ -655,6 +655,31 @@ class PluginUnitTest(unittest.TestCase):
         delay, params = flat.request_finished(r, [7, 8])
         self.assertEqual((delay, params["remote_block_ids"]), (True, [7, 8]))
 
+    def test_write_mode_save_waits_for_the_last_prompt_chunk(self):
+        """Chunked prefill: the save reaches the workers with the step that computes the last
+        chunk (only then are its layers final), with the blocks allocated since."""
+        sched = KvwireConnector(vllm_config("unit-chunk", {}), KVConnectorRole.SCHEDULER,
+                                kv_cache_config())
+        r = Request("chunked", [1] * 100, kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t-chunked"})
+        self.assertEqual(sched.get_num_new_matched_tokens(r, 0), (0, False))
+        sched.update_state_after_alloc(r, KVCacheBlocks((
+            [KVCacheBlock(b) for b in (1, 2, 3, 4)], [KVCacheBlock(b) for b in (5, 6, 7, 8)])), 0)
+        none = types.SimpleNamespace(req_ids=[], new_block_ids=[])
+        meta = sched.build_connector_meta(types.SimpleNamespace(
+            num_scheduled_tokens={"chunked": 64}, scheduled_cached_reqs=none))
+        self.assertEqual(meta.saves, [])
+        self.assertTrue(sched.has_pending_push_work())
+        r.num_computed_tokens = 64
+        meta = sched.build_connector_meta(types.SimpleNamespace(
+            num_scheduled_tokens={"chunked": 36},
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=["chunked"],
+                                                        new_block_ids=[([9, 10], [11, 12])])))
+        self.assertEqual([e["blocks"] for e in meta.saves],
+                         [{"0": [1, 2, 3, 4, 9, 10], "1": [5, 6, 7, 8, 11, 12]}])
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self.assertEqual(sched.request_finished_all_groups(r, ([1], [2])), (True, None))
+
     def test_random_params_never_raise(self):
         """Whatever a client puts in kv_transfer_params, the scheduler side answers: a
         remote prefill becomes a load or a failed load (never a request left waiting), and
