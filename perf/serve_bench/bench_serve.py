@@ -34,6 +34,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from typing import Any
@@ -537,11 +538,12 @@ async def run_benchmark(base_urls: list[str], samples: list[Sample], *, concurre
     r["queue_times"] = [o.queue_time for o in outcomes]
     r["errors"] = [o.error for o in outcomes]
     r["kv_wait_ms"] = [o.kv_wait_ms for o in outcomes]
+    r["generated_texts"] = [o.generated_text for o in outcomes]
     return r
 
 
 DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-            "queue_times", "errors", "kv_wait_ms")
+            "queue_times", "errors", "kv_wait_ms", "generated_texts")
 
 
 def print_summary(r: dict, percentiles) -> None:
@@ -590,41 +592,36 @@ def plot(series: dict[str, list[dict]], png: str, title: str) -> str | None:
     gnuplot = shutil.which("gnuplot")
     if gnuplot is None:
         return "gnuplot is not installed (scripts/install-deps.sh --compare installs gnuplot-nox)"
-    data_dir = os.path.dirname(os.path.abspath(png))
-    os.makedirs(data_dir, exist_ok=True)
-    plots = []
-    script = [
-        "set terminal pngcairo size 1000,640 noenhanced font ',11'" if _has_cairo(gnuplot)
-        else "set terminal png size 1000,640 noenhanced",
-        f"set output '{png}'",
-        f"set title '{title}'",
-        "set xlabel 'interactivity (output tokens/s per user = 1000 / mean TPOT ms)'",
-        "set ylabel 'output tokens/s per instance'",
-        "set grid", "set key outside right top", "set offsets graph 0.05, graph 0.05, "
-        "graph 0.05, graph 0.05",
-    ]
-    for i, (name, runs) in enumerate(series.items()):
-        pts = sorted((r["interactivity_tok_s_user"], r["output_throughput_per_instance"],
-                      r.get("max_concurrency") or 0) for r in runs if r["completed"] > 0)
-        if not pts:
-            continue
-        path = os.path.join(data_dir, f".plot-{i}.dat")
-        with open(path, "w") as f:
-            for x, y, c in pts:
-                f.write(f"{x} {y} {c}\n")
-        plots.append(f"'{path}' using 1:2 with linespoints lw 2 pt 7 title '{name}'")
-        plots.append(f"'{path}' using 1:2:(sprintf('c=%d', $3)) with labels offset 0,1 "
-                     "font ',8' notitle")
-    if not plots:
-        return "no completed runs to plot"
-    script.append("plot " + ", ".join(plots))
-    p = subprocess.run([gnuplot], input="\n".join(script), text=True, capture_output=True,
-                       timeout=60)
-    for i in range(len(series)):
-        try:
-            os.remove(os.path.join(data_dir, f".plot-{i}.dat"))
-        except FileNotFoundError:
-            pass
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-plot-") as data_dir:
+        plots = []
+        script = [
+            "set terminal pngcairo size 1000,640 noenhanced font ',11'" if _has_cairo(gnuplot)
+            else "set terminal png size 1000,640 noenhanced",
+            f"set output '{png}'",
+            f"set title '{title}'",
+            "set xlabel 'interactivity (output tokens/s per user = 1000 / mean TPOT ms)'",
+            "set ylabel 'output tokens/s per instance'",
+            "set grid", "set key outside right top",
+            "set offsets graph 0.05, graph 0.05, graph 0.05, graph 0.05",
+        ]
+        for i, (name, runs) in enumerate(series.items()):
+            pts = sorted((r["interactivity_tok_s_user"], r["output_throughput_per_instance"],
+                          r.get("max_concurrency") or 0) for r in runs if r["completed"] > 0)
+            if not pts:
+                continue
+            path = os.path.join(data_dir, f"{i}.dat")
+            with open(path, "w") as f:
+                for x, y, c in pts:
+                    f.write(f"{x} {y} {c}\n")
+            plots.append(f"'{path}' using 1:2 with linespoints lw 2 pt 7 title '{name}'")
+            plots.append(f"'{path}' using 1:2:(sprintf('c=%d', $3)) with labels offset 0,1 "
+                         "font ',8' notitle")
+        if not plots:
+            return "no completed runs to plot"
+        script.append("plot " + ", ".join(plots))
+        p = subprocess.run([gnuplot], input="\n".join(script), text=True, capture_output=True,
+                           timeout=60)
     if p.returncode != 0:
         return f"gnuplot failed: {p.stderr.strip()[:300]}"
     return None

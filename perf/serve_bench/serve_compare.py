@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--bin", default=os.path.join(ROOT, "build/examples/dsv4/serve/kvwire-dsv4"))
     p.add_argument("--config", default=os.path.join(ROOT, "examples/dsv4/configs/small.json"))
     p.add_argument("--weights", default=None,
-                   help="default: <build>/dsv4-demo/<config>.safetensors, written once")
+                   help="default: <out>/<config>.safetensors, written once")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset of: " + ", ".join(CONFIGS))
     p.add_argument("--runs", default="1:16,4:48,16:256",
@@ -277,11 +277,12 @@ def main(argv=None) -> int:
         p.error(f"{args.bin} is not built (ninja -C build kvwire-dsv4)")
     os.makedirs(args.out, exist_ok=True)
     cfg = os.path.splitext(os.path.basename(args.config))[0]
-    weights = args.weights or os.path.join(ROOT, "build", "dsv4-demo", f"{cfg}.safetensors")
+    weights = args.weights or os.path.join(args.out, f"{cfg}.safetensors")
     dsv4_cluster.ensure_weights(args.bin, args.config, weights)
 
-    command = "python3 perf/serve_bench/serve_compare.py " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "/usr/bin/python3 perf/serve_bench/serve_compare.py " + " ".join(
+        shlex.quote(os.path.relpath(a, ROOT) if a.startswith(ROOT + "/") else a)
+        for a in (argv if argv is not None else sys.argv[1:]))
     before = uptime()
     notes = []
     if load1() >= 3:
