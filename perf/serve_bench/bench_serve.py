@@ -209,6 +209,9 @@ async def send_one(session: aiohttp.ClientSession, url: str, sample: Sample, mod
                         last = now
                         out.output_tokens += n
                         texts.append(text)
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                        out.prompt_len = usage["prompt_tokens"]  # the server's count wins
                     stats = obj.get("kvwire")
                     if isinstance(stats, dict):
                         transfer = stats.get("transfer")

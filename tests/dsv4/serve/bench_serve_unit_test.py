@@ -203,6 +203,19 @@ class AgainstScriptedServer(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(r["leaked_blocks"], 0)
         self.assertEqual(r["num_instances"], 1)
 
+    async def test_request_rate_paces_the_sends(self):
+        server = ScriptedServer()
+        url = await self.start(server)
+        # 10 requests at 40/s: the last one goes out 0.25 s after the first, whatever the
+        # server does (the client's own pacing, not a speed claim).
+        samples = bench_serve.random_samples(4, 8, 1, seed=0) * 2 + [
+            bench_serve.Sample("a", 2, 1)] * 2
+        r = await bench_serve.run_benchmark([url], samples, concurrency=None,
+                                            request_rate=40.0, progress=False, warmup=0,
+                                            settle_timeout=0.3, seed=2)
+        self.assertEqual(r["completed"] + r["failed"], 10)
+        self.assertGreaterEqual(max(r["start_times"]) - min(r["start_times"]), 0.2)
+
     async def test_reports_blocks_left_in_use(self):
         server = ScriptedServer(leak_blocks=3)
         url = await self.start(server)
