@@ -214,7 +214,7 @@ class AgainstScriptedServer(unittest.IsolatedAsyncioTestCase):
                                             request_rate=40.0, progress=False, warmup=0,
                                             settle_timeout=0.3, seed=2)
         self.assertEqual(r["completed"] + r["failed"], 10)
-        self.assertGreaterEqual(max(r["start_times"]) - min(r["start_times"]), 0.2)
+        self.assertGreaterEqual(r["duration"], 0.24)
 
     async def test_reports_blocks_left_in_use(self):
         server = ScriptedServer(leak_blocks=3)
