@@ -14,6 +14,7 @@ import unittest
 sys.path.insert(0, os.environ.get("KVWIRE_SERVE_BENCH_DIR", os.path.join(
     os.path.dirname(__file__), "..", "..", "..", "perf", "serve_bench")))
 import bench_serve  # noqa: E402
+import serve_compare  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 
@@ -69,6 +70,27 @@ class Statistics(unittest.TestCase):
         d = bench_serve.arrival_delays(50, 10.0, 1.0, random.Random(1))
         self.assertEqual(d, sorted(d))
         self.assertAlmostEqual(d[-1], 5.0)
+
+
+class Compare(unittest.TestCase):
+    def test_same_tokens_across_configurations(self):
+        def run(c, h, failed=0):
+            return {"max_concurrency": c, "generated_texts_sha256": h, "failed": failed}
+
+        same = {"a": [run(1, "x"), run(4, "y")], "b": [run(1, "x"), run(4, "y")]}
+        self.assertTrue(serve_compare.same_tokens(same).startswith("yes"))
+        differ = {"a": [run(1, "x"), run(4, "y")], "b": [run(1, "x"), run(4, "z")]}
+        self.assertIn("NO, they differ (concurrency 4", serve_compare.same_tokens(differ))
+        # A run with errors has fewer texts: left out rather than reported as a difference.
+        partial = {"a": [run(1, "x")], "b": [run(1, "w", failed=1)]}
+        self.assertTrue(serve_compare.same_tokens(partial).startswith("yes"))
+
+    def test_runs_and_blocks(self):
+        self.assertEqual(serve_compare.parse_runs("1:16,16:256"), [(1, 16), (16, 256)])
+        for bad in ("0:4", "4:0", "4", "a:b"):
+            with self.assertRaises(ValueError):
+                serve_compare.parse_runs(bad)
+        self.assertEqual(serve_compare.blocks_needed(256, 32, 20), 20 * (5 + 2))
 
 
 class Datasets(unittest.TestCase):
