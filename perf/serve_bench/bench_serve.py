@@ -589,6 +589,9 @@ def print_summary(r: dict, percentiles) -> None:
 
 # --- plot -----------------------------------------------------------------------------------
 
+COLORS = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b")
+
+
 def plot(series: dict[str, list[dict]], png: str, title: str) -> str | None:
     """Throughput per instance against interactivity, one line per configuration, each point
     labelled with its concurrency. Returns why not when gnuplot is missing."""
@@ -617,7 +620,9 @@ def plot(series: dict[str, list[dict]], png: str, title: str) -> str | None:
             with open(path, "w") as f:
                 for x, y, c in pts:
                     f.write(f"{x} {y} {c}\n")
-            plots.append(f"'{path}' using 1:2 with linespoints lw 2 pt 7 title '{name}'")
+            color = COLORS[i % len(COLORS)]
+            plots.append(f"'{path}' using 1:2 with linespoints lw 2 pt {5 + 2 * (i % 5)} ps 1.3 "
+                         f"lc rgb '{color}' title '{name}'")
             plots.append(f"'{path}' using 1:2:(sprintf('c=%d', $3)) with labels offset 0,1 "
                          "font ',8' notitle")
         if not plots:
