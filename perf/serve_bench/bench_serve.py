@@ -153,8 +153,9 @@ class SseEvents:
 async def send_one(session: aiohttp.ClientSession, url: str, sample: Sample, model: str | None,
                    extra_body: dict, timeout_s: float) -> Outcome:
     out = Outcome(prompt_len=sample.prompt_len)
+    # As vllm bench serve asks: OpenAI servers send usage in a last chunk only when asked.
     body = {"prompt": sample.prompt, "max_tokens": sample.output_len, "temperature": 0.0,
-            "stream": True, **extra_body}
+            "stream": True, "stream_options": {"include_usage": True}, **extra_body}
     if model:
         body["model"] = model
     texts: list[str] = []
