@@ -129,7 +129,9 @@ class Outcome:
 def error_cause(message: str) -> str:
     """Groups errors that differ only in ids and counts ("out of KV blocks: need N ...")."""
     m = re.sub(r"\b(rt-)?[0-9a-f]{8,}\b", "<id>", message)
-    m = re.sub(r"\d+", "N", m)
+    # Numbers standing alone (not inside a name like c4a, nor an HTTP status after "HTTP " or
+    # "event ", which tells causes apart).
+    m = re.sub(r"(?<![A-Za-z_\d])(?<!HTTP )(?<!event )\d+(?![A-Za-z_\d])", "N", m)
     return m[:160]
 
 

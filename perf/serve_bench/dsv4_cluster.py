@@ -116,10 +116,12 @@ def ensure_weights(binary: str, config: str, out: str, timeout_s: float = 600.0)
 
 def serve_args(role: str, config: str, weights: str, *, mode: str = "auto",
                transport: str = "auto", threads: int = 1, num_blocks: int = 0,
-               max_requests: int = 4, name: str = "", extra: list[str] | None = None) -> list[str]:
+               max_requests: int = 0, name: str = "", extra: list[str] | None = None) -> list[str]:
+    """Server flags; num_blocks and max_requests 0: the server's defaults."""
     a = ["serve", "--role", role, "--config", config, "--weights", weights, "--mode", mode,
-         "--transport", transport, "--threads", str(threads), "--max-requests",
-         str(max_requests)]
+         "--transport", transport, "--threads", str(threads)]
+    if max_requests:
+        a += ["--max-requests", str(max_requests)]
     if num_blocks:
         a += ["--num-blocks", str(num_blocks)]
     if name:
@@ -128,7 +130,7 @@ def serve_args(role: str, config: str, weights: str, *, mode: str = "auto",
 
 
 def start_aggregated(cluster: Cluster, config: str, weights: str, *, instances: int = 1,
-                     threads: int = 1, num_blocks: int = 0, max_requests: int = 4,
+                     threads: int = 1, num_blocks: int = 0, max_requests: int = 0,
                      extra: list[str] | None = None) -> tuple[list[str], list[str]]:
     """`instances` whole ("both") servers; returns (base URLs, instance URLs)."""
     urls = []
@@ -142,7 +144,7 @@ def start_aggregated(cluster: Cluster, config: str, weights: str, *, instances: 
 
 def start_disaggregated(cluster: Cluster, config: str, weights: str, *, mode: str,
                         transport: str, prefill: int = 1, decode: int = 1, threads: int = 1,
-                        num_blocks: int = 0, max_requests: int = 4,
+                        num_blocks: int = 0, max_requests: int = 0,
                         extra: list[str] | None = None) -> tuple[list[str], list[str]]:
     """xPyD behind a router; returns ([router URL], instance URLs)."""
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}

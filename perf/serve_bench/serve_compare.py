@@ -70,13 +70,21 @@ def blocks_needed(input_len: int, output_len: int, requests: int) -> int:
     return requests * (math.ceil((input_len + output_len) / 64) + 2)
 
 
-def run_config(name: str, args, weights: str, out_dir: str) -> tuple[list[dict], str]:
+def run_config(name: str, args, weights: str, out_dir: str, runs_text: str,
+               server_defaults: bool = False) -> tuple[list[dict], str]:
+    """Starts one configuration, runs bench_serve at each concurrency, stops it. With
+    server_defaults the servers keep their own --max-requests, --num-blocks and
+    --request-timeout-s (what a deployment without tuning gets)."""
     kind, mode, transport = CONFIGS[name]
-    runs = parse_runs(args.runs)
-    max_req = max(c for c, _ in runs) + 4
-    blocks = args.num_blocks or blocks_needed(args.input_len, args.output_len, max_req)
-    work = os.path.join(out_dir, "logs", name.replace(" ", "-"))
-    extra = ["--request-timeout-s", str(int(math.ceil(args.request_timeout)))]
+    runs = parse_runs(runs_text)
+    if server_defaults:
+        max_req, blocks, extra = 0, 0, []
+    else:
+        max_req = max(c for c, _ in runs) + 4
+        blocks = args.num_blocks or blocks_needed(args.input_len, args.output_len, max_req)
+        extra = ["--request-timeout-s", str(int(math.ceil(args.request_timeout)))]
+    tag = name.replace(" ", "-") + ("-server-defaults" if server_defaults else "")
+    work = os.path.join(out_dir, "logs", tag)
     results = []
     stop_note = ""
     with dsv4_cluster.Cluster(args.bin, work) as cluster:
@@ -92,7 +100,7 @@ def run_config(name: str, args, weights: str, out_dir: str) -> tuple[list[dict],
                 extra=extra)
         for conc, num in runs:
             samples = bench_serve.random_samples(num, args.input_len, args.output_len, args.seed)
-            label = f"{name} c={conc}"
+            label = f"{name} c={conc}" + (" (server defaults)" if server_defaults else "")
             r = asyncio.run(bench_serve.run_benchmark(
                 base, samples, concurrency=conc, instances=inst, percentiles=(90, 99),
                 request_timeout=args.request_timeout, progress=not args.no_progress,
@@ -102,15 +110,15 @@ def run_config(name: str, args, weights: str, out_dir: str) -> tuple[list[dict],
                  "label": name, "num_prompts": num, "request_rate": "inf",
                  "max_concurrency": conc, "input_len": args.input_len,
                  "output_len": args.output_len, "config": os.path.basename(args.config),
-                 "threads_total": args.threads_total, "num_blocks": blocks,
-                 "max_requests": max_req, **r}
+                 "threads_total": args.threads_total, "server_defaults": server_defaults,
+                 "num_blocks": blocks or "default", "max_requests": max_req or "default", **r}
             # Greedy decoding of the same prompts: every configuration must produce the same
             # text, whatever moved the KV (checked across configurations in the report).
             r["generated_texts_sha256"] = hashlib.sha256(
                 json.dumps(r["generated_texts"]).encode()).hexdigest()
             for k in bench_serve.DETAILED:
                 r.pop(k, None)
-            path = os.path.join(out_dir, f"{name.replace(' ', '-')}-c{conc}.json")
+            path = os.path.join(out_dir, f"{tag}-c{conc}.json")
             with open(path, "w") as f:
                 json.dump(r, f, indent=2)
             print(f"{label}: {r['completed']} ok, {r['failed']} failed, "
@@ -186,7 +194,19 @@ def same_tokens(all_results: dict[str, list[dict]]) -> str:
     return "yes, at every concurrency (runs without errors compared)"
 
 
-def write_doc(path, png_rel, args, command, before, after, all_results, notes, elapsed):
+def defaults_table(defaults: dict[str, list[dict]]) -> str:
+    lines = ["| configuration | conc. | requests | completed | failed, by cause | blocks in use "
+             "after |", "|---|---|---|---|---|---|"]
+    for name, runs in defaults.items():
+        for r in runs:
+            causes = "; ".join(f"{n} x {c}" for c, n in r["errors_by_cause"].items()) or "none"
+            lines.append(f"| {name} | {r['max_concurrency']} | {r['completed'] + r['failed']} | "
+                         f"{r['completed']} | {r['failed']}: {causes} | {r['leaked_blocks']} |")
+    return "\n".join(lines)
+
+
+def write_doc(path, png_rel, args, command, before, after, all_results, defaults, notes,
+              elapsed):
     total = sum(r["completed"] + r["failed"] for rs in all_results.values() for r in rs)
     failed = sum(r["failed"] for rs in all_results.values() for r in rs)
     leaked = sum(r["leaked_blocks"] for rs in all_results.values() for r in rs)
@@ -195,6 +215,12 @@ def write_doc(path, png_rel, args, command, before, after, all_results, notes, e
         for r in rs:
             for c, n in r["errors_by_cause"].items():
                 errors[c] = errors.get(c, 0) + n
+    defaults_section = "" if not defaults else (
+        "### The same load on the servers' defaults\n\n"
+        "With the servers' own `--max-requests` (4), `--num-blocks` and `--request-timeout-s`\n"
+        "(60), as a deployment gets them without tuning (no admission queue yet: a request that\n"
+        "finds no free KV block fails at once). Failures are counted by cause, not hidden:\n\n"
+        f"{defaults_table(defaults)}\n\n")
     doc = f"""# Serving benchmark: aggregated vs 1P1D
 
 Generated by `perf/serve_bench/serve_compare.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC
@@ -248,7 +274,7 @@ for every instance to return to zero). Same generated text (greedy) in every con
 
 {kv_table(all_results)}
 
-The per-run JSON files (vLLM's key names: `request_throughput`, `output_throughput`,
+{defaults_section}The per-run JSON files (vLLM's key names: `request_throughput`, `output_throughput`,
 `mean_ttft_ms`, `median_ttft_ms`, `p99_ttft_ms`, `mean_tpot_ms`, `mean_itl_ms`, ...) are in
 `{os.path.relpath(args.out, ROOT)}/`.
 
@@ -289,6 +315,11 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=os.path.join(ROOT, "examples/dsv4/BENCHMARK.md"),
                    help="markdown to (re)write; '' for none")
     p.add_argument("--png", default=os.path.join(ROOT, "examples/dsv4/BENCHMARK-serving.png"))
+    p.add_argument("--defaults-runs", default="16:64",
+                   help="concurrency:num_prompts run(s) on the servers' default KV and "
+                        "deadline settings ('' for none)")
+    p.add_argument("--defaults-configs", default="aggregated,1P1D read tcp",
+                   help="configurations of the --defaults-runs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -301,8 +332,14 @@ def main(argv=None) -> int:
         p.error("--threads-total must be even and divisible by --agg-instances")
     try:
         parse_runs(args.runs)
+        if args.defaults_runs:
+            parse_runs(args.defaults_runs)
     except ValueError as e:
         p.error(str(e))
+    unknown = [n.strip() for n in args.defaults_configs.split(",")
+               if n.strip() and n.strip() not in CONFIGS]
+    if unknown:
+        p.error(f"unknown --defaults-configs {unknown}")
     if not os.access(args.bin, os.X_OK):
         p.error(f"{args.bin} is not built (ninja -C build kvwire-dsv4)")
     os.makedirs(args.out, exist_ok=True)
@@ -324,7 +361,7 @@ def main(argv=None) -> int:
     status = 0
     for name in names:
         try:
-            all_results[name], note = run_config(name, args, weights, args.out)
+            all_results[name], note = run_config(name, args, weights, args.out, args.runs)
         except (dsv4_cluster.ClusterError, RuntimeError, OSError) as e:
             print(f"{name}: {e}", file=sys.stderr)
             notes.append(f"{name}: did not complete: {str(e).splitlines()[0]}")
@@ -335,6 +372,18 @@ def main(argv=None) -> int:
             status = 1
         if any(r["failed"] or r["leaked_blocks"] for r in all_results[name]):
             status = 1
+    # The servers as they come (no admission queue yet): errors are expected and counted.
+    defaults: dict[str, list[dict]] = {}
+    for name in [n.strip() for n in args.defaults_configs.split(",") if n.strip()]:
+        if not args.defaults_runs:
+            break
+        try:
+            defaults[name], _ = run_config(name, args, weights, args.out, args.defaults_runs,
+                                           server_defaults=True)
+        except (dsv4_cluster.ClusterError, RuntimeError, OSError) as e:
+            print(f"{name} (server defaults): {e}", file=sys.stderr)
+            notes.append(f"{name} with the servers' defaults: did not complete: "
+                         f"{str(e).splitlines()[0]}")
     after = uptime()
     print(f"load after: {after}", flush=True)
     why = bench_serve.plot(all_results, args.png,
@@ -347,7 +396,7 @@ def main(argv=None) -> int:
     print(f"same generated text in every configuration: {same_tokens(all_results)}")
     if args.doc:
         write_doc(args.doc, os.path.relpath(args.png, os.path.dirname(args.doc)), args, command,
-                  before, after, all_results, notes, time.monotonic() - t0)
+                  before, after, all_results, defaults, notes, time.monotonic() - t0)
         print(f"wrote {args.doc}")
     return status
 

@@ -49,7 +49,7 @@ class Statistics(unittest.TestCase):
         self.assertAlmostEqual(r["mean_itl_ms"], 30.0)
         self.assertAlmostEqual(r["p99_e2el_ms"], 160 + 140 * 0.99)
         self.assertAlmostEqual(r["kv_wait_share_of_ttft"], 100.0 / 400.0)
-        self.assertEqual(r["errors_by_cause"], {"HTTP N: out of KV blocks: N free": 1})
+        self.assertEqual(r["errors_by_cause"], {"HTTP 503: out of KV blocks: N free": 1})
         self.assertEqual(r["max_concurrent_requests"], 2)
 
     def test_error_causes_group_ids_and_counts(self):
@@ -57,6 +57,11 @@ class Statistics(unittest.TestCase):
         b = bench_serve.error_cause("decode: transfer rt-fedcba9876543210fedc failed after 7 ms")
         self.assertEqual(a, b)
         self.assertNotEqual(a, bench_serve.error_cause("HTTP 400: bad prompt"))
+        self.assertEqual(
+            bench_serve.error_cause("HTTP 503: group 'c4a_state': 12 blocks needed, 3 free"),
+            "HTTP 503: group 'c4a_state': N blocks needed, N free")
+        self.assertNotEqual(bench_serve.error_cause("HTTP 503: x"),
+                            bench_serve.error_cause("HTTP 502: x"))
 
     def test_sse_pieces(self):
         s = bench_serve.SseEvents()
@@ -208,8 +213,8 @@ class AgainstScriptedServer(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(r["failed"], 10)
         self.assertEqual(r["completed"], 20)
         self.assertEqual(sorted(r["errors_by_cause"].values()), [4, 6])
-        self.assertIn("HTTP N: out of KV blocks: need N", r["errors_by_cause"])
-        self.assertEqual(r["errors_by_cause"]["error event N: decode server N.N.N.N:N failed"],
+        self.assertIn("HTTP 503: out of KV blocks: need N", r["errors_by_cause"])
+        self.assertEqual(r["errors_by_cause"]["error event 502: decode server N.N.N.N:N failed"],
                          4)
         self.assertEqual(r["total_output_tokens"], 80)
         self.assertEqual(r["output_lens"].count(4), 20)
