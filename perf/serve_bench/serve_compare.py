@@ -322,6 +322,10 @@ def main(argv=None) -> int:
                    help="configurations of the --defaults-runs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.bin, args.out, args.config = (os.path.abspath(x) for x in (args.bin, args.out,
+                                                                     args.config))
+    args.png = os.path.abspath(args.png)
+    args.doc = os.path.abspath(args.doc) if args.doc else ""
     if args.quick:
         args.runs = "1:8,16:200"
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
