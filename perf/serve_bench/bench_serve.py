@@ -613,6 +613,7 @@ def plot(series: dict[str, list[dict]], png: str, title: str) -> str | None:
             "set ylabel 'output tokens/s per instance'",
             "set grid", "set key outside right top",
             "set offsets graph 0.05, graph 0.05, graph 0.05, graph 0.05",
+            "set xrange [0:*]", "set yrange [0:*]",
         ]
         for i, (name, runs) in enumerate(series.items()):
             pts = sorted((r["interactivity_tok_s_user"], r["output_throughput_per_instance"],

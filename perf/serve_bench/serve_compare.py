@@ -281,9 +281,14 @@ for every instance to return to zero). Same generated text (greedy) in every con
 ## Reading it
 
 This is a CPU toy model on a small shared machine: the numbers compare configurations with
-each other in one run, not with GPUs. Each server computes one token of one request at a
-time (no batching), so throughput does not grow with concurrency the way a GPU's does;
-higher concurrency mainly queues requests and raises TTFT.
+each other in one run, not with GPUs, and on a busy machine (see the load lines) one run's
+rows swing by several times, the concurrency-1 rows (few requests) most; rerun on a quiet
+machine before drawing conclusions from small differences. Each server computes one token of
+one request at a time (no batching), so throughput does not grow with concurrency the way a
+GPU's does; higher concurrency mainly queues requests and raises TTFT. An aggregated server
+computes a whole prompt between two decode steps of its other requests, so its TPOT grows
+with concurrency; a 1P1D decode server only decodes, which is what disaggregation buys
+(TPOT and interactivity), paid for with one prefill server's queue (TTFT).
 """
     with open(path, "w") as f:
         f.write(doc)
