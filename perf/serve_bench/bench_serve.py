@@ -122,7 +122,7 @@ class Outcome:
     queue_time: float = 0.0  # waited for a concurrency slot
     error: str = ""
     cause: str = ""
-    kv_wait_ms: float | None = None  # decode's wait for the KV (kvwire.transfer.load_wait_ms)
+    kv_wait_ms: float | None = None  # TTFT spent waiting for the KV (kv_wait_from)
     generated_text: str = ""
 
 
@@ -150,6 +150,21 @@ class SseEvents:
             if data:
                 events.append(b"\n".join(data).decode("utf-8", "replace"))
         return events
+
+
+def kv_wait_from(transfer: dict) -> float | None:
+    """The part of a request's TTFT spent waiting for its KV, from decode's statistics:
+    read mode: load_wait_ms (decode waiting for its READs); write mode: the larger of that
+    and tail_ms (from the end of prefill's compute until the last pushed layer landed at
+    decode: prefill's answer waits for its writes, so this wait is inside prefill's time)."""
+    def number(key):
+        v = transfer.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    wait, tail = number("load_wait_ms"), number("tail_ms")
+    if wait is None and tail is None:
+        return None
+    return max(wait or 0.0, tail or 0.0)
 
 
 async def send_one(session: aiohttp.ClientSession, url: str, sample: Sample, model: str | None,
@@ -216,11 +231,9 @@ async def send_one(session: aiohttp.ClientSession, url: str, sample: Sample, mod
                     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                         out.prompt_len = usage["prompt_tokens"]  # the server's count wins
                     stats = obj.get("kvwire")
-                    if isinstance(stats, dict):
-                        transfer = stats.get("transfer")
-                        if isinstance(transfer, dict) and isinstance(
-                                transfer.get("load_wait_ms"), (int, float)):
-                            out.kv_wait_ms = float(transfer["load_wait_ms"])
+                    transfer = stats.get("transfer") if isinstance(stats, dict) else None
+                    if isinstance(transfer, dict):
+                        out.kv_wait_ms = kv_wait_from(transfer)
     except asyncio.TimeoutError:
         fail(f"no complete answer within --request-timeout {timeout_s:g} s")
         return out
@@ -398,7 +411,7 @@ def compute_metrics(outcomes: list[Outcome], duration: float, percentiles: list[
     r["output_throughput_per_instance"] = r["output_throughput"] / max(1, num_instances)
     r["request_throughput_per_instance"] = r["request_throughput"] / max(1, num_instances)
     r["interactivity_tok_s_user"] = 1000.0 / r["mean_tpot_ms"] if r["mean_tpot_ms"] > 0 else 0.0
-    # KV wait (decode waiting for the prefill's KV to land), per request from decode's stats.
+    # KV wait (the prefill's KV on its way to decode), per request from decode's stats.
     waits = [o.kv_wait_ms for o in ok if o.kv_wait_ms is not None]
     r["kv_wait_reported"] = len(waits)
     if waits:

@@ -63,6 +63,15 @@ class Statistics(unittest.TestCase):
         self.assertNotEqual(bench_serve.error_cause("HTTP 503: x"),
                             bench_serve.error_cause("HTTP 502: x"))
 
+    def test_kv_wait_read_and_write_mode(self):
+        self.assertEqual(bench_serve.kv_wait_from({"load_wait_ms": 4.5}), 4.5)
+        # Write mode: the tail after prefill's compute counts when decode had nothing left
+        # to wait for; a negative tail (landed before compute ended) counts as none.
+        self.assertEqual(bench_serve.kv_wait_from({"load_wait_ms": 0.0, "tail_ms": 3.0}), 3.0)
+        self.assertEqual(bench_serve.kv_wait_from({"load_wait_ms": 0.0, "tail_ms": -2.0}), 0.0)
+        self.assertEqual(bench_serve.kv_wait_from({"load_wait_ms": 6.0, "tail_ms": 3.0}), 6.0)
+        self.assertIsNone(bench_serve.kv_wait_from({"peer": "x", "load_wait_ms": "1"}))
+
     def test_sse_pieces(self):
         s = bench_serve.SseEvents()
         self.assertEqual(s.feed(b"data: {\"a\""), [])
