@@ -298,9 +298,14 @@ async def discover_instances(session, base_urls: list[str]) -> list[str]:
     for base in base_urls:
         h = await get_json(session, base + "/health")
         if h.get("role") == "router":
-            for kind in ("prefill", "decode"):
-                for a in h.get(kind) or []:
-                    found.append(as_url(a.get("address", "") if isinstance(a, dict) else a))
+            listed = [a.get("address", "") if isinstance(a, dict) else a
+                      for kind in ("prefill", "decode") for a in (h.get(kind) or [])]
+            listed = [a for a in listed if isinstance(a, str) and a]
+            if not listed:
+                # Without them there is no leak check and no per-instance throughput.
+                raise RuntimeError(f"router {base}: /health lists no prefill or decode "
+                                   "server; name them with --instance")
+            found += [as_url(a) for a in listed]
         else:
             found.append(base)
     return [u.rstrip("/") for u in dict.fromkeys(found) if u]
