@@ -6,6 +6,7 @@
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
+#   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
 #   make fuzz          build-fuzz/ (clang, libFuzzer, ASan+UBSan), each fuzz target FUZZ_SECONDS
@@ -52,7 +53,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo demo-transfer compare test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test demo demo-transfer compare serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -86,6 +87,18 @@ compare: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-perf kvwire-memcpy-floor
 	python3 perf/compare/compare.py --bin $(BUILD_DIR)/perf $(COMPARE_ARGS)
+
+# Serving benchmark (perf/serve_bench/): aggregated vs 1P1D in read and write mode over tcp
+# and shm, the same model threads each, a concurrency sweep per configuration (tens of
+# minutes on 2 cores); rewrites examples/dsv4/BENCHMARK.md and its plot.
+# SERVE_BENCH_ARGS=--quick runs a reduced sweep; any other serve_compare.py flags pass too.
+SERVE_BENCH_ARGS ?=
+serve-bench: deps
+	@scripts/install-deps.sh --compare
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-dsv4
+	/usr/bin/python3 perf/serve_bench/serve_compare.py --bin $(BUILD_DIR)/examples/dsv4/serve/kvwire-dsv4 \
+	  --out $(BUILD_DIR)/serve-bench $(SERVE_BENCH_ARGS)
 
 # The sanitizer targets run the build as well as the tests under the prefix that
 # scripts/sanitizer-prefix.sh finds (empty, or `setarch <arch> -R` where the kernel's mmap
