@@ -183,10 +183,12 @@ absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int v
       if (so.ok() && so.OptBool("continuous_usage_stats", false)) {
         so.Fail("continuous_usage_stats", "is not supported (include_usage is)");
       }
-      for (const auto& [key, value] : j.at("stream_options").items()) {
-        if (so.ok() && key != "include_usage" && key != "continuous_usage_stats" &&
-            !value.is_null()) {
-          so.Fail(key, "is not supported (include_usage is)");
+      const json& options = j.at("stream_options");
+      for (auto it = options.begin(); so.ok() && options.is_object() && it != options.end();
+           ++it) {
+        if (it.key() != "include_usage" && it.key() != "continuous_usage_stats" &&
+            !it.value().is_null()) {
+          so.Fail(it.key(), "is not supported (include_usage is)");
         }
       }
     }

@@ -409,12 +409,12 @@ class Router::Impl {
                          {"remote_port", port},
                          {"transfer_id", tid}};
         // The whole request (prompt or messages), so decode prepares for the same tokens.
-        json prep = body;
-        prep["kv_transfer_params"] = decode_params;
-        prep["stream"] = false;
-        prep.erase("stream_options");
-        prep.erase("kvwire_prefill");
-        const std::string prep_body = prep.dump();
+        json prep_json = body;
+        prep_json["kv_transfer_params"] = decode_params;
+        prep_json["stream"] = false;
+        prep_json.erase("stream_options");
+        prep_json.erase("kvwire_prefill");
+        const std::string prep_body = prep_json.dump();
         absl::StatusOr<HttpResponse> prep = TryEach(
             options_.decode, next_decode_,
             [&](const std::string& d) {

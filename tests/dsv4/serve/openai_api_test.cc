@@ -154,7 +154,7 @@ TEST(OpenAiResponse, ShapesPerEndpoint) {
 }
 
 // Feeds `text` byte by byte (plus a trailing EOS) and returns what comes out.
-std::string Run(StopMatcher& m, const std::string& text, bool* stopped) {
+std::string FeedAll(StopMatcher& m, const std::string& text, bool* stopped) {
   std::string out;
   for (char ch : text) {
     const int32_t t = static_cast<unsigned char>(ch);
@@ -171,16 +171,16 @@ std::string Run(StopMatcher& m, const std::string& text, bool* stopped) {
 TEST(StopMatcher, EndsBeforeTheFirstStopAndHoldsOnlyPossiblePrefixes) {
   bool stopped = false;
   StopMatcher none;
-  EXPECT_EQ(Run(none, "abc", &stopped), "abc");
+  EXPECT_EQ(FeedAll(none, "abc", &stopped), "abc");
   EXPECT_FALSE(stopped);
   StopMatcher m({"END", "XY"});
-  EXPECT_EQ(Run(m, "abENxENDzz", &stopped), "abENx");
+  EXPECT_EQ(FeedAll(m, "abENxENDzz", &stopped), "abENx");
   EXPECT_TRUE(stopped);
   StopMatcher two({"cd", "bcX"});
-  EXPECT_EQ(Run(two, "abcd", &stopped), "ab");  // "cd" completes first; "bc" was held back
+  EXPECT_EQ(FeedAll(two, "abcd", &stopped), "ab");  // "cd" completes first; "bc" was held back
   EXPECT_TRUE(stopped);
   StopMatcher tail({"END"});
-  EXPECT_EQ(Run(tail, "xxEN", &stopped), "xxEN");  // a held prefix comes out at the end
+  EXPECT_EQ(FeedAll(tail, "xxEN", &stopped), "xxEN");  // a held prefix comes out at the end
   EXPECT_FALSE(stopped);
   // Nothing is released that could still turn out to be part of a stop string.
   StopMatcher held({"abc"});

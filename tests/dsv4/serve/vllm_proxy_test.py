@@ -77,8 +77,10 @@ class Proxy:
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._serve())
-        self.ready.set()
+        try:
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self.ready.set()  # start() sees port None when serving failed
         self.loop.run_forever()
 
     async def _serve(self):
@@ -266,8 +268,9 @@ def main():
         prefill = servers.serve("prefill", "prefill")
         decode = servers.serve("decode", "decode")
         whole = servers.serve("both", "both")
-        proxy = Proxy(prefill, decode)
-        proxy.start()
+        started = Proxy(prefill, decode)
+        started.start()
+        proxy = started  # stopped at the end (a proxy that did not start is a daemon thread)
         via = f"127.0.0.1:{proxy.port}"
 
         # Completions, streamed, across the compression and window boundaries.
