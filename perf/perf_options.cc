@@ -1,9 +1,8 @@
 #include "perf/perf_options.h"
 
-#include <getopt.h>
-
 #include <algorithm>
 #include <functional>
+#include <getopt.h>
 #include <map>
 
 #include "absl/strings/numbers.h"
@@ -83,8 +82,9 @@ absl::Status ValidateGpu(const PerfOptions& o) {
   }
   if (o.check) {
     return absl::InvalidArgumentError(
-        absl::StrCat(flag, " and --check exclude each other (the check reads the buffers on "
-                           "the host)"));
+        absl::StrCat(flag,
+                     " and --check exclude each other (the check reads the buffers on "
+                     "the host)"));
   }
   if (o.workload == Workload::kKv) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " applies to --workload raw only"));
@@ -469,8 +469,8 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
         by_short[name[1]] = i;
       } else {
         longopts.push_back(option{name.c_str() + 2,
-                                  specs[i].takes_value ? required_argument : no_argument,
-                                  nullptr, kLongBase + static_cast<int>(i)});
+                                  specs[i].takes_value ? required_argument : no_argument, nullptr,
+                                  kLongBase + static_cast<int>(i)});
       }
     }
   }
@@ -501,14 +501,14 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
         return absl::InvalidArgumentError(
             absl::StrCat("option ", name_of(optind - 1), " takes no value"));
       }
-      const std::string name = optopt != 0 ? std::string("-") + static_cast<char>(optopt)
-                                           : name_of(optind - 1);
+      const std::string name =
+          optopt != 0 ? std::string("-") + static_cast<char>(optopt) : name_of(optind - 1);
       return absl::InvalidArgumentError(absl::StrCat("unknown option ", name, " (see --help)"));
     }
     const bool is_long = c >= kLongBase;
     const size_t i = is_long ? static_cast<size_t>(c - kLongBase) : by_short.at(c);
-    const std::string name =
-        is_long ? absl::StrCat("--", longopts[index].name) : std::string("-") + static_cast<char>(c);
+    const std::string name = is_long ? absl::StrCat("--", longopts[index].name)
+                                     : std::string("-") + static_cast<char>(c);
     const std::string value = specs[i].takes_value && optarg != nullptr ? optarg : "";
     if (absl::Status s = specs[i].handle(name, value); !s.ok()) return s;
   }

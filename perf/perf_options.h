@@ -37,9 +37,9 @@ struct PerfOptions {
   TransportKind transport = TransportKind::kAuto;  // --transport rdma|tcp|shm|auto
   Workload workload = Workload::kRaw;              // --workload raw|kv
 
-  uint64_t size = 65536;    // -s: bytes per op (raw)
-  bool all_sizes = false;   // -a: 4 KiB .. 64 MiB, powers of two
-  int batch = 1;            // -l, --post_list: ops per transfer (perftest's WQE list)
+  uint64_t size = 65536;   // -s: bytes per op (raw)
+  bool all_sizes = false;  // -a: 4 KiB .. 64 MiB, powers of two
+  int batch = 1;           // -l, --post_list: ops per transfer (perftest's WQE list)
   // -b, --bidirectional: data flows both ways at once; every other transfer of each thread
   // is the opposite operation (a WRITE's bytes go out, a READ's come in), and the bandwidth
   // counts both directions, as perftest's -b does.

@@ -74,7 +74,8 @@ absl::StatusOr<LocalBuffer> MakeGpuBuffer(Engine& engine, uint64_t bytes, int de
   options.kind = MemoryKind::kGpu;
   options.gpu_device = device;
   options.export_to_all_peers = export_all;
-  absl::StatusOr<RegionId> region = engine.RegisterMemory(b.device.data(), b.device.size(), options);
+  absl::StatusOr<RegionId> region =
+      engine.RegisterMemory(b.device.data(), b.device.size(), options);
   if (!region.ok()) return region.status();
   b.region = *region;
   return b;

@@ -61,9 +61,8 @@ void Check(const std::string& body, dsv4::serve::Endpoint endpoint) {
   }
   // The response side: echoing what the client sent must not fail on any bytes.
   for (bool chunk : {false, true}) {
-    (void)dsv4::serve::Dump(dsv4::serve::ResponseJson(endpoint, chunk, chunk, "cmpl-1",
-                                                      request->model, request->prompt, {},
-                                                      "length"));
+    (void)dsv4::serve::Dump(dsv4::serve::ResponseJson(
+        endpoint, chunk, chunk, "cmpl-1", request->model, request->prompt, {}, "length"));
   }
 }
 

@@ -111,7 +111,7 @@ TEST(PerfOptionsTest, GpuMemoryFlags) {
     SCOPED_TRACE(flag);
     auto o = Parse({flag});
     if (!o.ok()) {
-      EXPECT_THAT(o.status().message(),
+      EXPECT_THAT(std::string(o.status().message()),
                   ::testing::ContainsRegex("this build has no GPU runtime|this build's GPU "
                                            "runtime is"));
       continue;

@@ -45,11 +45,14 @@ absl::Status ParseKvTransferFields(const json& params, KvTransferFields* out) {
 // Parameters the servers act on, per endpoint.
 const std::set<std::string_view>& Supported(Endpoint e) {
   static const std::set<std::string_view> completions = {
-      "prompt", "model", "max_tokens", "temperature", "seed", "stream", "stream_options", "stop",
-      "kv_transfer_params", "kvwire_prefill", "user"};
-  static const std::set<std::string_view> chat = {
-      "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
-      "stream_options", "stop", "kv_transfer_params", "kvwire_prefill", "user"};
+      "prompt",         "model", "max_tokens",         "temperature",    "seed", "stream",
+      "stream_options", "stop",  "kv_transfer_params", "kvwire_prefill", "user"};
+  static const std::set<std::string_view> chat = {"messages",       "model",
+                                                  "max_tokens",     "max_completion_tokens",
+                                                  "temperature",    "seed",
+                                                  "stream",         "stream_options",
+                                                  "stop",           "kv_transfer_params",
+                                                  "kvwire_prefill", "user"};
   return e == Endpoint::kChat ? chat : completions;
 }
 
@@ -77,9 +80,8 @@ void RefuseUnsupported(JsonFields& f, const json& body, Endpoint e) {
     bad.push_back(key);
   }
   if (bad.empty()) return;
-  f.Fail(bad.front(),
-         absl::StrCat("is not supported by this server (unsupported parameters: '",
-                      absl::StrJoin(bad, "', '"), "')"));
+  f.Fail(bad.front(), absl::StrCat("is not supported by this server (unsupported parameters: '",
+                                   absl::StrJoin(bad, "', '"), "')"));
 }
 
 // `prompt`: a string, an array of one string, an array of token ids, or an array of one such
@@ -114,10 +116,10 @@ void ParsePrompt(JsonFields& f, const json& j, int vocab_size, CompletionRequest
   for (size_t i = 0; i < p->size(); ++i) {
     const json& t = (*p)[i];
     if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab_size) {
-      f.Fail("prompt",
-             absl::StrCat("token ids must be integers in [0, ", vocab_size, "); item ", i,
-                          " is not"),
-             t);
+      f.Fail(
+          "prompt",
+          absl::StrCat("token ids must be integers in [0, ", vocab_size, "); item ", i, " is not"),
+          t);
       return;
     }
     ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
@@ -184,8 +186,7 @@ absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int v
         so.Fail("continuous_usage_stats", "is not supported (include_usage is)");
       }
       const json& options = j.at("stream_options");
-      for (auto it = options.begin(); so.ok() && options.is_object() && it != options.end();
-           ++it) {
+      for (auto it = options.begin(); so.ok() && options.is_object() && it != options.end(); ++it) {
         if (it.key() != "include_usage" && it.key() != "continuous_usage_stats" &&
             !it.value().is_null()) {
           so.Fail(it.key(), "is not supported (include_usage is)");
@@ -221,8 +222,7 @@ absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int v
 
 json CompletionJson(const std::string& id, const std::string& model, const std::string& text,
                     const std::vector<int32_t>& tokens, const char* finish_reason) {
-  return ResponseJson(Endpoint::kCompletions, false, false, id, model, text, tokens,
-                      finish_reason);
+  return ResponseJson(Endpoint::kCompletions, false, false, id, model, text, tokens, finish_reason);
 }
 
 json ResponseJson(Endpoint endpoint, bool chunk, bool first_chunk, const std::string& id,

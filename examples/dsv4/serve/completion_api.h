@@ -73,8 +73,8 @@ inline constexpr kvwire::JsonLimits kHttpJsonLimits = {.max_depth = 32, .max_val
 
 // Validates a request body; errors name the field and what is wrong (for a 400). The body
 // is parsed within kHttpJsonLimits. Token ids of a prompt must be below `vocab_size`.
-absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size,
-                                                         Endpoint endpoint = Endpoint::kCompletions);
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(
+    const std::string& body, int vocab_size, Endpoint endpoint = Endpoint::kCompletions);
 // The same, for a body already parsed (with kvwire::ParseJsonObject and kHttpJsonLimits).
 absl::StatusOr<CompletionRequest> CompletionRequestFromJson(
     const nlohmann::json& body, int vocab_size, Endpoint endpoint = Endpoint::kCompletions);

@@ -202,8 +202,8 @@ class ModelServer::Impl {
         return;
       }
       if (!req->model.empty() && req->model != config_.name) {
-        resp->Error(404, absl::StrCat("the model '", req->model, "' does not exist (this server runs '",
-                                      config_.name, "')"));
+        resp->Error(404, absl::StrCat("the model '", req->model,
+                                      "' does not exist (this server runs '", config_.name, "')"));
         return;
       }
       if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
@@ -841,8 +841,7 @@ class ModelServer::Impl {
     ++generated_tokens_;
     std::vector<int32_t> release = a.stop.Feed(token, Decode(std::vector<int32_t>{token}));
     const bool eos = token == kEosToken;
-    const bool done =
-        a.stop.stopped() || eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
+    const bool done = a.stop.stopped() || eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
     if (done) {
       std::vector<int32_t> rest = a.stop.Flush();
       release.insert(release.end(), rest.begin(), rest.end());

@@ -177,8 +177,7 @@ class Router::Impl {
       const Endpoint endpoint =
           path == "/v1/chat/completions" ? Endpoint::kChat : Endpoint::kCompletions;
       // Refused here rather than after prefill has computed and holds blocks for decode.
-      absl::StatusOr<json> body =
-          kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
+      absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
       absl::StatusOr<CompletionRequest> req =
           body.ok() ? CompletionRequestFromJson(*body, INT32_MAX, endpoint) : body.status();
       if (!req.ok()) {
@@ -209,15 +208,14 @@ class Router::Impl {
     ++inflight_;
     auto done = std::make_shared<std::atomic<bool>>(false);
     try {
-      workers_.push_back(
-          {std::thread([this, work = std::move(work), resp, done]() mutable {
-             work();
-             work = nullptr;
-             resp.reset();  // the answer is queued before the thread counts as done
-             --inflight_;
-             done->store(true);
-           }),
-           done});
+      workers_.push_back({std::thread([this, work = std::move(work), resp, done]() mutable {
+                            work();
+                            work = nullptr;
+                            resp.reset();  // the answer is queued before the thread counts as done
+                            --inflight_;
+                            done->store(true);
+                          }),
+                          done});
     } catch (const std::system_error& e) {
       --inflight_;
       resp->Error(503, absl::StrCat("cannot start a request thread: ", e.what()));
@@ -312,8 +310,7 @@ class Router::Impl {
 
   // The vLLM P/D protocol: the prompt to prefill (do_remote_decode, max_tokens 1, not
   // streamed), then the original request with prefill's kv_transfer_params to decode.
-  void Proxy(json body, bool stream, Endpoint endpoint,
-             const std::shared_ptr<Responder>& resp) {
+  void Proxy(json body, bool stream, Endpoint endpoint, const std::shared_ptr<Responder>& resp) {
     const std::string api = EndpointPath(endpoint);
     const absl::Time deadline = absl::Now() + options_.timeout;
     const bool write = options_.mode == "write";
@@ -450,9 +447,7 @@ class Router::Impl {
       const std::string pb = prefill_body(false);
       take_prefill(TryEach(
           options_.prefill, next_prefill_,
-          [&](const std::string& p) {
-            return HttpCall(p, "POST", api, pb, call_options);
-          },
+          [&](const std::string& p) { return HttpCall(p, "POST", api, pb, call_options); },
           &prefill_server));
     }
 

@@ -159,11 +159,19 @@ class Servers:
             check=True, timeout=120, stdout=subprocess.DEVNULL)
 
     def serve(self, name, role):
+        return self.launch(name, [
+            "serve", "--role", role, "--config", self.config, "--weights", self.weights,
+            "--transport", "tcp", "--mode", "auto", "--threads", "2",
+            "--request-timeout-s", "20", "--peer-lease-ms", "2000"])
+
+    def router(self, name, prefill, decode, mode):
+        return self.launch(name, ["router", "--prefill", prefill, "--decode", decode, "--mode",
+                                  mode, "--timeout-s", "60"])
+
+    def launch(self, name, args):
         ready = os.path.join(self.dir, name + ".ready")
         log = open(os.path.join(self.dir, name + ".log"), "w")
-        args = [self.binary, "serve", "--role", role, "--config", self.config, "--weights",
-                self.weights, "--transport", "tcp", "--mode", "read", "--threads", "2",
-                "--request-timeout-s", "20", "--peer-lease-ms", "2000", "--ready-file", ready]
+        args = [self.binary] + args + ["--ready-file", ready]
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = (p, log)
         deadline = time.monotonic() + DEADLINE_S
@@ -337,6 +345,23 @@ def main():
         got = stream(via, "/v1/completions",
                      {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True})
         check(got[0] == want[0], f"token-id prompt: {got[0]} != {want[0]}")
+        answers_ids = want[0]
+
+        # The bundled router speaks the same protocol (read mode), and keeps write mode's own
+        # path (decode prepares its blocks first): chat, token ids and stop through both.
+        for mode in ("read", "write"):
+            router = servers.router("router-" + mode, prefill, decode, mode)
+            got = stream(router, "/v1/chat/completions", chat)
+            want = stream(whole, "/v1/chat/completions", chat)
+            check(got[0] == want[0], f"chat via {mode} router: {got[0]} != {want[0]}")
+            check(got[3][-2]["usage"]["completion_tokens"] == MAX_TOKENS,
+                  f"{mode} router: no usage chunk: {got[3][-2:]}")
+            got = stream(router, "/v1/completions",
+                         {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True})
+            check(got[0] == answers_ids, f"token ids via {mode} router: {got[0]}")
+            r = httpx.get(f"http://{router}/v1/models", timeout=10)
+            check(r.status_code == 200 and r.json()["data"][0]["id"] == "dsv4-tiny",
+                  f"{mode} router /v1/models: {r.status_code} {r.text[:200]}")
 
         # What the servers cannot do is refused, by name.
         status, err = post(via, "/v1/completions", {"prompt": "x", "n": 2})
