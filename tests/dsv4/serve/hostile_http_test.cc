@@ -312,12 +312,38 @@ void Send(const std::string& address, const std::string& path, const Case& c,
   EXPECT_NE(message.find(c.want), std::string::npos) << message;
 }
 
+// Chat requests: the messages and what only chat has.
+std::vector<Case> ChatCases() {
+  return {
+      {"{}", "'messages'"},
+      {"{\"messages\":null}", "'messages'"},
+      {"{\"messages\":5}", "'messages'"},
+      {"{\"messages\":[]}", "'messages'"},
+      {"{\"messages\":[5]}", "messages[0]"},
+      {"{\"messages\":[{\"role\":\"user\"}]}", "'content'"},
+      {"{\"messages\":[{\"role\":5,\"content\":\"x\"}]}", "'role'"},
+      {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "'role'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]}", "'text'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":[5]}]}", "content[0]"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}",
+       "'prompt' is not supported"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}",
+       "'max_completion_tokens'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[]}",
+       "'tools' is not supported"},
+  };
+}
+
 TEST_F(HostileHttpTest, EveryFieldWrongIsA400AndNothingDies) {
   for (const char* target : {"router", "prefill", "decode"}) {
     for (const Case& c : CompletionCases()) {
       Send(servers_->address(target), "/v1/completions", c, target);
       // Later cases would only fail because a process is gone.
       ASSERT_TRUE(AllRunning(absl::StrCat(target, " got ", c.body.substr(0, 120))));
+    }
+    for (const Case& c : ChatCases()) {
+      Send(servers_->address(target), "/v1/chat/completions", c, target);
+      ASSERT_TRUE(AllRunning(absl::StrCat(target, " got chat ", c.body.substr(0, 120))));
     }
   }
   ExpectServedExactly(/*stream=*/false);
