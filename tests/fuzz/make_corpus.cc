@@ -416,9 +416,7 @@ void Dsv4() {
       R"("remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}})");
   Write("completion_request", "token-ids", R"({"prompt":[[256,72,105]],"max_tokens":3})");
   Write("completion_request", "stop-usage",
-        R"({"prompt":"a","stop":["
-
-","END"],"stream":true,)"
+        R"({"prompt":"a","stop":["\n\n","END"],"stream":true,)"
         R"("stream_options":{"include_usage":true},"n":1,"top_p":1,"user":"u"})");
   Write(
       "completion_request", "chat",
