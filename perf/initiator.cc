@@ -36,10 +36,11 @@ uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 absl::StatusOr<Result> RunSize(const PerfOptions& o, Engine& engine, PeerId peer,
                                LocalBuffer& local, RegionId remote, uint64_t size, LineSocket& sock,
                                ProgressLine* progress) {
-  BufferPlan plan(o.pattern, o.threads, size, local.memory.size());
+  BufferPlan plan(o.pattern, o.threads, size, local.size());
   const uint64_t iters = o.IterationsFor(size);
   PumpSpec spec;
   spec.kind = o.op;
+  spec.bidirectional = o.bidirectional;
   spec.threads = o.threads;
   spec.outstanding = o.outstanding;
   spec.warmup_transfers = CeilDiv(o.WarmupFor(iters), o.batch);
@@ -110,7 +111,9 @@ int RunInitiator(const PerfOptions& o) {
     kv = *std::move(side);
   } else {
     absl::StatusOr<LocalBuffer> b =
-        MakeBuffer(**engine, RawRegionBytes(o), o.check && o.op == OpKind::kWrite, false);
+        o.memory == MemoryKind::kGpu
+            ? MakeGpuBuffer(**engine, RawRegionBytes(o), o.gpu_device, false)
+            : MakeBuffer(**engine, RawRegionBytes(o), o.check && o.op == OpKind::kWrite, false);
     if (!b.ok()) return Fail(b.status());
     local = *std::move(b);
   }
@@ -173,6 +176,15 @@ int RunInitiator(const PerfOptions& o) {
     if (r.check != "off" && r.check != "ok") status = 1;
   }
   PrintRule(stdout);
+  if (o.bidirectional) {
+    // Both directions moved: this engine's counters say how much each way.
+    for (const PeerStats& p : (*engine)->Stats().peers) {
+      if (p.peer_id != *peer) continue;
+      std::printf(" Bidirectional     : %llu bytes written, %llu bytes read\n",
+                  static_cast<unsigned long long>(p.bytes_written),
+                  static_cast<unsigned long long>(p.bytes_read));
+    }
+  }
   (void)sock->SendLine("BYE");
   if (!o.json_file.empty()) {
     if (absl::Status s = WriteJson(o.json_file, o, info, results); !s.ok()) return Fail(s);

@@ -2,12 +2,16 @@
 
 #include <algorithm>
 #include <functional>
+#include <getopt.h>
+#include <map>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+
+#include "src/gpu/runtime.h"
 
 namespace kvwire::perf {
 namespace {
@@ -59,11 +63,45 @@ absl::Status ParseInt(const std::string& option, const std::string& value, T min
 
 std::string FormatDouble(double v) { return absl::StrCat(v); }
 
+// GPU memory needs the build's runtime to be the one asked for; the device itself is checked
+// when the buffer is allocated (the runtime's own error then).
+absl::Status ValidateGpu(const PerfOptions& o) {
+  const std::string flag = o.gpu_api.empty() ? "--memory gpu" : absl::StrCat("--use_", o.gpu_api);
+  const gpu::Backend backend = gpu::DefaultRuntime().backend();
+  if (backend != gpu::Backend::kCuda && backend != gpu::Backend::kHip) {
+    return absl::UnimplementedError(absl::StrCat(
+        flag, ": this build has no GPU runtime (configure with -DKVWIRE_GPU=cuda or hip)"));
+  }
+  const gpu::Backend want = o.gpu_api == "cuda"   ? gpu::Backend::kCuda
+                            : o.gpu_api == "rocm" ? gpu::Backend::kHip
+                                                  : backend;
+  if (want != backend) {
+    return absl::UnimplementedError(absl::StrCat(flag, ": this build's GPU runtime is ",
+                                                 gpu::BackendName(backend), ", not ",
+                                                 gpu::BackendName(want)));
+  }
+  if (o.check) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag,
+                     " and --check exclude each other (the check reads the buffers on "
+                     "the host)"));
+  }
+  if (o.workload == Workload::kKv) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " applies to --workload raw only"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const PerfOptions& o) {
   if (o.memory == MemoryKind::kGpu) {
-    return absl::UnimplementedError(
-        "--memory gpu is not supported in this build (host memory only until the GPU issue "
-        "lands)");
+    if (absl::Status s = ValidateGpu(o); !s.ok()) return s;
+  }
+  if (o.bidirectional && o.check) {
+    return absl::InvalidArgumentError(
+        "-b (bidirectional) and --check exclude each other (both directions share the buffers)");
+  }
+  if (o.bidirectional && o.workload == Workload::kKv) {
+    return absl::InvalidArgumentError("-b (bidirectional) applies to --workload raw only");
   }
   if ((!o.device.empty() || o.gid_index >= 0) && o.transport != TransportKind::kRdma) {
     return absl::InvalidArgumentError(
@@ -121,7 +159,9 @@ Both sides take the same test options; they are compared at connect time.
       --workload raw|kv        raw messages (default) or whole requests' KV (kv)
   -s, --size BYTES             bytes per op, e.g. 65536, 64K, 4M (default 64K)
   -a, --all                    every size 2^k from 4 KiB to 64 MiB
-  -b, --batch N                ops per transfer (default 1)
+  -b, --bidirectional          data both ways at once: every other transfer is the opposite
+                               operation; bandwidth counts both directions
+  -l, --post_list N            ops per transfer (default 1)
   -n, --iters N                ops per thread and size (default: about 2 GiB, 200..20000)
   -D, --duration SECONDS       run each size for this long instead of -n
   -w, --warmup N               warm-up ops per thread and size (default: 2 windows or n/20)
@@ -131,6 +171,8 @@ Both sides take the same test options; they are compared at connect time.
   -d, --ib-dev DEV[,DEV]       rdma device(s) (rdma only)
   -x, --gid-index N            rdma GID index (rdma only)
       --memory host|gpu        memory kind on both sides (default host)
+      --use_cuda=N             GPU memory of CUDA device N (a CUDA build; raw workload)
+      --use_rocm=N             GPU memory of ROCm device N (a HIP build; raw workload)
       --pattern hot|pool       hot: one buffer reused; pool: blocks in random order over a
                                large pool on each side (default hot)
       --pool-mib N             pool per side for --pattern pool, and the least the kv
@@ -142,7 +184,9 @@ Both sides take the same test options; they are compared at connect time.
       --frag SHARE             kv: share of blocks not next to the previous one (default 0.5)
       --requests N             kv: requests in flight (default 4)
       --json FILE, --csv FILE  also write the results there
-      --report-gbits           bandwidth in Gb/s instead of GB/s (both decimal)
+      --report_gbits           bandwidth in Gb/s instead of GB/s (both decimal)
+  -F, --CPU-freq               accepted for perftest's command lines (kvwire-perf never
+                               warns about CPU frequency scaling)
   -p, --port N                 side-channel TCP port (default 18515; 0 on the target: any)
       --bind ADDR              target: address to listen on (default 127.0.0.1; the side
                                channel is unauthenticated: give 0.0.0.0 or a NIC's address
@@ -154,6 +198,7 @@ Both sides take the same test options; they are compared at connect time.
       --secret S               the same on the command line (visible to local users: prefer
                                --secret-file)
   -h, --help
+Short options take attached values (-s65536) and long ones --name=value or --name value.
 Bandwidth is decimal: 1 GB/s = 1e9 bytes/s.
 )";
 }
@@ -215,10 +260,33 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
          o.all_sizes = true;
          return absl::OkStatus();
        }},
-      {{"-b", "--batch"},
+      {{"-l", "--post_list"},
        true,
        [&](const std::string& n, const std::string& v) {
          return ParseInt(n, v, 1, 65536, &o.batch);
+       }},
+      {{"-b", "--bidirectional"},
+       false,
+       [&](const std::string&, const std::string&) {
+         o.bidirectional = true;
+         return absl::OkStatus();
+       }},
+      {{"-F", "--CPU-freq"},
+       false,
+       [&](const std::string&, const std::string&) { return absl::OkStatus(); }},
+      {{"--use_cuda"},
+       true,
+       [&](const std::string& n, const std::string& v) {
+         o.memory = MemoryKind::kGpu;
+         o.gpu_api = "cuda";
+         return ParseInt(n, v, 0, 1023, &o.gpu_device);
+       }},
+      {{"--use_rocm"},
+       true,
+       [&](const std::string& n, const std::string& v) {
+         o.memory = MemoryKind::kGpu;
+         o.gpu_api = "rocm";
+         return ParseInt(n, v, 0, 1023, &o.gpu_device);
        }},
       {{"-n", "--iters"},
        true,
@@ -338,7 +406,7 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
          o.csv_file = v;
          return absl::OkStatus();
        }},
-      {{"--report-gbits"},
+      {{"--report_gbits", "--report-gbits"},
        false,
        [&](const std::string&, const std::string&) {
          o.report_gbits = true;
@@ -387,39 +455,65 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
        }},
   };
 
-  std::vector<std::string> positional;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.size() < 2 || arg[0] != '-') {
-      positional.push_back(arg);
-      continue;
-    }
-    std::string name = arg, value;
-    bool inline_value = false;
-    if (absl::StartsWith(arg, "--")) {
-      if (size_t eq = arg.find('='); eq != std::string::npos) {
-        name = arg.substr(0, eq);
-        value = arg.substr(eq + 1);
-        inline_value = true;
+  // getopt_long's tables from the specs: a short name adds its letter, a long one an entry
+  // whose value is 1000 + the spec's index.
+  constexpr int kLongBase = 1000;
+  std::string shortopts = ":";  // ':' first: a missing value is reported as ':'
+  std::vector<option> longopts;
+  std::map<int, size_t> by_short;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    for (const std::string& name : specs[i].names) {
+      if (name.size() == 2) {
+        shortopts += name[1];
+        if (specs[i].takes_value) shortopts += ':';
+        by_short[name[1]] = i;
+      } else {
+        longopts.push_back(option{name.c_str() + 2,
+                                  specs[i].takes_value ? required_argument : no_argument, nullptr,
+                                  kLongBase + static_cast<int>(i)});
       }
     }
-    const Spec* spec = nullptr;
-    for (const Spec& s : specs) {
-      if (std::find(s.names.begin(), s.names.end(), name) != s.names.end()) spec = &s;
+  }
+  longopts.push_back(option{nullptr, 0, nullptr, 0});
+  // getopt permutes its argv: work on a copy.
+  std::vector<std::string> storage(argv, argv + argc);
+  std::vector<char*> args;
+  for (std::string& a : storage) args.push_back(a.data());
+  args.push_back(nullptr);
+  optind = 0;  // glibc: start over (this parser may run more than once in a process)
+  opterr = 0;  // errors are ours
+  auto name_of = [&](int at) {
+    const std::string arg = at > 0 && at < argc ? std::string(args[at]) : "";
+    return arg.substr(0, arg.find('='));
+  };
+  int index = 0;
+  while (true) {
+    const int c = getopt_long(argc, args.data(), shortopts.c_str(), longopts.data(), &index);
+    if (c == -1) break;
+    if (c == ':') {
+      const std::string name = optopt >= kLongBase || optopt == 0
+                                   ? name_of(optind - 1)
+                                   : std::string("-") + static_cast<char>(optopt);
+      return absl::InvalidArgumentError(absl::StrCat("option ", name, " needs a value"));
     }
-    if (spec == nullptr) {
+    if (c == '?') {
+      if (optopt >= kLongBase) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option ", name_of(optind - 1), " takes no value"));
+      }
+      const std::string name =
+          optopt != 0 ? std::string("-") + static_cast<char>(optopt) : name_of(optind - 1);
       return absl::InvalidArgumentError(absl::StrCat("unknown option ", name, " (see --help)"));
     }
-    if (spec->takes_value && !inline_value) {
-      if (i + 1 >= argc) {
-        return absl::InvalidArgumentError(absl::StrCat("option ", name, " needs a value"));
-      }
-      value = argv[++i];
-    } else if (!spec->takes_value && inline_value) {
-      return absl::InvalidArgumentError(absl::StrCat("option ", name, " takes no value"));
-    }
-    if (absl::Status s = spec->handle(name, value); !s.ok()) return s;
+    const bool is_long = c >= kLongBase;
+    const size_t i = is_long ? static_cast<size_t>(c - kLongBase) : by_short.at(c);
+    const std::string name = is_long ? absl::StrCat("--", longopts[index].name)
+                                     : std::string("-") + static_cast<char>(c);
+    const std::string value = specs[i].takes_value && optarg != nullptr ? optarg : "";
+    if (absl::Status s = specs[i].handle(name, value); !s.ok()) return s;
   }
+  std::vector<std::string> positional;
+  for (int i = optind; i < argc; ++i) positional.push_back(args[i]);
   if (positional.size() > 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("more than one HOST given: ", absl::StrJoin(positional, " ")));
@@ -444,7 +538,8 @@ std::map<std::string, std::string> AgreedSettings(const PerfOptions& o) {
   s["--memory"] = o.memory == MemoryKind::kGpu ? "gpu" : "host";
   s["--pattern"] = PatternName(o.pattern);
   s["--check"] = o.check ? "on" : "off";
-  s["-b"] = absl::StrCat(o.batch);
+  s["-l"] = absl::StrCat(o.batch);
+  s["-b"] = o.bidirectional ? "on" : "off";
   s["-n"] = o.iterations == 0 ? "auto" : absl::StrCat(o.iterations);
   s["-D"] = o.duration_s == 0 ? "off" : FormatDouble(o.duration_s);
   s["-w"] = o.warmup < 0 ? "auto" : absl::StrCat(o.warmup);

@@ -37,9 +37,13 @@ struct PerfOptions {
   TransportKind transport = TransportKind::kAuto;  // --transport rdma|tcp|shm|auto
   Workload workload = Workload::kRaw;              // --workload raw|kv
 
-  uint64_t size = 65536;    // -s: bytes per op (raw)
-  bool all_sizes = false;   // -a: 4 KiB .. 64 MiB, powers of two
-  int batch = 1;            // -b: ops per transfer
+  uint64_t size = 65536;   // -s: bytes per op (raw)
+  bool all_sizes = false;  // -a: 4 KiB .. 64 MiB, powers of two
+  int batch = 1;           // -l, --post_list: ops per transfer (perftest's WQE list)
+  // -b, --bidirectional: data flows both ways at once; every other transfer of each thread
+  // is the opposite operation (a WRITE's bytes go out, a READ's come in), and the bandwidth
+  // counts both directions, as perftest's -b does.
+  bool bidirectional = false;
   uint64_t iterations = 0;  // -n: ops per thread and size (0: chosen from the size)
   double duration_s = 0;    // -D: seconds per size instead of -n
   int64_t warmup = -1;      // -w: warm-up ops per thread and size (-1: chosen)
@@ -48,7 +52,9 @@ struct PerfOptions {
   int threads = 1;          // -T: initiator threads (one engine, one peer)
   std::string device;       // -d: rdma device
   int gid_index = -1;       // -x: rdma GID index
-  MemoryKind memory = MemoryKind::kHost;  // --memory host|gpu
+  MemoryKind memory = MemoryKind::kHost;  // --memory host|gpu, --use_cuda, --use_rocm
+  int gpu_device = 0;                     // --use_cuda=N / --use_rocm=N: device ordinal
+  std::string gpu_api;                    // "cuda", "rocm" or "" (whichever the build has)
   Pattern pattern = Pattern::kHot;        // --pattern hot|pool
   uint64_t pool_mib = 1024;               // --pool-mib: pool per side for --pattern pool
   bool check = false;                     // --check: verify every byte moved
@@ -61,7 +67,7 @@ struct PerfOptions {
 
   std::string json_file;      // --json FILE
   std::string csv_file;       // --csv FILE
-  bool report_gbits = false;  // --report-gbits: Gb/s instead of GB/s (both decimal)
+  bool report_gbits = false;  // --report_gbits: Gb/s instead of GB/s (both decimal)
   bool help = false;
   // The engines' shared secret (never sent over the side channel): --secret-file FILE
   // (recommended: argv is visible to every local user) or --secret S; neither: KVWIRE_SECRET.
@@ -79,7 +85,10 @@ struct PerfOptions {
 inline constexpr uint64_t kMinAllSize = 4096;
 inline constexpr uint64_t kMaxAllSize = 64ull << 20;
 
-// Parses argv (argv[0] is the program). Errors name the option and the accepted values.
+// Parses argv (argv[0] is the program) with getopt_long, as perftest does: short options take
+// attached values ("-s65536") and may be grouped ("-ac"), long ones "--size=N" or "--size N".
+// Errors name the option and the accepted values. GPU memory is checked against the build's
+// GPU runtime (a build without one refuses --use_cuda/--use_rocm/--memory gpu, saying so).
 absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv);
 std::string UsageText();
 

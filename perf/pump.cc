@@ -70,12 +70,17 @@ class Worker {
  private:
   absl::Status Submit() {
     ops_.clear();
-    spec_.make_ops(thread_, next_index_++, &ops_);
+    const uint64_t index = next_index_++;
+    spec_.make_ops(thread_, index, &ops_);
+    OpKind kind = spec_.kind;
+    if (spec_.bidirectional && index % 2 == 1) {
+      kind = kind == OpKind::kWrite ? OpKind::kRead : OpKind::kWrite;
+    }
     Inflight f;
     for (const Op& op : ops_) f.bytes += op.length;
     f.ops = ops_.size();
     f.start = Clock::now();
-    absl::StatusOr<TransferId> id = engine_.Transfer(peer_, spec_.kind, ops_);
+    absl::StatusOr<TransferId> id = engine_.Transfer(peer_, kind, ops_);
     const Clock::time_point posted = Clock::now();
     if (!id.ok()) return id.status();
     f.id = *id;

@@ -19,6 +19,9 @@ namespace kvwire::perf {
 
 struct PumpSpec {
   OpKind kind = OpKind::kWrite;
+  // Every other transfer of each thread (the odd ones) is the opposite operation, so that
+  // bytes flow both ways at once (kvwire-perf -b).
+  bool bidirectional = false;
   int threads = 1;
   int outstanding = 1;
   uint64_t warmup_transfers = 0;  // per thread

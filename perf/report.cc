@@ -32,8 +32,13 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
   return absl::OkStatus();
 }
 
+OpKind Opposite(OpKind op) { return op == OpKind::kWrite ? OpKind::kRead : OpKind::kWrite; }
+
 std::string TestName(const PerfOptions& o) {
   if (o.workload == Workload::kKv) return absl::StrCat(OpName(o.op), " KV request");
+  if (o.bidirectional) {
+    return absl::StrCat(OpName(o.op), " + ", OpName(Opposite(o.op)), " BW (bidirectional)");
+  }
   return absl::StrCat(OpName(o.op), " BW");
 }
 
@@ -56,8 +61,12 @@ void PrintHeader(std::FILE* out, const PerfOptions& o, const RunInfo& info) {
                o.transport == TransportKind::kRdma ? "from the port" : "- (rdma only)");
   std::fprintf(out, " Connections/QPs   : %s per peer (tcp connections; rdma QPs)\n",
                o.connections == 0 ? "engine default" : absl::StrCat(o.connections).c_str());
-  std::string memory = absl::StrCat(o.memory == MemoryKind::kGpu ? "gpu" : "host", " -> ",
-                                    o.memory == MemoryKind::kGpu ? "gpu" : "host");
+  const std::string kind =
+      o.memory == MemoryKind::kGpu
+          ? absl::StrCat("gpu", o.gpu_api.empty() ? "" : absl::StrCat(" (", o.gpu_api, ")"),
+                         " device ", o.gpu_device)
+          : "host";
+  std::string memory = absl::StrCat(kind, " -> ", kind);
   if (o.workload == Workload::kRaw) {
     absl::StrAppend(&memory, ", ",
                     o.pattern == Pattern::kHot ? "one buffer per thread reused (hot)"
@@ -69,7 +78,11 @@ void PrintHeader(std::FILE* out, const PerfOptions& o, const RunInfo& info) {
     std::fprintf(out,
                  " Mode              : %s, %d op(s) per transfer, %d transfer(s) outstanding"
                  ", %d thread(s)\n",
-                 OpName(o.op), o.batch, o.outstanding, o.threads);
+                 o.bidirectional ? absl::StrCat(OpName(o.op), " and ", OpName(Opposite(o.op)),
+                                                " alternating (bidirectional)")
+                                       .c_str()
+                                 : OpName(o.op),
+                 o.batch, o.outstanding, o.threads);
     std::fprintf(out, " Iterations        : %s per thread and size, warm-up %s\n",
                  o.duration_s > 0   ? absl::StrCat(o.duration_s, " s").c_str()
                  : o.iterations > 0 ? absl::StrCat(o.iterations, " ops").c_str()

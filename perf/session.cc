@@ -63,6 +63,24 @@ absl::StatusOr<LocalBuffer> MakeBuffer(Engine& engine, uint64_t bytes, bool sour
   return b;
 }
 
+absl::StatusOr<LocalBuffer> MakeGpuBuffer(Engine& engine, uint64_t bytes, int device,
+                                          bool export_all) {
+  LocalBuffer b;
+  absl::StatusOr<gpu::DeviceBuffer> memory =
+      gpu::DeviceBuffer::Allocate(gpu::DefaultRuntime(), device, bytes);
+  if (!memory.ok()) return memory.status();
+  b.device = *std::move(memory);
+  RegionOptions options;
+  options.kind = MemoryKind::kGpu;
+  options.gpu_device = device;
+  options.export_to_all_peers = export_all;
+  absl::StatusOr<RegionId> region =
+      engine.RegisterMemory(b.device.data(), b.device.size(), options);
+  if (!region.ok()) return region.status();
+  b.region = *region;
+  return b;
+}
+
 std::string EncodeOps(const std::vector<uint64_t>& ops) { return absl::StrJoin(ops, ","); }
 
 absl::StatusOr<std::vector<uint64_t>> DecodeOps(const std::string& text, int threads) {

@@ -59,11 +59,11 @@ absl::Status CheckRun(const PerfOptions& o, uint64_t buffer_bytes,
 absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
                        const std::vector<std::string>& run) {
   uint64_t size = 0, planned = 0;
-  if (absl::Status s = CheckRun(o, buffer.memory.size(), run, &size, &planned); !s.ok()) {
+  if (absl::Status s = CheckRun(o, buffer.size(), run, &size, &planned); !s.ok()) {
     return s;
   }
   const bool verify = o.check && o.op == OpKind::kWrite;
-  BufferPlan plan(o.pattern, o.threads, size, buffer.memory.size());
+  BufferPlan plan(o.pattern, o.threads, size, buffer.size());
   if (verify) {
     for (int t = 0; t < o.threads; ++t) {
       plan.ClearDestinations(buffer.memory.data(), true, t, planned == 0 ? UINT64_MAX : planned);
@@ -142,7 +142,9 @@ int RunTarget(const PerfOptions& o) {
     kv = *std::move(side);
   } else {
     absl::StatusOr<LocalBuffer> b =
-        MakeBuffer(**engine, RawRegionBytes(o), o.check && o.op == OpKind::kRead, true);
+        o.memory == MemoryKind::kGpu
+            ? MakeGpuBuffer(**engine, RawRegionBytes(o), o.gpu_device, true)
+            : MakeBuffer(**engine, RawRegionBytes(o), o.check && o.op == OpKind::kRead, true);
     if (!b.ok()) return Fail(b.status());
     buffer = *std::move(b);
   }

@@ -115,7 +115,7 @@ class Runner:
         else:
             n = max(400, min(40000, ((1 << 30) if transport == "tcp" else (4 << 30)) // size))
             test += ["-s", str(size), "--pattern", pattern, "--pool-mib", str(POOL_MIB),
-                     "-n", str(n), "-b", str(self.args.batch), "-t", str(self.args.depth)]
+                     "-n", str(n), "-l", str(self.args.batch), "-t", str(self.args.depth)]
         if transport == "tcp":
             test += ["-q", str(self.args.qps)]
         target = subprocess.Popen([self.perf] + test + ["-p", "0"], env=self.env,
@@ -180,7 +180,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--bin", default="build/perf", help="folder with kvwire-perf")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=1, help="kvwire-perf -b")
+    ap.add_argument("--batch", type=int, default=1, help="kvwire-perf -l (--post_list)")
     ap.add_argument("--depth", type=int, default=8, help="kvwire-perf -t")
     ap.add_argument("--qps", type=int, default=1, help="kvwire-perf -q over tcp")
     ap.add_argument("--results", default="perf/RESULTS.md")
@@ -318,7 +318,7 @@ def render(args, med, have_kv, seconds):
     lines.append("")
     lines.extend(kv_lines)
     lines.append("")
-    lines.append(f"kvwire-perf: -b {args.batch} -t {args.depth}, tcp -q {args.qps}; 1 thread per "
+    lines.append(f"kvwire-perf: -l {args.batch} -t {args.depth}, tcp -q {args.qps}; 1 thread per "
                  f"side for every tool; pool = {POOL_MIB} MiB per side, blocks in random order; "
                  f"{args.runs} rounds, {seconds / 60:.1f} min")
     return {"table": "\n".join(lines), "goals": goals}

@@ -422,10 +422,25 @@ void Dsv4() {
         R"("model":"dsv4-tiny"})");
   Write("completion_request", "stream", R"({"prompt":["a b c"],"max_tokens":2,"stream":true})");
   Write("completion_request", "remote-prefill",
-        absl::StrCat(R"({"prompt":"Hello","max_tokens":4,"first_token":72,"kv_transfer_params":)",
+        absl::StrCat(R"({"prompt":"Hello","max_tokens":4,"kv_transfer_params":)",
                      ReadParams().ToJson(), R"(,"kvwire_prefill":{"ttft_ms":3.5}})"));
   Write("completion_request", "remote-decode",
         R"({"prompt":"Hello","kv_transfer_params":{"do_remote_decode":true,"mode":"read"}})");
+  // vLLM's proxy: prefill's fields as nulls, the rest of the request as the client sent it.
+  Write(
+      "completion_request", "vllm-proxy-prefill",
+      R"({"prompt":"Hello","max_tokens":1,"stream":false,"min_tokens":null,)"
+      R"("kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,)"
+      R"("remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}})");
+  Write("completion_request", "token-ids", R"({"prompt":[[256,72,105]],"max_tokens":3})");
+  Write("completion_request", "stop-usage",
+        R"({"prompt":"a","stop":["\n\n","END"],"stream":true,)"
+        R"("stream_options":{"include_usage":true},"n":1,"top_p":1,"user":"u"})");
+  Write(
+      "completion_request", "chat",
+      R"({"messages":[{"role":"system","content":"Be terse."},{"role":"user","content":)"
+      R"([{"type":"text","text":"Hi"}]}],"max_completion_tokens":4,"stop":"x","model":"dsv4-tiny"})");
+  Write("completion_request", "unsupported", R"({"prompt":"a","n":2,"logit_bias":{"1":2}})");
 }
 
 void Perf() {

@@ -88,7 +88,7 @@ std::string SecretFile(const std::string& name, const std::string& secret, mode_
 }
 
 const std::vector<std::string> kTest = {"--transport", "tcp", "-s", "64K",    "-n",
-                                        "16",          "-b",  "2",  "--check"};
+                                        "16",          "-l",  "2",  "--check"};
 
 std::vector<std::string> Initiator(int port, std::vector<std::string> secret) {
   std::vector<std::string> args = kTest;

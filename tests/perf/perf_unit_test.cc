@@ -35,7 +35,7 @@ TEST(PerfOptionsTest, PerftestStyleOptionsAndHost) {
                   "--transport=tcp",
                   "-s",
                   "1M",
-                  "-b",
+                  "-l",
                   "8",
                   "-n",
                   "100",
@@ -73,6 +73,55 @@ TEST(PerfOptionsTest, PerftestStyleOptionsAndHost) {
   EXPECT_EQ(o->json_file, "/tmp/x.json");
 }
 
+// perftest's spellings: attached short values, grouped flags, long options with '=' or a
+// separate value, -b for bidirectional (batch is -l/--post_list), -F accepted.
+TEST(PerfOptionsTest, GetoptForms) {
+  auto o = Parse({"-s65536", "-l8", "-bF", "-n100", "--tx-depth=4", "--threads", "2", "-oread",
+                  "--report_gbits", "10.0.0.1"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->size, 65536u);
+  EXPECT_EQ(o->batch, 8);
+  EXPECT_TRUE(o->bidirectional);
+  EXPECT_EQ(o->iterations, 100u);
+  EXPECT_EQ(o->outstanding, 4);
+  EXPECT_EQ(o->threads, 2);
+  EXPECT_EQ(o->op, OpKind::kRead);
+  EXPECT_TRUE(o->report_gbits);
+  EXPECT_EQ(o->host, "10.0.0.1");
+  // The host may come first (getopt permutes), and the old dash spelling still works.
+  auto p = Parse({"10.0.0.2", "--post_list", "3", "--report-gbits", "--bidirectional"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->host, "10.0.0.2");
+  EXPECT_EQ(p->batch, 3);
+  EXPECT_TRUE(p->bidirectional);
+  EXPECT_TRUE(p->report_gbits);
+  // -b takes no value now: a number after it is a (second) host, not a batch.
+  EXPECT_THAT(Parse({"-b", "4", "10.0.0.1"}).status().message(), HasSubstr("more than one HOST"));
+  EXPECT_FALSE(Parse({"-l0"}).ok());
+  // Parsing twice in one process starts over.
+  auto again = Parse({"-s4K"});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->size, 4096u);
+  EXPECT_FALSE(again->bidirectional);
+}
+
+// GPU memory: refused with the reason in a build without that runtime; with it, the device.
+TEST(PerfOptionsTest, GpuMemoryFlags) {
+  for (const char* flag : {"--use_cuda=0", "--use_rocm=1", "--memory=gpu"}) {
+    SCOPED_TRACE(flag);
+    auto o = Parse({flag});
+    if (!o.ok()) {
+      EXPECT_THAT(std::string(o.status().message()),
+                  ::testing::ContainsRegex("this build has no GPU runtime|this build's GPU "
+                                           "runtime is"));
+      continue;
+    }
+    EXPECT_EQ(o->memory, MemoryKind::kGpu);
+  }
+  EXPECT_THAT(Parse({"--use_cuda"}).status().message(), HasSubstr("--use_cuda needs a value"));
+  EXPECT_THAT(Parse({"--use_cuda=x"}).status().message(), HasSubstr("--use_cuda"));
+}
+
 TEST(PerfOptionsTest, AllSizesArePowersOfTwoFrom4KiBTo64MiB) {
   auto o = Parse({"-a"});
   ASSERT_TRUE(o.ok()) << o.status();
@@ -85,8 +134,12 @@ TEST(PerfOptionsTest, AllSizesArePowersOfTwoFrom4KiBTo64MiB) {
 TEST(PerfOptionsTest, ClearErrors) {
   EXPECT_THAT(Parse({"--op", "send"}).status().message(), HasSubstr("read or write"));
   EXPECT_THAT(Parse({"--transport", "ib"}).status().message(), HasSubstr("rdma, tcp, shm"));
-  EXPECT_THAT(Parse({"--memory", "gpu"}).status().message(),
-              HasSubstr("not supported in this build"));
+  EXPECT_THAT(Parse({"--bogus=1"}).status().message(), HasSubstr("unknown option --bogus"));
+  EXPECT_THAT(Parse({"-Z"}).status().message(), HasSubstr("unknown option -Z"));
+  EXPECT_THAT(Parse({"--check=yes"}).status().message(), HasSubstr("--check takes no value"));
+  EXPECT_THAT(Parse({"--size"}).status().message(), HasSubstr("--size needs a value"));
+  EXPECT_THAT(Parse({"-b", "--check"}).status().message(), HasSubstr("exclude"));
+  EXPECT_THAT(Parse({"-b", "--workload", "kv"}).status().message(), HasSubstr("raw only"));
   EXPECT_THAT(Parse({"-d", "mlx5_0"}).status().message(), HasSubstr("rdma transport only"));
   EXPECT_THAT(Parse({"-n", "10", "-D", "2"}).status().message(), HasSubstr("exclude"));
   EXPECT_THAT(Parse({"-s", "4K", "-a"}).status().message(), HasSubstr("exclude"));
@@ -97,8 +150,8 @@ TEST(PerfOptionsTest, ClearErrors) {
 }
 
 TEST(PerfOptionsTest, AgreementNamesEveryDifference) {
-  auto a = Parse({"-s", "64K", "-b", "4"});
-  auto b = Parse({"-s", "1M", "-b", "4", "--check", "127.0.0.1"});
+  auto a = Parse({"-s", "64K", "-l", "4"});
+  auto b = Parse({"-s", "1M", "-l", "4", "--check", "127.0.0.1"});
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_TRUE(CheckAgreement(AgreedSettings(*a), AgreedSettings(*a), "target").ok());
   absl::Status s = CheckAgreement(AgreedSettings(*a), AgreedSettings(*b), "initiator");
@@ -106,8 +159,13 @@ TEST(PerfOptionsTest, AgreementNamesEveryDifference) {
   EXPECT_THAT(s.message(), HasSubstr("-s/-a is 65536 here but 1048576 on the initiator"));
   EXPECT_THAT(s.message(), HasSubstr("--check is off here but on"));
   // Output options need not agree.
-  auto c = Parse({"-s", "64K", "-b", "4", "--json", "f", "--report-gbits"});
+  auto c = Parse({"-s", "64K", "-l", "4", "--json", "f", "--report_gbits", "-F"});
   EXPECT_TRUE(CheckAgreement(AgreedSettings(*a), AgreedSettings(*c), "target").ok());
+  // Bidirectional runs must be so on both sides.
+  auto d = Parse({"-s", "64K", "-l", "4", "-b"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_THAT(CheckAgreement(AgreedSettings(*a), AgreedSettings(*d), "initiator").message(),
+              HasSubstr("-b is off here but on on the initiator"));
 }
 
 TEST(PerfOptionsTest, SettingsRoundTrip) {

@@ -1,6 +1,9 @@
-// The OpenAI-compatible subset of POST /v1/completions the dsv4 servers accept, with the
-// disaggregation fields: `kv_transfer_params` (as vLLM's P/D connectors carry it) and, for a
-// decode server continuing a remote prefill, `first_token` (the token prefill sampled).
+// The OpenAI-compatible subset of POST /v1/completions and POST /v1/chat/completions the dsv4
+// servers accept, with vLLM's disaggregation field `kv_transfer_params` (as its P/D proxies
+// send it: the prompt to prefill with do_remote_decode and max_tokens 1, then the original
+// request with prefill's answer to decode). Parameters the servers cannot honour are refused
+// by name (a 400), never ignored; a parameter given as null counts as not given (vLLM's proxies
+// send `"min_tokens": null`).
 #ifndef KVWIRE_EXAMPLES_DSV4_SERVE_COMPLETION_API_H_
 #define KVWIRE_EXAMPLES_DSV4_SERVE_COMPLETION_API_H_
 
@@ -32,17 +35,32 @@ struct KvTransferFields {
 
 // Longest transfer id, engine id or host name accepted from a client.
 inline constexpr size_t kMaxIdBytes = 256;
+// Stop strings: at most this many, each at most kMaxStopBytes bytes.
+inline constexpr size_t kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopBytes = 256;
+// Longest token-id prompt (the longest model context is far below).
+inline constexpr size_t kMaxPromptTokens = 1 << 20;
+
+enum class Endpoint { kCompletions, kChat };
+
+// "/v1/completions" or "/v1/chat/completions".
+const char* EndpointPath(Endpoint e);
 
 struct CompletionRequest {
+  Endpoint endpoint = Endpoint::kCompletions;
+  // The prompt as text (the chat template's output for chat), or as token ids (then `prompt`
+  // is empty and the ids are run as given: no BOS is added).
   std::string prompt;
+  std::optional<std::vector<int32_t>> prompt_ids;
   int max_tokens = 16;
   float temperature = 0.0f;
   uint64_t seed = 0;
   bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  std::vector<std::string> stop;
   std::string model;
-  nlohmann::json kv_transfer_params;  // null or an object
+  nlohmann::json kv_transfer_params;  // null or an object (null fields dropped)
   KvTransferFields kv;                // its fields, read with their types checked
-  std::optional<int32_t> first_token;
   // Decode: the prefill server's timing (the router passes it through to the client).
   nlohmann::json prefill_stats;
   std::optional<int64_t> prefill_computed_unix_us;  // prefill_stats.computed_unix_us
@@ -54,11 +72,12 @@ struct CompletionRequest {
 inline constexpr kvwire::JsonLimits kHttpJsonLimits = {.max_depth = 32, .max_values = 100000};
 
 // Validates a request body; errors name the field and what is wrong (for a 400). The body
-// is parsed within kHttpJsonLimits.
-absl::StatusOr<CompletionRequest> ParseCompletionRequest(const std::string& body, int vocab_size);
+// is parsed within kHttpJsonLimits. Token ids of a prompt must be below `vocab_size`.
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(
+    const std::string& body, int vocab_size, Endpoint endpoint = Endpoint::kCompletions);
 // The same, for a body already parsed (with kvwire::ParseJsonObject and kHttpJsonLimits).
-absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const nlohmann::json& body,
-                                                            int vocab_size);
+absl::StatusOr<CompletionRequest> CompletionRequestFromJson(
+    const nlohmann::json& body, int vocab_size, Endpoint endpoint = Endpoint::kCompletions);
 
 // Serialises JSON with invalid UTF-8 (byte tokens may split a character) replaced.
 std::string Dump(const nlohmann::json& j);
@@ -67,6 +86,20 @@ std::string Dump(const nlohmann::json& j);
 nlohmann::json CompletionJson(const std::string& id, const std::string& model,
                               const std::string& text, const std::vector<int32_t>& tokens,
                               const char* finish_reason);
+
+// The answer in the shape of `endpoint`: a text_completion / chat.completion (chunk = false) or
+// one stream chunk (a chat chunk carries the assistant role when `first_chunk`). Every choice
+// also carries `token_ids` (as vLLM's return_token_ids does).
+nlohmann::json ResponseJson(Endpoint endpoint, bool chunk, bool first_chunk, const std::string& id,
+                            const std::string& model, const std::string& text,
+                            const std::vector<int32_t>& tokens, const char* finish_reason);
+
+// The stream's closing usage chunk (stream_options.include_usage): no choices, the usage.
+nlohmann::json UsageChunkJson(Endpoint endpoint, const std::string& id, const std::string& model,
+                              const nlohmann::json& usage);
+
+// GET /v1/models: the one model a server runs.
+nlohmann::json ModelsJson(const std::string& model, int max_model_len);
 
 }  // namespace dsv4::serve
 

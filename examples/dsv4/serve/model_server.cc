@@ -16,6 +16,7 @@
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "examples/dsv4/serve/stop_strings.h"
 #include "kvwire/connector.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -31,6 +32,18 @@ namespace {
 constexpr char kLog[] = "dsv4-serve";
 
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+
+// The tokens a request runs: its token ids as given, or BOS and the bytes of its text.
+std::vector<int32_t> PromptTokens(const CompletionRequest& req) {
+  return req.prompt_ids ? *req.prompt_ids : Encode(req.prompt);
+}
+
+// Tokens of an n-token prompt whose KV moves from prefill to decode: all but the last, which
+// decode runs again for the logits of its first token (as vLLM's scheduler does), so that no
+// sampled token has to travel with the KV. Rerunning the last token rewrites its own slots
+// with the same values and recomputes a compression window it completes from the ring slots
+// that moved; a one-token prompt moves whole.
+uint64_t KvTokens(uint64_t n) { return n > 1 ? n - 1 : n; }
 
 struct Job {
   enum class Kind { kCompletion, kPrepare, kAbort } kind = Kind::kCompletion;
@@ -55,6 +68,8 @@ struct Active {
   kvwire::BlockTable blocks;
   std::vector<int32_t> out;
   std::string transfer_id, peer;
+  StopMatcher stop;              // over the generated tokens
+  std::vector<int32_t> emitted;  // generated tokens released to the client
   absl::Time arrived, claimed, load_start, load_end, decode_start, deadline;
   double prefill_ms = 0;
   json transfer;  // per-request transfer stats once loaded
@@ -170,16 +185,25 @@ class ModelServer::Impl {
       resp->Respond(200, Metrics(), "text/plain; version=0.0.4");
       return;
     }
+    if (r.method == "GET" && path == "/v1/models") {
+      resp->Respond(200, ModelsJson(config_.name, config_.max_seq_len).dump());
+      return;
+    }
     Job job;
     job.arrived = absl::Now();
-    if (path == "/v1/completions" || path == "/v1/kv/prepare") {
+    if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/kv/prepare") {
       if (r.method != "POST") {
         resp->Error(405, absl::StrCat("use POST for ", path));
         return;
       }
-      absl::StatusOr<CompletionRequest> req = ParseCompletionRequest(r.body, config_.vocab_size);
+      absl::StatusOr<CompletionRequest> req = ParseRequest(path, r.body);
       if (!req.ok()) {
         resp->Error(400, std::string(req.status().message()));
+        return;
+      }
+      if (!req->model.empty() && req->model != config_.name) {
+        resp->Error(404, absl::StrCat("the model '", req->model,
+                                      "' does not exist (this server runs '", config_.name, "')"));
         return;
       }
       if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
@@ -216,12 +240,25 @@ class ModelServer::Impl {
     cv_.SignalAll();
   }
 
+  // A completion or chat request; prepare takes either (chat when it has messages).
+  absl::StatusOr<CompletionRequest> ParseRequest(const std::string& path,
+                                                 const std::string& body) const {
+    if (path == "/v1/chat/completions") {
+      return ParseCompletionRequest(body, config_.vocab_size, Endpoint::kChat);
+    }
+    if (path == "/v1/completions") return ParseCompletionRequest(body, config_.vocab_size);
+    absl::StatusOr<json> j = kvwire::ParseJsonObject(body, "request body", kHttpJsonLimits);
+    if (!j.ok()) return j.status();
+    return CompletionRequestFromJson(
+        *j, config_.vocab_size, j->contains("messages") ? Endpoint::kChat : Endpoint::kCompletions);
+  }
+
   // What the HTTP thread can refuse at once (400).
   absl::Status Check(const CompletionRequest& req, bool prepare) const {
     const KvTransferFields& kv = req.kv;
     const bool remote_decode = kv.do_remote_decode;
     const bool remote_prefill = kv.do_remote_prefill;
-    const uint64_t n = req.prompt.size() + 1;  // BOS + bytes
+    const uint64_t n = req.prompt_ids ? req.prompt_ids->size() : req.prompt.size() + 1;
     if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
       return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
                                                      req.max_tokens, ") exceeds max_seq_len ",
@@ -239,15 +276,10 @@ class ModelServer::Impl {
       return absl::InvalidArgumentError(
           "this is a prefill server: do_remote_prefill requests go to a decode server");
     }
-    if (prepare) {
-      if (!remote_prefill || kv.mode != "write" || kv.transfer_id.empty()) {
-        return absl::InvalidArgumentError(
-            "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
-            "and a transfer_id");
-      }
-    } else if (remote_prefill && !req.first_token) {
+    if (prepare && (!remote_prefill || kv.mode != "write" || kv.transfer_id.empty())) {
       return absl::InvalidArgumentError(
-          "'first_token' (the token prefill sampled) is required with do_remote_prefill");
+          "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
+          "and a transfer_id");
     }
     return absl::OkStatus();
   }
@@ -394,7 +426,7 @@ class ModelServer::Impl {
       std::atomic<int>& n_;
     } busy(prefilling_);
     CompletionRequest& req = job.req;
-    const std::vector<int32_t> tokens = Encode(req.prompt);
+    const std::vector<int32_t> tokens = PromptTokens(req);
     const uint64_t n = tokens.size();
     json kvp = req.kv_transfer_params;  // an object: do_remote_decode is set
     std::string mode = req.kv.mode.empty() ? "auto" : req.kv.mode;
@@ -415,12 +447,13 @@ class ModelServer::Impl {
     }
     const std::string params = Dump(kvp);
     if (write) {
-      absl::StatusOr<kvwire::MatchResult> m = connector_->GetNumNewMatchedTokens(id, n, 0, params);
+      absl::StatusOr<kvwire::MatchResult> m =
+          connector_->GetNumNewMatchedTokens(id, KvTokens(n), 0, params);
       absl::Status s = m.status();
       if (s.ok()) s = connector_->UpdateStateAfterAlloc(id, *blocks, 0);
       if (s.ok()) s = connector_->BindConnectorMeta(connector_->BuildConnectorMeta());
       if (!s.ok()) {
-        Release(id, *blocks, n, params);
+        Release(id, *blocks, KvTokens(n), params);
         return Fail(job.resp, absl::IsFailedPrecondition(s) ? 409 : 400, std::string(s.message()));
       }
     }
@@ -432,13 +465,13 @@ class ModelServer::Impl {
         });
     const absl::Time computed = absl::Now();
     if (!logits.ok()) {
-      Release(id, *blocks, n, write ? params : "", /*aborted=*/true);
+      Release(id, *blocks, write ? KvTokens(n) : n, write ? params : "", /*aborted=*/true);
       return Fail(job.resp, 500, absl::StrCat("prefill failed: ", logits.status().message()));
     }
     if (write) (void)connector_->WaitForSave();
     const int32_t first = SampleToken(*logits, req.temperature, req.seed, 0);
     absl::StatusOr<kvwire::RequestFinishedResult> rf =
-        connector_->RequestFinished(id, *blocks, n, params);
+        connector_->RequestFinished(id, *blocks, write ? KvTokens(n) : n, params);
     if (!rf.ok()) {
       cache_->Free(*blocks);
       return Fail(job.resp, absl::IsFailedPrecondition(rf.status()) ? 409 : 500,
@@ -454,8 +487,9 @@ class ModelServer::Impl {
     prompt_tokens_ += n;
     generated_tokens_ += 1;
     ++requests_ok_;
-    json out = CompletionJson(id, config_.name, Decode(std::vector<int32_t>{first}), {first},
-                              first == kEosToken ? "stop" : "length");
+    json out = ResponseJson(req.endpoint, /*chunk=*/false, false, id, config_.name,
+                            Decode(std::vector<int32_t>{first}), {first},
+                            first == kEosToken ? "stop" : "length");
     out["usage"] = {{"prompt_tokens", n}, {"completion_tokens", 1}, {"total_tokens", n + 1}};
     if (write) {
       out["kv_transfer_params"] = kvp;
@@ -515,7 +549,7 @@ class ModelServer::Impl {
     a.transfer_id = kv.transfer_id;
     a.peer = absl::StrCat(kv.remote_host, ":", kv.remote_port);
     absl::StatusOr<kvwire::MatchResult> m =
-        connector_->GetNumNewMatchedTokens(a.id, n, 0, Dump(kvp));
+        connector_->GetNumNewMatchedTokens(a.id, KvTokens(n), 0, Dump(kvp));
     if (!m.ok()) {
       Fail(resp, 400, std::string(m.status().message()));
       return false;
@@ -551,7 +585,7 @@ class ModelServer::Impl {
     Active a;
     a.id = NewId();
     a.req = job.req;
-    a.prompt = Encode(job.req.prompt);
+    a.prompt = PromptTokens(job.req);
     a.arrived = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     if (!StartLoad(a, job.resp)) return;
@@ -569,11 +603,12 @@ class ModelServer::Impl {
       // Claims the prepared request: its load may be done already.
       Active& a = active_.at(p->second);
       prepared_.erase(p);
-      if (Encode(job.req.prompt) != a.prompt) {
+      if (PromptTokens(job.req) != a.prompt) {
         Cancel(a, "prompt differs from the prepared one");
         return Fail(job.resp, 400, "prompt differs from the one prepared for this transfer_id");
       }
       a.req = job.req;
+      a.stop = StopMatcher(job.req.stop);
       a.resp = job.resp;
       a.claimed = absl::Now();
       a.deadline = a.claimed + options_.request_timeout;
@@ -583,7 +618,8 @@ class ModelServer::Impl {
     a.id = NewId();
     a.req = job.req;
     a.resp = job.resp;
-    a.prompt = Encode(job.req.prompt);
+    a.prompt = PromptTokens(job.req);
+    a.stop = StopMatcher(job.req.stop);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     if (!StartLoad(a, a.resp)) return;
@@ -669,7 +705,7 @@ class ModelServer::Impl {
       // follow from this side's. The transfer overlaps prefill's compute: what counts is the
       // tail after prefill's last layer.
       absl::StatusOr<kvwire::TransferPlan> plan = kvwire::PlanTransfer(
-          cache_->layout(), a.blocks, cache_->layout(), a.blocks, a.prompt.size());
+          cache_->layout(), a.blocks, cache_->layout(), a.blocks, KvTokens(a.prompt.size()));
       if (plan.ok()) {
         a.transfer["bytes"] = plan->bytes;
         a.transfer["pages"] = plan->ops_before_merge;
@@ -685,7 +721,16 @@ class ModelServer::Impl {
     }
     if (options_.corrupt_kv_page) a.corrupted = CorruptOnePage(a);
     a.decode_start = absl::Now();
-    Emit(a, *a.req.first_token);
+    // The last prompt token again, over the KV that moved: its logits give the first token.
+    const uint64_t last = a.prompt.size() - 1;
+    absl::StatusOr<std::vector<float>> logits =
+        model_->Forward(*cache_, a.blocks, std::span<const int32_t>(&a.prompt[last], 1), last);
+    if (!logits.ok()) {
+      Fail(a.resp, 500, absl::StrCat("decode failed: ", logits.status().message()));
+      a.resp.reset();
+      return Finish(a);
+    }
+    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, 0));
   }
 
   json TransferStats(const Active& a) const {
@@ -722,7 +767,8 @@ class ModelServer::Impl {
     const kvwire::CacheGroup* g = cache_->layout().FindGroup("swa_kv");
     if (g == nullptr || g->layers.empty()) return false;
     const auto it = a.blocks.find("swa_kv");
-    const uint64_t logical = (a.prompt.size() - 1) / g->tokens_per_block;
+    // The last page that moved (the last prompt token's may not have).
+    const uint64_t logical = (KvTokens(a.prompt.size()) - 1) / g->tokens_per_block;
     if (it == a.blocks.end() || logical >= it->second.size()) return false;
     uint8_t* page = cache_->Page("swa_kv", g->layers[0], it->second[logical]);
     if (page == nullptr) return false;
@@ -743,7 +789,8 @@ class ModelServer::Impl {
     a.id = NewId();
     a.req = job.req;
     a.resp = job.resp;
-    a.prompt = Encode(job.req.prompt);
+    a.prompt = PromptTokens(job.req);
+    a.stop = StopMatcher(job.req.stop);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(a.prompt.size());
@@ -787,17 +834,26 @@ class ModelServer::Impl {
     Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, a.out.size()));
   }
 
-  // Appends a token, streams it, and completes the request at max_tokens or EOS.
+  // Appends a token, streams what the stop strings release, and completes the request at a
+  // stop string, EOS or max_tokens.
   void Emit(Active& a, int32_t token) {
     a.out.push_back(token);
     ++generated_tokens_;
+    std::vector<int32_t> release = a.stop.Feed(token, Decode(std::vector<int32_t>{token}));
     const bool eos = token == kEosToken;
-    const bool done = eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
-    if (a.req.stream) {
-      if (!a.resp->streaming()) a.resp->StartEvents();
-      a.resp->Event(Dump(CompletionJson(a.id, config_.name, Decode(std::vector<int32_t>{token}),
-                                        {token}, nullptr)));
+    const bool done = a.stop.stopped() || eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
+    if (done) {
+      std::vector<int32_t> rest = a.stop.Flush();
+      release.insert(release.end(), rest.begin(), rest.end());
     }
+    const Endpoint endpoint = a.req.endpoint;
+    if (a.req.stream && !release.empty()) {
+      const bool first = !a.resp->streaming();
+      if (first) a.resp->StartEvents();
+      a.resp->Event(Dump(ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name,
+                                      Decode(release), release, nullptr)));
+    }
+    a.emitted.insert(a.emitted.end(), release.begin(), release.end());
     if (!done) return;
     const double decode_ms = Ms(absl::Now() - a.decode_start);
     decode_us_ += static_cast<uint64_t>(decode_ms * 1000);
@@ -820,15 +876,20 @@ class ModelServer::Impl {
     const json usage = {{"prompt_tokens", n},
                         {"completion_tokens", a.out.size()},
                         {"total_tokens", n + a.out.size()}};
-    const char* reason = eos ? "stop" : "length";
+    const char* reason = eos || a.stop.stopped() ? "stop" : "length";
     if (a.req.stream) {
-      json last = CompletionJson(a.id, config_.name, "", {}, reason);
-      last["usage"] = usage;
+      const bool first = !a.resp->streaming();
+      if (first) a.resp->StartEvents();
+      json last = ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, "", {}, reason);
       last["kvwire"] = stats;
       a.resp->Event(Dump(last));
+      if (a.req.include_usage) {
+        a.resp->Event(Dump(UsageChunkJson(endpoint, a.id, config_.name, usage)));
+      }
       a.resp->EndEvents(true);
     } else {
-      json out = CompletionJson(a.id, config_.name, Decode(a.out), a.out, reason);
+      json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name,
+                              Decode(a.emitted), a.emitted, reason);
       out["usage"] = usage;
       out["kvwire"] = stats;
       a.resp->Respond(200, Dump(out));

@@ -6,14 +6,18 @@
 // and worker calls (like vLLM's engine core); the HTTP thread only queues jobs and reads
 // counters. Requests interleave one token at a time.
 //
+// The HTTP surface is vLLM's (POST /v1/completions and /v1/chat/completions, GET /v1/models),
+// and so is the P/D protocol: a vLLM-style proxy drives a prefill and a decode server unchanged.
+//
 //   prefill (kv_transfer_params.do_remote_decode): runs the prompt, samples the first token;
 //     read: RequestFinished returns the kv_transfer_params for decode and the blocks stay
 //     held until decode's release (GetFinished: finished_sending) or the lease ends;
 //     write: SaveKvLayer from Forward's per-layer callback streams each layer to the decode
 //     blocks named through the connector.
-//   decode (kv_transfer_params.do_remote_prefill + first_token): allocates, loads the KV
-//     through the connector, then continues at position N from the first token — the same
-//     sequence as `generate` in one process.
+//   decode (kv_transfer_params.do_remote_prefill): allocates, loads the KV of all prompt
+//     tokens but the last through the connector, runs the last one again for the logits of
+//     the first token (as vLLM does: no sampled token travels), then continues at position N
+//     — the same sequence as `generate` in one process.
 //   POST /v1/kv/prepare (decode, write mode): allocate and announce the blocks to prefill
 //     before prefill runs, so layers stream while the next one computes;
 //   POST /v1/kv/abort: give a prepared request's blocks back.

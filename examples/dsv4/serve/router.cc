@@ -1,7 +1,9 @@
 #include "examples/dsv4/serve/router.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <optional>
@@ -54,11 +56,10 @@ std::string UpstreamMessage(const HttpResponse& r) {
   return r.body.substr(0, 300);
 }
 
-// What the router takes from prefill's answer: choices[0].token_ids[0], the
-// kv_transfer_params object (read mode) and the kvwire statistics. A prefill server that
-// answers anything else is a 502, not a crash.
+// What the router takes from prefill's answer: the kv_transfer_params object (read mode) and
+// the kvwire statistics (decode recomputes the first token: none travels). A prefill server
+// that answers anything but a completion is a 502, not a crash.
 struct PrefillAnswer {
-  int64_t first_token = 0;
   json kv_transfer_params;  // null when absent
   json stats;               // null when absent
 };
@@ -72,14 +73,7 @@ absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
       !(*choices)[0].is_object()) {
     return absl::InvalidArgumentError("prefill's answer has no choices[0]");
   }
-  const auto ids = (*choices)[0].find("token_ids");
-  if (ids == (*choices)[0].end() || !ids->is_array() || ids->empty() ||
-      !(*ids)[0].is_number_unsigned() || (*ids)[0].get<uint64_t>() > INT32_MAX) {
-    return absl::InvalidArgumentError(
-        "prefill's answer has no token id at choices[0].token_ids[0]");
-  }
   PrefillAnswer a;
-  a.first_token = static_cast<int64_t>((*ids)[0].get<uint64_t>());
   JsonFields f(root, "prefill's answer");
   const json* kvp = f.Object("kv_transfer_params", /*required=*/false);
   const json* stats = f.Object("kvwire", /*required=*/false);
@@ -167,23 +161,33 @@ class Router::Impl {
       resp->Respond(200, m, "text/plain; version=0.0.4");
       return;
     }
-    if (path != "/v1/completions") {
-      resp->Error(404, absl::StrCat("no route for ", r.method, " ", path));
-      return;
+    // Upstream calls block: each request gets a thread.
+    std::function<void()> work;
+    if (r.method == "GET" && path == "/v1/models") {
+      work = [this, resp] { Models(resp); };
+    } else {
+      if (path != "/v1/completions" && path != "/v1/chat/completions") {
+        resp->Error(404, absl::StrCat("no route for ", r.method, " ", path));
+        return;
+      }
+      if (r.method != "POST") {
+        resp->Error(405, absl::StrCat("use POST for ", path));
+        return;
+      }
+      const Endpoint endpoint =
+          path == "/v1/chat/completions" ? Endpoint::kChat : Endpoint::kCompletions;
+      // Refused here rather than after prefill has computed and holds blocks for decode.
+      absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
+      absl::StatusOr<CompletionRequest> req =
+          body.ok() ? CompletionRequestFromJson(*body, INT32_MAX, endpoint) : body.status();
+      if (!req.ok()) {
+        resp->Error(400, std::string(req.status().message()));
+        return;
+      }
+      work = [this, body = *std::move(body), stream = req->stream, endpoint, resp]() mutable {
+        ProxyGuarded(std::move(body), stream, endpoint, resp);
+      };
     }
-    if (r.method != "POST") {
-      resp->Error(405, "use POST for /v1/completions");
-      return;
-    }
-    // Refused here rather than after prefill has computed and holds blocks for decode.
-    absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
-    absl::StatusOr<CompletionRequest> req =
-        body.ok() ? CompletionRequestFromJson(*body, INT32_MAX) : body.status();
-    if (!req.ok()) {
-      resp->Error(400, std::string(req.status().message()));
-      return;
-    }
-    const bool stream = req->stream;
     kvwire::MutexLock lock(&mu_);
     if (stopping_) {
       resp->Error(503, "router is shutting down");
@@ -204,14 +208,14 @@ class Router::Impl {
     ++inflight_;
     auto done = std::make_shared<std::atomic<bool>>(false);
     try {
-      workers_.push_back(
-          {std::thread([this, body = *std::move(body), stream, resp, done]() mutable {
-             ProxyGuarded(std::move(body), stream, resp);
-             resp.reset();  // the answer is queued before the thread counts as done
-             --inflight_;
-             done->store(true);
-           }),
-           done});
+      workers_.push_back({std::thread([this, work = std::move(work), resp, done]() mutable {
+                            work();
+                            work = nullptr;
+                            resp.reset();  // the answer is queued before the thread counts as done
+                            --inflight_;
+                            done->store(true);
+                          }),
+                          done});
     } catch (const std::system_error& e) {
       --inflight_;
       resp->Error(503, absl::StrCat("cannot start a request thread: ", e.what()));
@@ -220,9 +224,10 @@ class Router::Impl {
 
   // Requests and upstream answers are type-checked; this is the backstop that keeps a bug in
   // their handling from ending the process with every other request in it.
-  void ProxyGuarded(json body, bool stream, const std::shared_ptr<Responder>& resp) {
+  void ProxyGuarded(json body, bool stream, Endpoint endpoint,
+                    const std::shared_ptr<Responder>& resp) {
     try {
-      Proxy(std::move(body), stream, resp);
+      Proxy(std::move(body), stream, endpoint, resp);
     } catch (const std::exception& e) {
       KVW_LOG(kError, kLog) << "request handling threw" << Kv("error", e.what());
       if (resp->streaming()) {
@@ -286,7 +291,27 @@ class Router::Impl {
     kv_address_.erase(server);
   }
 
-  void Proxy(json body, bool stream, const std::shared_ptr<Responder>& resp) {
+  // GET /v1/models: the decode servers' (every server of a deployment runs one model).
+  void Models(const std::shared_ptr<Responder>& resp) {
+    HttpCallOptions o;
+    o.deadline = absl::Now() + std::min(options_.timeout, absl::Seconds(10));
+    std::string server;
+    absl::StatusOr<HttpResponse> r = TryEach(
+        options_.decode, next_decode_,
+        [&](const std::string& d) { return HttpCall(d, "GET", "/v1/models", "", o); }, &server);
+    if (!r.ok()) {
+      resp->Error(StatusFor(r.status()), absl::StrCat("decode: ", r.status().message()));
+    } else if (r->status != 200) {
+      resp->Error(502, absl::StrCat("decode ", server, ": ", UpstreamMessage(*r)));
+    } else {
+      resp->Respond(200, r->body);
+    }
+  }
+
+  // The vLLM P/D protocol: the prompt to prefill (do_remote_decode, max_tokens 1, not
+  // streamed), then the original request with prefill's kv_transfer_params to decode.
+  void Proxy(json body, bool stream, Endpoint endpoint, const std::shared_ptr<Responder>& resp) {
+    const std::string api = EndpointPath(endpoint);
     const absl::Time deadline = absl::Now() + options_.timeout;
     const bool write = options_.mode == "write";
     // In write mode the id is a bearer capability between authenticated engines (whoever
@@ -308,8 +333,9 @@ class Router::Impl {
     auto prefill_body = [&](bool write_mode) {
       json pb = body;
       pb["max_tokens"] = 1;
+      if (pb.contains("max_completion_tokens")) pb["max_completion_tokens"] = 1;
       pb["stream"] = false;
-      pb.erase("first_token");
+      pb.erase("stream_options");
       pb["kv_transfer_params"] =
           write_mode ? json{{"do_remote_decode", true}, {"mode", "write"}, {"transfer_id", tid}}
                      : json{{"do_remote_decode", true}, {"mode", "read"}};
@@ -337,9 +363,15 @@ class Router::Impl {
       }
       prefill_answer = *std::move(answer);
       if (!write) {
-        if (!prefill_answer.kv_transfer_params.is_object()) {
+        const json& kvp = prefill_answer.kv_transfer_params;
+        if (!kvp.is_object()) {
           failure = Failure{502, absl::StrCat("prefill ", prefill_server,
                                               " answered without kv_transfer_params")};
+        } else if (!kvp.contains("do_remote_prefill") || kvp["do_remote_prefill"] != true) {
+          // Decode would run the whole prompt again: a prefill that is not one is an error.
+          failure = Failure{502, absl::StrCat("prefill ", prefill_server,
+                                              " answered kv_transfer_params without "
+                                              "do_remote_prefill: true")};
         } else {
           decode_params = prefill_answer.kv_transfer_params;
         }
@@ -373,8 +405,13 @@ class Router::Impl {
                          {"remote_host", host},
                          {"remote_port", port},
                          {"transfer_id", tid}};
-        const std::string prep_body =
-            json{{"prompt", body.at("prompt")}, {"kv_transfer_params", decode_params}}.dump();
+        // The whole request (prompt or messages), so decode prepares for the same tokens.
+        json prep_json = body;
+        prep_json["kv_transfer_params"] = decode_params;
+        prep_json["stream"] = false;
+        prep_json.erase("stream_options");
+        prep_json.erase("kvwire_prefill");
+        const std::string prep_body = prep_json.dump();
         absl::StatusOr<HttpResponse> prep = TryEach(
             options_.decode, next_decode_,
             [&](const std::string& d) {
@@ -393,7 +430,7 @@ class Router::Impl {
         }
         failure.reset();
         absl::StatusOr<HttpResponse> r =
-            HttpCall(prefill_server, "POST", "/v1/completions", prefill_body(true), call_options);
+            HttpCall(prefill_server, "POST", api, prefill_body(true), call_options);
         take_prefill(r);
         if (failure) {
           // Let decode give its blocks back now rather than at its deadline.
@@ -410,18 +447,15 @@ class Router::Impl {
       const std::string pb = prefill_body(false);
       take_prefill(TryEach(
           options_.prefill, next_prefill_,
-          [&](const std::string& p) {
-            return HttpCall(p, "POST", "/v1/completions", pb, call_options);
-          },
+          [&](const std::string& p) { return HttpCall(p, "POST", api, pb, call_options); },
           &prefill_server));
     }
 
-    // --- decode: continue from the first token, streamed back to the client ---
+    // --- decode: the original request with prefill's kv_transfer_params, streamed back ---
     bool started = false;
     if (!failure) {
       json db = body;
       db["kv_transfer_params"] = decode_params;
-      db["first_token"] = prefill_answer.first_token;
       db.erase("kvwire_prefill");  // prefill's, never the client's
       if (!prefill_answer.stats.is_null()) db["kvwire_prefill"] = prefill_answer.stats;
       std::string collected;
@@ -445,7 +479,7 @@ class Router::Impl {
           }
           return true;
         };
-        return HttpCall(d, "POST", "/v1/completions", db.dump(), o);
+        return HttpCall(d, "POST", api, db.dump(), o);
       };
       absl::StatusOr<HttpResponse> r =
           write ? call(decode_server)

@@ -84,10 +84,10 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
   std::string deep = R"({"choices":[{"token_ids":[65]}],"kv_transfer_params":{},"kvwire":)";
   deep += std::string(200000, '[') + std::string(200000, ']') + "}";
   const std::vector<std::pair<int, std::string>> answers = {
-      {200, R"({"choices":[{"token_ids":"abc"}],"kv_transfer_params":{}})"},
-      {200, R"({"choices":[{"token_ids":{"a":1}}],"kv_transfer_params":{}})"},
-      {200, R"({"choices":[{"token_ids":[-5]}],"kv_transfer_params":{}})"},
-      {200, R"({"choices":[{"token_ids":[1e300]}],"kv_transfer_params":{}})"},
+      {200, R"({"choices":[{"token_ids":[65]}],"kv_transfer_params":{}})"},
+      {200, R"({"choices":[{"token_ids":[65]}],"kv_transfer_params":{"do_remote_prefill":1}})"},
+      {200, R"({"choices":[{}],"kv_transfer_params":{"do_remote_prefill":false}})"},
+      {200, R"({"choices":[{"token_ids":[65]}]})"},
       {200, R"({"choices":[5],"kv_transfer_params":{}})"},
       {200, R"({"choices":"x"})"},
       {200, R"([])"},
@@ -145,7 +145,8 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
                                << decode_body.substr(0, 300);
   }
   // A well-formed exchange afterwards: decode's answer reaches the client byte for byte, and
-  // decode was sent prefill's token (never a client's kvwire_prefill).
+  // decode was sent prefill's kv_transfer_params (never a client's kvwire_prefill, and no
+  // token: decode recomputes the first one).
   which.store(static_cast<int>(answers.size()));
   HttpCallOptions co;
   co.deadline = absl::Now() + absl::Seconds(20);
@@ -157,7 +158,8 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
   kvwire::MutexLock lock(&mu);
   json sent = json::parse(decode_body, nullptr, false);
   ASSERT_TRUE(sent.is_object()) << decode_body;
-  EXPECT_EQ(sent["first_token"], 65);
+  EXPECT_FALSE(sent.contains("first_token")) << decode_body;
+  EXPECT_EQ(sent["kv_transfer_params"], json({{"do_remote_prefill", true}})) << decode_body;
   EXPECT_FALSE(sent.contains("kvwire_prefill")) << decode_body;
 }
 

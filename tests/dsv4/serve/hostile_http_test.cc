@@ -221,8 +221,7 @@ std::string Wide(int values) {
 // Every field of a completion request, wrong. `kvp` is a kv_transfer_params object body.
 std::vector<Case> CompletionCases() {
   auto kvp = [](const std::string& fields) {
-    return absl::StrCat("{\"prompt\":\"x\",\"first_token\":3,\"kv_transfer_params\":{", fields,
-                        "}}");
+    return absl::StrCat("{\"prompt\":\"x\",\"kv_transfer_params\":{", fields, "}}");
   };
   return {
       {"{", "not valid JSON"},
@@ -235,7 +234,8 @@ std::vector<Case> CompletionCases() {
       {"{\"prompt\":5}", "'prompt'"},
       {"{\"prompt\":{}}", "'prompt'"},
       {"{\"prompt\":[\"a\",\"b\"]}", "'prompt'"},
-      {"{\"prompt\":[7]}", "'prompt'"},
+      {"{\"prompt\":[7000]}", "'prompt'"},
+      {"{\"prompt\":[[1],[2]]}", "'prompt'"},
       {"{\"prompt\":\"x\",\"max_tokens\":\"5\"}", "'max_tokens'"},
       {"{\"prompt\":\"x\",\"max_tokens\":1.5}", "'max_tokens'"},
       {"{\"prompt\":\"x\",\"max_tokens\":0}", "'max_tokens'"},
@@ -255,10 +255,12 @@ std::vector<Case> CompletionCases() {
       {"{\"prompt\":\"x\",\"stream\":[]}", "'stream'"},
       {"{\"prompt\":\"x\",\"model\":5}", "'model'"},
       {"{\"prompt\":\"x\",\"model\":{}}", "'model'"},
-      {"{\"prompt\":\"x\",\"first_token\":\"3\"}", "'first_token'"},
-      {"{\"prompt\":\"x\",\"first_token\":-1}", "'first_token'"},
-      {"{\"prompt\":\"x\",\"first_token\":3.5}", "'first_token'"},
-      {"{\"prompt\":\"x\",\"first_token\":1e10}", "'first_token'"},
+      {"{\"prompt\":\"x\",\"first_token\":3}", "'first_token' is not supported"},
+      {"{\"prompt\":\"x\",\"n\":3,\"logprobs\":5}", "'logprobs', 'n'"},
+      {"{\"prompt\":\"x\",\"stop\":{}}", "'stop'"},
+      {"{\"prompt\":\"x\",\"stop\":[\"\"]}", "'stop'"},
+      {"{\"prompt\":\"x\",\"stream_options\":5}", "'stream_options'"},
+      {"{\"prompt\":\"x\",\"stream\":true,\"stream_options\":5}", "'stream_options'"},
       {"{\"prompt\":\"x\",\"kv_transfer_params\":5}", "'kv_transfer_params'"},
       {"{\"prompt\":\"x\",\"kv_transfer_params\":\"x\"}", "'kv_transfer_params'"},
       {"{\"prompt\":\"x\",\"kv_transfer_params\":[]}", "'kv_transfer_params'"},
@@ -310,12 +312,38 @@ void Send(const std::string& address, const std::string& path, const Case& c,
   EXPECT_NE(message.find(c.want), std::string::npos) << message;
 }
 
+// Chat requests: the messages and what only chat has.
+std::vector<Case> ChatCases() {
+  return {
+      {"{}", "'messages'"},
+      {"{\"messages\":null}", "'messages'"},
+      {"{\"messages\":5}", "'messages'"},
+      {"{\"messages\":[]}", "'messages'"},
+      {"{\"messages\":[5]}", "messages[0]"},
+      {"{\"messages\":[{\"role\":\"user\"}]}", "'content'"},
+      {"{\"messages\":[{\"role\":5,\"content\":\"x\"}]}", "'role'"},
+      {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "'role'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]}", "'text'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":[5]}]}", "content[0]"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}",
+       "'prompt' is not supported"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}",
+       "'max_completion_tokens'"},
+      {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[]}",
+       "'tools' is not supported"},
+  };
+}
+
 TEST_F(HostileHttpTest, EveryFieldWrongIsA400AndNothingDies) {
   for (const char* target : {"router", "prefill", "decode"}) {
     for (const Case& c : CompletionCases()) {
       Send(servers_->address(target), "/v1/completions", c, target);
       // Later cases would only fail because a process is gone.
       ASSERT_TRUE(AllRunning(absl::StrCat(target, " got ", c.body.substr(0, 120))));
+    }
+    for (const Case& c : ChatCases()) {
+      Send(servers_->address(target), "/v1/chat/completions", c, target);
+      ASSERT_TRUE(AllRunning(absl::StrCat(target, " got chat ", c.body.substr(0, 120))));
     }
   }
   ExpectServedExactly(/*stream=*/false);
