@@ -18,78 +18,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
+#include "tests/perf/perf_target.h"
+
 namespace {
 
 using ::testing::HasSubstr;
 
-// The target process; its stdout is read until it says which side-channel port it took.
-class Target {
- public:
-  explicit Target(const std::vector<std::string>& args) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> all = {KVWIRE_PERF_BIN, "-p", "0"};
-      all.insert(all.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (std::string& a : all) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    out_ = fdopen(out[0], "r");
-    char line[512];
-    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
-      output_ += line;
-      const std::string l = line;
-      const size_t at = l.find("waiting on port ");
-      if (at != std::string::npos) {
-        (void)absl::SimpleAtoi(
-            l.substr(at + 16, l.find_first_not_of("0123456789", at + 16) - (at + 16)), &port_);
-        break;
-      }
-    }
-  }
-  ~Target() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  int port() const { return port_; }
-  // Waits for the target to exit (after the initiator's BYE); returns its exit status.
-  int Wait(std::string* output) {
-    char line[512];
-    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) output_ += line;
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    *output = output_;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-  std::string output_;
-};
+using Target = ::kvwire::testing::PerfTarget;
 
 int RunInitiator(const std::vector<std::string>& args, std::string* output) {
-  std::string cmd = absl::StrCat(KVWIRE_PERF_BIN, " ", absl::StrJoin(args, " "), " 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  return ::kvwire::testing::RunPerfInitiator(args, output);
 }
 
 // Hot tcp cases are left out on purpose: with several transfers in flight they write one
@@ -129,7 +67,7 @@ TEST_P(PerfRunTest, ChecksEveryByteAndPrintsTheTable) {
   EXPECT_THAT(out, HasSubstr(" ok\n"));
   EXPECT_THAT(out, HasSubstr(c.transport));
   std::string target_out;
-  EXPECT_EQ(target.Wait(&target_out), 0) << target_out;
+  EXPECT_EQ(target.Wait(absl::Seconds(60), &target_out), 0) << target_out;
   std::stringstream j, v;
   j << std::ifstream(json).rdbuf();
   v << std::ifstream(csv).rdbuf();
@@ -164,7 +102,7 @@ TEST(PerfRunTest, KvWorkloadMovesWholeRequestsAndChecksThem) {
     EXPECT_THAT(out, HasSubstr("#bytes/req"));
     EXPECT_THAT(out, HasSubstr(" ok\n"));
     std::string target_out;
-    EXPECT_EQ(target.Wait(&target_out), 0) << target_out;
+    EXPECT_EQ(target.Wait(absl::Seconds(60), &target_out), 0) << target_out;
   }
 }
 
@@ -179,7 +117,7 @@ TEST(PerfRunTest, DifferentOptionsAreRefusedOnBothSides) {
   EXPECT_THAT(out, HasSubstr("the target refused the test"));
   EXPECT_THAT(out, HasSubstr("-s/-a is 65536 here but 1048576 on the initiator"));
   std::string target_out;
-  EXPECT_EQ(target.Wait(&target_out), 2);
+  EXPECT_EQ(target.Wait(absl::Seconds(60), &target_out), 2);
 }
 
 TEST(PerfRunTest, UnavailableFeaturesSayWhy) {
