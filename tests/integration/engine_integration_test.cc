@@ -13,6 +13,7 @@
 #include "tests/integration/peer_process.h"
 #include "tests/integration/random_ops.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/cma.h"
 
 namespace kvwire::testing {
 namespace {
@@ -96,46 +97,89 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
   PeerId peer_id_ = 0;
 };
 
+// The reported path is the one the mode must take, exactly: the transport is forced, so no
+// other path exists, and a READ through it must arrive (heap regions over shm: only CMA
+// reaches them, so where the kernel allows CMA it is required to work).
 TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
   EngineStats stats = engine_->Stats();
   ASSERT_EQ(stats.peers.size(), 1u);
-  EXPECT_NE(stats.peers[0].transport.find(GetParam().transport), std::string::npos)
-      << stats.peers[0].transport;
-  EXPECT_FALSE(stats.peers[0].transport_reason.empty());
+  const PeerStats& peer = stats.peers[0];
+  EXPECT_EQ(peer.transport_reason, "forced by configuration");
+  if (GetParam().transport == "tcp") {
+    EXPECT_EQ(peer.transport.rfind("tcp x4 ", 0), 0u) << peer.transport;
+  } else if (GetParam().shareable) {
+    // This engine turned CMA off: memfd only, and it says why.
+    EXPECT_EQ(peer.transport,
+              "shm memfd (cma refused: disabled by ShmTransportOptions::allow_cma)");
+  } else if (CmaHere().allowed) {
+    EXPECT_EQ(peer.transport, "shm memfd+cma");
+  } else {
+    EXPECT_NE(peer.transport.find("cma refused"), std::string::npos) << peer.transport;
+  }
+  if (GetParam().transport == "shm" && !GetParam().shareable && !CmaHere().allowed) return;
+  std::fill(local_.begin(), local_.begin() + 8192, kPoison);
+  ASSERT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, peer_->regions()[1], 4096, 4096}}).ok());
+  for (uint64_t i = 0; i < 4096; ++i) ASSERT_EQ(local_[i], PatternByte(kSeed, 1, 4096 + i)) << i;
+  for (uint64_t i = 4096; i < 8192; ++i) ASSERT_EQ(local_[i], kPoison) << i;
+  EXPECT_GE(engine_->Stats().peers[0].bytes_read, peer.bytes_read + 4096);
 }
 
+// Every byte of the local buffer is checked after each READ: the op ranges hold the peer's
+// non-repeating pattern at their remote offsets, every gap between them is still poison.
 TEST_P(EngineIntegrationTest, RandomReadsAreByteExact) {
   std::mt19937_64 rng(1234);
+  std::vector<std::byte> expected(local_.size());
   for (int round = 0; round < 25; ++round) {
     std::fill(local_.begin(), local_.end(), kPoison);
     std::vector<Op> ops = RandomOps(rng, 3);  // all three regions allow READ
     ASSERT_FALSE(ops.empty());
     ASSERT_TRUE(RunTransfer(OpKind::kRead, ops).ok()) << "round " << round;
+    std::fill(expected.begin(), expected.end(), kPoison);
     for (const Op& op : ops) {
       const int r = RegionIndex(op.remote_region);
       for (uint64_t i = 0; i < op.length; ++i) {
-        ASSERT_EQ(local_[op.local_offset + i], PatternByte(kSeed, r, op.remote_offset + i))
-            << "round " << round << " region " << r << " offset " << op.remote_offset + i;
+        expected[op.local_offset + i] = PatternByte(kSeed, r, op.remote_offset + i);
       }
+    }
+    for (size_t i = 0; i < local_.size(); ++i) {
+      ASSERT_EQ(local_[i], expected[i]) << "round " << round << " local offset " << i;
     }
   }
 }
 
+// After each round of WRITEs both writable regions are read back whole and compared with a
+// model (the peer's pattern, then every op's bytes): nothing outside the ops moved, nothing
+// landed at a wrong offset.
 TEST_P(EngineIntegrationTest, RandomWritesReadBackByteExact) {
   std::mt19937_64 rng(99);
+  const uint64_t half = local_.size() / 2;
+  ASSERT_GE(half, 2 * kRegionBytes);
+  std::vector<std::vector<std::byte>> model(2, std::vector<std::byte>(kRegionBytes));
+  for (int r = 0; r < 2; ++r) {
+    for (uint64_t i = 0; i < kRegionBytes; ++i) model[r][i] = PatternByte(kSeed, r, i);
+  }
   for (int round = 0; round < 15; ++round) {
-    for (size_t i = 0; i < local_.size() / 2; ++i) local_[i] = static_cast<std::byte>(rng());
-    std::vector<Op> ops = RandomOps(rng, 2);  // regions 0 and 1 are writable
+    for (size_t i = 0; i < half; ++i) local_[i] = static_cast<std::byte>(rng());
+    // Regions 0 and 1 are writable; sources in the lower half only.
+    std::vector<Op> ops =
+        testing::RandomOps(rng, local_id_, half, peer_->regions(), 2, kRegionBytes);
+    ASSERT_FALSE(ops.empty());
     ASSERT_TRUE(RunTransfer(OpKind::kWrite, ops).ok()) << "round " << round;
-    // Read everything back into the poisoned upper half.
-    std::fill(local_.begin() + local_.size() / 2, local_.end(), kPoison);
-    std::vector<Op> back = ops;
-    for (Op& op : back) op.local_offset += local_.size() / 2;
-    ASSERT_TRUE(RunTransfer(OpKind::kRead, back).ok());
     for (const Op& op : ops) {
-      ASSERT_EQ(0, std::memcmp(local_.data() + op.local_offset,
-                               local_.data() + op.local_offset + local_.size() / 2, op.length))
-          << "round " << round;
+      std::copy_n(local_.begin() + op.local_offset, op.length,
+                  model[RegionIndex(op.remote_region)].begin() + op.remote_offset);
+    }
+    std::fill(local_.begin() + half, local_.end(), kPoison);
+    ASSERT_TRUE(
+        RunTransfer(OpKind::kRead,
+                    {Op{local_id_, half, peer_->regions()[0], 0, kRegionBytes},
+                     Op{local_id_, half + kRegionBytes, peer_->regions()[1], 0, kRegionBytes}})
+            .ok());
+    for (int r = 0; r < 2; ++r) {
+      const std::byte* back = local_.data() + half + r * kRegionBytes;
+      for (uint64_t i = 0; i < kRegionBytes; ++i) {
+        ASSERT_EQ(back[i], model[r][i]) << "round " << round << " region " << r << " offset " << i;
+      }
     }
   }
 }
@@ -170,22 +214,57 @@ TEST_P(EngineIntegrationTest, NotificationArrivesAfterDataIsVisible) {
   }
 }
 
+// Each invalid op is refused alone, and as the middle and the last op of a multi-op
+// transfer whose other ops are valid: nothing moves (READ: every local byte is still the
+// snapshot; WRITE: the peer's region still holds its pattern, every byte read back).
 TEST_P(EngineIntegrationTest, InvalidOpsAreRefusedBeforeAnythingMoves) {
   const RegionId rw = peer_->regions()[0];
   const RegionId ro = peer_->regions()[2];
-  absl::Status s = RunTransfer(OpKind::kWrite, {Op{local_id_, 0, ro, 0, 16}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
-  s = RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, kRegionBytes - 8, 16}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
-  EXPECT_NE(s.message().find("op 0"), std::string::npos) << s;
-  s = RunTransfer(OpKind::kRead, {Op{local_id_, 0, 424242, 0, 16}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
-  s = RunTransfer(OpKind::kRead, {Op{local_id_ + 100, 0, rw, 0, 16}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
-  s = RunTransfer(OpKind::kRead, {Op{local_id_, local_.size() - 1, rw, 0, 16}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
-  // The peer is still fine.
-  EXPECT_TRUE(RunTransfer(OpKind::kRead, {Op{local_id_, 0, rw, 0, 4096}}).ok());
+  struct Bad {
+    OpKind kind;
+    Op op;
+    absl::StatusCode code;
+  };
+  const std::vector<Bad> bads = {
+      {OpKind::kWrite, Op{local_id_, 0, ro, 0, 16}, absl::StatusCode::kPermissionDenied},
+      {OpKind::kRead, Op{local_id_, 0, rw, kRegionBytes - 8, 16}, absl::StatusCode::kOutOfRange},
+      {OpKind::kRead, Op{local_id_, 0, 424242, 0, 16}, absl::StatusCode::kNotFound},
+      {OpKind::kRead, Op{local_id_ + 100, 0, rw, 0, 16}, absl::StatusCode::kNotFound},
+      {OpKind::kRead, Op{local_id_, local_.size() - 1, rw, 0, 16}, absl::StatusCode::kOutOfRange},
+      {OpKind::kWrite, Op{local_id_, 0, rw, kRegionBytes, 1}, absl::StatusCode::kOutOfRange},
+  };
+  std::mt19937_64 rng(17);
+  for (std::byte& b : local_) b = static_cast<std::byte>(rng());
+  const std::vector<std::byte> snapshot = local_;
+  const Op valid_a{local_id_, 1 << 20, rw, 8192, 4096};
+  const Op valid_b{local_id_, 2 << 20, peer_->regions()[1], 65536, 70000};
+  for (size_t k = 0; k < bads.size(); ++k) {
+    const Bad& bad = bads[k];
+    const std::vector<std::vector<Op>> shapes = {
+        {bad.op}, {valid_a, bad.op, valid_b}, {valid_a, valid_b, bad.op}};
+    for (size_t shape = 0; shape < shapes.size(); ++shape) {
+      SCOPED_TRACE(absl::StrCat("invalid op ", k, ", shape ", shape));
+      const absl::Status s = RunTransfer(bad.kind, shapes[shape]);
+      EXPECT_EQ(s.code(), bad.code) << s;
+      const size_t index = shape == 0 ? 0 : shape == 1 ? 1 : 2;
+      EXPECT_NE(s.message().find(absl::StrCat("op ", index)), std::string::npos) << s;
+      ASSERT_TRUE(std::equal(local_.begin(), local_.end(), snapshot.begin()))
+          << "a refused transfer changed local memory";
+    }
+  }
+  // The peer still serves, and its writable regions are untouched, every byte.
+  std::vector<std::byte> back(2 * kRegionBytes, kPoison);
+  std::copy(back.begin(), back.end(), local_.begin());
+  ASSERT_TRUE(RunTransfer(OpKind::kRead,
+                          {Op{local_id_, 0, rw, 0, kRegionBytes},
+                           Op{local_id_, kRegionBytes, peer_->regions()[1], 0, kRegionBytes}})
+                  .ok());
+  for (int r = 0; r < 2; ++r) {
+    for (uint64_t i = 0; i < kRegionBytes; ++i) {
+      ASSERT_EQ(local_[r * kRegionBytes + i], PatternByte(kSeed, r, i))
+          << "region " << r << " offset " << i << " changed by a refused WRITE";
+    }
+  }
 }
 
 // A transfer whose last op is invalid is refused as a whole: the valid ops before it move
