@@ -141,9 +141,10 @@ TEST_P(EngineIntegrationTest, RandomReadsAreByteExact) {
         expected[op.local_offset + i] = PatternByte(kSeed, r, op.remote_offset + i);
       }
     }
-    for (size_t i = 0; i < local_.size(); ++i) {
-      ASSERT_EQ(local_[i], expected[i]) << "round " << round << " local offset " << i;
-    }
+    const int64_t diff = FirstDifference(local_.data(), expected.data(), local_.size());
+    ASSERT_EQ(diff, -1) << "round " << round << ": local byte " << diff << " is "
+                        << static_cast<int>(local_[diff]) << ", expected "
+                        << static_cast<int>(expected[diff]);
   }
 }
 
@@ -176,10 +177,9 @@ TEST_P(EngineIntegrationTest, RandomWritesReadBackByteExact) {
                      Op{local_id_, half + kRegionBytes, peer_->regions()[1], 0, kRegionBytes}})
             .ok());
     for (int r = 0; r < 2; ++r) {
-      const std::byte* back = local_.data() + half + r * kRegionBytes;
-      for (uint64_t i = 0; i < kRegionBytes; ++i) {
-        ASSERT_EQ(back[i], model[r][i]) << "round " << round << " region " << r << " offset " << i;
-      }
+      const int64_t diff =
+          FirstDifference(local_.data() + half + r * kRegionBytes, model[r].data(), kRegionBytes);
+      ASSERT_EQ(diff, -1) << "round " << round << " region " << r << " offset " << diff;
     }
   }
 }
