@@ -4,6 +4,7 @@
 #include "kvwire/connector.h"
 
 #include <atomic>
+#include <functional>
 #include <random>
 #include <set>
 #include <signal.h>
@@ -79,7 +80,7 @@ class Decode {
 
   // The steps up to StartLoadKv.
   absl::Status Start(const std::string& id, const std::string& params, uint64_t tokens,
-                     uint64_t cached) {
+                     uint64_t cached, const std::function<void()>& before_load = nullptr) {
     auto match = connector->GetNumNewMatchedTokens(id, tokens, cached, params);
     if (!match.ok()) return match.status();
     absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
@@ -91,6 +92,7 @@ class Decode {
     if (absl::Status s = connector->BindConnectorMeta(connector->BuildConnectorMeta()); !s.ok()) {
       return s;
     }
+    if (before_load) before_load();
     return connector->StartLoadKv();
   }
 
@@ -630,6 +632,42 @@ TEST_P(ConnectorTest, PrefillKilledMidReadFailsOrCompletesTheLoad) {
                 r->find("lost") != std::string::npos)
         << *r;
   }
+  d.ExpectClean();
+}
+
+// The failure path of a read-mode load, forced on every transport (over shm a kill cannot
+// catch a READ in flight: decode copies inside StartLoadKv, so the test above may see it
+// complete): prefill dies after decode matched the request and allocated its blocks, and is
+// known dead before the READ is started. The load must fail naming prefill, and nothing leaks.
+TEST_P(ConnectorTest, PrefillKilledBeforeTheReadFailsTheLoad) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  p->Send("req k3 900 read - all");
+  auto params = p->Expect("PARAMS k3 ");
+  ASSERT_TRUE(params.ok());
+  bool dead = false;
+  const absl::Status started = d.Start("k3", params->substr(10), 900, 0, [&] {
+    p->Kill();
+    for (const absl::Time until = absl::Now() + kWait; !dead && absl::Now() < until;) {
+      for (const PeerInfo& peer : d.connector->engine().Peers()) {
+        dead = dead || (peer.name == "prefill" && !peer.alive);
+      }
+      if (!dead) absl::SleepFor(absl::Milliseconds(5));
+    }
+  });
+  ASSERT_TRUE(dead) << "decode never saw prefill die";
+  std::string reason;
+  if (started.ok()) {
+    auto r = d.WaitDone("k3");
+    ASSERT_TRUE(r.ok()) << r.status();
+    reason = *r;
+  } else {
+    reason = started.ToString();
+    d.cache->Release("k3");  // the scheduler frees a request whose load could not start
+  }
+  EXPECT_FALSE(reason.empty()) << "the load completed from a dead prefill";
+  EXPECT_NE(reason.find("prefill"), std::string::npos) << reason;
   d.ExpectClean();
 }
 
