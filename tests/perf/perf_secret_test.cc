@@ -59,6 +59,8 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     EXPECT_NE(RunInitiator(Initiator(target.port(), {"--secret-file", wrong}), &out), 0) << out;
     EXPECT_THAT(out, HasSubstr("secret"));
     EXPECT_THAT(out, ::testing::Not(HasSubstr(" ok\n")));
+    // The target gives up too once the refused initiator closed its side channel.
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 1);
   }
   {
     Target target(target_args);
@@ -66,6 +68,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     std::string out;
     EXPECT_NE(RunInitiator(Initiator(target.port(), {}), &out), 0) << out;  // no secret at all
     EXPECT_THAT(out, HasSubstr("secret"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 1);
   }
   {
     Target target(target_args);
@@ -73,6 +76,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     std::string out;
     EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret-file", right}), &out), 0) << out;
     EXPECT_THAT(out, HasSubstr(" ok\n"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 0);
   }
   {
     Target target(target_args);
@@ -81,6 +85,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret", "perf-secret-1"}), &out), 0)
         << out;
     EXPECT_THAT(out, HasSubstr(" ok\n"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 0);
   }
 }
 
