@@ -19,6 +19,8 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 
+#include "tests/support/child_end.h"
+
 namespace kvwire::testing {
 
 class Child {
@@ -87,11 +89,12 @@ class Child {
     }
   }
 
-  // Kills the child on purpose (a test of peer death): its end is not judged.
+  // Kills the child on purpose (a test of peer death): the kill is the test's own, but a
+  // child that had already ended by itself (a sanitizer report, a crash) is judged as in Stop.
   void Kill() {
     if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
+      end_problem_ = KillAndJudge(pid_);
+      if (!end_problem_.empty()) ADD_FAILURE() << "child " << pid_ << " " << end_problem_;
       pid_ = -1;
     }
   }

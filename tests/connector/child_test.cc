@@ -3,6 +3,8 @@
 // (non-fatal) gtest failure, and stay quiet for a clean exit or a deliberate Kill().
 #include "tests/connector/child.h"
 
+#include <sys/wait.h>
+
 #include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
 
@@ -47,6 +49,20 @@ TEST(ChildTest, DeliberateKillIsNotAFailure) {
   child->Kill();
   child->Stop();
   EXPECT_EQ(child->end_problem(), "");
+}
+
+TEST(ChildTest, BadExitBeforeADeliberateKillFailsTheTest) {
+  auto child = Shell("exit 23");  // LeakSanitizer's exit code, before the test kills it
+  ASSERT_NE(child, nullptr);
+  // Until it has exited (seen without reaping it: Kill must still find its status).
+  siginfo_t info{};
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       info.si_pid == 0 && absl::Now() < until;) {
+    ASSERT_EQ(waitid(P_PID, child->pid(), &info, WEXITED | WNOHANG | WNOWAIT), 0);
+    if (info.si_pid == 0) absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_NE(info.si_pid, 0) << "the planted child did not exit";
+  EXPECT_NONFATAL_FAILURE(child->Kill(), "exited with status 23");
 }
 
 }  // namespace

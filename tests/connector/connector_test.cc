@@ -4,10 +4,12 @@
 #include "kvwire/connector.h"
 
 #include <atomic>
+#include <functional>
 #include <random>
 #include <set>
 #include <signal.h>
 #include <thread>
+#include <tuple>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -46,11 +48,12 @@ uint64_t MaxTokens(const Layout& l, uint64_t blocks) {
 class Decode {
  public:
   Decode(const std::string& transport, const SimSetup& setup, KvMode mode,
-         absl::Duration timeout = absl::Seconds(60)) {
+         absl::Duration timeout = absl::Seconds(60), const std::string& role = "decode",
+         const std::string& name = "") {
     ConnectorOptions o;
-    o.role = "decode";
+    o.role = role;
     o.mode = mode;
-    o.engine.name = absl::StrCat("decode-", getpid());
+    o.engine.name = name.empty() ? absl::StrCat("decode-", getpid()) : name;
     o.engine.transport = *ParseTransportKind(transport);
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
@@ -77,7 +80,7 @@ class Decode {
 
   // The steps up to StartLoadKv.
   absl::Status Start(const std::string& id, const std::string& params, uint64_t tokens,
-                     uint64_t cached) {
+                     uint64_t cached, const std::function<void()>& before_load = nullptr) {
     auto match = connector->GetNumNewMatchedTokens(id, tokens, cached, params);
     if (!match.ok()) return match.status();
     absl::StatusOr<BlockTable> blocks = cache->Allocate(id, tokens);
@@ -89,6 +92,7 @@ class Decode {
     if (absl::Status s = connector->BindConnectorMeta(connector->BuildConnectorMeta()); !s.ok()) {
       return s;
     }
+    if (before_load) before_load();
     return connector->StartLoadKv();
   }
 
@@ -631,6 +635,35 @@ TEST_P(ConnectorTest, PrefillKilledMidReadFailsOrCompletesTheLoad) {
   d.ExpectClean();
 }
 
+// The failure path of a read-mode load, forced on every transport (over shm a kill cannot
+// catch a READ in flight: decode copies inside StartLoadKv, so the test above may see it
+// complete): prefill dies after decode matched the request and allocated its blocks, before
+// the READ is started. The load must fail naming prefill's address, and nothing leaks.
+TEST_P(ConnectorTest, PrefillKilledBeforeTheReadFailsTheLoad) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s);
+  Decode d(transport(), s, KvMode::kAuto);
+  p->Send("req k3 900 read - all");
+  auto params = p->Expect("PARAMS k3 ");
+  ASSERT_TRUE(params.ok());
+  // Kill() reaps the process: prefill is surely gone when StartLoadKv runs.
+  const absl::Status started = d.Start("k3", params->substr(10), 900, 0, [&] { p->Kill(); });
+  std::string reason;
+  if (started.ok()) {
+    auto r = d.WaitDone("k3");
+    ASSERT_TRUE(r.ok()) << r.status();
+    reason = *r;
+  } else {
+    reason = started.ToString();
+    d.cache->Release("k3");  // the scheduler frees a request whose load could not start
+  }
+  EXPECT_FALSE(reason.empty()) << "the load completed from a dead prefill";
+  // Decode never handshook with it: the reason names prefill's address (from the params).
+  EXPECT_NE(reason.find(address_), std::string::npos)
+      << reason << " (prefill at " << address_ << ")";
+  d.ExpectClean();
+}
+
 TEST_P(ConnectorTest, DecodeKilledMidReadFreesPrefillBlocksAtOnce) {
   const SimSetup s = SetupFor("deepseek-v3");
   PrefillHere p(transport(), s);
@@ -670,11 +703,18 @@ TEST_P(ConnectorTest, DecodeKilledMidWriteFreesPrefillBlocksAtOnce) {
   auto d = DecodeChild(s);
   // Prefill saved 2 layers and waits for the rest; decode asks for the KV and dies.
   p.StartWrite("w1", "t-w1", 900, 2);
+  const uint64_t writes_before = p.connector->engine().Stats().transfers_started;
   KvTransferParams params = WriteParams(p.connector->engine().address(), "t-w1", 900);
   d->Send("load w1 900 " + params.ToJson());
   ASSERT_TRUE(d->Expect("STARTED w1").ok());
-  // Let the write request reach prefill (the layers go out then), then kill decode.
-  absl::SleepFor(absl::Milliseconds(500));
+  // Kill decode once the write request has reached prefill and its layers are going out
+  // (a condition, not a sleep): the write is then surely in flight when decode dies.
+  for (const absl::Time until = absl::Now() + kWait;
+       p.connector->engine().Stats().transfers_started == writes_before && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GT(p.connector->engine().Stats().transfers_started, writes_before)
+      << "prefill never started writing";
   d->Kill();
   absl::StatusOr<absl::Duration> took = p.WaitAllFreed("w1", true);
   ASSERT_TRUE(took.ok()) << took.status();
@@ -731,6 +771,49 @@ TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
     ExpectPrefillClean(*p0);
     ExpectPrefillClean(*p1);
   }
+}
+
+// Role "both" (the default): one instance is prefill for one request and decode for the next,
+// in both directions between two such instances, byte for byte, and both end clean.
+TEST_P(ConnectorTest, RoleBothServesAsPrefillAndAsDecode) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  Decode a(transport(), s, KvMode::kAuto, absl::Seconds(60), "both", "both-a");
+  Decode b(transport(), s, KvMode::kAuto, absl::Seconds(60), "both", "both-b");
+  constexpr uint64_t kTokens = 500;
+  for (const auto& [from, to, id] :
+       {std::tuple<Decode*, Decode*, std::string>{&a, &b, "a-to-b"}, {&b, &a, "b-to-a"}}) {
+    SCOPED_TRACE(id);
+    // Prefill's steps on `from` (read mode): fill, finish, hand the params over.
+    absl::StatusOr<BlockTable> blocks = from->cache->Allocate(id, kTokens);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    from->cache->Fill(id, *blocks);
+    KvTransferParams in;
+    in.do_remote_decode = true;
+    in.mode = KvMode::kRead;
+    auto done = from->connector->RequestFinished(id, *blocks, kTokens, in.ToJson());
+    ASSERT_TRUE(done.ok()) << done.status();
+    ASSERT_TRUE(done->delay_free);
+    // Decode's steps on `to`.
+    auto r = to->Load(id, done->kv_transfer_params, kTokens, 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(*r, "");
+    EXPECT_EQ(to->cache->Verify(id, to->cache->live().at(id), kTokens, 0), "");
+    to->cache->Release(id);
+    // The prefill side lets go of the blocks once decode released them.
+    bool freed = false;
+    for (const absl::Time until = absl::Now() + kWait; !freed && absl::Now() < until;) {
+      for (const std::string& f : from->connector->GetFinished().finished_sending) {
+        from->cache->Release(f);
+        freed = freed || f == id;
+      }
+      if (!freed) absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_TRUE(freed) << "the prefill side never finished sending " << id;
+  }
+  a.ExpectClean();
+  b.ExpectClean();
+  EXPECT_EQ(a.cache->live().size(), 0u);
+  EXPECT_EQ(b.cache->live().size(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ConnectorTest, ::testing::Values("tcp", "shm"));

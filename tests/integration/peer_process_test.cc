@@ -8,6 +8,8 @@
 #include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
 
+#include "tests/support/sanitizer_build.h"
+
 namespace kvwire::testing {
 namespace {
 
@@ -53,6 +55,17 @@ TEST(PeerProcessTest, DeliberateKillIsNotAFailure) {
   peer->Stop();
   EXPECT_EQ(peer->end_problem(), "");
 }
+
+#if KVWIRE_TEST_ASAN || KVWIRE_TEST_TSAN
+// A real report of this build's sanitizer in the peer (a data race under TSan, a heap
+// overflow under ASan) makes it exit non-zero, and that fails the test. Only in sanitizer
+// builds: elsewhere there is no report to plant.
+TEST(PeerProcessTest, SanitizerReportInThePeerFailsTheTest) {
+  auto peer = StartPeer({"--sanitizer_report=1"});
+  ASSERT_NE(peer, nullptr);
+  EXPECT_NONFATAL_FAILURE(peer->Stop(absl::Seconds(60)), "exited with status");
+}
+#endif
 
 }  // namespace
 }  // namespace kvwire::testing

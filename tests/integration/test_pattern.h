@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace kvwire::testing {
 
@@ -26,6 +27,16 @@ inline std::byte PatternByte(uint64_t seed, uint64_t region_index, uint64_t offs
 
 inline void FillPattern(std::byte* data, uint64_t length, uint64_t seed, uint64_t region_index) {
   for (uint64_t i = 0; i < length; ++i) data[i] = PatternByte(seed, region_index, i);
+}
+
+// Offset of the first byte where `a` and `b` differ, or -1 when all `length` are equal
+// (memcmp first: whole-buffer comparisons stay cheap under sanitizers and in the VM).
+inline int64_t FirstDifference(const std::byte* a, const std::byte* b, uint64_t length) {
+  if (std::memcmp(a, b, length) == 0) return -1;
+  for (uint64_t i = 0; i < length; ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
 }
 
 inline uint64_t Fnv1a(const std::byte* data, uint64_t length) {

@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <poll.h>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <variant>
 #include <vector>
@@ -22,8 +24,28 @@
 
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/sanitizer_build.h"
 
 namespace {
+
+// The defect the build's sanitizer reports, committed on purpose (see Args::sanitizer_report).
+// `opaque` is 0 at run time but unknown to the compiler, so the defect is not folded away.
+void CommitSanitizedDefect(int opaque) {
+#if KVWIRE_TEST_TSAN
+  int racy = 0;
+  std::thread writer([&] { racy = 1; });  // unsynchronised with the write below
+  racy = 2 + opaque;
+  writer.join();
+  std::printf("racy=%d\n", racy);
+#elif KVWIRE_TEST_ASAN
+  auto block = std::make_unique<char[]>(8);
+  volatile char past_the_end = block[8 + opaque];
+  std::printf("read %d\n", past_the_end);
+#else
+  (void)opaque;
+#endif
+  std::fflush(stdout);
+}
 
 struct Args {
   std::string transport = "auto";
@@ -40,6 +62,9 @@ struct Args {
   int exit_code = 0;
   // Seconds to keep running after stdin closes: plants a peer that hangs on exit.
   int linger_s = 0;
+  // 1: commits, once stdin closes, the defect the build's sanitizer reports (a data race
+  // under TSan, a heap overflow under ASan): plants a peer whose report must fail the test.
+  bool sanitizer_report = false;
 };
 
 bool ParseArgs(int argc, char** argv, Args* args) {
@@ -73,6 +98,8 @@ bool ParseArgs(int argc, char** argv, Args* args) {
       ok = absl::SimpleAtoi(v, &args->exit_code);
     else if (key == "linger_s")
       ok = absl::SimpleAtoi(v, &args->linger_s);
+    else if (key == "sanitizer_report")
+      args->sanitizer_report = v == "1";
     else
       ok = false;
     if (!ok) return false;
@@ -172,5 +199,6 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (args.linger_s > 0) absl::SleepFor(absl::Seconds(args.linger_s));
+  if (args.sanitizer_report) CommitSanitizedDefect(args.exit_code);
   return args.exit_code;
 }

@@ -18,66 +18,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
+#include "tests/perf/perf_target.h"
+
 namespace {
 
 using ::testing::HasSubstr;
 
-// The target process; its stdout is read until it says which side-channel port it took.
-class Target {
- public:
-  explicit Target(const std::vector<std::string>& args) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> all = {KVWIRE_PERF_BIN, "-p", "0", "--bind", "127.0.0.1"};
-      all.insert(all.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (std::string& a : all) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    out_ = fdopen(out[0], "r");
-    char line[512];
-    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
-      const std::string l = line;
-      const size_t at = l.find("waiting on port ");
-      if (at != std::string::npos) {
-        (void)absl::SimpleAtoi(
-            l.substr(at + 16, l.find_first_not_of("0123456789", at + 16) - (at + 16)), &port_);
-        break;
-      }
-    }
-  }
-  ~Target() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  int port() const { return port_; }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-};
+using Target = ::kvwire::testing::PerfTarget;
 
 int RunInitiator(const std::vector<std::string>& args, std::string* output) {
-  std::string cmd = absl::StrCat(KVWIRE_PERF_BIN, " ", absl::StrJoin(args, " "), " 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  return ::kvwire::testing::RunPerfInitiator(args, output);
 }
 
 std::string SecretFile(const std::string& name, const std::string& secret, mode_t mode) {
@@ -101,7 +51,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
   const std::string right = SecretFile("perf-right", "perf-secret-1", 0600);
   const std::string wrong = SecretFile("perf-wrong", "perf-secret-2", 0600);
   std::vector<std::string> target_args = kTest;
-  target_args.insert(target_args.end(), {"--secret-file", right});
+  target_args.insert(target_args.end(), {"--bind", "127.0.0.1", "--secret-file", right});
   {
     Target target(target_args);
     ASSERT_GT(target.port(), 0);
@@ -109,6 +59,8 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     EXPECT_NE(RunInitiator(Initiator(target.port(), {"--secret-file", wrong}), &out), 0) << out;
     EXPECT_THAT(out, HasSubstr("secret"));
     EXPECT_THAT(out, ::testing::Not(HasSubstr(" ok\n")));
+    // The target gives up too once the refused initiator closed its side channel.
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 1);
   }
   {
     Target target(target_args);
@@ -116,6 +68,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     std::string out;
     EXPECT_NE(RunInitiator(Initiator(target.port(), {}), &out), 0) << out;  // no secret at all
     EXPECT_THAT(out, HasSubstr("secret"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 1);
   }
   {
     Target target(target_args);
@@ -123,6 +76,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     std::string out;
     EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret-file", right}), &out), 0) << out;
     EXPECT_THAT(out, HasSubstr(" ok\n"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 0);
   }
   {
     Target target(target_args);
@@ -131,6 +85,7 @@ TEST(PerfSecretTest, WrongSecretIsRefusedRightSecretMovesCheckedBytes) {
     EXPECT_EQ(RunInitiator(Initiator(target.port(), {"--secret", "perf-secret-1"}), &out), 0)
         << out;
     EXPECT_THAT(out, HasSubstr(" ok\n"));
+    EXPECT_EQ(target.Wait(absl::Seconds(60)), 0);
   }
 }
 

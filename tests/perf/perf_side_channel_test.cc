@@ -24,6 +24,7 @@
 #include "perf/perf_options.h"
 #include "perf/session.h"
 #include "perf/side_channel.h"
+#include "tests/perf/perf_target.h"
 
 namespace kvwire::perf {
 namespace {
@@ -31,66 +32,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// The target process; its stdout is read until it says which side-channel port it took.
-class Target {
- public:
-  explicit Target(const std::vector<std::string>& args) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> all = {KVWIRE_PERF_BIN, "-p", "0"};
-      all.insert(all.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (std::string& a : all) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    out_ = fdopen(out[0], "r");
-    char line[512];
-    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
-      const std::string l = line;
-      const size_t at = l.find("waiting on port ");
-      if (at != std::string::npos) {
-        (void)absl::SimpleAtoi(
-            l.substr(at + 16, l.find_first_not_of("0123456789", at + 16) - (at + 16)), &port_);
-        break;
-      }
-    }
-  }
-  ~Target() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  int port() const { return port_; }
-  pid_t pid() const { return pid_; }
-  bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
-  // Waits (bounded) for the target to exit; its exit status, or -1.
-  int Wait(absl::Duration timeout) {
-    for (const absl::Time until = absl::Now() + timeout; absl::Now() < until;) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-};
+using Target = ::kvwire::testing::PerfTarget;
 
 // The HELLO a kvwire-perf initiator with these options would send.
 std::string HelloFor(const std::vector<std::string>& args) {

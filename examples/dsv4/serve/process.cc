@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <csignal>
+#include <cstring>
 #include <fcntl.h>
 #include <fstream>
 #include <sstream>
@@ -55,11 +56,22 @@ bool Process::Running() {
   int status = 0;
   const pid_t r = waitpid(pid_, &status, WNOHANG);
   if (r == pid_) {
-    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    pid_ = -1;
+    Reaped(status);
     return false;
   }
   return r == 0;
+}
+
+void Process::Reaped(int status) {
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (WIFSIGNALED(status) && !(WTERMSIG(status) == SIGKILL && sent_signal_ == SIGKILL)) {
+    end_problem_ =
+        absl::StrCat("died of signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
+  } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+    end_problem_ = absl::StrCat("exited with status ", WEXITSTATUS(status),
+                                " (a sanitizer report, a leak or a failed check)");
+  }
+  pid_ = -1;
 }
 
 absl::StatusOr<int> Process::Wait(absl::Duration timeout) {
@@ -75,14 +87,20 @@ absl::StatusOr<int> Process::Wait(absl::Duration timeout) {
 
 void Process::Stop(int signal, absl::Duration grace) {
   if (!Running()) return;
+  sent_signal_ = signal;
   kill(pid_, signal);
   if (signal != SIGKILL && Wait(grace).ok()) return;
   if (pid_ > 0) {
     kill(pid_, SIGKILL);
     int status = 0;
     waitpid(pid_, &status, 0);
-    exit_code_ = 128 + SIGKILL;
-    pid_ = -1;
+    const bool hung = sent_signal_ != SIGKILL;
+    sent_signal_ = SIGKILL;
+    Reaped(status);
+    if (hung) {
+      end_problem_ = absl::StrCat("did not exit within ", absl::FormatDuration(grace),
+                                  " of signal ", signal, " and was killed");
+    }
   }
 }
 

@@ -38,13 +38,22 @@ class Process {
   absl::StatusOr<int> Wait(absl::Duration timeout);
   // Exit code once the child has been reaped (128 + signal when a signal ended it), else -1.
   int exit_code() const { return exit_code_; }
+  // Empty while the child runs and when it ended cleanly: exit 0, or death by the SIGKILL
+  // that Stop(SIGKILL) sent on purpose. Otherwise how it ended badly (a non-zero exit: a
+  // sanitizer report, a leak or a failed check; a signal nobody sent through Stop; or having
+  // to be killed after Stop's grace period), for tests that judge their servers' ends.
+  std::string EndProblem() const { return end_problem_; }
   // The tail of the log (for test failure messages).
   std::string LogTail(size_t bytes = 4000) const;
 
  private:
   pid_t pid_ = -1;
   int exit_code_ = -1;
+  int sent_signal_ = 0;
+  std::string end_problem_;
   std::string log_path_;
+  // Records how the reaped child ended (exit_code_, end_problem_).
+  void Reaped(int status);
 };
 
 // Writes `j` to `path` atomically (temporary file + rename).

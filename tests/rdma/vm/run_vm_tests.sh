@@ -54,8 +54,16 @@ cat "$cache/vm.log"
 echo "rdma VM: qemu exit $qemu_rc, VM wall $((end - vm_start)) s, stage total $((end - start)) s"
 grep -q KVWIRE_VM_BOOTED "$cache/vm.log" ||
   fail "the VM did not boot (qemu exit $qemu_rc; see the console log above)"
-grep -q KVWIRE_VM_READY "$cache/vm.log" || fail "the VM booted but soft-RoCE did not come up"
+grep -q KVWIRE_VM_READY "$cache/vm.log" ||
+  fail "the VM booted but soft-RoCE did not come up: $(grep -a KVWIRE_VM_NOT_READY "$cache/vm.log")"
 result=$(grep -a -o 'KVWIRE_VM_RESULT rc=[0-9]*' "$cache/vm.log" | tail -1)
 [[ -n "$result" ]] || fail "no test result from the VM (qemu exit $qemu_rc: timeout or crash)"
+# Skips and empty runs inside the VM are failures of the stage, named here for ctest's log.
+if grep -a -q 'KVWIRE_VM_SKIPPED\|KVWIRE_VM_ZERO_TESTS' "$cache/vm.log"; then
+  grep -a 'KVWIRE_VM_SKIPPED\|KVWIRE_VM_ZERO_TESTS' "$cache/vm.log" >&2
+  fail "tests skipped or none ran in the VM ($result; listed above)"
+fi
 [[ "$result" == "KVWIRE_VM_RESULT rc=0" ]] || fail "rdma tests failed in the VM ($result)"
+ran=$(grep -a -o 'KVWIRE_VM_TESTS end rc=0' "$cache/vm.log" | head -1)
+[[ -n "$ran" ]] || fail "the VM reported success without a test run (no 'KVWIRE_VM_TESTS end rc=0')"
 echo "rdma VM stage passed"

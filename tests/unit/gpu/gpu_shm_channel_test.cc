@@ -307,7 +307,12 @@ TEST_F(GpuShmChannelTest, CancelledDuringCopiesReportsAtOnceButHoldsMemoryUntilT
   std::future<absl::Status> future = result->get_future();
   const absl::Time start = absl::Now();
   channel_->Post(std::move(request), [result](absl::Status s) { result->set_value(s); });
-  absl::SleepFor(absl::Milliseconds(20));
+  // Cancelled once its (1 s) copy is queued on the stream: a condition, not a sleep.
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       emulated_->counters().copies == 0 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GT(emulated_->counters().copies, 0u) << "the copy was never queued";
   cancelled->store(true);
   ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const absl::Duration reported = absl::Now() - start;

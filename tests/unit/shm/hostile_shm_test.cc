@@ -36,6 +36,7 @@
 
 #include "kvwire/memory.h"
 #include "src/util/mutex.h"
+#include "tests/support/child_end.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/seqpacket.h"
@@ -46,6 +47,7 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::ReapAndJudge;
 using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 7;
@@ -601,8 +603,8 @@ TEST(HostileShmTest, SessionTokenServesOnlyTheProcessThatHandshook) {
     result.append(buffer, static_cast<size_t>(n));
   }
   close(fds[0]);
-  int status = 0;
-  waitpid(thief, &status, 0);
+  // The thief's end is part of the test (a sanitizer report in it exits non-zero).
+  EXPECT_EQ(ReapAndJudge(thief, absl::Seconds(30)), "") << "the thief process";
   std::printf("attack (token): another process presenting the token: %s\n", result.c_str());
   EXPECT_THAT(result, HasSubstr("PERMISSION_DENIED"));
   EXPECT_THAT(result, HasSubstr(absl::StrCat("handshook from pid ", getpid())));
@@ -873,8 +875,7 @@ KernelReach ProbeFromAnotherProcess(uid_t uid, const TargetInfo& target) {
     text.append(buffer, static_cast<size_t>(n));
   }
   close(fds[0]);
-  int status = 0;
-  waitpid(child, &status, 0);
+  EXPECT_EQ(ReapAndJudge(child, absl::Seconds(30)), "") << "the probing process";
   std::vector<std::string> lines = absl::StrSplit(text, '\n');
   lines.resize(3);
   return {lines[0], lines[1], lines[2]};

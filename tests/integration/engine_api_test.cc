@@ -1,0 +1,310 @@
+// Public engine API that the other tests do not reach: EngineOptions::FromEnvironment,
+// ConnectOptions::exports and ::transport, Engine::Export, Poll, FindPeer and
+// TakeNotifications. Real engines on loopback (in this process, or kvwire_test_peer where a
+// peer must be frozen).
+#include <algorithm>
+#include <signal.h>
+#include <stdlib.h>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "kvwire/engine.h"
+#include "tests/integration/peer_process.h"
+#include "tests/integration/test_pattern.h"
+
+namespace kvwire::testing {
+namespace {
+
+// Sets the KVWIRE_* variables for one scope and restores what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.push_back({name, old != nullptr, old != nullptr ? old : ""});
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const Saved& s : saved_) {
+      if (s.had) {
+        setenv(s.name.c_str(), s.value.c_str(), 1);
+      } else {
+        unsetenv(s.name.c_str());
+      }
+    }
+  }
+
+ private:
+  struct Saved {
+    std::string name;
+    bool had;
+    std::string value;
+  };
+  std::vector<Saved> saved_;
+};
+
+TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
+  ScopedEnv env({{"KVWIRE_LISTEN", "127.0.0.1:4567"},
+                 {"KVWIRE_TRANSPORT", "tcp"},
+                 {"KVWIRE_TCP_CONNECTIONS", "7"},
+                 {"KVWIRE_SECRET", "s3cret"},
+                 {"KVWIRE_SHM_CMA", "1"},
+                 {"KVWIRE_SHM_DENY_PTRACE", "1"},
+                 {"KVWIRE_RDMA_DEVICES", "mlx5_0,,mlx5_1"},
+                 {"KVWIRE_RDMA_GID_INDEX", "3"},
+                 {"KVWIRE_RDMA_QPS", "9"}});
+  const EngineOptions o = EngineOptions::FromEnvironment(EngineOptions());
+  EXPECT_EQ(o.listen_address, "127.0.0.1:4567");
+  EXPECT_EQ(o.transport, TransportKind::kTcp);
+  EXPECT_EQ(o.tcp_connections, 7);
+  EXPECT_EQ(o.shared_secret, "s3cret");
+  EXPECT_TRUE(o.shm_cma);
+  EXPECT_TRUE(o.shm_deny_ptrace);
+  EXPECT_EQ(o.rdma_devices, (std::vector<std::string>{"mlx5_0", "mlx5_1"}));
+  EXPECT_EQ(o.rdma_gid_index, 3);
+  EXPECT_EQ(o.rdma_qps_per_peer, 9);
+}
+
+TEST(EngineOptionsTest, FromEnvironmentIgnoresBadAndEmptyValues) {
+  EngineOptions base;
+  base.listen_address = "127.0.0.1:1111";
+  base.transport = TransportKind::kShm;
+  base.tcp_connections = 3;
+  base.shared_secret = "kept";
+  base.rdma_gid_index = 1;
+  base.rdma_qps_per_peer = 2;
+  ScopedEnv env({{"KVWIRE_LISTEN", ""},
+                 {"KVWIRE_TRANSPORT", "carrier-pigeon"},
+                 {"KVWIRE_TCP_CONNECTIONS", "65"},
+                 {"KVWIRE_SECRET", ""},
+                 {"KVWIRE_SHM_CMA", "yes"},
+                 {"KVWIRE_RDMA_GID_INDEX", "1024"},
+                 {"KVWIRE_RDMA_QPS", "0"}});
+  const EngineOptions o = EngineOptions::FromEnvironment(base);
+  EXPECT_EQ(o.listen_address, "127.0.0.1:1111");
+  EXPECT_EQ(o.transport, TransportKind::kShm);
+  EXPECT_EQ(o.tcp_connections, 3);
+  EXPECT_EQ(o.shared_secret, "kept");
+  EXPECT_FALSE(o.shm_cma);  // only "1" turns it on
+  EXPECT_EQ(o.rdma_gid_index, 1);
+  EXPECT_EQ(o.rdma_qps_per_peer, 2);
+  // Out-of-range numbers at the other end, and non-numbers.
+  ScopedEnv more({{"KVWIRE_TCP_CONNECTIONS", "0"},
+                  {"KVWIRE_RDMA_GID_INDEX", "-2"},
+                  {"KVWIRE_RDMA_QPS", "many"}});
+  const EngineOptions p = EngineOptions::FromEnvironment(base);
+  EXPECT_EQ(p.tcp_connections, 3);
+  EXPECT_EQ(p.rdma_gid_index, 1);
+  EXPECT_EQ(p.rdma_qps_per_peer, 2);
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& name,
+                                   TransportKind transport = TransportKind::kAuto) {
+  EngineOptions options;
+  options.name = name;
+  options.transport = transport;
+  auto engine = Engine::Create(options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
+bool Lists(const absl::StatusOr<std::vector<RemoteRegion>>& regions, RegionId id) {
+  if (!regions.ok()) return false;
+  return std::any_of(regions->begin(), regions->end(),
+                     [id](const RemoteRegion& r) { return r.id == id; });
+}
+
+// The dialer exports exactly ConnectOptions::exports during the handshake; Export adds more
+// later; a region never exported stays unreachable.
+TEST(EngineApiTest, ConnectExportsOnlyTheListedRegionsAndExportAddsMore) {
+  auto a = MakeEngine("api-a", TransportKind::kTcp);
+  auto b = MakeEngine("api-b", TransportKind::kTcp);
+  ASSERT_TRUE(a && b);
+  std::vector<std::byte> first(8192), second(8192);
+  FillPattern(first.data(), first.size(), 21, 0);
+  FillPattern(second.data(), second.size(), 21, 1);
+  auto r1 = a->RegisterMemory(first.data(), first.size());
+  auto r2 = a->RegisterMemory(second.data(), second.size());
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  ConnectOptions connect;
+  connect.exports = {*r1};
+  auto to_b = a->Connect(b->address(), connect);
+  ASSERT_TRUE(to_b.ok()) << to_b.status();
+  auto to_a = b->WaitForPeer("api-a", absl::Seconds(10));
+  ASSERT_TRUE(to_a.ok()) << to_a.status();
+  ASSERT_TRUE(b->WaitForRemoteRegion(*to_a, *r1, absl::Seconds(10)).ok());
+  EXPECT_FALSE(Lists(b->RemoteRegions(*to_a), *r2));
+
+  std::vector<std::byte> local(8192, std::byte{0xEE});
+  auto l = b->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(l.ok());
+  auto read = [&](RegionId remote) -> absl::Status {
+    auto id = b->Transfer(*to_a, OpKind::kRead, {Op{*l, 0, remote, 0, 8192}});
+    if (!id.ok()) return id.status();
+    return b->Wait(*id, absl::Seconds(30));
+  };
+  const absl::Status refused = read(*r2);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find(absl::StrCat(*r2)), std::string::npos) << refused;
+  EXPECT_TRUE(
+      std::all_of(local.begin(), local.end(), [](std::byte x) { return x == std::byte{0xEE}; }));
+  ASSERT_TRUE(read(*r1).ok());
+  EXPECT_EQ(FirstDifference(local.data(), first.data(), 8192), -1);
+
+  ASSERT_TRUE(a->Export(*to_b, {*r2}).ok());
+  ASSERT_TRUE(b->WaitForRemoteRegion(*to_a, *r2, absl::Seconds(10)).ok());
+  ASSERT_TRUE(read(*r2).ok());
+  EXPECT_EQ(FirstDifference(local.data(), second.data(), 8192), -1);
+  // Export of a region this engine does not have is refused.
+  EXPECT_FALSE(a->Export(*to_b, {*r2 + 1000}).ok());
+}
+
+// ConnectOptions::transport overrides the engine's choice for that peer, and says so.
+TEST(EngineApiTest, ConnectTransportOverridesTheEngineDefault) {
+  auto a = MakeEngine("api-dialer");  // auto: shm on this host unless told otherwise
+  auto b = MakeEngine("api-tcp-peer");
+  auto c = MakeEngine("api-shm-peer");
+  ASSERT_TRUE(a && b && c);
+  ConnectOptions tcp;
+  tcp.transport = TransportKind::kTcp;
+  auto to_b = a->Connect(b->address(), tcp);
+  ASSERT_TRUE(to_b.ok()) << to_b.status();
+  auto to_c = a->Connect(c->address());
+  ASSERT_TRUE(to_c.ok()) << to_c.status();
+  for (const PeerStats& p : a->Stats().peers) {
+    if (p.peer_id == *to_b) {
+      EXPECT_EQ(p.transport.rfind("tcp x", 0), 0u) << p.transport;
+      EXPECT_EQ(p.transport_reason, "forced by configuration");
+    } else if (p.peer_id == *to_c) {
+      EXPECT_EQ(p.transport.rfind("shm memfd", 0), 0u) << p.transport;
+      EXPECT_EQ(p.transport_reason, "same host");
+    } else {
+      ADD_FAILURE() << "unexpected peer " << p.name;
+    }
+  }
+}
+
+// FindPeer names live peers only.
+TEST(EngineApiTest, FindPeerFindsLivePeersByName) {
+  auto a = MakeEngine("api-finder");
+  auto b = MakeEngine("api-found");
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->FindPeer("api-found").status().code(), absl::StatusCode::kNotFound);
+  auto id = a->Connect(b->address());
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto found = a->FindPeer("api-found");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, *id);
+  EXPECT_EQ(a->FindPeer("nobody").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(a->Disconnect(*id).ok());
+  EXPECT_EQ(a->FindPeer("api-found").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Poll: pending while the peer cannot answer, the final state once, then the transfer is
+// forgotten (NotFound).
+TEST(EngineApiTest, PollReportsPendingThenTheFinalStateOnce) {
+  auto peer = PeerProcess::Start(
+      {"--transport=tcp", "--regions=1", "--region_bytes=1048576", "--seed=4", "--name=polled"});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto engine = MakeEngine("poller", TransportKind::kTcp);
+  ASSERT_TRUE(engine);
+  std::vector<std::byte> local(1 << 20, std::byte{0xEE});
+  auto l = engine->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(l.ok());
+  auto p = engine->Connect((*peer)->address());
+  ASSERT_TRUE(p.ok()) << p.status();
+  const RegionId remote = (*peer)->regions()[0];
+  ASSERT_TRUE(engine->WaitForRemoteRegion(*p, remote, absl::Seconds(10)).ok());
+  ASSERT_TRUE((*peer)->Freeze().ok());
+  auto id = engine->Transfer(*p, OpKind::kRead, {Op{*l, 0, remote, 0, 1 << 20}});
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Status status = absl::UnknownError("not set");
+  EXPECT_EQ(engine->Poll(*id, &status), TransferState::kPending);  // the peer is stopped
+  (*peer)->Signal(SIGCONT);
+  TransferState state = TransferState::kPending;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       state == TransferState::kPending && absl::Now() < until;) {
+    state = engine->Poll(*id, &status);
+    if (state == TransferState::kPending) absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(state, TransferState::kSucceeded) << status;
+  EXPECT_TRUE(status.ok()) << status;
+  for (uint64_t i = 0; i < local.size(); ++i) ASSERT_EQ(local[i], PatternByte(4, 0, i)) << i;
+  EXPECT_EQ(engine->Poll(*id, &status), TransferState::kFailed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+
+  // A failed transfer is reported as failed, with its status: the peer stopped again, the
+  // transfer's deadline passes.
+  ASSERT_TRUE((*peer)->Freeze().ok());
+  TransferOptions short_deadline;
+  short_deadline.timeout = absl::Milliseconds(200);
+  auto bad = engine->Transfer(*p, OpKind::kRead, {Op{*l, 0, remote, 0, 1 << 20}}, short_deadline);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  state = TransferState::kPending;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       state == TransferState::kPending && absl::Now() < until;) {
+    state = engine->Poll(*bad, &status);
+    if (state == TransferState::kPending) absl::SleepFor(absl::Milliseconds(1));
+  }
+  (*peer)->Signal(SIGCONT);
+  EXPECT_EQ(state, TransferState::kFailed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  (*peer)->Stop();
+}
+
+// TakeNotifications: each notification once, after its data, naming the sender.
+TEST(EngineApiTest, TakeNotificationsDeliversEachOnceAfterItsData) {
+  auto a = MakeEngine("api-writer", TransportKind::kTcp);
+  auto b = MakeEngine("api-target", TransportKind::kTcp);
+  ASSERT_TRUE(a && b);
+  std::vector<std::byte> target(1 << 20, std::byte{0});
+  RegionOptions exported;
+  exported.export_to_all_peers = true;
+  auto t = b->RegisterMemory(target.data(), target.size(), exported);
+  ASSERT_TRUE(t.ok());
+  std::vector<std::byte> source(1 << 20);
+  FillPattern(source.data(), source.size(), 8, 0);
+  auto s = a->RegisterMemory(source.data(), source.size());
+  ASSERT_TRUE(s.ok());
+  auto to_b = a->Connect(b->address());
+  ASSERT_TRUE(to_b.ok()) << to_b.status();
+  ASSERT_TRUE(a->WaitForRemoteRegion(*to_b, *t, absl::Seconds(10)).ok());
+  EXPECT_TRUE(b->TakeNotifications().empty());
+  std::vector<TransferId> ids;
+  for (int i = 0; i < 3; ++i) {
+    TransferOptions options;
+    options.notification = absl::StrCat("note-", i);
+    const uint64_t offset = i * (256 << 10);
+    auto id = a->Transfer(*to_b, OpKind::kWrite, {Op{*s, offset, *t, offset, 256 << 10}}, options);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(a->Wait(*id, absl::Seconds(30)).ok());
+    ids.push_back(*id);
+  }
+  std::vector<Notification> got;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       got.size() < 3 && absl::Now() < until;) {
+    std::vector<Notification> more = b->TakeNotifications();
+    got.insert(got.end(), more.begin(), more.end());
+    if (got.size() < 3) absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(got.size(), 3u);
+  std::sort(got.begin(), got.end(),
+            [](const Notification& x, const Notification& y) { return x.payload < y.payload; });
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(got[i].payload, absl::StrCat("note-", i));
+    EXPECT_EQ(got[i].peer_name, "api-writer");
+    EXPECT_EQ(got[i].transfer_id, ids[i]);
+  }
+  // The data of all three is there (the last notification came after the last byte).
+  EXPECT_EQ(FirstDifference(target.data(), source.data(), 3 * (256 << 10)), -1);
+  EXPECT_TRUE(b->TakeNotifications().empty());  // each once
+}
+
+}  // namespace
+}  // namespace kvwire::testing
