@@ -169,7 +169,7 @@ TEST(PerfRunTest, BidirectionalMovesBytesBothWays) {
     j << std::ifstream(json).rdbuf();
     EXPECT_THAT(j.str(), HasSubstr("\"-b\": \"on\""));
     std::string target_out;
-    EXPECT_EQ(target.Wait(&target_out), 0) << target_out;
+    EXPECT_EQ(target.Wait(absl::Seconds(60), &target_out), 0) << target_out;
   }
 }
 
