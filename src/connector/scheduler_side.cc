@@ -68,6 +68,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
     requests_[req_id] = std::move(r);
+    ++started_;
     result.num_external_tokens = remote_tokens - num_computed;
     result.load_async = true;
     return result;
@@ -95,6 +96,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.deadline = r.t_queued + options_.request_timeout;
     by_transfer_[params->transfer_id] = req_id;
     requests_[req_id] = std::move(r);
+    ++started_;
   }
   return result;
 }
@@ -118,6 +120,7 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
     if (num_external_tokens == 0) {
       // The scheduler chose not to load: nothing touches the blocks.
       requests_.erase(it);
+      ++withdrawn_;
       return absl::OkStatus();
     }
     r.state = State::kPending;
@@ -167,6 +170,7 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
       }
       if (r.state == State::kMatched || r.state == State::kPending) {
         requests_.erase(it);
+        ++withdrawn_;
         return out;
       }
       AbortLocked(r, "request finished by the scheduler while loading");
@@ -224,6 +228,7 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   r.params = p;
   by_transfer_[p.transfer_id] = req_id;
   requests_[req_id] = std::move(r);
+  ++started_;
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
   KVW_LOG(kDebug, kLog) << "holding blocks for reader" << Kv("request", req_id)
