@@ -92,12 +92,12 @@ void AdmissionStats::Queued(size_t length) {
   length_ = length;
 }
 
-void AdmissionStats::Admitted(absl::Duration waited, size_t length) {
+void AdmissionStats::Admitted(absl::Duration waited, bool blocked, size_t length) {
   const double s = std::max(0.0, absl::ToDoubleSeconds(waited));
   kvwire::MutexLock lock(&mu_);
   length_ = length;
   ++admitted_;
-  if (s > 0) ++waited_;
+  if (blocked) ++waited_;
   wait_sum_s_ += s;
   wait_max_s_ = std::max(wait_max_s_, s);
   size_t b = 0;
@@ -133,6 +133,8 @@ std::string AdmissionStats::Prometheus(const std::string& engine) const {
   absl::StrAppend(&m, "kvwire_dsv4_admission_wait_seconds_bucket{", e, ",le=\"+Inf\"} ", cumulative,
                   "\n", "kvwire_dsv4_admission_wait_seconds_sum{", e, "} ", wait_sum_s_, "\n",
                   "kvwire_dsv4_admission_wait_seconds_count{", e, "} ", admitted_, "\n");
+  absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_waited_total counter\n",
+                  "kvwire_dsv4_admission_waited_total{", e, "} ", waited_, "\n");
   absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_rejected_total counter\n");
   for (int i = 0; i < kNumRejections; ++i) {
     absl::StrAppend(&m, "kvwire_dsv4_admission_rejected_total{", e, ",reason=\"",

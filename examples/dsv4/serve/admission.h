@@ -81,13 +81,14 @@ const char* RejectionName(Rejection r);
 class AdmissionStats {
  public:
   void Queued(size_t length);
-  void Admitted(absl::Duration waited, size_t length);
+  // `blocked`: it did not fit when it came (it waited for blocks, not just its turn).
+  void Admitted(absl::Duration waited, bool blocked, size_t length);
   void Rejected(Rejection why, size_t length);
 
   // Prometheus text (kvwire_dsv4_admission_*), each series labelled engine="<engine>".
   std::string Prometheus(const std::string& engine) const;
-  // {"queue_length", "max_queue", "admitted", "waited", "wait_ms_sum", "wait_ms_max",
-  //  "rejected": {reason: n}}
+  // {"queue_length", "max_queue", "admitted", "waited" (admitted after waiting for blocks),
+  //  "wait_ms_sum", "wait_ms_max", "rejected": {reason: n}}
   nlohmann::json Json(size_t max_queue) const;
   size_t queue_length() const;
 
@@ -98,7 +99,7 @@ class AdmissionStats {
   mutable kvwire::Mutex mu_;
   size_t length_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t waited_ ABSL_GUARDED_BY(mu_) = 0;  // admitted after waiting at least one iteration
+  uint64_t waited_ ABSL_GUARDED_BY(mu_) = 0;  // admitted after a Pump that left them waiting
   double wait_sum_s_ ABSL_GUARDED_BY(mu_) = 0;
   double wait_max_s_ ABSL_GUARDED_BY(mu_) = 0;
   std::array<uint64_t, kBounds.size() + 1> buckets_ ABSL_GUARDED_BY(mu_) = {};
@@ -134,7 +135,7 @@ class AdmissionQueue {
                        " requests wait for KV blocks; --max-queue)"));
     }
     waiting_.push_back(
-        Entry{std::move(job), std::move(need), arrived, arrived + options_.max_wait});
+        Entry{std::move(job), std::move(need), arrived, arrived + options_.max_wait, false});
     stats_.Queued(waiting_.size());
     return absl::OkStatus();
   }
@@ -173,9 +174,10 @@ class AdmissionQueue {
     while (!waiting_.empty() && Shortfall(waiting_.front().need, available()).empty()) {
       Entry e = std::move(waiting_.front());
       waiting_.pop_front();
-      stats_.Admitted(now - e.arrived, waiting_.size());
+      stats_.Admitted(now - e.arrived, e.blocked, waiting_.size());
       admit(e.job);
     }
+    for (Entry& e : waiting_) e.blocked = true;
   }
 
   // Hands every waiting job to `refuse` (shutdown).
@@ -194,6 +196,7 @@ class AdmissionQueue {
     Job job;
     BlockCounts need;
     absl::Time arrived, deadline;
+    bool blocked = false;  // a Pump left it waiting for blocks
   };
   const AdmissionOptions options_;
   const BlockCounts capacity_;

@@ -133,6 +133,7 @@ TEST(AdmissionQueue, WaitsInArrivalOrderUntilBlocksFree) {
   EXPECT_EQ(q.size(), 0u);
   const json s = q.stats().Json(o.max_queue);
   EXPECT_EQ(s["admitted"], 3);
+  EXPECT_EQ(s["waited"], 2);  // 1 went in at once
   EXPECT_EQ(s["queue_length"], 0);
   EXPECT_GT(s["wait_ms_max"].get<double>(), 0.0);
 }

@@ -109,9 +109,10 @@ TEST(Admission, RequestsThatDoNotFitWaitInsteadOfFailing) {
   for (const std::string& a : {*p, *d}) {
     const json h = WaitHealth(a, Idle);
     EXPECT_TRUE(Idle(h)) << h.dump();
-    // They did not fit at once: some waited; none was refused.
-    EXPECT_GT(h["admission"].value("waited", 0), 0) << h.dump();
     for (const auto& [why, n] : h["admission"]["rejected"].items()) EXPECT_EQ(n, 0) << why;
+    // Prefill's two slots were held for the readers: later prompts waited for them (decode,
+    // fed one prefill at a time, need not have waited).
+    if (a == *p) EXPECT_GT(h["admission"].value("waited", 0), 0) << h.dump();
   }
 }
 

@@ -35,7 +35,10 @@ class ServeCluster {
   }
   ~ServeCluster() {
     for (auto& [name, p] : procs_) {
-      if (!p->Running()) continue;
+      if (!p->Running()) {
+        ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n" << p->LogTail();
+        continue;
+      }
       p->Stop(SIGTERM, absl::Seconds(30));
       EXPECT_EQ(p->exit_code(), 0) << name << " did not stop cleanly:\n" << p->LogTail();
     }
@@ -110,7 +113,9 @@ class ServeCluster {
                          "--timeout-s", "120"});
   }
 
-  // SIGKILL, then the same command again on the same HTTP port.
+  // SIGKILL, then the same command again on the same HTTP port. Call it from the thread that
+  // will outlive the process: a child dies with the thread that started it
+  // (PR_SET_PDEATHSIG).
   absl::Status KillAndRestart(const std::string& name) {
     procs_.at(name)->Stop(SIGKILL);
     std::vector<std::string> args = args_.at(name);
