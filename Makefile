@@ -83,7 +83,7 @@ demo-transfer: deps
 # through a write-mode one, with clients that disconnect or abort and one decode killed and
 # restarted; bounded by SOAK_SECONDS per transport. Prints requests, errors by cause,
 # p50/p99 latency and leaked blocks.
-SOAK_REQUESTS ?= 500
+SOAK_REQUESTS ?= 1000
 SOAK_CONCURRENCY ?= 32
 SOAK_SECONDS ?= 1200
 soak: deps

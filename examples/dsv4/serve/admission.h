@@ -140,42 +140,52 @@ class AdmissionQueue {
     return absl::OkStatus();
   }
 
-  // Refuses the requests whose client went away (`gone(job)`) or whose wait passed
-  // `now`: `refuse(job, why, message)`. Then admits from the head while the head fits what
-  // `available()` reports (called again after every admission): `admit(job)`, which must
-  // allocate what it was admitted for before it returns.
+  // Refuses the requests whose client went away (`gone(job)`); admits from the head while
+  // the head fits what `available()` reports (called again after every admission):
+  // `admit(job)`, which must allocate what it was admitted for before it returns; then
+  // refuses the requests still waiting whose deadline passed `now` (each `refuse(job, why,
+  // message)`), and admits again behind them. A request that fits is never refused for the
+  // time it waited for its turn (the worker computing earlier ones), only one that waited for
+  // blocks.
   template <typename Available, typename Gone, typename Admit, typename Refuse>
   void Pump(absl::Time now, Available available, Gone gone, Admit admit, Refuse refuse) {
-    if (!waiting_.empty()) {
-      BlockCounts avail;
-      bool have_avail = false;
-      for (auto it = waiting_.begin(); it != waiting_.end();) {
-        if (gone(it->job)) {
-          Entry e = std::move(*it);
-          it = waiting_.erase(it);
-          stats_.Rejected(Rejection::kClientGone, waiting_.size());
-          refuse(e.job, Rejection::kClientGone, "the client went away while it waited");
-        } else if (now > it->deadline) {
-          if (!have_avail) avail = available();
-          have_avail = true;
-          Entry e = std::move(*it);
-          it = waiting_.erase(it);
-          stats_.Rejected(Rejection::kWaitDeadline, waiting_.size());
-          const std::string why = Shortfall(e.need, avail);
-          refuse(e.job, Rejection::kWaitDeadline,
-                 absl::StrCat("server overloaded: waited ", absl::FormatDuration(now - e.arrived),
-                              " for KV blocks (", why.empty() ? "others were ahead of it" : why,
-                              "; --max-queue-wait-s)"));
-        } else {
-          ++it;
-        }
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (!gone(it->job)) {
+        ++it;
+        continue;
       }
+      Entry e = std::move(*it);
+      it = waiting_.erase(it);
+      stats_.Rejected(Rejection::kClientGone, waiting_.size());
+      refuse(e.job, Rejection::kClientGone, "the client went away while it waited");
     }
-    while (!waiting_.empty() && Shortfall(waiting_.front().need, available()).empty()) {
-      Entry e = std::move(waiting_.front());
-      waiting_.pop_front();
-      stats_.Admitted(now - e.arrived, e.blocked, waiting_.size());
-      admit(e.job);
+    while (true) {
+      while (!waiting_.empty() && Shortfall(waiting_.front().need, available()).empty()) {
+        Entry e = std::move(waiting_.front());
+        waiting_.pop_front();
+        stats_.Admitted(now - e.arrived, e.blocked, waiting_.size());
+        admit(e.job);
+      }
+      bool expired = false;
+      BlockCounts avail;
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if (now <= it->deadline) {
+          ++it;
+          continue;
+        }
+        if (!expired) avail = available();
+        expired = true;
+        Entry e = std::move(*it);
+        it = waiting_.erase(it);
+        stats_.Rejected(Rejection::kWaitDeadline, waiting_.size());
+        const std::string why = Shortfall(e.need, avail);
+        refuse(e.job, Rejection::kWaitDeadline,
+               absl::StrCat("server overloaded: waited ", absl::FormatDuration(now - e.arrived),
+                            " for KV blocks (",
+                            why.empty() ? "behind a request that waits for them" : why,
+                            "; --max-queue-wait-s)"));
+      }
+      if (!expired) break;
     }
     for (Entry& e : waiting_) e.blocked = true;
   }

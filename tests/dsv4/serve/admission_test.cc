@@ -233,6 +233,25 @@ TEST(AdmissionQueue, DeadlineAndDepartedClientsAreRefusedNamingWhatWasMissing) {
   EXPECT_EQ(s["queue_length"], 0);
 }
 
+// Time spent waiting for its turn (the worker busy with earlier requests) is no reason to
+// refuse a request that fits: only one that waited for blocks past its deadline is refused.
+TEST(AdmissionQueue, ARequestThatFitsIsAdmittedHoweverLongItWaitedForItsTurn) {
+  const kvwire::Layout l = TestLayout(10, 2);
+  AdmissionOptions o;
+  o.max_wait = absl::Seconds(1);
+  AdmissionQueue<TestJob> q(o, Capacity(l));
+  const absl::Time t0 = absl::Now();
+  std::map<int, BlockCounts> needs = {{1, BlocksNeeded(l, 10)}};
+  TestJob j{1};
+  ASSERT_TRUE(q.Offer(j, needs[1], t0).ok());
+  BlockCounts avail = Capacity(l);
+  Outcome out;
+  Pump(q, avail, needs, &out, t0 + absl::Seconds(40));
+  EXPECT_EQ(out.admitted, std::vector<int>({1}));
+  EXPECT_TRUE(out.refused.empty());
+  EXPECT_EQ(q.stats().Json(o.max_queue)["waited"], 0);  // it never waited for blocks
+}
+
 // An overloaded upstream's 503 and Retry-After reach the client through the router (any
 // other server error is a 502), and the router's own limit says Retry-After too.
 TEST(RetryAfter, OverloadedUpstreamIsA503WithRetryAfterThroughTheRouter) {
