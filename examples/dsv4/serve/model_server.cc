@@ -680,6 +680,13 @@ class ModelServer::Impl {
       // Claims the prepared request: its load may be done already.
       Active& a = active_.at(p->second);
       prepared_.erase(p);
+      if (a.aborting || a.load_failed) {
+        // Cancelled (never claimed in time, or its load failed) before this claim came: its
+        // blocks are on their way back; say why rather than drop the claim.
+        return Fail(job.resp, 504,
+                    absl::StrCat("the KV transfer prepared for transfer_id ", tid,
+                                 " ended before it was claimed: ", a.load_error));
+      }
       if (Encode(job.req.prompt) != a.prompt) {
         Cancel(a, "prompt differs from the prepared one");
         return Fail(job.resp, 400, "prompt differs from the one prepared for this transfer_id");
@@ -721,6 +728,7 @@ class ModelServer::Impl {
   // connector reports the load (Advance frees them then).
   void Cancel(Active& a, const std::string& why) {
     KVW_LOG(kInfo, kLog) << "request cancelled" << Kv("request", a.id) << Kv("why", why);
+    if (a.load_error.empty()) a.load_error = why;
     if (a.resp && !a.resp->answered()) Fail(a.resp, 499, why);
     a.resp.reset();
     if (a.loading && !a.load_done && !a.load_failed) {

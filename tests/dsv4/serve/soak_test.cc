@@ -41,9 +41,12 @@ namespace {
 using nlohmann::json;
 
 constexpr int kMaxTokens = 8;
-// Servers' lease on read-mode hand-offs and deadline of a load: what a reader that died
-// costs at most before its blocks come back.
-constexpr int kRequestTimeoutS = 10;
+// Servers' lease on read-mode hand-offs and deadline of a load (and of a write-mode
+// prepare, which waits while prefill's queue and compute do): what a reader that died costs
+// at most before its blocks come back. Longer than prefill's waits at this load (10 s seen at
+// concurrency 32 on a loaded 2-core machine): a shorter one fails write-mode requests whose
+// decode gave up on its prepared blocks.
+constexpr int kRequestTimeoutS = 30;
 
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
