@@ -96,13 +96,15 @@ class ServeCluster {
   }
 
   // A model server with the common flags and `extra` (not repeating them). Returns its address.
+  // The peer lease is the servers' default: 2 s declared live peers dead on a loaded 2-core
+  // machine (heartbeats late), failing their write-mode transfers.
   absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
                                     const std::string& transport,
                                     const std::vector<std::string>& extra = {}) {
     std::vector<std::string> args = {
         "serve",     "--role",    role,          "--config",        KVWIRE_DSV4_CONFIG,
         "--weights", weights_,    "--transport", transport,         "--mode",
-        "auto",      "--threads", "1",           "--peer-lease-ms", "2000"};
+        "auto",      "--threads", "1",           "--peer-lease-ms", "5000"};
     args.insert(args.end(), extra.begin(), extra.end());
     return Launch(name, args);
   }
