@@ -5,6 +5,7 @@
 #   make test          build build/ (gcc) and run every test
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
+#   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
@@ -53,7 +54,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo demo-transfer compare serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test demo demo-transfer soak compare serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -77,6 +78,20 @@ demo-transfer: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-demo
 	$(BUILD_DIR)/perf/kvwire-demo $(DEMO_ARGS)
+
+# The long form of tests/dsv4/serve/soak_test.cc (CI runs a short one): SOAK_REQUESTS per
+# transport (tcp, then shm) at SOAK_CONCURRENCY, half through a read-mode router and half
+# through a write-mode one, with clients that disconnect or abort and one decode killed and
+# restarted; bounded by SOAK_SECONDS per transport. Prints requests, errors by cause,
+# p50/p99 latency and leaked blocks.
+SOAK_REQUESTS ?= 1000
+SOAK_CONCURRENCY ?= 32
+SOAK_SECONDS ?= 1200
+soak: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) dsv4_serve_soak_test
+	KVWIRE_SOAK_REQUESTS=$(SOAK_REQUESTS) KVWIRE_SOAK_CONCURRENCY=$(SOAK_CONCURRENCY) \
+	  KVWIRE_SOAK_SECONDS=$(SOAK_SECONDS) $(BUILD_DIR)/tests/dsv4/serve/dsv4_serve_soak_test
 
 # Side by side with the floors and ucx_perftest, in one run (a few minutes): prints the table
 # of medians and regenerates perf/RESULTS.md and its plot. COMPARE_ARGS= passes arguments

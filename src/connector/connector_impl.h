@@ -428,8 +428,13 @@ class Connector::Impl {
   std::vector<std::string> bound_loads_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> bound_saves_ ABSL_GUARDED_BY(mu_);
   FinishedRequests finished_ ABSL_GUARDED_BY(mu_);
+  // Accounting that balances: started = completed + failed + withdrawn + live requests.
+  uint64_t started_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t withdrawn_ ABSL_GUARDED_BY(mu_) = 0;  // dropped by the scheduler before any transfer
+  uint64_t lease_expired_ ABSL_GUARDED_BY(mu_) =
+      0;  // read-mode holds no reader released (of failed_)
   double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, GroupCounters> group_totals_ ABSL_GUARDED_BY(mu_);
   json recent_ ABSL_GUARDED_BY(mu_) = json::array();

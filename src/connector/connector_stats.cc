@@ -23,8 +23,11 @@ std::string Connector::Impl::StatsJson() const {
   }
   json j = {{"engine_id", engine_->name()},
             {"live_requests", requests_.size()},
+            {"started", started_},
             {"completed", completed_},
             {"failed", failed_},
+            {"withdrawn", withdrawn_},
+            {"lease_expired", lease_expired_},
             {"groups", groups},
             {"requests", recent_}};
   return DumpJson(j);
@@ -39,6 +42,14 @@ std::string Connector::Impl::StatsPrometheus() const {
                   "\",outcome=\"completed\"} ", completed_, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e, "\",outcome=\"failed\"} ",
                   failed_, "\n");
+  absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
+                  "\",outcome=\"withdrawn\"} ", withdrawn_, "\n");
+  absl::StrAppend(&out, "# TYPE kvwire_connector_requests_started_total counter\n");
+  absl::StrAppend(&out, "kvwire_connector_requests_started_total{engine=\"", e, "\"} ", started_,
+                  "\n");
+  absl::StrAppend(&out, "# TYPE kvwire_connector_lease_expired_total counter\n");
+  absl::StrAppend(&out, "kvwire_connector_lease_expired_total{engine=\"", e, "\"} ", lease_expired_,
+                  "\n");
   absl::StrAppend(&out, "# TYPE kvwire_connector_live_requests gauge\n");
   absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ", requests_.size(),
                   "\n");

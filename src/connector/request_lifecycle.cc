@@ -201,6 +201,7 @@ void Connector::Impl::CheckDeadlines() {
     if (r.state == State::kHeld) {
       KVW_LOG(kWarning, kLog) << "lease expired: no release from the reader" << Kv("request", r.id)
                               << Kv("transfer", r.params.transfer_id);
+      ++lease_expired_;
       FailLocked(r, "lease expired before the reader released the blocks");
     } else if (r.state == State::kDraining) {
       r.abort_sent = true;  // prefill did not answer: give up waiting

@@ -71,6 +71,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
     requests_[req_id] = std::move(r);
+    ++started_;
     result.num_external_tokens = remote_tokens - num_computed;
     result.load_async = true;
     return result;
@@ -98,6 +99,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.deadline = r.t_queued + options_.request_timeout;
     by_transfer_[params->transfer_id] = req_id;
     requests_[req_id] = std::move(r);
+    ++started_;
   }
   return result;
 }
@@ -121,6 +123,7 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
     if (num_external_tokens == 0) {
       // The scheduler chose not to load: nothing touches the blocks.
       requests_.erase(it);
+      ++withdrawn_;
       return absl::OkStatus();
     }
     r.state = State::kPending;
@@ -170,6 +173,7 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
       }
       if (r.state == State::kMatched || r.state == State::kPending) {
         requests_.erase(it);
+        ++withdrawn_;
         return out;
       }
       AbortLocked(r, "request finished by the scheduler while loading");
@@ -241,6 +245,7 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   r.params = p;
   by_transfer_[p.transfer_id] = req_id;
   requests_[req_id] = std::move(r);
+  ++started_;
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
   if (auto e = early_releases_.find(p.transfer_id); e != early_releases_.end()) {

@@ -75,6 +75,7 @@ absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
       r.t_queued = absl::Now();
       r.deadline = r.t_queued + options_.request_timeout;
       requests_[l.id] = std::move(r);
+      ++started_;
     }
     bound_loads_.push_back(l.id);
   }

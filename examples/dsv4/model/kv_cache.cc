@@ -187,6 +187,13 @@ uint64_t KvCache::UsedBlocks() const {
   return used;
 }
 
+std::map<std::string, uint64_t> KvCache::FreeBlocks() const {
+  kvwire::MutexLock lock(&impl_->mu);
+  std::map<std::string, uint64_t> free;
+  for (const auto& [group, ids] : impl_->free) free[group] = ids.size();
+  return free;
+}
+
 uint8_t* KvCache::Page(const std::string& group, int layer, int64_t block) const {
   const kvwire::CacheGroup* g = impl_->layout.FindGroup(group);
   if (g == nullptr || block < 0 || static_cast<uint64_t>(block) >= g->num_blocks) return nullptr;

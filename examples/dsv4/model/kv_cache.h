@@ -12,7 +12,9 @@
 #define KVWIRE_EXAMPLES_DSV4_MODEL_KV_CACHE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -68,6 +70,8 @@ class KvCache {
   void Free(const kvwire::BlockTable& table);
   // Blocks in use over all groups (0 when every request has been freed).
   uint64_t UsedBlocks() const;
+  // Free blocks (state groups: slots) of each group, by group name.
+  std::map<std::string, uint64_t> FreeBlocks() const;
 
   // Page of (group, layer of the model, block id); nullptr when out of range. A device
   // address for kGpu (not to be dereferenced on the host).

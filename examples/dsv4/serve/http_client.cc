@@ -80,6 +80,7 @@ class Call {
         if (ec) return Fail(ec, "read");
         response_.status = static_cast<int>(parser_->get().result_int());
         response_.content_type = std::string(parser_->get()[http::field::content_type]);
+        response_.retry_after = std::string(parser_->get()[http::field::retry_after]);
         if (options_.on_headers) options_.on_headers(response_);
         ReadBody();
       });

@@ -16,7 +16,8 @@ namespace dsv4::serve {
 struct HttpResponse {
   int status = 0;
   std::string content_type;
-  std::string body;  // empty when HttpCallOptions::on_body consumed it
+  std::string retry_after;  // the Retry-After header ("" when absent)
+  std::string body;         // empty when HttpCallOptions::on_body consumed it
 };
 
 struct HttpCallOptions {

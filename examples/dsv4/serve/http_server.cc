@@ -1,5 +1,6 @@
 #include "examples/dsv4/serve/http_server.h"
 
+#include <algorithm>
 #include <deque>
 #include <optional>
 #include <sstream>
@@ -195,10 +196,12 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  public:
-  static std::string Format(int status, const std::string& body, const std::string& type) {
+  static std::string Format(int status, const std::string& body, const std::string& type,
+                            int64_t retry_after_s = 0) {
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::server, "kvwire-dsv4");
     res.set(http::field::content_type, type);
+    if (retry_after_s > 0) res.set(http::field::retry_after, std::to_string(retry_after_s));
     res.set(http::field::connection, "close");
     res.body() = body;
     res.prepare_payload();
@@ -242,6 +245,15 @@ void Responder::Respond(int status, std::string body, std::string content_type) 
 
 void Responder::Error(int status, const std::string& message) {
   Respond(status, ErrorJson(status, message));
+}
+
+void Responder::ErrorRetryAfter(int status, const std::string& message,
+                                absl::Duration retry_after) {
+  if (answered_.exchange(true)) return;
+  const int64_t seconds =
+      std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(retry_after, absl::Seconds(1))));
+  session_->Post(Session::Format(status, ErrorJson(status, message), "application/json", seconds),
+                 true);
 }
 
 void Responder::StartEvents() {

@@ -37,6 +37,9 @@ class Responder {
   void Respond(int status, std::string body, std::string content_type = "application/json");
   // A JSON error body {"error": {"message", "type", "code"}} with `status`.
   void Error(int status, const std::string& message);
+  // Error() with a Retry-After header (whole seconds, at least 1), for an overloaded server
+  // (503) so that clients back off rather than retry at once.
+  void ErrorRetryAfter(int status, const std::string& message, absl::Duration retry_after);
   // 200, text/event-stream, chunked; then Event() for each "data: ..." and EndEvents().
   void StartEvents();
   void Event(const std::string& data);

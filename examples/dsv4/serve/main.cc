@@ -49,7 +49,8 @@ int Usage() {
                "           [--kv-device cpu|gpu]\n"
                "  serve    --role prefill|decode|both --config C.json --weights W [--port 0]\n"
                "           [--kv-port 0] [--transport auto|tcp|shm] [--mode read|write|auto]\n"
-               "           [--num-blocks N] [--max-requests 4] [--threads 0]\n"
+               "           [--num-blocks N] [--max-requests 32] [--max-queue 128]\n"
+               "           [--max-queue-wait-s 30] [--threads 0] (docs/dsv4-capacity.md)\n"
                "           [--request-timeout-s 60] [--peer-lease-ms 5000] [--ready-file F]\n"
                "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
                "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
@@ -174,13 +175,15 @@ int Serve(const Flags& f) {
   o.shared_secret = *std::move(secret);
   absl::StatusOr<int64_t> port = f.GetInt("port", 0), kv_port = f.GetInt("kv-port", 0),
                           blocks = f.GetInt("num-blocks", 0),
-                          requests = f.GetInt("max-requests", 4), threads = f.GetInt("threads", 0),
+                          requests = f.GetInt("max-requests", 32), threads = f.GetInt("threads", 0),
+                          max_queue = f.GetInt("max-queue", 128),
+                          queue_wait = f.GetInt("max-queue-wait-s", 30),
                           timeout = f.GetInt("request-timeout-s", 60),
                           lease = f.GetInt("peer-lease-ms", 5000),
                           delay = f.GetInt("inject-delay-ms", 0),
                           seed = f.GetInt("allocation-seed", 0);
-  for (const auto* v :
-       {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay, &seed}) {
+  for (const auto* v : {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay,
+                        &seed, &max_queue, &queue_wait}) {
     if (!v->ok()) return Fail(v->status());
   }
   o.port = static_cast<int>(*port);
@@ -192,6 +195,8 @@ int Serve(const Flags& f) {
   o.peer_lease = absl::Milliseconds(*lease);
   o.inject_delay_ms = static_cast<int>(*delay);
   o.allocation_seed = static_cast<uint64_t>(*seed);
+  o.max_queue = static_cast<uint64_t>(std::max<int64_t>(0, *max_queue));
+  o.max_queue_wait = absl::Seconds(std::max<int64_t>(0, *queue_wait));
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<ModelServer>> server = ModelServer::Start(o);
@@ -199,6 +204,7 @@ int Serve(const Flags& f) {
   std::printf("kvwire-dsv4 serve: role=%s listening on %s:%d, kv %s (transport %s, mode %s)\n",
               o.role.c_str(), o.host.c_str(), (*server)->port(), (*server)->kv_address().c_str(),
               o.transport.c_str(), o.mode.c_str());
+  std::printf("kvwire-dsv4 serve: %s\n", (*server)->capacity().c_str());
   std::fflush(stdout);
   if (f.Has("ready-file")) {
     json ready = {{"port", (*server)->port()},
@@ -276,6 +282,8 @@ int Main(int argc, char** argv) {
                "name",
                "num-blocks",
                "max-requests",
+               "max-queue",
+               "max-queue-wait-s",
                "threads",
                "request-timeout-s",
                "peer-lease-ms",

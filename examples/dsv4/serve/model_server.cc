@@ -3,17 +3,20 @@
 #include <atomic>
 #include <deque>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 
 #include "examples/dsv4/model/config.h"
 #include "examples/dsv4/model/kv_cache.h"
 #include "examples/dsv4/model/model.h"
 #include "examples/dsv4/model/tokenizer.h"
+#include "examples/dsv4/serve/admission.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_server.h"
 #include "examples/dsv4/serve/stop_strings.h"
@@ -96,13 +99,25 @@ class ModelServer::Impl {
     if (!model.ok()) return model.status();
     model_ = std::move(*model);
     uint64_t blocks = options_.num_blocks;
-    if (blocks == 0) blocks = (config_.max_seq_len / 64 + 2) * options_.max_requests;
+    if (blocks == 0) {
+      blocks = (config_.max_seq_len / 64 + 2) * std::min<uint64_t>(options_.max_requests, 4);
+    }
     uint64_t seed = options_.allocation_seed;
     if (seed == 0) seed = role == "prefill" ? 11 : role == "decode" ? 22 : 33;
     absl::StatusOr<std::unique_ptr<KvCache>> cache =
         KvCache::Create(config_, blocks, options_.max_requests, seed);
     if (!cache.ok()) return cache.status();
     cache_ = std::move(*cache);
+    const CacheFootprint fp = Footprint(cache_->layout());
+    capacity_ = absl::StrFormat(
+        "KV cache %.1f MiB: %d blocks per paged group x %.1f KiB (all groups and layers), %d "
+        "state slots x %.1f KiB; admission queue %d, wait %s",
+        fp.total_bytes / 1048576.0, fp.blocks, fp.block_bytes / 1024.0, fp.slots,
+        fp.slot_bytes / 1024.0, options_.max_queue, absl::FormatDuration(options_.max_queue_wait));
+    AdmissionOptions ao;
+    ao.max_queue = options_.max_queue;
+    ao.max_wait = options_.max_queue_wait;
+    admission_ = std::make_unique<AdmissionQueue<Job>>(ao, Capacity(cache_->layout()));
 
     kvwire::ConnectorOptions co;
     co.role = role;
@@ -159,6 +174,7 @@ class ModelServer::Impl {
 
   int port() const { return http_->port(); }
   std::string kv_address() const { return connector_->engine().address(); }
+  const std::string& capacity() const { return capacity_; }
 
  private:
   // --- HTTP thread --------------------------------------------------------------------------
@@ -177,7 +193,9 @@ class ModelServer::Impl {
                 {"live_connector_requests", connector_->LiveRequests()},
                 {"active_requests", active_count_.load()},
                 {"held_requests", held_count_.load()},
+                {"held_blocks", held_blocks_.load()},
                 {"prefilling", prefilling_.load()}};
+      AddLoadHealth(j);
       resp->Respond(200, j.dump());
       return;
     }
@@ -300,6 +318,9 @@ class ModelServer::Impl {
     line("kvwire_dsv4_kv_load_wait_seconds_total", "counter", "", load_wait_us_.load() / 1e6);
     line("kvwire_dsv4_used_blocks", "gauge", "", static_cast<double>(cache_->UsedBlocks()));
     line("kvwire_dsv4_active_requests", "gauge", "", active_count_.load());
+    line("kvwire_dsv4_held_blocks", "gauge", "", static_cast<double>(held_blocks_.load()));
+    absl::StrAppend(&m, admission_->stats().Prometheus(e),
+                    connector_->engine().Stats().ToPrometheus(e));
     return m;
   }
 
@@ -314,7 +335,8 @@ class ModelServer::Impl {
         jobs.swap(queue_);
       }
       PollConnector();
-      for (Job& j : jobs) AdmitGuarded(j);
+      for (Job& j : jobs) Enqueue(j);
+      PumpAdmission();
       bool progressed = !jobs.empty();
       std::vector<std::string> ids;
       for (const auto& [id, a] : active_) ids.push_back(id);
@@ -326,6 +348,7 @@ class ModelServer::Impl {
       }
       active_count_.store(static_cast<int>(active_.size()));
       held_count_.store(static_cast<int>(held_.size()));
+      held_blocks_.store(HeldBlocks());
       if (!progressed) {
         kvwire::MutexLock lock(&mu_);
         if (queue_.empty() && !stop_) cv_.WaitUntil(&mu_, absl::Now() + absl::Milliseconds(1));
@@ -336,6 +359,8 @@ class ModelServer::Impl {
 
   // Aborts what is in flight and waits (bounded) until the connector lets go of the blocks.
   void Shutdown() {
+    admission_->Drain(
+        [this](Job& j, Rejection, const std::string& why) { Overloaded(j.resp, why); });
     for (auto& [id, a] : active_) {
       if (a.resp && !a.resp->answered()) a.resp->Error(503, "server is shutting down");
       if (a.resp && a.resp->streaming()) a.resp->EndEvents(false);
@@ -349,6 +374,7 @@ class ModelServer::Impl {
     }
     active_.clear();
     held_.clear();
+    held_blocks_.store(0);
   }
 
   void PollConnector() {
@@ -385,6 +411,91 @@ class ModelServer::Impl {
       KVW_LOG(kError, kLog) << "request handling threw" << Kv("error", e.what());
       Fail(job.resp, 500, absl::StrCat("internal error: ", e.what()));
     }
+  }
+
+  // --- admission (admission.h) -------------------------------------------------------------
+
+  // Jobs that take blocks wait for them in the admission queue; the others run now.
+  void Enqueue(Job& job) {
+    const std::optional<uint64_t> tokens = TokensToHold(job);
+    if (!tokens) return AdmitGuarded(job);
+    absl::Status s = admission_->Offer(job, BlocksNeeded(cache_->layout(), *tokens), job.arrived);
+    if (absl::IsResourceExhausted(s)) return Overloaded(job.resp, std::string(s.message()));
+    if (!s.ok()) Fail(job.resp, 400, std::string(s.message()));
+  }
+
+  // The most tokens whose KV a job will hold: a prefill its prompt; a decode or a local
+  // generation the prompt and every token it may generate. None for jobs that take no blocks
+  // (aborts, and a write-mode decode claiming the blocks it prepared).
+  std::optional<uint64_t> TokensToHold(const Job& job) const {
+    if (job.kind == Job::Kind::kAbort) return std::nullopt;
+    const uint64_t n = job.req.prompt.size() + 1;  // BOS + bytes
+    if (job.kind == Job::Kind::kCompletion) {
+      const KvTransferFields& kv = job.req.kv;
+      if (kv.do_remote_decode) return n;
+      if (kv.do_remote_prefill && kv.mode == "write" && prepared_.count(kv.transfer_id) != 0) {
+        return std::nullopt;
+      }
+    }
+    return n + static_cast<uint64_t>(std::max(0, job.req.max_tokens));
+  }
+
+  void PumpAdmission() {
+    admission_->Pump(
+        absl::Now(), [this] { return Available(); },
+        [](const Job& j) { return j.resp && j.resp->closed(); },
+        [this](Job& j) { AdmitGuarded(j); },
+        [this](Job& j, Rejection why, const std::string& message) {
+          if (why == Rejection::kClientGone) return Fail(j.resp, 499, message);
+          Overloaded(j.resp, message);
+        });
+  }
+
+  // Free blocks less what the live requests may still grow into (their reservations).
+  BlockCounts Available() const {
+    BlockCounts available = cache_->FreeBlocks();
+    for (const auto& [id, a] : active_) {
+      if (a.id.empty()) continue;
+      SubtractGrowth(
+          BlocksNeeded(cache_->layout(), a.prompt.size() + static_cast<uint64_t>(a.req.max_tokens)),
+          a.blocks, &available);
+    }
+    return available;
+  }
+
+  uint64_t HeldBlocks() const {
+    uint64_t n = 0;
+    for (const auto& [id, table] : held_) {
+      for (const auto& [group, ids] : table) {
+        for (int64_t b : ids) n += b >= 0 ? 1 : 0;
+      }
+    }
+    return n;
+  }
+
+  // 503 with Retry-After: the client should come back later.
+  void Overloaded(const std::shared_ptr<Responder>& resp, const std::string& message) {
+    ++requests_error_;
+    KVW_LOG(kInfo, kLog) << "request refused" << Kv("status", 503) << Kv("error", message);
+    if (resp) resp->ErrorRetryAfter(503, message, absl::Seconds(1));
+  }
+
+  // /health: the admission queue, and the engine's and connector's balances.
+  void AddLoadHealth(json& j) const {
+    j["admission"] = admission_->stats().Json(options_.max_queue);
+    const kvwire::EngineStats es = connector_->engine().Stats();
+    j["engine_transfers"] = {{"started", es.transfers_started},
+                             {"succeeded", es.transfers_succeeded},
+                             {"failed", es.transfers_failed}};
+    json cs = json::parse(connector_->StatsJson(), nullptr, false);
+    json c = json::object();
+    if (cs.is_object()) {
+      for (const char* k :
+           {"started", "completed", "failed", "withdrawn", "lease_expired", "live_requests"}) {
+        if (cs.contains(k)) c[k] = cs[k];
+      }
+    }
+    j["connector"] = c;
   }
 
   void Admit(Job& job) {
@@ -603,9 +714,31 @@ class ModelServer::Impl {
       // Claims the prepared request: its load may be done already.
       Active& a = active_.at(p->second);
       prepared_.erase(p);
+      if (a.aborting || a.load_failed) {
+        // Cancelled (never claimed in time, or its load failed) before this claim came: its
+        // blocks are on their way back; say why rather than drop the claim.
+        return Fail(job.resp, 504,
+                    absl::StrCat("the KV transfer prepared for transfer_id ", tid,
+                                 " ended before it was claimed: ", a.load_error));
+      }
       if (PromptTokens(job.req) != a.prompt) {
         Cancel(a, "prompt differs from the prepared one");
         return Fail(job.resp, 400, "prompt differs from the one prepared for this transfer_id");
+      }
+      if (job.req.max_tokens > a.req.max_tokens) {
+        // The reservation made at prepare time grows: admitted only if the cache can hold it.
+        const uint64_t n = a.prompt.size();
+        const BlockCounts old = BlocksNeeded(cache_->layout(), n + a.req.max_tokens);
+        BlockCounts extra = BlocksNeeded(cache_->layout(), n + job.req.max_tokens);
+        for (auto& [group, count] : extra) count -= old.at(group);
+        if (std::string s = Shortfall(extra, Available()); !s.empty()) {
+          Cancel(a, "max_tokens grew past what the KV cache can hold");
+          return Overloaded(job.resp, absl::StrCat("max_tokens ", job.req.max_tokens,
+                                                   " is more than the ", a.req.max_tokens,
+                                                   " this transfer was prepared for, and the KV "
+                                                   "cache cannot hold the difference now (",
+                                                   s, ")"));
+        }
       }
       a.req = job.req;
       a.stop = StopMatcher(job.req.stop);
@@ -631,6 +764,7 @@ class ModelServer::Impl {
   // connector reports the load (Advance frees them then).
   void Cancel(Active& a, const std::string& why) {
     KVW_LOG(kInfo, kLog) << "request cancelled" << Kv("request", a.id) << Kv("why", why);
+    if (a.load_error.empty()) a.load_error = why;
     if (a.resp && !a.resp->answered()) Fail(a.resp, 499, why);
     a.resp.reset();
     if (a.loading && !a.load_done && !a.load_failed) {
@@ -903,6 +1037,7 @@ class ModelServer::Impl {
   }
 
   const ModelServerOptions options_;
+  std::string capacity_;
   Config config_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<KvCache> cache_;
@@ -921,7 +1056,9 @@ class ModelServer::Impl {
   std::map<std::string, kvwire::BlockTable> held_;  // prefill: until finished_sending
   uint64_t seq_ = 0;
 
+  std::unique_ptr<AdmissionQueue<Job>> admission_;  // queue: worker only; stats: any thread
   std::atomic<int> active_count_{0}, held_count_{0}, prefilling_{0};
+  std::atomic<uint64_t> held_blocks_{0};
   std::atomic<uint64_t> requests_ok_{0}, requests_error_{0}, prompt_tokens_{0},
       generated_tokens_{0}, prefill_us_{0}, decode_us_{0}, load_wait_us_{0};
 };
@@ -936,5 +1073,6 @@ ModelServer::ModelServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelServer::~ModelServer() = default;
 int ModelServer::port() const { return impl_->port(); }
 std::string ModelServer::kv_address() const { return impl_->kv_address(); }
+std::string ModelServer::capacity() const { return impl_->capacity(); }
 
 }  // namespace dsv4::serve

@@ -43,8 +43,17 @@ struct ModelServerOptions {
   int kv_port = 0;
   std::string transport = "auto";  // auto | tcp | shm
   std::string mode = "auto";       // read | write | auto
-  uint64_t num_blocks = 0;         // per paged group; 0: max_seq_len tokens x max_requests
-  uint64_t max_requests = 4;
+  // Blocks per paged cache group; 0: room for min(max_requests, 4) requests of max_seq_len
+  // tokens. Memory: the start-up line prints the bytes of one block (over every group and
+  // layer) and of one state slot; see README "Capacity".
+  uint64_t num_blocks = 0;
+  // State slots per state group: requests that hold KV at once (prefill: read-mode hand-offs
+  // waiting for their reader count too).
+  uint64_t max_requests = 32;
+  // Admission: requests that wait for KV blocks at once, and how long each may wait, before
+  // they are answered 503 with Retry-After.
+  uint64_t max_queue = 128;
+  absl::Duration max_queue_wait = absl::Seconds(30);
   uint64_t allocation_seed = 0;  // 0: by role (prefill and decode differ)
   int threads = 0;
   absl::Duration request_timeout = absl::Seconds(60);
@@ -68,6 +77,8 @@ class ModelServer {
 
   int port() const;
   std::string kv_address() const;
+  // The KV cache's size and what it costs in memory, and the admission bounds, in one line.
+  std::string capacity() const;
 
   class Impl;
 

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -36,9 +37,20 @@ constexpr char kLog[] = "router";
 
 // An error the client gets: HTTP status and message.
 struct Failure {
+  Failure(int s, std::string m, std::string r = "")
+      : status(s), message(std::move(m)), retry_after(std::move(r)) {}
   int status = 502;
   std::string message;
+  std::string retry_after;  // an overloaded upstream's Retry-After, passed on
 };
+
+// An upstream's error answer as the client's: an overloaded server (503 with Retry-After:
+// its admission queue is full or the request waited too long for KV blocks) stays a 503 with
+// the same Retry-After, so the client backs off; any other server error is a bad gateway.
+Failure UpstreamFailure(const HttpResponse& r, std::string message) {
+  if (r.status == 503 && !r.retry_after.empty()) return {503, std::move(message), r.retry_after};
+  return {r.status >= 500 ? 502 : r.status, std::move(message), ""};
+}
 
 int StatusFor(const absl::Status& s) {
   if (absl::IsDeadlineExceeded(s)) return 504;
@@ -194,7 +206,9 @@ class Router::Impl {
       return;
     }
     if (inflight_.load() >= options_.max_inflight) {
-      resp->Error(503, absl::StrCat("too many requests in flight (", options_.max_inflight, ")"));
+      resp->ErrorRetryAfter(
+          503, absl::StrCat("too many requests in flight (", options_.max_inflight, ")"),
+          absl::Seconds(1));
       return;
     }
     for (auto it = workers_.begin(); it != workers_.end();) {
@@ -351,8 +365,8 @@ class Router::Impl {
         return;
       }
       if (r->status != 200) {
-        failure = Failure{r->status >= 500 ? 502 : r->status,
-                          absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r))};
+        failure = UpstreamFailure(
+            *r, absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r)));
         return;
       }
       absl::StatusOr<PrefillAnswer> answer = ParsePrefillAnswer(r->body);
@@ -405,7 +419,8 @@ class Router::Impl {
                          {"remote_host", host},
                          {"remote_port", port},
                          {"transfer_id", tid}};
-        // The whole request (prompt or messages), so decode prepares for the same tokens.
+        // The whole request (prompt or messages, max_tokens: decode reserves the blocks of the
+        // whole generation when it prepares), so decode prepares for the same tokens.
         json prep_json = body;
         prep_json["kv_transfer_params"] = decode_params;
         prep_json["stream"] = false;
@@ -424,8 +439,8 @@ class Router::Impl {
           break;
         }
         if (prep->status != 200) {
-          failure = Failure{prep->status >= 500 ? 502 : prep->status,
-                            absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(*prep))};
+          failure = UpstreamFailure(
+              *prep, absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(*prep)));
           break;
         }
         failure.reset();
@@ -460,11 +475,13 @@ class Router::Impl {
       if (!prefill_answer.stats.is_null()) db["kvwire_prefill"] = prefill_answer.stats;
       std::string collected;
       int status = 0;
+      std::string retry_after;
       auto call = [&](const std::string& d) {
         HttpCallOptions o;
         o.deadline = deadline;
         o.on_headers = [&](const HttpResponse& head) {
           status = head.status;
+          retry_after = head.retry_after;
           if (stream && head.status == 200) {
             resp->StartEvents();
             started = true;
@@ -494,9 +511,11 @@ class Router::Impl {
           resp->Respond(200, collected);
         } else {
           HttpResponse head;
+          head.status = status;
+          head.retry_after = retry_after;
           head.body = collected;
-          failure = Failure{status >= 500 ? 502 : status,
-                            absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(head))};
+          failure = UpstreamFailure(
+              head, absl::StrCat("decode ", decode_server, ": ", UpstreamMessage(head)));
         }
       }
     }
@@ -513,6 +532,11 @@ class Router::Impl {
       // Headers are out: the error travels as an event, and the stream ends without [DONE].
       resp->Event(ErrorJson(failure->status, failure->message));
       resp->EndEvents(/*done=*/false);
+    } else if (!failure->retry_after.empty()) {
+      int64_t seconds = 1;
+      if (!absl::SimpleAtoi(failure->retry_after, &seconds)) seconds = 1;
+      resp->ErrorRetryAfter(failure->status, failure->message,
+                            absl::Seconds(std::clamp<int64_t>(seconds, 1, 3600)));
     } else {
       resp->Error(failure->status, failure->message);
     }

@@ -1,0 +1,163 @@
+// kvwire-dsv4 processes for the load tests (load_test.cc, soak_test.cc): weights generated
+// into a temporary folder, servers and routers started with a ready file on loopback ports,
+// restartable on their port, and stopped with SIGTERM at the end (each must exit cleanly).
+// KVWIRE_DSV4_BIN and KVWIRE_DSV4_CONFIG come from CMake.
+#ifndef KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
+#define KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
+
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/process.h"
+
+namespace dsv4::serve::test_support {
+
+class ServeCluster {
+ public:
+  ServeCluster() {
+    char tmpl[] = "/tmp/kvwire-dsv4-load-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    weights_ = dir_ + "/tiny.safetensors";
+  }
+  ~ServeCluster() {
+    for (auto& [name, p] : procs_) {
+      if (!p->Running()) {
+        ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n" << p->LogTail();
+        continue;
+      }
+      p->Stop(SIGTERM, absl::Seconds(30));
+      EXPECT_EQ(p->exit_code(), 0) << name << " did not stop cleanly:\n" << p->LogTail();
+    }
+    procs_.clear();
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
+  }
+  ServeCluster(const ServeCluster&) = delete;
+  ServeCluster& operator=(const ServeCluster&) = delete;
+
+  // Runs a kvwire-dsv4 command to completion; returns its output.
+  absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args,
+                                  absl::Duration timeout = absl::Seconds(120)) {
+    const std::string log = dir_ + "/" + name + ".log";
+    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(KVWIRE_DSV4_BIN, args, log);
+    if (!p.ok()) return p.status();
+    absl::StatusOr<int> code = (*p)->Wait(timeout);
+    if (!code.ok()) return code.status();
+    if (*code != 0) {
+      return absl::InternalError(absl::StrCat(name, " exited ", *code, ":\n", (*p)->LogTail()));
+    }
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  absl::Status MakeWeights() {
+    return Run("weights", {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_}).status();
+  }
+
+  // Token ids `generate` produces for each prompt, in one process.
+  absl::StatusOr<std::vector<std::vector<int32_t>>> Reference(
+      const std::vector<std::string>& prompts, int max_tokens) {
+    std::vector<std::string> args = {
+        "generate", "--config",     KVWIRE_DSV4_CONFIG,      "--weights",
+        weights_,   "--max-tokens", absl::StrCat(max_tokens)};
+    for (const std::string& p : prompts) {
+      args.push_back("--prompt");
+      args.push_back(p);
+    }
+    absl::StatusOr<std::string> out = Run("generate", args);
+    if (!out.ok()) return out.status();
+    std::vector<std::vector<int32_t>> tokens;
+    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+      if (line.empty() || line[0] != '{') continue;
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("tokens")) continue;
+      tokens.push_back(j["tokens"].get<std::vector<int32_t>>());
+    }
+    if (tokens.size() != prompts.size()) {
+      return absl::InternalError(absl::StrCat("generate printed ", tokens.size(), " results for ",
+                                              prompts.size(), " prompts:\n", *out));
+    }
+    return tokens;
+  }
+
+  // A model server with the common flags and `extra` (not repeating them). Returns its address.
+  // The peer lease is the servers' default: 2 s declared live peers dead on a loaded 2-core
+  // machine (heartbeats late), failing their write-mode transfers.
+  absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
+                                    const std::string& transport,
+                                    const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {
+        "serve",     "--role",    role,          "--config",        KVWIRE_DSV4_CONFIG,
+        "--weights", weights_,    "--transport", transport,         "--mode",
+        "auto",      "--threads", "1",           "--peer-lease-ms", "5000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Launch(name, args);
+  }
+
+  absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
+                                     const std::string& decode, const std::string& mode) {
+    return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", mode,
+                         "--timeout-s", "120"});
+  }
+
+  // SIGKILL, then the same command again on the same HTTP port. Call it from the thread that
+  // will outlive the process: a child dies with the thread that started it
+  // (PR_SET_PDEATHSIG).
+  absl::Status KillAndRestart(const std::string& name) {
+    procs_.at(name)->Stop(SIGKILL);
+    std::vector<std::string> args = args_.at(name);
+    args.push_back("--port");
+    args.push_back(std::to_string(ports_.at(name)));
+    return Launch(name, args).status();
+  }
+
+  std::string Logs() const {
+    std::string all;
+    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
+    return all;
+  }
+
+ private:
+  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
+    const std::string ready = dir_ + "/" + name + ".ready";
+    std::filesystem::remove(ready);
+    if (args_.count(name) == 0) args_[name] = args;
+    args.push_back("--ready-file");
+    args.push_back(ready);
+    absl::StatusOr<std::unique_ptr<Process>> p =
+        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<nlohmann::json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
+    if (!j.ok()) {
+      return absl::Status(j.status().code(),
+                          absl::StrCat(name, ": ", j.status().message(), "\n", (*p)->LogTail()));
+    }
+    procs_[name] = std::move(*p);
+    ports_[name] = (*j)["port"].get<int>();
+    return (*j)["address"].get<std::string>();
+  }
+
+  std::string dir_, weights_;
+  std::map<std::string, std::unique_ptr<Process>> procs_;
+  std::map<std::string, std::vector<std::string>> args_;
+  std::map<std::string, int> ports_;
+};
+
+}  // namespace dsv4::serve::test_support
+
+#endif  // KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
