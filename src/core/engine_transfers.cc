@@ -179,10 +179,19 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
       ++stats_.notifications_sent;
     }
   } else if (!result.ok()) {
-    result = absl::Status(result.code(), absl::StrCat("transfer ", id, " to peer ", info.peer, ": ",
-                                                      result.message()));
+    // Named, not only numbered: the error reaches users (a connector's load outcome) who know
+    // their peers by name.
+    std::shared_ptr<Peer> peer = GetPeer(info.peer);
+    result =
+        absl::Status(result.code(), absl::StrCat("transfer ", id, " to peer ", info.peer,
+                                                 peer ? absl::StrCat(" (", peer->name, ")") : "",
+                                                 ": ", result.message()));
   }
-  if (transfers_.Finish(id, result)) RecordEnd(info, result);
+  // Counted before the waiter wakes: a caller whose Wait returned sees this transfer in Stats().
+  if (transfers_.ClaimEnd(id)) {
+    RecordEnd(info, result);
+    transfers_.CompleteEnd(id, std::move(result));
+  }
 }
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {

@@ -48,13 +48,28 @@ bool TransferTable::Finish(TransferId id, absl::Status status) {
   return EndLocked(it->second, std::move(status));
 }
 
+bool TransferTable::ClaimEnd(TransferId id) {
+  MutexLock lock(&mu_);
+  auto it = records_.find(id);
+  if (it == records_.end() || it->second.ended || it->second.claimed) return false;
+  it->second.claimed = true;
+  return true;
+}
+
+void TransferTable::CompleteEnd(TransferId id, absl::Status status) {
+  MutexLock lock(&mu_);
+  auto it = records_.find(id);
+  if (it != records_.end()) EndLocked(it->second, std::move(status));
+}
+
 std::vector<TransferInfo> TransferTable::FailIf(
     const std::function<bool(const TransferInfo&)>& match,
     const std::function<absl::Status(const TransferInfo&)>& status) {
   MutexLock lock(&mu_);
   std::vector<TransferInfo> failed;
   for (auto& [id, record] : records_) {
-    if (!record.ended && match(record.info) && EndLocked(record, status(record.info))) {
+    if (!record.ended && !record.claimed && match(record.info) &&
+        EndLocked(record, status(record.info))) {
       failed.push_back(record.info);
     }
   }

@@ -50,6 +50,12 @@ class TransferTable {
   // Sets the final status (first error wins: a transfer already failed stays failed).
   // Returns false when it had already ended.
   bool Finish(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Finish in two steps, for a caller that must account for the transfer before any waiter
+  // wakes (a Wait that returns sees the stats that count it). ClaimEnd makes the caller the
+  // only one that may end the transfer (deadlines and FailIf skip it from then on) and is
+  // false when it had already ended; CompleteEnd then ends it with `status`.
+  bool ClaimEnd(TransferId id) ABSL_LOCKS_EXCLUDED(mu_);
+  void CompleteEnd(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every pending transfer matching `match` with `status`; returns the ones failed.
   std::vector<TransferInfo> FailIf(const std::function<bool(const TransferInfo&)>& match,
                                    const std::function<absl::Status(const TransferInfo&)>& status)
@@ -67,6 +73,7 @@ class TransferTable {
     uint32_t lanes_left = 0;
     absl::Status lane_error;
     bool ended = false;
+    bool claimed = false;  // ClaimEnd was called: only CompleteEnd ends it
     absl::Status final_status;
     std::shared_ptr<std::atomic<bool>> cancelled;
   };

@@ -48,6 +48,27 @@ TEST(TransferTableTest, FirstErrorWins) {
   EXPECT_EQ(table.Wait(2, absl::Seconds(1)).code(), absl::StatusCode::kDataLoss);
 }
 
+// The completing thread claims the end, accounts for the transfer, then ends it: meanwhile
+// the transfer is still pending to Poll, and neither its deadline nor a peer's death can end
+// it (the bytes did move); the status CompleteEnd gives is the one reported.
+TEST(TransferTableTest, ClaimedEndIsOnlyEndedByItsClaimant) {
+  TransferTable table;
+  table.Start(Info(4, absl::Milliseconds(1)), 1);
+  ASSERT_TRUE(table.LaneDone(4, absl::OkStatus()).has_value());
+  ASSERT_TRUE(table.ClaimEnd(4));
+  EXPECT_FALSE(table.ClaimEnd(4));
+  EXPECT_TRUE(table.ExpireDeadlines(absl::Now() + absl::Seconds(1)).empty());
+  EXPECT_TRUE(table
+                  .FailIf([](const TransferInfo&) { return true; },
+                          [](const TransferInfo&) { return absl::UnavailableError("peer died"); })
+                  .empty());
+  EXPECT_EQ(table.Poll(4, nullptr), TransferState::kPending);
+  EXPECT_EQ(table.pending(), 1u);
+  table.CompleteEnd(4, absl::OkStatus());
+  EXPECT_FALSE(table.Finish(4, absl::InternalError("late")));
+  EXPECT_TRUE(table.Wait(4, absl::Seconds(1)).ok());
+}
+
 TEST(TransferTableTest, DeadlineEndsTransferAndLateLanesAreIgnored) {
   TransferTable table;
   auto cancelled = table.Start(Info(3, absl::Milliseconds(1)), 2);
