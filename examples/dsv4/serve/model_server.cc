@@ -106,6 +106,9 @@ class ModelServer::Impl {
     co.engine.peer_lease = options_.peer_lease;
     co.engine.heartbeat_interval = std::min(absl::Milliseconds(500), options_.peer_lease / 5);
     co.request_timeout = options_.request_timeout;
+    co.etcd_endpoints = options_.etcd;
+    co.cluster = options_.cluster;
+    co.etcd_lease_seconds = options_.etcd_lease_s;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> connector = kvwire::Connector::Create(co);
     if (!connector.ok()) return connector.status();
     connector_ = std::move(*connector);
@@ -121,6 +124,14 @@ class ModelServer::Impl {
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
     http_ = std::move(*http);
+    for (const kvwire::CacheGroup& g : cache_->layout().groups) total_blocks_ += g.num_blocks;
+    // Serving now: visible to routers from here on (and gone first at shutdown).
+    if (!options_.etcd.empty()) {
+      if (absl::Status s = connector_->Announce(absl::StrCat(options_.host, ":", http_->port()));
+          !s.ok()) {
+        return s;
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -159,6 +170,8 @@ class ModelServer::Impl {
                 {"mode", options_.mode},
                 {"transport", options_.transport},
                 {"used_blocks", cache_->UsedBlocks()},
+                {"total_blocks", total_blocks_},
+                {"announced", connector_->Announced()},
                 {"live_connector_requests", connector_->LiveRequests()},
                 {"active_requests", active_count_.load()},
                 {"held_requests", held_count_.load()},
@@ -513,7 +526,8 @@ class ModelServer::Impl {
       return false;
     }
     a.transfer_id = kv.transfer_id;
-    a.peer = absl::StrCat(kv.remote_host, ":", kv.remote_port);
+    a.peer = kv.remote_host.empty() ? "(resolved through etcd)"
+                                    : absl::StrCat(kv.remote_host, ":", kv.remote_port);
     absl::StatusOr<kvwire::MatchResult> m =
         connector_->GetNumNewMatchedTokens(a.id, n, 0, Dump(kvp));
     if (!m.ok()) {
@@ -848,6 +862,7 @@ class ModelServer::Impl {
   std::unique_ptr<kvwire::Connector> connector_;
   std::unique_ptr<HttpServer> http_;
   std::thread worker_;
+  uint64_t total_blocks_ = 0;  // over the paged groups (set in Init)
 
   kvwire::Mutex mu_;
   kvwire::CondVar cv_;
