@@ -104,6 +104,7 @@ void Registration::Loop() {
       outage = false;
       registered_.store(true);
     } else {
+      registered_.store(false);
       if (!outage) {
         KVW_LOG(kWarning, kLog) << "etcd unavailable; the registration is kept when it returns"
                                 << Kv("key", key_) << Kv("error", s.message());

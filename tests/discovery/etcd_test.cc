@@ -51,10 +51,12 @@ bool HasKey(EtcdClient& c, const std::string& key) {
 class Child {
  public:
   Child(const std::string& endpoints, const std::string& key, int ttl) {
+    // Everything the child needs is made before fork (other threads run here).
+    const std::string ttl_text = std::to_string(ttl);
     pid_ = fork();
     if (pid_ == 0) {
       execl(KVWIRE_REGISTER_CHILD, KVWIRE_REGISTER_CHILD, endpoints.c_str(), key.c_str(),
-            "{\"role\":\"decode\"}", std::to_string(ttl).c_str(), nullptr);
+            "{\"role\":\"decode\"}", ttl_text.c_str(), nullptr);
       _exit(127);
     }
   }
