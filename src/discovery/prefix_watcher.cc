@@ -73,7 +73,9 @@ void PrefixWatcher::Loop() {
         keys_ = std::move(fresh);
       }
       connected_.store(true);
-      if (outage) KVW_LOG(kWarning, kLog) << "etcd reachable again" << Kv("prefix", prefix_);
+      if (outage) {
+        KVW_LOG(kWarning, kLog) << "etcd reachable again" << Kv("prefix", prefix_);
+      }
       outage = false;
       Publish();
       int64_t revision = range->revision;

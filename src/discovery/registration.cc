@@ -100,7 +100,9 @@ void Registration::Loop() {
       }
     }
     if (s.ok()) {
-      if (outage) KVW_LOG(kWarning, kLog) << "etcd reachable again" << Kv("key", key_);
+      if (outage) {
+        KVW_LOG(kWarning, kLog) << "etcd reachable again" << Kv("key", key_);
+      }
       outage = false;
       registered_.store(true);
     } else {
