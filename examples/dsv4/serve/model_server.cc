@@ -526,8 +526,11 @@ class ModelServer::Impl {
       return false;
     }
     a.transfer_id = kv.transfer_id;
-    a.peer = kv.remote_host.empty() ? "(resolved through etcd)"
-                                    : absl::StrCat(kv.remote_host, ":", kv.remote_port);
+    // Named by engine id alone (discovery): the connector resolves it through etcd.
+    a.peer =
+        kv.remote_host.empty()
+            ? kvwire::JsonFields(kvp, "kv_transfer_params").OptString("engine_id", "", kMaxIdBytes)
+            : absl::StrCat(kv.remote_host, ":", kv.remote_port);
     absl::StatusOr<kvwire::MatchResult> m =
         connector_->GetNumNewMatchedTokens(a.id, n, 0, Dump(kvp));
     if (!m.ok()) {
@@ -725,7 +728,7 @@ class ModelServer::Impl {
       }
     }
     for (const kvwire::PeerInfo& p : connector_->engine().Peers()) {
-      if (p.address == a.peer && p.alive) out["transport"] = p.transport;
+      if ((p.address == a.peer || p.name == a.peer) && p.alive) out["transport"] = p.transport;
     }
     return out;
   }

@@ -239,6 +239,15 @@ TEST_P(XpydTest, DiscoveredThroughEtcdSurvivesDecodeDeathAndRejoin) {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->status, 200) << r->error << d.Logs();
     EXPECT_EQ(r->tokens, want[i % want.size()]) << "prompt " << i;
+    // The KV moved over the transport asked for; in write mode the router named the prefill
+    // by engine id alone, and decode's connector resolved it through etcd.
+    const json& t = r->kvwire["transfer"];
+    EXPECT_EQ(t.value("mode", ""), mode) << t.dump();
+    EXPECT_NE(t.value("transport", "").find(transport), std::string::npos) << t.dump();
+    if (mode == "write") {
+      const std::string peer = t.value("peer", "");
+      EXPECT_TRUE(peer == "p1" || peer == "p2") << t.dump();
+    }
   };
 
   // 1. All at once: every token equals the aggregated server's, and the load spreads over
