@@ -190,6 +190,7 @@ struct Param {
   const char* transport;
   const char* mode;
 };
+void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << "/" << p.mode; }
 
 class XpydTest : public ::testing::TestWithParam<Param> {};
 
