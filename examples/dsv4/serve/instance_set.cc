@@ -155,7 +155,9 @@ void InstanceSet::PollLoop() {
       for (const auto& [a, in] : instances_) addresses.push_back(a);
     }
     for (const std::string& a : addresses) {
-      absl::StatusOr<json> h = GetJson(a, "/health", std::min(options_.poll * 4, absl::Seconds(1)));
+      // A loaded machine may answer slowly: only a failed call (refused, reset, or no answer
+      // within a second) marks an instance unreachable.
+      absl::StatusOr<json> h = GetJson(a, "/health", absl::Seconds(1));
       int active = -1;
       int64_t free_blocks = -1;
       if (h.ok()) {
