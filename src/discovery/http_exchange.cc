@@ -107,19 +107,11 @@ struct HttpExchange::State {
   bool timed_out = false, connected = false, cancelled = false;
 };
 
-namespace {
-// Guards HttpExchange::state_ against Cancel() from another thread.
-Mutex& ExchangeMutex() {
-  static Mutex* mu = new Mutex();  // never destroyed: Cancel may run at exit
-  return *mu;
-}
-}  // namespace
-
 HttpExchange::HttpExchange() = default;
 HttpExchange::~HttpExchange() = default;
 
 void HttpExchange::Cancel() {
-  MutexLock lock(&ExchangeMutex());
+  MutexLock lock(&mu_);
   cancelled_ = true;
   if (state_ == nullptr) return;
   State* s = state_.get();
@@ -136,7 +128,7 @@ absl::StatusOr<HttpReply> HttpExchange::Post(const std::string& host, int port,
                                              size_t max_body) {
   State* s = nullptr;
   {
-    MutexLock lock(&ExchangeMutex());
+    MutexLock lock(&mu_);
     if (cancelled_) return absl::CancelledError("etcd call cancelled");
     state_ = std::make_unique<State>();
     s = state_.get();
@@ -190,7 +182,7 @@ absl::StatusOr<HttpReply> HttpExchange::Post(const std::string& host, int port,
       out = s->error;
     }
   }
-  MutexLock lock(&ExchangeMutex());
+  MutexLock lock(&mu_);
   state_.reset();
   return out;
 }

@@ -14,6 +14,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "src/util/mutex.h"
+
 namespace kvwire::discovery {
 
 struct HttpReply {
@@ -43,8 +45,10 @@ class HttpExchange {
 
  private:
   struct State;
-  std::unique_ptr<State> state_;
-  std::atomic<bool> cancelled_{false};
+  // Post runs on one thread; Cancel may come from another while it does.
+  Mutex mu_;
+  std::unique_ptr<State> state_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // "http://host:port" (or "host:port") → host and port. https is refused: the client speaks
