@@ -61,7 +61,7 @@ TEST(InstanceSet, LeastLoadedFollowsReportedAndOutstandingLoad) {
   InstanceSet& s = **set;
   ASSERT_TRUE(WaitFor([&] {
     return s.Metrics().find("reported_active{kind=\"decode\",instance=\"" + busy.address() +
-                            "\"} 3") != std::string::npos;
+                            "\"} 3\n") != std::string::npos;
   })) << s.Metrics();
   // The reported load decides, whatever the rotation.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(s.Order(InstanceKind::kDecode)[0], idle.address());
@@ -76,9 +76,9 @@ TEST(InstanceSet, LeastLoadedFollowsReportedAndOutstandingLoad) {
   idle.used = 90;
   ASSERT_TRUE(WaitFor([&] {
     return s.Metrics().find("free_blocks{kind=\"decode\",instance=\"" + idle.address() +
-                            "\"} 10") != std::string::npos &&
+                            "\"} 10\n") != std::string::npos &&
            s.Metrics().find("reported_active{kind=\"decode\",instance=\"" + busy.address() +
-                            "\"} 0") != std::string::npos;
+                            "\"} 0\n") != std::string::npos;
   })) << s.Metrics();
   for (int i = 0; i < 4; ++i) EXPECT_EQ(s.Order(InstanceKind::kDecode)[0], busy.address());
   // An instance that stops answering goes last (its reported load reads -1 once polled).
@@ -86,7 +86,7 @@ TEST(InstanceSet, LeastLoadedFollowsReportedAndOutstandingLoad) {
   const std::string gone = busy.address();
   busy.server.reset();
   ASSERT_TRUE(WaitFor([&] {
-    return s.Metrics().find("reported_active{kind=\"decode\",instance=\"" + gone + "\"} -1") !=
+    return s.Metrics().find("reported_active{kind=\"decode\",instance=\"" + gone + "\"} -1\n") !=
            std::string::npos;
   })) << s.Metrics();
   for (int i = 0; i < 4; ++i) {
