@@ -202,13 +202,14 @@ std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
   return all;
 }
 
-InstanceSet::Ticket InstanceSet::Acquire(InstanceKind kind, const std::string& server) {
+InstanceSet::Ticket InstanceSet::Acquire(InstanceKind kind, const std::string& server,
+                                         bool count_route) {
   Ticket t;
   kvwire::MutexLock lock(&mu_);
   auto it = instances_.find(server);
   if (it == instances_.end()) return t;
   ++it->second.outstanding;
-  ++routed_[{static_cast<int>(kind), it->second.name}];
+  if (count_route) ++routed_[{static_cast<int>(kind), it->second.name}];
   t.set_ = this;
   t.server_ = server;
   return t;

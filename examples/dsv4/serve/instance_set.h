@@ -68,8 +68,9 @@ class InstanceSet {
   // The instances of `kind` (HTTP host:port) in the order to try them; the first is the
   // policy's choice. Empty when none is known.
   std::vector<std::string> Order(InstanceKind kind);
-  // Records that a request went to `server` and counts it outstanding until the ticket goes.
-  Ticket Acquire(InstanceKind kind, const std::string& server);
+  // Records that a request went to `server` (unless `count_route` is false: a later step of
+  // a request already counted) and counts it outstanding until the ticket goes.
+  Ticket Acquire(InstanceKind kind, const std::string& server, bool count_route = true);
   // The engine id an instance registered (empty without etcd).
   std::string EngineId(const std::string& server);
 

@@ -300,6 +300,9 @@ class Router::Impl {
     const std::string tid = absl::StrCat("rt-", absl::BytesToHexString(*random));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;
+    // Write mode: the decode's blocks are taken from prepare on, so it counts as loaded from
+    // then until the request ends.
+    InstanceSet::Ticket decode_ticket;
     json decode_params;
     PrefillAnswer prefill_answer;
 
@@ -398,6 +401,8 @@ class Router::Impl {
           break;
         }
         failure.reset();
+        decode_ticket = instances_->Acquire(InstanceKind::kDecode, decode_server,
+                                            /*count_route=*/false);
         InstanceSet::Ticket prefill_ticket =
             instances_->Acquire(InstanceKind::kPrefill, prefill_server);
         absl::StatusOr<HttpResponse> r =
@@ -456,8 +461,6 @@ class Router::Impl {
         };
         return HttpCall(d, "POST", "/v1/completions", db.dump(), o);
       };
-      InstanceSet::Ticket decode_ticket;
-      if (write) decode_ticket = instances_->Acquire(InstanceKind::kDecode, decode_server);
       absl::StatusOr<HttpResponse> r =
           write ? call(decode_server) : TryEach(InstanceKind::kDecode, call, &decode_server);
       if (!r.ok()) {
