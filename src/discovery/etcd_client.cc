@@ -71,15 +71,21 @@ absl::StatusOr<std::string> EtcdClient::Call(const std::string& target, const st
       std::max(options_.call_timeout / static_cast<int64_t>(n), absl::Milliseconds(500));
   const size_t first = preferred_.load();
   absl::Status last;
-  for (size_t i = 0; i < n; ++i) {
+  // Rounds over the members until the deadline: a member that lost its leader (an election
+  // after a member died) answers Unavailable at once, and the next round may find a leader.
+  for (size_t i = 0;; ++i) {
     const absl::Time now = absl::Now();
     if (now >= deadline) break;
+    if (i > 0 && i % n == 0) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), deadline - now));
+      if (absl::Now() >= deadline) break;
+    }
     const size_t at = (first + i) % n;
     const Endpoint& ep = endpoints_[at];
     HttpExchange exchange;
-    absl::StatusOr<HttpReply> r = exchange.Post(
-        ep.host, ep.port, target, body, i + 1 == n ? deadline : std::min(deadline, now + share),
-        nullptr, kEtcdMaxBodyBytes);
+    absl::StatusOr<HttpReply> r =
+        exchange.Post(ep.host, ep.port, target, body, std::min(deadline, absl::Now() + share),
+                      nullptr, kEtcdMaxBodyBytes);
     absl::Status s = r.status();
     if (r.ok()) s = EtcdError(r->status, r->body);
     if (s.ok()) {
