@@ -105,6 +105,15 @@ struct ConnectorOptions {
   // "host:port" of an HTTP endpoint serving GET /metrics (Prometheus text) and
   // GET /stats.json; port 0 picks a free one (see metrics_address()). Empty: none.
   std::string metrics_address;
+  // Optional discovery through etcd (v3 API): "http://host:port[,http://host:port...]" of
+  // the cluster's members, and the deployment's name (keys live under
+  // /kvwire/<cluster>/instances/<engine id>). With both set, Announce() registers this engine
+  // with a lease, and kv_transfer_params that name a remote prefill by engine_id alone (no
+  // remote_host/remote_port) are resolved through etcd. Empty: host:port only, as before.
+  std::string etcd_endpoints;
+  std::string cluster;
+  absl::Duration etcd_call_timeout = absl::Seconds(2);  // every etcd call
+  int64_t etcd_lease_seconds = 10;                      // how long a dead instance stays registered
 };
 
 struct MatchResult {
@@ -218,6 +227,16 @@ class Connector {
   // Aborts a request on this side (either role); the peer is told. Blocks are reported
   // through GetFinished once nothing touches them any more.
   absl::Status Abort(const std::string& request_id);
+
+  // Discovery (ConnectorOptions::etcd_endpoints): registers this engine (role, control
+  // address, transports, compatibility hash, layout summary, and `http_address` of the
+  // serving API when there is one) and keeps the registration alive until the connector is
+  // destroyed, which deletes it at once. etcd unreachable now: FailedPrecondition without
+  // etcd configured; otherwise OK with the error logged, and registration keeps trying in the
+  // background. Call after RegisterKvCaches (the layout is part of the record).
+  absl::Status Announce(const std::string& http_address = "");
+  // Whether the registration is in etcd now (false without Announce or while etcd is away).
+  bool Announced() const;
 
   // Requests still holding blocks (for accounting checks).
   size_t LiveRequests() const;

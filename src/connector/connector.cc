@@ -78,6 +78,7 @@ absl::Status Connector::Impl::Init() {
   absl::StatusOr<std::unique_ptr<Inbox>> inbox = engine_->OpenInbox(connector_internal::kTopic);
   if (!inbox.ok()) return inbox.status();
   inbox_ = std::move(*inbox);
+  if (absl::Status s = InitDiscovery(); !s.ok()) return s;
   progress_ = std::thread([this] { ProgressLoop(); });
   if (!options_.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<connector_internal::MetricsServer>> server =

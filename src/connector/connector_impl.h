@@ -52,6 +52,8 @@
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
 #include "src/connector/metrics_http.h"
+#include "src/discovery/etcd_client.h"
+#include "src/discovery/registration.h"
 #include "src/gpu/runtime.h"
 #include "src/util/json_fields.h"
 #include "src/util/mutex.h"
@@ -231,6 +233,11 @@ class Connector::Impl {
 
   explicit Impl(ConnectorOptions options) : options_(std::move(options)) {}
   ~Impl() {
+    {
+      // First: the key goes from etcd at once, before the engine stops answering.
+      MutexLock lock(&discovery_mu_);
+      registration_.reset();
+    }
     metrics_.reset();
     {
       MutexLock lock(&mu_);
@@ -244,6 +251,13 @@ class Connector::Impl {
   std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
   Engine& engine() { return *engine_; }
   const std::string& engine_id() const { return engine_->name(); }
+
+  // --- discovery (discovery_side.cc) -----------------------------------------------------
+  absl::Status InitDiscovery();
+  absl::Status Announce(const std::string& http_address);
+  bool Announced() const;
+  // The control address of engine `engine_id`: a connected peer's, else etcd's record.
+  absl::StatusOr<std::string> ResolveEngine(const std::string& engine_id);
 
   // --- registration -----------------------------------------------------------------------
   absl::Status RegisterKvCaches(const Layout& layout, const std::vector<KvMemory>& memory);
@@ -386,7 +400,10 @@ class Connector::Impl {
   std::unique_ptr<Inbox> inbox_;
   std::thread progress_;
   std::unique_ptr<connector_internal::MetricsServer> metrics_;
-  std::thread event_waiter_;  // started by the first event-gated save
+  std::thread event_waiter_;                     // started by the first event-gated save
+  std::shared_ptr<discovery::EtcdClient> etcd_;  // set by Init when configured
+  mutable Mutex discovery_mu_;
+  std::unique_ptr<discovery::Registration> registration_ ABSL_GUARDED_BY(discovery_mu_);
 
   mutable Mutex mu_;
   CondVar cv_;

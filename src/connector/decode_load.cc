@@ -20,7 +20,7 @@ using nlohmann::json;
 
 // Decode: starts one request's load.
 void Connector::Impl::StartLoad(const std::string& id) {
-  std::string address;
+  std::string address, engine_id;
   std::vector<std::string> tp_addresses;
   {
     MutexLock lock(&mu_);
@@ -32,10 +32,28 @@ void Connector::Impl::StartLoad(const std::string& id) {
     for (const CacheGroup& g : layout_.groups) {
       it->second.layers_pending.insert(g.layers.begin(), g.layers.end());
     }
-    address = absl::StrCat(it->second.params.host, ":", it->second.params.port);
+    if (!it->second.params.host.empty() && it->second.params.port != 0) {
+      address = absl::StrCat(it->second.params.host, ":", it->second.params.port);
+    }
+    engine_id = it->second.params.engine_id;
     for (const KvSource& src : it->second.params.tp_sources) {
       tp_addresses.push_back(absl::StrCat(src.host, ":", src.port));
     }
+  }
+  if (address.empty()) {
+    // Named by engine id alone: resolved through discovery (or refused with the reason).
+    absl::StatusOr<std::string> resolved = ResolveEngine(engine_id);
+    if (!resolved.ok()) {
+      MutexLock lock(&mu_);
+      auto it = requests_.find(id);
+      if (it != requests_.end()) {
+        Request& r = it->second;
+        FailLocked(
+            r, r.fail_reason.empty() ? std::string(resolved.status().message()) : r.fail_reason);
+      }
+      return;
+    }
+    address = *resolved;
   }
   absl::StatusOr<PeerId> peer = EnsurePeer(address);
   std::vector<absl::StatusOr<PeerId>> tp_peers;

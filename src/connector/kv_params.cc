@@ -200,9 +200,12 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
     return absl::InvalidArgumentError(absl::StrCat("kv_transfer_params: bad port ", p.port));
   }
   if (p.do_remote_prefill) {
-    if (p.host.empty() || p.port == 0) {
+    // Without host and port the engine id names the prefill; the connector resolves it
+    // through discovery (etcd) or refuses the request.
+    if ((p.host.empty() || p.port == 0) && p.engine_id.empty()) {
       return absl::InvalidArgumentError(
-          "kv_transfer_params: remote_host/remote_port missing for a remote prefill");
+          "kv_transfer_params: remote_host/remote_port (or an engine_id to resolve) missing for "
+          "a remote prefill");
     }
     if (p.transfer_id.empty()) {
       return absl::InvalidArgumentError(

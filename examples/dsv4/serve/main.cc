@@ -8,7 +8,9 @@
 //                        [--port 0 --kv-port 0 --transport auto|tcp|shm --mode read|write|auto]
 //                        [--secret-file F | --secret S]
 //   kvwire-dsv4 router   --prefill host:port[,...] --decode host:port[,...] --mode read|write
-//                        [--port 0]
+//                        [--port 0] [--policy round_robin|least_loaded]
+//   kvwire-dsv4 router   --etcd URL --cluster NAME --mode read|write (servers given
+//                        --etcd URL --cluster NAME register themselves; the router follows)
 //   kvwire-dsv4 demo     (see demo.cc)
 //
 // Servers print one "listening" line, write --ready-file (JSON with the ports) once they
@@ -56,8 +58,12 @@ int Usage() {
                "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
                "           a file (mode 600) is recommended: argv is visible to local users;\n"
                "           neither: KVWIRE_SECRET)\n"
+               "           [--etcd http://H:P[,...] --cluster NAME [--etcd-lease-s 10]]\n"
+               "           (register in etcd under /kvwire/NAME/instances/<engine id>)\n"
                "  router   --prefill H:P[,H:P] --decode H:P[,H:P] --mode read|write [--port 0]\n"
-               "           [--timeout-s 300] [--ready-file F]\n"
+               "           [--timeout-s 300] [--ready-file F] [--policy round_robin|least_loaded]\n"
+               "  router   --etcd http://H:P[,...] --cluster NAME --mode read|write [...]\n"
+               "           (instances discovered and followed through etcd)\n"
                "  demo     [--config C.json] [--weights W] [--work-dir D] [--secret-file F]\n"
                "           (make demo)\n");
   return 2;
@@ -169,6 +175,11 @@ int Serve(const Flags& f) {
   o.transport = f.Get("transport", "auto");
   o.mode = f.Get("mode", "auto");
   o.name = f.Get("name");
+  o.etcd = f.Get("etcd");
+  o.cluster = f.Get("cluster");
+  if (o.etcd.empty() != o.cluster.empty()) {
+    return Fail(absl::InvalidArgumentError("--etcd and --cluster go together"));
+  }
   o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
   absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
   if (!secret.ok()) return Fail(secret.status());
@@ -181,9 +192,10 @@ int Serve(const Flags& f) {
                           timeout = f.GetInt("request-timeout-s", 60),
                           lease = f.GetInt("peer-lease-ms", 5000),
                           delay = f.GetInt("inject-delay-ms", 0),
-                          seed = f.GetInt("allocation-seed", 0);
+                          seed = f.GetInt("allocation-seed", 0),
+                          etcd_lease = f.GetInt("etcd-lease-s", 10);
   for (const auto* v : {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay,
-                        &seed, &max_queue, &queue_wait}) {
+                        &seed, &max_queue, &queue_wait, &etcd_lease}) {
     if (!v->ok()) return Fail(v->status());
   }
   o.port = static_cast<int>(*port);
@@ -197,6 +209,7 @@ int Serve(const Flags& f) {
   o.allocation_seed = static_cast<uint64_t>(*seed);
   o.max_queue = static_cast<uint64_t>(std::max<int64_t>(0, *max_queue));
   o.max_queue_wait = absl::Seconds(std::max<int64_t>(0, *queue_wait));
+  o.etcd_lease_s = *etcd_lease;
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<ModelServer>> server = ModelServer::Start(o);
@@ -220,8 +233,13 @@ int Serve(const Flags& f) {
 }
 
 int RouterMain(const Flags& f) {
-  if (absl::Status s = f.Require({"prefill", "decode"}); !s.ok()) return Fail(s);
+  if (!f.Has("etcd")) {
+    if (absl::Status s = f.Require({"prefill", "decode"}); !s.ok()) return Fail(s);
+  }
   RouterOptions o;
+  o.etcd = f.Get("etcd");
+  o.cluster = f.Get("cluster");
+  o.policy = f.Get("policy");
   for (const std::string& v : f.GetAll("prefill")) {
     for (absl::string_view a : absl::StrSplit(v, ',', absl::SkipEmpty())) o.prefill.emplace_back(a);
   }
@@ -291,11 +309,15 @@ int Main(int argc, char** argv) {
                "allocation-seed",
                "ready-file",
                "secret",
-               "secret-file"},
+               "secret-file",
+               "etcd",
+               "cluster",
+               "etcd-lease-s"},
               {"corrupt-kv-page"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
-    f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file"});
+    f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file", "etcd",
+               "cluster", "policy"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
     f = parse(

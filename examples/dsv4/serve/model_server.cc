@@ -136,6 +136,9 @@ class ModelServer::Impl {
     co.engine.peer_lease = options_.peer_lease;
     co.engine.heartbeat_interval = std::min(absl::Milliseconds(500), options_.peer_lease / 5);
     co.request_timeout = options_.request_timeout;
+    co.etcd_endpoints = options_.etcd;
+    co.cluster = options_.cluster;
+    co.etcd_lease_seconds = options_.etcd_lease_s;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> connector = kvwire::Connector::Create(co);
     if (!connector.ok()) return connector.status();
     connector_ = std::move(*connector);
@@ -151,6 +154,14 @@ class ModelServer::Impl {
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
     http_ = std::move(*http);
+    for (const kvwire::CacheGroup& g : cache_->layout().groups) total_blocks_ += g.num_blocks;
+    // Serving now: visible to routers from here on (and gone first at shutdown).
+    if (!options_.etcd.empty()) {
+      if (absl::Status s = connector_->Announce(absl::StrCat(options_.host, ":", http_->port()));
+          !s.ok()) {
+        return s;
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -190,6 +201,8 @@ class ModelServer::Impl {
                 {"mode", options_.mode},
                 {"transport", options_.transport},
                 {"used_blocks", cache_->UsedBlocks()},
+                {"total_blocks", total_blocks_},
+                {"announced", connector_->Announced()},
                 {"live_connector_requests", connector_->LiveRequests()},
                 {"active_requests", active_count_.load()},
                 {"held_requests", held_count_.load()},
@@ -658,7 +671,14 @@ class ModelServer::Impl {
       return false;
     }
     a.transfer_id = kv.transfer_id;
-    a.peer = absl::StrCat(kv.remote_host, ":", kv.remote_port);
+    // Named by engine id alone (discovery): the connector resolves it through etcd.
+    if (kv.remote_host.empty()) {
+      kvwire::JsonFields f(kvp, "kv_transfer_params");
+      a.peer = f.Has("remote_engine_id") ? f.OptString("remote_engine_id", "", kMaxIdBytes)
+                                         : f.OptString("engine_id", "", kMaxIdBytes);
+    } else {
+      a.peer = absl::StrCat(kv.remote_host, ":", kv.remote_port);
+    }
     absl::StatusOr<kvwire::MatchResult> m =
         connector_->GetNumNewMatchedTokens(a.id, KvTokens(n), 0, Dump(kvp));
     if (!m.ok()) {
@@ -890,7 +910,7 @@ class ModelServer::Impl {
       }
     }
     for (const kvwire::PeerInfo& p : connector_->engine().Peers()) {
-      if (p.address == a.peer && p.alive) out["transport"] = p.transport;
+      if ((p.address == a.peer || p.name == a.peer) && p.alive) out["transport"] = p.transport;
     }
     return out;
   }
@@ -1044,6 +1064,7 @@ class ModelServer::Impl {
   std::unique_ptr<kvwire::Connector> connector_;
   std::unique_ptr<HttpServer> http_;
   std::thread worker_;
+  uint64_t total_blocks_ = 0;  // over the paged groups (set in Init)
 
   kvwire::Mutex mu_;
   kvwire::CondVar cv_;

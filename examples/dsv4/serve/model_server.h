@@ -64,6 +64,9 @@ struct ModelServerOptions {
   // test can kill a server while a request is surely in flight.
   int inject_delay_ms = 0;
   std::string name;
+  // Discovery: register in etcd (endpoints, cluster name) with a lease of etcd_lease_s.
+  std::string etcd, cluster;
+  int64_t etcd_lease_s = 10;
   // The deployment's shared secret for the connector's peers; unset: KVWIRE_SECRET (if any).
   std::optional<std::string> shared_secret;
 };

@@ -20,6 +20,7 @@
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "examples/dsv4/serve/instance_set.h"
 #include "src/control/hmac.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -102,22 +103,20 @@ class Router::Impl {
   explicit Impl(RouterOptions options) : options_(std::move(options)) {}
 
   absl::Status Start() {
-    if (options_.prefill.empty() || options_.decode.empty()) {
-      return absl::InvalidArgumentError("router needs at least one --prefill and one --decode");
-    }
     if (options_.mode != "read" && options_.mode != "write") {
       return absl::InvalidArgumentError(
           absl::StrCat("router --mode must be read or write, not '", options_.mode, "'"));
     }
-    for (const auto* list : {&options_.prefill, &options_.decode}) {
-      for (const std::string& a : *list) {
-        std::string host;
-        int port = 0;
-        if (!SplitHostPort(a, &host, &port)) {
-          return absl::InvalidArgumentError(absl::StrCat("'", a, "' is not host:port"));
-        }
-      }
-    }
+    // The lists, or etcd discovery; validated there.
+    InstanceSetOptions io;
+    io.prefill = options_.prefill;
+    io.decode = options_.decode;
+    io.etcd = options_.etcd;
+    io.cluster = options_.cluster;
+    io.policy = options_.policy;
+    absl::StatusOr<std::unique_ptr<InstanceSet>> instances = InstanceSet::Start(io);
+    if (!instances.ok()) return instances.status();
+    instances_ = std::move(*instances);
     HttpServerOptions so;
     so.host = options_.host;
     so.port = options_.port;
@@ -158,9 +157,8 @@ class Router::Impl {
       json j = {{"status", "ok"},
                 {"role", "router"},
                 {"mode", options_.mode},
-                {"prefill", options_.prefill},
-                {"decode", options_.decode},
                 {"inflight", inflight_.load()}};
+      j.update(instances_->Health());
       resp->Respond(200, j.dump());
       return;
     }
@@ -169,7 +167,7 @@ class Router::Impl {
       absl::StrAppend(&m, "kvwire_dsv4_router_requests_total{outcome=\"ok\"} ", ok_.load(), "\n",
                       "kvwire_dsv4_router_requests_total{outcome=\"error\"} ", errors_.load(), "\n",
                       "# TYPE kvwire_dsv4_router_inflight gauge\n", "kvwire_dsv4_router_inflight ",
-                      inflight_.load(), "\n");
+                      inflight_.load(), "\n", instances_->Metrics());
       resp->Respond(200, m, "text/plain; version=0.0.4");
       return;
     }
@@ -260,13 +258,15 @@ class Router::Impl {
 
   // Tries the servers of one kind in round-robin order until one can be reached; `call`
   // returns Unavailable when its server could not be reached (nothing was sent).
+  // The order (and the choice) is the instance set's policy; each call counts as outstanding
+  // on its server while it runs.
   template <typename Fn>
-  absl::StatusOr<HttpResponse> TryEach(const std::vector<std::string>& servers,
-                                       std::atomic<uint64_t>& next, Fn call, std::string* chosen) {
-    const uint64_t start = next.fetch_add(1);
+  absl::StatusOr<HttpResponse> TryEach(InstanceKind kind, Fn call, std::string* chosen) {
+    const std::vector<std::string> servers = instances_->Order(kind);
+    if (servers.empty()) return absl::UnavailableError(instances_->NoneReason(kind));
     absl::Status last;
-    for (size_t i = 0; i < servers.size(); ++i) {
-      const std::string& s = servers[(start + i) % servers.size()];
+    for (const std::string& s : servers) {
+      InstanceSet::Ticket ticket = instances_->Acquire(kind, s);
       absl::StatusOr<HttpResponse> r = call(s);
       if (r.ok() || !absl::IsUnavailable(r.status())) {
         *chosen = s;
@@ -339,6 +339,9 @@ class Router::Impl {
     const std::string tid = absl::StrCat("rt-", absl::BytesToHexString(*random));
     std::optional<Failure> failure;
     std::string prefill_server, decode_server;
+    // Write mode: the decode's blocks are taken from prepare on, so it counts as loaded from
+    // then until the request ends.
+    InstanceSet::Ticket decode_ticket;
     json decode_params;
     PrefillAnswer prefill_answer;
 
@@ -395,11 +398,15 @@ class Router::Impl {
     call_options.deadline = deadline;
     if (write) {
       // Each prefill server at most once: one that cannot be reached is skipped.
-      const uint64_t start = next_prefill_.fetch_add(1);
-      failure = Failure{503, "no prefill server reachable"};
-      for (size_t i = 0; i < options_.prefill.size(); ++i) {
-        prefill_server = options_.prefill[(start + i) % options_.prefill.size()];
-        absl::StatusOr<std::string> kv = KvAddress(prefill_server, deadline);
+      const std::vector<std::string> prefills = instances_->Order(InstanceKind::kPrefill);
+      failure = Failure{503, prefills.empty() ? instances_->NoneReason(InstanceKind::kPrefill)
+                                              : "no prefill server reachable"};
+      for (const std::string& p : prefills) {
+        prefill_server = p;
+        // Discovered: decode's connector resolves the prefill by its engine id through etcd.
+        const std::string engine_id = instances_->EngineId(prefill_server);
+        absl::StatusOr<std::string> kv = engine_id.empty() ? KvAddress(prefill_server, deadline)
+                                                           : absl::StatusOr<std::string>("");
         if (!kv.ok()) {
           failure = Failure{StatusFor(kv.status()), absl::StrCat("prefill server ", prefill_server,
                                                                  ": ", kv.status().message())};
@@ -408,17 +415,19 @@ class Router::Impl {
         }
         std::string host;
         int port = 0;
-        if (!SplitHostPort(*kv, &host, &port)) {
+        if (engine_id.empty() && !SplitHostPort(*kv, &host, &port)) {
           ForgetKvAddress(prefill_server);
           failure = Failure{502, absl::StrCat("prefill server ", prefill_server,
                                               " has a malformed kv_address '", *kv, "'")};
           break;
         }
-        decode_params = {{"do_remote_prefill", true},
-                         {"mode", "write"},
-                         {"remote_host", host},
-                         {"remote_port", port},
-                         {"transfer_id", tid}};
+        decode_params = {{"do_remote_prefill", true}, {"mode", "write"}, {"transfer_id", tid}};
+        if (engine_id.empty()) {
+          decode_params["remote_host"] = host;
+          decode_params["remote_port"] = port;
+        } else {
+          decode_params["remote_engine_id"] = engine_id;  // resolved by decode through etcd
+        }
         // The whole request (prompt or messages, max_tokens: decode reserves the blocks of the
         // whole generation when it prepares), so decode prepares for the same tokens.
         json prep_json = body;
@@ -428,7 +437,7 @@ class Router::Impl {
         prep_json.erase("kvwire_prefill");
         const std::string prep_body = prep_json.dump();
         absl::StatusOr<HttpResponse> prep = TryEach(
-            options_.decode, next_decode_,
+            InstanceKind::kDecode,
             [&](const std::string& d) {
               return HttpCall(d, "POST", "/v1/kv/prepare", prep_body, call_options);
             },
@@ -444,8 +453,13 @@ class Router::Impl {
           break;
         }
         failure.reset();
+        decode_ticket = instances_->Acquire(InstanceKind::kDecode, decode_server,
+                                            /*count_route=*/false);
+        InstanceSet::Ticket prefill_ticket =
+            instances_->Acquire(InstanceKind::kPrefill, prefill_server);
         absl::StatusOr<HttpResponse> r =
             HttpCall(prefill_server, "POST", api, prefill_body(true), call_options);
+        prefill_ticket.Release();
         take_prefill(r);
         if (failure) {
           // Let decode give its blocks back now rather than at its deadline.
@@ -461,7 +475,7 @@ class Router::Impl {
     } else {
       const std::string pb = prefill_body(false);
       take_prefill(TryEach(
-          options_.prefill, next_prefill_,
+          InstanceKind::kPrefill,
           [&](const std::string& p) { return HttpCall(p, "POST", api, pb, call_options); },
           &prefill_server));
     }
@@ -499,8 +513,7 @@ class Router::Impl {
         return HttpCall(d, "POST", api, db.dump(), o);
       };
       absl::StatusOr<HttpResponse> r =
-          write ? call(decode_server)
-                : TryEach(options_.decode, next_decode_, call, &decode_server);
+          write ? call(decode_server) : TryEach(InstanceKind::kDecode, call, &decode_server);
       if (!r.ok()) {
         failure = Failure{StatusFor(r.status()),
                           decode_server.empty() ? absl::StrCat("decode: ", r.status().message())
@@ -552,7 +565,8 @@ class Router::Impl {
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_address_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> inflight_{0};
-  std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, ok_{0}, errors_{0};
+  std::atomic<uint64_t> ok_{0}, errors_{0};
+  std::unique_ptr<InstanceSet> instances_;  // outlives the request threads (joined first)
 };
 
 absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {

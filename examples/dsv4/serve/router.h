@@ -23,6 +23,9 @@ namespace dsv4::serve {
 struct RouterOptions {
   std::vector<std::string> prefill;  // host:port of each prefill server
   std::vector<std::string> decode;
+  // Discovery instead of the lists: etcd endpoints and cluster (see instance_set.h).
+  std::string etcd, cluster;
+  std::string policy;         // round_robin | least_loaded (empty: least_loaded with etcd)
   std::string mode = "read";  // read | write
   std::string host = "127.0.0.1";
   int port = 0;

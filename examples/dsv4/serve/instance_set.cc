@@ -1,0 +1,282 @@
+#include "examples/dsv4/serve/instance_set.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/client.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "src/discovery/instance.h"
+#include "src/util/json_fields.h"
+#include "src/util/log.h"
+
+namespace dsv4::serve {
+
+using kvwire::Kv;
+using nlohmann::json;
+namespace discovery = kvwire::discovery;
+
+namespace {
+constexpr char kLog[] = "router";
+}  // namespace
+
+const char* InstanceKindName(InstanceKind kind) {
+  return kind == InstanceKind::kPrefill ? "prefill" : "decode";
+}
+
+InstanceSet::Ticket& InstanceSet::Ticket::operator=(Ticket&& other) noexcept {
+  if (this != &other) {
+    Release();
+    set_ = other.set_;
+    server_ = std::move(other.server_);
+    other.set_ = nullptr;
+  }
+  return *this;
+}
+
+void InstanceSet::Ticket::Release() {
+  if (set_ == nullptr) return;
+  kvwire::MutexLock lock(&set_->mu_);
+  auto it = set_->instances_.find(server_);
+  if (it != set_->instances_.end() && it->second.outstanding > 0) --it->second.outstanding;
+  set_ = nullptr;
+}
+
+InstanceSet::InstanceSet(InstanceSetOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<InstanceSet>> InstanceSet::Start(InstanceSetOptions options) {
+  std::string policy = options.policy;
+  if (policy.empty()) policy = options.etcd.empty() ? "round_robin" : "least_loaded";
+  if (policy != "round_robin" && policy != "least_loaded") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router --policy must be round_robin or least_loaded, not '", policy, "'"));
+  }
+  std::unique_ptr<InstanceSet> set(new InstanceSet(std::move(options)));
+  set->policy_ = policy;
+  const InstanceSetOptions& o = set->options_;
+  if (o.etcd.empty()) {
+    if (!o.cluster.empty()) return absl::InvalidArgumentError("--cluster needs --etcd");
+    if (o.prefill.empty() || o.decode.empty()) {
+      return absl::InvalidArgumentError(
+          "router needs at least one --prefill and one --decode (or --etcd and --cluster)");
+    }
+    kvwire::MutexLock lock(&set->mu_);
+    for (InstanceKind kind : {InstanceKind::kPrefill, InstanceKind::kDecode}) {
+      for (const std::string& a : kind == InstanceKind::kPrefill ? o.prefill : o.decode) {
+        std::string host;
+        int port = 0;
+        if (!SplitHostPort(a, &host, &port)) {
+          return absl::InvalidArgumentError(absl::StrCat("'", a, "' is not host:port"));
+        }
+        Instance& in = set->instances_[a];
+        in.kind = kind;
+        in.name = a;
+      }
+    }
+  } else {
+    if (!o.prefill.empty() || !o.decode.empty()) {
+      return absl::InvalidArgumentError(
+          "--etcd discovers the instances: give it without --prefill/--decode");
+    }
+    if (absl::Status s = discovery::CheckName("--cluster", o.cluster); !s.ok()) return s;
+    discovery::EtcdOptions eo;
+    eo.endpoints = o.etcd;
+    absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> etcd = discovery::EtcdClient::Create(eo);
+    if (!etcd.ok()) return etcd.status();
+    absl::StatusOr<std::unique_ptr<discovery::PrefixWatcher>> w = discovery::PrefixWatcher::Start(
+        std::move(*etcd), discovery::ClusterPrefix(o.cluster),
+        [p = set.get()](const discovery::PrefixWatcher::Snapshot& keys) { p->OnChange(keys); });
+    if (!w.ok()) return w.status();
+    set->watcher_ = std::move(*w);
+  }
+  set->poller_ = std::thread([p = set.get()] { p->PollLoop(); });
+  return set;
+}
+
+InstanceSet::~InstanceSet() {
+  watcher_.reset();  // no more changes
+  {
+    kvwire::MutexLock lock(&mu_);
+    stop_ = true;
+    cv_.SignalAll();
+  }
+  if (poller_.joinable()) poller_.join();
+}
+
+void InstanceSet::OnChange(const discovery::PrefixWatcher::Snapshot& keys) {
+  std::map<std::string, Instance> seen;
+  for (const auto& [key, value] : keys) {
+    absl::StatusOr<discovery::InstanceRecord> r = discovery::InstanceRecord::FromJson(value);
+    if (!r.ok()) {
+      KVW_LOG(kWarning, kLog) << "ignoring a malformed instance record" << Kv("key", key)
+                              << Kv("error", r.status().message());
+      continue;
+    }
+    std::string host;
+    int port = 0;
+    if (r->role == "both" || !SplitHostPort(r->http_address, &host, &port)) continue;
+    Instance in;
+    in.kind = r->role == "prefill" ? InstanceKind::kPrefill : InstanceKind::kDecode;
+    in.name = r->name;
+    in.engine_id = r->name;
+    seen[r->http_address] = std::move(in);
+  }
+  kvwire::MutexLock lock(&mu_);
+  for (auto it = instances_.begin(); it != instances_.end();) {
+    auto s = seen.find(it->first);
+    if (s == seen.end() || s->second.name != it->second.name) {
+      KVW_LOG(kWarning, kLog) << "instance gone" << Kv("kind", InstanceKindName(it->second.kind))
+                              << Kv("name", it->second.name) << Kv("address", it->first);
+      ++removed_;
+      it = instances_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto& [address, in] : seen) {
+    if (instances_.count(address) != 0) continue;
+    KVW_LOG(kWarning, kLog) << "instance added" << Kv("kind", InstanceKindName(in.kind))
+                            << Kv("name", in.name) << Kv("address", address);
+    ++added_;
+    instances_[address] = std::move(in);
+  }
+}
+
+void InstanceSet::PollLoop() {
+  while (true) {
+    std::vector<std::string> addresses;
+    {
+      kvwire::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + options_.poll;
+      while (!stop_ && absl::Now() < until) cv_.WaitUntil(&mu_, until);
+      if (stop_) return;
+      for (const auto& [a, in] : instances_) addresses.push_back(a);
+    }
+    for (const std::string& a : addresses) {
+      // A loaded machine may answer slowly: only a failed call (refused, reset, or no answer
+      // within a second) marks an instance unreachable.
+      absl::StatusOr<json> h = GetJson(a, "/health", absl::Seconds(1));
+      int active = -1;
+      int64_t free_blocks = -1;
+      if (h.ok()) {
+        kvwire::JsonFields f(*h, "instance /health");
+        active = static_cast<int>(f.OptInt("active_requests", 0, 1 << 20, 0) +
+                                  f.OptInt("prefilling", 0, 1 << 20, 0));
+        const int64_t total = f.OptInt("total_blocks", 0, INT64_MAX / 2, -1);
+        const int64_t used = f.OptInt("used_blocks", 0, INT64_MAX / 2, 0);
+        if (total >= 0) free_blocks = std::max<int64_t>(0, total - used);
+        if (!f.ok()) active = -1;
+      }
+      kvwire::MutexLock lock(&mu_);
+      auto it = instances_.find(a);
+      if (it == instances_.end()) continue;
+      it->second.reachable = h.ok();
+      it->second.reported_active = active;
+      it->second.free_blocks = free_blocks;
+    }
+  }
+}
+
+std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
+  kvwire::MutexLock lock(&mu_);
+  std::vector<std::string> all;
+  for (const auto& [a, in] : instances_) {
+    if (in.kind == kind) all.push_back(a);
+  }
+  if (all.empty()) return all;
+  const uint64_t start = next_[static_cast<int>(kind)]++;
+  std::rotate(all.begin(), all.begin() + static_cast<ptrdiff_t>(start % all.size()), all.end());
+  if (policy_ == "least_loaded") {
+    // Unreachable ones last; then by load, then by free blocks; ties keep the rotation.
+    std::stable_sort(all.begin(), all.end(), [&](const std::string& x, const std::string& y) {
+      const Instance& a = instances_.at(x);
+      const Instance& b = instances_.at(y);
+      const int la = std::max(a.outstanding, a.reported_active);
+      const int lb = std::max(b.outstanding, b.reported_active);
+      return std::make_tuple(!a.reachable, la, -a.free_blocks) <
+             std::make_tuple(!b.reachable, lb, -b.free_blocks);
+    });
+  }
+  return all;
+}
+
+InstanceSet::Ticket InstanceSet::Acquire(InstanceKind kind, const std::string& server,
+                                         bool count_route) {
+  Ticket t;
+  kvwire::MutexLock lock(&mu_);
+  auto it = instances_.find(server);
+  if (it == instances_.end()) return t;
+  ++it->second.outstanding;
+  if (count_route) ++routed_[{static_cast<int>(kind), it->second.name}];
+  t.set_ = this;
+  t.server_ = server;
+  return t;
+}
+
+std::string InstanceSet::EngineId(const std::string& server) {
+  kvwire::MutexLock lock(&mu_);
+  auto it = instances_.find(server);
+  return it == instances_.end() ? "" : it->second.engine_id;
+}
+
+std::string InstanceSet::NoneReason(InstanceKind kind) const {
+  if (watcher_ == nullptr) return absl::StrCat("no ", InstanceKindName(kind), " server");
+  return absl::StrCat("no ", InstanceKindName(kind), " instance registered in etcd cluster '",
+                      options_.cluster, "'",
+                      watcher_->connected() ? "" : " (etcd unreachable: last known list)");
+}
+
+json InstanceSet::Health() {
+  kvwire::MutexLock lock(&mu_);
+  json out = {{"policy", policy_},
+              {"discovery", watcher_ ? "etcd" : "static"},
+              {"prefill", json::array()},
+              {"decode", json::array()}};
+  if (watcher_) {
+    out["etcd_connected"] = watcher_->connected();
+    out["cluster"] = options_.cluster;
+  }
+  for (const auto& [a, in] : instances_) {
+    out[InstanceKindName(in.kind)].push_back(a);
+  }
+  return out;
+}
+
+std::string InstanceSet::Metrics() {
+  kvwire::MutexLock lock(&mu_);
+  std::string m = "# TYPE kvwire_dsv4_router_routed_total counter\n";
+  for (const auto& [key, n] : routed_) {
+    absl::StrAppend(&m, "kvwire_dsv4_router_routed_total{kind=\"",
+                    InstanceKindName(static_cast<InstanceKind>(std::get<0>(key))), "\",instance=\"",
+                    std::get<1>(key), "\",policy=\"", policy_, "\"} ", n, "\n");
+  }
+  absl::StrAppend(&m, "# TYPE kvwire_dsv4_router_instance_outstanding gauge\n");
+  std::string reported = "# TYPE kvwire_dsv4_router_instance_reported_active gauge\n";
+  std::string free_blocks = "# TYPE kvwire_dsv4_router_instance_free_blocks gauge\n";
+  int count[2] = {0, 0};
+  for (const auto& [a, in] : instances_) {
+    ++count[static_cast<int>(in.kind)];
+    const std::string labels =
+        absl::StrCat("{kind=\"", InstanceKindName(in.kind), "\",instance=\"", in.name, "\"} ");
+    absl::StrAppend(&m, "kvwire_dsv4_router_instance_outstanding", labels, in.outstanding, "\n");
+    absl::StrAppend(&reported, "kvwire_dsv4_router_instance_reported_active", labels,
+                    in.reported_active, "\n");
+    absl::StrAppend(&free_blocks, "kvwire_dsv4_router_instance_free_blocks", labels, in.free_blocks,
+                    "\n");
+  }
+  absl::StrAppend(&m, reported, free_blocks, "# TYPE kvwire_dsv4_router_instances gauge\n",
+                  "kvwire_dsv4_router_instances{kind=\"prefill\"} ", count[0], "\n",
+                  "kvwire_dsv4_router_instances{kind=\"decode\"} ", count[1], "\n",
+                  "# TYPE kvwire_dsv4_router_instance_changes_total counter\n",
+                  "kvwire_dsv4_router_instance_changes_total{change=\"added\"} ", added_, "\n",
+                  "kvwire_dsv4_router_instance_changes_total{change=\"removed\"} ", removed_, "\n");
+  if (watcher_) {
+    absl::StrAppend(&m, "# TYPE kvwire_dsv4_router_etcd_connected gauge\n",
+                    "kvwire_dsv4_router_etcd_connected ", watcher_->connected() ? 1 : 0, "\n");
+  }
+  return m;
+}
+
+}  // namespace dsv4::serve

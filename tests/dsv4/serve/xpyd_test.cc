@@ -1,0 +1,346 @@
+// xPyD through etcd: a real etcd member (started here), a router that discovers its instances
+// (--etcd --cluster), two prefill and two decode kvwire-dsv4 servers that register themselves,
+// and an aggregated server (role both) as the reference. Every token must equal the
+// aggregated server's; a decode SIGKILLed mid-stream gives its clients a clean error while the
+// others finish; its key goes with its lease and the router drops it; a replacement decode
+// that registers gets the next requests; with etcd itself gone, known instances keep serving;
+// every survivor ends with no block in use. Routing is by load (least_loaded), visible in the
+// router's metrics.
+#include <csignal>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/client.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/process.h"
+#include "tests/support/etcd_cluster.h"
+
+namespace dsv4::serve {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxTokens = 8;
+
+std::string PromptOfTokens(int tokens) {
+  std::string s;
+  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
+  return s;
+}
+
+bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return pred();
+}
+
+class Deployment {
+ public:
+  explicit Deployment(std::string etcd) : etcd_(std::move(etcd)) {
+    char tmpl[] = "/tmp/kvwire-dsv4-xpyd-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    weights_ = dir_ + "/tiny.safetensors";
+  }
+  ~Deployment() {
+    for (auto& [name, p] : procs_) {
+      if (!p->Running()) continue;
+      p->Stop(SIGTERM, absl::Seconds(30));
+      EXPECT_EQ(p->exit_code(), 0) << name << " did not stop cleanly:\n" << p->LogTail();
+    }
+    procs_.clear();
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  absl::Status MakeWeights() {
+    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(
+        KVWIRE_DSV4_BIN, {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_},
+        dir_ + "/weights.log");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<int> code = (*p)->Wait(absl::Seconds(120));
+    if (!code.ok()) return code.status();
+    return *code == 0 ? absl::OkStatus() : absl::InternalError((*p)->LogTail());
+  }
+
+  // A model server; registered in etcd unless `role` is both (the reference).
+  absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
+                                    const std::string& transport, int delay_ms = 0) {
+    std::vector<std::string> args = {"serve",
+                                     "--role",
+                                     role,
+                                     "--config",
+                                     KVWIRE_DSV4_CONFIG,
+                                     "--weights",
+                                     weights_,
+                                     "--transport",
+                                     transport,
+                                     "--mode",
+                                     "auto",
+                                     "--threads",
+                                     "1",
+                                     "--request-timeout-s",
+                                     "20",
+                                     "--peer-lease-ms",
+                                     "2000",
+                                     "--name",
+                                     name,
+                                     "--inject-delay-ms",
+                                     absl::StrCat(delay_ms)};
+    if (role != "both") {
+      for (const char* a : {"--etcd", etcd_.c_str(), "--cluster", "xpyd", "--etcd-lease-s", "2"}) {
+        args.push_back(a);
+      }
+    }
+    return Launch(name, args);
+  }
+
+  absl::StatusOr<std::string> Router(const std::string& mode) {
+    return Launch("router", {"router", "--etcd", etcd_, "--cluster", "xpyd", "--mode", mode,
+                             "--policy", "least_loaded", "--timeout-s", "60"});
+  }
+
+  Process& process(const std::string& name) { return *procs_.at(name); }
+
+  std::string Logs() const {
+    std::string all;
+    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
+    return all;
+  }
+
+ private:
+  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
+    const std::string ready = dir_ + "/" + name + ".ready";
+    args.push_back("--ready-file");
+    args.push_back(ready);
+    absl::StatusOr<std::unique_ptr<Process>> p =
+        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
+    if (!j.ok())
+      return absl::Status(j.status().code(),
+                          absl::StrCat(j.status().message(), "\n", (*p)->LogTail()));
+    procs_[name] = std::move(*p);
+    return (*j)["address"].get<std::string>();
+  }
+
+  std::string etcd_, dir_, weights_;
+  std::map<std::string, std::unique_ptr<Process>> procs_;
+};
+
+json Request(const std::string& prompt, bool stream) {
+  return {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"stream", stream}};
+}
+
+// The router's instances of `kind` (its /health).
+size_t Instances(const std::string& router, const std::string& kind) {
+  absl::StatusOr<json> h = GetJson(router, "/health");
+  if (!h.ok() || !h->contains(kind) || !(*h)[kind].is_array()) return 0;
+  return (*h)[kind].size();
+}
+
+// routed_total of one decode instance in the router's metrics.
+int64_t Routed(const std::string& router, const std::string& kind, const std::string& name) {
+  HttpCallOptions o;
+  absl::StatusOr<HttpResponse> m = HttpCall(router, "GET", "/metrics", "", o);
+  if (!m.ok()) return -1;
+  const std::string needle = absl::StrCat("kvwire_dsv4_router_routed_total{kind=\"", kind,
+                                          "\",instance=\"", name, "\",policy=\"least_loaded\"} ");
+  const size_t at = m->body.find(needle);
+  if (at == std::string::npos) return 0;
+  return std::atoll(m->body.c_str() + at + needle.size());
+}
+
+void ExpectDrained(const std::string& address, const std::string& what) {
+  json last;
+  const bool drained = WaitFor(
+      [&] {
+        absl::StatusOr<json> h = GetJson(address, "/health");
+        if (!h.ok()) return false;
+        last = *h;
+        return last["used_blocks"] == 0 && last["live_connector_requests"] == 0 &&
+               last["active_requests"] == 0;
+      },
+      absl::Seconds(40));
+  EXPECT_TRUE(drained) << what << " still holds blocks: " << last.dump();
+}
+
+// Sends every request at once; results in order.
+std::vector<absl::StatusOr<CompletionResult>> SendAll(const std::string& router,
+                                                      const std::vector<json>& requests) {
+  std::vector<absl::StatusOr<CompletionResult>> out(requests.size(), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] { out[i] = Complete(router, requests[i], absl::Seconds(120)); });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+struct Param {
+  const char* transport;
+  const char* mode;
+};
+void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << "/" << p.mode; }
+
+class XpydTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(XpydTest, DiscoveredThroughEtcdSurvivesDecodeDeathAndRejoin) {
+  const std::string transport = GetParam().transport, mode = GetParam().mode;
+  absl::StatusOr<std::unique_ptr<kvwire::testing::EtcdCluster>> etcd =
+      kvwire::testing::EtcdCluster::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  Deployment d((*etcd)->endpoints());
+  ASSERT_TRUE(d.MakeWeights().ok());
+
+  // The router first: nothing registered yet is a clear 503, not a hang.
+  absl::StatusOr<std::string> router = d.Router(mode);
+  ASSERT_TRUE(router.ok()) << router.status();
+  absl::StatusOr<CompletionResult> none = Complete(*router, Request("x", false), absl::Seconds(30));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->status, 503);
+  EXPECT_NE(none->error.find("registered in etcd cluster 'xpyd'"), std::string::npos)
+      << none->error;
+
+  absl::StatusOr<std::string> agg = d.Serve("agg", "both", transport);
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  std::map<std::string, std::string> servers;  // name -> HTTP address
+  for (const auto& [name, role] : std::vector<std::pair<std::string, std::string>>{
+           {"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}}) {
+    // Decodes step slowly enough that a kill lands mid-stream.
+    absl::StatusOr<std::string> a = d.Serve(name, role, transport, role == "decode" ? 40 : 0);
+    ASSERT_TRUE(a.ok()) << a.status();
+    servers[name] = *a;
+  }
+  ASSERT_TRUE(WaitFor(
+      [&] { return Instances(*router, "prefill") == 2 && Instances(*router, "decode") == 2; },
+      absl::Seconds(10)))
+      << d.Logs();
+
+  // Reference tokens from the aggregated server.
+  std::vector<std::string> prompts;
+  std::vector<std::vector<int32_t>> want;
+  for (int n : {5, 127, 129, 300}) {
+    prompts.push_back(PromptOfTokens(n));
+    absl::StatusOr<CompletionResult> r =
+        Complete(*agg, Request(prompts.back(), false), absl::Seconds(60));
+    ASSERT_TRUE(r.ok() && r->status == 200) << (r.ok() ? r->error : r.status().ToString());
+    want.push_back(r->tokens);
+  }
+  auto expect_match = [&](const absl::StatusOr<CompletionResult>& r, size_t i) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->status, 200) << r->error << d.Logs();
+    EXPECT_EQ(r->tokens, want[i % want.size()]) << "prompt " << i;
+    // The KV moved over the transport asked for; in write mode the router named the prefill
+    // by engine id alone, and decode's connector resolved it through etcd.
+    const json& t = r->kvwire["transfer"];
+    EXPECT_EQ(t.value("mode", ""), mode) << t.dump();
+    EXPECT_NE(t.value("transport", "").find(transport), std::string::npos) << t.dump();
+    if (mode == "write") {
+      const std::string peer = t.value("peer", "");
+      EXPECT_TRUE(peer == "p1" || peer == "p2") << t.dump();
+    }
+  };
+
+  // 1. All at once: every token equals the aggregated server's, and the load spreads over
+  // both decodes (least_loaded counts requests in flight).
+  {
+    std::vector<json> reqs;
+    // Six: within the two decodes' slots (4 each) even if the load is read a little late.
+    for (size_t i = 0; i < 6; ++i) reqs.push_back(Request(prompts[i % 4], i % 2 == 0));
+    std::vector<absl::StatusOr<CompletionResult>> res = SendAll(*router, reqs);
+    for (size_t i = 0; i < res.size(); ++i) expect_match(res[i], i);
+    EXPECT_GT(Routed(*router, "decode", "d1"), 0);
+    EXPECT_GT(Routed(*router, "decode", "d2"), 0);
+    EXPECT_GT(Routed(*router, "prefill", "p1") + Routed(*router, "prefill", "p2"), 0);
+  }
+
+  // 2. d1 dies (SIGKILL) while it streams: its clients get an error, the others finish.
+  {
+    std::vector<absl::StatusOr<CompletionResult>> res(4, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < 4; ++i) {
+      threads.emplace_back([&, i] {
+        res[i] = Complete(*router, Request(prompts[i], /*stream=*/true), absl::Seconds(120));
+      });
+    }
+    const bool busy = WaitFor(
+        [&] {
+          absl::StatusOr<json> h = GetJson(servers["d1"], "/health");
+          return h.ok() && (*h)["active_requests"].get<int>() > 0;
+        },
+        absl::Seconds(30));
+    d.process("d1").Stop(SIGKILL);
+    for (std::thread& t : threads) t.join();
+    ASSERT_TRUE(busy) << d.Logs();
+    int failed = 0;
+    for (size_t i = 0; i < res.size(); ++i) {
+      ASSERT_TRUE(res[i].ok()) << res[i].status();
+      if (res[i]->status == 200 && res[i]->error.empty()) {
+        EXPECT_EQ(res[i]->tokens, want[i]) << "prompt " << i;
+        EXPECT_EQ(res[i]->kvwire.value("engine_id", ""), "d2");
+      } else {
+        ++failed;
+        EXPECT_FALSE(res[i]->error.empty());
+        EXPECT_FALSE(res[i]->done) << "a failed stream must not end with [DONE]";
+      }
+    }
+    EXPECT_GE(failed, 1) << "no request was on the killed decode";
+  }
+  // Its key expires with its 2 s lease; the router drops it.
+  EXPECT_TRUE(WaitFor([&] { return Instances(*router, "decode") == 1; }, absl::Seconds(15)))
+      << d.Logs();
+
+  // 3. A replacement registers and takes the next requests.
+  absl::StatusOr<std::string> d3 = d.Serve("d3", "decode", transport);
+  ASSERT_TRUE(d3.ok()) << d3.status();
+  servers["d3"] = *d3;
+  ASSERT_TRUE(WaitFor([&] { return Instances(*router, "decode") == 2; }, absl::Seconds(10)));
+  {
+    std::vector<json> reqs;
+    for (size_t i = 0; i < 4; ++i) reqs.push_back(Request(prompts[i], i % 2 == 1));
+    std::vector<absl::StatusOr<CompletionResult>> res = SendAll(*router, reqs);
+    for (size_t i = 0; i < res.size(); ++i) expect_match(res[i], i);
+    EXPECT_GT(Routed(*router, "decode", "d3"), 0) << "the replacement decode got no request";
+  }
+
+  // 4. etcd goes away: the router keeps its last list, and the instances keep serving (read
+  // mode carries prefill's address; write mode resolves through peers already connected).
+  (*etcd)->Kill(0);
+  {
+    absl::StatusOr<json> h;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          h = GetJson(*router, "/health");
+          return h.ok() && !(*h).value("etcd_connected", true);
+        },
+        absl::Seconds(30)));
+    EXPECT_EQ(Instances(*router, "decode"), 2u);
+    if (mode == "read") {
+      std::vector<json> reqs;
+      for (size_t i = 0; i < 4; ++i) reqs.push_back(Request(prompts[i], false));
+      std::vector<absl::StatusOr<CompletionResult>> res = SendAll(*router, reqs);
+      for (size_t i = 0; i < res.size(); ++i) expect_match(res[i], i);
+    }
+  }
+
+  for (const char* name : {"p1", "p2", "d2", "d3"}) ExpectDrained(servers[name], name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, XpydTest,
+                         ::testing::Values(Param{"tcp", "read"}, Param{"shm", "write"}),
+                         [](const ::testing::TestParamInfo<Param>& p) {
+                           return absl::StrCat(p.param.transport, "_", p.param.mode);
+                         });
+
+}  // namespace
+}  // namespace dsv4::serve
