@@ -311,7 +311,7 @@ class Router::Impl {
     o.deadline = absl::Now() + std::min(options_.timeout, absl::Seconds(10));
     std::string server;
     absl::StatusOr<HttpResponse> r = TryEach(
-        options_.decode, next_decode_,
+        InstanceKind::kDecode,
         [&](const std::string& d) { return HttpCall(d, "GET", "/v1/models", "", o); }, &server);
     if (!r.ok()) {
       resp->Error(StatusFor(r.status()), absl::StrCat("decode: ", r.status().message()));
