@@ -70,6 +70,13 @@ absl::StatusOr<std::unique_ptr<InstanceSet>> InstanceSet::Start(InstanceSetOptio
         if (!SplitHostPort(a, &host, &port)) {
           return absl::InvalidArgumentError(absl::StrCat("'", a, "' is not host:port"));
         }
+        if (set->instances_.count(a) != 0) {
+          // One role per address: a server listed twice would silently lose a role.
+          return absl::InvalidArgumentError(
+              absl::StrCat("'", a,
+                           "' is listed more than once (--prefill and --decode "
+                           "servers must be distinct)"));
+        }
         Instance& in = set->instances_[a];
         in.kind = kind;
         in.name = a;

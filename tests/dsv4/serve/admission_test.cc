@@ -275,9 +275,13 @@ TEST(RetryAfter, OverloadedUpstreamIsA503WithRetryAfterThroughTheRouter) {
     ASSERT_TRUE(direct.ok()) << direct.status();
     EXPECT_EQ(direct->status, 503);
     EXPECT_EQ(direct->retry_after, retry_after ? "3" : "");
+    // Decode is a second server of the same kind: the router's instance set keeps one role
+    // per address, and the prefill's answer is the one under test.
+    absl::StatusOr<std::unique_ptr<HttpServer>> decode = serve(retry_after);
+    ASSERT_TRUE(decode.ok()) << decode.status();
     RouterOptions ro;
     ro.prefill = {addr};
-    ro.decode = {addr};
+    ro.decode = {absl::StrCat("127.0.0.1:", (*decode)->port())};
     absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(ro);
     ASSERT_TRUE(router.ok()) << router.status();
     absl::StatusOr<HttpResponse> r =
