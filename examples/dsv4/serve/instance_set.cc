@@ -197,9 +197,11 @@ std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
   std::rotate(all.begin(), all.begin() + static_cast<ptrdiff_t>(start % all.size()), all.end());
   if (policy_ == "least_loaded") {
     // Unreachable ones last; then by load, then by free blocks; ties keep the rotation.
+    // A reference taken under the lock: the analysis cannot see mu_ held inside the lambda.
+    const std::map<std::string, Instance>& instances = instances_;
     std::stable_sort(all.begin(), all.end(), [&](const std::string& x, const std::string& y) {
-      const Instance& a = instances_.at(x);
-      const Instance& b = instances_.at(y);
+      const Instance& a = instances.at(x);
+      const Instance& b = instances.at(y);
       const int la = std::max(a.outstanding, a.reported_active);
       const int lb = std::max(b.outstanding, b.reported_active);
       return std::make_tuple(!a.reachable, la, -a.free_blocks) <
