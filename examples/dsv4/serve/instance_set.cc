@@ -196,17 +196,19 @@ std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
   const uint64_t start = next_[static_cast<int>(kind)]++;
   std::rotate(all.begin(), all.begin() + static_cast<ptrdiff_t>(start % all.size()), all.end());
   if (policy_ == "least_loaded") {
-    // Unreachable ones last; then by load, then by free blocks; ties keep the rotation.
-    // A reference taken under the lock: the analysis cannot see mu_ held inside the lambda.
-    const std::map<std::string, Instance>& instances = instances_;
-    std::stable_sort(all.begin(), all.end(), [&](const std::string& x, const std::string& y) {
-      const Instance& a = instances.at(x);
-      const Instance& b = instances.at(y);
-      const int la = std::max(a.outstanding, a.reported_active);
-      const int lb = std::max(b.outstanding, b.reported_active);
-      return std::make_tuple(!a.reachable, la, -a.free_blocks) <
-             std::make_tuple(!b.reachable, lb, -b.free_blocks);
-    });
+    // Unreachable ones last; then by load, then by free blocks; ties keep the rotation. The
+    // keys are read here, under the lock, so the comparator touches no guarded state.
+    std::vector<std::pair<std::tuple<bool, int, int64_t>, std::string>> keyed;
+    keyed.reserve(all.size());
+    for (std::string& a : all) {
+      const Instance& in = instances_.at(a);
+      keyed.push_back(
+          {{!in.reachable, std::max(in.outstanding, in.reported_active), -in.free_blocks},
+           std::move(a)});
+    }
+    std::stable_sort(keyed.begin(), keyed.end(),
+                     [](const auto& x, const auto& y) { return x.first < y.first; });
+    for (size_t i = 0; i < keyed.size(); ++i) all[i] = std::move(keyed[i].second);
   }
   return all;
 }
