@@ -123,10 +123,13 @@ bool Lists(const absl::StatusOr<std::vector<RemoteRegion>>& regions, RegionId id
 // The dialer exports exactly ConnectOptions::exports during the handshake; Export adds more
 // later; a region never exported stays unreachable.
 TEST(EngineApiTest, ConnectExportsOnlyTheListedRegionsAndExportAddsMore) {
+  // Region memory outlives both engines (declared first): TSan sees the engines' threads
+  // joined, not the sockets that order their last access before the free.
+  std::vector<std::byte> first(8192), second(8192);
+  std::vector<std::byte> local(8192, std::byte{0xEE});
   auto a = MakeEngine("api-a", TransportKind::kTcp);
   auto b = MakeEngine("api-b", TransportKind::kTcp);
   ASSERT_TRUE(a && b);
-  std::vector<std::byte> first(8192), second(8192);
   FillPattern(first.data(), first.size(), 21, 0);
   FillPattern(second.data(), second.size(), 21, 1);
   auto r1 = a->RegisterMemory(first.data(), first.size());
@@ -141,7 +144,6 @@ TEST(EngineApiTest, ConnectExportsOnlyTheListedRegionsAndExportAddsMore) {
   ASSERT_TRUE(b->WaitForRemoteRegion(*to_a, *r1, absl::Seconds(10)).ok());
   EXPECT_FALSE(Lists(b->RemoteRegions(*to_a), *r2));
 
-  std::vector<std::byte> local(8192, std::byte{0xEE});
   auto l = b->RegisterMemory(local.data(), local.size());
   ASSERT_TRUE(l.ok());
   auto read = [&](RegionId remote) -> absl::Status {
@@ -260,15 +262,16 @@ TEST(EngineApiTest, PollReportsPendingThenTheFinalStateOnce) {
 
 // TakeNotifications: each notification once, after its data, naming the sender.
 TEST(EngineApiTest, TakeNotificationsDeliversEachOnceAfterItsData) {
+  // Region memory outlives both engines (see above).
+  std::vector<std::byte> target(1 << 20, std::byte{0});
+  std::vector<std::byte> source(1 << 20);
   auto a = MakeEngine("api-writer", TransportKind::kTcp);
   auto b = MakeEngine("api-target", TransportKind::kTcp);
   ASSERT_TRUE(a && b);
-  std::vector<std::byte> target(1 << 20, std::byte{0});
   RegionOptions exported;
   exported.export_to_all_peers = true;
   auto t = b->RegisterMemory(target.data(), target.size(), exported);
   ASSERT_TRUE(t.ok());
-  std::vector<std::byte> source(1 << 20);
   FillPattern(source.data(), source.size(), 8, 0);
   auto s = a->RegisterMemory(source.data(), source.size());
   ASSERT_TRUE(s.ok());
