@@ -113,6 +113,11 @@ TEST(HostileUpstream, MalformedPrefillAnswersAre502AndTheRouterKeepsServing) {
   int decode_calls = 0;
   std::string decode_body;
   auto decode = StartServer([&](const HttpRequest& r, std::shared_ptr<Responder> resp) {
+    if (r.method == "GET" && r.target == "/health") {
+      // The router's instance set polls every instance's load; not a request sent on.
+      resp->Respond(200, R"({"role":"decode"})");
+      return;
+    }
     {
       kvwire::MutexLock lock(&mu);
       ++decode_calls;
