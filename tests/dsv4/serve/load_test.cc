@@ -92,7 +92,10 @@ TEST(Admission, RequestsThatDoNotFitWaitInsteadOfFailing) {
   }
   absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts, 8);
   ASSERT_TRUE(want.ok()) << want.status();
-  const std::vector<std::string> small = {"--max-requests", "2"};
+  const std::vector<std::string> small = {
+      "--max-requests",      "2",
+      "--max-queue-wait-s",  absl::StrCat(30 * test_support::kServerDeadlineScale),
+      "--request-timeout-s", absl::StrCat(60 * test_support::kServerDeadlineScale)};
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "shm", small);
   ASSERT_TRUE(p.ok()) << p.status();
   absl::StatusOr<std::string> d = c.Serve("decode", "decode", "shm", small);

@@ -26,6 +26,21 @@
 
 namespace dsv4::serve::test_support {
 
+// Deadlines the tests give the servers (request timeout, admission wait) are scaled by this in
+// sanitizer builds: the model runs several times slower there, on the same two cores, and a
+// request that is merely slow must not be mistaken for one that was lost.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr int kServerDeadlineScale = 5;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr int kServerDeadlineScale = 5;
+#else
+inline constexpr int kServerDeadlineScale = 1;
+#endif
+#else
+inline constexpr int kServerDeadlineScale = 1;
+#endif
+
 class ServeCluster {
  public:
   ServeCluster() {

@@ -46,7 +46,7 @@ constexpr int kMaxTokens = 8;
 // at most before its blocks come back. Longer than prefill's waits at this load (10 s seen at
 // concurrency 32 on a loaded 2-core machine): a shorter one fails write-mode requests whose
 // decode gave up on its prepared blocks.
-constexpr int kRequestTimeoutS = 30;
+constexpr int kRequestTimeoutS = 30 * test_support::kServerDeadlineScale;
 
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
