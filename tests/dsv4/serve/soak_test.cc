@@ -357,7 +357,9 @@ TEST_P(SoakTest, EveryRequestCompletesExactlyOrFailsForAnInjectedReason) {
       max_wait_ms, static_cast<unsigned long long>(rejected), balances.c_str());
   std::fflush(stdout);
   EXPECT_EQ(count[Done::kUnexpected], 0) << unexpected_text << c.Logs();
-  EXPECT_GT(count[Done::kOk], static_cast<int>(requests / 2));
+  // Most requests complete; in the sanitizers' 16-request form the injected faults and the
+  // kill take a larger share, so a third must.
+  EXPECT_GT(count[Done::kOk], static_cast<int>(slow ? requests / 3 : requests / 2));
   EXPECT_EQ(leaked, 0u);
 }
 
