@@ -80,6 +80,7 @@ absl::StatusOr<std::unique_ptr<InstanceSet>> InstanceSet::Start(InstanceSetOptio
         Instance& in = set->instances_[a];
         in.kind = kind;
         in.name = a;
+        in.order = set->joined_++;
       }
     }
   } else {
@@ -147,6 +148,7 @@ void InstanceSet::OnChange(const discovery::PrefixWatcher::Snapshot& keys) {
     KVW_LOG(kWarning, kLog) << "instance added" << Kv("kind", InstanceKindName(in.kind))
                             << Kv("name", in.name) << Kv("address", address);
     ++added_;
+    in.order = joined_++;
     instances_[address] = std::move(in);
   }
 }
@@ -188,10 +190,16 @@ void InstanceSet::PollLoop() {
 
 std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
   kvwire::MutexLock lock(&mu_);
-  std::vector<std::string> all;
+  // The map is sorted by address; the rotation starts from the order the instances joined
+  // (for a static list: the order on the command line).
+  std::vector<std::pair<uint64_t, std::string>> joined;
   for (const auto& [a, in] : instances_) {
-    if (in.kind == kind) all.push_back(a);
+    if (in.kind == kind) joined.push_back({in.order, a});
   }
+  std::sort(joined.begin(), joined.end());
+  std::vector<std::string> all;
+  all.reserve(joined.size());
+  for (auto& [order, a] : joined) all.push_back(std::move(a));
   if (all.empty()) return all;
   const uint64_t start = next_[static_cast<int>(kind)]++;
   std::rotate(all.begin(), all.begin() + static_cast<ptrdiff_t>(start % all.size()), all.end());

@@ -90,6 +90,7 @@ class InstanceSet {
     int reported_active = -1;  // -1: not yet polled
     int64_t free_blocks = -1;
     bool reachable = true;
+    uint64_t order = 0;  // when it joined: round robin follows the order instances were given
   };
   explicit InstanceSet(InstanceSetOptions options);
   void OnChange(const kvwire::discovery::PrefixWatcher::Snapshot& keys);
@@ -106,6 +107,7 @@ class InstanceSet {
   std::map<std::tuple<int, std::string>, uint64_t> routed_ ABSL_GUARDED_BY(mu_);
   uint64_t added_ ABSL_GUARDED_BY(mu_) = 0, removed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+  uint64_t joined_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread poller_;
 };
 
