@@ -1,111 +1,48 @@
 // The C API (include/kvwire/kvwire.h) over kvwire::Connector and kvwire::Layout. Nothing
 // throws across it: every entry point catches and reports through errptr.
-#include <cstdlib>
-#include <cstring>
-#include <exception>
-#include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvwire/connector.h"
 #include "kvwire/kvwire.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"
-
-struct kvw_layout_t {
-  kvwire::Layout rep;
-};
-struct kvw_options_t {
-  kvwire::ConnectorOptions rep;
-};
-struct kvw_connector_t {
-  std::unique_ptr<kvwire::Connector> rep;
-};
-struct kvw_block_table_t {
-  kvwire::BlockTable rep;
-};
-struct kvw_finished_t {
-  kvwire::FinishedRequests rep;
-};
-struct kvw_buffer_t {
-  kvwire::ShareableBuffer rep;
-};
+#include "src/connector/c_api_internal.h"
 
 namespace {
 
-char* CopyString(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out == nullptr) return nullptr;
-  std::memcpy(out, s.data(), s.size());
-  out[s.size()] = '\0';
-  return out;
+using kvwire::capi::CopyString;
+using kvwire::capi::Guard;
+using kvwire::capi::GuardMake;
+using kvwire::capi::NoThrow;
+using kvwire::capi::Require;
+using kvwire::capi::RequireArray;
+using kvwire::capi::RequireRange;
+using kvwire::capi::Str;
+
+constexpr int64_t kMsPerDay = int64_t{24} * 3600 * 1000;
+
+// A string option of the connector: `field` gets `value` ("" for NULL).
+template <typename Setter>
+int SetString(const char* call, kvw_options_t* o, const char* value, char** errptr, Setter&& set) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require(call, {{"options", o}}); !s.ok()) return s;
+    set(Str(value));
+    return absl::OkStatus();
+  });
 }
 
-void SetError(char** errptr, const std::string& message) {
-  if (errptr == nullptr) return;
-  std::free(*errptr);
-  *errptr = CopyString(message);
+// A millisecond option of the connector within [lo, hi].
+int SetMs(const char* call, kvw_options_t* o, int64_t ms, int64_t lo, int64_t hi,
+          absl::Duration* field, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require(call, {{"options", o}}); !s.ok()) return s;
+    if (absl::Status s = RequireRange(call, ms, lo, hi); !s.ok()) return s;
+    *field = absl::Milliseconds(ms);
+    return absl::OkStatus();
+  });
 }
-
-// Reports a non-OK status; returns its code (0 when OK).
-int Report(const absl::Status& s, char** errptr) {
-  if (s.ok()) return 0;
-  SetError(errptr, s.ToString());
-  return static_cast<int>(s.code());
-}
-
-template <typename F>
-int Guard(char** errptr, F&& f) {
-  try {
-    return Report(f(), errptr);
-  } catch (const std::exception& e) {
-    SetError(errptr, std::string("internal error: ") + e.what());
-  } catch (...) {
-    SetError(errptr, "internal error");
-  }
-  return static_cast<int>(absl::StatusCode::kInternal);
-}
-
-// As Guard, for the calls that make an object: `f` returns absl::StatusOr<std::unique_ptr<T>>;
-// NULL (with *errptr set) on failure.
-template <typename F>
-auto GuardMake(char** errptr, F&& f) -> typename decltype(f())::value_type::pointer {
-  try {
-    auto made = f();
-    if (made.ok()) return made->release();
-    Report(made.status(), errptr);
-  } catch (const std::exception& e) {
-    SetError(errptr, std::string("internal error: ") + e.what());
-  } catch (...) {
-    SetError(errptr, "internal error");
-  }
-  return nullptr;
-}
-
-// One pointer argument a call cannot do without.
-struct Arg {
-  const char* name;
-  const void* ptr;
-};
-
-// A caller's NULL becomes an error naming the call and the argument instead of a crash.
-absl::Status Require(const char* call, std::initializer_list<Arg> args) {
-  for (const Arg& a : args) {
-    if (a.ptr == nullptr) {
-      return absl::InvalidArgumentError(std::string(call) + ": " + a.name + " is NULL");
-    }
-  }
-  return absl::OkStatus();
-}
-
-// `count` entries of an array argument: NULL is fine only for an empty one.
-absl::Status RequireArray(const char* call, const char* name, const void* ptr, size_t count) {
-  if (ptr != nullptr || count == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(std::string(call) + ": " + name + " is NULL but count is " +
-                                    std::to_string(count));
-}
-
-std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
 const kvwire::BlockTable& Blocks(const kvw_block_table_t* t) {
   static const kvwire::BlockTable* const kEmpty = new kvwire::BlockTable();
@@ -218,7 +155,8 @@ int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** er
         !s.ok()) {
       return s;
     }
-    absl::StatusOr<kvwire::TransportKind> t = kvwire::ParseTransportKind(transport);
+    absl::StatusOr<kvwire::TransportKind> t =
+        kvwire::capi::TransportFromName("kvw_options_set_transport", transport);
     if (!t.ok()) return t.status();
     o->rep.engine.transport = *t;
     return absl::OkStatus();
@@ -238,6 +176,51 @@ int kvw_options_set_secret(kvw_options_t* o, const char* secret, size_t length, 
     return absl::OkStatus();
   });
 }
+int kvw_options_set_engine_options(kvw_options_t* o, const kvw_engine_options_t* engine,
+                                   char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s =
+            Require("kvw_options_set_engine_options", {{"options", o}, {"engine", engine}});
+        !s.ok()) {
+      return s;
+    }
+    o->rep.engine = engine->rep;
+    return absl::OkStatus();
+  });
+}
+int kvw_options_set_request_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
+  return SetMs("kvw_options_set_request_timeout", o, ms, 1, kMsPerDay,
+               o == nullptr ? nullptr : &o->rep.request_timeout, errptr);
+}
+int kvw_options_set_handshake_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
+  return SetMs("kvw_options_set_handshake_timeout", o, ms, 1, kMsPerDay,
+               o == nullptr ? nullptr : &o->rep.handshake_timeout, errptr);
+}
+int kvw_options_set_metrics_address(kvw_options_t* o, const char* address, char** errptr) {
+  return SetString("kvw_options_set_metrics_address", o, address, errptr,
+                   [&](std::string v) { o->rep.metrics_address = std::move(v); });
+}
+int kvw_options_set_etcd_endpoints(kvw_options_t* o, const char* endpoints, char** errptr) {
+  return SetString("kvw_options_set_etcd_endpoints", o, endpoints, errptr,
+                   [&](std::string v) { o->rep.etcd_endpoints = std::move(v); });
+}
+int kvw_options_set_cluster(kvw_options_t* o, const char* cluster, char** errptr) {
+  return SetString("kvw_options_set_cluster", o, cluster, errptr,
+                   [&](std::string v) { o->rep.cluster = std::move(v); });
+}
+int kvw_options_set_etcd_call_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
+  return SetMs("kvw_options_set_etcd_call_timeout", o, ms, 1, 10 * 60 * 1000,
+               o == nullptr ? nullptr : &o->rep.etcd_call_timeout, errptr);
+}
+int kvw_options_set_etcd_lease_seconds(kvw_options_t* o, int64_t seconds, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    constexpr char kCall[] = "kvw_options_set_etcd_lease_seconds";
+    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
+    if (absl::Status s = RequireRange(kCall, seconds, 1, 86400); !s.ok()) return s;
+    o->rep.etcd_lease_seconds = seconds;
+    return absl::OkStatus();
+  });
+}
 void kvw_options_destroy(kvw_options_t* o) { delete o; }
 
 kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
@@ -251,7 +234,10 @@ kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
         kvwire::Connector::Create(std::move(options));
     if (!c.ok()) return c.status();
-    return std::make_unique<kvw_connector_t>(kvw_connector_t{std::move(*c)});
+    auto handle = std::make_unique<kvw_connector_t>();
+    handle->rep = std::move(*c);
+    handle->engine.rep = &handle->rep->engine();
+    return handle;
   });
 }
 void kvw_connector_destroy(kvw_connector_t* c) { delete c; }
@@ -259,6 +245,25 @@ const char* kvw_connector_engine_id(const kvw_connector_t* c) {
   return c->rep->engine_id().c_str();
 }
 char* kvw_connector_address(kvw_connector_t* c) { return CopyString(c->rep->engine().address()); }
+char* kvw_connector_metrics_address(const kvw_connector_t* c) {
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    return c == nullptr ? nullptr : CopyString(c->rep->metrics_address());
+  });
+}
+kvw_engine_t* kvw_connector_engine(kvw_connector_t* c) {
+  return c == nullptr ? nullptr : &c->engine;
+}
+int kvw_connector_announce(kvw_connector_t* c, const char* http_address, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require("kvw_connector_announce", {{"connector", c}}); !s.ok()) {
+      return s;
+    }
+    return c->rep->Announce(Str(http_address));
+  });
+}
+int kvw_connector_announced(const kvw_connector_t* c) {
+  return NoThrow(0, [&] { return c != nullptr && c->rep->Announced() ? 1 : 0; });
+}
 
 int kvw_register_kv_caches(kvw_connector_t* c, const kvw_layout_t* l, void* const* ptrs,
                            const size_t* lengths, size_t count, char** errptr) {
@@ -337,14 +342,21 @@ char* kvw_build_connector_meta(kvw_connector_t* c) {
 int kvw_request_finished(kvw_connector_t* c, const char* request_id,
                          const kvw_block_table_t* blocks, uint64_t num_tokens, const char* params,
                          int aborted, int* delay_free, char** params_out, char** errptr) {
+  return kvw_request_finished_with_transfer_id(c, request_id, blocks, num_tokens, params, aborted,
+                                               nullptr, delay_free, params_out, errptr);
+}
+int kvw_request_finished_with_transfer_id(kvw_connector_t* c, const char* request_id,
+                                          const kvw_block_table_t* blocks, uint64_t num_tokens,
+                                          const char* params, int aborted, const char* transfer_id,
+                                          int* delay_free, char** params_out, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     if (absl::Status s =
             Require("kvw_request_finished", {{"connector", c}, {"request_id", request_id}});
         !s.ok()) {
       return s;
     }
-    absl::StatusOr<kvwire::RequestFinishedResult> r =
-        c->rep->RequestFinished(request_id, Blocks(blocks), num_tokens, Str(params), aborted != 0);
+    absl::StatusOr<kvwire::RequestFinishedResult> r = c->rep->RequestFinished(
+        request_id, Blocks(blocks), num_tokens, Str(params), aborted != 0, Str(transfer_id));
     if (!r.ok()) return r.status();
     if (delay_free != nullptr) *delay_free = r->delay_free ? 1 : 0;
     if (params_out != nullptr) *params_out = CopyString(r->kv_transfer_params);
