@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "kvwire/connector.h"
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
@@ -47,14 +49,52 @@ kvwire::KvMemory ToKvMemory(const py::handle& h) {
 // The engine options of a Python-made engine or connector: the KVWIRE_* environment first
 // (EngineOptions::FromEnvironment, the one place it is read), then `secret` when given (str,
 // UTF-8, or bytes; "" / b"" means none).
-kvwire::EngineOptions EngineOptionsFor(const py::object& secret) {
-  kvwire::EngineOptions o = kvwire::EngineOptions::FromEnvironment({});
-  if (secret.is_none()) return o;
+std::string SecretFrom(const py::object& secret) {
   if (!py::isinstance<py::bytes>(secret) && !py::isinstance<py::str>(secret)) {
     throw py::type_error("secret must be str, bytes or None");
   }
-  o.shared_secret = secret.cast<std::string>();
+  return secret.cast<std::string>();
+}
+kvwire::EngineOptions EngineOptionsFor(const py::object& secret) {
+  kvwire::EngineOptions o = kvwire::EngineOptions::FromEnvironment({});
+  if (!secret.is_none()) o.shared_secret = SecretFrom(secret);
   return o;
+}
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+// A duration option in seconds: positive and finite (0 < s <= 1 day), else ValueError naming it.
+absl::Duration FromSeconds(const char* name, double s) {
+  if (!(s > 0 && s <= 86400)) {
+    throw py::value_error(absl::StrCat(name, ": ", s, " s is out of range (0 < s <= 86400)"));
+  }
+  return absl::Seconds(s);
+}
+// An integer option within [lo, hi], else ValueError naming it and the range (the C API's
+// setters accept the same ranges).
+template <typename T>
+T InRange(const char* name, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) {
+    throw py::value_error(absl::StrCat(name, ": ", v, " is out of range (", lo, "..", hi, ")"));
+  }
+  return static_cast<T>(v);
+}
+
+// Python's kvwire.EngineOptions: every field of kvwire::EngineOptions, durations as float
+// seconds (*_s), the transport as its name, numbers range-checked on assignment.
+template <typename T, int64_t kLo, int64_t kHi>
+void IntField(py::class_<kvwire::EngineOptions>& c, const char* name,
+              T kvwire::EngineOptions::*field) {
+  c.def_property(
+      name, [field](const kvwire::EngineOptions& o) { return o.*field; },
+      [name, field](kvwire::EngineOptions& o, int64_t v) {
+        o.*field = InRange<T>(name, v, kLo, kHi);
+      });
+}
+void DurationField(py::class_<kvwire::EngineOptions>& c, const char* name,
+                   absl::Duration kvwire::EngineOptions::*field) {
+  c.def_property(
+      name, [field](const kvwire::EngineOptions& o) { return Seconds(o.*field); },
+      [name, field](kvwire::EngineOptions& o, double s) { o.*field = FromSeconds(name, s); });
 }
 
 }  // namespace
@@ -155,27 +195,285 @@ PYBIND11_MODULE(_kvwire, m) {
       py::arg("src"), py::arg("src_blocks"), py::arg("dst"), py::arg("dst_blocks"),
       py::arg("num_tokens"), py::arg("num_cached_tokens") = 0);
 
+  // --- kvwire.EngineOptions ---
+  constexpr int64_t kKiB = 1024, kMiB = kKiB * 1024, kGiB = kMiB * 1024, kTiB = kGiB * 1024;
+  py::class_<kvwire::EngineOptions> eo(m, "EngineOptions",
+                                       "kvwire::EngineOptions: the C++ defaults (the environment "
+                                       "is not read; see from_environment)");
+  eo.def(py::init<>())
+      .def_static(
+          "from_environment",
+          [](const std::optional<kvwire::EngineOptions>& base) {
+            return kvwire::EngineOptions::FromEnvironment(base.value_or(kvwire::EngineOptions()));
+          },
+          py::arg("base") = py::none(),
+          "EngineOptions::FromEnvironment: each KVWIRE_* variable that is set, non-empty and "
+          "valid replaces base's value; bad values are ignored (logged)")
+      .def_readwrite("name", &kvwire::EngineOptions::name)
+      .def_readwrite("listen_address", &kvwire::EngineOptions::listen_address)
+      .def_property(
+          "transport",
+          [](const kvwire::EngineOptions& o) { return kvwire::TransportKindName(o.transport); },
+          [](kvwire::EngineOptions& o, const std::string& t) {
+            o.transport = Take(kvwire::ParseTransportKind(t));
+          })
+      .def_property(
+          "shared_secret",
+          [](const kvwire::EngineOptions& o) { return py::bytes(o.shared_secret); },
+          [](kvwire::EngineOptions& o, const py::object& secret) {
+            if (!py::isinstance<py::bytes>(secret) && !py::isinstance<py::str>(secret)) {
+              throw py::type_error("shared_secret must be str or bytes");
+            }
+            o.shared_secret = secret.cast<std::string>();
+          })
+      .def_readwrite("compat_salt", &kvwire::EngineOptions::compat_salt)
+      .def_readwrite("rdma_devices", &kvwire::EngineOptions::rdma_devices)
+      .def_readwrite("shm_cma", &kvwire::EngineOptions::shm_cma)
+      .def_readwrite("shm_deny_ptrace", &kvwire::EngineOptions::shm_deny_ptrace)
+      .def("__repr__", [](const kvwire::EngineOptions& o) {
+        return absl::StrCat("EngineOptions(name='", o.name, "', listen_address='", o.listen_address,
+                            "', transport='", kvwire::TransportKindName(o.transport), "')");
+      });
+  IntField<int, 1, 64>(eo, "tcp_connections", &kvwire::EngineOptions::tcp_connections);
+  IntField<uint64_t, 1, 64 * kMiB>(eo, "max_op_bytes", &kvwire::EngineOptions::max_op_bytes);
+  IntField<uint64_t, 0, kTiB>(eo, "stripe_min_bytes", &kvwire::EngineOptions::stripe_min_bytes);
+  IntField<uint32_t, 4 * kKiB, kGiB>(eo, "max_frame_bytes",
+                                     &kvwire::EngineOptions::max_frame_bytes);
+  DurationField(eo, "heartbeat_interval_s", &kvwire::EngineOptions::heartbeat_interval);
+  DurationField(eo, "peer_lease_s", &kvwire::EngineOptions::peer_lease);
+  DurationField(eo, "connect_timeout_s", &kvwire::EngineOptions::connect_timeout);
+  DurationField(eo, "transfer_timeout_s", &kvwire::EngineOptions::transfer_timeout);
+  IntField<int, 1, 64>(eo, "io_threads", &kvwire::EngineOptions::io_threads);
+  IntField<uint32_t, 1, kGiB>(eo, "max_message_bytes", &kvwire::EngineOptions::max_message_bytes);
+  IntField<int, -1, 1023>(eo, "rdma_gid_index", &kvwire::EngineOptions::rdma_gid_index);
+  IntField<int, 1, 64>(eo, "rdma_qps_per_peer", &kvwire::EngineOptions::rdma_qps_per_peer);
+  IntField<int, 1, 32768>(eo, "rdma_send_queue_depth",
+                          &kvwire::EngineOptions::rdma_send_queue_depth);
+  IntField<int, 0, 31>(eo, "rdma_qp_timeout", &kvwire::EngineOptions::rdma_qp_timeout);
+  IntField<int, 0, 7>(eo, "rdma_retry_count", &kvwire::EngineOptions::rdma_retry_count);
+  IntField<int, 0, 7>(eo, "rdma_rnr_retry", &kvwire::EngineOptions::rdma_rnr_retry);
+  IntField<int, 1, 1 << 20>(eo, "tcp_max_data_connections",
+                            &kvwire::EngineOptions::tcp_max_data_connections);
+  IntField<int, 1, 1 << 16>(eo, "tcp_max_data_connections_per_peer",
+                            &kvwire::EngineOptions::tcp_max_data_connections_per_peer);
+  IntField<int, 1, 1 << 16>(eo, "tcp_max_pending_hellos",
+                            &kvwire::EngineOptions::tcp_max_pending_hellos);
+  IntField<int, 1, 1 << 16>(eo, "tcp_max_pending_hellos_per_address",
+                            &kvwire::EngineOptions::tcp_max_pending_hellos_per_address);
+  DurationField(eo, "tcp_hello_timeout_s", &kvwire::EngineOptions::tcp_hello_timeout);
+  DurationField(eo, "tcp_io_timeout_s", &kvwire::EngineOptions::tcp_io_timeout);
+  IntField<int, 1, 1 << 16>(eo, "max_pending_handshakes",
+                            &kvwire::EngineOptions::max_pending_handshakes);
+  IntField<int, 1, 1 << 16>(eo, "max_pending_handshakes_per_source",
+                            &kvwire::EngineOptions::max_pending_handshakes_per_source);
+  IntField<int, 1, 1 << 20>(eo, "max_control_connections",
+                            &kvwire::EngineOptions::max_control_connections);
+  IntField<uint64_t, 4 * kKiB, kTiB>(eo, "max_control_send_queue_bytes",
+                                     &kvwire::EngineOptions::max_control_send_queue_bytes);
+  IntField<uint64_t, 1, int64_t{1} << 32>(eo, "max_undrained_notifications",
+                                          &kvwire::EngineOptions::max_undrained_notifications);
+  IntField<int, 0, 1 << 16>(eo, "closed_peers_kept", &kvwire::EngineOptions::closed_peers_kept);
+
+  py::class_<kvwire::Inbox, std::shared_ptr<kvwire::Inbox>>(m, "Inbox")
+      .def_property_readonly("topic", &kvwire::Inbox::topic)
+      .def("take",
+           [](kvwire::Inbox& in) {
+             std::vector<kvwire::InboxEvent> events = in.Take();
+             py::list out;
+             for (const kvwire::InboxEvent& ev : events) {
+               out.append(py::make_tuple(
+                   ev.kind == kvwire::InboxEvent::Kind::kPeerClosed ? "peer_closed" : "message",
+                   ev.peer, ev.peer_name, py::bytes(ev.payload)));
+             }
+             return out;
+           })
+      .def(
+          "wait",
+          [](kvwire::Inbox& in, double timeout_s) {
+            std::vector<kvwire::InboxEvent> events;
+            {
+              py::gil_scoped_release release;
+              events = in.Wait(FromSeconds("timeout_s", timeout_s));
+            }
+            py::list out;
+            for (const kvwire::InboxEvent& ev : events) {
+              out.append(py::make_tuple(
+                  ev.kind == kvwire::InboxEvent::Kind::kPeerClosed ? "peer_closed" : "message",
+                  ev.peer, ev.peer_name, py::bytes(ev.payload)));
+            }
+            return out;
+          },
+          py::arg("timeout_s") = 10.0, "[(kind, peer, peer_name, payload bytes)]");
+
   py::class_<kvwire::Engine>(m, "Engine")
-      .def(py::init([](const std::string& name, const std::string& transport,
-                       const std::string& listen, const py::object& secret) {
-             kvwire::EngineOptions o = EngineOptionsFor(secret);
-             o.name = name;
-             o.transport = Take(kvwire::ParseTransportKind(transport));
-             o.listen_address = listen;
+      .def(py::init([](const std::optional<std::string>& name,
+                       const std::optional<std::string>& transport,
+                       const std::optional<std::string>& listen, const py::object& secret,
+                       const std::optional<kvwire::EngineOptions>& options) {
+             // Without options: the environment, then the keyword defaults (as before).
+             // With options: exactly those, then only the keywords given.
+             kvwire::EngineOptions o = options ? *options : EngineOptionsFor(secret);
+             if (options && !secret.is_none()) o.shared_secret = SecretFrom(secret);
+             if (name || !options) o.name = name.value_or("");
+             if (transport || !options) {
+               o.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
+             }
+             if (listen || !options) o.listen_address = listen.value_or("127.0.0.1:0");
              return Take(kvwire::Engine::Create(o));
            }),
-           py::arg("name") = "", py::arg("transport") = "auto",
-           py::arg("listen_address") = "127.0.0.1:0", py::arg("secret") = py::none(),
-           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
+           py::arg("name") = py::none(), py::arg("transport") = py::none(),
+           py::arg("listen_address") = py::none(), py::arg("secret") = py::none(),
+           py::arg("options") = py::none(),
+           "options: a kvwire.EngineOptions (used as given: no environment); without it the "
+           "KVWIRE_* environment, then transport 'auto' and listen_address '127.0.0.1:0' unless "
+           "given. secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
       .def_property_readonly("name", &kvwire::Engine::name)
       .def_property_readonly("address", &kvwire::Engine::address)
-      .def("register_memory",
-           [](kvwire::Engine& e, Buffer& b) {
-             kvwire::RegionOptions ro;
-             ro.export_to_all_peers = true;
-             return Take(e.RegisterMemory(b.rep.data(), b.rep.size(), ro));
+      .def(
+          "register_memory",
+          [](kvwire::Engine& e, Buffer& b, uint32_t access, bool export_to_all_peers) {
+            kvwire::RegionOptions ro;
+            ro.access =
+                InRange<uint32_t>("access", access, kvwire::kAccessNone, kvwire::kRemoteReadWrite);
+            ro.export_to_all_peers = export_to_all_peers;
+            return Take(e.RegisterMemory(b.rep.data(), b.rep.size(), ro));
+          },
+          py::arg("buffer"), py::arg("access") = 3, py::arg("export_to_all_peers") = true,
+          "access: 0 none, 1 remote read, 2 remote write, 3 both (RegionOptions' default). "
+          "export_to_all_peers defaults to True here (RegionOptions' default is False)")
+      .def(
+          "register_kv_memory",
+          [](kvwire::Engine& e, const kvwire::KvMemory& km, uint32_t access,
+             bool export_to_all_peers) {
+            kvwire::RegionOptions ro;
+            ro.access =
+                InRange<uint32_t>("access", access, kvwire::kAccessNone, kvwire::kRemoteReadWrite);
+            ro.kind = km.kind;
+            ro.gpu_device = km.gpu_device;
+            ro.export_to_all_peers = export_to_all_peers;
+            return Take(e.RegisterMemory(km.ptr, km.length, ro));
+          },
+          py::arg("memory"), py::arg("access") = 3, py::arg("export_to_all_peers") = false,
+          "Registers a kvwire.KvMemory range (host or gpu) with RegionOptions' defaults")
+      .def("deregister_memory",
+           [](kvwire::Engine& e, uint64_t region) {
+             py::gil_scoped_release release;
+             Check(e.DeregisterMemory(region));
            })
-      .def("connect", [](kvwire::Engine& e, const std::string& a) { return Take(e.Connect(a)); })
+      .def(
+          "connect",
+          [](kvwire::Engine& e, const std::string& a, const std::vector<uint64_t>& exports,
+             const std::optional<std::string>& transport) {
+            kvwire::ConnectOptions co;
+            co.exports = exports;
+            if (transport) co.transport = Take(kvwire::ParseTransportKind(*transport));
+            py::gil_scoped_release release;
+            return Take(e.Connect(a, co));
+          },
+          py::arg("address"), py::arg("exports") = std::vector<uint64_t>(),
+          py::arg("transport") = py::none())
+      .def("export", [](kvwire::Engine& e, uint64_t peer,
+                        const std::vector<uint64_t>& regions) { Check(e.Export(peer, regions)); })
+      .def("unexport",
+           [](kvwire::Engine& e, uint64_t peer, const std::vector<uint64_t>& regions) {
+             py::gil_scoped_release release;
+             Check(e.Unexport(peer, regions));
+           })
+      .def(
+          "disconnect",
+          [](kvwire::Engine& e, uint64_t peer, const std::optional<std::string>& reason) {
+            py::gil_scoped_release release;
+            Check(reason ? e.Disconnect(peer, absl::AbortedError(*reason)) : e.Disconnect(peer));
+          },
+          py::arg("peer"), py::arg("reason") = py::none())
+      .def("peers",
+           [](const kvwire::Engine& e) {
+             py::list out;
+             for (const kvwire::PeerInfo& p : e.Peers()) {
+               py::dict d;
+               d["id"] = p.id;
+               d["name"] = p.name;
+               d["address"] = p.address;
+               d["transport"] = p.transport;
+               d["alive"] = p.alive;
+               d["close_reason"] = p.close_reason;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("find_peer",
+           [](const kvwire::Engine& e, const std::string& name) { return Take(e.FindPeer(name)); })
+      .def(
+          "wait_for_peer",
+          [](kvwire::Engine& e, const std::string& name, double timeout_s) {
+            py::gil_scoped_release release;
+            return Take(e.WaitForPeer(name, FromSeconds("timeout_s", timeout_s)));
+          },
+          py::arg("name"), py::arg("timeout_s") = 10.0)
+      .def(
+          "wait_for_remote_region",
+          [](kvwire::Engine& e, uint64_t peer, uint64_t region, double timeout_s) {
+            py::gil_scoped_release release;
+            Check(e.WaitForRemoteRegion(peer, region, FromSeconds("timeout_s", timeout_s)));
+          },
+          py::arg("peer"), py::arg("region"), py::arg("timeout_s") = 10.0)
+      .def(
+          "poll",
+          [](kvwire::Engine& e, uint64_t id) {
+            absl::Status status;
+            switch (e.Poll(id, &status)) {
+              case kvwire::TransferState::kPending:
+                return py::make_tuple("pending", py::none());
+              case kvwire::TransferState::kSucceeded:
+                return py::make_tuple("succeeded", py::none());
+              case kvwire::TransferState::kFailed:
+                break;
+            }
+            return py::make_tuple("failed", status.ToString());
+          },
+          "(state, error): 'pending', 'succeeded' or 'failed' (with the error); a final state "
+          "is reported once")
+      .def(
+          "take_notifications",
+          [](kvwire::Engine& e) {
+            py::list out;
+            for (const kvwire::Notification& n : e.TakeNotifications()) {
+              out.append(py::make_tuple(n.peer, n.peer_name, n.transfer_id, py::bytes(n.payload)));
+            }
+            return out;
+          },
+          "[(peer, peer_name, transfer_id, payload bytes)]")
+      .def(
+          "wait_notification",
+          [](kvwire::Engine& e, double timeout_s) {
+            absl::StatusOr<kvwire::Notification> n;
+            {
+              py::gil_scoped_release release;
+              n = e.WaitNotification(FromSeconds("timeout_s", timeout_s));
+            }
+            kvwire::Notification v = Take(std::move(n));
+            return py::make_tuple(v.peer, v.peer_name, v.transfer_id, py::bytes(v.payload));
+          },
+          py::arg("timeout_s") = 10.0)
+      .def(
+          "send_message",
+          [](kvwire::Engine& e, uint64_t peer, const std::string& topic, const py::bytes& payload) {
+            Check(e.SendMessage(peer, topic, std::string(payload)));
+          })
+      .def(
+          "open_inbox",
+          [](kvwire::Engine& e, const std::string& topic, uint64_t max_queued_bytes,
+             bool peer_events) {
+            kvwire::InboxOptions io;
+            io.max_queued_bytes = InRange<uint64_t>(
+                "max_queued_bytes", static_cast<int64_t>(max_queued_bytes), 1, int64_t{1} << 40);
+            io.peer_events = peer_events;
+            return std::shared_ptr<kvwire::Inbox>(Take(e.OpenInbox(topic, io)));
+          },
+          py::arg("topic"), py::arg("max_queued_bytes") = uint64_t{64} << 20,
+          py::arg("peer_events") = true)
+      .def("stats_prometheus",
+           [](const kvwire::Engine& e) { return e.Stats().ToPrometheus(e.name()); })
       .def("remote_regions",
            [](kvwire::Engine& e, uint64_t peer) {
              std::vector<py::tuple> out;
@@ -188,16 +486,21 @@ PYBIND11_MODULE(_kvwire, m) {
           "transfer",
           [](kvwire::Engine& e, uint64_t peer, const std::string& kind,
              const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>& ops,
-             std::optional<std::string> notification) {
+             std::optional<std::string> notification, std::optional<double> timeout_s) {
+            if (kind != "read" && kind != "write") {
+              throw py::value_error("transfer kind must be 'read' or 'write', not '" + kind + "'");
+            }
             std::vector<kvwire::Op> v;
             for (const auto& [lr, lo, rr, ro, len] : ops) v.push_back({lr, lo, rr, ro, len});
             kvwire::TransferOptions to;
             to.notification = notification;
+            if (timeout_s) to.timeout = FromSeconds("timeout_s", *timeout_s);
             py::gil_scoped_release release;
             return Take(e.Transfer(
                 peer, kind == "write" ? kvwire::OpKind::kWrite : kvwire::OpKind::kRead, v, to));
           },
-          py::arg("peer"), py::arg("kind"), py::arg("ops"), py::arg("notification") = py::none())
+          py::arg("peer"), py::arg("kind"), py::arg("ops"), py::arg("notification") = py::none(),
+          py::arg("timeout_s") = py::none())
       .def(
           "wait",
           [](kvwire::Engine& e, uint64_t id, double timeout_s) {
@@ -208,29 +511,73 @@ PYBIND11_MODULE(_kvwire, m) {
       .def("stats_json", [](const kvwire::Engine& e) { return e.Stats().ToJson(); });
 
   py::class_<kvwire::Connector>(m, "Connector")
-      .def(py::init([](const std::string& name, const std::string& mode,
-                       const std::string& transport, double request_timeout_s,
-                       const py::object& secret, const std::string& listen_address,
-                       const std::string& metrics_address) {
+      .def(py::init([](const std::optional<std::string>& name, const std::string& mode,
+                       const std::optional<std::string>& transport, double request_timeout_s,
+                       const py::object& secret, const std::optional<std::string>& listen_address,
+                       const std::string& metrics_address, const std::string& role,
+                       double handshake_timeout_s, const std::string& etcd_endpoints,
+                       const std::string& cluster, double etcd_call_timeout_s,
+                       int64_t etcd_lease_seconds,
+                       const std::optional<kvwire::EngineOptions>& engine_options) {
              kvwire::ConnectorOptions o;
-             o.engine = EngineOptionsFor(secret);
-             o.engine.name = name;
+             // Without engine_options: the environment, then the keyword defaults (as before).
+             // With them: exactly those, then only the engine keywords given.
+             o.engine = engine_options ? *engine_options : EngineOptionsFor(secret);
+             if (engine_options && !secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
+             if (name || !engine_options) o.engine.name = name.value_or("");
+             if (transport || !engine_options) {
+               o.engine.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
+             }
+             if (listen_address || !engine_options) {
+               o.engine.listen_address = listen_address.value_or("127.0.0.1:0");
+             }
+             o.role = role;
              o.mode = Take(kvwire::ParseKvMode(mode));
-             o.engine.transport = Take(kvwire::ParseTransportKind(transport));
-             o.engine.listen_address = listen_address;
-             o.request_timeout = absl::Seconds(request_timeout_s);
+             o.request_timeout = FromSeconds("request_timeout_s", request_timeout_s);
+             o.handshake_timeout = FromSeconds("handshake_timeout_s", handshake_timeout_s);
              o.metrics_address = metrics_address;
+             o.etcd_endpoints = etcd_endpoints;
+             o.cluster = cluster;
+             if (!(etcd_call_timeout_s > 0 && etcd_call_timeout_s <= 600)) {
+               throw py::value_error(absl::StrCat("etcd_call_timeout_s: ", etcd_call_timeout_s,
+                                                  " s is out of range (0 < s <= 600)"));
+             }
+             o.etcd_call_timeout = absl::Seconds(etcd_call_timeout_s);
+             o.etcd_lease_seconds =
+                 InRange<int64_t>("etcd_lease_seconds", etcd_lease_seconds, 1, 86400);
              return Take(kvwire::Connector::Create(o));
            }),
-           py::arg("name") = "", py::arg("mode") = "auto", py::arg("transport") = "auto",
-           py::arg("request_timeout_s") = 60.0, py::arg("secret") = py::none(),
-           py::arg("listen_address") = "127.0.0.1:0", py::arg("metrics_address") = "",
-           "secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET. "
-           "listen_address: control channel host:port (port 0: a free one). metrics_address: "
-           "host:port of GET /metrics and /stats.json (empty: none)")
+           py::arg("name") = py::none(), py::arg("mode") = "auto",
+           py::arg("transport") = py::none(), py::arg("request_timeout_s") = 60.0,
+           py::arg("secret") = py::none(), py::arg("listen_address") = py::none(),
+           py::arg("metrics_address") = "", py::arg("role") = "both",
+           py::arg("handshake_timeout_s") = 10.0, py::arg("etcd_endpoints") = "",
+           py::arg("cluster") = "", py::arg("etcd_call_timeout_s") = 2.0,
+           py::arg("etcd_lease_seconds") = 10, py::arg("engine_options") = py::none(),
+           "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
+           "given (no environment); without it the KVWIRE_* environment, then transport 'auto' "
+           "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
+           "secret (str or bytes); None: KVWIRE_SECRET. metrics_address: host:port of "
+           "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
+           "through etcd (see announce()).")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
       .def_property_readonly("metrics_address", &kvwire::Connector::metrics_address)
+      .def_property_readonly("engine", &kvwire::Connector::engine,
+                             py::return_value_policy::reference_internal,
+                             "the connector's engine (lives as long as the connector)")
+      .def(
+          "announce",
+          [](kvwire::Connector& c, const std::string& http_address) {
+            py::gil_scoped_release release;
+            Check(c.Announce(http_address));
+          },
+          py::arg("http_address") = "",
+          "Registers this engine in etcd (etcd_endpoints and cluster) with a lease kept alive "
+          "until the connector is destroyed; RuntimeError without etcd configured. Call after "
+          "register_kv_caches.")
+      .def_property_readonly("announced", &kvwire::Connector::Announced,
+                             "whether the registration is in etcd now")
       .def(
           "register_kv_caches",
           [](kvwire::Connector& c, const kvwire::Layout& l, const py::list& memory) {

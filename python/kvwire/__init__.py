@@ -1,7 +1,9 @@
 """kvwire: KV-cache transfer between prefill and decode.
 
-The native module _kvwire (pybind11) provides Engine, Layout, Buffer and Connector; vLLM
+The native module _kvwire (pybind11) provides Engine (and EngineOptions, Inbox), Layout, Buffer
+and Connector (every ConnectorOptions field, etcd discovery and announce() included); vLLM
 loads kvwire.vllm_connector.KvwireConnector as a KV connector (kv_connector_module_path).
 """
-from _kvwire import (Buffer, CacheGroup, Connector, Engine, KvMemory,  # noqa: F401
-                     Layout, parse_kv_transfer_params, plan_transfer, select_blocks)
+from _kvwire import (Buffer, CacheGroup, Connector, Engine, EngineOptions,  # noqa: F401
+                     Inbox, KvMemory, Layout, parse_kv_transfer_params, plan_transfer,
+                     select_blocks)
