@@ -156,15 +156,36 @@ struct EngineOptions {
   // Closed peers kept for Peers()/Stats() (with their close reason); older ones are forgotten.
   int closed_peers_kept = 16;
 
-  // Fills unset fields from KVWIRE_* environment variables (KVWIRE_LISTEN, KVWIRE_TRANSPORT,
-  // KVWIRE_TCP_CONNECTIONS, KVWIRE_SECRET, KVWIRE_LOG_LEVEL, KVWIRE_RDMA_DEVICES (comma
-  // list), KVWIRE_RDMA_GID_INDEX, KVWIRE_RDMA_QPS, KVWIRE_SHM_CMA=1,
-  // KVWIRE_SHM_DENY_PTRACE=1). The only place the library reads the
-  // environment.
+  // Returns `base` with the KVWIRE_* environment variables applied. A variable that is set
+  // and non-empty REPLACES base's value, whatever base held (the environment wins over base;
+  // callers that want their own value to win set it after this call). Unset or empty
+  // variables leave base's value. The variables:
+  //   KVWIRE_LISTEN           listen_address, taken as is
+  //   KVWIRE_TRANSPORT        transport: auto, tcp, shm or rdma
+  //   KVWIRE_TCP_CONNECTIONS  tcp_connections, 1..64
+  //   KVWIRE_SECRET           shared_secret, taken as is
+  //   KVWIRE_SHM_CMA          shm_cma: "1" turns it on, ANY other value turns it off
+  //   KVWIRE_SHM_DENY_PTRACE  shm_deny_ptrace: likewise, "1" on, anything else off
+  //   KVWIRE_RDMA_DEVICES     rdma_devices, a comma list (empty entries dropped)
+  //   KVWIRE_RDMA_GID_INDEX   rdma_gid_index, -1..1023
+  //   KVWIRE_RDMA_QPS         rdma_qps_per_peer, 1..64
+  //   KVWIRE_LOG_LEVEL        not an option: sets the process-wide log level at once
+  // A bad value (unknown transport, a number that does not parse or is out of range, an
+  // unknown log level) is ignored with a warning in the log, and base's value stays; nothing
+  // fails. Every other field is base's. Engine::Create does not call this: it is the only
+  // place the library reads the environment, and the C API's kvw_options_create /
+  // kvw_engine_options_from_environment and Python's EngineOptions.from_environment (and
+  // Engine/Connector without explicit options) call it.
   static EngineOptions FromEnvironment(EngineOptions base);
 };
 
+// Defaults: a region may be read AND written by every peer it is exported to (access
+// kRemoteReadWrite), but it is exported to none: only to the peers named in
+// ConnectOptions::exports or Export, unless export_to_all_peers is set. Pass kRemoteRead to
+// make a region read-only for peers.
 struct RegionOptions {
+  // What a peer the region is exported to may do (kvwire::Access); local access is always
+  // allowed.
   uint32_t access = kRemoteReadWrite;
   MemoryKind kind = MemoryKind::kHost;
   // kGpu: the device the memory belongs to; -1 = ask the GPU runtime (either way the runtime

@@ -13,7 +13,8 @@
  *  - Calls that take errptr check their pointer arguments: a NULL that the call needs is
  *    reported as an error (code 3, the message names the argument), never dereferenced;
  *    errptr itself may be NULL (the message is dropped, the code still returned). Calls
- *    without errptr need valid pointers, as in LevelDB.
+ *    without errptr take a NULL handle too: getters return 0 / NULL, setters and destroys do
+ *    nothing (kvw_block_table_set also ignores NULL ids with a non-zero count).
  *  - Block tables are passed as kvw_block_table_t (group name -> block ids, -1 = none).
  *  - Option setters that take errptr check the value's range before storing it: an
  *    out-of-range value is refused (code 3, the message names the setter, the value and the
@@ -143,14 +144,12 @@ int kvw_options_set_engine_options(kvw_options_t* options, const kvw_engine_opti
 int kvw_options_set_request_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 int kvw_options_set_handshake_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 /* "host:port" of GET /metrics and /stats.json (port 0: a free one); "" or NULL: none. */
-int kvw_options_set_metrics_address(kvw_options_t* options, const char* address,
-                                    char** errptr);
+int kvw_options_set_metrics_address(kvw_options_t* options, const char* address, char** errptr);
 /* Discovery through etcd (v3 API): "http://host:port[,http://host:port...]" of the cluster's
  * members, and the deployment's name; both set: kvw_connector_announce registers the engine
  * and kv_transfer_params naming a prefill by engine id alone are resolved through etcd.
  * "" or NULL: host:port only. */
-int kvw_options_set_etcd_endpoints(kvw_options_t* options, const char* endpoints,
-                                   char** errptr);
+int kvw_options_set_etcd_endpoints(kvw_options_t* options, const char* endpoints, char** errptr);
 int kvw_options_set_cluster(kvw_options_t* options, const char* cluster, char** errptr);
 /* Deadline of every etcd call (1 ms .. 10 min). */
 int kvw_options_set_etcd_call_timeout(kvw_options_t* options, int64_t ms, char** errptr);
@@ -175,8 +174,7 @@ kvw_engine_t* kvw_connector_engine(kvw_connector_t* connector);
  * address to publish (NULL or "": none). Without etcd configured: code 9. etcd unreachable:
  * 0, the error logged, and registration keeps trying in the background. Call after
  * kvw_register_kv_caches (the layout is part of the record). */
-int kvw_connector_announce(kvw_connector_t* connector, const char* http_address,
-                           char** errptr);
+int kvw_connector_announce(kvw_connector_t* connector, const char* http_address, char** errptr);
 /* 1 while the registration is in etcd, else 0 (also for a NULL connector). */
 int kvw_connector_announced(const kvw_connector_t* connector);
 
@@ -260,43 +258,70 @@ int kvw_engine_options_set_listen_address(kvw_engine_options_t* options, const c
 int kvw_engine_options_set_transport(kvw_engine_options_t* options, const char* transport,
                                      char** errptr);
 /* `length` bytes of any value; length 0 clears it (no peer is asked to prove anything). */
-int kvw_engine_options_set_secret(kvw_engine_options_t* options, const char* secret,
-                                  size_t length, char** errptr);
+int kvw_engine_options_set_secret(kvw_engine_options_t* options, const char* secret, size_t length,
+                                  char** errptr);
 /* Comma-separated rdma device allow-list ("mlx5_0,mlx5_1:1"); "": every active device. */
 int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* options, const char* devices,
                                         char** errptr);
 /* Numbers, with the range each setter accepts: */
-int kvw_engine_options_set_tcp_connections(kvw_engine_options_t* o, int64_t v, char** e); /* 1..64 */
-int kvw_engine_options_set_max_op_bytes(kvw_engine_options_t* o, int64_t v, char** e); /* 1..64 MiB */
-int kvw_engine_options_set_stripe_min_bytes(kvw_engine_options_t* o, int64_t v, char** e); /* 0..1 TiB */
-int kvw_engine_options_set_max_frame_bytes(kvw_engine_options_t* o, int64_t v, char** e); /* 4 KiB..1 GiB */
-int kvw_engine_options_set_heartbeat_interval(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..1 h */
-int kvw_engine_options_set_peer_lease(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..24 h */
-int kvw_engine_options_set_connect_timeout(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..1 h */
-int kvw_engine_options_set_transfer_timeout(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..24 h */
+int kvw_engine_options_set_tcp_connections(kvw_engine_options_t* o, int64_t v,
+                                           char** e); /* 1..64 */
+int kvw_engine_options_set_max_op_bytes(kvw_engine_options_t* o, int64_t v,
+                                        char** e); /* 1..64 MiB */
+int kvw_engine_options_set_stripe_min_bytes(kvw_engine_options_t* o, int64_t v,
+                                            char** e); /* 0..1 TiB */
+int kvw_engine_options_set_max_frame_bytes(kvw_engine_options_t* o, int64_t v,
+                                           char** e); /* 4 KiB..1 GiB */
+int kvw_engine_options_set_heartbeat_interval(kvw_engine_options_t* o, int64_t ms,
+                                              char** e); /* 1 ms..1 h */
+int kvw_engine_options_set_peer_lease(kvw_engine_options_t* o, int64_t ms,
+                                      char** e); /* 1 ms..24 h */
+int kvw_engine_options_set_connect_timeout(kvw_engine_options_t* o, int64_t ms,
+                                           char** e); /* 1 ms..1 h */
+int kvw_engine_options_set_transfer_timeout(kvw_engine_options_t* o, int64_t ms,
+                                            char** e); /* 1 ms..24 h */
 int kvw_engine_options_set_compat_salt(kvw_engine_options_t* o, uint64_t v, char** e); /* any */
-int kvw_engine_options_set_io_threads(kvw_engine_options_t* o, int64_t v, char** e); /* 1..64 */
-int kvw_engine_options_set_max_message_bytes(kvw_engine_options_t* o, int64_t v, char** e); /* 1..1 GiB */
-int kvw_engine_options_set_rdma_gid_index(kvw_engine_options_t* o, int64_t v, char** e); /* -1..1023 */
-int kvw_engine_options_set_rdma_qps_per_peer(kvw_engine_options_t* o, int64_t v, char** e); /* 1..64 */
-int kvw_engine_options_set_rdma_send_queue_depth(kvw_engine_options_t* o, int64_t v, char** e); /* 1..32768 */
-int kvw_engine_options_set_rdma_qp_timeout(kvw_engine_options_t* o, int64_t v, char** e); /* 0..31 */
-int kvw_engine_options_set_rdma_retry_count(kvw_engine_options_t* o, int64_t v, char** e); /* 0..7 */
+int kvw_engine_options_set_io_threads(kvw_engine_options_t* o, int64_t v, char** e);   /* 1..64 */
+int kvw_engine_options_set_max_message_bytes(kvw_engine_options_t* o, int64_t v,
+                                             char** e); /* 1..1 GiB */
+int kvw_engine_options_set_rdma_gid_index(kvw_engine_options_t* o, int64_t v,
+                                          char** e); /* -1..1023 */
+int kvw_engine_options_set_rdma_qps_per_peer(kvw_engine_options_t* o, int64_t v,
+                                             char** e); /* 1..64 */
+int kvw_engine_options_set_rdma_send_queue_depth(kvw_engine_options_t* o, int64_t v,
+                                                 char** e); /* 1..32768 */
+int kvw_engine_options_set_rdma_qp_timeout(kvw_engine_options_t* o, int64_t v,
+                                           char** e); /* 0..31 */
+int kvw_engine_options_set_rdma_retry_count(kvw_engine_options_t* o, int64_t v,
+                                            char** e);                                   /* 0..7 */
 int kvw_engine_options_set_rdma_rnr_retry(kvw_engine_options_t* o, int64_t v, char** e); /* 0..7 */
 int kvw_engine_options_set_shm_cma(kvw_engine_options_t* o, int64_t on, char** e); /* 0 or 1 */
-int kvw_engine_options_set_shm_deny_ptrace(kvw_engine_options_t* o, int64_t on, char** e); /* 0 or 1 */
-int kvw_engine_options_set_tcp_max_data_connections(kvw_engine_options_t* o, int64_t v, char** e); /* 1..1048576 */
-int kvw_engine_options_set_tcp_max_data_connections_per_peer(kvw_engine_options_t* o, int64_t v, char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_max_pending_hellos(kvw_engine_options_t* o, int64_t v, char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_max_pending_hellos_per_address(kvw_engine_options_t* o, int64_t v, char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_hello_timeout(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..1 h */
-int kvw_engine_options_set_tcp_io_timeout(kvw_engine_options_t* o, int64_t ms, char** e); /* 1 ms..1 h */
-int kvw_engine_options_set_max_pending_handshakes(kvw_engine_options_t* o, int64_t v, char** e); /* 1..65536 */
-int kvw_engine_options_set_max_pending_handshakes_per_source(kvw_engine_options_t* o, int64_t v, char** e); /* 1..65536 */
-int kvw_engine_options_set_max_control_connections(kvw_engine_options_t* o, int64_t v, char** e); /* 1..1048576 */
-int kvw_engine_options_set_max_control_send_queue_bytes(kvw_engine_options_t* o, int64_t v, char** e); /* 4 KiB..1 TiB */
-int kvw_engine_options_set_max_undrained_notifications(kvw_engine_options_t* o, int64_t v, char** e); /* 1..2^32 */
-int kvw_engine_options_set_closed_peers_kept(kvw_engine_options_t* o, int64_t v, char** e); /* 0..65536 */
+int kvw_engine_options_set_shm_deny_ptrace(kvw_engine_options_t* o, int64_t on,
+                                           char** e); /* 0 or 1 */
+int kvw_engine_options_set_tcp_max_data_connections(kvw_engine_options_t* o, int64_t v,
+                                                    char** e); /* 1..1048576 */
+int kvw_engine_options_set_tcp_max_data_connections_per_peer(kvw_engine_options_t* o, int64_t v,
+                                                             char** e); /* 1..65536 */
+int kvw_engine_options_set_tcp_max_pending_hellos(kvw_engine_options_t* o, int64_t v,
+                                                  char** e); /* 1..65536 */
+int kvw_engine_options_set_tcp_max_pending_hellos_per_address(kvw_engine_options_t* o, int64_t v,
+                                                              char** e); /* 1..65536 */
+int kvw_engine_options_set_tcp_hello_timeout(kvw_engine_options_t* o, int64_t ms,
+                                             char** e); /* 1 ms..1 h */
+int kvw_engine_options_set_tcp_io_timeout(kvw_engine_options_t* o, int64_t ms,
+                                          char** e); /* 1 ms..1 h */
+int kvw_engine_options_set_max_pending_handshakes(kvw_engine_options_t* o, int64_t v,
+                                                  char** e); /* 1..65536 */
+int kvw_engine_options_set_max_pending_handshakes_per_source(kvw_engine_options_t* o, int64_t v,
+                                                             char** e); /* 1..65536 */
+int kvw_engine_options_set_max_control_connections(kvw_engine_options_t* o, int64_t v,
+                                                   char** e); /* 1..1048576 */
+int kvw_engine_options_set_max_control_send_queue_bytes(kvw_engine_options_t* o, int64_t v,
+                                                        char** e); /* 4 KiB..1 TiB */
+int kvw_engine_options_set_max_undrained_notifications(kvw_engine_options_t* o, int64_t v,
+                                                       char** e); /* 1..2^32 */
+int kvw_engine_options_set_closed_peers_kept(kvw_engine_options_t* o, int64_t v,
+                                             char** e); /* 0..65536 */
 
 /* --- engine --- */
 /* options NULL: the C++ defaults. Options that contradict each other are refused here
@@ -339,12 +364,11 @@ int kvw_engine_connect(kvw_engine_t* engine, const char* address,
                        const kvw_connect_options_t* options, uint64_t* peer, char** errptr);
 int kvw_engine_export(kvw_engine_t* engine, uint64_t peer, const uint64_t* regions, size_t count,
                       char** errptr);
-int kvw_engine_unexport(kvw_engine_t* engine, uint64_t peer, const uint64_t* regions,
-                        size_t count, char** errptr);
+int kvw_engine_unexport(kvw_engine_t* engine, uint64_t peer, const uint64_t* regions, size_t count,
+                        char** errptr);
 /* reason NULL: a plain Disconnect; else the peer gets it in its Goodbye (as an aborted
  * status). */
-int kvw_engine_disconnect(kvw_engine_t* engine, uint64_t peer, const char* reason,
-                          char** errptr);
+int kvw_engine_disconnect(kvw_engine_t* engine, uint64_t peer, const char* reason, char** errptr);
 /* Peers() as a JSON array of {"id","name","address","transport","alive","close_reason"};
  * kvw_free it. NULL for a NULL engine. */
 char* kvw_engine_peers_json(const kvw_engine_t* engine);
@@ -370,8 +394,7 @@ void kvw_transfer_options_destroy(kvw_transfer_options_t* options);
 int kvw_transfer_options_set_notification(kvw_transfer_options_t* options, const char* data,
                                           size_t length, char** errptr);
 /* Deadline relative to submission (1 ms .. 24 h); unset: the engine's transfer_timeout. */
-int kvw_transfer_options_set_timeout(kvw_transfer_options_t* options, int64_t ms,
-                                     char** errptr);
+int kvw_transfer_options_set_timeout(kvw_transfer_options_t* options, int64_t ms, char** errptr);
 /* kind: KVW_OP_READ or KVW_OP_WRITE; count 1 .. 1,048,576 ops. *id gets the transfer id. */
 int kvw_engine_transfer(kvw_engine_t* engine, uint64_t peer, int kind, const kvw_op_t* ops,
                         size_t count, const kvw_transfer_options_t* options, uint64_t* id,
@@ -396,8 +419,7 @@ size_t kvw_notifications_count(const kvw_notifications_t* n);
 uint64_t kvw_notifications_peer(const kvw_notifications_t* n, size_t index);
 const char* kvw_notifications_peer_name(const kvw_notifications_t* n, size_t index);
 uint64_t kvw_notifications_transfer_id(const kvw_notifications_t* n, size_t index);
-const char* kvw_notifications_payload(const kvw_notifications_t* n, size_t index,
-                                      size_t* length);
+const char* kvw_notifications_payload(const kvw_notifications_t* n, size_t index, size_t* length);
 void kvw_notifications_destroy(kvw_notifications_t* n);
 
 /* Engine messages (SendMessage / OpenInbox): topic 1..64 bytes. */

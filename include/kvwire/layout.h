@@ -82,22 +82,8 @@ absl::StatusOr<Layout> LayoutFromJson(const std::string& json);
 // one after another from `base` with `num_blocks` blocks each (per group, per layer) and
 // returns the bytes used. Callers allocate that much and call it again with the address.
 
-// DeepSeek-V4 fp8 KV record: 448 fp8 NoPE + 64 bf16 RoPE + 7 UE8M0 scales + 1 pad.
-inline constexpr uint64_t kDsv4RecordBytes = 584;
-inline constexpr uint64_t kDsv4PageAlign = 576;
-// Page bytes of `entries` 584-byte records (data rows then scale rows), rounded up to 576.
-uint64_t Dsv4PageBytes(uint64_t entries, uint64_t record_bytes = kDsv4RecordBytes);
-
-Layout DeepSeekV4ProLayout();    // 61 layers + 1 MTP layer
-Layout DeepSeekV4FlashLayout();  // 43 layers, first two window-only
-// Any DeepSeek-V4-shaped model: compress_ratios[layer] is 0 (window only), 4 (c4a) or 128
-// (c128a); any other value counts as window only. MTP layers follow, window only. Group
-// names: swa_kv, c4a_kv, c128a_kv, c4a_indexer_k, c4a_compressor_state,
-// c128a_compressor_state, c4a_indexer_compressor_state (groups with no layers are kept).
-Layout DeepSeekV4Layout(std::string model, const std::vector<int>& compress_ratios,
-                        int mtp_layers = 0);
-// DeepSeek-V3 (MLA, 656-byte fp8 latent) and V3.2 (adds the 132-byte indexer K).
-Layout DeepSeekV3Layout(bool with_indexer = false, int tokens_per_block = 64);
+// The DeepSeek presets (DeepSeek-V4 Pro/Flash, V3/V3.2, the V4 record size) are in
+// kvwire/deepseek.h.
 
 struct MhaOptions {
   int layers = 32;
@@ -182,5 +168,10 @@ absl::StatusOr<TransferPlan> PlanTransfer(const Layout& src, const BlockTable& s
 std::vector<ByteRange> MergeRanges(const std::vector<ByteRange>& ranges);
 
 }  // namespace kvwire
+
+// Deprecated: the DeepSeek presets moved to kvwire/deepseek.h; layout.h still includes it for
+// this release so that code which only includes layout.h keeps building. Include
+// kvwire/deepseek.h directly; the next release drops this include.
+#include "kvwire/deepseek.h"  // IWYU pragma: export
 
 #endif  // KVWIRE_LAYOUT_H_

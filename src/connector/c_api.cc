@@ -63,8 +63,8 @@ kvw_buffer_t* kvw_buffer_create(size_t length, char** errptr) {
     return std::make_unique<kvw_buffer_t>(kvw_buffer_t{std::move(*b)});
   });
 }
-void* kvw_buffer_data(const kvw_buffer_t* b) { return b->rep.data(); }
-size_t kvw_buffer_size(const kvw_buffer_t* b) { return b->rep.size(); }
+void* kvw_buffer_data(const kvw_buffer_t* b) { return b == nullptr ? nullptr : b->rep.data(); }
+size_t kvw_buffer_size(const kvw_buffer_t* b) { return b == nullptr ? 0 : b->rep.size(); }
 void kvw_buffer_destroy(kvw_buffer_t* b) { delete b; }
 
 kvw_layout_t* kvw_layout_preset(const char* name, char** errptr) {
@@ -83,29 +83,37 @@ kvw_layout_t* kvw_layout_from_json(const char* json, char** errptr) {
     return std::make_unique<kvw_layout_t>(kvw_layout_t{std::move(*l)});
   });
 }
-char* kvw_layout_to_json(const kvw_layout_t* l) { return CopyString(kvwire::LayoutToJson(l->rep)); }
+char* kvw_layout_to_json(const kvw_layout_t* l) {
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    return l == nullptr ? nullptr : CopyString(kvwire::LayoutToJson(l->rep));
+  });
+}
 uint64_t kvw_layout_assign_backing(kvw_layout_t* l, uint64_t base, uint64_t num_blocks,
                                    uint64_t state_blocks) {
-  return kvwire::AssignBacking(&l->rep, base, num_blocks, state_blocks);
+  if (l == nullptr) return 0;
+  return NoThrow<uint64_t>(
+      0, [&] { return kvwire::AssignBacking(&l->rep, base, num_blocks, state_blocks); });
 }
-size_t kvw_layout_num_groups(const kvw_layout_t* l) { return l->rep.groups.size(); }
+size_t kvw_layout_num_groups(const kvw_layout_t* l) {
+  return l == nullptr ? 0 : l->rep.groups.size();
+}
 const char* kvw_layout_group_name(const kvw_layout_t* l, size_t g) {
-  return g < l->rep.groups.size() ? l->rep.groups[g].name.c_str() : nullptr;
+  return l != nullptr && g < l->rep.groups.size() ? l->rep.groups[g].name.c_str() : nullptr;
 }
 uint64_t kvw_layout_group_page_bytes(const kvw_layout_t* l, size_t g) {
-  return g < l->rep.groups.size() ? l->rep.groups[g].page_bytes : 0;
+  return l != nullptr && g < l->rep.groups.size() ? l->rep.groups[g].page_bytes : 0;
 }
 int kvw_layout_group_tokens_per_block(const kvw_layout_t* l, size_t g) {
-  return g < l->rep.groups.size() ? l->rep.groups[g].tokens_per_block : 0;
+  return l != nullptr && g < l->rep.groups.size() ? l->rep.groups[g].tokens_per_block : 0;
 }
 int kvw_layout_group_is_state(const kvw_layout_t* l, size_t g) {
-  return g < l->rep.groups.size() && l->rep.groups[g].per_request_state ? 1 : 0;
+  return l != nullptr && g < l->rep.groups.size() && l->rep.groups[g].per_request_state ? 1 : 0;
 }
 size_t kvw_layout_group_num_layers(const kvw_layout_t* l, size_t g) {
-  return g < l->rep.groups.size() ? l->rep.groups[g].layers.size() : 0;
+  return l != nullptr && g < l->rep.groups.size() ? l->rep.groups[g].layers.size() : 0;
 }
 uint64_t kvw_layout_block_address(const kvw_layout_t* l, size_t g, size_t layer, uint64_t block) {
-  if (g >= l->rep.groups.size()) return 0;
+  if (l == nullptr || g >= l->rep.groups.size()) return 0;
   const kvwire::CacheGroup& group = l->rep.groups[g];
   if (layer >= group.layer_base.size()) return 0;
   return group.BlockAddress(layer, block, 0);
@@ -121,10 +129,18 @@ int kvw_layout_check_compatible(const kvw_layout_t* p, const kvw_layout_t* d, ch
 }
 void kvw_layout_destroy(kvw_layout_t* l) { delete l; }
 
-kvw_block_table_t* kvw_block_table_create(void) { return new (std::nothrow) kvw_block_table_t; }
+kvw_block_table_t* kvw_block_table_create(void) {
+  return NoThrow<kvw_block_table_t*>(nullptr, [] { return new kvw_block_table_t; });
+}
 void kvw_block_table_set(kvw_block_table_t* t, const char* group, const int64_t* ids,
                          size_t count) {
-  t->rep[Str(group)].assign(ids, ids + count);
+  // No errptr to report through: a NULL table, or NULL ids with a count, changes nothing.
+  if (t == nullptr || (ids == nullptr && count > 0)) return;
+  try {
+    t->rep[Str(group)].assign(ids, ids + count);
+  } catch (...) {
+    // Out of memory: the table keeps what it had.
+  }
 }
 void kvw_block_table_destroy(kvw_block_table_t* t) { delete t; }
 
@@ -138,15 +154,20 @@ kvw_options_t* kvw_options_create(void) {
     return nullptr;
   }
 }
-void kvw_options_set_role(kvw_options_t* o, const char* role) { o->rep.role = Str(role); }
+void kvw_options_set_role(kvw_options_t* o, const char* role) {
+  if (o != nullptr) o->rep.role = Str(role);
+}
 void kvw_options_set_mode(kvw_options_t* o, int mode) {
+  if (o == nullptr) return;
   o->rep.mode = mode == KVW_MODE_READ    ? kvwire::KvMode::kRead
                 : mode == KVW_MODE_WRITE ? kvwire::KvMode::kWrite
                                          : kvwire::KvMode::kAuto;
 }
-void kvw_options_set_name(kvw_options_t* o, const char* name) { o->rep.engine.name = Str(name); }
+void kvw_options_set_name(kvw_options_t* o, const char* name) {
+  if (o != nullptr) o->rep.engine.name = Str(name);
+}
 void kvw_options_set_listen_address(kvw_options_t* o, const char* address) {
-  o->rep.engine.listen_address = Str(address);
+  if (o != nullptr) o->rep.engine.listen_address = Str(address);
 }
 int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
@@ -163,7 +184,7 @@ int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** er
   });
 }
 void kvw_options_set_request_timeout_ms(kvw_options_t* o, int64_t ms) {
-  o->rep.request_timeout = absl::Milliseconds(ms);
+  if (o != nullptr) o->rep.request_timeout = absl::Milliseconds(ms);
 }
 int kvw_options_set_secret(kvw_options_t* o, const char* secret, size_t length, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
@@ -242,9 +263,13 @@ kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
 }
 void kvw_connector_destroy(kvw_connector_t* c) { delete c; }
 const char* kvw_connector_engine_id(const kvw_connector_t* c) {
-  return c->rep->engine_id().c_str();
+  return c == nullptr ? nullptr : c->rep->engine_id().c_str();
 }
-char* kvw_connector_address(kvw_connector_t* c) { return CopyString(c->rep->engine().address()); }
+char* kvw_connector_address(kvw_connector_t* c) {
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    return c == nullptr ? nullptr : CopyString(c->rep->engine().address());
+  });
+}
 char* kvw_connector_metrics_address(const kvw_connector_t* c) {
   return NoThrow<char*>(nullptr, [&]() -> char* {
     return c == nullptr ? nullptr : CopyString(c->rep->metrics_address());
@@ -336,7 +361,9 @@ int kvw_update_state_after_alloc(kvw_connector_t* c, const char* request_id,
 }
 
 char* kvw_build_connector_meta(kvw_connector_t* c) {
-  return CopyString(c->rep->BuildConnectorMeta());
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    return c == nullptr ? nullptr : CopyString(c->rep->BuildConnectorMeta());
+  });
 }
 
 int kvw_request_finished(kvw_connector_t* c, const char* request_id,
@@ -410,9 +437,12 @@ int kvw_wait_for_save(kvw_connector_t* c, char** errptr) {
 }
 
 kvw_finished_t* kvw_get_finished(kvw_connector_t* c) {
-  return new (std::nothrow) kvw_finished_t{c->rep->GetFinished()};
+  return NoThrow<kvw_finished_t*>(nullptr, [&]() -> kvw_finished_t* {
+    return c == nullptr ? nullptr : new kvw_finished_t{c->rep->GetFinished()};
+  });
 }
 size_t kvw_finished_count(const kvw_finished_t* f, int kind) {
+  if (f == nullptr) return 0;
   switch (kind) {
     case KVW_FINISHED_SENDING:
       return f->rep.finished_sending.size();
@@ -435,7 +465,8 @@ const char* kvw_finished_request(const kvw_finished_t* f, int kind, size_t i) {
   }
 }
 const char* kvw_finished_reason(const kvw_finished_t* f, size_t i) {
-  return i < f->rep.failed_loads.size() ? f->rep.failed_loads[i].reason.c_str() : nullptr;
+  return f != nullptr && i < f->rep.failed_loads.size() ? f->rep.failed_loads[i].reason.c_str()
+                                                        : nullptr;
 }
 void kvw_finished_destroy(kvw_finished_t* f) { delete f; }
 
@@ -448,22 +479,31 @@ int kvw_abort(kvw_connector_t* c, const char* request_id, char** errptr) {
     return c->rep->Abort(request_id);
   });
 }
-size_t kvw_live_requests(const kvw_connector_t* c) { return c->rep->LiveRequests(); }
-char* kvw_stats_json(const kvw_connector_t* c) { return CopyString(c->rep->StatsJson()); }
+size_t kvw_live_requests(const kvw_connector_t* c) {
+  return c == nullptr ? 0 : c->rep->LiveRequests();
+}
+char* kvw_stats_json(const kvw_connector_t* c) {
+  return NoThrow<char*>(
+      nullptr, [&]() -> char* { return c == nullptr ? nullptr : CopyString(c->rep->StatsJson()); });
+}
 char* kvw_stats_prometheus(const kvw_connector_t* c) {
-  return CopyString(c->rep->StatsPrometheus());
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    return c == nullptr ? nullptr : CopyString(c->rep->StatsPrometheus());
+  });
 }
 
 char* kvw_write_mode_params(const char* host, int port, const char* transfer_id,
                             uint64_t num_tokens) {
-  kvwire::KvTransferParams p;
-  p.host = Str(host);
-  p.port = port;
-  p.transfer_id = Str(transfer_id);
-  p.mode = kvwire::KvMode::kWrite;
-  p.num_tokens = num_tokens;
-  p.do_remote_prefill = true;
-  return CopyString(p.ToJson());
+  return NoThrow<char*>(nullptr, [&]() -> char* {
+    kvwire::KvTransferParams p;
+    p.host = Str(host);
+    p.port = port;
+    p.transfer_id = Str(transfer_id);
+    p.mode = kvwire::KvMode::kWrite;
+    p.num_tokens = num_tokens;
+    p.do_remote_prefill = true;
+    return CopyString(p.ToJson());
+  });
 }
 
 }  // extern "C"

@@ -1,4 +1,5 @@
 // Cache groups, presets, block selection and byte-range planning.
+#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 
 #include <algorithm>

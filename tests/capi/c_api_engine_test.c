@@ -559,6 +559,29 @@ static void TestConnectorAdditions(void) {
   CHECK(kvw_connector_announced(NULL) == 0);
   CHECK(kvw_connector_engine(NULL) == NULL);
   CHECK(kvw_connector_metrics_address(NULL) == NULL);
+
+  /* The calls without errptr take NULL handles: 0 / NULL, or nothing happens. */
+  CHECK(kvw_buffer_data(NULL) == NULL && kvw_buffer_size(NULL) == 0);
+  CHECK(kvw_layout_to_json(NULL) == NULL && kvw_layout_num_groups(NULL) == 0);
+  CHECK(kvw_layout_assign_backing(NULL, 0, 4, 0) == 0);
+  CHECK(kvw_layout_group_name(NULL, 0) == NULL && kvw_layout_group_page_bytes(NULL, 0) == 0);
+  CHECK(kvw_layout_group_tokens_per_block(NULL, 0) == 0 && kvw_layout_group_is_state(NULL, 0) == 0);
+  CHECK(kvw_layout_group_num_layers(NULL, 0) == 0 && kvw_layout_block_address(NULL, 0, 0, 0) == 0);
+  kvw_block_table_set(NULL, "g", NULL, 3);
+  kvw_block_table_t* table = kvw_block_table_create();
+  kvw_block_table_set(table, "g", NULL, 3); /* ignored */
+  kvw_block_table_destroy(table);
+  kvw_options_set_role(NULL, "prefill");
+  kvw_options_set_mode(NULL, KVW_MODE_READ);
+  kvw_options_set_name(NULL, "x");
+  kvw_options_set_listen_address(NULL, "x");
+  kvw_options_set_request_timeout_ms(NULL, 5);
+  CHECK(kvw_connector_engine_id(NULL) == NULL && kvw_connector_address(NULL) == NULL);
+  CHECK(kvw_build_connector_meta(NULL) == NULL && kvw_get_finished(NULL) == NULL);
+  CHECK(kvw_finished_count(NULL, KVW_FINISHED_SENDING) == 0);
+  CHECK(kvw_finished_request(NULL, KVW_FAILED_LOADS, 0) == NULL);
+  CHECK(kvw_finished_reason(NULL, 0) == NULL && kvw_live_requests(NULL) == 0);
+  CHECK(kvw_stats_json(NULL) == NULL && kvw_stats_prometheus(NULL) == NULL);
 }
 
 int main(void) {

@@ -1,6 +1,9 @@
-// tcp transport: one-sided READ/WRITE emulated over Boost.Asio TCP connections; the target
-// validates every op (TargetHooks::ResolveIncoming) before touching memory. With a GPU
-// runtime, ops on device memory (either side) are staged through pinned host buffers.
+// tcp transport: one-sided READ/WRITE emulated over plain TCP sockets: every data connection is
+// a blocking socket served by its own thread with scatter/gather sendmsg/recvmsg (tcp_socket.h,
+// tcp_client_connection.h, tcp_server_connection.h); Boost.Asio only accepts and dials them and
+// reads the hello of unauthenticated ones (tcp_server.h). The target validates every op
+// (TargetHooks::ResolveIncoming) before touching memory. With a GPU runtime, ops on device
+// memory (either side) are staged through pinned host buffers.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 

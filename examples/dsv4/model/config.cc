@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "examples/dsv4/model/tokenizer.h"
+#include "kvwire/deepseek.h"
 
 namespace dsv4 {
 namespace {

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 
 namespace dsv4 {

@@ -29,6 +29,7 @@
 #include "examples/dsv4/model/kv_cache.h"
 #include "examples/dsv4/model/model.h"
 #include "examples/dsv4/model/ops.h"
+#include "kvwire/deepseek.h"
 #include "src/gpu/runtime.h"
 #include "tests/dsv4/model/tiny_model.h"
 

@@ -1,3 +1,4 @@
+#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 
 #include <random>

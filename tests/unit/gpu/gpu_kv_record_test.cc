@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 
+#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 #include "src/gpu/kv_record.h"
 #include "src/gpu/kv_record_cpu.h"
