@@ -1,5 +1,4 @@
 // Cache groups, presets, block selection and byte-range planning.
-#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 
 #include <algorithm>
@@ -7,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+
+#include "kvwire/deepseek.h"
 
 namespace kvwire {
 namespace {

@@ -1,9 +1,10 @@
-#include "kvwire/deepseek.h"
 #include "kvwire/layout.h"
 
 #include <random>
 
 #include <gtest/gtest.h>
+
+#include "kvwire/deepseek.h"
 
 namespace kvwire {
 namespace {
