@@ -2,12 +2,19 @@
  * file is compiled as C): every function, its error paths (NULL handles and pointers, bad
  * options, wrong lengths, out-of-range values) and one real transfer between two engines over
  * tcp through the C API only. Exits non-zero with the failed check's line on failure. */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
+#include <netinet/in.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kvwire/kvwire.h"
 
@@ -584,12 +591,106 @@ static void TestConnectorAdditions(void) {
   CHECK(kvw_stats_json(NULL) == NULL && kvw_stats_prometheus(NULL) == NULL);
 }
 
+/* A free loopback port (bound, read back, released). */
+static int FreePort(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || bind(fd, (struct sockaddr*)&a, sizeof(a)) != 0 ||
+      getsockname(fd, (struct sockaddr*)&a, &len) != 0) {
+    fprintf(stderr, "no free port\n");
+    exit(1);
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+/* Announce through the C API against a real single-member etcd-server started here: the
+ * registration reaches etcd (kvw_connector_announced turns 1 within a deadline). */
+static void TestAnnounceWithRealEtcd(void) {
+  static const char kEtcd[] = "/usr/bin/etcd";
+  if (access(kEtcd, X_OK) != 0) {
+    fprintf(stderr, "%s is missing (scripts/install-deps.sh installs etcd-server)\n", kEtcd);
+    ++failures;
+    return;
+  }
+  char dir[] = "/tmp/kvwire-c-etcd-XXXXXX";
+  if (mkdtemp(dir) == NULL) {
+    ++failures;
+    return;
+  }
+  char client[64], peer[64], cluster[96], data[128];
+  snprintf(client, sizeof(client), "http://127.0.0.1:%d", FreePort());
+  snprintf(peer, sizeof(peer), "http://127.0.0.1:%d", FreePort());
+  snprintf(cluster, sizeof(cluster), "c=%s", peer);
+  snprintf(data, sizeof(data), "%s/data", dir);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives the test */
+    if (getppid() != parent) _exit(126);
+    freopen("/dev/null", "w", stdout);
+    freopen("/dev/null", "w", stderr);
+    execl(kEtcd, kEtcd, "--name", "c", "--data-dir", data, "--listen-client-urls", client,
+          "--advertise-client-urls", client, "--listen-peer-urls", peer,
+          "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster, "--log-level",
+          "warn", (char*)NULL);
+    _exit(127);
+  }
+  CHECK(pid > 0);
+
+  char* err = NULL;
+  kvw_options_t* o = kvw_options_create();
+  kvw_options_set_name(o, "c-announce");
+  EXPECT_OK(kvw_options_set_transport(o, "tcp", &err));
+  EXPECT_OK(kvw_options_set_etcd_endpoints(o, client, &err));
+  EXPECT_OK(kvw_options_set_cluster(o, "c-real", &err));
+  EXPECT_OK(kvw_options_set_etcd_call_timeout(o, 1000, &err));
+  EXPECT_OK(kvw_options_set_etcd_lease_seconds(o, 5, &err));
+  kvw_connector_t* c = kvw_connector_create(o, &err);
+  kvw_options_destroy(o);
+  CHECK(c != NULL);
+  kvw_layout_t* layout = kvw_layout_preset("deepseek-v3", &err);
+  CHECK(layout != NULL);
+  kvw_buffer_t* memory = NULL;
+  if (c != NULL && layout != NULL) {
+    memory = kvw_buffer_create(kvw_layout_assign_backing(layout, 0, 4, 0), &err);
+    CHECK(memory != NULL);
+    kvw_layout_assign_backing(layout, (uint64_t)(uintptr_t)kvw_buffer_data(memory), 4, 0);
+    void* ptr = kvw_buffer_data(memory);
+    size_t len = kvw_buffer_size(memory);
+    EXPECT_OK(kvw_register_kv_caches(c, layout, &ptr, &len, 1, &err));
+    /* etcd may still be starting: Announce succeeds and keeps trying in the background. */
+    EXPECT_OK(kvw_connector_announce(c, "127.0.0.1:8000", &err));
+    const int64_t deadline = NowMs() + 20000;
+    while (kvw_connector_announced(c) == 0 && NowMs() < deadline) {
+      struct timespec ms = {0, 20000000};
+      nanosleep(&ms, NULL);
+    }
+    CHECK(kvw_connector_announced(c) == 1);
+  }
+  kvw_connector_destroy(c);
+  kvw_layout_destroy(layout);
+  kvw_buffer_destroy(memory);
+  if (pid > 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+  }
+  char rm[160];
+  snprintf(rm, sizeof(rm), "rm -rf '%s'", dir);
+  CHECK(system(rm) == 0);
+}
+
 int main(void) {
   TestEngineOptionRanges();
   TestEngineOptionsOther();
   TestRegionAndOtherOptions();
   TestTransferOverTcp();
   TestConnectorAdditions();
+  TestAnnounceWithRealEtcd();
   if (failures != 0) {
     fprintf(stderr, "c_api_engine_test: %d check(s) failed\n", failures);
     return 1;
