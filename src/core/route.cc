@@ -86,8 +86,11 @@ std::string ChannelChoice::Reason() const {
   if (!forced_name_.empty()) return "forced by configuration";
   const std::vector<size_t> chosen = connected();
   if (chosen.empty()) return std::string();
-  std::string reason =
-      absl::StrCat(caps_[chosen[0]]->name, " ranks first of the usable transports");
+  // A same-host-only transport that reaches the peer says the most with "same host".
+  const transport::Capabilities& primary = *caps_[chosen[0]];
+  std::string reason = primary.same_host_only
+                           ? std::string("same host")
+                           : absl::StrCat(primary.name, " ranks first of the usable transports");
   for (size_t i : order_) {
     if (i == chosen[0]) break;
     if (state_[i] == State::kUnusable) {

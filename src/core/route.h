@@ -48,7 +48,8 @@ class ChannelChoice {
   // The connected transports, best first (the first is the primary route).
   std::vector<size_t> connected() const;
   // Why the primary was chosen, for logs and Peers()/Stats(): "forced by configuration", or
-  // "<name> ranks first of the usable transports" with every better-ranked one's reason.
+  // "same host" (a same_host_only transport) / "<name> ranks first of the usable transports",
+  // then every better-ranked one's reason for not being usable.
   std::string Reason() const;
   // "<primary's Describe()>" plus, with a fallback, "; <its Describe()> for regions <primary>
   // cannot reach". `describe` is indexed like caps.

@@ -114,7 +114,7 @@ TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
   ASSERT_EQ(stats.peers.size(), 1u);
   const PeerStats& peer = stats.peers[0];
   if (GetParam().transport == kPipeTransportName) {
-    EXPECT_EQ(peer.transport_reason, "pipe ranks first of the usable transports");
+    EXPECT_EQ(peer.transport_reason, "same host");  // pipe ranks first; same-host only
     EXPECT_EQ(peer.transport.rfind("pipe kvwire-pipe-", 0), 0u) << peer.transport;
     EXPECT_EQ(peer.transport.find(';'), std::string::npos) << peer.transport;  // no fallback
   } else {

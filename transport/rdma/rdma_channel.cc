@@ -88,23 +88,22 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
       lane->local_gpu = lane->local_gpu || op.local_gpu_device >= 0;
     }
   }
-  // Local keys (consecutive ops mostly share a region: one lookup each time it changes).
-  uint64_t cached_lo = 1, cached_hi = 0;
-  uint32_t cached_key = 0;
+  // Local keys, by the region each op names (ops[i] is request.ops[i]; consecutive ops mostly
+  // share a region: one lookup each time it changes).
   for (size_t i = 0; i < ops.size(); ++i) {
     ResolvedOp& r = ops[i];
-    if (r.local_addr < cached_lo || r.local_addr + r.length > cached_hi) {
-      auto key = transport_->LocalKey(r.local_addr, r.length, local_dev);
-      if (!key.ok()) {
-        done(absl::Status(key.status().code(), absl::StrCat("transfer ", request.transfer_id, ": ",
-                                                            key.status().message())));
-        return;
-      }
-      cached_key = *key;
-      cached_lo = r.local_addr;
-      cached_hi = r.local_addr + r.length;
+    const RegionId region = request.ops[i].local_region;
+    if (i > 0 && region == request.ops[i - 1].local_region) {
+      r.lkey = ops[i - 1].lkey;
+      continue;
     }
-    r.lkey = cached_key;
+    auto key = transport_->LocalKey(region, r.local_addr, r.length, local_dev);
+    if (!key.ok()) {
+      done(absl::Status(key.status().code(), absl::StrCat("transfer ", request.transfer_id, ": ",
+                                                          key.status().message())));
+      return;
+    }
+    r.lkey = *key;
   }
   WrLimits limits;
   limits.max_sge = qp->max_sge();

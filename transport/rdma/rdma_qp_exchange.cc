@@ -102,9 +102,9 @@ absl::StatusOr<pb::RdmaConnectReply> RdmaTransportImpl::Exchange(const ChannelCo
     calls_[id] = call;
   }
   request.set_call_id(id);
-  pb::Envelope envelope;
-  *envelope.mutable_rdma_connect_request() = std::move(request);
-  absl::Status sent = core.send(envelope);
+  pb::RdmaControl control;
+  *control.mutable_connect_request() = std::move(request);
+  absl::Status sent = core.send(control.SerializeAsString());
   MutexLock lock(&calls_mu_);
   if (!sent.ok() && !call->done) {
     call->done = true;
@@ -132,25 +132,32 @@ void RdmaTransportImpl::AbortCalls(const ChannelCore* core, const absl::Status& 
   calls_cv_.SignalAll();
 }
 
-void RdmaTransportImpl::OnControlMessage(PeerId peer, const pb::Envelope& message,
+void RdmaTransportImpl::OnControlMessage(PeerId peer, const std::string& payload,
                                          const ControlSender& reply) {
-  if (message.has_rdma_connect_request()) {
-    pb::Envelope answer;
-    *answer.mutable_rdma_connect_reply() = HandleConnect(peer, message.rdma_connect_request());
-    answer.mutable_rdma_connect_reply()->set_call_id(message.rdma_connect_request().call_id());
-    if (absl::Status s = reply(answer); !s.ok()) {
+  // The engine hands over the bytes unread: parsing (and refusing) them is this transport's.
+  pb::RdmaControl message;
+  if (!message.ParseFromString(payload) || message.body_case() == pb::RdmaControl::BODY_NOT_SET) {
+    hooks_->OnPeerError(peer, absl::InvalidArgumentError(absl::StrCat(
+                                  "malformed rdma control message (", payload.size(), " bytes)")));
+    return;
+  }
+  if (message.has_connect_request()) {
+    pb::RdmaControl answer;
+    *answer.mutable_connect_reply() = HandleConnect(peer, message.connect_request());
+    answer.mutable_connect_reply()->set_call_id(message.connect_request().call_id());
+    if (absl::Status s = reply(answer.SerializeAsString()); !s.ok()) {
       KVW_LOG(kWarning, "rdma") << "QP exchange reply not sent" << Kv("peer", peer)
                                 << Kv("error", s.message());
     }
     return;
   }
-  if (message.has_rdma_connect_reply()) {
+  if (message.has_connect_reply()) {
     MutexLock lock(&calls_mu_);
-    auto it = calls_.find(message.rdma_connect_reply().call_id());
+    auto it = calls_.find(message.connect_reply().call_id());
     // A reply after the deadline, or from another peer, finds no call: dropped.
     if (it == calls_.end() || it->second->peer != peer || it->second->done) return;
     it->second->done = true;
-    it->second->reply = message.rdma_connect_reply();
+    it->second->reply = message.connect_reply();
     calls_cv_.SignalAll();
   }
 }

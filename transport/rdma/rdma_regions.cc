@@ -47,7 +47,6 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
     gpu_path_reason_ = std::move(gpu_reason);
   }
   mrs_[region.id] = mr;
-  mrs_by_addr_[mr->base] = mr;  // regions may overlap; lookups check the length
   return absl::OkStatus();
 }
 
@@ -130,8 +129,6 @@ void RdmaTransportImpl::DeregisterRegion(RegionId id) {
     if (it == mrs_.end()) return;
     mr = std::move(it->second);
     mrs_.erase(it);
-    auto by = mrs_by_addr_.find(mr->base);
-    if (by != mrs_by_addr_.end() && by->second == mr) mrs_by_addr_.erase(by);
     if (mr->gpu) --(mr->peer_memory ? gpu_peermem_regions_ : gpu_dmabuf_regions_);
   }
   // After the region left mrs_: an ExportKey racing with us either granted before this (and
@@ -250,18 +247,21 @@ void RdmaTransportImpl::RevokeExport(PeerId peer, RegionId id) {
   // Deregistered here: the peer's rkey stops working before we return.
 }
 
-absl::StatusOr<uint32_t> RdmaTransportImpl::LocalKey(uint64_t addr, uint64_t length,
-                                                     uint32_t device) const {
+absl::StatusOr<uint32_t> RdmaTransportImpl::LocalKey(RegionId region, uint64_t addr,
+                                                     uint64_t length, uint32_t device) const {
   MutexLock lock(&mrs_mu_);
-  auto it = mrs_by_addr_.upper_bound(addr);
-  while (it != mrs_by_addr_.begin()) {
-    --it;
-    const LocalMr& mr = *it->second;
-    if (addr >= mr.base && addr + length <= mr.base + mr.length) return mr.mrs[device]->lkey;
-    if (mr.base + (1ull << 40) < addr) break;
+  auto it = mrs_.find(region);
+  if (it == mrs_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("local region ", region, " is not registered with the rdma transport"));
   }
-  return absl::NotFoundError(absl::StrCat("local range [0x", absl::Hex(addr), ", +", length,
-                                          ") is not registered with the rdma transport"));
+  const LocalMr& mr = *it->second;
+  // The engine resolved the range inside the region; a range outside it is a bug, refused.
+  if (addr < mr.base || addr - mr.base > mr.length || length > mr.length - (addr - mr.base)) {
+    return absl::InternalError(absl::StrCat("local range [0x", absl::Hex(addr), ", +", length,
+                                            ") lies outside local region ", region));
+  }
+  return mr.mrs[device]->lkey;
 }
 
 }  // namespace kvwire::transport::rdma

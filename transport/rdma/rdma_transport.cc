@@ -22,6 +22,7 @@ RdmaTransportImpl::RdmaTransportImpl(const RdmaTransportOptions& options, Target
                                      std::vector<std::shared_ptr<DevicePort>> devices)
     : options_(options), hooks_(hooks), devices_(std::move(devices)) {
   caps_.name = "rdma";
+  caps_.rank = 20;  // NIC, zero copy: below shm on one host, above kernel tcp
   caps_.counts_arrivals = true;
   caps_.gpu_memory = options_.gpu_runtime != nullptr;
   caps_.max_op_bytes = options_.max_op_bytes;
@@ -29,6 +30,7 @@ RdmaTransportImpl::RdmaTransportImpl(const RdmaTransportOptions& options, Target
     caps_.max_op_bytes = std::min<uint64_t>(caps_.max_op_bytes, d->port_attr.max_msg_sz);
   }
   caps_.max_lanes = static_cast<uint32_t>(devices_.size()) * std::max(1u, options_.qps_per_device);
+  caps_.lanes_per_peer = caps_.max_lanes;  // every QP of every device
   for (const auto& d : devices_) {
     loops_.push_back(std::make_unique<DeviceLoop>(d, hooks_, &counters_));
   }

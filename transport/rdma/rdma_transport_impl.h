@@ -50,7 +50,7 @@ class RdmaTransportImpl final : public Transport {
   absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) override;
   void DropPeer(PeerId peer) override;
   void Shutdown() override;
-  void OnControlMessage(PeerId peer, const pb::Envelope& message,
+  void OnControlMessage(PeerId peer, const std::string& payload,
                         const ControlSender& reply) override;
   void AddStats(EngineStats* stats) const override;
 
@@ -60,8 +60,10 @@ class RdmaTransportImpl final : public Transport {
   absl::Status Establish(const ChannelCore& core, const std::vector<std::shared_ptr<ClientQp>>& qps,
                          absl::Time deadline);
   void ScheduleReconnect(std::shared_ptr<ClientQp> qp);
-  // lkey of [addr, addr+length) on `device`, or NotFound.
-  absl::StatusOr<uint32_t> LocalKey(uint64_t addr, uint64_t length, uint32_t device) const;
+  // lkey of local region `region` on `device` for [addr, addr+length), which must lie inside
+  // it; NotFound when the region is not registered here.
+  absl::StatusOr<uint32_t> LocalKey(RegionId region, uint64_t addr, uint64_t length,
+                                    uint32_t device) const;
   uint32_t DeviceIndex(const DevicePort* dev) const {
     for (size_t i = 0; i < devices_.size(); ++i)
       if (devices_[i].get() == dev) return static_cast<uint32_t>(i);
@@ -108,7 +110,6 @@ class RdmaTransportImpl final : public Transport {
   std::atomic<bool> shut_down_{false};
 
   mutable Mutex mrs_mu_;
-  std::map<uint64_t, std::shared_ptr<LocalMr>> mrs_by_addr_ ABSL_GUARDED_BY(mrs_mu_);
   absl::flat_hash_map<RegionId, std::shared_ptr<LocalMr>> mrs_ ABSL_GUARDED_BY(mrs_mu_);
   // GpuStats: GPU regions registered now, by path, and why the newest took its path.
   uint64_t gpu_dmabuf_regions_ ABSL_GUARDED_BY(mrs_mu_) = 0;

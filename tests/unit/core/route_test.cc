@@ -12,11 +12,13 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-transport::Capabilities Caps(std::string name, uint32_t rank, bool every_region) {
+transport::Capabilities Caps(std::string name, uint32_t rank, bool every_region,
+                             bool same_host_only = false) {
   transport::Capabilities c;
   c.name = std::move(name);
   c.rank = rank;
   c.reaches_every_region = every_region;
+  c.same_host_only = same_host_only;
   return c;
 }
 
@@ -24,7 +26,7 @@ class RouteTest : public ::testing::Test {
  protected:
   // Registration order differs from rank order on purpose (as the engine registers them).
   transport::Capabilities tcp_ = Caps("tcp", 30, true);
-  transport::Capabilities shm_ = Caps("shm", 10, false);
+  transport::Capabilities shm_ = Caps("shm", 10, false, /*same_host_only=*/true);
   transport::Capabilities rdma_ = Caps("rdma", 20, false);
   std::vector<const transport::Capabilities*> caps_ = {&tcp_, &shm_, &rdma_};
   static constexpr size_t kTcp = 0, kShm = 1, kRdma = 2;
@@ -47,7 +49,7 @@ TEST_F(RouteTest, SameHostPeerGetsTheBestPartialTransportAndAFallback) {
   EXPECT_EQ(choice.Next(), std::nullopt);
   EXPECT_TRUE(choice.Result("p").ok());
   EXPECT_THAT(choice.connected(), ElementsAre(kShm, kTcp));
-  EXPECT_EQ(choice.Reason(), "shm ranks first of the usable transports");
+  EXPECT_EQ(choice.Reason(), "same host");
   EXPECT_EQ(choice.Describe({"tcp x4 a", "shm memfd", ""}),
             "shm memfd; tcp x4 a for regions shm cannot reach");
 }
