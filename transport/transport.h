@@ -2,8 +2,9 @@
 // endpoints and ops; it knows nothing of KV caches, layouts or requests.
 //
 // Life of a transfer: the engine validates and plans the ops (merge, split, stripe into
-// lanes), then calls Channel::Post once per lane. A Channel is this transport's link to one
-// peer. On the target, a transport that carries data itself (tcp) asks the engine, through
+// lanes), picks the transport from the Capabilities every transport declares
+// (src/core/route.h), then calls Channel::Post once per lane. A Channel is this transport's link to
+// one peer. On the target, a transport that carries data itself (tcp) asks the engine, through
 // TargetHooks, to validate every incoming op before it touches memory.
 #ifndef KVWIRE_TRANSPORT_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_TRANSPORT_H_
@@ -25,29 +26,47 @@
 #include "kvwire/engine.h"
 #include "kvwire/stats.h"
 
-namespace kvwire::pb {
-class Envelope;
-}  // namespace kvwire::pb
+namespace kvwire::gpu {
+class Runtime;
+}  // namespace kvwire::gpu
 
 namespace kvwire::transport {
 
-// Sends one message to a peer on the engine's control channel (a transport's own setup
-// messages, e.g. rdma's QP exchange, ride there: the channel already authenticated the peer).
-using ControlSender = std::function<absl::Status(const pb::Envelope&)>;
+// Sends one message of this transport's own to a peer on the engine's control channel (its
+// setup messages, e.g. rdma's QP exchange, ride there: the channel already authenticated the
+// peer). The bytes are opaque to the engine: it wraps them in a TransportControl envelope
+// named after the transport and hands them to the same transport on the other side
+// (Transport::OnControlMessage).
+using ControlSender = std::function<absl::Status(std::string payload)>;
 
-// What a transport can do; the engine decides from this, never from the transport's name.
+// What a transport can do and what it costs; the engine routes from this, never from the
+// transport's name (src/core/route.h).
 struct Capabilities {
-  std::string name;  // "tcp", "shm", "rdma"
+  std::string name;  // "tcp", "shm", "rdma": in the Hello, logs, stats, forced preferences
+  // Cost: among the transports that can carry a transfer, the lowest rank wins. Built-ins:
+  // shm 10 (one memcpy), rdma 20 (NIC, zero copy), tcp 30 (kernel sockets).
+  uint32_t rank = 100;
+  // Which op kinds the transport carries; routing never hands it the other kind.
   bool one_sided_read = true;
   bool one_sided_write = true;
+  // Reachability: only peers on this host (the transport's CanReach decides exactly).
   bool same_host_only = false;
+  // The target serves every region exported to the peer (it validates each op itself through
+  // TargetHooks::ResolveIncoming), so the channel reaches every region without a per-region
+  // key. Without it a region is reachable only once Channel::AddRemoteRegions accepted it.
+  // When the best transport to a peer lacks this, the engine also connects the best one that
+  // has it, for the regions the first cannot reach.
+  bool reaches_every_region = false;
   // The target learns of each arriving WRITE piece and reports it with
   // TargetHooks::OnWriteArrived; notifications are gated on that count.
   bool counts_arrivals = false;
   uint64_t max_op_bytes = UINT64_MAX;  // the engine splits longer ops
   uint32_t max_lanes = 1;              // parallel streams per peer the engine may stripe over
-  // Moves device memory (MemoryKind::kGpu) correctly. The engine registers GPU regions only
-  // with transports that do, and never routes a transfer that touches one through another.
+  uint32_t lanes_per_peer = 1;         // streams to open per peer (PeerLink::lanes, <= max_lanes)
+  // Memory kinds: moves host memory (MemoryKind::kHost) / device memory (MemoryKind::kGpu)
+  // correctly. The engine registers a region only with transports that move its kind, and
+  // never routes a transfer that touches local memory of a kind through a transport without it.
+  bool host_memory = true;
   bool gpu_memory = false;
 };
 
@@ -97,6 +116,9 @@ struct WireOp {
   uint64_t remote_offset = 0;
   uint64_t length = 0;
   int32_t local_gpu_device = -1;  // >= 0: `local` is memory of that device (kGpu region)
+  // The registered region `local` lies in (the id the transport got in RegisterRegion): a
+  // transport finds its own state for it (rdma: the MR's lkey) by id, never by address.
+  RegionId local_region = 0;
 };
 
 // One lane's share of a transfer.
@@ -132,7 +154,8 @@ class TargetHooks {
   // Which peer owns a session token (handed out in the handshake); Unauthenticated if none.
   virtual absl::StatusOr<PeerId> PeerForToken(const std::string& token) = 0;
   // Validates an incoming op from `peer`: region exported to it, bounds, permission
-  // (kRemoteRead for READ, kRemoteWrite for WRITE). The error names every value.
+  // (kRemoteRead for READ, kRemoteWrite for WRITE). The error names every value. GPU memory
+  // is refused unless every transport that serves incoming ops (reaches_every_region) moves it.
   virtual absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
                                                          uint64_t offset, uint64_t length,
                                                          OpKind kind) = 0;
@@ -205,14 +228,25 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) = 0;
   // Stops serving: closes listeners and every incoming connection of the peer.
   virtual void DropPeer(PeerId peer) = 0;
-  // A control message for this transport arrived from `peer` (rdma: Envelope fields 50-59);
-  // `reply` sends on that peer's control channel. Runs on the channel's I/O thread.
-  virtual void OnControlMessage(PeerId peer, const pb::Envelope& message,
+  // A control message of this transport (a payload its peer sent with a ControlSender)
+  // arrived from `peer`; `reply` sends on that peer's control channel. Runs on the channel's
+  // I/O thread. Malformed payloads are this transport's to refuse (TargetHooks::OnPeerError).
+  virtual void OnControlMessage(PeerId peer, const std::string& payload,
                                 const ControlSender& reply) {}
   // Adds this transport's counters to `stats` (rdma: EngineStats::rdma).
   virtual void AddStats(EngineStats* stats) const {}
   // Stops everything (called before the engine is destroyed).
   virtual void Shutdown() = 0;
+};
+
+// What a transport factory (TransportFactory, kvwire/engine.h) gets from the engine that
+// creates the transport; valid for the transport's life.
+struct TransportContext {
+  const EngineOptions* options = nullptr;
+  std::string engine_name;
+  std::string listen_host;  // host of the engine's control listener ("127.0.0.1" by default)
+  gpu::Runtime* gpu_runtime = nullptr;
+  TargetHooks* hooks = nullptr;
 };
 
 }  // namespace kvwire::transport

@@ -8,7 +8,7 @@
 // One Connector serves both halves in one process; the metadata between them is JSON, so the
 // halves can also live in different processes.
 //
-// Modes:
+// Modes (this comment is their reference; README.md "Using kvwire from vLLM" shows them in use):
 //   read  - prefill keeps the blocks after RequestFinished and returns kv_transfer_params;
 //           decode READs them and sends a release; prefill then reports the request in
 //           finished_sending (or when its lease expires).

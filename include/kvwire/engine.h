@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,9 +27,24 @@ using TransferId = uint64_t;  // unique within one engine, never reused (64-bit:
 
 enum class OpKind : uint32_t { kRead = 0, kWrite = 1 };
 
+// The built-in transports, where an option names one (forced for every peer or one peer);
+// kAuto routes by what each transport declares. Strings ("auto", "tcp", "shm", "rdma", as in
+// KVWIRE_TRANSPORT) convert with ParseTransportKind, which names the accepted values when it
+// refuses one.
 enum class TransportKind : uint32_t { kAuto = 0, kTcp = 1, kShm = 2, kRdma = 3 };
 const char* TransportKindName(TransportKind kind);
 absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name);
+
+namespace transport {
+class Transport;
+struct TransportContext;
+}  // namespace transport
+
+// Creates one transport for an engine (the interface: transport/transport.h). Returns null,
+// with OK, when the transport cannot run here (e.g. no RDMA device; the factory logs why); an
+// error fails Engine::Create.
+using TransportFactory = std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>(
+    const transport::TransportContext&)>;
 
 // One one-sided operation. READ copies remote -> local, WRITE copies local -> remote.
 struct Op {
@@ -47,10 +63,16 @@ struct EngineOptions {
   // Empty: do not listen (the engine can still dial out).
   std::string listen_address = "127.0.0.1:0";
 
-  // Transport used for peers: kAuto picks shm on the same host when the regions allow it,
-  // else rdma when both sides have a device that reaches the other, else tcp. A forced transport
-  // that cannot reach a peer fails Connect with the reason.
+  // Transport used for peers: kAuto picks, per peer and per transfer, the best-ranked
+  // transport (Capabilities::rank: shm on the same host when the regions allow it, else rdma
+  // when both sides have a device that reaches the other, else tcp) and reports why. A forced
+  // transport that cannot reach a peer fails Connect with the reason.
   TransportKind transport = TransportKind::kAuto;
+
+  // Transports added to the built-in ones (transport/builtin_transports.cc): Create calls each
+  // factory once, and a transport it returns is routed like the others, from its
+  // Capabilities (e.g. tests/support/pipe_transport, which lives in tests/ only).
+  std::vector<TransportFactory> extra_transports;
 
   // Parallel tcp data connections per peer; a transfer is striped over them.
   int tcp_connections = 4;

@@ -74,10 +74,8 @@ const char* MessageName(const pb::Envelope& envelope) {
       return "Welcome";
     case pb::Envelope::kEngineMessage:
       return "EngineMessage";
-    case pb::Envelope::kRdmaConnectRequest:
-      return "RdmaConnectRequest";
-    case pb::Envelope::kRdmaConnectReply:
-      return "RdmaConnectReply";
+    case pb::Envelope::kTransportControl:
+      return "TransportControl";
     case pb::Envelope::BODY_NOT_SET:
       break;
   }

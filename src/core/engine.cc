@@ -13,15 +13,11 @@
 
 #include "src/core/engine_impl.h"
 #include "src/util/log.h"
-#include "transport/rdma/rdma_transport.h"
+#include "transport/builtin_transports.h"
 #include "transport/shm/shareable_registry.h"
-#include "transport/shm/shm_transport.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace kvwire {
 namespace {
-
-constexpr uint64_t kMaxTcpOpBytes = 64 << 20;
 
 // Splits "host:port"; the port defaults to 0.
 absl::Status SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
@@ -91,64 +87,36 @@ absl::Status Engine::Impl::Init() {
     if (host.empty()) host = "0.0.0.0";
   }
 
-  transport::TcpTransportOptions tcp_options;
-  tcp_options.listen_host = host;
-  // What this engine accepts as a target, whatever its peers' max_op_bytes (they split at
-  // their own setting, which EngineOptions caps at this).
-  tcp_options.max_op_bytes = kMaxTcpOpBytes;
-  tcp_options.gpu_runtime = gpu_;
-  tcp_options.max_data_connections =
-      static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections));
-  tcp_options.max_data_connections_per_peer =
-      static_cast<uint32_t>(std::max(1, options_.tcp_max_data_connections_per_peer));
-  tcp_options.max_pending_hellos =
-      static_cast<uint32_t>(std::max(1, options_.tcp_max_pending_hellos));
-  tcp_options.max_pending_hellos_per_address =
-      static_cast<uint32_t>(std::max(1, options_.tcp_max_pending_hellos_per_address));
-  tcp_options.hello_timeout = options_.tcp_hello_timeout;
-  tcp_options.io_timeout = options_.tcp_io_timeout;
-  auto tcp = transport::CreateTcpTransport(tcp_options, this);
-  if (!tcp.ok()) return tcp.status();
-  tcp_ = std::move(*tcp);
-
-  transport::ShmTransportOptions shm_options;
-  shm_options.engine_name = name_;
-  shm_options.gpu_runtime = gpu_;
-  shm_options.allow_cma = options_.shm_cma;
-  shm_options.deny_ptrace = options_.shm_deny_ptrace;
-  auto shm = transport::CreateShmTransport(shm_options, this);
-  if (!shm.ok()) {
-    KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << shm.status().message()
-                                << Kv("engine", name_);
-  } else {
-    shm_ = std::move(*shm);
-  }
-
-  transport::RdmaTransportOptions rdma_options;
-  rdma_options.devices = options_.rdma_devices;
-  rdma_options.gpu_runtime = gpu_;
-  rdma_options.gid_index = options_.rdma_gid_index;
-  rdma_options.qps_per_device =
-      static_cast<uint32_t>(std::clamp(options_.rdma_qps_per_peer, 1, 64));
-  rdma_options.send_queue_depth =
-      static_cast<uint32_t>(std::clamp(options_.rdma_send_queue_depth, 16, 16384));
-  rdma_options.qp_timeout = static_cast<uint8_t>(std::clamp(options_.rdma_qp_timeout, 0, 31));
-  rdma_options.retry_count = static_cast<uint8_t>(std::clamp(options_.rdma_retry_count, 0, 7));
-  rdma_options.rnr_retry = static_cast<uint8_t>(std::clamp(options_.rdma_rnr_retry, 0, 7));
-  auto rdma = transport::CreateRdmaTransport(rdma_options, this);
-  if (!rdma.ok()) {
-    // The usual case on machines without RDMA NICs: a warning only when rdma was asked for.
-    const LogLevel level =
-        options_.transport == TransportKind::kRdma || !options_.rdma_devices.empty()
-            ? LogLevel::kWarning
-            : LogLevel::kInfo;
-    if (LogEnabled(level)) {
-      LogLine(level, "engine") << "rdma transport unavailable: " << rdma.status().message()
-                               << Kv("engine", name_);
+  transport::TransportContext context;
+  context.options = &options_;
+  context.engine_name = name_;
+  context.listen_host = host;
+  context.gpu_runtime = gpu_;
+  context.hooks = this;
+  std::vector<TransportFactory> factories = transport::BuiltinTransports();
+  factories.insert(factories.end(), options_.extra_transports.begin(),
+                   options_.extra_transports.end());
+  for (const TransportFactory& factory : factories) {
+    if (!factory) return absl::InvalidArgumentError("EngineOptions: an empty transport factory");
+    absl::StatusOr<std::unique_ptr<transport::Transport>> created = factory(context);
+    if (!created.ok()) return created.status();
+    if (*created == nullptr) continue;  // cannot run here; the factory said why
+    const transport::Capabilities& caps = (*created)->caps();
+    for (const transport::Capabilities* other : caps_) {
+      if (other->name == caps.name) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("two transports are named \"", caps.name, "\""));
+      }
     }
-  } else {
-    rdma_ = std::move(*rdma);
+    if (caps_.size() == core::kMaxTransports) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("more than ", core::kMaxTransports, " transports"));
+    }
+    if (caps.reaches_every_region && !caps.gpu_memory) incoming_gpu_ok_ = false;
+    caps_.push_back(&caps);
+    transports_.push_back(std::move(*created));
   }
+  if (transports_.empty()) return absl::FailedPreconditionError("no transport could start");
 
   work_ =
       std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
@@ -179,9 +147,10 @@ absl::Status Engine::Impl::Init() {
           << Kv("engine", name_);
     }
   }
+  std::vector<std::string> names;
+  for (const transport::Capabilities* caps : caps_) names.push_back(caps->name);
   KVW_LOG(kInfo, "engine") << "started" << Kv("engine", name_) << Kv("address", address_)
-                           << Kv("tcp", tcp_->Endpoint()) << Kv("shm", shm_ ? "yes" : "no")
-                           << Kv("rdma", rdma_ ? "yes" : "no");
+                           << Kv("transports", absl::StrJoin(names, ","));
   return absl::OkStatus();
 }
 
@@ -197,9 +166,7 @@ Engine::Impl::~Impl() {
     ClosePeer(peer, absl::CancelledError(absl::StrCat("engine ", name_, " shutting down")));
   }
   if (worker_) worker_->Stop();
-  if (tcp_) tcp_->Shutdown();
-  if (shm_) shm_->Shutdown();
-  if (rdma_) rdma_->Shutdown();
+  for (auto& t : transports_) t->Shutdown();
   transfers_.FailIf([](const core::TransferInfo&) { return true; },
                     [this](const core::TransferInfo& info) {
                       return absl::CancelledError(
@@ -263,16 +230,13 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   region.id = id;
   std::vector<std::string> declined;  // transports that cannot move this kind of memory
   bool registered = false;
-  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
-    if (t == nullptr) continue;
-    if (region.kind == MemoryKind::kGpu && !t->caps().gpu_memory) {
+  for (const auto& t : transports_) {
+    if (region.kind == MemoryKind::kGpu ? !t->caps().gpu_memory : !t->caps().host_memory) {
       declined.push_back(t->caps().name);
       continue;
     }
     if (absl::Status s = t->RegisterRegion(region); !s.ok()) {
-      for (transport::Transport* u : {tcp_.get(), shm_.get(), rdma_.get()}) {
-        if (u != nullptr) u->DeregisterRegion(id);
-      }
+      for (const auto& u : transports_) u->DeregisterRegion(id);
       (void)regions_.Remove(id);
       return absl::Status(s.code(),
                           absl::StrCat("RegisterMemory with ", t->caps().name, ": ", s.message()));
@@ -287,9 +251,8 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
                      " memory (declined: ", absl::StrJoin(declined, ", "), ")"));
   }
   if (!declined.empty()) {
-    KVW_LOG(kInfo, "engine") << "GPU region not registered with every transport"
-                             << Kv("engine", name_) << Kv("region", id)
-                             << Kv("declined", absl::StrJoin(declined, ","));
+    KVW_LOG(kInfo, "engine") << "region not registered with every transport" << Kv("engine", name_)
+                             << Kv("region", id) << Kv("declined", absl::StrJoin(declined, ","));
   }
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
   {
@@ -335,9 +298,7 @@ absl::Status Engine::Impl::DeregisterMemory(RegionId region) {
       (void)peer->conn->Send(revoke);
     }
   }
-  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
-    if (t != nullptr) t->DeregisterRegion(region);
-  }
+  for (const auto& t : transports_) t->DeregisterRegion(region);
   // Incoming ops and local transfers pin the region while they touch it; the caller may free
   // the memory once we return, so wait for them.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -380,9 +341,7 @@ EngineStats Engine::Impl::Stats() const {
     out.control.handshakes_failed = server.handshakes_failed;
     out.control.handshakes_refused = server.refused_over_limit;
   }
-  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
-    if (t != nullptr) t->AddStats(&out);
-  }
+  for (const auto& t : transports_) t->AddStats(&out);
   MutexLock lock(&peers_mu_);
   out.control.session_tokens = tokens_.size();
   for (const auto& [id, peer] : peers_) {

@@ -23,6 +23,7 @@
 #include "src/core/arrival_counter.h"
 #include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
+#include "src/core/route.h"
 #include "src/core/transfer_table.h"
 #include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
@@ -31,12 +32,12 @@
 
 namespace kvwire {
 
-// A peer's region as this engine knows it, and whether the shm channel can reach it.
+// A peer's region as this engine knows it, and which of the peer's channels reach it.
 struct RemoteRegionState {
   transport::RemoteRegionDesc desc;
   bool resolved = false;  // the data path for it has been decided
-  bool via_shm = false;
-  bool via_rdma = false;                              // the rdma channel has its keys
+  // Bit i: the channel of transports_[i] accepted the region (Channel::AddRemoteRegions).
+  core::TransportMask reached_by = 0;
   std::map<std::string, std::string> transport_keys;  // RegionDescriptor.transport_keys
 };
 
@@ -53,11 +54,10 @@ struct Peer {
   std::string close_reason ABSL_GUARDED_BY(mu);
   bool setup_done ABSL_GUARDED_BY(mu) = false;
   absl::Status setup_status ABSL_GUARDED_BY(mu);
-  std::shared_ptr<transport::Channel> tcp ABSL_GUARDED_BY(mu);
-  std::shared_ptr<transport::Channel> shm ABSL_GUARDED_BY(mu);
-  std::shared_ptr<transport::Channel> rdma ABSL_GUARDED_BY(mu);
-  uint32_t tcp_lanes ABSL_GUARDED_BY(mu) = 1;
-  uint32_t rdma_lanes ABSL_GUARDED_BY(mu) = 1;
+  // Indexed like Engine::Impl::transports_; null where no channel was opened (routing
+  // opens the best one and, if needed, a fallback: src/core/route.h).
+  std::vector<std::shared_ptr<transport::Channel>> channels ABSL_GUARDED_BY(mu);
+  std::vector<uint32_t> lanes ABSL_GUARDED_BY(mu);  // lanes each channel was opened with
   std::string transport_desc ABSL_GUARDED_BY(mu);
   std::string transport_reason ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<RegionId, RemoteRegionState> remote ABSL_GUARDED_BY(mu);
@@ -119,9 +119,15 @@ class Engine::Impl final : public transport::TargetHooks {
   std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
                                 TransportKind preference);
   absl::Status SendExports(Peer& peer, const std::vector<transport::LocalRegion>& regions);
-  // Tries the rdma data path to `peer`; null with `reason` set when it is not usable.
-  std::shared_ptr<transport::Channel> ConnectRdma(const std::shared_ptr<Peer>& peer,
-                                                  transport::PeerLink link, std::string* reason);
+  // Opens transports_[index]'s channel to `peer`; the reason when it is not usable.
+  absl::StatusOr<std::unique_ptr<transport::Channel>> ConnectChannel(
+      const std::shared_ptr<Peer>& peer, size_t index, transport::PeerLink link);
+  // Sends transports_[index]'s own control payload to `conn`'s peer (TransportControl).
+  transport::ControlSender ControlSenderFor(size_t index,
+                                            std::shared_ptr<control::Connection> conn) const;
+  void OnTransportControl(const std::shared_ptr<Peer>& peer, const pb::TransportControl& message);
+  // The transport name a settled preference forces; empty for kAuto.
+  static std::string ForcedName(TransportKind preference);
   void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
   void OnEngineMessage(const std::shared_ptr<Peer>& peer, const pb::EngineMessage& message);
   absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
@@ -158,9 +164,13 @@ class Engine::Impl final : public transport::TargetHooks {
   std::unique_ptr<control::Server> server_;
   // The GPU runtime of kGpu regions, fixed at creation (gpu::DefaultRuntime() then).
   gpu::Runtime* const gpu_ = &gpu::DefaultRuntime();
-  std::unique_ptr<transport::Transport> tcp_;
-  std::unique_ptr<transport::Transport> shm_;
-  std::unique_ptr<transport::Transport> rdma_;  // null without a usable RDMA device
+  // Every transport this engine runs, in registration order (the built-ins of
+  // transport/builtin_transports.cc, then EngineOptions::extra_transports); the core never
+  // names one: routing decides from their Capabilities (src/core/route.h). Fixed after Init.
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
+  std::vector<const transport::Capabilities*> caps_;  // transports_[i]->caps()
+  // Every transport that serves incoming ops itself (reaches_every_region) moves GPU memory.
+  bool incoming_gpu_ok_ = true;
 
   core::RegionRegistry regions_;
   core::TransferTable transfers_;

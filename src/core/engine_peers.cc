@@ -1,6 +1,6 @@
 // Peers: handshake on both sides, exports, the control messages of a live peer, data-path
 // setup (which transport reaches which region), and teardown.
-#include <tuple>
+#include <algorithm>
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
@@ -9,7 +9,6 @@
 #include "src/control/handshake.h"
 #include "src/core/engine_impl.h"
 #include "src/util/log.h"
-#include "transport/shm/shm_transport.h"
 
 namespace kvwire {
 namespace {
@@ -57,21 +56,12 @@ pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
 pb::Hello Engine::Impl::LocalHello(TransportKind preference) const {
   pb::Hello hello;
   hello.set_engine_name(name_);
-  hello.set_host_id(transport::LocalHostId());
   hello.set_pid(static_cast<uint32_t>(getpid()));
   hello.set_transport_preference(TransportKindName(preference));
-  pb::TransportEndpoint* tcp = hello.add_transports();
-  tcp->set_kind("tcp");
-  tcp->set_endpoint(tcp_->Endpoint());
-  if (shm_) {
-    pb::TransportEndpoint* shm = hello.add_transports();
-    shm->set_kind("shm");
-    shm->set_endpoint(shm_->Endpoint());
-  }
-  if (rdma_) {
-    pb::TransportEndpoint* rdma = hello.add_transports();
-    rdma->set_kind("rdma");
-    rdma->set_endpoint(rdma_->Endpoint());
+  for (const auto& t : transports_) {
+    pb::TransportEndpoint* endpoint = hello.add_transports();
+    endpoint->set_kind(t->caps().name);
+    endpoint->set_endpoint(t->Endpoint());
   }
   return hello;
 }
@@ -108,9 +98,7 @@ void Engine::Impl::RevokeToken(const std::string& token) {
   // The token was live while its handshake ran (the other side had proven the secret, or none
   // is set), so data connections may have been opened with it: a handshake that then failed
   // must not leave them serving a peer that never was.
-  tcp_->DropPeer(id);
-  if (shm_) shm_->DropPeer(id);
-  if (rdma_) rdma_->DropPeer(id);
+  for (const auto& t : transports_) t->DropPeer(id);
 }
 
 PeerId Engine::Impl::TokenPeer(const std::string& token) const {
@@ -184,16 +172,22 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
                                        const std::vector<transport::LocalRegion>& regions) {
   if (regions.empty()) return absl::OkStatus();
   pb::Envelope message;
-  absl::Status keys_ok;  // a key that failed: the region goes without it (tcp still reaches it)
-  // rdma keys cost a registration per peer: none for a peer that will never use rdma.
-  const bool rdma_usable = FindEndpoint(peer.hello, "rdma") != nullptr &&
-                           peer.preference != TransportKind::kTcp &&
-                           peer.preference != TransportKind::kShm;
+  // A key that failed: the region goes without it (a transport that reaches every region
+  // still reaches it).
+  absl::Status keys_ok;
+  // Keys may cost a registration per peer (rdma): none for a peer that will never use that
+  // transport (it offers none, or the pair forced another).
+  const std::string forced = ForcedName(peer.preference);
+  std::vector<transport::Transport*> keyed;
+  for (const auto& t : transports_) {
+    if (!forced.empty() && t->caps().name != forced) continue;
+    if (FindEndpoint(peer.hello, t->caps().name) == nullptr) continue;
+    keyed.push_back(t.get());
+  }
   for (const transport::LocalRegion& r : regions) {
     pb::RegionDescriptor* d = message.mutable_export_regions()->add_regions();
     *d = Describe(r);
-    for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
-      if (t == nullptr || (t == rdma_.get() && !rdma_usable)) continue;
+    for (transport::Transport* t : keyed) {
       absl::StatusOr<std::string> key = t->ExportKey(peer.id, r.id);
       if (key.ok() && !key->empty()) (*d->mutable_transport_keys())[t->caps().name] = *key;
       if (!key.ok() && keys_ok.ok()) {
@@ -208,9 +202,7 @@ absl::Status Engine::Impl::SendExports(Peer& peer,
     // A key made for a peer that closed meanwhile (after ClosePeer's DropPeer) is dropped again.
     MutexLock lock(&peer.mu);
     if (!peer.alive) {
-      for (transport::Transport* t : {shm_.get(), rdma_.get()}) {
-        if (t != nullptr) t->DropPeer(peer.id);
-      }
+      for (transport::Transport* t : keyed) t->DropPeer(peer.id);
       return absl::UnavailableError(absl::StrCat("peer ", peer.name, " closed"));
     }
   }
@@ -288,108 +280,82 @@ absl::StatusOr<PeerId> Engine::Impl::Connect(const std::string& address,
   return id;
 }
 
+std::string Engine::Impl::ForcedName(TransportKind preference) {
+  return preference == TransportKind::kAuto ? std::string() : TransportKindName(preference);
+}
+
+transport::ControlSender Engine::Impl::ControlSenderFor(
+    size_t index, std::shared_ptr<control::Connection> conn) const {
+  return [name = caps_[index]->name, conn = std::move(conn)](std::string payload) {
+    pb::Envelope message;
+    pb::TransportControl* control = message.mutable_transport_control();
+    control->set_transport(name);
+    control->set_payload(std::move(payload));
+    return conn->Send(message);
+  };
+}
+
+absl::StatusOr<std::unique_ptr<transport::Channel>> Engine::Impl::ConnectChannel(
+    const std::shared_ptr<Peer>& peer, size_t index, transport::PeerLink link) {
+  transport::Transport& t = *transports_[index];
+  const transport::Capabilities& caps = t.caps();
+  const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, caps.name);
+  if (ep == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("peer offers no ", caps.name, " endpoint"));
+  }
+  if (absl::Status s = t.CanReach(ep->endpoint()); !s.ok()) return s;
+  link.remote_endpoint = ep->endpoint();
+  link.lanes = std::clamp<uint32_t>(caps.lanes_per_peer, 1, std::max<uint32_t>(1, caps.max_lanes));
+  link.send_control = ControlSenderFor(index, peer->conn);
+  return t.Connect(link);
+}
+
 absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
-  const absl::Time deadline = absl::Now() + options_.connect_timeout;
-  const TransportKind preference = peer->preference;
-  std::shared_ptr<transport::Channel> shm, tcp;
-  std::string shm_reason, tcp_reason;
   transport::PeerLink link;
   link.peer = peer->id;
   link.peer_name = peer->name;
   link.token = peer->hello.session_token();
   link.remote_pid = peer->hello.pid();
-  link.deadline = deadline;
-  link.send_control = [conn = peer->conn](const pb::Envelope& m) { return conn->Send(m); };
+  link.deadline = absl::Now() + options_.connect_timeout;
 
-  if (preference == TransportKind::kAuto || preference == TransportKind::kShm) {
-    const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "shm");
-    if (shm_ == nullptr) {
-      shm_reason = "shm transport unavailable on this engine";
-    } else if (ep == nullptr) {
-      shm_reason = "peer offers no shm endpoint";
-    } else if (absl::Status s = shm_->CanReach(ep->endpoint()); !s.ok()) {
-      shm_reason = std::string(s.message());
-    } else {
-      link.remote_endpoint = ep->endpoint();
-      link.lanes = 1;
-      auto channel = shm_->Connect(link);
-      if (channel.ok()) {
-        shm = std::move(*channel);
-      } else {
-        shm_reason = std::string(channel.status().message());
-      }
+  // Which transports to open, from their declarations (src/core/route.h).
+  core::ChannelChoice choice(caps_, ForcedName(peer->preference));
+  std::vector<std::shared_ptr<transport::Channel>> channels(transports_.size());
+  std::vector<uint32_t> lanes(transports_.size(), 1);
+  std::vector<std::string> described(transports_.size());
+  while (std::optional<size_t> next = choice.Next()) {
+    const size_t i = *next;
+    auto channel = ConnectChannel(peer, i, link);
+    if (!channel.ok()) {
+      choice.Unusable(i, std::string(channel.status().message()));
+      continue;
     }
-    if (preference == TransportKind::kShm && shm == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("transport shm required but peer ", peer->name,
-                       " is not reachable over shm: ", shm_reason));
-    }
+    channels[i] = std::move(*channel);
+    lanes[i] = std::clamp<uint32_t>(caps_[i]->lanes_per_peer, 1,
+                                    std::max<uint32_t>(1, caps_[i]->max_lanes));
+    described[i] = channels[i]->Describe();
+    choice.Connected(i);
   }
-  // rdma: forced, or automatic for a peer shm does not reach.
-  std::shared_ptr<transport::Channel> rdma;
-  std::string rdma_reason;
-  if (preference == TransportKind::kRdma ||
-      (preference == TransportKind::kAuto && shm == nullptr)) {
-    rdma = ConnectRdma(peer, link, &rdma_reason);
-    if (preference == TransportKind::kRdma && rdma == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("transport rdma required but peer ", peer->name,
-                       " is not reachable over rdma: ", rdma_reason));
+  auto close_all = [&](const absl::Status& why) {
+    for (auto& channel : channels) {
+      if (channel) channel->Close(why);
     }
+  };
+  if (absl::Status s = choice.Result(peer->name); !s.ok()) {
+    close_all(absl::CancelledError("data path to the peer not usable"));
+    return s;
   }
-  if (preference == TransportKind::kAuto || preference == TransportKind::kTcp) {
-    const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "tcp");
-    if (ep == nullptr) {
-      tcp_reason = "peer offers no tcp endpoint";
-    } else {
-      link.remote_endpoint = ep->endpoint();
-      link.lanes = static_cast<uint32_t>(
-          std::clamp<int>(options_.tcp_connections, 1, tcp_->caps().max_lanes));
-      auto channel = tcp_->Connect(link);
-      if (channel.ok()) {
-        tcp = std::move(*channel);
-      } else {
-        tcp_reason = std::string(channel.status().message());
-      }
-    }
-    if (tcp == nullptr && shm == nullptr && rdma == nullptr) {
-      return absl::UnavailableError(
-          absl::StrCat("no transport reaches peer ", peer->name, ": tcp: ", tcp_reason,
-                       shm_reason.empty() ? "" : "; shm: ", shm_reason,
-                       rdma_reason.empty() ? "" : "; rdma: ", rdma_reason));
-    }
-  }
-  std::string desc, reason;
-  if (shm) {
-    desc = shm->Describe();
-    reason = preference == TransportKind::kShm ? "forced by configuration" : "same host";
-    if (tcp) absl::StrAppend(&desc, "; ", tcp->Describe(), " for regions shm cannot reach");
-  } else if (rdma) {
-    desc = rdma->Describe();
-    reason = preference == TransportKind::kRdma
-                 ? "forced by configuration"
-                 : absl::StrCat("shm not usable (", shm_reason, "); both sides offer rdma");
-    if (tcp) absl::StrAppend(&desc, "; ", tcp->Describe(), " for regions rdma cannot reach");
-  } else {
-    desc = tcp->Describe();
-    reason = preference == TransportKind::kTcp
-                 ? "forced by configuration"
-                 : absl::StrCat("shm not usable: ", shm_reason, "; rdma not usable: ", rdma_reason);
-  }
+  const std::string desc = choice.Describe(described);
+  const std::string reason = choice.Reason();
   {
     MutexLock lock(&peer->mu);
     if (!peer->alive) {
-      if (shm) shm->Close(absl::CancelledError("peer closed during setup"));
-      if (tcp) tcp->Close(absl::CancelledError("peer closed during setup"));
-      if (rdma) rdma->Close(absl::CancelledError("peer closed during setup"));
+      close_all(absl::CancelledError("peer closed during setup"));
       return absl::UnavailableError(
           absl::StrCat("peer ", peer->name, " closed during setup: ", peer->close_reason));
     }
-    peer->shm = shm;
-    peer->tcp = tcp;
-    peer->rdma = rdma;
-    peer->tcp_lanes = link.lanes;
-    peer->rdma_lanes = rdma_ ? rdma_->caps().max_lanes : 1;
+    peer->channels = std::move(channels);
+    peer->lanes = std::move(lanes);
     peer->transport_desc = desc;
     peer->transport_reason = reason;
   }
@@ -407,86 +373,70 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<transport::Channel> Engine::Impl::ConnectRdma(const std::shared_ptr<Peer>& peer,
-                                                              transport::PeerLink link,
-                                                              std::string* reason) {
-  const pb::TransportEndpoint* ep = FindEndpoint(peer->hello, "rdma");
-  if (rdma_ == nullptr) {
-    *reason = "no usable RDMA device on this engine";
-  } else if (ep == nullptr) {
-    *reason = "peer offers no rdma endpoint";
-  } else if (absl::Status s = rdma_->CanReach(ep->endpoint()); !s.ok()) {
-    *reason = std::string(s.message());
-  } else {
-    link.remote_endpoint = ep->endpoint();
-    link.lanes = rdma_->caps().max_lanes;
-    auto channel = rdma_->Connect(link);
-    if (channel.ok()) return std::move(*channel);
-    *reason = std::string(channel.status().message());
-  }
-  return nullptr;
-}
-
-// Decides, for each region the peer exported that has no route yet, whether shm (or rdma)
-// reaches it. Runs on the worker (channel changes are serialized there).
+// Decides, for each region the peer exported that has no route yet, which of the peer's
+// channels reach it: those of transports that need a per-region key accept it or not
+// (AddRemoteRegions); the others reach every region. Runs on the worker (channel changes are
+// serialized there).
 void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
   std::vector<transport::RemoteRegionDesc> todo;
-  std::vector<std::string> rdma_keys, shm_keys;  // by todo index
-  std::shared_ptr<transport::Channel> shm, rdma;
+  std::vector<std::map<std::string, std::string>> keys;  // by todo index
+  std::vector<std::shared_ptr<transport::Channel>> channels;
   {
     MutexLock lock(&peer->mu);
-    if (!peer->alive || (!peer->shm && !peer->tcp && !peer->rdma)) return;
-    shm = peer->shm;
-    rdma = peer->rdma;
+    if (!peer->alive || peer->channels.empty()) return;
+    channels = peer->channels;
     for (auto& [id, state] : peer->remote) {
       if (state.resolved) continue;
       todo.push_back(state.desc);
-      auto key = state.transport_keys.find("rdma");
-      rdma_keys.push_back(key == state.transport_keys.end() ? std::string() : key->second);
-      key = state.transport_keys.find("shm");
-      shm_keys.push_back(key == state.transport_keys.end() ? std::string() : key->second);
+      keys.push_back(state.transport_keys);
     }
   }
-  std::vector<std::tuple<RegionId, bool, bool>> routes;
-  for (size_t i = 0; i < todo.size(); ++i) {
-    const transport::RemoteRegionDesc& desc = todo[i];
-    bool via_shm = false, via_rdma = false;
-    if (rdma) {
+  std::vector<std::pair<RegionId, core::TransportMask>> routes;
+  for (size_t r = 0; r < todo.size(); ++r) {
+    const transport::RemoteRegionDesc& desc = todo[r];
+    core::TransportMask reached = 0;
+    for (size_t i = 0; i < channels.size(); ++i) {
+      if (!channels[i] || caps_[i]->reaches_every_region) continue;
+      const std::string& name = caps_[i]->name;
+      auto key = keys[r].find(name);
       transport::RemoteRegionDesc keyed = desc;
-      absl::Status s = keyed.SetKey(rdma_keys[i]) ? rdma->AddRemoteRegions({keyed})
-                                                  : absl::InvalidArgumentError("rdma key too long");
-      via_rdma = s.ok();
-      if (!s.ok()) {
-        KVW_LOG(kInfo, "engine") << "region not reachable over rdma" << Kv("engine", name_)
+      absl::Status s = keyed.SetKey(key == keys[r].end() ? std::string() : key->second)
+                           ? channels[i]->AddRemoteRegions({keyed})
+                           : absl::InvalidArgumentError(absl::StrCat(name, " key too long"));
+      if (s.ok()) {
+        reached |= core::TransportMask{1} << i;
+      } else {
+        KVW_LOG(kInfo, "engine") << "region not reachable over " << name << Kv("engine", name_)
                                  << Kv("peer", peer->name) << Kv("region", desc.id)
                                  << Kv("reason", s.message());
       }
     }
-    if (shm) {
-      transport::RemoteRegionDesc keyed = desc;
-      absl::Status s = keyed.SetKey(shm_keys[i]) ? shm->AddRemoteRegions({keyed})
-                                                 : absl::InvalidArgumentError("shm key too long");
-      via_shm = s.ok();
-      if (!s.ok()) {
-        KVW_LOG(kInfo, "engine") << "region reached over tcp, not shm" << Kv("engine", name_)
-                                 << Kv("peer", peer->name) << Kv("region", desc.id)
-                                 << Kv("reason", s.message());
-      }
-    }
-    routes.emplace_back(desc.id, via_shm, via_rdma);
+    routes.emplace_back(desc.id, reached);
   }
   {
     MutexLock lock(&peer->mu);
-    for (auto [id, via_shm, via_rdma] : routes) {
+    for (auto [id, reached] : routes) {
       auto it = peer->remote.find(id);
       if (it == peer->remote.end()) continue;  // revoked meanwhile
       it->second.resolved = true;
-      it->second.via_shm = via_shm;
-      it->second.via_rdma = via_rdma;
+      it->second.reached_by = reached;
     }
   }
   MutexLock lock(&peers_mu_);
   peers_cv_.SignalAll();
+}
+
+void Engine::Impl::OnTransportControl(const std::shared_ptr<Peer>& peer,
+                                      const pb::TransportControl& message) {
+  for (size_t i = 0; i < transports_.size(); ++i) {
+    if (caps_[i]->name != message.transport()) continue;
+    transports_[i]->OnControlMessage(peer->id, message.payload(), ControlSenderFor(i, peer->conn));
+    return;
+  }
+  // This engine offered no such endpoint, so a correct peer never sends it.
+  ClosePeerForProtocol(peer, absl::InvalidArgumentError(absl::StrCat(
+                                 "unexpected TransportControl from peer ", peer->name, ": engine ",
+                                 name_, " offers no ", message.transport().substr(0, 64))));
 }
 
 void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message) {
@@ -542,15 +492,15 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
     case pb::Envelope::kRevokeRegions: {
       std::vector<RegionId> ids(message.revoke_regions().ids().begin(),
                                 message.revoke_regions().ids().end());
-      std::shared_ptr<transport::Channel> shm, rdma;
+      std::vector<std::shared_ptr<transport::Channel>> channels;
       {
         MutexLock lock(&peer->mu);
         for (RegionId id : ids) peer->remote.erase(id);
-        shm = peer->shm;
-        rdma = peer->rdma;
+        channels = peer->channels;
       }
-      if (shm) worker_->Post([shm, ids] { shm->RemoveRemoteRegions(ids); });
-      if (rdma) worker_->Post([rdma, ids] { rdma->RemoveRemoteRegions(ids); });
+      for (auto& channel : channels) {
+        if (channel) worker_->Post([channel, ids] { channel->RemoveRemoteRegions(ids); });
+      }
       break;
     }
     case pb::Envelope::kNotify: {
@@ -570,17 +520,8 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
     case pb::Envelope::kEngineMessage:
       OnEngineMessage(peer, message.engine_message());
       break;
-    case pb::Envelope::kRdmaConnectRequest:
-    case pb::Envelope::kRdmaConnectReply:
-      if (!rdma_) {
-        // This engine offered no rdma endpoint, so a correct peer never sends these.
-        ClosePeerForProtocol(peer, absl::InvalidArgumentError(absl::StrCat(
-                                       "unexpected ", control::MessageName(message), " from peer ",
-                                       peer->name, ": engine ", name_, " offers no rdma")));
-        return;
-      }
-      rdma_->OnControlMessage(peer->id, message,
-                              [conn = peer->conn](const pb::Envelope& m) { return conn->Send(m); });
+    case pb::Envelope::kTransportControl:
+      OnTransportControl(peer, message.transport_control());
       break;
     default:
       ClosePeerForProtocol(
@@ -601,15 +542,13 @@ void Engine::Impl::ClosePeerForProtocol(const std::shared_ptr<Peer>& peer,
 }
 
 void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason) {
-  std::shared_ptr<transport::Channel> shm, tcp, rdma;
+  std::vector<std::shared_ptr<transport::Channel>> channels;
   {
     MutexLock lock(&peer->mu);
     if (!peer->alive) return;
     peer->alive = false;
     peer->close_reason = std::string(reason.message());
-    shm = peer->shm;
-    tcp = peer->tcp;
-    rdma = peer->rdma;
+    channels = peer->channels;
   }
   {
     // First: the peer's token stops opening data connections at once.
@@ -626,12 +565,10 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   const absl::Status closed =
       absl::UnavailableError(absl::StrCat("peer ", peer->name, " closed: ", reason.message()));
   peer->conn->Close(reason);
-  if (shm) shm->Close(closed);
-  if (tcp) tcp->Close(closed);
-  if (rdma) rdma->Close(closed);
-  tcp_->DropPeer(peer->id);
-  if (shm_) shm_->DropPeer(peer->id);
-  if (rdma_) rdma_->DropPeer(peer->id);
+  for (auto& channel : channels) {
+    if (channel) channel->Close(closed);
+  }
+  for (const auto& t : transports_) t->DropPeer(peer->id);
   for (const core::TransferInfo& info : transfers_.FailIf(
            [&](const core::TransferInfo& info) { return info.peer == peer->id; },
            [&](const core::TransferInfo& info) {
@@ -670,8 +607,7 @@ absl::Status Engine::Impl::Unexport(PeerId id, absl::Span<const RegionId> region
   if (absl::Status s = regions_.UnexportFrom(id, ids); !s.ok()) return s;
   // The keys stop working before we return; the peer learns it on the control channel (a
   // peer that ignores it just gets remote access errors).
-  for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
-    if (t == nullptr) continue;
+  for (const auto& t : transports_) {
     for (RegionId r : ids) t->RevokeExport(id, r);
   }
   pb::Envelope revoke;

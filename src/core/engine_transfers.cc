@@ -6,6 +6,7 @@
 
 #include "src/core/engine_impl.h"
 #include "src/core/op_planner.h"
+#include "src/core/route.h"
 #include "src/util/log.h"
 
 namespace kvwire {
@@ -28,7 +29,8 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // Local side: every op inside a registered region, each region pinned for the transfer.
   absl::flat_hash_map<RegionId, std::shared_ptr<const void>> pins;
   std::vector<transport::WireOp> wire;
-  bool local_gpu = false;
+  core::TransferNeeds needs;
+  needs.kind = kind;
   wire.reserve(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
@@ -36,13 +38,13 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     if (!local.ok()) return OpError(i, local.status());
     pins.try_emplace(op.local_region, std::move(local->pin));
     wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length,
-                                     local->gpu_device});
-    local_gpu = local_gpu || local->gpu_device >= 0;
+                                     local->gpu_device, op.local_region});
+    (local->gpu_device >= 0 ? needs.local_gpu : needs.local_host) = true;
   }
 
-  // Remote side: exported to us, permission, bounds; and the route.
+  // Remote side: exported to us, permission, bounds; and the route (src/core/route.h).
   std::shared_ptr<transport::Channel> channel;
-  const transport::Capabilities* caps = &tcp_->caps();
+  const transport::Capabilities* caps = nullptr;
   uint32_t lanes = 1;
   bool remote_gpu = false;
   {
@@ -56,8 +58,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
           absl::StrCat("transfer: data path to peer ", peer->name, " is not ready yet"));
     }
     const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
-    bool all_shm = peer->shm != nullptr;
-    bool all_rdma = peer->rdma != nullptr;
+    needs.reaches = ~core::TransportMask{0};
     for (size_t i = 0; i < ops.size(); ++i) {
       const Op& op = ops[i];
       auto it = peer->remote.find(op.remote_region);
@@ -78,36 +79,22 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
         return OpError(i, s);
       }
       remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
-      all_shm = all_shm && it->second.resolved && it->second.via_shm;
-      all_rdma = all_rdma && it->second.resolved && it->second.via_rdma;
+      needs.reaches &= it->second.resolved ? it->second.reached_by : 0;
     }
-    if (all_shm) {
-      channel = peer->shm;
-      caps = &shm_->caps();
-    } else if (all_rdma) {
-      channel = peer->rdma;
-      caps = &rdma_->caps();
-      lanes = peer->rdma_lanes;
-    } else if (peer->tcp) {
-      channel = peer->tcp;
-      lanes = peer->tcp_lanes;
-    } else {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "transfer: peer ", peer->name, " is reached over ", peer->rdma ? "rdma" : "shm",
-          " only, and it cannot reach every region of this transfer (connect with transport "
-          "auto or tcp)"));
+    core::TransportMask connected = 0;
+    for (size_t i = 0; i < peer->channels.size(); ++i) {
+      if (peer->channels[i]) connected |= core::TransportMask{1} << i;
     }
-  }
-
-  if (local_gpu && !caps->gpu_memory) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("transfer: a local region is GPU memory and the route to peer ", peer->name,
-                     " is ", caps->name, ", which cannot move GPU memory"));
+    absl::StatusOr<size_t> route = core::PickTransport(caps_, connected, needs, peer->name);
+    if (!route.ok()) return route.status();
+    channel = peer->channels[*route];
+    caps = caps_[*route];
+    lanes = peer->lanes[*route];
   }
 
   core::PlanLimits limits;
   limits.max_op_bytes = std::min<uint64_t>(options_.max_op_bytes, caps->max_op_bytes);
-  if ((local_gpu || remote_gpu) && caps->same_host_only) {
+  if ((needs.local_gpu || remote_gpu) && caps->same_host_only) {
     // On one host a GPU op is one device copy, whose launch cost splitting would multiply;
     // EngineOptions::max_op_bytes exists for pipelining host copies and network streams.
     limits.max_op_bytes = caps->max_op_bytes;
@@ -253,10 +240,14 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
     ++stats_.incoming_rejected;
     return resolved.status();
   }
-  if (resolved->gpu_device >= 0 && !tcp_->caps().gpu_memory) {
+  if (resolved->gpu_device >= 0 && !incoming_gpu_ok_) {
+    // Only transports that reach every region serve incoming ops themselves; one of them
+    // cannot move device memory (and the engine cannot tell which one asks).
     ++stats_.incoming_rejected;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "region ", region, " is GPU memory and this engine's tcp transport cannot move it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("region ", region,
+                     " is GPU memory and a transport of this engine serving it cannot "
+                     "move GPU memory"));
   }
   ++stats_.incoming_ops;
   return transport::IncomingAccess{resolved->data, resolved->gpu_device, std::move(resolved->pin)};

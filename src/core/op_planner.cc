@@ -15,7 +15,7 @@ std::vector<transport::WireOp> Merge(std::vector<transport::WireOp> ops) {
   for (const transport::WireOp& op : ops) {
     if (!merged.empty()) {
       transport::WireOp& last = merged.back();
-      if (last.remote_region == op.remote_region &&
+      if (last.remote_region == op.remote_region && last.local_region == op.local_region &&
           last.remote_offset + last.length == op.remote_offset &&
           last.local + last.length == op.local && last.local_gpu_device == op.local_gpu_device) {
         last.length += op.length;
@@ -57,8 +57,9 @@ Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits) {
         plan.lanes.emplace_back();
         lane_bytes = 0;
       }
-      plan.lanes.back().push_back(transport::WireOp{
-          op.local + done, op.remote_region, op.remote_offset + done, len, op.local_gpu_device});
+      plan.lanes.back().push_back(transport::WireOp{op.local + done, op.remote_region,
+                                                    op.remote_offset + done, len,
+                                                    op.local_gpu_device, op.local_region});
       lane_bytes += len;
       done += len;
       ++plan.pieces;

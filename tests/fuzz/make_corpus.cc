@@ -57,7 +57,6 @@ pb::Hello MakeHello(const std::string& name, bool secret) {
   if (secret) config.shared_secret = "not the fuzz target's secret";
   pb::Hello hello;
   hello.set_engine_name(name);
-  hello.set_host_id("host-1");
   hello.set_pid(4242);
   hello.set_session_token(std::string(32, '\x5a'));
   pb::TransportEndpoint* tcp = hello.add_transports();

@@ -1,4 +1,6 @@
-// Two real processes: this test's engine and kvwire_test_peer, over tcp and shm.
+// Two real processes: this test's engine and kvwire_test_peer, over tcp, shm, and "pipe": a
+// transport that lives only in tests (tests/transport/pipe), registered by both sides through
+// EngineOptions::extra_transports and routed from its declared capabilities like the others.
 #include <algorithm>
 #include <random>
 #include <signal.h>
@@ -15,6 +17,7 @@
 #include "tests/integration/test_pattern.h"
 #include "tests/support/cma.h"
 #include "tests/support/sanitizer_build.h"
+#include "tests/transport/pipe/pipe_transport.h"
 
 namespace kvwire::testing {
 namespace {
@@ -24,7 +27,7 @@ constexpr uint64_t kSeed = 7;
 constexpr std::byte kPoison{0xEE};
 
 struct Mode {
-  std::string transport;  // "tcp" or "shm"
+  std::string transport;  // "tcp", "shm" (forced) or "pipe" (auto; the best-ranked here)
   bool shareable;         // peer regions in memfd (shm maps them) or heap (cma / tcp)
 };
 
@@ -49,7 +52,11 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
     peer_ = std::move(*peer);
     EngineOptions options;
     options.name = "tester";
-    options.transport = *ParseTransportKind(GetParam().transport);
+    if (GetParam().transport == kPipeTransportName) {
+      options.extra_transports.push_back(PipeTransportFactory());
+    } else {
+      options.transport = *ParseTransportKind(GetParam().transport);
+    }
     options.shm_cma = !GetParam().shareable;
     options.peer_lease = absl::Seconds(2);
     options.heartbeat_interval = absl::Milliseconds(200);
@@ -98,16 +105,25 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
   PeerId peer_id_ = 0;
 };
 
-// The reported path is the one the mode must take, exactly: the transport is forced, so no
-// other path exists, and a READ through it must arrive (heap regions over shm: only CMA
-// reaches them, so where the kernel allows CMA it is required to work).
+// The reported path is the one the mode must take, exactly: the transport is forced (or, for
+// pipe, ranks first and reaches every region), so no other path exists, and a READ through it
+// must arrive (heap regions over shm: only CMA reaches them, so where the kernel allows CMA it
+// is required to work).
 TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
   EngineStats stats = engine_->Stats();
   ASSERT_EQ(stats.peers.size(), 1u);
   const PeerStats& peer = stats.peers[0];
-  EXPECT_EQ(peer.transport_reason, "forced by configuration");
+  if (GetParam().transport == kPipeTransportName) {
+    EXPECT_EQ(peer.transport_reason, "same host");  // pipe ranks first; same-host only
+    EXPECT_EQ(peer.transport.rfind("pipe kvwire-pipe-", 0), 0u) << peer.transport;
+    EXPECT_EQ(peer.transport.find(';'), std::string::npos) << peer.transport;  // no fallback
+  } else {
+    EXPECT_EQ(peer.transport_reason, "forced by configuration");
+  }
   if (GetParam().transport == "tcp") {
     EXPECT_EQ(peer.transport.rfind("tcp x4 ", 0), 0u) << peer.transport;
+  } else if (GetParam().transport == kPipeTransportName) {
+    // Checked above.
   } else if (GetParam().shareable) {
     // This engine turned CMA off: memfd only, and it says why.
     // ("+gpu-ipc" follows "memfd" where a GPU runtime is present.)
@@ -293,9 +309,10 @@ TEST_P(EngineIntegrationTest, InvalidLastOpRefusesTheWholeTransfer) {
 }
 
 TEST_P(EngineIntegrationTest, KilledPeerFailsTransfersAndIsDeclaredDead) {
-  const bool tcp = GetParam().transport == "tcp";
+  // Transports whose target serves the ops: in flight while the peer is stopped.
+  const bool served = GetParam().transport == "tcp" || GetParam().transport == kPipeTransportName;
   std::vector<TransferId> ids;
-  if (tcp) {
+  if (served) {
     // Stopped first, so that the transfers are surely in flight when it dies.
     ASSERT_TRUE(peer_->Freeze().ok());
     for (int i = 0; i < 4; ++i) {
@@ -361,7 +378,7 @@ TEST_P(EngineIntegrationTest, SilentPeerIsDeclaredDeadByLease) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, EngineIntegrationTest,
                          ::testing::Values(Mode{"tcp", false}, Mode{"shm", true},
-                                           Mode{"shm", false}),
+                                           Mode{"shm", false}, Mode{kPipeTransportName, false}),
                          ModeName);
 
 // --- tcp only: deadlines, deregistration in flight --------------------------------------------

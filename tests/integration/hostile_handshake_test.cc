@@ -184,7 +184,6 @@ pb::Envelope ForgedHello(const std::string& name, bool with_secret) {
   pb::Envelope envelope;
   pb::Hello* hello = envelope.mutable_hello();
   hello->set_engine_name(name);
-  hello->set_host_id("elsewhere");
   hello->set_protocol_version(control::kProtocolVersion);
   hello->set_compat_hash(control::CompatibilityHash(0));
   hello->set_transport_preference("tcp");
@@ -1035,13 +1034,21 @@ INSTANTIATE_TEST_SUITE_P(
                       BadMessage{"HelloAfterTheHandshake",
                                  [] { return ForgedHello("again", true); },
                                  "unexpected Hello after the handshake", false},
-                      BadMessage{"RdmaConnectRequestToAnEngineWithoutRdma",
+                      BadMessage{"RdmaControlToAnEngineWithoutRdma",
                                  [] {
                                    pb::Envelope e;
-                                   e.mutable_rdma_connect_request();
+                                   e.mutable_transport_control()->set_transport("rdma");
                                    return e;
                                  },
-                                 "offers no rdma", true, /*needs_no_rdma=*/true}),
+                                 "offers no rdma", true, /*needs_no_rdma=*/true},
+                      BadMessage{"ControlForATransportNoEngineHas",
+                                 [] {
+                                   pb::Envelope e;
+                                   e.mutable_transport_control()->set_transport("carrier-pigeon");
+                                   e.mutable_transport_control()->set_payload("coo");
+                                   return e;
+                                 },
+                                 "offers no carrier-pigeon", true}),
     [](const ::testing::TestParamInfo<BadMessage>& info) { return info.param.name; });
 
 // --- what a peer can make the engine hold --------------------------------------------------

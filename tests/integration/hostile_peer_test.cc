@@ -71,7 +71,6 @@ struct Hostile {
     tcp = std::move(*t);
     pb::Hello hello;
     hello.set_engine_name("hostile");
-    hello.set_host_id("elsewhere");
     hello.set_pid(static_cast<uint32_t>(getpid()));
     hello.set_session_token("hostile-token");
     hello.set_transport_preference("tcp");

@@ -227,7 +227,6 @@ class Dialer {
     tcp_ = std::move(*t);
     pb::Hello hello;
     hello.set_engine_name("hostile-tcp");
-    hello.set_host_id("elsewhere");
     hello.set_pid(static_cast<uint32_t>(getpid()));
     hello.set_session_token("hostile-tcp-token");
     hello.set_transport_preference("tcp");

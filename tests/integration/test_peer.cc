@@ -25,6 +25,7 @@
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/support/sanitizer_build.h"
+#include "tests/transport/pipe/pipe_transport.h"
 
 namespace {
 
@@ -128,12 +129,17 @@ int main(int argc, char** argv) {
   options.compat_salt = args.salt;
   options.peer_lease = absl::Milliseconds(args.lease_ms);
   options.heartbeat_interval = absl::Milliseconds(std::max(50, args.lease_ms / 10));
-  auto transport = kvwire::ParseTransportKind(args.transport);
-  if (!transport.ok()) {
-    std::fprintf(stderr, "test_peer: %s\n", transport.status().ToString().c_str());
-    return 2;
+  if (args.transport == kvwire::testing::kPipeTransportName) {
+    // A transport of tests/ only: registered, then chosen by rank (kAuto).
+    options.extra_transports.push_back(kvwire::testing::PipeTransportFactory());
+  } else {
+    auto transport = kvwire::ParseTransportKind(args.transport);
+    if (!transport.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", transport.status().ToString().c_str());
+      return 2;
+    }
+    options.transport = *transport;
   }
-  options.transport = *transport;
   options.shm_cma = args.shm_cma;
   options = kvwire::EngineOptions::FromEnvironment(options);
   auto engine = kvwire::Engine::Create(options);

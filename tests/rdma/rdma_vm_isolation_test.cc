@@ -143,7 +143,13 @@ class RdmaIsolationTest : public ::testing::Test {
     auto proxy = ControlProxy::Start(target_->address(), [this](const pb::Envelope& e) {
       MutexLock lock(&learned_mu_);
       for (const pb::RegionDescriptor& d : e.export_regions().regions()) learned_[d.id()] = d;
-      for (const pb::RdmaQpInfo& q : e.rdma_connect_reply().qps()) slot_tables_.push_back(q);
+      // rdma's own control messages ride opaque in TransportControl: decoded here as the
+      // rdma transport does.
+      pb::RdmaControl rdma;
+      if (e.transport_control().transport() == "rdma" &&
+          rdma.ParseFromString(e.transport_control().payload())) {
+        for (const pb::RdmaQpInfo& q : rdma.connect_reply().qps()) slot_tables_.push_back(q);
+      }
     });
     ASSERT_TRUE(proxy.ok()) << proxy.status();
     proxy_ = std::move(*proxy);

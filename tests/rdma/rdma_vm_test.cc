@@ -572,11 +572,12 @@ class FakeHooks : public transport::TargetHooks {
 };
 
 // Two transports in one process; their "control channel" is a direct call, as the engine's
-// is a protobuf Envelope on its TCP connection. The target knows the initiator as peer 7.
+// is a TransportControl envelope (opaque payload) on its TCP connection. The target knows the
+// initiator as peer 7.
 transport::ControlSender DirectControl(transport::Transport* initiator,
                                        transport::Transport* target) {
-  return [initiator, target](const pb::Envelope& request) {
-    target->OnControlMessage(7, request, [initiator](const pb::Envelope& reply) {
+  return [initiator, target](std::string request) {
+    target->OnControlMessage(7, request, [initiator](std::string reply) {
       initiator->OnControlMessage(1, reply, nullptr);
       return absl::OkStatus();
     });
@@ -647,7 +648,7 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   transport::PostRequest bad;
   bad.transfer_id = 41;
   bad.kind = OpKind::kWrite;
-  bad.ops = {transport::WireOp{local.data(), 1, 512 << 10, 4096}};
+  bad.ops = {transport::WireOp{local.data(), 1, 512 << 10, 4096, -1, /*local_region=*/2}};
   absl::Status s = PostAndWait(**channel, std::move(bad));
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_NE(s.message().find("remote access error"), std::string::npos) << s;
@@ -662,7 +663,8 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   good.kind = OpKind::kWrite;
   good.count_arrivals = true;
   for (int i = 0; i < 16; ++i) {
-    good.ops.push_back(transport::WireOp{local.data() + i * 8192, 1, uint64_t(i) * 4096, 4096});
+    good.ops.push_back(transport::WireOp{local.data() + i * 8192, 1, uint64_t(i) * 4096, 4096, -1,
+                                         /*local_region=*/2});
   }
   s = PostAndWait(**channel, std::move(good));
   ASSERT_TRUE(s.ok()) << s;
@@ -678,7 +680,7 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   transport::PostRequest read;
   read.transfer_id = 43;
   read.kind = OpKind::kRead;
-  read.ops = {transport::WireOp{local.data(), 1, 0, 64 << 10}};
+  read.ops = {transport::WireOp{local.data(), 1, 0, 64 << 10, -1, /*local_region=*/2}};
   s = PostAndWait(**channel, std::move(read));
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(local[100], std::byte{0x5A});
@@ -690,7 +692,7 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   transport::PostRequest orphan;
   orphan.transfer_id = 44;
   orphan.kind = OpKind::kRead;
-  orphan.ops = {transport::WireOp{local.data(), 1, 0, 4096}};
+  orphan.ops = {transport::WireOp{local.data(), 1, 0, 4096, -1, /*local_region=*/2}};
   s = PostAndWait(**channel, std::move(orphan));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_NE(s.message().find("transfer 44"), std::string::npos) << s;
@@ -701,7 +703,7 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   transport::PostRequest stale;
   stale.transfer_id = 45;
   stale.kind = OpKind::kRead;
-  stale.ops = {transport::WireOp{local.data(), 1, 0, 4096}};
+  stale.ops = {transport::WireOp{local.data(), 1, 0, 4096, -1, /*local_region=*/2}};
   s = PostAndWait(**channel, std::move(stale));
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_NE(s.message().find("remote access error"), std::string::npos) << s;
@@ -713,7 +715,7 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   transport::PostRequest again;
   again.transfer_id = 46;
   again.kind = OpKind::kRead;
-  again.ops = {transport::WireOp{local.data(), 1, 0, 4096}};
+  again.ops = {transport::WireOp{local.data(), 1, 0, 4096, -1, /*local_region=*/2}};
   s = PostAndWait(**channel, std::move(again));
   EXPECT_TRUE(s.ok()) << s;
 

@@ -53,6 +53,13 @@
 //   ACTIVE again, then QPs are re-created on next use. A failed QP is moved to ERROR first,
 //   so nothing touches local memory once its lanes are reported. Counters: AddStats.
 //   Close and DropPeer (peer dead by lease) destroy the QPs.
+//
+// Files: rdma_transport_impl.h (the Transport; its methods in rdma_transport.cc, lifetime and
+// peers; rdma_regions.cc, registration and exports; rdma_qp_exchange.cc, channel set-up),
+// rdma_channel (Post: ops to WRs), rdma_client_qp (initiator QP: posting, completions,
+// re-creation), rdma_server_qp (target QP: immediates), rdma_device_loop (event thread per
+// device), rdma_qp_state (ibv_modify_qp transitions), rdma_regions.h (MRs and peer PDs),
+// rdma_device, rdma_address, rdma_plan, rdma_grants, rdma_gpu_mr.
 #ifndef KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_RDMA_RDMA_TRANSPORT_H_
 

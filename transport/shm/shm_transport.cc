@@ -55,6 +55,7 @@ class ShmTransport final : public Transport {
     caps_.one_sided_read = true;
     caps_.one_sided_write = true;
     caps_.same_host_only = true;
+    caps_.rank = 10;  // one memcpy (or one device copy) per op
     // A WRITE is visible in the target's memory when the initiator's copy returns.
     caps_.counts_arrivals = false;
     caps_.max_op_bytes = options.max_op_bytes;

@@ -18,8 +18,10 @@
 #include "absl/status/status.h"
 
 #include "src/util/mutex.h"
+#include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_staging.h"
+#include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
 
 namespace kvwire::transport {
@@ -72,8 +74,42 @@ class ClientConnection {
     bool released = false;
     absl::Status result;
   };
+  struct WriterBatch;
+  struct ReaderState;
+
+  // Writer thread: takes a batch of ops, encodes their headers, gathers headers and WRITE
+  // payloads, sends them (device payloads through the staging buffers), releases the batch.
   void WriterLoop();
+  // Waits for requests and takes the next batch off to_send_ (its requests go in flight);
+  // false once the connection is closed.
+  bool TakeBatch(WriterBatch& batch) ABSL_LOCKS_EXCLUDED(mu_);
+  static void EncodeRequestHeaders(WriterBatch& batch);
+  static void GatherBatch(WriterBatch& batch);
+  // The writer returns: what it may still hold cannot be sent any more.
+  void WriterExited(WriterBatch& batch) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Reader thread: reads the responses of the requests in flight, in order, READ payloads
+  // into local memory, and completes each request after its last response.
   void ReaderLoop();
+  // Makes state.head the request whose responses come next, waiting for one; false once the
+  // connection is closed.
+  bool NextInFlight(ReaderState& state) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads and checks the response to state.head's next op (and its payload). An error is the
+  // connection's: it ends the reader.
+  absl::Status ReadResponse(HeaderReader& reader, ReaderState& state);
+  // The target refused an op or the stream: reads its message, records the op's error in
+  // state.head_error when the refusal is for that op, and returns the connection's error.
+  absl::Status ReadErrorResponse(HeaderReader& reader, const tcp_wire::ResponseHeader& h,
+                                 ReaderState& state);
+  // Receives a READ's payload into the op's local memory (host, or device through the
+  // staging buffers), or drops it when the transfer was cancelled.
+  absl::Status ReceiveReadPayload(HeaderReader& reader, const WireOp& wop, uint64_t payload,
+                                  ReaderState& state);
+  // Every response of state.head is in: waits for its staged copies and completes it (or
+  // leaves that to the writer when its send has not returned yet).
+  absl::Status CompleteHead(ReaderState& state) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reader returns: fails the connection with `error` (if any) and every request left.
+  void ReaderExited(const ReaderState& state, const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
   // Marks `batch` released after the writer's send returned; returns the requests that were
   // already acked, for the caller to complete.
   std::vector<std::shared_ptr<Pending>> Release(const std::vector<std::shared_ptr<Pending>>& batch,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <functional>
+#include <optional>
 #include <pthread.h>
 #include <system_error>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "absl/time/clock.h"
 
 #include "src/util/log.h"
+#include "transport/tcp/tcp_gather.h"
 #include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -71,7 +73,7 @@ class ServerConnection::Responses final : public PendingOutput {
         arrived_(std::move(arrived)),
         staged_out_(staging),
         staged_in_(staging) {
-    iov_.reserve(2 * kMaxResponses);
+    gather_.Reserve(2 * kMaxResponses);
   }
   // Copies still running may write memory that the pins hold.
   ~Responses() { (void)Abandon(); }
@@ -93,7 +95,6 @@ class ServerConnection::Responses final : public PendingOutput {
                std::shared_ptr<const void> pin) {
     Add(wire::kKindRead, sequence, data, length, device, std::move(pin));
     (device >= 0 ? staged_bytes_ : bytes_) += length;
-    staged_reads_ += device >= 0 && length > 0 ? 1 : 0;
   }
   bool Full() const {
     return count_ == kMaxResponses || bytes_ >= kFlushBytes || staged_bytes_ >= kStagedBatchBytes;
@@ -115,42 +116,18 @@ class ServerConnection::Responses final : public PendingOutput {
       wire::PatchFollow(headers_[i].data(), follow);
       follow = payloads_[i].length > 0 ? 1 : static_cast<uint16_t>(follow + 1);
     }
-    iov_.clear();
-    pieces_.clear();
+    gather_.Clear();
     for (size_t i = 0; i < count_; ++i) {
-      std::byte* header = headers_[i].data();
-      if (!iov_.empty() &&
-          static_cast<std::byte*>(iov_.back().iov_base) + iov_.back().iov_len == header) {
-        iov_.back().iov_len += wire::kResponseBytes;
-      } else {
-        iov_.push_back({header, wire::kResponseBytes});
-      }
+      gather_.AddHeader(headers_[i].data(), wire::kResponseBytes);
       const Payload& p = payloads_[i];
-      if (p.length == 0) continue;
-      if (staged_reads_ == 0) {
-        iov_.push_back({const_cast<std::byte*>(p.data), p.length});
-        continue;
-      }
-      for (const iovec& v : iov_) {
-        pieces_.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
-      }
-      iov_.clear();
-      pieces_.push_back({p.data, p.length, p.device});
+      if (p.length > 0) gather_.AddPayload(p.data, p.length, p.device);
     }
-    absl::Status s;
-    if (staged_reads_ == 0) {
-      s = SendAll(fd_, iov_.data(), iov_.size());
-    } else {
-      for (const iovec& v : iov_) {
-        pieces_.push_back({static_cast<const std::byte*>(v.iov_base), v.iov_len, -1});
-      }
-      s = staged_out_.Send(fd_, pieces_);
-    }
+    // READ payloads on a device go through the staging buffers.
+    const absl::Status s = gather_.Send(fd_, staged_out_);
     for (size_t i = 0; i < count_; ++i) pins_[i].reset();
     count_ = 0;
     bytes_ = 0;
     staged_bytes_ = 0;
-    staged_reads_ = 0;
     return s;
   }
 
@@ -187,12 +164,10 @@ class ServerConnection::Responses final : public PendingOutput {
   std::vector<std::array<std::byte, wire::kResponseBytes>> headers_;
   std::vector<Payload> payloads_;
   std::vector<std::shared_ptr<const void>> pins_;
-  std::vector<iovec> iov_;
-  std::vector<StagedSender::Piece> pieces_;
+  GatherList gather_;
   size_t count_ = 0;
   uint64_t bytes_ = 0;         // host payload and acked host bytes
   uint64_t staged_bytes_ = 0;  // staged READ payload and staged acked bytes
-  size_t staged_reads_ = 0;
   std::vector<TransferId> staged_arrivals_;
   const std::function<void(TransferId)> arrived_;
   StagedSender staged_out_;
@@ -274,6 +249,15 @@ void ServerConnection::Run() {
   exited_.store(true, std::memory_order_release);
 }
 
+// One op the peer sent, validated and resolved to the engine's memory (`access` pins it).
+struct ServerConnection::IncomingOp {
+  wire::RequestHeader header;
+  IncomingAccess access;
+  bool write = false;
+  bool staged = false;  // device memory: through the staging buffers
+  bool count = false;   // a WRITE the engine counts as arrived
+};
+
 void ServerConnection::Serve() {
   const PeerId peer = peer_;
   const int fd = socket_->fd();
@@ -291,80 +275,11 @@ void ServerConnection::Serve() {
       io = raw.status();
       break;
     }
-    wire::RequestHeader h;
-    if (absl::Status s = wire::DecodeRequest(*raw, max_op_bytes_, &h); !s.ok()) {
-      RefuseOp(responses, wire::kNoSequence,
-               absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
-      return;
-    }
-    if (h.sequence != expected_seq) {
-      RefuseOp(responses, wire::kNoSequence,
-               absl::InvalidArgumentError(absl::StrCat("protocol error: op sequence ", h.sequence,
-                                                       ", expected ", expected_seq)),
-               context);
-      return;
-    }
-    ++expected_seq;
-    const bool write = h.kind == wire::kKindWrite;
-    absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
-        peer, h.region, h.offset, h.length, write ? OpKind::kWrite : OpKind::kRead);
-    if (!access.ok()) {
-      RefuseOp(responses, h.sequence, access.status(),
-               absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
-      return;
-    }
-    if (access->data == nullptr && h.length > 0) {
-      RefuseOp(
-          responses, h.sequence,
-          absl::InternalError(absl::StrCat("remote region ", h.region, " resolved to no memory")),
-          absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
-      return;
-    }
-    if (absl::Status s = reader.Expect(write ? h.length : 0, h.follow); !s.ok()) {
-      RefuseOp(responses, wire::kNoSequence,
-               absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
-      return;
-    }
-    const bool staged = access->gpu_device >= 0 && h.length > 0;
-    if (staged && staging_.runtime == nullptr) {
-      RefuseOp(responses, h.sequence,
-               absl::FailedPreconditionError(
-                   absl::StrCat("remote region ", h.region,
-                                " is GPU memory and this tcp target has no GPU "
-                                "runtime")),
-               absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
-      return;
-    }
-    const bool count = (h.flags & wire::kFlagCountArrivals) != 0;
-    if (write && staged) {
-      // Through the staging buffers; acked (and counted) once on the device, pinned until then.
-      absl::Status s;
-      {
-        BusyScope busy(this, "receiving a WRITE payload");
-        s = responses.staged_in().Receive(reader, access->gpu_device, access->data, h.length,
-                                          nullptr);
-      }
-      if (!s.ok()) {
-        io = s;
-        break;
-      }
-      responses.AddStagedAck(h.sequence, h.length, count, h.transfer_id, std::move(access->pin));
-    } else if (write) {
-      // Straight into the engine's memory; `access` pins it meanwhile.
-      absl::Status s;
-      {
-        BusyScope busy(this, "receiving a WRITE payload");
-        s = reader.ReadTrailing(access->data, h.length);
-      }
-      if (!s.ok()) {
-        io = s;
-        break;
-      }
-      if (count) hooks_->OnWriteArrived(peer, h.transfer_id);
-      responses.AddAck(h.sequence, h.length);
-    } else {
-      responses.AddRead(h.sequence, access->data, h.length, staged ? access->gpu_device : -1,
-                        std::move(access->pin));
+    std::optional<IncomingOp> op = AcceptOp(*raw, expected_seq, reader, responses, context);
+    if (!op.has_value()) return;  // refused: the error was answered and reported
+    if (absl::Status s = ServeOp(*op, reader, responses); !s.ok()) {
+      io = s;
+      break;
     }
     if (responses.Full()) {
       if (absl::Status s = responses.Flush(); !s.ok()) {
@@ -373,6 +288,108 @@ void ServerConnection::Serve() {
       }
     }
   }
+  EndServing(responses, io, context);
+}
+
+std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std::byte* raw,
+                                                                       uint64_t& expected_seq,
+                                                                       HeaderReader& reader,
+                                                                       Responses& responses,
+                                                                       const std::string& context) {
+  IncomingOp op;
+  wire::RequestHeader& h = op.header;
+  if (absl::Status s = wire::DecodeRequest(raw, max_op_bytes_, &h); !s.ok()) {
+    RefuseOp(responses, wire::kNoSequence,
+             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+    return std::nullopt;
+  }
+  if (h.sequence != expected_seq) {
+    RefuseOp(responses, wire::kNoSequence,
+             absl::InvalidArgumentError(absl::StrCat("protocol error: op sequence ", h.sequence,
+                                                     ", expected ", expected_seq)),
+             context);
+    return std::nullopt;
+  }
+  ++expected_seq;
+  op.write = h.kind == wire::kKindWrite;
+  absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
+      peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead);
+  if (!access.ok()) {
+    RefuseOp(responses, h.sequence, access.status(),
+             absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+    return std::nullopt;
+  }
+  if (access->data == nullptr && h.length > 0) {
+    RefuseOp(
+        responses, h.sequence,
+        absl::InternalError(absl::StrCat("remote region ", h.region, " resolved to no memory")),
+        absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+    return std::nullopt;
+  }
+  if (absl::Status s = reader.Expect(op.write ? h.length : 0, h.follow); !s.ok()) {
+    RefuseOp(responses, wire::kNoSequence,
+             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+    return std::nullopt;
+  }
+  op.staged = access->gpu_device >= 0 && h.length > 0;
+  if (op.staged && staging_.runtime == nullptr) {
+    RefuseOp(
+        responses, h.sequence,
+        absl::FailedPreconditionError(absl::StrCat("remote region ", h.region,
+                                                   " is GPU memory and this tcp target has no GPU "
+                                                   "runtime")),
+        absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+    return std::nullopt;
+  }
+  op.count = (h.flags & wire::kFlagCountArrivals) != 0;
+  op.access = std::move(*access);
+  return op;
+}
+
+absl::Status ServerConnection::ServeOp(IncomingOp& op, HeaderReader& reader, Responses& responses) {
+  const wire::RequestHeader& h = op.header;
+  if (!op.write) {
+    // The payload goes out with the responses (staged there when on a device), pinned until.
+    responses.AddRead(h.sequence, op.access.data, h.length, op.staged ? op.access.gpu_device : -1,
+                      std::move(op.access.pin));
+    return absl::OkStatus();
+  }
+  return op.staged ? ReceiveStagedWrite(op, reader, responses)
+                   : ReceiveWrite(op, reader, responses);
+}
+
+absl::Status ServerConnection::ReceiveWrite(IncomingOp& op, HeaderReader& reader,
+                                            Responses& responses) {
+  const wire::RequestHeader& h = op.header;
+  // Straight into the engine's memory; `access` pins it meanwhile.
+  absl::Status s;
+  {
+    BusyScope busy(this, "receiving a WRITE payload");
+    s = reader.ReadTrailing(op.access.data, h.length);
+  }
+  if (!s.ok()) return s;
+  if (op.count) hooks_->OnWriteArrived(peer_, h.transfer_id);
+  responses.AddAck(h.sequence, h.length);
+  return absl::OkStatus();
+}
+
+absl::Status ServerConnection::ReceiveStagedWrite(IncomingOp& op, HeaderReader& reader,
+                                                  Responses& responses) {
+  const wire::RequestHeader& h = op.header;
+  // Through the staging buffers; acked (and counted) once on the device, pinned until then.
+  absl::Status s;
+  {
+    BusyScope busy(this, "receiving a WRITE payload");
+    s = responses.staged_in().Receive(reader, op.access.gpu_device, op.access.data, h.length,
+                                      nullptr);
+  }
+  if (!s.ok()) return s;
+  responses.AddStagedAck(h.sequence, h.length, op.count, h.transfer_id, std::move(op.access.pin));
+  return absl::OkStatus();
+}
+
+void ServerConnection::EndServing(Responses& responses, const absl::Status& io,
+                                  const std::string& context) {
   if (absl::Status s = responses.Abandon(); !s.ok()) {
     KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("remote", remote_)
                            << Kv("error", s.message());
@@ -386,12 +403,12 @@ void ServerConnection::Serve() {
     // Every pin is released by now; the engine drops the peer and tells it why.
     const absl::Status report =
         absl::DeadlineExceededError(absl::StrCat(context, " dropped: ", expired));
-    KVW_LOG(kWarning, "tcp") << "stalled data connection cut" << Kv("peer", peer)
+    KVW_LOG(kWarning, "tcp") << "stalled data connection cut" << Kv("peer", peer_)
                              << Kv("error", report.message());
-    if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer, report);
+    if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer_, report);
     return;
   }
-  KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer)
+  KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer_)
                         << Kv("reason", io.message())
                         << Kv("stopped", stopped_.load(std::memory_order_acquire));
 }

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -20,6 +21,7 @@
 #include "absl/time/time.h"
 
 #include "src/util/mutex.h"
+#include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_staging.h"
 #include "transport/transport.h"
@@ -59,9 +61,29 @@ class ServerConnection {
   // Marks the serving thread busy with `what` for its scope (the outermost mark counts).
   class BusyScope;
 
+  // One op the peer sent, validated and resolved.
+  struct IncomingOp;
+
   void Run();
-  // Serves ops until the stream ends or an error was answered.
+  // Serves ops until the stream ends or an error was answered: reads an op's header, accepts
+  // it, serves it, and sends the responses in batches.
   void Serve();
+  // Decodes and validates the op header at `raw` (sequence, region, bounds, permission,
+  // memory kind) and announces its payload to `reader`; nullopt when it was refused (the
+  // error was answered and reported: the connection ends).
+  std::optional<IncomingOp> AcceptOp(const std::byte* raw, uint64_t& expected_seq,
+                                     HeaderReader& reader, Responses& responses,
+                                     const std::string& context);
+  // Serves an accepted op: receives a WRITE's payload, or queues a READ's with the
+  // responses. An error ends the stream.
+  absl::Status ServeOp(IncomingOp& op, HeaderReader& reader, Responses& responses);
+  // A WRITE into host memory: straight into it, acked (and counted) at once.
+  absl::Status ReceiveWrite(IncomingOp& op, HeaderReader& reader, Responses& responses);
+  // A WRITE into device memory: through the staging buffers, acked (and counted) once the
+  // copies ended.
+  absl::Status ReceiveStagedWrite(IncomingOp& op, HeaderReader& reader, Responses& responses);
+  // The stream ended (`io`): drops the pins, and reports a stalled connection's expiry.
+  void EndServing(Responses& responses, const absl::Status& io, const std::string& context);
   // Sends an error response (flushing `responses` first), reports it, and returns.
   void RefuseOp(Responses& responses, uint64_t sequence, const absl::Status& error,
                 const std::string& context);

@@ -28,12 +28,16 @@ class TcpTransport final : public Transport {
                std::unique_ptr<TcpServer> server)
       : options_(options), staging_(std::move(staging)), server_(std::move(server)) {
     caps_.name = "tcp";
+    caps_.rank = 30;  // kernel sockets: reaches any peer, costs the most
+    // The target validates and serves every op itself (TargetHooks::ResolveIncoming).
+    caps_.reaches_every_region = true;
     caps_.one_sided_read = true;
     caps_.one_sided_write = true;
     caps_.same_host_only = false;
     caps_.counts_arrivals = true;
     caps_.max_op_bytes = options.max_op_bytes;
     caps_.max_lanes = options.max_lanes;
+    caps_.lanes_per_peer = std::clamp<uint32_t>(options.connections_per_peer, 1, options.max_lanes);
     // Device memory is staged through pinned host buffers (tcp_staging.h).
     caps_.gpu_memory = options.gpu_runtime != nullptr;
   }

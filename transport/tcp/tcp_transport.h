@@ -26,6 +26,9 @@ struct TcpTransportOptions {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;
   uint32_t max_lanes = 16;
+  // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
+  // max_lanes): EngineOptions::tcp_connections.
+  uint32_t connections_per_peer = 4;
   uint64_t max_op_bytes = 1 << 20;
   // Socket buffer sizes (0 = kernel default).
   int socket_buffer_bytes = 4 << 20;

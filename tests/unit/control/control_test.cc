@@ -164,7 +164,7 @@ class ControlTest : public ::testing::Test {
       responder_saw_.Push(remote);
       if (!refusal_.ok()) return refusal_;
       pb::Hello hello = NamedHello(name);
-      hello.set_host_id("host-L");
+      hello.set_pid(4242);
       return hello;
     };
     absl::StatusOr<std::unique_ptr<Server>> server =
@@ -211,7 +211,7 @@ TEST_F(ControlTest, HandshakeWithoutSecretShowsBothHellos) {
   absl::StatusOr<Accepted> dialed = Dial(io_, Address(port), mine, config_);
   ASSERT_TRUE(dialed.ok()) << dialed.status();
   EXPECT_EQ(dialed->remote_hello.engine_name(), "listener");
-  EXPECT_EQ(dialed->remote_hello.host_id(), "host-L");
+  EXPECT_EQ(dialed->remote_hello.pid(), 4242u);
   EXPECT_EQ(dialed->remote_hello.protocol_version(), kProtocolVersion);
   EXPECT_EQ(dialed->remote_hello.compat_hash(), config_.compat_hash);
   EXPECT_FALSE(dialed->remote_hello.has_secret());

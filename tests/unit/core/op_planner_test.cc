@@ -33,6 +33,26 @@ TEST(OpPlannerTest, MergesOpsContiguousOnBothSides) {
   EXPECT_EQ(plan.pieces, 1u);
 }
 
+// A transport finds a piece's local region by id (WireOp::local_region): pieces keep it, and
+// ops of two local regions that happen to be adjacent in memory are not merged.
+TEST(OpPlannerTest, PiecesKeepTheirLocalRegion) {
+  std::vector<std::byte> local(1 << 20);
+  std::vector<transport::WireOp> ops = {
+      {At(local, 0), 7, 0, 8192, -1, /*local_region=*/3},
+      {At(local, 8192), 7, 8192, 4096, -1, /*local_region=*/4},  // adjacent on both sides
+  };
+  PlanLimits limits;
+  limits.max_op_bytes = 4096;
+  Plan plan = PlanOps(ops, limits);
+  ASSERT_EQ(plan.lanes.size(), 1u);
+  ASSERT_EQ(plan.lanes[0].size(), 3u);
+  EXPECT_EQ(plan.merged_ops, 2u);
+  EXPECT_EQ(plan.lanes[0][0].local_region, 3u);
+  EXPECT_EQ(plan.lanes[0][1].local_region, 3u);
+  EXPECT_EQ(plan.lanes[0][1].local, At(local, 4096));
+  EXPECT_EQ(plan.lanes[0][2].local_region, 4u);
+}
+
 TEST(OpPlannerTest, DoesNotMergeAcrossRegionsOrLocalGaps) {
   std::vector<std::byte> local(1 << 20);
   std::vector<transport::WireOp> ops = {
