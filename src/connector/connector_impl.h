@@ -6,10 +6,15 @@
 //   write_mode.cc         prefill, write mode: layer-wise WRITEs, "layer" and "done"
 //   event_saves.cc        prefill, write mode: layer saves gated on a GPU event, waited for on
 //                         a waiter thread of their own
-//   peer_messages.cc      connector handshake and messages, peer deaths, the progress thread
+//   peer_messages.cc      connector handshake, the message handlers (one per type, through a
+//                         table), peer deaths, the progress thread
 //   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
-//                         transfer polling, deadlines and leases
+//                         transfer submission and ends, deadlines and leases
 //   connector_stats.cc    per-request and per-group accounting, JSON and Prometheus
+// and its components, each with a job of its own: the request table, peer sessions, write-mode
+// pushes and event-save queue (state under mu_, see the lock order at the fields),
+// ConnectorMetrics (connector_metrics.h, own lock) and ProgressSignal (progress_signal.h, own
+// lock: what wakes the progress thread; transfer ends are pushed by the engine, not polled).
 //
 // Connector-to-connector messages (hello, read start, write requests, releases, aborts,
 // done) are engine messages of topic kTopic over the control channel, in order per peer.

@@ -109,7 +109,8 @@ void Connector::Impl::EventWaitLoop() {
     saves_.queue.pop_front();
     SaveLayerLocked(save.layer, save.requests);
     saves_.taken = save.seq;
-    cv_.SignalAll();  // WaitForSave
+    cv_.SignalAll();    // WaitForSave
+    signal_->Notify();  // requests may have changed (failed, sent): their deadlines too
   }
 }
 

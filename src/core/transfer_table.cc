@@ -18,9 +18,8 @@ std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info
   auto cancelled = record.cancelled;
   records_.emplace(info.id, std::move(record));
   // The deadline thread sleeps until the earliest deadline: a new earliest one wakes it.
-  if (deadlines_.emplace(info.deadline, info.id).first == deadlines_.begin()) {
-    deadline_cv_.SignalAll();
-  }
+  const auto entry = deadlines_.emplace(info.deadline, info.id).first;
+  if (entry == deadlines_.begin()) deadline_cv_.SignalAll();
   return cancelled;
 }
 
