@@ -229,6 +229,15 @@ struct TransferOptions {
   std::optional<std::string> notification;
   // Deadline relative to submission; default EngineOptions::transfer_timeout.
   std::optional<absl::Duration> timeout;
+  // Called exactly once when the transfer ends (succeeded, failed, deadline exceeded, peer
+  // closed, engine shutting down) with its final status, so that a caller need not poll.
+  // It runs on the engine's completion thread: one callback at a time, in the order the
+  // transfers ended, never under an engine lock and never inside Transfer() (a shm copy that
+  // ends inline is still reported from that thread). The status goes to the callback alone:
+  // Poll and Wait of such a transfer answer NotFound once it has ended. The callback may call
+  // the engine (Transfer, SendMessage, ...) but must not block for long (it delays the other
+  // callbacks), throw, or destroy the engine. Every callback has run when ~Engine returns.
+  std::function<void(TransferId, const absl::Status&)> on_complete;
 };
 
 enum class TransferState { kPending, kSucceeded, kFailed };
@@ -257,6 +266,11 @@ struct InboxOptions {
   uint64_t max_queued_bytes = 64 << 20;
   // Also deliver kPeerClosed events.
   bool peer_events = true;
+  // Called after each event is queued, on the engine thread that queued it, so that a
+  // consumer waiting on several sources (transfer ends, messages) can sleep on one condition
+  // of its own instead of polling Wait. It runs while the engine holds its message lock: it
+  // must only record or signal (e.g. a condition variable), never call the engine or block.
+  std::function<void()> on_event;
 };
 
 // The receiving end of one message topic (Engine::OpenInbox). Events come in arrival order;

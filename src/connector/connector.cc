@@ -66,8 +66,6 @@ double Us(absl::Time a, absl::Time b) {
 
 }  // namespace connector_internal
 
-using connector_internal::FindRegion;
-
 // --- Connector::Impl: start-up and registration ---------------------------------------------
 
 absl::Status Connector::Impl::Init() {
@@ -75,7 +73,10 @@ absl::Status Connector::Impl::Init() {
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options_.engine);
   if (!engine.ok()) return engine.status();
   engine_ = std::move(*engine);
-  absl::StatusOr<std::unique_ptr<Inbox>> inbox = engine_->OpenInbox(connector_internal::kTopic);
+  InboxOptions inbox_options;
+  inbox_options.on_event = [signal = signal_] { signal->Notify(); };
+  absl::StatusOr<std::unique_ptr<Inbox>> inbox =
+      engine_->OpenInbox(connector_internal::kTopic, inbox_options);
   if (!inbox.ok()) return inbox.status();
   inbox_ = std::move(*inbox);
   if (absl::Status s = InitDiscovery(); !s.ok()) return s;
@@ -114,7 +115,7 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
                           (g.components - 1) * g.component_stride + g.page_bytes;
     for (size_t l = 0; l < g.layers.size(); ++l) {
       absl::StatusOr<std::pair<RegionId, uint64_t>> r =
-          FindRegion(spans, g.layer_base[l], span, "local");
+          connector_internal::FindRegion(spans, g.layer_base[l], span, "local");
       if (!r.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("cache group '", g.name, "' layer ",
                                                        g.layers[l], ": ", r.status().message()));
@@ -136,10 +137,10 @@ absl::StatusOr<std::vector<Op>> Connector::Impl::ToOps(const std::vector<ByteRan
     const uint64_t local = local_is_src ? br.src : br.dst;
     const uint64_t remote = local_is_src ? br.dst : br.src;
     absl::StatusOr<std::pair<RegionId, uint64_t>> l =
-        FindRegion(local_regions_, local, br.length, "local");
+        connector_internal::FindRegion(local_regions_, local, br.length, "local");
     if (!l.ok()) return l.status();
     absl::StatusOr<std::pair<RegionId, uint64_t>> rr =
-        FindRegion(p.regions, remote, br.length, "remote");
+        connector_internal::FindRegion(p.regions, remote, br.length, "remote");
     if (!rr.ok()) return rr.status();
     ops.push_back({l->first, l->second, rr->first, rr->second, br.length});
   }
@@ -162,35 +163,60 @@ absl::Status Connector::RegisterKvCaches(const Layout& layout,
                                          const std::vector<KvMemory>& memory) {
   return impl_->RegisterKvCaches(layout, memory);
 }
+// The calls that create, advance or end requests (and so may set an earlier deadline) wake
+// the progress thread once they return, so that it recomputes when to look next.
 absl::StatusOr<MatchResult> Connector::GetNumNewMatchedTokens(const std::string& request_id,
                                                               uint64_t num_tokens,
                                                               uint64_t num_computed_tokens,
                                                               const std::string& params) {
-  return impl_->GetNumNewMatchedTokens(request_id, num_tokens, num_computed_tokens, params);
+  auto result = impl_->GetNumNewMatchedTokens(request_id, num_tokens, num_computed_tokens, params);
+  impl_->WakeProgress();
+  return result;
 }
 absl::Status Connector::UpdateStateAfterAlloc(const std::string& request_id,
                                               const BlockTable& blocks,
                                               uint64_t num_external_tokens) {
-  return impl_->UpdateStateAfterAlloc(request_id, blocks, num_external_tokens);
+  absl::Status result = impl_->UpdateStateAfterAlloc(request_id, blocks, num_external_tokens);
+  impl_->WakeProgress();
+  return result;
 }
 std::string Connector::BuildConnectorMeta() { return impl_->BuildConnectorMeta(); }
 absl::StatusOr<RequestFinishedResult> Connector::RequestFinished(
     const std::string& request_id, const BlockTable& blocks, uint64_t num_tokens,
     const std::string& params, bool aborted, const std::string& transfer_id) {
-  return impl_->RequestFinished(request_id, blocks, num_tokens, params, aborted, transfer_id);
+  auto result =
+      impl_->RequestFinished(request_id, blocks, num_tokens, params, aborted, transfer_id);
+  impl_->WakeProgress();
+  return result;
 }
 absl::Status Connector::BindConnectorMeta(const std::string& meta) {
-  return impl_->BindConnectorMeta(meta);
+  absl::Status result = impl_->BindConnectorMeta(meta);
+  impl_->WakeProgress();
+  return result;
 }
-absl::Status Connector::StartLoadKv() { return impl_->StartLoadKv(); }
+absl::Status Connector::StartLoadKv() {
+  absl::Status result = impl_->StartLoadKv();
+  impl_->WakeProgress();
+  return result;
+}
 absl::Status Connector::WaitForLayerLoad(int layer) { return impl_->WaitForLayerLoad(layer); }
-absl::Status Connector::SaveKvLayer(int layer) { return impl_->SaveKvLayer(layer); }
+absl::Status Connector::SaveKvLayer(int layer) {
+  absl::Status result = impl_->SaveKvLayer(layer);
+  impl_->WakeProgress();
+  return result;
+}
 absl::Status Connector::SaveKvLayer(int layer, GpuEvent ready) {
-  return impl_->SaveKvLayer(layer, ready);
+  absl::Status result = impl_->SaveKvLayer(layer, ready);
+  impl_->WakeProgress();
+  return result;
 }
 absl::Status Connector::WaitForSave() { return impl_->WaitForSave(); }
 FinishedRequests Connector::GetFinished() { return impl_->GetFinished(); }
-absl::Status Connector::Abort(const std::string& request_id) { return impl_->Abort(request_id); }
+absl::Status Connector::Abort(const std::string& request_id) {
+  absl::Status result = impl_->Abort(request_id);
+  impl_->WakeProgress();
+  return result;
+}
 size_t Connector::LiveRequests() const { return impl_->LiveRequests(); }
 std::string Connector::StatsJson() const { return impl_->StatsJson(); }
 std::string Connector::StatsPrometheus() const { return impl_->StatsPrometheus(); }

@@ -6,10 +6,15 @@
 //   write_mode.cc         prefill, write mode: layer-wise WRITEs, "layer" and "done"
 //   event_saves.cc        prefill, write mode: layer saves gated on a GPU event, waited for on
 //                         a waiter thread of their own
-//   peer_messages.cc      connector handshake and messages, peer deaths, the progress thread
+//   peer_messages.cc      connector handshake, the message handlers (one per type, through a
+//                         table), peer deaths, the progress thread
 //   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
-//                         transfer polling, deadlines and leases
+//                         transfer submission and ends, deadlines and leases
 //   connector_stats.cc    per-request and per-group accounting, JSON and Prometheus
+// and its components, each with a job of its own: the request table, peer sessions, write-mode
+// pushes and event-save queue (state under mu_, see the lock order at the fields),
+// ConnectorMetrics (connector_metrics.h, own lock) and ProgressSignal (progress_signal.h, own
+// lock: what wakes the progress thread; transfer ends are pushed by the engine, not polled).
 //
 // Connector-to-connector messages (hello, read start, write requests, releases, aborts,
 // done) are engine messages of topic kTopic over the control channel, in order per peer.
@@ -51,7 +56,9 @@
 #include "kvwire/connector.h"
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
+#include "src/connector/connector_metrics.h"
 #include "src/connector/metrics_http.h"
+#include "src/connector/progress_signal.h"
 #include "src/discovery/etcd_client.h"
 #include "src/discovery/registration.h"
 #include "src/gpu/runtime.h"
@@ -163,8 +170,12 @@ class CpuTimer {
 
 class Connector::Impl {
  public:
+  // The connector_internal names the implementation files use (no per-file using blocks).
   using json = nlohmann::json;
   using RegionSpan = connector_internal::RegionSpan;
+  using PeerMessage = connector_internal::PeerMessage;
+  using CpuTimer = connector_internal::CpuTimer;
+  static constexpr const char* kLog = connector_internal::kLog;
 
   enum class State {
     kMatched,   // scheduler knows it; blocks not yet allocated
@@ -179,11 +190,7 @@ class Connector::Impl {
     return names[static_cast<int>(s)];
   }
 
-  struct GroupCounters {
-    uint64_t bytes = 0;
-    uint64_t ops_before_merge = 0;
-    uint64_t ops = 0;
-  };
+  using GroupCounters = connector_internal::GroupCounters;
 
   struct Request {
     std::string id;
@@ -244,6 +251,7 @@ class Connector::Impl {
       stop_ = true;
       waiter_cv_.SignalAll();
     }
+    signal_->Notify();
     if (progress_.joinable()) progress_.join();
     if (event_waiter_.joinable()) event_waiter_.join();
   }
@@ -282,17 +290,24 @@ class Connector::Impl {
   absl::Status WaitForSave();
   FinishedRequests GetFinished() {
     MutexLock lock(&mu_);
-    FinishedRequests out = std::move(finished_);
-    finished_ = FinishedRequests();
+    FinishedRequests out = std::move(table_.finished);
+    table_.finished = FinishedRequests();
     return out;
   }
   absl::Status Abort(const std::string& req_id);
   size_t LiveRequests() const {
     MutexLock lock(&mu_);
-    return requests_.size();
+    return table_.requests.size();
   }
   std::string StatsJson() const;
   std::string StatsPrometheus() const;
+  // A public call changed requests (state, deadline): the progress thread recomputes when it
+  // must wake next.
+  void WakeProgress() { signal_->Notify(); }
+  // What woke the progress thread so far (tests: completion is pushed, not polled).
+  connector_internal::ProgressSignal::Counters progress_counters() const {
+    return signal_->counters();
+  }
 
  private:
   // --- messages ---------------------------------------------------------------------------
@@ -304,8 +319,25 @@ class Connector::Impl {
   json HelloBody() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode: connects to the prefill engine at `address` and runs the connector handshake.
   absl::StatusOr<PeerId> EnsurePeer(const std::string& address);
+  // Parses a connector message and hands it to its type's handler (peer_messages.cc).
   void OnMessage(const InboxEvent& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnHello(PeerId peer, connector_internal::PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The handlers, one per message type (write_req's is OnWriteRequest, in write_mode.cc).
+  void OnHelloMessage(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnHelloAnswer(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReadStart(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnRelease(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnLayer(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnDone(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnFail(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // layer/done/fail about a decode load: handled here, or the load is bound to another peer,
+  // or no load of this side has that transfer id.
+  enum class LoadResult { kHandled, kBoundElsewhere, kNotALoad };
+  LoadResult OnLoadResult(const InboxEvent& n, const PeerMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefuseBoundElsewhere(const InboxEvent& n, const PeerMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers a hello whose regions arrived (ServePendingHellos).
+  void OnHello(PeerId peer, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The peer broke the protocol (a malformed, unknown or unexpected message, or one about a
   // transfer bound to another peer): it is closed, with `reason` in its Goodbye, once the
   // lock is released; requests bound to it fail now. Nothing else is touched.
@@ -315,14 +347,12 @@ class Connector::Impl {
   void CloseQueuedPeers() ABSL_LOCKS_EXCLUDED(mu_);
   // False (and the sender is closed) when `r` is bound to a peer other than `peer`; binds an
   // unbound `r` to `peer` when `bind`.
-  bool CheckBinding(Request& r, PeerId peer, const std::string& name,
-                    const connector_internal::PeerMessage& m, bool bind)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CheckBinding(Request& r, PeerId peer, const std::string& name, const PeerMessage& m,
+                    bool bind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Request* FindByTransfer(const std::string& tid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode: the live request loading `tid` (any mode), or nullptr.
   Request* FindDecodeByTransfer(const std::string& tid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnWriteRequest(PeerId peer, const std::string& name, connector_internal::PeerMessage& m)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnWriteRequest(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill write mode: plans once both block tables are known, then sends every final
   // layer not yet sent; "done" follows when all layers are sent and their transfers ended.
   void MaybeSendLayersLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -365,7 +395,9 @@ class Connector::Impl {
   void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Retire(Request& r, const char* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !dead_peers_.Contains(id); }
+  bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !sessions_.dead.Contains(id);
+  }
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
@@ -375,13 +407,21 @@ class Connector::Impl {
   // fails now, not at its deadline.
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PollTransfers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submits one transfer of `r` moving `layer`; its end is pushed to OnTransferEnded.
+  absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, const std::vector<Op>& ops,
+                            int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine reported the end of transfer `id` (progress thread).
+  void OnTransferEnded(TransferId id, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When the progress thread must look again with nothing reported: the earliest request
+  // deadline or lease, early write expiry, or pending hello check.
+  absl::Time NextWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct PendingHello {
     PeerId peer = 0;
     std::string name;
-    connector_internal::PeerMessage msg;
+    PeerMessage msg;
     absl::Time deadline;
   };
 
@@ -391,8 +431,17 @@ class Connector::Impl {
     uint64_t num_cached = 0;
     absl::Time expires;
   };
+  struct EarlyRelease {
+    PeerId peer = 0;
+    bool ok = true;
+    std::string reason;
+  };
 
   const ConnectorOptions options_;
+  // Declared before engine_ so that it outlives the engine, whose completion thread reports
+  // into it until ~Engine returns (the callbacks hold it too).
+  const std::shared_ptr<connector_internal::ProgressSignal> signal_ =
+      std::make_shared<connector_internal::ProgressSignal>();
   // The engine's GPU runtime (both take gpu::DefaultRuntime() at creation): events handed to
   // SaveKvLayer belong to it.
   gpu::Runtime* gpu_runtime_ = nullptr;
@@ -405,56 +454,77 @@ class Connector::Impl {
   mutable Mutex discovery_mu_;
   std::unique_ptr<discovery::Registration> registration_ ABSL_GUARDED_BY(discovery_mu_);
 
+  // Lock order (a path that holds two takes them in this order; the later ones are leaves
+  // that call nothing while held):
+  //   discovery_mu_ (alone)  |  mu_ -> accounting_'s lock -> signal_'s lock
+  // mu_ guards the request state machine: the request table, the peer sessions, the
+  // write-mode pushes and the event-gated saves move together in every transition (a message
+  // about a transfer looks up its request, checks the peer it is bound to, and may end both),
+  // so they are separate components under one lock rather than locks that every path would
+  // take together. Engine calls (Transfer, SendMessage) are made under mu_: the engine never
+  // calls back into the connector under its locks (completions and inbox events only signal
+  // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
+  // transport threads, runs outside mu_ (CloseQueuedPeers).
   mutable Mutex mu_;
-  CondVar cv_;
+  CondVar cv_;  // a request, peer or save changed (WaitForLayerLoad, WaitForSave, EnsurePeer)
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   CondVar waiter_cv_;  // wakes the event waiter (new save, stop)
-  std::deque<EventSave> event_saves_ ABSL_GUARDED_BY(mu_);
-  uint64_t event_saves_queued_ ABSL_GUARDED_BY(mu_) = 0;  // sequence of the last one queued
-  uint64_t event_saves_taken_ ABSL_GUARDED_BY(mu_) = 0;   // all up to this one are taken
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   Layout layout_ ABSL_GUARDED_BY(mu_);
   std::vector<RegionSpan> local_regions_ ABSL_GUARDED_BY(mu_);
-  std::map<PeerId, Peer> peers_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, PeerId> peer_by_address_ ABSL_GUARDED_BY(mu_);
-  // Bounded: engine peer ids are never reused, and a dead peer's control connection is closed
-  // (its token revoked) by the engine right after it is marked here, so nothing arriving
-  // after a few thousand later deaths can name it.
-  RecentSet<PeerId> dead_peers_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};
-  std::vector<std::pair<PeerId, absl::Status>> peers_to_close_ ABSL_GUARDED_BY(mu_);
-  std::vector<PendingHello> pending_hellos_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Request> requests_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> by_transfer_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, EarlyWrite> early_writes_ ABSL_GUARDED_BY(mu_);
-  // Read mode, releases of transfer ids not held (yet): a scheduler in another process hands
-  // a transfer id out before its worker holds the blocks under it (RequestFinished with a
-  // given id), so a fast reader's release can come first. Bounded, oldest dropped.
-  struct EarlyRelease {
-    PeerId peer = 0;
-    bool ok = true;
-    std::string reason;
+
+  // Live requests and what is remembered of ended ones.
+  struct RequestTable {
+    std::map<std::string, Request> requests;         // by request id
+    std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
+    // Engine transfers in flight -> the request they belong to (OnTransferEnded).
+    std::map<TransferId, std::string> transfer_owner;
+    // Read mode, releases of transfer ids not held (yet): a scheduler in another process
+    // hands a transfer id out before its worker holds the blocks under it (RequestFinished
+    // with a given id), so a fast reader's release can come first. Bounded, oldest dropped.
+    std::map<std::string, EarlyRelease> early_releases;
+    std::deque<std::string> early_release_order;
+    std::set<std::string> retired_early;
+    // Prefill transfers that failed, with the reason, for decodes that ask late.
+    std::map<std::string, std::string> retired_transfers;
+    std::deque<std::string> retired_order;
+    std::vector<std::string> pending_loads;
+    std::vector<std::string> pending_saves;
+    std::vector<std::string> bound_loads;
+    std::vector<std::string> bound_saves;
+    FinishedRequests finished;
   };
-  std::map<std::string, EarlyRelease> early_releases_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> early_release_order_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> retired_early_ ABSL_GUARDED_BY(mu_);
-  // Prefill transfers that failed, with the reason, for decodes that ask late.
-  std::map<std::string, std::string> retired_transfers_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> retired_order_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> pending_loads_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> pending_saves_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> bound_loads_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> bound_saves_ ABSL_GUARDED_BY(mu_);
-  FinishedRequests finished_ ABSL_GUARDED_BY(mu_);
-  // Accounting that balances: started = completed + failed + withdrawn + live requests.
-  uint64_t started_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t withdrawn_ ABSL_GUARDED_BY(mu_) = 0;  // dropped by the scheduler before any transfer
-  uint64_t lease_expired_ ABSL_GUARDED_BY(mu_) =
-      0;  // read-mode holds no reader released (of failed_)
-  double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, GroupCounters> group_totals_ ABSL_GUARDED_BY(mu_);
-  json recent_ ABSL_GUARDED_BY(mu_) = json::array();
+  RequestTable table_ ABSL_GUARDED_BY(mu_);
+
+  // Connector peers: handshakes, their layouts and regions, deaths, protocol closes.
+  struct PeerSessions {
+    std::map<PeerId, Peer> peers;
+    std::map<std::string, PeerId> by_address;
+    // Bounded: engine peer ids are never reused, and a dead peer's control connection is
+    // closed (its token revoked) by the engine right after it is marked here, so nothing
+    // arriving after a few thousand later deaths can name it.
+    RecentSet<PeerId> dead{kClosedPeersRemembered};
+    std::vector<std::pair<PeerId, absl::Status>> to_close;
+    std::vector<PendingHello> pending_hellos;
+  };
+  PeerSessions sessions_ ABSL_GUARDED_BY(mu_);
+
+  // Prefill, write mode: write requests that came before the scheduler saw their request.
+  struct WritePushes {
+    std::map<std::string, EarlyWrite> early_writes;
+  };
+  WritePushes pushes_ ABSL_GUARDED_BY(mu_);
+
+  // Prefill, write mode: saves gated on GPU events, in order (event_saves.cc).
+  struct EventSaveQueue {
+    std::deque<EventSave> queue;
+    uint64_t queued = 0;  // sequence of the last one queued
+    uint64_t taken = 0;   // all up to this one are taken
+  };
+  EventSaveQueue saves_ ABSL_GUARDED_BY(mu_);
+
+  // Outcome counters and recent requests: a lock of its own (see the lock order above).
+  connector_internal::ConnectorMetrics accounting_;
 };
 
 }  // namespace kvwire

@@ -7,59 +7,53 @@
 
 namespace kvwire {
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
-using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::Us;
-using nlohmann::json;
-
 std::string Connector::Impl::StatsJson() const {
-  MutexLock lock(&mu_);
+  MutexLock lock(&mu_);  // with accounting_'s: live requests and outcomes balance
+  const connector_internal::ConnectorMetrics::Snapshot m = accounting_.Get();
   json groups = json::object();
-  for (const auto& [name, c] : group_totals_) {
+  for (const auto& [name, c] : m.group_totals) {
     groups[name] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
   }
   json j = {{"engine_id", engine_->name()},
-            {"live_requests", requests_.size()},
-            {"started", started_},
-            {"completed", completed_},
-            {"failed", failed_},
-            {"withdrawn", withdrawn_},
-            {"lease_expired", lease_expired_},
+            {"live_requests", table_.requests.size()},
+            {"started", m.started},
+            {"completed", m.completed},
+            {"failed", m.failed},
+            {"withdrawn", m.withdrawn},
+            {"lease_expired", m.lease_expired},
             {"groups", groups},
-            {"requests", recent_}};
+            {"requests", m.recent}};
   return DumpJson(j);
 }
 
 std::string Connector::Impl::StatsPrometheus() const {
   MutexLock lock(&mu_);
+  const connector_internal::ConnectorMetrics::Snapshot m = accounting_.Get();
   const std::string e = engine_->name();
   std::string out;
   absl::StrAppend(&out, "# TYPE kvwire_connector_requests_total counter\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
-                  "\",outcome=\"completed\"} ", completed_, "\n");
+                  "\",outcome=\"completed\"} ", m.completed, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e, "\",outcome=\"failed\"} ",
-                  failed_, "\n");
+                  m.failed, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
-                  "\",outcome=\"withdrawn\"} ", withdrawn_, "\n");
+                  "\",outcome=\"withdrawn\"} ", m.withdrawn, "\n");
   absl::StrAppend(&out, "# TYPE kvwire_connector_requests_started_total counter\n");
-  absl::StrAppend(&out, "kvwire_connector_requests_started_total{engine=\"", e, "\"} ", started_,
+  absl::StrAppend(&out, "kvwire_connector_requests_started_total{engine=\"", e, "\"} ", m.started,
                   "\n");
   absl::StrAppend(&out, "# TYPE kvwire_connector_lease_expired_total counter\n");
-  absl::StrAppend(&out, "kvwire_connector_lease_expired_total{engine=\"", e, "\"} ", lease_expired_,
-                  "\n");
+  absl::StrAppend(&out, "kvwire_connector_lease_expired_total{engine=\"", e, "\"} ",
+                  m.lease_expired, "\n");
   absl::StrAppend(&out, "# TYPE kvwire_connector_live_requests gauge\n");
-  absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ", requests_.size(),
-                  "\n");
+  absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ",
+                  table_.requests.size(), "\n");
   absl::StrAppend(&out, "# TYPE kvwire_connector_group_bytes_total counter\n");
-  for (const auto& [g, c] : group_totals_) {
+  for (const auto& [g, c] : m.group_totals) {
     absl::StrAppend(&out, "kvwire_connector_group_bytes_total{engine=\"", e, "\",group=\"", g,
                     "\"} ", c.bytes, "\n");
   }
   absl::StrAppend(&out, "# TYPE kvwire_connector_group_ops_total counter\n");
-  for (const auto& [g, c] : group_totals_) {
+  for (const auto& [g, c] : m.group_totals) {
     absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
                     "\",merged=\"false\"} ", c.ops_before_merge, "\n");
     absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
@@ -67,7 +61,7 @@ std::string Connector::Impl::StatsPrometheus() const {
   }
   absl::StrAppend(&out, "# TYPE kvwire_connector_transfer_seconds_sum counter\n");
   absl::StrAppend(&out, "kvwire_connector_transfer_seconds_sum{engine=\"", e, "\"} ",
-                  transfer_seconds_, "\n");
+                  m.transfer_seconds, "\n");
   return out;
 }
 
@@ -84,32 +78,27 @@ void Connector::Impl::Retire(Request& r, const char* outcome) {
   json groups = json::object();
   for (const auto& [g, c] : r.groups) {
     groups[g] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
-    if (std::string(outcome) == "completed") {
-      GroupCounters& t = group_totals_[g];
-      t.bytes += c.bytes;
-      t.ops_before_merge += c.ops_before_merge;
-      t.ops += c.ops;
-    }
   }
+  double transfer_seconds = 0;
   if (r.t_first != absl::InfinitePast() && r.t_last != absl::InfinitePast()) {
-    transfer_seconds_ += absl::ToDoubleSeconds(r.t_last - r.t_first);
+    transfer_seconds = absl::ToDoubleSeconds(r.t_last - r.t_first);
   }
-  recent_.push_back({{"request_id", r.id},
-                     {"transfer_id", r.params.transfer_id},
-                     {"role", r.decode ? "decode" : "prefill"},
-                     {"mode", KvModeName(r.mode)},
-                     {"outcome", outcome},
-                     {"reason", r.fail_reason},
-                     {"queue_us", Us(r.t_queued, r.t_first)},
-                     {"first_byte_us", Us(r.t_queued, r.t_first)},
-                     {"last_byte_us", Us(r.t_queued, r.t_last)},
-                     {"connector_cpu_us", r.cpu_us},
-                     {"groups", groups}});
-  if (recent_.size() > 256) recent_.erase(recent_.begin());
-  by_transfer_.erase(r.params.transfer_id);
+  accounting_.Retired(std::string(outcome) == "completed", r.groups, transfer_seconds,
+                      {{"request_id", r.id},
+                       {"transfer_id", r.params.transfer_id},
+                       {"role", r.decode ? "decode" : "prefill"},
+                       {"mode", KvModeName(r.mode)},
+                       {"outcome", outcome},
+                       {"reason", r.fail_reason},
+                       {"queue_us", connector_internal::Us(r.t_queued, r.t_first)},
+                       {"first_byte_us", connector_internal::Us(r.t_queued, r.t_first)},
+                       {"last_byte_us", connector_internal::Us(r.t_queued, r.t_last)},
+                       {"connector_cpu_us", r.cpu_us},
+                       {"groups", groups}});
+  table_.by_transfer.erase(r.params.transfer_id);
   cv_.SignalAll();
   const std::string id = r.id;
-  requests_.erase(id);  // `r` dies here
+  table_.requests.erase(id);  // `r` dies here
 }
 
 }  // namespace kvwire

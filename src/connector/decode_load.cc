@@ -10,22 +10,14 @@
 
 namespace kvwire {
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
-using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::Us;
-using nlohmann::json;
-
 // Decode: starts one request's load.
 void Connector::Impl::StartLoad(const std::string& id) {
   std::string address, engine_id;
   std::vector<std::string> tp_addresses;
   {
     MutexLock lock(&mu_);
-    auto it = requests_.find(id);
-    if (it == requests_.end() || it->second.state != State::kPending) return;
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end() || it->second.state != State::kPending) return;
     it->second.state = State::kLoading;
     // Every layer is pending until its data is known to be in place (read: its transfers
     // ended; write: prefill's "layer" or "done").
@@ -45,8 +37,8 @@ void Connector::Impl::StartLoad(const std::string& id) {
     absl::StatusOr<std::string> resolved = ResolveEngine(engine_id);
     if (!resolved.ok()) {
       MutexLock lock(&mu_);
-      auto it = requests_.find(id);
-      if (it != requests_.end()) {
+      auto it = table_.requests.find(id);
+      if (it != table_.requests.end()) {
         Request& r = it->second;
         FailLocked(
             r, r.fail_reason.empty() ? std::string(resolved.status().message()) : r.fail_reason);
@@ -59,8 +51,8 @@ void Connector::Impl::StartLoad(const std::string& id) {
   std::vector<absl::StatusOr<PeerId>> tp_peers;
   for (const std::string& a : tp_addresses) tp_peers.push_back(EnsurePeer(a));
   MutexLock lock(&mu_);
-  auto it = requests_.find(id);
-  if (it == requests_.end()) return;
+  auto it = table_.requests.find(id);
+  if (it == table_.requests.end()) return;
   Request& r = it->second;
   // Bound before any failure, so that the sources that hold blocks for it get their release.
   for (size_t i = 0; i < tp_peers.size(); ++i) {
@@ -76,8 +68,8 @@ void Connector::Impl::StartLoad(const std::string& id) {
     return;
   }
   r.peer = *peer;
-  auto pit = peers_.find(*peer);
-  if (pit == peers_.end() || !pit->second.ready) {
+  auto pit = sessions_.peers.find(*peer);
+  if (pit == sessions_.peers.end() || !pit->second.ready) {
     FailLocked(r, absl::StrCat("prefill engine at ", address, " closed"));
     return;
   }
@@ -111,7 +103,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
     json req = {{"t", "write_req"},
                 {"transfer_id", r.params.transfer_id},
                 {"request_id", r.id},
-                {"blocks", BlocksToJson(r.blocks)},
+                {"blocks", connector_internal::BlocksToJson(r.blocks)},
                 {"num_cached", r.num_cached}};
     if (absl::Status s = SendMessage(*peer, req); !s.ok()) {
       FailLocked(r, std::string(s.message()));
@@ -152,8 +144,8 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   }
   std::map<std::string, uint64_t> head_bytes;  // head-split groups: bytes over all sources
   for (size_t i = 0; i < tables.size(); ++i) {
-    auto pit = peers_.find(tables[i].first);
-    if (pit == peers_.end() || !pit->second.ready) {
+    auto pit = sessions_.peers.find(tables[i].first);
+    if (pit == sessions_.peers.end() || !pit->second.ready) {
       FailLocked(r, "a prefill engine of the request closed");
       return false;
     }
@@ -229,22 +221,17 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   r.layers_pending = layers;
   // Before the first Transfer: shm copies run inside it, so a later stamp misses them.
   r.t_first = absl::Now();
-  TransferOptions to;
-  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
   for (int layer : layers) {
     for (Source& s : sources) {
       auto ops = s.layer_ops.find(layer);
       if (ops == s.layer_ops.end()) continue;
       cpu.Pause();
-      absl::StatusOr<TransferId> tid = engine_->Transfer(s.peer, OpKind::kRead, ops->second, to);
+      absl::Status submitted = SubmitLocked(r, s.peer, OpKind::kRead, ops->second, layer);
       cpu.Resume();
-      if (!tid.ok()) {
-        FailLocked(r, absl::StrCat("layer ", layer, ": ", tid.status().message()));
+      if (!submitted.ok()) {
+        FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
         return false;
       }
-      r.transfers.insert(*tid);
-      r.transfer_layer[*tid] = layer;
-      ++r.layer_transfers_left[layer];
     }
   }
   cpu.Pause();

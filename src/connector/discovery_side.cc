@@ -12,9 +12,6 @@
 
 namespace kvwire {
 
-using connector_internal::kLog;
-using nlohmann::json;
-
 absl::Status Connector::Impl::InitDiscovery() {
   if (options_.etcd_endpoints.empty() && options_.cluster.empty()) return absl::OkStatus();
   if (options_.etcd_endpoints.empty() || options_.cluster.empty()) {
@@ -89,7 +86,7 @@ absl::StatusOr<std::string> Connector::Impl::ResolveEngine(const std::string& en
   {
     // A peer already connected needs no lookup: transfers with it go on while etcd is away.
     MutexLock lock(&mu_);
-    for (const auto& [id, p] : peers_) {
+    for (const auto& [id, p] : sessions_.peers) {
       if (p.ready && p.engine_id == engine_id) return p.address;
     }
   }

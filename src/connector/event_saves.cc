@@ -24,8 +24,6 @@
 
 namespace kvwire {
 
-using connector_internal::kLog;
-
 absl::Status Connector::Impl::SaveKvLayer(int layer, GpuEvent ready) {
   if (ready.handle == nullptr) {
     return absl::InvalidArgumentError(
@@ -33,12 +31,12 @@ absl::Status Connector::Impl::SaveKvLayer(int layer, GpuEvent ready) {
   }
   MutexLock lock(&mu_);
   std::vector<std::string> ids;
-  for (const std::string& id : bound_saves_) {
-    auto it = requests_.find(id);
-    if (it != requests_.end() && it->second.state == State::kSaving) ids.push_back(id);
+  for (const std::string& id : table_.bound_saves) {
+    auto it = table_.requests.find(id);
+    if (it != table_.requests.end() && it->second.state == State::kSaving) ids.push_back(id);
   }
   if (ids.empty()) return absl::OkStatus();  // nothing reads the layer: no wait
-  event_saves_.push_back({++event_saves_queued_, layer, ready, std::move(ids)});
+  saves_.queue.push_back({++saves_.queued, layer, ready, std::move(ids)});
   if (!event_waiter_.joinable()) event_waiter_ = std::thread([this] { EventWaitLoop(); });
   waiter_cv_.SignalAll();
   return absl::OkStatus();
@@ -46,16 +44,15 @@ absl::Status Connector::Impl::SaveKvLayer(int layer, GpuEvent ready) {
 
 absl::Status Connector::Impl::WaitForSave() {
   MutexLock lock(&mu_);
-  const uint64_t want = event_saves_queued_;
+  const uint64_t want = saves_.queued;
   // The waiter takes every save by its requests' deadline at the latest (they fail then);
   // the margin covers the progress thread noticing.
   const absl::Time deadline = absl::Now() + options_.request_timeout + options_.handshake_timeout;
-  while (event_saves_taken_ < want) {
+  while (saves_.taken < want) {
     if (stop_) return absl::CancelledError("connector shutting down");
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
-          event_saves_queued_ - event_saves_taken_,
-          " layer saves still wait for their GPU events after ",
+          saves_.queued - saves_.taken, " layer saves still wait for their GPU events after ",
           absl::FormatDuration(options_.request_timeout + options_.handshake_timeout)));
     }
     cv_.WaitUntil(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
@@ -67,16 +64,16 @@ void Connector::Impl::EventWaitLoop() {
   absl::Duration backoff = absl::Microseconds(20);
   MutexLock lock(&mu_);
   while (!stop_) {
-    if (event_saves_.empty()) {
+    if (saves_.queue.empty()) {
       waiter_cv_.WaitUntil(&mu_, absl::Now() + absl::Milliseconds(100));
       continue;
     }
-    EventSave& head = event_saves_.front();
+    EventSave& head = saves_.queue.front();
     // Requests that ended (failed, aborted, their peer died) no longer wait for the layer.
     std::vector<std::string> saving;
     for (const std::string& id : head.requests) {
-      auto it = requests_.find(id);
-      if (it != requests_.end() && it->second.state == State::kSaving) saving.push_back(id);
+      auto it = table_.requests.find(id);
+      if (it != table_.requests.end() && it->second.state == State::kSaving) saving.push_back(id);
     }
     head.requests = std::move(saving);
     bool take = head.requests.empty() || head.event.handle == nullptr;
@@ -93,8 +90,8 @@ void Connector::Impl::EventWaitLoop() {
         KVW_LOG(kWarning, kLog) << "layer save failed" << Kv("layer", head.layer)
                                 << Kv("error", done.status());
         for (const std::string& id : head.requests) {
-          auto it = requests_.find(id);
-          if (it != requests_.end()) FailLocked(it->second, reason);
+          auto it = table_.requests.find(id);
+          if (it != table_.requests.end()) FailLocked(it->second, reason);
         }
         head.requests.clear();
         take = true;
@@ -108,11 +105,12 @@ void Connector::Impl::EventWaitLoop() {
       continue;
     }
     backoff = absl::Microseconds(20);
-    EventSave save = std::move(event_saves_.front());
-    event_saves_.pop_front();
+    EventSave save = std::move(saves_.queue.front());
+    saves_.queue.pop_front();
     SaveLayerLocked(save.layer, save.requests);
-    event_saves_taken_ = save.seq;
-    cv_.SignalAll();  // WaitForSave
+    saves_.taken = save.seq;
+    cv_.SignalAll();    // WaitForSave
+    signal_->Notify();  // requests may have changed (failed, sent): their deadlines too
   }
 }
 

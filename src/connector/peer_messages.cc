@@ -12,15 +12,105 @@
 
 namespace kvwire {
 
-using connector_internal::kLog;
-using connector_internal::LayoutFromJsonValue;
-using connector_internal::LayoutToJsonValue;
-using nlohmann::json;
-
 namespace connector_internal {
 
+namespace {
+
+// hello, hello_ack: the sender's engine, mode, layout and regions.
+void ParseHello(JsonFields& f, PeerMessage& m) {
+  m.engine_id = f.String("engine_id", 256);
+  const std::string mode = f.OptString("mode", "auto", 16);
+  if (absl::StatusOr<KvMode> k = ParseKvMode(mode); k.ok()) {
+    m.mode = *k;
+  } else {
+    f.Fail("mode", absl::StrCat("must be read, write or auto, got \"", mode, "\""));
+  }
+  if (const nlohmann::json* layout = f.Object("layout", /*required=*/true); layout != nullptr) {
+    absl::StatusOr<Layout> l = LayoutFromJsonValue(*layout);
+    if (l.ok()) {
+      m.layout = std::move(*l);
+    } else {
+      f.Fail("layout", absl::StrCat("is not usable: ", l.status().message()));
+    }
+  }
+  const nlohmann::json* regions = f.Array("regions", /*required=*/true, kMaxRegions);
+  for (size_t i = 0; regions != nullptr && i < regions->size() && f.ok(); ++i) {
+    const nlohmann::json& r = (*regions)[i];
+    const std::string name = absl::StrCat("regions[", i, "]");
+    if (!r.is_array() || r.size() != 3) {
+      f.Fail(name, "must be [base, length, region id]");
+      break;
+    }
+    RegionSpan span;
+    span.base = f.UintValue(r[0], name + "[0]");
+    span.length = f.UintValue(r[1], name + "[1]");
+    span.id = f.UintValue(r[2], name + "[2]");
+    if (f.ok() && span.length > std::numeric_limits<uint64_t>::max() - span.base) {
+      f.Fail(name, "ends past the end of the address space");
+    }
+    m.regions.push_back(span);
+  }
+}
+
+void ParseHelloErr(JsonFields& f, PeerMessage& m) {
+  m.reason = f.OptString("error", "?", kMaxReasonBytes);
+}
+
+// Every message about one transfer names it.
+void ParseTransferId(JsonFields& f, PeerMessage& m) {
+  m.transfer_id = f.String("transfer_id", kMaxTransferIdBytes);
+  if (f.ok() && m.transfer_id.empty()) f.Fail("transfer_id", "is empty");
+}
+
+void ParseRelease(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  m.ok = f.OptBool("ok", true);
+  m.reason = f.OptString("reason", "?", kMaxReasonBytes);
+}
+
+void ParseWriteReq(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  m.blocks = BlocksFromJson(f, "blocks", /*required=*/true);
+  m.num_cached = f.OptUint("num_cached", uint64_t{1} << 40, 0);
+}
+
+void ParseLayer(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  m.layer = static_cast<int>(f.Int("layer", 0, 1 << 30));
+}
+
+void ParseDone(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  (void)f.OptUint("bytes", std::numeric_limits<uint64_t>::max(), 0);
+}
+
+void ParseFail(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  m.reason = f.OptString("reason", "?", kMaxReasonBytes);
+}
+
+// The wire name of each message type and the parser of its fields.
+struct MessageFormat {
+  const char* name;
+  PeerMessage::Type type;
+  void (*parse)(JsonFields& f, PeerMessage& m);
+};
+constexpr MessageFormat kMessageFormats[] = {
+    {"hello", PeerMessage::Type::kHello, ParseHello},
+    {"hello_ack", PeerMessage::Type::kHelloAck, ParseHello},
+    {"hello_err", PeerMessage::Type::kHelloErr, ParseHelloErr},
+    {"read_start", PeerMessage::Type::kReadStart, ParseTransferId},
+    {"release", PeerMessage::Type::kRelease, ParseRelease},
+    {"write_req", PeerMessage::Type::kWriteReq, ParseWriteReq},
+    {"layer", PeerMessage::Type::kLayer, ParseLayer},
+    {"done", PeerMessage::Type::kDone, ParseDone},
+    {"fail", PeerMessage::Type::kFail, ParseFail},
+};
+
+}  // namespace
+
 absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload) {
-  absl::StatusOr<json> j = ParseJsonObject(payload, "connector message");
+  absl::StatusOr<nlohmann::json> j = ParseJsonObject(payload, "connector message");
   if (!j.ok()) return j.status();
   PeerMessage m;
   {
@@ -28,81 +118,16 @@ absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload) {
     m.name = head.String("t", 32);
     if (!head.ok()) return head.status();
   }
-  using Type = PeerMessage::Type;
-  static constexpr std::pair<const char*, Type> kTypes[] = {
-      {"hello", Type::kHello},        {"hello_ack", Type::kHelloAck},
-      {"hello_err", Type::kHelloErr}, {"read_start", Type::kReadStart},
-      {"release", Type::kRelease},    {"write_req", Type::kWriteReq},
-      {"layer", Type::kLayer},        {"done", Type::kDone},
-      {"fail", Type::kFail}};
-  auto type = std::find_if(std::begin(kTypes), std::end(kTypes),
-                           [&](const auto& t) { return m.name == t.first; });
-  if (type == std::end(kTypes)) {
+  const MessageFormat* format =
+      std::find_if(std::begin(kMessageFormats), std::end(kMessageFormats),
+                   [&](const MessageFormat& t) { return m.name == t.name; });
+  if (format == std::end(kMessageFormats)) {
     return absl::InvalidArgumentError(
         absl::StrCat("connector message of unknown type '", m.name, "'"));
   }
-  m.type = type->second;
+  m.type = format->type;
   JsonFields f(*j, absl::StrCat("connector message '", m.name, "'"));
-  switch (m.type) {
-    case Type::kHello:
-    case Type::kHelloAck: {
-      m.engine_id = f.String("engine_id", 256);
-      const std::string mode = f.OptString("mode", "auto", 16);
-      if (absl::StatusOr<KvMode> k = ParseKvMode(mode); k.ok()) {
-        m.mode = *k;
-      } else {
-        f.Fail("mode", absl::StrCat("must be read, write or auto, got \"", mode, "\""));
-      }
-      if (const json* layout = f.Object("layout", /*required=*/true); layout != nullptr) {
-        absl::StatusOr<Layout> l = LayoutFromJsonValue(*layout);
-        if (l.ok()) {
-          m.layout = std::move(*l);
-        } else {
-          f.Fail("layout", absl::StrCat("is not usable: ", l.status().message()));
-        }
-      }
-      const json* regions = f.Array("regions", /*required=*/true, kMaxRegions);
-      for (size_t i = 0; regions != nullptr && i < regions->size() && f.ok(); ++i) {
-        const json& r = (*regions)[i];
-        const std::string name = absl::StrCat("regions[", i, "]");
-        if (!r.is_array() || r.size() != 3) {
-          f.Fail(name, "must be [base, length, region id]");
-          break;
-        }
-        RegionSpan span;
-        span.base = f.UintValue(r[0], name + "[0]");
-        span.length = f.UintValue(r[1], name + "[1]");
-        span.id = f.UintValue(r[2], name + "[2]");
-        if (f.ok() && span.length > std::numeric_limits<uint64_t>::max() - span.base) {
-          f.Fail(name, "ends past the end of the address space");
-        }
-        m.regions.push_back(span);
-      }
-      break;
-    }
-    case Type::kHelloErr:
-      m.reason = f.OptString("error", "?", kMaxReasonBytes);
-      break;
-    case Type::kReadStart:
-    case Type::kRelease:
-    case Type::kWriteReq:
-    case Type::kLayer:
-    case Type::kDone:
-    case Type::kFail:
-      m.transfer_id = f.String("transfer_id", kMaxTransferIdBytes);
-      if (f.ok() && m.transfer_id.empty()) f.Fail("transfer_id", "is empty");
-      if (m.type == Type::kRelease) m.ok = f.OptBool("ok", true);
-      if (m.type == Type::kRelease || m.type == Type::kFail) {
-        m.reason = f.OptString("reason", "?", kMaxReasonBytes);
-      }
-      if (m.type == Type::kWriteReq) {
-        m.blocks = BlocksFromJson(f, "blocks", /*required=*/true);
-        m.num_cached = f.OptUint("num_cached", uint64_t{1} << 40, 0);
-      }
-      if (m.type == Type::kLayer) m.layer = static_cast<int>(f.Int("layer", 0, 1 << 30));
-      if (m.type == Type::kDone) (void)f.OptUint("bytes", std::numeric_limits<uint64_t>::max(), 0);
-      break;
-  }
+  format->parse(f, m);
   if (!f.ok()) return f.status();
   return m;
 }
@@ -114,7 +139,7 @@ nlohmann::json Connector::Impl::HelloBody() const {
   for (const RegionSpan& r : local_regions_) regions.push_back({r.base, r.length, r.id});
   return {{"engine_id", engine_->name()},
           {"mode", KvModeName(options_.mode)},
-          {"layout", LayoutToJsonValue(layout_)},
+          {"layout", connector_internal::LayoutToJsonValue(layout_)},
           {"regions", regions}};
 }
 
@@ -122,11 +147,11 @@ nlohmann::json Connector::Impl::HelloBody() const {
 absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
   {
     MutexLock lock(&mu_);
-    auto it = peer_by_address_.find(address);
-    if (it != peer_by_address_.end()) {
-      auto p = peers_.find(it->second);
-      if (p != peers_.end() && p->second.ready) return p->second.id;
-      if (p != peers_.end() && !p->second.error.empty()) {
+    auto it = sessions_.by_address.find(address);
+    if (it != sessions_.by_address.end()) {
+      auto p = sessions_.peers.find(it->second);
+      if (p != sessions_.peers.end() && p->second.ready) return p->second.id;
+      if (p != sessions_.peers.end() && !p->second.error.empty()) {
         return absl::FailedPreconditionError(p->second.error);
       }
     }
@@ -143,19 +168,19 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
           absl::StrCat("connector handshake with ", address, ": the peer closed"));
     }
     {
-      Peer& p = peers_[id];
+      Peer& p = sessions_.peers[id];
       p.id = id;
       p.address = address;
     }
-    peer_by_address_[address] = id;
+    sessions_.by_address[address] = id;
     json hello = HelloBody();
     hello["t"] = "hello";
     if (absl::Status s = SendMessage(id, hello); !s.ok()) return s;
     // Looked up again after every wait: a peer that dies is forgotten (OnPeerDeath).
     std::string error;
     while (true) {
-      auto p = peers_.find(id);
-      if (p == peers_.end()) {
+      auto p = sessions_.peers.find(id);
+      if (p == sessions_.peers.end()) {
         error = absl::StrCat("connector handshake with ", address, ": the peer closed");
         break;
       }
@@ -170,14 +195,15 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
       if (!cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
         error = absl::StrCat("connector handshake with ", address,
                              " timed out (is it a kvwire connector?)");
-        p = peers_.find(id);
-        if (p != peers_.end()) p->second.error = error;
+        p = sessions_.peers.find(id);
+        if (p != sessions_.peers.end()) p->second.error = error;
         break;
       }
     }
     if (!error.empty()) {
-      if (auto a = peer_by_address_.find(address); a != peer_by_address_.end() && a->second == id) {
-        peer_by_address_.erase(a);
+      if (auto a = sessions_.by_address.find(address);
+          a != sessions_.by_address.end() && a->second == id) {
+        sessions_.by_address.erase(a);
       }
       return absl::FailedPreconditionError(error);
     }
@@ -191,184 +217,228 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
   return id;
 }
 
+// Each message type has one handler, which gets the parsed, typed message; a message that
+// does not parse (unknown type included) closes its sender alone.
 void Connector::Impl::OnMessage(const InboxEvent& n) {
-  using Type = connector_internal::PeerMessage::Type;
+  using Type = PeerMessage::Type;
+  struct Route {
+    Type type;
+    bool after_handshake;  // refused from a peer whose connector handshake is not done
+    void (Impl::*handle)(const InboxEvent& from, PeerMessage& m);
+  };
+  static constexpr Route kRoutes[] = {
+      {Type::kHello, false, &Impl::OnHelloMessage},
+      {Type::kHelloAck, false, &Impl::OnHelloAnswer},
+      {Type::kHelloErr, false, &Impl::OnHelloAnswer},
+      {Type::kReadStart, true, &Impl::OnReadStart},
+      {Type::kRelease, true, &Impl::OnRelease},
+      {Type::kWriteReq, true, &Impl::OnWriteRequest},
+      {Type::kLayer, true, &Impl::OnLayer},
+      {Type::kDone, true, &Impl::OnDone},
+      {Type::kFail, true, &Impl::OnFail},
+  };
   if (!PeerAlive(n.peer)) return;  // closed here earlier in this batch
-  absl::StatusOr<connector_internal::PeerMessage> parsed =
-      connector_internal::ParsePeerMessage(n.payload);
+  absl::StatusOr<PeerMessage> parsed = connector_internal::ParsePeerMessage(n.payload);
   if (!parsed.ok()) {
     ClosePeerLocked(n.peer, n.peer_name, parsed.status());
     return;
   }
-  connector_internal::PeerMessage& m = *parsed;
-  auto pit = peers_.find(n.peer);
-  if (m.type == Type::kHello) {
-    const bool pending = std::any_of(pending_hellos_.begin(), pending_hellos_.end(),
-                                     [&](const PendingHello& h) { return h.peer == n.peer; });
-    if (pit != peers_.end() || pending) {
-      ClosePeerLocked(n.peer, n.peer_name,
-                      absl::FailedPreconditionError(
-                          "connector message 'hello' repeated or unexpected (the connector "
-                          "handshake runs once per connection, from the dialing side)"));
-      return;
-    }
-    pending_hellos_.push_back(
-        {n.peer, n.peer_name, std::move(m), absl::Now() + options_.handshake_timeout});
+  const Route* route = std::find_if(std::begin(kRoutes), std::end(kRoutes),
+                                    [&](const Route& r) { return r.type == parsed->type; });
+  if (route == std::end(kRoutes)) {  // a type the parser knows and nothing handles
+    ClosePeerLocked(n.peer, n.peer_name,
+                    absl::InternalError(absl::StrCat("connector message '", parsed->name,
+                                                     "' has no handler here")));
     return;
   }
-  if (m.type == Type::kHelloAck || m.type == Type::kHelloErr) {
-    // Only the answer to our own hello, once.
-    if (pit == peers_.end() || pit->second.address.empty() || pit->second.ready ||
-        !pit->second.error.empty()) {
-      ClosePeerLocked(n.peer, n.peer_name,
-                      absl::FailedPreconditionError(absl::StrCat(
-                          "connector message '", m.name, "' without a hello of ours to answer")));
+  if (route->after_handshake) {
+    auto pit = sessions_.peers.find(n.peer);
+    if (pit == sessions_.peers.end() || !pit->second.ready) {
+      ClosePeerLocked(
+          n.peer, n.peer_name,
+          absl::FailedPreconditionError(absl::StrCat("connector message '", parsed->name,
+                                                     "' before the connector handshake")));
       return;
     }
-    Peer& p = pit->second;
-    if (m.type == Type::kHelloErr) {
-      p.error = absl::StrCat("prefill engine refused the connector handshake: ", m.reason);
-    } else if (absl::Status s = CheckCompatible(m.layout, layout_); s.ok()) {
-      p.engine_id = std::move(m.engine_id);
-      p.layout = std::move(m.layout);
-      p.regions = std::move(m.regions);
-      p.ready = true;
-      p.decode_mode = options_.mode;
-      p.prefill_mode = m.mode;
-    } else {
-      p.error = std::string(s.message());
-    }
-    cv_.SignalAll();
+  }
+  (this->*route->handle)(n, *parsed);
+}
+
+// hello: queued until the regions it names arrived (ServePendingHellos answers it).
+void Connector::Impl::OnHelloMessage(const InboxEvent& n, PeerMessage& m) {
+  const bool pending = std::any_of(sessions_.pending_hellos.begin(), sessions_.pending_hellos.end(),
+                                   [&](const PendingHello& h) { return h.peer == n.peer; });
+  if (sessions_.peers.contains(n.peer) || pending) {
+    ClosePeerLocked(n.peer, n.peer_name,
+                    absl::FailedPreconditionError(
+                        "connector message 'hello' repeated or unexpected (the connector "
+                        "handshake runs once per connection, from the dialing side)"));
     return;
   }
-  if (pit == peers_.end() || !pit->second.ready) {
+  sessions_.pending_hellos.push_back(
+      {n.peer, n.peer_name, std::move(m), absl::Now() + options_.handshake_timeout});
+}
+
+// hello_ack, hello_err: only the answer to our own hello, once.
+void Connector::Impl::OnHelloAnswer(const InboxEvent& n, PeerMessage& m) {
+  auto pit = sessions_.peers.find(n.peer);
+  if (pit == sessions_.peers.end() || pit->second.address.empty() || pit->second.ready ||
+      !pit->second.error.empty()) {
     ClosePeerLocked(n.peer, n.peer_name,
                     absl::FailedPreconditionError(absl::StrCat(
-                        "connector message '", m.name, "' before the connector handshake")));
+                        "connector message '", m.name, "' without a hello of ours to answer")));
     return;
   }
-  const std::string& tid = m.transfer_id;
-  switch (m.type) {
-    case Type::kWriteReq:
-      OnWriteRequest(n.peer, n.peer_name, m);
-      return;
-    case Type::kReadStart: {
-      // Decode is about to READ: bind the held blocks to it, so that its death frees them at
-      // once rather than at the end of the lease, and nobody else can release them.
-      Request* r = FindByTransfer(tid);
-      if (r == nullptr) return;  // ended here already
-      if (r->mode != KvMode::kRead) {
-        ClosePeerLocked(n.peer, n.peer_name,
-                        absl::FailedPreconditionError(
-                            absl::StrCat("connector message 'read_start' for transfer ", tid,
-                                         ", which is not a read-mode hand-off")));
-        return;
-      }
-      (void)CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/r->state == State::kHeld);
-      return;
-    }
-    case Type::kRelease: {
-      Request* r = FindByTransfer(tid);
-      if (r == nullptr) {
-        // Ended here already, or not held yet (see early_releases_): kept for a while.
-        // The reason is cut short: thousands of these may wait.
-        if (early_releases_.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason.substr(0, 256)})
-                .second) {
-          early_release_order_.push_back(tid);
-          if (early_release_order_.size() > connector_internal::kMaxEarlyReleases) {
-            early_releases_.erase(early_release_order_.front());
-            early_release_order_.pop_front();
-          }
-        }
-        return;
-      }
-      if (r->mode != KvMode::kRead) {
-        ClosePeerLocked(n.peer, n.peer_name,
-                        absl::FailedPreconditionError(
-                            absl::StrCat("connector message 'release' for transfer ", tid,
-                                         ", which is not a read-mode hand-off")));
-        return;
-      }
-      if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
-      if (m.ok) {
-        CompleteLocked(*r);
-      } else {
-        FailLocked(*r, absl::StrCat("reader failed: ", m.reason));
-      }
-      return;
-    }
-    default:
-      break;
+  Peer& p = pit->second;
+  if (m.type == PeerMessage::Type::kHelloErr) {
+    p.error = absl::StrCat("prefill engine refused the connector handshake: ", m.reason);
+  } else if (absl::Status s = CheckCompatible(m.layout, layout_); s.ok()) {
+    p.engine_id = std::move(m.engine_id);
+    p.layout = std::move(m.layout);
+    p.regions = std::move(m.regions);
+    p.ready = true;
+    p.decode_mode = options_.mode;
+    p.prefill_mode = m.mode;
+  } else {
+    p.error = std::string(s.message());
   }
-  // layer, done, fail. Decode side first: results of a write-mode load (or prefill stopping),
-  // accepted only from the prefill the load is bound to.
+  cv_.SignalAll();
+}
+
+// read_start: decode is about to READ. The held blocks are bound to it, so that its death
+// frees them at once rather than at the end of the lease, and nobody else can release them.
+void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
+  Request* r = FindByTransfer(m.transfer_id);
+  if (r == nullptr) return;  // ended here already
+  if (r->mode != KvMode::kRead) {
+    ClosePeerLocked(n.peer, n.peer_name,
+                    absl::FailedPreconditionError(
+                        absl::StrCat("connector message 'read_start' for transfer ", m.transfer_id,
+                                     ", which is not a read-mode hand-off")));
+    return;
+  }
+  (void)CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/r->state == State::kHeld);
+}
+
+// release: the reader is done with a read-mode hand-off (or failed).
+void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
+  const std::string& tid = m.transfer_id;
+  Request* r = FindByTransfer(tid);
+  if (r == nullptr) {
+    // Ended here already, or not held yet (see table_.early_releases): kept for a while.
+    // The reason is cut short: thousands of these may wait.
+    if (table_.early_releases.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason.substr(0, 256)})
+            .second) {
+      table_.early_release_order.push_back(tid);
+      if (table_.early_release_order.size() > connector_internal::kMaxEarlyReleases) {
+        table_.early_releases.erase(table_.early_release_order.front());
+        table_.early_release_order.pop_front();
+      }
+    }
+    return;
+  }
+  if (r->mode != KvMode::kRead) {
+    ClosePeerLocked(
+        n.peer, n.peer_name,
+        absl::FailedPreconditionError(absl::StrCat("connector message 'release' for transfer ", tid,
+                                                   ", which is not a read-mode hand-off")));
+    return;
+  }
+  if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
+  if (m.ok) {
+    CompleteLocked(*r);
+  } else {
+    FailLocked(*r, absl::StrCat("reader failed: ", m.reason));
+  }
+}
+
+// layer, done, fail on the decode side: results of a write-mode load (or prefill stopping),
+// accepted only from the prefill the load is bound to.
+Connector::Impl::LoadResult Connector::Impl::OnLoadResult(const InboxEvent& n,
+                                                          const PeerMessage& m) {
+  using Type = PeerMessage::Type;
   Request* d = nullptr;
   std::optional<PeerId> d_peer;
-  for (auto& [id, r] : requests_) {
+  for (auto& [id, r] : table_.requests) {
     if (!r.decode) continue;
-    if (r.params.transfer_id == tid) {
+    if (r.params.transfer_id == m.transfer_id) {
       d = &r;
       d_peer = r.peer;
       break;
     }
     for (const auto& [source, source_tid] : r.tp_sources) {
-      if (source_tid == tid) {
+      if (source_tid == m.transfer_id) {
         d = &r;
         d_peer = source;
       }
     }
     if (d != nullptr) break;
   }
-  if (d != nullptr && d_peer == n.peer) {
-    Request& r = *d;
-    // Read mode: prefill's "fail" (its lease ended) changes nothing here; the READs fail.
-    if (r.mode != KvMode::kWrite) return;
-    if (r.state != State::kLoading && r.state != State::kDraining) return;
-    if (m.type == Type::kLayer) {
-      r.layers_pending.erase(m.layer);
-      cv_.SignalAll();  // WaitForLayerLoad
-    } else if (m.type == Type::kDone && r.state == State::kLoading && r.fail_reason.empty()) {
-      CompleteLocked(r);
-    } else {
-      r.abort_sent = true;  // prefill writes nothing more
-      FailLocked(r, r.fail_reason.empty() ? absl::StrCat("prefill: ", m.reason) : r.fail_reason);
+  if (d == nullptr) return LoadResult::kNotALoad;
+  if (d_peer != n.peer) return LoadResult::kBoundElsewhere;
+  Request& r = *d;
+  // Read mode: prefill's "fail" (its lease ended) changes nothing here; the READs fail.
+  if (r.mode != KvMode::kWrite) return LoadResult::kHandled;
+  if (r.state != State::kLoading && r.state != State::kDraining) return LoadResult::kHandled;
+  if (m.type == Type::kLayer) {
+    r.layers_pending.erase(m.layer);
+    cv_.SignalAll();  // WaitForLayerLoad
+  } else if (m.type == Type::kDone && r.state == State::kLoading && r.fail_reason.empty()) {
+    CompleteLocked(r);
+  } else {
+    r.abort_sent = true;  // prefill writes nothing more
+    FailLocked(r, r.fail_reason.empty() ? absl::StrCat("prefill: ", m.reason) : r.fail_reason);
+  }
+  return LoadResult::kHandled;
+}
+
+void Connector::Impl::RefuseBoundElsewhere(const InboxEvent& n, const PeerMessage& m) {
+  ClosePeerLocked(
+      n.peer, n.peer_name,
+      absl::PermissionDeniedError(absl::StrCat("connector message '", m.name, "' for transfer ",
+                                               m.transfer_id, ", which is bound to another peer")));
+}
+
+void Connector::Impl::OnLayer(const InboxEvent& n, PeerMessage& m) {
+  // Else: a transfer that ended here already (or never was): nothing to do.
+  if (OnLoadResult(n, m) == LoadResult::kBoundElsewhere) RefuseBoundElsewhere(n, m);
+}
+
+void Connector::Impl::OnDone(const InboxEvent& n, PeerMessage& m) {
+  if (OnLoadResult(n, m) == LoadResult::kBoundElsewhere) RefuseBoundElsewhere(n, m);
+}
+
+// fail: on decode, prefill stopped a load; on prefill, decode aborted a write-mode transfer
+// (stop sending; answer when nothing is in flight).
+void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
+  const LoadResult load = OnLoadResult(n, m);
+  if (load == LoadResult::kHandled) return;
+  bool bound_elsewhere = load == LoadResult::kBoundElsewhere;
+  const std::string& tid = m.transfer_id;
+  if (Request* r = FindByTransfer(tid); r != nullptr) {
+    std::optional<PeerId> bound = r->peer;
+    if (!bound) {
+      auto e = pushes_.early_writes.find(tid);
+      if (e != pushes_.early_writes.end()) bound = e->second.peer;
     }
-    return;
-  }
-  bool bound_elsewhere = d != nullptr;
-  if (m.type == Type::kFail) {
-    // Prefill side: decode aborted a write-mode transfer. Stop sending; answer when nothing
-    // is in flight.
-    if (Request* r = FindByTransfer(tid); r != nullptr) {
-      std::optional<PeerId> bound = r->peer;
-      if (!bound) {
-        auto e = early_writes_.find(tid);
-        if (e != early_writes_.end()) bound = e->second.peer;
-      }
-      if (bound == n.peer) {
-        if (r->mode == KvMode::kWrite) AbortLocked(*r, "aborted by decode");
-        return;
-      }
-      bound_elsewhere = bound_elsewhere || bound.has_value();
-    } else if (auto e = early_writes_.find(tid); e != early_writes_.end()) {
-      if (e->second.peer == n.peer) {
-        early_writes_.erase(e);  // decode gave up before this prefill saw the request
-        return;
-      }
-      bound_elsewhere = true;
+    if (bound == n.peer) {
+      if (r->mode == KvMode::kWrite) AbortLocked(*r, "aborted by decode");
+      return;
     }
+    bound_elsewhere = bound_elsewhere || bound.has_value();
+  } else if (auto e = pushes_.early_writes.find(tid); e != pushes_.early_writes.end()) {
+    if (e->second.peer == n.peer) {
+      pushes_.early_writes.erase(e);  // decode gave up before this prefill saw the request
+      return;
+    }
+    bound_elsewhere = true;
   }
-  if (bound_elsewhere) {
-    ClosePeerLocked(
-        n.peer, n.peer_name,
-        absl::PermissionDeniedError(absl::StrCat("connector message '", m.name, "' for transfer ",
-                                                 tid, ", which is bound to another peer")));
-  }
+  if (bound_elsewhere) RefuseBoundElsewhere(n, m);
   // Else: a transfer that ended here already (or never was): nothing to do.
 }
 
-void Connector::Impl::OnHello(PeerId peer, connector_internal::PeerMessage& m) {
-  Peer& p = peers_[peer];
+void Connector::Impl::OnHello(PeerId peer, PeerMessage& m) {
+  Peer& p = sessions_.peers[peer];
   p.id = peer;
   absl::Status s = NegotiateKvMode(options_.mode, m.mode).status();
   if (s.ok()) s = CheckCompatible(layout_, m.layout);
@@ -391,12 +461,12 @@ void Connector::Impl::OnHello(PeerId peer, connector_internal::PeerMessage& m) {
 }
 
 bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& name,
-                                   const connector_internal::PeerMessage& m, bool bind) {
+                                   const PeerMessage& m, bool bind) {
   std::optional<PeerId> bound = r.peer;
   if (!bound) {
     // A write request kept before the scheduler saw the request binds it already.
-    auto e = early_writes_.find(r.params.transfer_id);
-    if (e != early_writes_.end()) bound = e->second.peer;
+    auto e = pushes_.early_writes.find(r.params.transfer_id);
+    if (e != pushes_.early_writes.end()) bound = e->second.peer;
   }
   if (bound && *bound != peer) {
     ClosePeerLocked(peer, name,
@@ -412,42 +482,69 @@ bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& n
 void Connector::Impl::ClosePeerLocked(PeerId peer, const std::string& name, absl::Status reason) {
   KVW_LOG(kWarning, kLog) << "closing connector peer" << Kv("peer", peer) << Kv("name", name)
                           << Kv("reason", reason);
-  if (dead_peers_.Insert(peer)) {
+  if (sessions_.dead.Insert(peer)) {
     // Its requests end now, before anything else it sent is looked at.
     OnPeerDeath(peer, name, std::string(reason.message()));
   }
-  peers_to_close_.emplace_back(peer, std::move(reason));
+  sessions_.to_close.emplace_back(peer, std::move(reason));
 }
 
 void Connector::Impl::CloseQueuedPeers() {
   std::vector<std::pair<PeerId, absl::Status>> peers;
   {
     MutexLock lock(&mu_);
-    peers.swap(peers_to_close_);
+    peers.swap(sessions_.to_close);
   }
   for (const auto& [peer, reason] : peers) (void)engine_->Disconnect(peer, reason);
 }
 
 // --- progress ---------------------------------------------------------------------------
+// Nothing is polled: the thread sleeps on the progress signal until the engine pushes a
+// transfer's end or an inbox event, an API call changes requests, or the next deadline falls
+// due (NextWakeLocked).
 void Connector::Impl::ProgressLoop() {
+  absl::Time wake = absl::Now();
   while (true) {
-    std::vector<InboxEvent> events = inbox_->Wait(absl::Milliseconds(2));
+    connector_internal::ProgressSignal::Wakeup woke = signal_->Wait(wake);
+    std::vector<InboxEvent> events = inbox_->Take();
     {
       MutexLock lock(&mu_);
       if (stop_) return;
       for (const InboxEvent& e : events) {
         if (e.kind == InboxEvent::Kind::kMessage) {
           OnMessage(e);
-        } else if (dead_peers_.Insert(e.peer)) {
+        } else if (sessions_.dead.Insert(e.peer)) {
           OnPeerDeath(e.peer, e.peer_name, e.payload);
         }
       }
       ServePendingHellos();
-      PollTransfers();
+      for (const connector_internal::ProgressSignal::EndedTransfer& t : woke.ended) {
+        OnTransferEnded(t.id, t.status);
+      }
       CheckDeadlines();
+      wake = NextWakeLocked();
     }
     CloseQueuedPeers();
   }
+}
+
+absl::Time Connector::Impl::NextWakeLocked() const {
+  // Idle: nothing is due; the wait is still bounded.
+  constexpr absl::Duration kIdleWake = absl::Minutes(1);
+  // A hello waits for the sender's regions to arrive in the engine, which raises no event
+  // the connector can wait on: checked this often while one waits (handshakes only).
+  constexpr absl::Duration kHelloCheck = absl::Milliseconds(2);
+  const absl::Time now = absl::Now();
+  absl::Time wake = now + kIdleWake;
+  if (!sessions_.pending_hellos.empty()) wake = std::min(wake, now + kHelloCheck);
+  for (const auto& [tid, e] : pushes_.early_writes) wake = std::min(wake, e.expires);
+  for (const auto& [id, r] : table_.requests) {
+    // A request with transfers in flight waits for their ends (each has a deadline of its
+    // own in the engine); CheckDeadlines acts on the others.
+    if (r.transfers.empty()) wake = std::min(wake, r.deadline);
+  }
+  // CheckDeadlines acts on deadlines strictly in the past.
+  return wake + absl::Microseconds(1);
 }
 
 // A hello names the regions the sender exported; they become usable here asynchronously.
@@ -456,10 +553,10 @@ void Connector::Impl::ProgressLoop() {
 // the other peers' requests.
 void Connector::Impl::ServePendingHellos() {
   const absl::Time now = absl::Now();
-  for (auto it = pending_hellos_.begin(); it != pending_hellos_.end();) {
+  for (auto it = sessions_.pending_hellos.begin(); it != sessions_.pending_hellos.end();) {
     PendingHello& h = *it;
     if (!PeerAlive(h.peer)) {
-      it = pending_hellos_.erase(it);
+      it = sessions_.pending_hellos.erase(it);
       continue;
     }
     // The answer lets the sender start writing here: our data path to it must be up too.
@@ -482,7 +579,7 @@ void Connector::Impl::ServePendingHellos() {
                               << Kv("peer", h.peer) << Kv("name", h.name);
     }
     PendingHello done = std::move(h);
-    it = pending_hellos_.erase(it);
+    it = sessions_.pending_hellos.erase(it);
     OnHello(done.peer, done.msg);
   }
 }
@@ -492,28 +589,29 @@ void Connector::Impl::ServePendingHellos() {
 void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason) {
   KVW_LOG(kWarning, kLog) << "peer died" << Kv("peer", peer) << Kv("name", name)
                           << Kv("reason", reason);
-  for (auto& [address, id] : peer_by_address_) {
+  for (auto& [address, id] : sessions_.by_address) {
     if (id == peer) {
-      peer_by_address_.erase(address);
+      sessions_.by_address.erase(address);
       break;
     }
   }
   // Forgotten (its layout and regions are not kept for a connection that is gone); a handshake
   // waiting on it ends now, and requests bound to it find it missing.
-  peers_.erase(peer);
-  pending_hellos_.erase(std::remove_if(pending_hellos_.begin(), pending_hellos_.end(),
-                                       [&](const PendingHello& h) { return h.peer == peer; }),
-                        pending_hellos_.end());
+  sessions_.peers.erase(peer);
+  sessions_.pending_hellos.erase(
+      std::remove_if(sessions_.pending_hellos.begin(), sessions_.pending_hellos.end(),
+                     [&](const PendingHello& h) { return h.peer == peer; }),
+      sessions_.pending_hellos.end());
   cv_.SignalAll();
   std::vector<std::string> ids;
-  for (auto& [id, r] : requests_) {
+  for (auto& [id, r] : table_.requests) {
     bool bound = r.peer == peer;
     for (const auto& [source, tid] : r.tp_sources) bound = bound || source == peer;
     if (bound) ids.push_back(id);
   }
   for (const std::string& id : ids) {
-    auto it = requests_.find(id);
-    if (it == requests_.end()) continue;
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end()) continue;
     Request& r = it->second;
     // Not marked abort_sent: other sources of a multi-rank read still get their release
     // (TellPeer skips dead peers).

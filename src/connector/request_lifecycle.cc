@@ -1,5 +1,7 @@
 // The request state machine's endings: completion, failure (after draining the transfers that
 // touch the blocks), aborts from either side, transfer polling, deadlines and leases.
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 #include "src/connector/connector_impl.h"
@@ -7,24 +9,16 @@
 
 namespace kvwire {
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
-using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::Us;
-using nlohmann::json;
-
 Connector::Impl::Request* Connector::Impl::FindByTransfer(const std::string& tid) {
-  auto t = by_transfer_.find(tid);
-  if (t == by_transfer_.end()) return nullptr;
-  auto it = requests_.find(t->second);
-  return it == requests_.end() ? nullptr : &it->second;
+  auto t = table_.by_transfer.find(tid);
+  if (t == table_.by_transfer.end()) return nullptr;
+  auto it = table_.requests.find(t->second);
+  return it == table_.requests.end() ? nullptr : &it->second;
 }
 
 Connector::Impl::Request* Connector::Impl::FindDecodeByTransfer(const std::string& tid) {
   if (tid.empty()) return nullptr;
-  for (auto& [id, r] : requests_) {
+  for (auto& [id, r] : table_.requests) {
     if (r.decode && r.params.transfer_id == tid) return &r;
   }
   return nullptr;
@@ -50,15 +44,18 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
 }
 
 void Connector::Impl::CompleteLocked(Request& r) {
+  // Nothing should be in flight for a complete request; should anything be, its end finds no
+  // owner and is ignored.
+  for (TransferId t : r.transfers) table_.transfer_owner.erase(t);
   r.t_last = absl::Now();
   if (r.decode && r.mode == KvMode::kRead) TellPeer(r, true, "");
-  ++completed_;
+
   if (r.decode) {
-    finished_.finished_recving.push_back(r.id);
+    table_.finished.finished_recving.push_back(r.id);
   } else if (r.finished_by_scheduler) {
-    finished_.finished_sending.push_back(r.id);
+    table_.finished.finished_sending.push_back(r.id);
   } else {
-    retired_early_.insert(r.id);  // its RequestFinished frees the blocks at once
+    table_.retired_early.insert(r.id);  // its RequestFinished frees the blocks at once
   }
   Retire(r, "completed");
 }
@@ -85,23 +82,23 @@ void Connector::Impl::FailLocked(Request& r, const std::string& reason) {
     r.abort_sent = true;
   }
   r.t_last = absl::Now();
-  ++failed_;
+
   KVW_LOG(kInfo, kLog) << "request failed" << Kv("request", r.id)
                        << Kv("transfer", r.params.transfer_id) << Kv("reason", r.fail_reason);
   if (r.decode) {
-    finished_.failed_loads.push_back({r.id, r.fail_reason});
+    table_.finished.failed_loads.push_back({r.id, r.fail_reason});
   } else if (r.finished_by_scheduler) {
-    finished_.finished_sending.push_back(r.id);
+    table_.finished.finished_sending.push_back(r.id);
   } else {
     // Failed before the scheduler finished it: its RequestFinished frees the blocks.
-    retired_early_.insert(r.id);
+    table_.retired_early.insert(r.id);
   }
   if (!r.decode && !r.params.transfer_id.empty()) {
-    retired_transfers_[r.params.transfer_id] = r.fail_reason;
-    retired_order_.push_back(r.params.transfer_id);
-    if (retired_order_.size() > 4096) {
-      retired_transfers_.erase(retired_order_.front());
-      retired_order_.pop_front();
+    table_.retired_transfers[r.params.transfer_id] = r.fail_reason;
+    table_.retired_order.push_back(r.params.transfer_id);
+    if (table_.retired_order.size() > 4096) {
+      table_.retired_transfers.erase(table_.retired_order.front());
+      table_.retired_order.pop_front();
     }
   }
   Retire(r, "failed");
@@ -120,39 +117,45 @@ void Connector::Impl::AbortLocked(Request& r, const std::string& reason) {
   FailLocked(r, reason);
 }
 
-void Connector::Impl::PollTransfers() {
-  std::vector<std::string> ids;
-  for (auto& [id, r] : requests_) {
-    if (!r.transfers.empty()) ids.push_back(id);
+absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
+                                           const std::vector<Op>& ops, int layer) {
+  TransferOptions to;
+  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
+  // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on
+  // it: a transfer that ends inside Transfer (shm) is handled once this caller lets go.
+  to.on_complete = [signal = signal_](TransferId id, const absl::Status& status) {
+    signal->TransferEnded(id, status);
+  };
+  absl::StatusOr<TransferId> id = engine_->Transfer(peer, kind, ops, to);
+  if (!id.ok()) return id.status();
+  r.transfers.insert(*id);
+  r.transfer_layer[*id] = layer;
+  ++r.layer_transfers_left[layer];
+  table_.transfer_owner[*id] = r.id;
+  return absl::OkStatus();
+}
+
+void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status) {
+  auto owner = table_.transfer_owner.find(id);
+  if (owner == table_.transfer_owner.end()) return;
+  auto it = table_.requests.find(owner->second);
+  table_.transfer_owner.erase(owner);
+  if (it == table_.requests.end()) return;
+  Request& r = it->second;
+  if (r.transfers.erase(id) == 0) return;
+  if (!status.ok()) {
+    // The first failure names the request's reason; later ones find it set.
+    FailLocked(r, absl::StrCat("transfer ", r.params.transfer_id, ": ", status.message()));
+    return;
   }
-  for (const std::string& id : ids) {
-    auto it = requests_.find(id);
-    if (it == requests_.end()) continue;
-    Request& r = it->second;
-    absl::Status first_error;
-    for (auto t = r.transfers.begin(); t != r.transfers.end();) {
-      absl::Status s;
-      TransferState st = engine_->Poll(*t, &s);
-      if (st == TransferState::kPending) {
-        ++t;
-        continue;
-      }
-      if (!s.ok() && first_error.ok()) first_error = s;
-      if (s.ok()) LayerTransferDone(r, *t);
-      t = r.transfers.erase(t);
-    }
-    if (!first_error.ok()) {
-      FailLocked(r, absl::StrCat("transfer ", r.params.transfer_id, ": ", first_error.message()));
-      continue;
-    }
-    if (!r.transfers.empty()) continue;
-    if (r.state == State::kDraining) {
-      FailLocked(r, r.fail_reason);
-    } else if (r.decode && r.state == State::kLoading && r.mode == KvMode::kRead) {
-      CompleteLocked(r);
-    } else if (!r.decode && r.state == State::kSaving) {
-      MaybeFinishSaveLocked(r);
-    }
+  LayerTransferDone(r, id);
+  if (!r.transfers.empty()) return;
+  if (r.state == State::kDraining) {
+    FailLocked(r, r.fail_reason);
+  } else if (r.decode && r.state == State::kLoading && r.mode == KvMode::kRead) {
+    CompleteLocked(r);
+  } else if (!r.decode && r.state == State::kSaving) {
+    MaybeFinishSaveLocked(r);
   }
 }
 
@@ -173,7 +176,7 @@ void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
 
 void Connector::Impl::CheckDeadlines() {
   const absl::Time now = absl::Now();
-  for (auto e = early_writes_.begin(); e != early_writes_.end();) {
+  for (auto e = pushes_.early_writes.begin(); e != pushes_.early_writes.end();) {
     if (e->second.expires >= now) {
       ++e;
       continue;
@@ -188,20 +191,20 @@ void Connector::Impl::CheckDeadlines() {
                                        " has no request for this transfer after ",
                                        absl::FormatDuration(options_.request_timeout))}});
     }
-    e = early_writes_.erase(e);
+    e = pushes_.early_writes.erase(e);
   }
   std::vector<std::string> late;
-  for (auto& [id, r] : requests_) {
+  for (auto& [id, r] : table_.requests) {
     if (r.deadline < now && r.transfers.empty()) late.push_back(id);
   }
   for (const std::string& id : late) {
-    auto it = requests_.find(id);
-    if (it == requests_.end()) continue;
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end()) continue;
     Request& r = it->second;
     if (r.state == State::kHeld) {
       KVW_LOG(kWarning, kLog) << "lease expired: no release from the reader" << Kv("request", r.id)
                               << Kv("transfer", r.params.transfer_id);
-      ++lease_expired_;
+      accounting_.LeaseExpired();
       FailLocked(r, "lease expired before the reader released the blocks");
     } else if (r.state == State::kDraining) {
       r.abort_sent = true;  // prefill did not answer: give up waiting

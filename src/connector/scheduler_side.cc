@@ -26,15 +26,6 @@ absl::StatusOr<std::string> RandomTransferId() {
 
 }  // namespace
 
-using connector_internal::BlocksFromJson;
-using connector_internal::BlocksToJson;
-using connector_internal::CpuTimer;
-using connector_internal::FindRegion;
-using connector_internal::kLog;
-using connector_internal::kMaxTransferIdBytes;
-using connector_internal::Us;
-using nlohmann::json;
-
 // --- scheduler side ---------------------------------------------------------------------
 absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     const std::string& req_id, uint64_t num_tokens, uint64_t num_computed,
@@ -47,7 +38,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
         absl::StrCat("request ", req_id, ": ", params.status().message()));
   }
   MutexLock lock(&mu_);
-  if (requests_.count(req_id) != 0) {
+  if (table_.requests.count(req_id) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("request ", req_id, " is already known"));
   }
   if (params->do_remote_prefill) {
@@ -70,8 +61,8 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.num_cached = num_computed;
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
-    requests_[req_id] = std::move(r);
-    ++started_;
+    table_.requests[req_id] = std::move(r);
+    accounting_.Started();
     result.num_external_tokens = remote_tokens - num_computed;
     result.load_async = true;
     return result;
@@ -85,7 +76,8 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
       return absl::FailedPreconditionError(absl::StrCat(
           "request ", req_id, ": asks for write mode but this prefill engine is 'read'"));
     }
-    if (auto other = by_transfer_.find(params->transfer_id); other != by_transfer_.end()) {
+    if (auto other = table_.by_transfer.find(params->transfer_id);
+        other != table_.by_transfer.end()) {
       return absl::AlreadyExistsError(absl::StrCat("request ", req_id, ": transfer id '",
                                                    params->transfer_id, "' is in use by request ",
                                                    other->second));
@@ -97,9 +89,9 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.num_tokens = num_tokens;
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
-    by_transfer_[params->transfer_id] = req_id;
-    requests_[req_id] = std::move(r);
-    ++started_;
+    table_.by_transfer[params->transfer_id] = req_id;
+    table_.requests[req_id] = std::move(r);
+    accounting_.Started();
   }
   return result;
 }
@@ -108,8 +100,8 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
                                                     const BlockTable& blocks,
                                                     uint64_t num_external_tokens) {
   MutexLock lock(&mu_);
-  auto it = requests_.find(req_id);
-  if (it == requests_.end()) return absl::OkStatus();  // not a connector request
+  auto it = table_.requests.find(req_id);
+  if (it == table_.requests.end()) return absl::OkStatus();  // not a connector request
   Request& r = it->second;
   if (!registered_) {
     return absl::FailedPreconditionError("RegisterKvCaches must come before requests");
@@ -122,15 +114,15 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
   if (r.decode) {
     if (num_external_tokens == 0) {
       // The scheduler chose not to load: nothing touches the blocks.
-      requests_.erase(it);
-      ++withdrawn_;
+      table_.requests.erase(it);
+      accounting_.Withdrawn();
       return absl::OkStatus();
     }
     r.state = State::kPending;
-    pending_loads_.push_back(req_id);
+    table_.pending_loads.push_back(req_id);
   } else {
     r.state = State::kSaving;
-    pending_saves_.push_back(req_id);
+    table_.pending_saves.push_back(req_id);
     MaybeSendLayersLocked(r);
   }
   return absl::OkStatus();
@@ -139,20 +131,20 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
 std::string Connector::Impl::BuildConnectorMeta() {
   MutexLock lock(&mu_);
   json loads = json::array(), saves = json::array();
-  for (const std::string& id : pending_loads_) {
-    auto it = requests_.find(id);
-    if (it == requests_.end()) continue;
+  for (const std::string& id : table_.pending_loads) {
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end()) continue;
     loads.push_back(
         {{"request_id", id},
          {"params", json::parse(it->second.params.ToJson(), nullptr, /*allow_exceptions=*/false)},
-         {"blocks", BlocksToJson(it->second.blocks)},
+         {"blocks", connector_internal::BlocksToJson(it->second.blocks)},
          {"num_cached", it->second.num_cached}});
   }
-  for (const std::string& id : pending_saves_) {
-    if (requests_.count(id) != 0) saves.push_back({{"request_id", id}});
+  for (const std::string& id : table_.pending_saves) {
+    if (table_.requests.count(id) != 0) saves.push_back({{"request_id", id}});
   }
-  pending_loads_.clear();
-  pending_saves_.clear();
+  table_.pending_loads.clear();
+  table_.pending_saves.clear();
   return DumpJson(json{{"loads", loads}, {"saves", saves}});
 }
 
@@ -161,9 +153,9 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     const std::string& params_json, bool aborted, const std::string& given_transfer_id) {
   RequestFinishedResult out;
   MutexLock lock(&mu_);
-  if (retired_early_.erase(req_id) != 0) return out;  // failed before it finished
-  auto it = requests_.find(req_id);
-  if (it != requests_.end()) {
+  if (table_.retired_early.erase(req_id) != 0) return out;  // failed before it finished
+  auto it = table_.requests.find(req_id);
+  if (it != table_.requests.end()) {
     Request& r = it->second;
     if (r.decode) {
       // Decode finished (or aborted) the request: an unfinished load is aborted.
@@ -172,8 +164,8 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
         return out;
       }
       if (r.state == State::kMatched || r.state == State::kPending) {
-        requests_.erase(it);
-        ++withdrawn_;
+        table_.requests.erase(it);
+        accounting_.Withdrawn();
         return out;
       }
       AbortLocked(r, "request finished by the scheduler while loading");
@@ -226,11 +218,12 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     if (!tid.ok()) return tid.status();
     p.transfer_id = std::move(*tid);
   } else {
-    if (given_transfer_id.size() > kMaxTransferIdBytes) {
+    if (given_transfer_id.size() > connector_internal::kMaxTransferIdBytes) {
       return absl::InvalidArgumentError(absl::StrCat("request ", req_id, ": transfer id of ",
                                                      given_transfer_id.size(), " bytes"));
     }
-    if (auto other = by_transfer_.find(given_transfer_id); other != by_transfer_.end()) {
+    if (auto other = table_.by_transfer.find(given_transfer_id);
+        other != table_.by_transfer.end()) {
       return absl::AlreadyExistsError(absl::StrCat("request ", req_id, ": transfer id '",
                                                    given_transfer_id, "' is in use by request ",
                                                    other->second));
@@ -243,19 +236,19 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   p.do_remote_prefill = true;
   p.num_tokens = num_tokens;
   r.params = p;
-  by_transfer_[p.transfer_id] = req_id;
-  requests_[req_id] = std::move(r);
-  ++started_;
+  table_.by_transfer[p.transfer_id] = req_id;
+  table_.requests[req_id] = std::move(r);
+  accounting_.Started();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
-  if (auto e = early_releases_.find(p.transfer_id); e != early_releases_.end()) {
+  if (auto e = table_.early_releases.find(p.transfer_id); e != table_.early_releases.end()) {
     // The reader was done before this hold: it is bound to that reader and ends now
     // (GetFinished reports it as sent).
-    Request& held = requests_[req_id];
+    Request& held = table_.requests[req_id];
     held.peer = e->second.peer;
     const bool ok = e->second.ok;
     const std::string reason = e->second.reason;
-    early_releases_.erase(e);
+    table_.early_releases.erase(e);
     if (ok) {
       CompleteLocked(held);
     } else {

@@ -9,8 +9,6 @@
 
 namespace kvwire {
 
-using nlohmann::json;
-
 // --- worker side ------------------------------------------------------------------------
 absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
   absl::StatusOr<json> j = ParseJsonObject(meta_json, "connector metadata");
@@ -50,10 +48,10 @@ absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
   }
   if (!f.ok()) return f.status();
   MutexLock lock(&mu_);
-  bound_loads_.clear();
-  bound_saves_.clear();
+  table_.bound_loads.clear();
+  table_.bound_saves.clear();
   for (Load& l : loads) {
-    if (requests_.count(l.id) == 0) {
+    if (table_.requests.count(l.id) == 0) {
       // Scheduler in another process: rebuild the worker's view.
       if (!l.params) {
         return absl::InvalidArgumentError(
@@ -74,12 +72,12 @@ absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
       r.state = State::kPending;
       r.t_queued = absl::Now();
       r.deadline = r.t_queued + options_.request_timeout;
-      requests_[l.id] = std::move(r);
-      ++started_;
+      table_.requests[l.id] = std::move(r);
+      accounting_.Started();
     }
-    bound_loads_.push_back(l.id);
+    table_.bound_loads.push_back(l.id);
   }
-  bound_saves_ = std::move(saves);
+  table_.bound_saves = std::move(saves);
   return absl::OkStatus();
 }
 
@@ -87,7 +85,7 @@ absl::Status Connector::Impl::StartLoadKv() {
   std::vector<std::string> loads;
   {
     MutexLock lock(&mu_);
-    loads = bound_loads_;
+    loads = table_.bound_loads;
   }
   for (const std::string& id : loads) StartLoad(id);
   return absl::OkStatus();
@@ -97,10 +95,10 @@ absl::Status Connector::Impl::WaitForLayerLoad(int layer) {
   // A layer is in place when its transfers ended (read) or prefill said so (write); a request
   // that left kLoading is complete or failed, which GetFinished reports.
   MutexLock lock(&mu_);
-  for (const std::string& id : bound_loads_) {
+  for (const std::string& id : table_.bound_loads) {
     while (true) {
-      auto it = requests_.find(id);
-      if (it == requests_.end() || it->second.state != State::kLoading) break;
+      auto it = table_.requests.find(id);
+      if (it == table_.requests.end() || it->second.state != State::kLoading) break;
       if (it->second.layers_pending.count(layer) == 0) break;
       if (absl::Now() > it->second.deadline) break;
       cv_.WaitUntil(&mu_, std::min(it->second.deadline, absl::Now() + absl::Milliseconds(50)));
@@ -111,20 +109,20 @@ absl::Status Connector::Impl::WaitForLayerLoad(int layer) {
 
 absl::Status Connector::Impl::SaveKvLayer(int layer) {
   MutexLock lock(&mu_);
-  if (!event_saves_.empty()) {
+  if (!saves_.queue.empty()) {
     // Event-gated saves are still waiting: this layer goes out after them, in order.
-    event_saves_.push_back({++event_saves_queued_, layer, GpuEvent(), bound_saves_});
+    saves_.queue.push_back({++saves_.queued, layer, GpuEvent(), table_.bound_saves});
     waiter_cv_.SignalAll();
     return absl::OkStatus();
   }
-  SaveLayerLocked(layer, bound_saves_);
+  SaveLayerLocked(layer, table_.bound_saves);
   return absl::OkStatus();
 }
 
 void Connector::Impl::SaveLayerLocked(int layer, const std::vector<std::string>& ids) {
   for (const std::string& id : ids) {
-    auto it = requests_.find(id);
-    if (it == requests_.end() || it->second.state != State::kSaving) continue;
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end() || it->second.state != State::kSaving) continue;
     it->second.layers_final.insert(layer);
     MaybeSendLayersLocked(it->second);
   }
@@ -132,8 +130,8 @@ void Connector::Impl::SaveLayerLocked(int layer, const std::vector<std::string>&
 
 absl::Status Connector::Impl::Abort(const std::string& req_id) {
   MutexLock lock(&mu_);
-  auto it = requests_.find(req_id);
-  if (it == requests_.end()) {
+  auto it = table_.requests.find(req_id);
+  if (it == table_.requests.end()) {
     return absl::NotFoundError(absl::StrCat("request ", req_id, " is not known"));
   }
   AbortLocked(it->second, absl::StrCat("aborted on ", it->second.decode ? "decode" : "prefill"));

@@ -9,21 +9,19 @@
 
 namespace kvwire {
 
-using connector_internal::CpuTimer;
-using nlohmann::json;
-
-void Connector::Impl::OnWriteRequest(PeerId peer, const std::string& name,
-                                     connector_internal::PeerMessage& m) {
+void Connector::Impl::OnWriteRequest(const InboxEvent& n, PeerMessage& m) {
+  const PeerId peer = n.peer;
+  const std::string& name = n.peer_name;
   const std::string& tid = m.transfer_id;
   Request* r = FindByTransfer(tid);
   if (r == nullptr) {
-    auto gone = retired_transfers_.find(tid);
-    if (gone != retired_transfers_.end()) {
+    auto gone = table_.retired_transfers.find(tid);
+    if (gone != table_.retired_transfers.end()) {
       // Failed or aborted here before decode asked: tell it at once.
       (void)SendMessage(peer, json{{"t", "fail"}, {"transfer_id", tid}, {"reason", gone->second}});
       return;
     }
-    if (auto e = early_writes_.find(tid); e != early_writes_.end()) {
+    if (auto e = pushes_.early_writes.find(tid); e != pushes_.early_writes.end()) {
       ClosePeerLocked(peer, name,
                       absl::PermissionDeniedError(absl::StrCat(
                           "connector message 'write_req' for transfer ", tid,
@@ -34,22 +32,22 @@ void Connector::Impl::OnWriteRequest(PeerId peer, const std::string& name,
     // Decode may ask before prefill's scheduler has seen the request: keep it a while, within
     // bounds (a peer cannot grow this without limit).
     size_t of_peer = 0;
-    for (const auto& [t, e] : early_writes_) of_peer += e.peer == peer ? 1 : 0;
+    for (const auto& [t, e] : pushes_.early_writes) of_peer += e.peer == peer ? 1 : 0;
     if (of_peer >= connector_internal::kMaxEarlyWritesPerPeer ||
-        early_writes_.size() >= connector_internal::kMaxEarlyWrites) {
+        pushes_.early_writes.size() >= connector_internal::kMaxEarlyWrites) {
       (void)SendMessage(
-          peer,
-          json{{"t", "fail"},
-               {"transfer_id", tid},
-               {"reason", absl::StrCat("prefill engine ", engine_->name(), " holds ", of_peer,
-                                       " write requests of this peer and ", early_writes_.size(),
-                                       " in all for requests it has not seen (limits ",
-                                       connector_internal::kMaxEarlyWritesPerPeer, " and ",
-                                       connector_internal::kMaxEarlyWrites, ")")}});
+          peer, json{{"t", "fail"},
+                     {"transfer_id", tid},
+                     {"reason",
+                      absl::StrCat("prefill engine ", engine_->name(), " holds ", of_peer,
+                                   " write requests of this peer and ", pushes_.early_writes.size(),
+                                   " in all for requests it has not seen (limits ",
+                                   connector_internal::kMaxEarlyWritesPerPeer, " and ",
+                                   connector_internal::kMaxEarlyWrites, ")")}});
       return;
     }
-    early_writes_[tid] = {peer, std::move(m.blocks), m.num_cached,
-                          absl::Now() + options_.request_timeout};
+    pushes_.early_writes[tid] = {peer, std::move(m.blocks), m.num_cached,
+                                 absl::Now() + options_.request_timeout};
     return;
   }
   if (r->mode != KvMode::kWrite) {
@@ -61,8 +59,8 @@ void Connector::Impl::OnWriteRequest(PeerId peer, const std::string& name,
   }
   // One write request per transfer: a second one (from its decode or anyone else) would
   // redirect the KV.
-  auto early = early_writes_.find(tid);
-  if (r->have_remote || early != early_writes_.end()) {
+  auto early = pushes_.early_writes.find(tid);
+  if (r->have_remote || early != pushes_.early_writes.end()) {
     const std::optional<PeerId> asked = r->have_remote ? r->peer : early->second.peer;
     ClosePeerLocked(peer, name,
                     absl::PermissionDeniedError(
@@ -84,18 +82,18 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
   double cpu_us = 0;  // outlives `cpu`; added to the request only while it is alive
   CpuTimer cpu(&cpu_us);
   if (!r.have_remote) {
-    auto e = early_writes_.find(r.params.transfer_id);
-    if (e == early_writes_.end()) return;
+    auto e = pushes_.early_writes.find(r.params.transfer_id);
+    if (e == pushes_.early_writes.end()) return;
     EarlyWrite ew = std::move(e->second);
-    early_writes_.erase(e);
+    pushes_.early_writes.erase(e);
     r.peer = ew.peer;
     r.have_remote = true;
     r.remote_blocks = std::move(ew.blocks);
     r.remote_cached = ew.num_cached;
   }
   if (r.state != State::kSaving) return;
-  auto pit = peers_.find(*r.peer);
-  if (pit == peers_.end() || !pit->second.ready) {
+  auto pit = sessions_.peers.find(*r.peer);
+  if (pit == sessions_.peers.end() || !pit->second.ready) {
     FailLocked(r, "write request from a peer without a connector handshake");
     return;
   }
@@ -123,19 +121,14 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
       FailLocked(r, std::string(ops.status().message()));
       return;
     }
-    TransferOptions to;
-    to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
     cpu.Pause();
-    absl::StatusOr<TransferId> id = engine_->Transfer(*r.peer, OpKind::kWrite, *ops, to);
+    absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, *ops, layer);
     cpu.Resume();
-    if (!id.ok()) {
-      FailLocked(r, absl::StrCat("layer ", layer, ": ", id.status().message()));
+    if (!submitted.ok()) {
+      FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
       return;
     }
     if (r.t_first == absl::InfinitePast()) r.t_first = absl::Now();
-    r.transfers.insert(*id);
-    r.transfer_layer[*id] = layer;
-    ++r.layer_transfers_left[layer];
   }
   cpu.Pause();
   r.cpu_us += cpu_us;

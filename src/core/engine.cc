@@ -126,6 +126,7 @@ absl::Status Engine::Impl::Init() {
   }
   worker_ = std::make_unique<TaskRunner>();
   reaper_ = std::thread([this] { ReaperLoop(); });
+  completer_ = std::thread([this] { transfers_.RunEndCallbacks(); });
 
   if (!options_.listen_address.empty()) {
     auto server = control::Listen(
@@ -172,15 +173,14 @@ Engine::Impl::~Impl() {
                       return absl::CancelledError(
                           absl::StrCat("transfer ", info.id, ": engine ", name_, " shutting down"));
                     });
-  {
-    MutexLock lock(&reaper_mu_);
-    reaper_stop_ = true;
-    reaper_cv_.SignalAll();
-  }
+  transfers_.StopDeadlineWaits();
   if (reaper_.joinable()) reaper_.join();
   work_.reset();
   io_.stop();
   for (auto& t : io_threads_) t.join();
+  // Last: every transfer has ended by now, and each end callback runs before the thread ends.
+  transfers_.StopEndCallbacks();
+  if (completer_.joinable()) completer_.join();
 }
 
 absl::Status Engine::Impl::DescribeGpuMemory(const RegionOptions& options,

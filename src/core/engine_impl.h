@@ -148,6 +148,7 @@ class Engine::Impl final : public transport::TargetHooks {
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
+  // Fails transfers at their deadlines, sleeping until the earliest one (not on a period).
   void ReaperLoop();
 
   // Fills the GPU fields of a kGpu region from the runtime (device, allocation).
@@ -195,10 +196,8 @@ class Engine::Impl final : public transport::TargetHooks {
   EngineStats stats_ ABSL_GUARDED_BY(stats_mu_);
 
   std::atomic<bool> stopping_{false};
-  Mutex reaper_mu_;
-  CondVar reaper_cv_;
-  bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
   std::thread reaper_;
+  std::thread completer_;               // runs TransferOptions::on_complete callbacks (transfers_)
   std::unique_ptr<TaskRunner> worker_;  // peer setup and teardown
 };
 

@@ -13,12 +13,15 @@ namespace kvwire {
 // --- Inbox --------------------------------------------------------------------------------
 
 bool Inbox::Impl::Push(InboxEvent event, bool limited) {
-  MutexLock lock(&mu_);
-  const uint64_t bytes = event.payload.size();
-  if (limited && queued_bytes_ + bytes > options_.max_queued_bytes) return false;
-  queued_bytes_ += bytes;
-  queue_.push_back(std::move(event));
-  cv_.SignalAll();
+  {
+    MutexLock lock(&mu_);
+    const uint64_t bytes = event.payload.size();
+    if (limited && queued_bytes_ + bytes > options_.max_queued_bytes) return false;
+    queued_bytes_ += bytes;
+    queue_.push_back(std::move(event));
+    cv_.SignalAll();
+  }
+  if (options_.on_event) options_.on_event();
   return true;
 }
 

@@ -129,7 +129,8 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
                             << Kv("ops", ops.size()) << Kv("pieces", plan.pieces)
                             << Kv("lanes", plan.lanes.size()) << Kv("via", caps->name);
 
-  auto cancelled = transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()));
+  auto cancelled =
+      transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()), options.on_complete);
   const TransferId id = info.id;
   for (size_t lane = 0; lane < plan.lanes.size(); ++lane) {
     transport::PostRequest request;
@@ -209,14 +210,18 @@ void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status&
 }
 
 void Engine::Impl::ReaperLoop() {
-  MutexLock lock(&reaper_mu_);
-  while (!reaper_stop_) {
-    reaper_cv_.WaitUntil(&reaper_mu_, absl::Now() + absl::Milliseconds(10));
+  // Stale arrival counters are swept now and then; deadlines are met when they fall due.
+  constexpr absl::Duration kPrunePeriod = absl::Seconds(1);
+  absl::Time next_prune = absl::Now() + kPrunePeriod;
+  while (transfers_.WaitForDeadline(next_prune)) {
     const absl::Time now = absl::Now();
     for (const core::TransferInfo& info : transfers_.ExpireDeadlines(now)) {
       RecordEnd(info, absl::DeadlineExceededError("deadline exceeded"));
     }
-    arrivals_.Prune(now, absl::Minutes(10));
+    if (now >= next_prune) {
+      arrivals_.Prune(now, absl::Minutes(10));
+      next_prune = now + kPrunePeriod;
+    }
   }
 }
 

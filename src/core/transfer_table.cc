@@ -1,26 +1,39 @@
 #include "src/core/transfer_table.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace kvwire::core {
 
-std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info, uint32_t lanes) {
+std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info, uint32_t lanes,
+                                                        EndCallback on_end) {
   MutexLock lock(&mu_);
   Record record;
   record.info = info;
   record.lanes_left = lanes;
   record.cancelled = std::make_shared<std::atomic<bool>>(false);
+  record.on_end = std::move(on_end);
   auto cancelled = record.cancelled;
   records_.emplace(info.id, std::move(record));
+  // The deadline thread sleeps until the earliest deadline: a new earliest one wakes it.
+  const auto entry = deadlines_.emplace(info.deadline, info.id).first;
+  if (entry == deadlines_.begin()) deadline_cv_.SignalAll();
   return cancelled;
 }
 
 bool TransferTable::EndLocked(Record& record, absl::Status status) {
   if (record.ended) return false;
   record.ended = true;
-  record.final_status = std::move(status);
+  deadlines_.erase({record.info.deadline, record.info.id});
   record.cancelled->store(true, std::memory_order_release);
+  if (record.on_end) {
+    ends_.push_back(PendingEnd{std::move(record.on_end), record.info.id, std::move(status)});
+    ends_cv_.Signal();
+  } else {
+    record.final_status = std::move(status);
+  }
   ended_cv_.SignalAll();
   return true;
 }
@@ -45,7 +58,10 @@ bool TransferTable::Finish(TransferId id, absl::Status status) {
   MutexLock lock(&mu_);
   auto it = records_.find(id);
   if (it == records_.end()) return false;
-  return EndLocked(it->second, std::move(status));
+  const bool callback = static_cast<bool>(it->second.on_end);
+  if (!EndLocked(it->second, std::move(status))) return false;
+  if (callback) MaybeForgetLocked(id);
+  return true;
 }
 
 bool TransferTable::ClaimEnd(TransferId id) {
@@ -53,13 +69,16 @@ bool TransferTable::ClaimEnd(TransferId id) {
   auto it = records_.find(id);
   if (it == records_.end() || it->second.ended || it->second.claimed) return false;
   it->second.claimed = true;
+  deadlines_.erase({it->second.info.deadline, id});  // only CompleteEnd ends it now
   return true;
 }
 
 void TransferTable::CompleteEnd(TransferId id, absl::Status status) {
   MutexLock lock(&mu_);
   auto it = records_.find(id);
-  if (it != records_.end()) EndLocked(it->second, std::move(status));
+  if (it == records_.end()) return;
+  const bool callback = static_cast<bool>(it->second.on_end);
+  if (EndLocked(it->second, std::move(status)) && callback) MaybeForgetLocked(id);
 }
 
 std::vector<TransferInfo> TransferTable::FailIf(
@@ -67,23 +86,78 @@ std::vector<TransferInfo> TransferTable::FailIf(
     const std::function<absl::Status(const TransferInfo&)>& status) {
   MutexLock lock(&mu_);
   std::vector<TransferInfo> failed;
+  std::vector<TransferId> reported;  // to their callbacks: forgotten after the loop
   for (auto& [id, record] : records_) {
-    if (!record.ended && !record.claimed && match(record.info) &&
-        EndLocked(record, status(record.info))) {
+    if (record.ended || record.claimed || !match(record.info)) continue;
+    const bool callback = static_cast<bool>(record.on_end);
+    if (EndLocked(record, status(record.info))) {
       failed.push_back(record.info);
+      if (callback) reported.push_back(id);
     }
   }
+  for (TransferId id : reported) MaybeForgetLocked(id);
   return failed;
 }
 
 std::vector<TransferInfo> TransferTable::ExpireDeadlines(absl::Time now) {
-  return FailIf(
-      [now](const TransferInfo& info) { return info.deadline <= now; },
-      [](const TransferInfo& info) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "transfer ", info.id, " to peer ", info.peer, " (", info.bytes, " bytes): deadline of ",
-            absl::FormatDuration(info.deadline - info.start), " exceeded"));
-      });
+  MutexLock lock(&mu_);
+  std::vector<TransferId> expired;
+  for (auto d = deadlines_.begin(); d != deadlines_.end() && d->first <= now; ++d) {
+    expired.push_back(d->second);
+  }
+  std::vector<TransferInfo> failed;
+  for (TransferId id : expired) {
+    auto it = records_.find(id);
+    if (it == records_.end()) continue;
+    Record& record = it->second;
+    const TransferInfo& info = record.info;
+    const bool callback = static_cast<bool>(record.on_end);
+    absl::Status status = absl::DeadlineExceededError(absl::StrCat(
+        "transfer ", info.id, " to peer ", info.peer, " (", info.bytes, " bytes): deadline of ",
+        absl::FormatDuration(info.deadline - info.start), " exceeded"));
+    if (!EndLocked(record, std::move(status))) continue;
+    failed.push_back(info);
+    if (callback) MaybeForgetLocked(id);
+  }
+  return failed;
+}
+
+bool TransferTable::WaitForDeadline(absl::Time limit) {
+  MutexLock lock(&mu_);
+  while (!deadline_waits_stopped_) {
+    const absl::Time next = deadlines_.empty() ? limit : std::min(limit, deadlines_.begin()->first);
+    if (absl::Now() >= next) return true;
+    deadline_cv_.WaitUntil(&mu_, next);
+  }
+  return false;
+}
+
+void TransferTable::StopDeadlineWaits() {
+  MutexLock lock(&mu_);
+  deadline_waits_stopped_ = true;
+  deadline_cv_.SignalAll();
+}
+
+void TransferTable::RunEndCallbacks() {
+  while (true) {
+    std::deque<PendingEnd> batch;
+    {
+      MutexLock lock(&mu_);
+      while (ends_.empty() && !end_callbacks_stopped_) {
+        // Idle: woken by the next end; the deadline only keeps the wait bounded.
+        ends_cv_.WaitUntil(&mu_, absl::Now() + absl::Seconds(1));
+      }
+      if (ends_.empty()) return;  // stopped, and everything reported
+      batch.swap(ends_);
+    }
+    for (PendingEnd& end : batch) end.on_end(end.id, end.status);
+  }
+}
+
+void TransferTable::StopEndCallbacks() {
+  MutexLock lock(&mu_);
+  end_callbacks_stopped_ = true;
+  ends_cv_.SignalAll();
 }
 
 void TransferTable::MaybeForgetLocked(TransferId id) {

@@ -1,14 +1,22 @@
 // Transfers in flight: lanes outstanding, first error wins, deadlines, waiters. A transfer's
-// final state is reported once (Poll/Wait) and then forgotten.
+// final state is reported once, then forgotten: to its end callback when it has one
+// (TransferOptions::on_complete), else to Poll/Wait.
+//
+// Completion is pushed: ending a transfer wakes its waiters and queues its end callback for
+// the engine's completion thread (RunEndCallbacks), and the engine's deadline thread sleeps
+// until the earliest deadline (WaitForDeadline) instead of sweeping on a fixed period.
 #ifndef KVWIRE_CORE_TRANSFER_TABLE_H_
 #define KVWIRE_CORE_TRANSFER_TABLE_H_
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -39,11 +47,15 @@ struct LanesDone {
   absl::Status status;  // first error of the lanes, or OK
 };
 
+// Called once with a transfer's final status (see TransferOptions::on_complete).
+using EndCallback = std::function<void(TransferId, const absl::Status&)>;
+
 class TransferTable {
  public:
   // Registers a transfer with `lanes` lanes to complete; returns its cancellation flag.
-  std::shared_ptr<std::atomic<bool>> Start(const TransferInfo& info, uint32_t lanes)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `on_end` (may be empty) receives the final status from RunEndCallbacks.
+  std::shared_ptr<std::atomic<bool>> Start(const TransferInfo& info, uint32_t lanes,
+                                           EndCallback on_end = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // One lane finished. When it was the last and the transfer is still pending, returns the
   // transfer for the caller to finish (send its notification, then Finish).
   std::optional<LanesDone> LaneDone(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
@@ -63,6 +75,17 @@ class TransferTable {
   // Fails pending transfers whose deadline has passed.
   std::vector<TransferInfo> ExpireDeadlines(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Sleeps until the earliest pending deadline has passed (true), `limit` passed (true), or
+  // StopDeadlineWaits was called (false). A Start with an earlier deadline wakes it.
+  bool WaitForDeadline(absl::Time limit) ABSL_LOCKS_EXCLUDED(mu_);
+  void StopDeadlineWaits() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The completion thread's loop: runs the end callbacks of ended transfers, one at a time, in
+  // the order they ended, outside mu_. Returns after StopEndCallbacks once every queued
+  // callback ran (a transfer ended before the stop is always reported).
+  void RunEndCallbacks() ABSL_LOCKS_EXCLUDED(mu_);
+  void StopEndCallbacks() ABSL_LOCKS_EXCLUDED(mu_);
+
   TransferState Poll(TransferId id, absl::Status* status) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Wait(TransferId id, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -76,13 +99,29 @@ class TransferTable {
     bool claimed = false;  // ClaimEnd was called: only CompleteEnd ends it
     absl::Status final_status;
     std::shared_ptr<std::atomic<bool>> cancelled;
+    EndCallback on_end;
   };
+  struct PendingEnd {
+    EndCallback on_end;
+    TransferId id = 0;
+    absl::Status status;
+  };
+  // Ends `record` (false when it had ended already). A record with an end callback has its
+  // callback queued and must then be forgotten by the caller (ForgetLocked), outside any
+  // iteration over records_.
   bool EndLocked(Record& record, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeForgetLocked(TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable Mutex mu_;
-  CondVar ended_cv_;
+  CondVar ended_cv_;     // Wait
+  CondVar deadline_cv_;  // WaitForDeadline: an earlier deadline, or the stop
+  CondVar ends_cv_;      // RunEndCallbacks: a callback queued, or the stop
   absl::flat_hash_map<TransferId, Record> records_ ABSL_GUARDED_BY(mu_);
+  // Deadlines of transfers that may still expire (not ended, not claimed), earliest first.
+  std::set<std::pair<absl::Time, TransferId>> deadlines_ ABSL_GUARDED_BY(mu_);
+  std::deque<PendingEnd> ends_ ABSL_GUARDED_BY(mu_);
+  bool deadline_waits_stopped_ ABSL_GUARDED_BY(mu_) = false;
+  bool end_callbacks_stopped_ ABSL_GUARDED_BY(mu_) = false;
   // Ended and reported transfers whose lanes are still running (kept so LaneDone is a no-op).
   absl::flat_hash_map<TransferId, uint32_t> draining_ ABSL_GUARDED_BY(mu_);
 };

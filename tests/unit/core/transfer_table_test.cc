@@ -1,10 +1,15 @@
 #include "src/core/transfer_table.h"
 
+#include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "absl/time/clock.h"
+
+#include "src/util/mutex.h"
 
 namespace kvwire::core {
 namespace {
@@ -117,6 +122,119 @@ TEST(TransferTableTest, FailIfFailsOnlyMatching) {
   EXPECT_EQ(failed[0].id, 6u);
   EXPECT_EQ(table.Poll(7, nullptr), TransferState::kPending);
   EXPECT_EQ(table.Wait(6, absl::Seconds(1)).code(), absl::StatusCode::kUnavailable);
+}
+
+// Completion is pushed: an ended transfer's callback runs once on the thread that runs
+// RunEndCallbacks (not the thread that ended it), with the final status; the record is then
+// forgotten (the callback had the status).
+TEST(TransferTableTest, EndCallbackRunsOnceOnTheCompletionThread) {
+  TransferTable table;
+  std::thread::id completion_thread;
+  std::thread completer([&] {
+    completion_thread = std::this_thread::get_id();
+    table.RunEndCallbacks();
+  });
+  Mutex mu;
+  CondVar cv;
+  std::vector<std::pair<TransferId, absl::Status>> ends;
+  std::vector<std::thread::id> threads;
+  auto on_end = [&](TransferId id, const absl::Status& s) {
+    MutexLock lock(&mu);
+    ends.emplace_back(id, s);
+    threads.push_back(std::this_thread::get_id());
+    cv.SignalAll();
+  };
+  table.Start(Info(20), 1, on_end);
+  table.Start(Info(21), 2, on_end);
+  ASSERT_TRUE(table.LaneDone(20, absl::OkStatus()).has_value());
+  ASSERT_TRUE(table.ClaimEnd(20));
+  table.CompleteEnd(20, absl::OkStatus());
+  // Both lanes of 21 fail; the first error wins and is reported once, however it ends.
+  EXPECT_FALSE(table.LaneDone(21, absl::DataLossError("lane 0")).has_value());
+  auto done = table.LaneDone(21, absl::InternalError("lane 1"));
+  ASSERT_TRUE(done.has_value());
+  EXPECT_TRUE(table.Finish(21, done->status));
+  EXPECT_FALSE(table.Finish(21, absl::OkStatus()));
+  EXPECT_TRUE(table
+                  .FailIf([](const TransferInfo&) { return true; },
+                          [](const TransferInfo&) { return absl::CancelledError("late"); })
+                  .empty());
+  {
+    MutexLock lock(&mu);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (ends.size() < 2 && absl::Now() < deadline) cv.WaitUntil(&mu, deadline);
+  }
+  table.StopEndCallbacks();
+  completer.join();
+  ASSERT_EQ(ends.size(), 2u);
+  EXPECT_EQ(ends[0].first, 20u);
+  EXPECT_TRUE(ends[0].second.ok());
+  EXPECT_EQ(ends[1].first, 21u);
+  EXPECT_EQ(ends[1].second.code(), absl::StatusCode::kDataLoss);
+  for (const std::thread::id& t : threads) EXPECT_EQ(t, completion_thread);
+  EXPECT_EQ(table.pending(), 0u);
+  absl::Status s;
+  EXPECT_EQ(table.Poll(20, &s), TransferState::kFailed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+}
+
+// A deadline wakes the deadline thread when it falls due: a transfer started after the thread
+// went to sleep with a far limit still expires (its earlier deadline woke the sleeper), and
+// its callback reports DeadlineExceeded. Stopping ends the wait at once.
+TEST(TransferTableTest, DeadlineWaitWakesForAnEarlierDeadline) {
+  TransferTable table;
+  std::thread completer([&] { table.RunEndCallbacks(); });
+  Mutex mu;
+  CondVar cv;
+  std::optional<absl::Status> end;
+  std::vector<TransferInfo> expired;
+  std::thread reaper([&] {
+    // A limit far past the test's own deadlines: only the transfer's deadline can wake it.
+    while (table.WaitForDeadline(absl::Now() + absl::Hours(1))) {
+      std::vector<TransferInfo> now = table.ExpireDeadlines(absl::Now());
+      MutexLock lock(&mu);
+      expired.insert(expired.end(), now.begin(), now.end());
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(20));  // let the reaper sleep on an empty table
+  table.Start(Info(30, absl::Milliseconds(50)), 1, [&](TransferId, const absl::Status& s) {
+    MutexLock lock(&mu);
+    end = s;
+    cv.SignalAll();
+  });
+  {
+    MutexLock lock(&mu);
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (!end && absl::Now() < deadline) cv.WaitUntil(&mu, deadline);
+  }
+  table.StopDeadlineWaits();
+  reaper.join();
+  table.StopEndCallbacks();
+  completer.join();
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].id, 30u);
+  // Its lane finishing later changes nothing.
+  EXPECT_FALSE(table.LaneDone(30, absl::OkStatus()).has_value());
+}
+
+// Every callback queued before the stop runs before RunEndCallbacks returns.
+TEST(TransferTableTest, StopDeliversQueuedCallbacksFirst) {
+  TransferTable table;
+  int calls = 0;  // only the completer thread touches it until join
+  for (TransferId id = 40; id < 50; ++id) {
+    table.Start(Info(id), 1, [&calls](TransferId, const absl::Status&) { ++calls; });
+  }
+  EXPECT_EQ(table
+                .FailIf([](const TransferInfo&) { return true; },
+                        [](const TransferInfo&) { return absl::CancelledError("stop"); })
+                .size(),
+            10u);
+  table.StopEndCallbacks();
+  std::thread completer([&] { table.RunEndCallbacks(); });
+  completer.join();
+  EXPECT_EQ(calls, 10);
 }
 
 }  // namespace
