@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   }
   kvwire::perf::BufferPlan plan(o.pattern, o.threads, o.size, bytes);
   const uint64_t iters = o.IterationsFor(o.size);
-  const uint64_t warmup = o.WarmupFor(iters);
+  const uint64_t warmup = kvwire::perf::WarmupOps(o, plan, iters);
   auto copy = [&](int t, uint64_t from, uint64_t to) {
     for (uint64_t i = from; i < to; ++i) {
       std::memcpy(dst + plan.RemoteOffset(t, i), src + plan.LocalOffset(t, i), o.size);

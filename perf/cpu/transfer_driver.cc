@@ -12,9 +12,25 @@
 // counts exactly the measured transfers (perf/cpu/callgrind.sh does this).
 //
 //   kvwire-transfer-driver [--n 2000] [--warmup 200] [--size 4096] [--transport shm|tcp]
-//                          [--op write|read]
+//                          [--op write|read] [--pool-mib M [--rounds 9]]
+//
+// --pool-mib M: the pool pattern of kvwire-perf/make compare instead (blocks of --size in the
+// random order of perf/buffer_plan over an M MiB pool on each side), three ways interleaved in
+// --rounds rounds of --n blocks each, so the machine's load hits all three alike:
+//   engine        one-op Transfers (Transfer + Wait) between the two engines' memfd pools;
+//   memcpy-memfd  memcpy between the same two memfd pools (this process's own mappings);
+//   memcpy-anon   memcpy between two anonymous (std::vector) pools, what kvwire-memcpy-floor
+//                 copies;
+//   memcpy-popmap memcpy into (READ: from) a second mapping of the target's memfd made as the
+//                 shm transport maps a peer region (MAP_SHARED | MAP_POPULATE), no engine.
+// --same-blocks 1: every arm and round uses the same blocks (after the warm-up round every
+// page was touched through every mapping), to tell first touches from steady state.
+// Each arm takes fresh blocks of the permutation (none is cache-warm for another). Prints the
+// median GB/s of each arm and their ratios, and the minor page faults inside the timed copies.
+#include <sys/mman.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +45,7 @@
 
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
+#include "perf/buffer_plan.h"
 #ifdef KVWIRE_COUNT_ALLOCS
 #include "perf/cpu/counting_alloc.h"
 #endif
@@ -41,6 +58,9 @@ struct Args {
   uint64_t size = 4096;
   kvwire::TransportKind transport = kvwire::TransportKind::kShm;
   kvwire::OpKind op = kvwire::OpKind::kWrite;
+  uint64_t pool_mib = 0;  // > 0: the pool comparison
+  uint64_t rounds = 9;
+  bool same_blocks = false;  // every arm and round reuses the same blocks
 };
 
 struct Loop {
@@ -85,6 +105,13 @@ Args Parse(int argc, char** argv) {
       absl::StatusOr<kvwire::TransportKind> t = kvwire::ParseTransportKind(v);
       ok = t.ok() && (*t == kvwire::TransportKind::kShm || *t == kvwire::TransportKind::kTcp);
       if (ok) a.transport = *t;
+    } else if (k == "--pool-mib") {
+      ok = absl::SimpleAtoi(v, &a.pool_mib) && a.pool_mib <= (64u << 10);
+    } else if (k == "--same-blocks") {
+      ok = v == "0" || v == "1";
+      a.same_blocks = v == "1";
+    } else if (k == "--rounds") {
+      ok = absl::SimpleAtoi(v, &a.rounds) && a.rounds > 0;
     } else if (k == "--op") {
       ok = v == "write" || v == "read";
       a.op = v == "read" ? kvwire::OpKind::kRead : kvwire::OpKind::kWrite;
@@ -115,6 +142,97 @@ extern "C" __attribute__((noinline)) void kvwire_cpu_measured_loop(Loop* loop) {
   }
 }
 
+namespace {
+
+long MinorFaults() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int PoolComparison(const Args& a, kvwire::Engine& engine, kvwire::PeerId peer,
+                   const kvwire::RegionId regions[2], const kvwire::ShareableBuffer buffers[2]) {
+  const uint64_t bytes = buffers[0].size();
+  std::vector<std::byte> anon_src(bytes, std::byte{1}), anon_dst(bytes, std::byte{2});
+  const kvwire::perf::BufferPlan plan(kvwire::perf::Pattern::kPool, 1, a.size, bytes);
+  const bool write = a.op == kvwire::OpKind::kWrite;
+  // Source and destination of block i for the memcpy arms, as the engine copies it: WRITE
+  // local -> remote, READ remote -> local (buffers[0] is local, buffers[1] the target's).
+  auto copy = [&](std::byte* local, std::byte* remote, uint64_t i) {
+    const uint64_t lo = plan.LocalOffset(0, i), ro = plan.RemoteOffset(0, i);
+    if (write) {
+      std::memcpy(remote + ro, local + lo, a.size);
+    } else {
+      std::memcpy(local + lo, remote + ro, a.size);
+    }
+  };
+  // A second mapping of the target's memfd made as the shm transport maps a peer's region
+  // (MAP_SHARED | MAP_POPULATE, transport/shm/mapping.cc), for memcpy without the engine.
+  void* second =
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, buffers[1].fd(), 0);
+  if (second == MAP_FAILED) Die("mmap of the target's memfd failed");
+  std::byte* populated = static_cast<std::byte*>(second);
+  std::vector<double> gbs[4];
+  long faults[4] = {0, 0, 0, 0};
+  uint64_t next = 0;
+  for (uint64_t round = 0; round <= a.rounds; ++round) {  // round 0: warm-up, not recorded
+    for (int arm = 0; arm < 4; ++arm) {
+      const uint64_t first = a.same_blocks ? 0 : next;
+      next += a.n;
+      const long f0 = MinorFaults();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (uint64_t i = first; i < first + a.n; ++i) {
+        if (arm == 0) {
+          const kvwire::Op op{regions[0], plan.LocalOffset(0, i), regions[1],
+                              plan.RemoteOffset(0, i), a.size};
+          absl::StatusOr<kvwire::TransferId> id = engine.Transfer(peer, a.op, {&op, 1});
+          if (!id.ok()) Die(absl::StrCat("transfer: ", id.status().message()));
+          if (absl::Status s = engine.Wait(*id, absl::Seconds(30)); !s.ok()) {
+            Die(absl::StrCat("transfer: ", s.message()));
+          }
+        } else if (arm == 1) {
+          copy(buffers[0].data(), buffers[1].data(), i);
+        } else if (arm == 3) {
+          copy(buffers[0].data(), populated, i);
+        } else {
+          copy(anon_src.data(), anon_dst.data(), i);
+        }
+      }
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (round > 0) {
+        gbs[arm].push_back(static_cast<double>(a.n * a.size) / s / 1e9);
+        faults[arm] += MinorFaults() - f0;
+      }
+    }
+  }
+  munmap(second, bytes);
+  const char* names[4] = {"engine", "memcpy-memfd", "memcpy-anon", "memcpy-popmap"};
+  std::printf(
+      "# pool comparison: %s of %llu-byte blocks in random order over a %llu MiB pool "
+      "per side, %llu rounds of %llu blocks per arm, interleaved (decimal GB/s)\n",
+      write ? "WRITE" : "READ", static_cast<unsigned long long>(a.size),
+      static_cast<unsigned long long>(a.pool_mib), static_cast<unsigned long long>(a.rounds),
+      static_cast<unsigned long long>(a.n));
+  for (int arm = 0; arm < 4; ++arm) {
+    std::printf("%-13s median %.3f GB/s (min %.3f, max %.3f), %ld minor faults while timed\n",
+                names[arm], Median(gbs[arm]), *std::min_element(gbs[arm].begin(), gbs[arm].end()),
+                *std::max_element(gbs[arm].begin(), gbs[arm].end()), faults[arm]);
+  }
+  std::printf(
+      "ratio engine/memcpy-memfd %.2f, engine/memcpy-anon %.2f, memfd/anon %.2f, "
+      "popmap/memfd %.2f\n",
+      Median(gbs[0]) / Median(gbs[1]), Median(gbs[0]) / Median(gbs[2]),
+      Median(gbs[1]) / Median(gbs[2]), Median(gbs[3]) / Median(gbs[1]));
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   const Args a = Parse(argc, argv);
   std::unique_ptr<kvwire::Engine> engines[2];
@@ -127,8 +245,8 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<kvwire::Engine>> e = kvwire::Engine::Create(o);
     if (!e.ok()) Die(absl::StrCat("engine: ", e.status().message()));
     engines[i] = *std::move(e);
-    absl::StatusOr<kvwire::ShareableBuffer> b =
-        kvwire::ShareableBuffer::Create(a.size, "kvwire-transfer-driver");
+    absl::StatusOr<kvwire::ShareableBuffer> b = kvwire::ShareableBuffer::Create(
+        std::max<uint64_t>(a.size, a.pool_mib << 20), "kvwire-transfer-driver");
     if (!b.ok()) Die(absl::StrCat("buffer: ", b.status().message()));
     buffers[i] = *std::move(b);
     std::memset(buffers[i].data(), i + 1, buffers[i].size());  // touched: no page faults later
@@ -149,6 +267,8 @@ int main(int argc, char** argv) {
   for (const kvwire::PeerInfo& p : engines[0]->Peers()) {
     if (p.id == *peer) transport = p.transport;
   }
+
+  if (a.pool_mib > 0) return PoolComparison(a, *engines[0], *peer, regions, buffers);
 
   Loop loop{
       engines[0].get(), *peer,           a.op, kvwire::Op{regions[0], 0, regions[1], 0, a.size},
