@@ -26,7 +26,7 @@
 // Allocations: operator new calls of the whole process per request (counting allocator).
 //
 //   kvwire-request-bench [--layouts dsv4-pro,dsv4-flash] [--tokens 8192] [--requests 20]
-//                        [--warmup 3] [--transports shm,tcp] [--modes read,write]
+//                        [--warmup 5] [--transports shm,tcp] [--modes read,write]
 //                        [--max-run 8] [--poll-us 50] [--csv FILE]
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -71,7 +71,7 @@ struct Config {
   std::string mode = "read";
   uint64_t tokens = 8192;
   uint64_t requests = 20;
-  uint64_t warmup = 3;
+  uint64_t warmup = 5;
   uint64_t max_run = 8;
   uint64_t poll_us = 50;
   std::string tag;  // unique per configuration, part of every request id
@@ -303,7 +303,7 @@ std::vector<kvwire::Op> BareOps(const Config& c, const kvwire::BlockTable& prefi
 }
 
 // Runs the bare transfers of the measured requests on the initiating side (a warm-up round of
-// up to --warmup of them first); returns the wall time of each measured Transfer (us).
+// all of them first, unless --warmup 0); returns the wall time of each measured Transfer (us).
 std::vector<double> RunBare(const Config& c, BareSide& me, kvwire::PeerId peer,
                             kvwire::RegionId remote, const std::vector<kvwire::BlockTable>& p,
                             const std::vector<kvwire::BlockTable>& d, CpuWindow* cpu,
@@ -318,7 +318,13 @@ std::vector<double> RunBare(const Config& c, BareSide& me, kvwire::PeerId peer,
     Check(id.status(), who, "bare Transfer");
     Check(cpu->Call([&] { return me.engine->Wait(*id, absl::Seconds(120)); }), who, "bare Wait");
   };
-  for (uint64_t i = 0; i < std::min<uint64_t>(c.warmup, all.size()); ++i) one(all[i]);
+  // Warm-up: every measured request once, so that each page has been touched through this
+  // pair's mappings before the clock starts (a first touch through a peer's populated memfd
+  // mapping costs ~10x a copy on some VMs: perf/cpu/README.md), as in the connector phase
+  // after its warm-up requests.
+  if (c.warmup > 0) {
+    for (const auto& ops : all) one(ops);
+  }
   std::vector<double> us;
   cpu->Start();
   for (const auto& ops : all) {
