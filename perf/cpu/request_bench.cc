@@ -375,9 +375,13 @@ int PrefillMain(const Config& c, int fd) {
       in.mode = c.write() ? kvwire::KvMode::kWrite : kvwire::KvMode::kRead;
       in.transfer_id = "t-" + id;
       const std::string in_json = in.ToJson();
+      // As in vLLM: without delay_free the blocks are free at once, and the request never
+      // shows up in finished_sending (write mode, when its WRITEs have already completed).
+      bool delay_free = true;
       if (!c.write()) {
         auto fin = cpu.Call([&] { return conn->RequestFinished(id, *blocks, c.tokens, in_json); });
         Check(fin.status(), who, "RequestFinished");
+        delay_free = fin->delay_free;
         ch.Send(absl::StrCat("PARAMS ", fin->kv_transfer_params));
       } else {
         auto m = cpu.Call([&] { return conn->GetNumNewMatchedTokens(id, c.tokens, 0, in_json); });
@@ -391,9 +395,10 @@ int PrefillMain(const Config& c, int fd) {
         Check(cpu.Call([&] { return conn->WaitForSave(); }), who, "WaitForSave");
         auto fin = cpu.Call([&] { return conn->RequestFinished(id, *blocks, c.tokens, in_json); });
         Check(fin.status(), who, "RequestFinished");
+        delay_free = fin->delay_free;
       }
       const Clock::time_point deadline = Clock::now() + std::chrono::seconds(40);
-      while (true) {
+      while (delay_free) {
         kvwire::FinishedRequests f = cpu.Call([&] { return conn->GetFinished(); });
         if (Contains(f.finished_sending, id)) break;
         if (Clock::now() > deadline) {
