@@ -38,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <functional>
 #include <map>
 #include <memory>
 #include <poll.h>
@@ -307,7 +308,7 @@ std::vector<kvwire::Op> BareOps(const Config& c, const kvwire::BlockTable& prefi
 std::vector<double> RunBare(const Config& c, BareSide& me, kvwire::PeerId peer,
                             kvwire::RegionId remote, const std::vector<kvwire::BlockTable>& p,
                             const std::vector<kvwire::BlockTable>& d, CpuWindow* cpu,
-                            const std::string& who) {
+                            const std::string& who, const std::function<void()>& measuring) {
   std::vector<std::vector<kvwire::Op>> all;
   for (size_t i = 0; i < p.size(); ++i) {
     all.push_back(BareOps(c, p[i], d[i], me.region, remote, nullptr, nullptr, nullptr));
@@ -326,6 +327,7 @@ std::vector<double> RunBare(const Config& c, BareSide& me, kvwire::PeerId peer,
     for (const auto& ops : all) one(ops);
   }
   std::vector<double> us;
+  measuring();  // the other side starts its window after this side's warm-up
   cpu->Start();
   for (const auto& ops : all) {
     const Clock::time_point t0 = Clock::now();
@@ -431,7 +433,11 @@ int PrefillMain(const Config& c, int fd) {
     Check(peer.status(), who, "bare connect");
     Check(bare.engine->WaitForRemoteRegion(*peer, remote, absl::Seconds(30)), who, "region");
     ch.Expect("BGO");
-    std::vector<double> us = RunBare(c, bare, *peer, remote, tables, decode_tables, &cpu, who);
+    std::vector<double> us =
+        RunBare(c, bare, *peer, remote, tables, decode_tables, &cpu, who, [&ch] {
+          ch.Send("BSTART");
+          ch.Expect("BSTARTED");
+        });
     ch.Send(absl::StrCat("BDONE ", cpu.SideUs(), " ", absl::StrJoin(us, ",")));
   } else {
     ch.Expect("BGO");
@@ -572,17 +578,20 @@ Row RunDecode(const Config& c, const char* self) {
     auto peer = bare.engine->Connect(b[0]);
     Check(peer.status(), who, "bare connect");
     Check(bare.engine->WaitForRemoteRegion(*peer, remote, absl::Seconds(30)), who, "region");
-    ch.Send("BGO");
-    ch.Expect("BOK");
-    us = RunBare(c, bare, *peer, remote, prefill_tables, tables, &cpu, who);
+    us = RunBare(c, bare, *peer, remote, prefill_tables, tables, &cpu, who, [&ch] {
+      ch.Send("BGO");
+      ch.Expect("BOK");
+    });
     row.bare_decode_us = cpu.SideUs() / c.requests;
     ch.Send("BEND");
     double p = 0;
     if (!absl::SimpleAtod(ch.Expect("BCPU"), &p)) Die(who, "bad BCPU line");
     row.bare_prefill_us = p / c.requests;
   } else {
-    cpu.Start();
     ch.Send("BGO");
+    ch.Expect("BSTART");  // the prefill's warm-up is done
+    cpu.Start();
+    ch.Send("BSTARTED");
     std::vector<std::string> d = absl::StrSplit(ch.Expect("BDONE"), ' ');
     row.bare_decode_us = cpu.SideUs() / c.requests;
     double p = 0;
