@@ -7,6 +7,7 @@
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
+#   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
@@ -54,7 +55,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test demo demo-transfer soak compare serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test demo demo-transfer soak compare cpu-bench serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -102,6 +103,19 @@ compare: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-perf kvwire-memcpy-floor
 	python3 perf/compare/compare.py --bin $(BUILD_DIR)/perf $(COMPARE_ARGS)
+
+# CPU cost per request and per Transfer (perf/cpu/README.md, issue 15): kvwire-request-bench
+# (dsv4-pro and dsv4-flash 8k requests through two connectors, read and write, shm and tcp,
+# next to the bare Transfer of the same pages), allocations per one-op Transfer, and the
+# callgrind breakdown of a one-op shm Transfer. CPU_BENCH_ARGS= passes request-bench options.
+CPU_BENCH_ARGS ?=
+cpu-bench: deps
+	@scripts/install-deps.sh --compare
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-request-bench kvwire-transfer-driver kvwire-transfer-driver-plain
+	$(BUILD_DIR)/perf/kvwire-request-bench $(CPU_BENCH_ARGS)
+	$(BUILD_DIR)/perf/kvwire-transfer-driver --n 20000 --warmup 1000
+	perf/cpu/callgrind.sh $(BUILD_DIR) --n 2000
 
 # Serving benchmark (perf/serve_bench/): aggregated vs 1P1D in read and write mode over tcp
 # and shm, the same model threads each, a concurrency sweep per configuration (tens of

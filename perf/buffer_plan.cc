@@ -36,6 +36,12 @@ uint64_t RawRegionBytes(const PerfOptions& options) {
   return largest * static_cast<uint64_t>(options.threads);
 }
 
+uint64_t WarmupOps(const PerfOptions& options, const BufferPlan& plan, uint64_t iterations) {
+  const uint64_t warmup = options.WarmupFor(iterations);
+  if (options.pattern != Pattern::kPool || options.warmup >= 0) return warmup;
+  return std::max<uint64_t>(warmup, plan.slots_per_thread());
+}
+
 void FillPattern(std::byte* dst, uint64_t offset, uint64_t length) {
   uint64_t pos = offset;
   const uint64_t end = offset + length;

@@ -22,6 +22,17 @@ uint64_t RawRegionBytes(const PerfOptions& options);
 // depends on its position, so an op that lands in the wrong place is caught.
 void FillPattern(std::byte* dst, uint64_t offset, uint64_t length);
 
+class BufferPlan;
+
+// Ops per thread to run before measuring: the options' warm-up, and in the pool pattern (when
+// -w/--warmup was not given) at least one op per slot, so that every block of the pool has been
+// touched through the transport's mappings before the clock starts. A peer's memfd mapped with
+// MAP_POPULATE still costs about ten times a plain copy on the first touch of each page on
+// some virtual machines (no page fault is counted; see perf/cpu/README.md), which is a cost of
+// the first use of a mapping, not of each transfer, and memcpy of pre-touched buffers (the
+// floor) never pays it.
+uint64_t WarmupOps(const PerfOptions& options, const BufferPlan& plan, uint64_t iterations);
+
 class BufferPlan {
  public:
   BufferPlan(Pattern pattern, int threads, uint64_t size, uint64_t region_bytes);

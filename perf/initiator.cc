@@ -43,7 +43,7 @@ absl::StatusOr<Result> RunSize(const PerfOptions& o, Engine& engine, PeerId peer
   spec.bidirectional = o.bidirectional;
   spec.threads = o.threads;
   spec.outstanding = o.outstanding;
-  spec.warmup_transfers = CeilDiv(o.WarmupFor(iters), o.batch);
+  spec.warmup_transfers = CeilDiv(WarmupOps(o, plan, iters), o.batch);
   spec.transfers = o.duration_s > 0 ? 0 : CeilDiv(iters, o.batch);
   spec.duration_s = o.duration_s;
   spec.label = absl::StrCat(size, " B");
@@ -71,6 +71,11 @@ absl::StatusOr<Result> RunSize(const PerfOptions& o, Engine& engine, PeerId peer
   }
   absl::StatusOr<PumpResult> pumped = Pump(engine, peer, spec, progress);
   if (!pumped.ok()) return pumped.status();
+  // On stderr, so the table on stdout keeps its shape: faults inside the timed run mean the
+  // run paid for first touches (issue 15's pool investigation).
+  std::fprintf(stderr,
+               " %llu B: %ld minor, %ld major page faults (initiator process) while measured\n",
+               static_cast<unsigned long long>(size), pumped->minor_faults, pumped->major_faults);
   std::vector<uint64_t> ops;
   for (uint64_t t : pumped->transfers_per_thread) ops.push_back(t * o.batch);
   if (absl::Status s = sock.SendLine(absl::StrCat("DONE ", size, " ", EncodeOps(ops))); !s.ok()) {

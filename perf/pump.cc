@@ -1,5 +1,7 @@
 #include "perf/pump.h"
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -139,6 +141,7 @@ absl::StatusOr<PumpResult> Pump(Engine& engine, PeerId peer, const PumpSpec& spe
   Clock::time_point t0;
   Clock::time_point until;
   std::atomic<int64_t> t0_ns{0};  // read by the progress line
+  rusage at_start{};
   // After the warm-up, one thread stamps the common start of the measurement.
   std::barrier sync(spec.threads, [&]() noexcept {
     t0 = Clock::now();
@@ -146,6 +149,7 @@ absl::StatusOr<PumpResult> Pump(Engine& engine, PeerId peer, const PumpSpec& spe
                      std::chrono::duration<double>(spec.duration_s));
     for (auto& w : workers) w->t0 = t0;
     shared.bytes.store(0);
+    getrusage(RUSAGE_SELF, &at_start);
     t0_ns.store(t0.time_since_epoch().count());
   });
   std::vector<std::thread> threads;
@@ -177,6 +181,8 @@ absl::StatusOr<PumpResult> Pump(Engine& engine, PeerId peer, const PumpSpec& spe
     }
   }
   for (std::thread& t : threads) t.join();
+  rusage at_end{};
+  getrusage(RUSAGE_SELF, &at_end);
   if (progress != nullptr) progress->Clear();
   if (!shared.error.ok()) return shared.error;
 
@@ -189,6 +195,8 @@ absl::StatusOr<PumpResult> Pump(Engine& engine, PeerId peer, const PumpSpec& spe
     result.transfers_per_thread.push_back(w->transfers());
   }
   result.seconds = last;
+  result.minor_faults = at_end.ru_minflt - at_start.ru_minflt;
+  result.major_faults = at_end.ru_majflt - at_start.ru_majflt;
   return result;
 }
 

@@ -36,6 +36,10 @@ struct PumpResult {
   std::vector<TransferSample> samples;         // measured transfers of all threads
   double seconds = 0;                          // first measured submission to last completion
   std::vector<uint64_t> transfers_per_thread;  // warm-up included
+  // Page faults of this process (every thread) from the start of the measurement to its end:
+  // a first touch of memory inside the timed run shows here.
+  long minor_faults = 0;
+  long major_faults = 0;
 };
 
 absl::StatusOr<PumpResult> Pump(Engine& engine, PeerId peer, const PumpSpec& spec,

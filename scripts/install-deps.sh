@@ -39,7 +39,8 @@ packages=(
   hipcc libamdhip64-dev
 )
 # `--compare`: what `make compare` (perf/compare/) runs besides kvwire; not needed by `make test`.
-compare_packages=(ucx-utils iperf3 gnuplot-nox python3)
+# valgrind: perf/cpu/callgrind.sh (make cpu-bench), instructions per Transfer.
+compare_packages=(ucx-utils iperf3 gnuplot-nox python3 valgrind)
 if [[ ${1:-} == --compare ]]; then
   shift
   packages+=("${compare_packages[@]}")
