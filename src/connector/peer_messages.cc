@@ -432,6 +432,7 @@ void Connector::Impl::CloseQueuedPeers() {
 void Connector::Impl::ProgressLoop() {
   while (true) {
     std::vector<InboxEvent> events = inbox_->Wait(absl::Milliseconds(2));
+    WaitForServedOps(events);
     {
       MutexLock lock(&mu_);
       if (stop_) return;
@@ -447,6 +448,26 @@ void Connector::Impl::ProgressLoop() {
       CheckDeadlines();
     }
     CloseQueuedPeers();
+  }
+}
+
+// A peer's messages (and its death) are handled only once the ops it sent this engine before
+// them have been served: its release of blocks it read can overtake the serving thread's last
+// access to them (the ops and the messages travel on different connections), and the blocks
+// must not be handed back for reuse before that. Bounded by the tcp transport's own cut of a
+// stalled data connection (which ends its ops); past that they are handled anyway, loudly.
+void Connector::Impl::WaitForServedOps(const std::vector<InboxEvent>& events) {
+  std::vector<PeerId> peers;
+  for (const InboxEvent& e : events) {
+    if (std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
+  }
+  for (PeerId peer : peers) {
+    absl::Status s =
+        engine_->WaitForServedOps(peer, options_.engine.tcp_io_timeout + absl::Seconds(1));
+    if (!s.ok()) {
+      KVW_LOG(kError, kLog) << "handling a peer's messages while its ops are still served"
+                            << Kv("peer", peer) << Kv("error", s.message());
+    }
   }
 }
 

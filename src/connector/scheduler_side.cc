@@ -246,6 +246,8 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   by_transfer_[p.transfer_id] = req_id;
   requests_[req_id] = std::move(r);
   ++started_;
+  // The blocks were filled before this call; the reader's ops are served on other threads.
+  engine_->PublishMemory();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
   if (auto e = early_releases_.find(p.transfer_id); e != early_releases_.end()) {

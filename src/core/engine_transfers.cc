@@ -259,7 +259,8 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
         "region ", region, " is GPU memory and this engine's tcp transport cannot move it"));
   }
   ++stats_.incoming_ops;
-  return transport::IncomingAccess{resolved->data, resolved->gpu_device, std::move(resolved->pin)};
+  return transport::IncomingAccess{resolved->data, resolved->gpu_device,
+                                   served_ops_->Begin(peer, std::move(resolved->pin))};
 }
 
 absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {
