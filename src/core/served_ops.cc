@@ -50,19 +50,31 @@ absl::Status ServedOps::WaitForPeer(PeerId peer, absl::Duration timeout) {
   MutexLock lock(&mu_);
   // Ops that begin from now on are not waited for: the wait is bounded by the ones in flight.
   const uint64_t mark = next_seq_;
-  while (true) {
-    auto it = live_.find(peer);
-    if (it == live_.end() || *it->second.begin() >= mark) return absl::OkStatus();
+  ++waiters_;
+  bool timed_out = false;
+  while (!ServedLocked(peer, mark)) {
     if (!ended_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
-      it = live_.find(peer);
-      if (it == live_.end() || *it->second.begin() >= mark) return absl::OkStatus();
-      size_t remaining = 0;
-      for (uint64_t s : it->second) remaining += s < mark ? 1 : 0;
-      return absl::DeadlineExceededError(absl::StrCat(remaining, " op(s) of peer ", peer,
-                                                      " still being served after ",
-                                                      absl::FormatDuration(timeout)));
+      timed_out = !ServedLocked(peer, mark);
+      break;
     }
   }
+  --waiters_;
+  if (!timed_out) return absl::OkStatus();
+  size_t remaining = 0;
+  for (uint64_t s : live_.at(peer)) remaining += s < mark ? 1 : 0;
+  return absl::DeadlineExceededError(absl::StrCat(remaining, " op(s) of peer ", peer,
+                                                  " still being served after ",
+                                                  absl::FormatDuration(timeout)));
+}
+
+bool ServedOps::ServedLocked(PeerId peer, uint64_t mark) const {
+  auto it = live_.find(peer);
+  return it == live_.end() || *it->second.begin() >= mark;
+}
+
+size_t ServedOps::waiters() const {
+  MutexLock lock(&mu_);
+  return waiters_;
 }
 
 void ServedOps::Publish() { MutexLock lock(&mu_); }

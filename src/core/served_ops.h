@@ -49,15 +49,20 @@ class ServedOps : public std::enable_shared_from_this<ServedOps> {
 
   // Ops being served now (all peers).
   size_t in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls of WaitForPeer waiting now (each has fixed the ops it waits for).
+  size_t waiters() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct OpPin;
   void End(PeerId peer, uint64_t seq) ABSL_LOCKS_EXCLUDED(mu_);
+  // No op of `peer` numbered below `mark` is being served.
+  bool ServedLocked(PeerId peer, uint64_t mark) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable Mutex mu_;
   CondVar ended_;
   // Engine-wide, so that a peer's entry can go when it has no op without reusing numbers.
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t waiters_ ABSL_GUARDED_BY(mu_) = 0;
   // Sequence numbers of the ops of each peer being served; no entry when none is.
   absl::flat_hash_map<PeerId, std::set<uint64_t>> live_ ABSL_GUARDED_BY(mu_);
 };
