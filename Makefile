@@ -10,7 +10,7 @@
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
-#   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit` or `concurrent`
+#   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit`, `concurrent`, `tsan_e2e`
 #   make fuzz          build-fuzz/ (clang, libFuzzer, ASan+UBSan), each fuzz target FUZZ_SECONDS
 #   make fuzz-ci       the same, FUZZ_CI_SECONDS per target (CI's bounded run)
 #   make format        clang-format -i every C/C++ file of the tree
@@ -139,11 +139,15 @@ test-asan: deps
 	$$pfx ninja -C $(ASAN_DIR) -j$(JOBS); \
 	cd $(ASAN_DIR) && $$pfx $(CTEST) $(CTEST_ARGS)
 
+# tsan_e2e: the serving e2e tests chosen to run under TSan too (servers and router in both
+# modes over tcp and shm, a decode and a prefill killed mid-request, admission under overload,
+# a planted report in a server); the rest of label e2e would add far more than TSan's share of
+# CI time. tests/dsv4/serve/CMakeLists.txt says which and why.
 test-tsan: deps
 	@scripts/configure.sh $(TSAN_DIR) $(CLANG) -DKVWIRE_SANITIZE=thread
 	pfx=$$(scripts/sanitizer-prefix.sh thread $(TSAN_DIR)); \
 	$$pfx ninja -C $(TSAN_DIR) -j$(JOBS); \
-	cd $(TSAN_DIR) && $$pfx $(CTEST) -L '^(unit|concurrent)$$' $(CTEST_ARGS)
+	cd $(TSAN_DIR) && $$pfx $(CTEST) -L '^(unit|concurrent|tsan_e2e)$$' $(CTEST_ARGS)
 
 # Fuzzing (tests/fuzz/README.md): every target of tests/fuzz/ for a bounded time each, from
 # its seed corpus; fails on any crash, sanitizer report, hang (10 s) or RSS over 2 GiB, and

@@ -386,6 +386,17 @@ class Engine {
 
   EngineStats Stats() const;
 
+  // Target side (memory peers read or write through this engine; src/core/served_ops.h).
+  // Waits until every op of `peer` that this engine began serving before the call has ended
+  // (its last access to the memory is over), at most `timeout`; DeadlineExceeded otherwise.
+  // Call before reusing memory on a peer's word (e.g. its release of blocks it read): the
+  // word travels apart from the data and can overtake the serving thread's last access.
+  absl::Status WaitForServedOps(PeerId peer, absl::Duration timeout);
+  // Target side: orders the caller's earlier writes to registered memory before every op
+  // this engine begins serving after the call. Call after filling memory, before telling a
+  // peer it may read it.
+  void PublishMemory();
+
   class Impl;
   // Only Create can make the key; the constructor is public for std::make_unique.
   class ConstructionKey {

@@ -401,6 +401,8 @@ class Connector::Impl {
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
+  // Before the events' peers are heard: their ops served so far have ended (peer_messages.cc).
+  void WaitForServedOps(const std::vector<InboxEvent>& events) ABSL_LOCKS_EXCLUDED(mu_);
   // Answers the hellos whose regions arrived (or whose deadline passed).
   void ServePendingHellos() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine closed `peer` (lease expiry, Goodbye, I/O error): every request bound to it

@@ -105,6 +105,8 @@ void Connector::Impl::StartLoad(const std::string& id) {
                 {"request_id", r.id},
                 {"blocks", connector_internal::BlocksToJson(r.blocks)},
                 {"num_cached", r.num_cached}};
+    // The blocks' last reads here come before prefill's writes, served on other threads.
+    engine_->PublishMemory();
     if (absl::Status s = SendMessage(*peer, req); !s.ok()) {
       FailLocked(r, std::string(s.message()));
       return;

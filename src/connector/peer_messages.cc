@@ -507,6 +507,7 @@ void Connector::Impl::ProgressLoop() {
   while (true) {
     connector_internal::ProgressSignal::Wakeup woke = signal_->Wait(wake);
     std::vector<InboxEvent> events = inbox_->Take();
+    WaitForServedOps(events);
     {
       MutexLock lock(&mu_);
       if (stop_) return;
@@ -545,6 +546,30 @@ absl::Time Connector::Impl::NextWakeLocked() const {
   }
   // CheckDeadlines acts on deadlines strictly in the past.
   return wake + absl::Microseconds(1);
+}
+
+// A peer's messages (and its death) are handled only once the ops it sent this engine before
+// them have been served: its release of blocks it read can overtake the serving thread's last
+// access to them (the ops and the messages travel on different connections), and the blocks
+// must not be handed back for reuse before that. A legitimate peer's release follows the end of
+// its ops by microseconds; the wait is bounded by kServedOpsWait per batch so that a peer that
+// keeps an op stalled (its reader does not drain) delays the other peers' messages by at most
+// that much; past it they are handled anyway, loudly.
+void Connector::Impl::WaitForServedOps(const std::vector<InboxEvent>& events) {
+  constexpr absl::Duration kServedOpsWait = absl::Milliseconds(250);
+  const absl::Time deadline = absl::Now() + kServedOpsWait;
+  std::vector<PeerId> peers;
+  for (const InboxEvent& e : events) {
+    if (std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
+  }
+  for (PeerId peer : peers) {
+    absl::Status s =
+        engine_->WaitForServedOps(peer, std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    if (!s.ok()) {
+      KVW_LOG(kWarning, kLog) << "handling a peer's messages while its ops are still served"
+                              << Kv("peer", peer) << Kv("error", s.message());
+    }
+  }
 }
 
 // A hello names the regions the sender exported; they become usable here asynchronously.

@@ -239,6 +239,8 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   table_.by_transfer[p.transfer_id] = req_id;
   table_.requests[req_id] = std::move(r);
   accounting_.Started();
+  // The blocks were filled before this call; the reader's ops are served on other threads.
+  engine_->PublishMemory();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
   if (auto e = table_.early_releases.find(p.transfer_id); e != table_.early_releases.end()) {

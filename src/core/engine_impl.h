@@ -24,6 +24,7 @@
 #include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
 #include "src/core/route.h"
+#include "src/core/served_ops.h"
 #include "src/core/transfer_table.h"
 #include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
@@ -110,6 +111,8 @@ class Engine::Impl final : public transport::TargetHooks {
   void OnPeerError(PeerId peer, const absl::Status& error) override;
   uint32_t PeerProcessId(PeerId peer) override;
 
+  core::ServedOps& served_ops() { return *served_ops_; }
+
  private:
   // engine_peers.cc
   // The handshake adds the session token (HandshakeConfig::issue_token).
@@ -174,6 +177,8 @@ class Engine::Impl final : public transport::TargetHooks {
   bool incoming_gpu_ok_ = true;
 
   core::RegionRegistry regions_;
+  // Incoming ops being served (ResolveIncoming's pins); shared with those pins.
+  const std::shared_ptr<core::ServedOps> served_ops_ = std::make_shared<core::ServedOps>();
   core::TransferTable transfers_;
   core::ArrivalCounter arrivals_{options_.max_undrained_notifications};
   // Engine messages per topic; shared with the Inbox handles, which may outlive the engine.

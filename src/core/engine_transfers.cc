@@ -255,7 +255,8 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
                      "move GPU memory"));
   }
   ++stats_.incoming_ops;
-  return transport::IncomingAccess{resolved->data, resolved->gpu_device, std::move(resolved->pin)};
+  return transport::IncomingAccess{resolved->data, resolved->gpu_device,
+                                   served_ops_->Begin(peer, std::move(resolved->pin))};
 }
 
 absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {

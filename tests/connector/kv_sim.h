@@ -23,19 +23,6 @@
 #include "kvwire/memory.h"
 #include "src/gpu/runtime.h"
 
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVWIRE_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define KVWIRE_TSAN 1
-#endif
-#ifdef KVWIRE_TSAN
-extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
-extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
-#endif
-
 namespace kvwire::testing {
 
 inline uint64_t Mix(uint64_t x) {
@@ -116,8 +103,7 @@ inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
 class KvCache {
  public:
   // Writes host bytes to device memory synchronously on the calling thread (the emulated GPU's
-  // WriteDevice). Given, Fill pushes with it instead of a stream copy, so that the
-  // ThreadSanitizer annotation in Fill covers those writes too.
+  // WriteDevice). Given, Fill pushes with it instead of a stream copy.
   using DeviceWriter = std::function<absl::Status(void* device, const void* host, size_t bytes)>;
 
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const std::string& spec,
@@ -283,23 +269,16 @@ class KvCache {
 
   // Prefill: writes the pattern into every allocated page of the request.
   //
-  // Under ThreadSanitizer these writes are not recorded: a block is reused only after decode's
-  // release reached this process through a socket, an ordering TSan cannot see, so it would
-  // report the engine thread that served the previous read of the block as racing with this
-  // fill (and likewise the transport's reads of the device memory Fill wrote, which follow
-  // decode's request through a socket). (Connector and engine state stay fully checked.)
+  // Checked by ThreadSanitizer like any other access: the engine orders a fill after the
+  // serving of a previous reader's ops (the connector waits for them before it hands a
+  // released block back, Engine::WaitForServedOps) and before the serving of the next
+  // reader's (the connector publishes held blocks, Engine::PublishMemory).
   void Fill(const std::string& req, const BlockTable& t) {
-#ifdef KVWIRE_TSAN
-    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-#endif
     FillPages(req, t);
     // The whole shadow: only prefill fills, and nothing but Fill writes its memory.
     absl::Status s =
         writer_ && on_gpu() ? writer_(device_.data(), memory_.data(), device_.size()) : Push();
     if (!s.ok()) gpu_error_ = std::string(s.message());
-#ifdef KVWIRE_TSAN
-    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
-#endif
   }
 
   void FillPages(const std::string& req, const BlockTable& t) {

@@ -33,6 +33,7 @@
 #include "examples/dsv4/serve/demo.h"
 #include "examples/dsv4/serve/flags.h"
 #include "examples/dsv4/serve/model_server.h"
+#include "examples/dsv4/serve/planted_defect.h"
 #include "examples/dsv4/serve/process.h"
 #include "examples/dsv4/serve/router.h"
 #include "src/util/secret_file.h"
@@ -334,4 +335,6 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace dsv4::serve
 
-int main(int argc, char** argv) { return dsv4::serve::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return dsv4::serve::CommitPlantedDefectIfAsked(dsv4::serve::Main(argc, argv));
+}

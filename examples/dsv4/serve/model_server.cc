@@ -146,6 +146,8 @@ class ModelServer::Impl {
         !s.ok()) {
       return s;
     }
+    // Before the worker and the HTTP threads start: they read it without a lock.
+    for (const kvwire::CacheGroup& g : cache_->layout().groups) total_blocks_ += g.num_blocks;
     worker_ = std::thread([this] { Loop(); });
     HttpServerOptions ho;
     ho.host = options_.host;
@@ -154,7 +156,6 @@ class ModelServer::Impl {
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
     http_ = std::move(*http);
-    for (const kvwire::CacheGroup& g : cache_->layout().groups) total_blocks_ += g.num_blocks;
     // Serving now: visible to routers from here on (and gone first at shutdown).
     if (!options_.etcd.empty()) {
       if (absl::Status s = connector_->Announce(absl::StrCat(options_.host, ":", http_->port()));

@@ -13,6 +13,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -23,6 +24,8 @@
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/process.h"
+#include "tests/dsv4/serve/serve_cluster.h"
+#include "tests/support/sanitizer_build.h"
 
 namespace dsv4::serve {
 namespace {
@@ -52,15 +55,17 @@ class Cluster {
     weights_ = dir_ + "/tiny.safetensors";
   }
   ~Cluster() {
-    // Every server still running stops cleanly on SIGTERM, and every one that ended before
-    // ended cleanly or by the test's own SIGKILL (sanitizer reports, leaks included, make
-    // the exit code non-zero).
-    for (auto& [name, p] : procs_) {
-      if (p->Running()) p->Stop(SIGTERM, absl::Seconds(30));
-      EXPECT_EQ(p->EndProblem(), "") << name << " did not end cleanly:\n" << p->LogTail();
-    }
+    for (auto& [name, p] : procs_) StopAndJudge(name, *p);
     procs_.clear();
     if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  // A server still running stops cleanly on SIGTERM, and one that ended before ended cleanly
+  // or by the test's own SIGKILL (sanitizer reports, leaks included, make the exit code
+  // non-zero): anything else fails the test.
+  static void StopAndJudge(const std::string& name, Process& p) {
+    if (p.Running()) p.Stop(SIGTERM, absl::Seconds(30));
+    EXPECT_EQ(p.EndProblem(), "") << name << " did not end cleanly:\n" << p.LogTail();
   }
 
   const std::string& dir() const { return dir_; }
@@ -130,9 +135,9 @@ class Cluster {
                                      "--threads",
                                      "2",
                                      "--request-timeout-s",
-                                     "20",
+                                     absl::StrCat(20 * test_support::kServerDeadlineScale),
                                      "--peer-lease-ms",
-                                     "2000"};
+                                     absl::StrCat(2000 * test_support::kServerDeadlineScale)};
     args.insert(args.end(), extra.begin(), extra.end());
     return Launch(name, args);
   }
@@ -140,10 +145,16 @@ class Cluster {
   absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
                                      const std::string& decode, const std::string& mode) {
     return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", mode,
-                         "--timeout-s", "60"});
+                         "--timeout-s", absl::StrCat(60 * test_support::kServerDeadlineScale)});
   }
 
   Process& process(const std::string& name) { return *procs_.at(name); }
+  // Hands a server over to the test, which then judges its end itself.
+  std::unique_ptr<Process> Take(const std::string& name) {
+    std::unique_ptr<Process> p = std::move(procs_.at(name));
+    procs_.erase(name);
+    return p;
+  }
 
   std::string Logs() const {
     std::string all;
@@ -398,6 +409,31 @@ TEST(Failures, PrefillKilledMidRequest) {
   ExpectDrained(*p2, "prefill2");
   ExpectDrained(*d, "decode");
 }
+
+#if KVWIRE_TEST_ASAN || KVWIRE_TEST_TSAN
+// A real report of this build's sanitizer in a server (a data race under TSan, a heap overflow
+// under ASan, committed as it exits: examples/dsv4/serve/planted_defect.h) makes it exit
+// non-zero, and the check every test runs on its servers' ends fails. Only in sanitizer
+// builds: elsewhere there is no report to plant.
+TEST(ServerEnd, SanitizerReportInAServerFailsTheTest) {
+  Cluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  ASSERT_EQ(setenv("KVWIRE_DSV4_PLANT_SANITIZER_REPORT", "1", 1), 0);
+  absl::StatusOr<std::string> p = c.Serve("planted", "prefill", "tcp");
+  unsetenv("KVWIRE_DSV4_PLANT_SANITIZER_REPORT");
+  ASSERT_TRUE(p.ok()) << p.status();
+  // It serves normally until it is stopped.
+  absl::StatusOr<json> h = GetJson(*p, "/health");
+  ASSERT_TRUE(h.ok()) << h.status();
+  std::unique_ptr<Process> planted = c.Take("planted");
+  EXPECT_NONFATAL_FAILURE(Cluster::StopAndJudge("planted", *planted), "exited with status");
+  const std::string log = planted->LogTail(20000);
+  EXPECT_TRUE(log.find(KVWIRE_TEST_TSAN
+                           ? "ThreadSanitizer: data race"
+                           : "AddressSanitizer: heap-buffer-overflow") != std::string::npos)
+      << log;
+}
+#endif
 
 }  // namespace
 }  // namespace dsv4::serve
