@@ -380,8 +380,14 @@ EngineStats Engine::Impl::Stats() const {
     out.control.handshakes_failed = server.handshakes_failed;
     out.control.handshakes_refused = server.refused_over_limit;
   }
+  // Every transport's statistics, at zero for one that is not running (the output keeps its
+  // shape); then the running ones add their values.
+  for (auto declared : {transport::RdmaTransportStats, transport::ShmTransportStats,
+                        transport::TcpTransportStats}) {
+    for (TransportStat& stat : declared()) out.transport_stats.push_back(std::move(stat));
+  }
   for (transport::Transport* t : {tcp_.get(), shm_.get(), rdma_.get()}) {
-    if (t != nullptr) t->AddStats(&out);
+    if (t != nullptr) t->AddStats(&out.transport_stats);
   }
   MutexLock lock(&peers_mu_);
   out.control.session_tokens = tokens_.size();

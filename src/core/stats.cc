@@ -32,6 +32,19 @@ double LatencyHistogram::QuantileUpperBoundUs(double q) const {
   return max_us;
 }
 
+const TransportStat* EngineStats::FindTransportStat(std::string_view group,
+                                                    std::string_view name) const {
+  for (const TransportStat& stat : transport_stats) {
+    if (stat.group == group && stat.name == name) return &stat;
+  }
+  return nullptr;
+}
+
+uint64_t EngineStats::TransportStatValue(std::string_view group, std::string_view name) const {
+  const TransportStat* stat = FindTransportStat(group, name);
+  return stat != nullptr ? stat->value : 0;
+}
+
 std::string EngineStats::ToJson() const {
   std::string out = absl::StrCat(
       "{\"regions\":", regions, ",\"registered_bytes\":", registered_bytes,
@@ -69,23 +82,36 @@ std::string EngineStats::ToJson() const {
                     ",\"bytes_written\":", p.bytes_written, ",\"transfers\":", p.transfers, "}");
     first = false;
   }
-  absl::StrAppend(
-      &out, "],\"rdma\":{\"work_requests\":", rdma.work_requests,
-      ",\"post_calls\":", rdma.post_calls, ",\"signalled\":", rdma.signalled,
-      ",\"inline_wrs\":", rdma.inline_wrs, ",\"queued_wrs\":", rdma.queued_wrs,
-      ",\"completion_errors\":", rdma.completion_errors, ",\"async_events\":", rdma.async_events,
-      ",\"qp_reconnects\":", rdma.qp_reconnects, "},\"gpu\":{\"regions\":", gpu.regions,
-      ",\"rdma_dmabuf_regions\":", gpu.rdma_dmabuf_regions,
-      ",\"rdma_peermem_regions\":", gpu.rdma_peermem_regions, ",\"rdma_path_reason\":\"",
-      JsonEscape(gpu.rdma_path_reason), "\",\"shm_ipc_opens\":", gpu.shm_ipc_opens,
-      ",\"shm_device_copies\":", gpu.shm_device_copies,
-      ",\"tcp_staged_bytes\":", gpu.tcp_staged_bytes, "}");
-  absl::StrAppend(&out, ",\"tcp_listener\":{\"connections\":", tcp_listener.connections,
-                  ",\"refused_over_limit\":", tcp_listener.refused_over_limit,
-                  ",\"hello_refused\":", tcp_listener.hello_refused,
-                  ",\"hello_timeouts\":", tcp_listener.hello_timeouts,
-                  ",\"thread_failures\":", tcp_listener.thread_failures,
-                  ",\"stalled_dropped\":", tcp_listener.stalled_dropped, "}}");
+  absl::StrAppend(&out, "]");
+  // The transports' statistics, by group in the order they first appear; "gpu" is also the
+  // engine's (its regions come first).
+  std::vector<std::string> groups;
+  for (const TransportStat& stat : transport_stats) {
+    if (std::find(groups.begin(), groups.end(), stat.group) == groups.end()) {
+      groups.push_back(stat.group);
+    }
+  }
+  if (std::find(groups.begin(), groups.end(), "gpu") == groups.end()) groups.push_back("gpu");
+  for (const std::string& group : groups) {
+    absl::StrAppend(&out, ",\"", JsonEscape(group), "\":{");
+    first = true;
+    if (group == "gpu") {
+      absl::StrAppend(&out, "\"regions\":", gpu.regions);
+      first = false;
+    }
+    for (const TransportStat& stat : transport_stats) {
+      if (stat.group != group) continue;
+      absl::StrAppend(&out, first ? "" : ",", "\"", JsonEscape(stat.name), "\":");
+      if (stat.kind == TransportStat::Kind::kText) {
+        absl::StrAppend(&out, "\"", JsonEscape(stat.text), "\"");
+      } else {
+        absl::StrAppend(&out, stat.value);
+      }
+      first = false;
+    }
+    absl::StrAppend(&out, "}");
+  }
+  absl::StrAppend(&out, "}");
   return out;
 }
 
@@ -111,41 +137,21 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("notifications_delivered_total", "Notifications delivered.", notifications_delivered);
   counter("incoming_ops_total", "Ops served as a target.", incoming_ops);
   counter("incoming_rejected_total", "Incoming ops refused by validation.", incoming_rejected);
-  counter("rdma_work_requests_total", "rdma work requests posted.", rdma.work_requests);
-  counter("rdma_post_calls_total", "ibv_post_send calls (one per chain).", rdma.post_calls);
-  counter("rdma_signalled_total", "rdma work requests posted signalled.", rdma.signalled);
-  counter("rdma_inline_total", "rdma work requests with inline payload.", rdma.inline_wrs);
-  counter("rdma_queued_total", "rdma work requests that waited for send-queue room.",
-          rdma.queued_wrs);
-  counter("rdma_completion_errors_total", "rdma work completions with an error status.",
-          rdma.completion_errors);
-  counter("rdma_async_events_total", "rdma error events (QP, CQ, port, device).",
-          rdma.async_events);
-  counter("rdma_qp_reconnects_total", "rdma QPs re-created after a failure.", rdma.qp_reconnects);
-  gauge("gpu_regions", "GPU memory regions registered.", gpu.regions);
-  counter("gpu_rdma_dmabuf_regions_total", "GPU regions registered with ibv_reg_dmabuf_mr.",
-          gpu.rdma_dmabuf_regions);
-  counter("gpu_rdma_peermem_regions_total",
-          "GPU regions registered with ibv_reg_mr on the device pointer (peer memory).",
-          gpu.rdma_peermem_regions);
-  counter("gpu_shm_ipc_opens_total", "Peer GPU allocations opened from IPC handles.",
-          gpu.shm_ipc_opens);
-  counter("gpu_shm_device_copies_total", "Copies on the shm transport's device streams.",
-          gpu.shm_device_copies);
-  counter("gpu_tcp_staged_bytes_total", "Bytes staged through pinned host buffers (tcp).",
-          gpu.tcp_staged_bytes);
-  gauge("tcp_data_connections", "tcp data connections open, every stage.",
-        tcp_listener.connections);
-  counter("tcp_refused_over_limit_total", "tcp data connections refused by a connection limit.",
-          tcp_listener.refused_over_limit);
-  counter("tcp_hello_refused_total", "tcp data connections with a bad hello or unknown token.",
-          tcp_listener.hello_refused);
-  counter("tcp_hello_timeouts_total", "tcp data connections cut at the hello deadline.",
-          tcp_listener.hello_timeouts);
-  counter("tcp_thread_failures_total", "tcp data connections refused: no thread could start.",
-          tcp_listener.thread_failures);
-  counter("tcp_stalled_dropped_total", "tcp data connections cut mid-op by the I/O deadline.",
-          tcp_listener.stalled_dropped);
+  // The transports' metrics in the order they list them; the engine's GPU region gauge goes
+  // with the first of group "gpu".
+  bool gpu_regions_done = false;
+  const auto gpu_regions = [&] {
+    if (gpu_regions_done) return;
+    gauge("gpu_regions", "GPU memory regions registered.", gpu.regions);
+    gpu_regions_done = true;
+  };
+  for (const TransportStat& stat : transport_stats) {
+    if (stat.metric.empty() || stat.kind == TransportStat::Kind::kText) continue;
+    if (stat.group == "gpu") gpu_regions();
+    metric(stat.kind == TransportStat::Kind::kGauge ? "gauge" : "counter", stat.metric.c_str(),
+           stat.help.c_str(), stat.value);
+  }
+  gpu_regions();
   gauge("control_handshakes_in_flight", "Inbound control handshakes not yet authenticated.",
         control.handshakes_in_flight);
   gauge("control_connections", "Inbound control connections open.", control.control_connections);
