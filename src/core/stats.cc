@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 
 #include "src/util/json_escape.h"
+#include "src/util/prometheus_text.h"
 
 namespace kvwire {
 
@@ -116,16 +117,18 @@ std::string EngineStats::ToJson() const {
 }
 
 std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
-  const std::string label = absl::StrCat("engine=\"", JsonEscape(engine_name), "\"");
+  const std::string label = absl::StrCat("engine=\"", PrometheusLabelValue(engine_name), "\"");
   std::string out;
-  auto metric = [&](const char* type, const char* name, const char* help, double value) {
+  // Values are integers: written exactly (a double's six significant digits would round
+  // a byte counter).
+  auto metric = [&](const char* type, const char* name, const char* help, uint64_t value) {
     absl::StrAppend(&out, "# HELP kvwire_", name, " ", help, "\n# TYPE kvwire_", name, " ", type,
                     "\nkvwire_", name, "{", label, "} ", value, "\n");
   };
-  auto counter = [&](const char* name, const char* help, double value) {
+  auto counter = [&](const char* name, const char* help, uint64_t value) {
     metric("counter", name, help, value);
   };
-  auto gauge = [&](const char* name, const char* help, double value) {
+  auto gauge = [&](const char* name, const char* help, uint64_t value) {
     metric("gauge", name, help, value);
   };
   counter("bytes_read_total", "Bytes moved by completed READ transfers.", bytes_read);
@@ -165,26 +168,36 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("control_peers_closed_for_protocol_total",
           "Peers closed for a malformed/unknown control message or an overrun queue.",
           control.peers_closed_for_protocol);
-  absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
-                  "# TYPE kvwire_transfer_latency_us histogram\n");
+  // Latency in seconds, as Prometheus names and measures it; the buckets are the histogram's
+  // power-of-two microsecond bounds.
+  absl::StrAppend(&out,
+                  "# HELP kvwire_transfer_latency_seconds Transfer latency, from Transfer to "
+                  "completion.\n",
+                  "# TYPE kvwire_transfer_latency_seconds histogram\n");
   uint64_t cumulative = 0;
   for (int i = 0; i < LatencyHistogram::kBuckets - 1; ++i) {
     cumulative += transfer_latency.counts[i];
-    absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"", std::ldexp(1.0, i),
-                    "\"} ", cumulative, "\n");
+    absl::StrAppend(&out, "kvwire_transfer_latency_seconds_bucket{", label, ",le=\"",
+                    PrometheusNumber(std::ldexp(1.0, i) / 1e6), "\"} ", cumulative, "\n");
   }
-  absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"+Inf\"} ",
-                  transfer_latency.samples, "\n", "kvwire_transfer_latency_us_sum{", label, "} ",
-                  transfer_latency.sum_us, "\n", "kvwire_transfer_latency_us_count{", label, "} ",
-                  transfer_latency.samples, "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_errors_total counter\n");
+  absl::StrAppend(&out, "kvwire_transfer_latency_seconds_bucket{", label, ",le=\"+Inf\"} ",
+                  transfer_latency.samples, "\n", "kvwire_transfer_latency_seconds_sum{", label,
+                  "} ", PrometheusNumber(transfer_latency.sum_us / 1e6), "\n",
+                  "kvwire_transfer_latency_seconds_count{", label, "} ", transfer_latency.samples,
+                  "\n");
+  absl::StrAppend(&out, "# HELP kvwire_errors_total Failed transfers by status code.\n",
+                  "# TYPE kvwire_errors_total counter\n");
   for (const auto& [kind, count] : errors_by_kind) {
-    absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", kind, "\"} ", count, "\n");
+    absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", PrometheusLabelValue(kind),
+                    "\"} ", count, "\n");
   }
-  absl::StrAppend(&out, "# TYPE kvwire_peer_info gauge\n");
+  absl::StrAppend(&out,
+                  "# HELP kvwire_peer_info A peer and its transport: 1 while alive, 0 after.\n",
+                  "# TYPE kvwire_peer_info gauge\n");
   for (const PeerStats& p : peers) {
-    absl::StrAppend(&out, "kvwire_peer_info{", label, ",peer=\"", JsonEscape(p.name),
-                    "\",transport=\"", JsonEscape(p.transport), "\"} ", p.alive ? 1 : 0, "\n");
+    absl::StrAppend(&out, "kvwire_peer_info{", label, ",peer=\"", PrometheusLabelValue(p.name),
+                    "\",transport=\"", PrometheusLabelValue(p.transport), "\"} ", p.alive ? 1 : 0,
+                    "\n");
   }
   return out;
 }

@@ -18,11 +18,15 @@
 #include "kvwire/engine.h"
 #include "kvwire/stats.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/promtool.h"
 
 namespace kvwire::testing {
 namespace {
 
 constexpr uint64_t kBytes = 64 << 10;
+// The dialer's name, which the other engine shows as a peer label: a quote, a backslash and
+// a line feed, each of which must be escaped in the Prometheus output.
+constexpr char kNameA[] = "stats-a \"q\" \\b\nc";
 
 std::unique_ptr<Engine> MakeEngine(const std::string& name, TransportKind transport) {
   EngineOptions options;
@@ -39,7 +43,7 @@ class EngineStatsOutputTest : public ::testing::Test {
  protected:
   void SetUp() override {
     FillPattern(source_.data(), source_.size(), 7, 0);
-    a_ = MakeEngine("stats-a", TransportKind::kTcp);
+    a_ = MakeEngine(kNameA, TransportKind::kTcp);
     b_ = MakeEngine("stats-b", TransportKind::kTcp);
     ASSERT_TRUE(a_ && b_);
     auto remote = a_->RegisterMemory(target_.data(), target_.size());
@@ -48,7 +52,7 @@ class EngineStatsOutputTest : public ::testing::Test {
     ConnectOptions connect;
     connect.exports = {*remote};
     ASSERT_TRUE(a_->Connect(b_->address(), connect).ok());
-    auto peer = b_->WaitForPeer("stats-a", absl::Seconds(10));
+    auto peer = b_->WaitForPeer(kNameA, absl::Seconds(10));
     ASSERT_TRUE(peer.ok()) << peer.status();
     ASSERT_TRUE(b_->WaitForRemoteRegion(*peer, *remote, absl::Seconds(10)).ok());
     for (OpKind kind : {OpKind::kWrite, OpKind::kRead}) {
@@ -225,7 +229,7 @@ TEST_F(EngineStatsOutputTest, PrometheusCarriesEveryPinnedMetric) {
       {"kvwire_tcp_refused_over_limit_total", "counter"},
       {"kvwire_tcp_stalled_dropped_total", "counter"},
       {"kvwire_tcp_thread_failures_total", "counter"},
-      {"kvwire_transfer_latency_us", "histogram"},
+      {"kvwire_transfer_latency_seconds", "histogram"},
       {"kvwire_transfers_failed_total", "counter"},
       {"kvwire_transfers_succeeded_total", "counter"},
   };
@@ -233,11 +237,27 @@ TEST_F(EngineStatsOutputTest, PrometheusCarriesEveryPinnedMetric) {
   EXPECT_EQ(e.values.at("kvwire_bytes_written_total"), kBytes);
   EXPECT_EQ(e.values.at("kvwire_rdma_work_requests_total"), 0);
   EXPECT_EQ(e.values.at("kvwire_gpu_tcp_staged_bytes_total"), 0);
-  EXPECT_EQ(e.values.at("kvwire_transfer_latency_us_count"), 2);
+  EXPECT_EQ(e.values.at("kvwire_transfer_latency_seconds_count"), 2);
   EXPECT_EQ(e.values.at("kvwire_peer_info"), 1);
-  const Exposition eb = ParseExposition(a_->Stats().ToPrometheus("stats-a"));
+  const Exposition eb = ParseExposition(a_->Stats().ToPrometheus(kNameA));
   EXPECT_EQ(eb.values.at("kvwire_incoming_ops_total"), 2);
   EXPECT_GE(eb.values.at("kvwire_tcp_data_connections"), 1);
+}
+
+// Prometheus's own linter accepts both engines' output after real traffic: types, names
+// (latency in seconds), HELP lines, and label values with a quote, a backslash, a line feed.
+TEST_F(EngineStatsOutputTest, PrometheusPassesPromtool) {
+  const std::string initiator = b_->Stats().ToPrometheus("stats-b");
+  const absl::Status b = PromtoolCheckMetrics(initiator);
+  EXPECT_TRUE(b.ok()) << b.message();
+  const absl::Status a = PromtoolCheckMetrics(a_->Stats().ToPrometheus(kNameA));
+  EXPECT_TRUE(a.ok()) << a.message();
+  EXPECT_NE(initiator.find("peer=\"stats-a \\\"q\\\" \\\\b\\nc\""), std::string::npos) << initiator;
+  // Both transfers are counted, in seconds: the sum is a small fraction, not microseconds.
+  const Exposition e = ParseExposition(initiator);
+  EXPECT_EQ(e.values.at("kvwire_transfer_latency_seconds_count"), 2);
+  EXPECT_LT(e.values.at("kvwire_transfer_latency_seconds_sum"), 60);
+  EXPECT_EQ(e.values.at("kvwire_transfer_latency_seconds_bucket"), 0);  // le="1e-06"
 }
 
 }  // namespace
