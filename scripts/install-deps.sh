@@ -23,6 +23,8 @@ packages=(
   python3-torch python3-numpy python3-httpx python3-aiohttp
   # Discovery (issue 16): tests start a real etcd (v3 API) on loopback; etcdctl for checks.
   etcd-server etcd-client
+  # Metrics (issue 14): tests check the Prometheus output with `promtool check metrics`.
+  prometheus
   # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer
   # that turns sanitizer stack traces into file:line. libclang-rt-14-dev also holds libFuzzer
   # (libclang_rt.fuzzer*.a) for `make fuzz`.

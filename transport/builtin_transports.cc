@@ -80,4 +80,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateRdma(const TransportContext& co
 
 std::vector<TransportFactory> BuiltinTransports() { return {CreateTcp, CreateShm, CreateRdma}; }
 
+std::vector<TransportStat> BuiltinTransportStats() {
+  std::vector<TransportStat> out;
+  for (auto declared : {RdmaTransportStats, ShmTransportStats, TcpTransportStats}) {
+    for (TransportStat& stat : declared()) out.push_back(std::move(stat));
+  }
+  return out;
+}
+
 }  // namespace kvwire::transport

@@ -15,6 +15,11 @@ namespace kvwire::transport {
 
 std::vector<TransportFactory> BuiltinTransports();
 
+// The statistics every built-in transport declares, at zero: an engine lists them also for a
+// transport that is not running on this machine (rdma without a device), so its stats keep
+// their shape.
+std::vector<TransportStat> BuiltinTransportStats();
+
 }  // namespace kvwire::transport
 
 #endif  // KVWIRE_TRANSPORT_BUILTIN_TRANSPORTS_H_

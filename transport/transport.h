@@ -233,8 +233,9 @@ class Transport {
   // I/O thread. Malformed payloads are this transport's to refuse (TargetHooks::OnPeerError).
   virtual void OnControlMessage(PeerId peer, const std::string& payload,
                                 const ControlSender& reply) {}
-  // Adds this transport's counters to `stats` (rdma: EngineStats::rdma).
-  virtual void AddStats(EngineStats* stats) const {}
+  // Adds this transport's values to `stats`, which already lists every statistic its
+  // declaration (see DeclareStat) named, at zero: AddStat / SetStatText below.
+  virtual void AddStats(std::vector<TransportStat>* stats) const {}
   // Stops everything (called before the engine is destroyed).
   virtual void Shutdown() = 0;
 };
@@ -248,6 +249,43 @@ struct TransportContext {
   gpu::Runtime* gpu_runtime = nullptr;
   TargetHooks* hooks = nullptr;
 };
+
+// Transport statistics. A transport declares what it reports in a function that needs no
+// running transport (e.g. RdmaTransportStats()), so that the engine lists them, at zero,
+// also when it is not running; its AddStats then adds the values.
+inline TransportStat DeclareStat(std::string transport, std::string group, std::string name,
+                                 TransportStat::Kind kind, std::string metric = "",
+                                 std::string help = "") {
+  TransportStat s;
+  s.transport = std::move(transport);
+  s.group = std::move(group);
+  s.name = std::move(name);
+  s.kind = kind;
+  s.metric = std::move(metric);
+  s.help = std::move(help);
+  return s;
+}
+
+// The statistic `group`/`name` of `stats`; appended (a counter, JSON only) if no declaration
+// listed it.
+inline TransportStat& StatOf(std::vector<TransportStat>* stats, std::string_view group,
+                             std::string_view name) {
+  for (TransportStat& s : *stats) {
+    if (s.group == group && s.name == name) return s;
+  }
+  stats->push_back(TransportStat{});
+  stats->back().group = std::string(group);
+  stats->back().name = std::string(name);
+  return stats->back();
+}
+inline void AddStat(std::vector<TransportStat>* stats, std::string_view group,
+                    std::string_view name, uint64_t value) {
+  StatOf(stats, group, name).value += value;
+}
+inline void SetStatText(std::vector<TransportStat>* stats, std::string_view group,
+                        std::string_view name, std::string text) {
+  StatOf(stats, group, name).text = std::move(text);
+}
 
 }  // namespace kvwire::transport
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kvwire {
@@ -35,38 +36,26 @@ struct PeerStats {
   uint64_t transfers = 0;
 };
 
-// The rdma transport's posting path (all zero without rdma). Chains: one ibv_post_send each.
-struct RdmaStats {
-  uint64_t work_requests = 0;      // WRs posted (a WR gathers up to max_sge merged pieces)
-  uint64_t post_calls = 0;         // ibv_post_send calls
-  uint64_t signalled = 0;          // WRs posted with IBV_SEND_SIGNALED
-  uint64_t inline_wrs = 0;         // WRs whose payload went inline
-  uint64_t queued_wrs = 0;         // WRs that waited for send-queue room (admission control)
-  uint64_t completion_errors = 0;  // work completions with an error status (flushes excluded)
-  uint64_t async_events = 0;       // error events: QP fatal, CQ error, port error, device fatal
-  uint64_t qp_reconnects = 0;      // QPs re-created after a failure
+// One statistic a transport reports, by name: every transport lists its own (see
+// transport/transport.h, AddStats), at zero when it is not running, so the output keeps its
+// shape. JSON lists it as "<group>":{"<name>":value}; Prometheus as kvwire_<metric> when
+// `metric` is set (a counter's metric ends in _total).
+struct TransportStat {
+  enum class Kind { kCounter, kGauge, kText };
+  std::string transport;  // the transport that reports it: "rdma", "shm", "tcp"
+  std::string group;      // the JSON object that lists it, e.g. "rdma", "gpu", "tcp_listener"
+  std::string name;       // its key in that object
+  Kind kind = Kind::kCounter;
+  uint64_t value = 0;  // kCounter (only grows), kGauge (a level now)
+  std::string text;    // kText (JSON only), e.g. why the newest GPU region took its rdma path
+  std::string metric;  // Prometheus name after "kvwire_"; "" = JSON only
+  std::string help;    // Prometheus HELP
 };
 
-// GPU memory (all zero without kGpu regions): how it was registered and moved.
+// GPU memory (all zero without kGpu regions). How the transports registered and moved it is in
+// EngineStats::transport_stats, group "gpu" (e.g. rdma_dmabuf_regions, tcp_staged_bytes).
 struct GpuStats {
-  uint64_t regions = 0;               // kGpu regions registered now
-  uint64_t rdma_dmabuf_regions = 0;   // registered with ibv_reg_dmabuf_mr on a runtime dma-buf
-  uint64_t rdma_peermem_regions = 0;  // registered with ibv_reg_mr on the device pointer
-  // Why the newest GPU region took the rdma path it took (e.g. why not dma-buf); "" if none.
-  std::string rdma_path_reason;
-  uint64_t shm_ipc_opens = 0;      // peer allocations opened from IPC handles
-  uint64_t shm_device_copies = 0;  // copies on the shm transport's device streams
-  uint64_t tcp_staged_bytes = 0;   // bytes staged through pinned host buffers (tcp)
-};
-
-// The tcp data listener's limits at work (see TcpTransportOptions): what it refused and why.
-struct TcpListenerStats {
-  uint64_t connections = 0;         // data connections open now, every stage (gauge)
-  uint64_t refused_over_limit = 0;  // refused by a connection limit (total, address, peer)
-  uint64_t hello_refused = 0;       // bad hello or token not accepted
-  uint64_t hello_timeouts = 0;      // hello stage not complete by its absolute deadline
-  uint64_t thread_failures = 0;     // no serving thread could be started: refused
-  uint64_t stalled_dropped = 0;     // cut mid-op by io_timeout; the peer was dropped
+  uint64_t regions = 0;  // kGpu regions registered now
 };
 
 // The control channel's trust boundary: handshakes, session tokens, bounded queues.
@@ -98,10 +87,15 @@ struct EngineStats {
   LatencyHistogram transfer_latency;
   std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count
   std::vector<PeerStats> peers;
-  RdmaStats rdma;
   GpuStats gpu;
-  TcpListenerStats tcp_listener;
   ControlStats control;
+  // Every transport's statistics, in the order the transports list them.
+  std::vector<TransportStat> transport_stats;
+
+  // The statistic `name` of `group` in transport_stats, or null.
+  const TransportStat* FindTransportStat(std::string_view group, std::string_view name) const;
+  // Its value; 0 when it is not listed.
+  uint64_t TransportStatValue(std::string_view group, std::string_view name) const;
 
   std::string ToJson() const;
   std::string ToPrometheus(const std::string& engine_name) const;

@@ -4,6 +4,7 @@
 
 #include "src/connector/connector_impl.h"
 #include "src/util/log.h"
+#include "src/util/prometheus_text.h"
 
 namespace kvwire {
 
@@ -29,39 +30,49 @@ std::string Connector::Impl::StatsJson() const {
 std::string Connector::Impl::StatsPrometheus() const {
   MutexLock lock(&mu_);
   const connector_internal::ConnectorMetrics::Snapshot m = accounting_.Get();
-  const std::string e = engine_->name();
+  const std::string e = PrometheusLabelValue(engine_->name());
   std::string out;
-  absl::StrAppend(&out, "# TYPE kvwire_connector_requests_total counter\n");
+  const auto family = [&](const char* name, const char* type, const char* help) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  };
+  family("kvwire_connector_requests_total", "counter", "Requests retired, by outcome.");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
                   "\",outcome=\"completed\"} ", m.completed, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e, "\",outcome=\"failed\"} ",
                   m.failed, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
                   "\",outcome=\"withdrawn\"} ", m.withdrawn, "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_connector_requests_started_total counter\n");
+  family("kvwire_connector_requests_started_total", "counter", "Requests started.");
   absl::StrAppend(&out, "kvwire_connector_requests_started_total{engine=\"", e, "\"} ", m.started,
                   "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_connector_lease_expired_total counter\n");
+  family("kvwire_connector_lease_expired_total", "counter",
+         "Requests whose lease expired before the peer finished.");
   absl::StrAppend(&out, "kvwire_connector_lease_expired_total{engine=\"", e, "\"} ",
                   m.lease_expired, "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_connector_live_requests gauge\n");
+  family("kvwire_connector_live_requests", "gauge", "Requests not retired yet.");
   absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ",
                   table_.requests.size(), "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_connector_group_bytes_total counter\n");
+  family("kvwire_connector_group_bytes_total", "counter",
+         "Bytes moved by completed requests, by layout group.");
   for (const auto& [g, c] : m.group_totals) {
-    absl::StrAppend(&out, "kvwire_connector_group_bytes_total{engine=\"", e, "\",group=\"", g,
-                    "\"} ", c.bytes, "\n");
+    absl::StrAppend(&out, "kvwire_connector_group_bytes_total{engine=\"", e, "\",group=\"",
+                    PrometheusLabelValue(g), "\"} ", c.bytes, "\n");
   }
-  absl::StrAppend(&out, "# TYPE kvwire_connector_group_ops_total counter\n");
+  family("kvwire_connector_group_ops_total", "counter",
+         "Ops of completed requests, by layout group, before and after merging.");
   for (const auto& [g, c] : m.group_totals) {
-    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
+    const std::string group = PrometheusLabelValue(g);
+    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", group,
                     "\",merged=\"false\"} ", c.ops_before_merge, "\n");
-    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", g,
+    absl::StrAppend(&out, "kvwire_connector_group_ops_total{engine=\"", e, "\",group=\"", group,
                     "\",merged=\"true\"} ", c.ops, "\n");
   }
-  absl::StrAppend(&out, "# TYPE kvwire_connector_transfer_seconds_sum counter\n");
-  absl::StrAppend(&out, "kvwire_connector_transfer_seconds_sum{engine=\"", e, "\"} ",
-                  m.transfer_seconds, "\n");
+  // Seconds from a request's first to its last byte, summed over the retired requests (a
+  // counter in base units, like process_cpu_seconds_total).
+  family("kvwire_connector_transfer_seconds_total", "counter",
+         "Time from a request's first to its last byte, summed over retired requests.");
+  absl::StrAppend(&out, "kvwire_connector_transfer_seconds_total{engine=\"", e, "\"} ",
+                  PrometheusNumber(m.transfer_seconds), "\n");
   return out;
 }
 

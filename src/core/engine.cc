@@ -341,7 +341,10 @@ EngineStats Engine::Impl::Stats() const {
     out.control.handshakes_failed = server.handshakes_failed;
     out.control.handshakes_refused = server.refused_over_limit;
   }
-  for (const auto& t : transports_) t->AddStats(&out);
+  // Every built-in transport's statistics, at zero for one that is not running (the output
+  // keeps its shape); then the running ones add their values.
+  out.transport_stats = transport::BuiltinTransportStats();
+  for (const auto& t : transports_) t->AddStats(&out.transport_stats);
   MutexLock lock(&peers_mu_);
   out.control.session_tokens = tokens_.size();
   for (const auto& [id, peer] : peers_) {

@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 
 #include "src/util/json_escape.h"
+#include "src/util/prometheus_text.h"
 
 namespace kvwire {
 
@@ -30,6 +31,19 @@ double LatencyHistogram::QuantileUpperBoundUs(double q) const {
     }
   }
   return max_us;
+}
+
+const TransportStat* EngineStats::FindTransportStat(std::string_view group,
+                                                    std::string_view name) const {
+  for (const TransportStat& stat : transport_stats) {
+    if (stat.group == group && stat.name == name) return &stat;
+  }
+  return nullptr;
+}
+
+uint64_t EngineStats::TransportStatValue(std::string_view group, std::string_view name) const {
+  const TransportStat* stat = FindTransportStat(group, name);
+  return stat != nullptr ? stat->value : 0;
 }
 
 std::string EngineStats::ToJson() const {
@@ -69,37 +83,52 @@ std::string EngineStats::ToJson() const {
                     ",\"bytes_written\":", p.bytes_written, ",\"transfers\":", p.transfers, "}");
     first = false;
   }
-  absl::StrAppend(
-      &out, "],\"rdma\":{\"work_requests\":", rdma.work_requests,
-      ",\"post_calls\":", rdma.post_calls, ",\"signalled\":", rdma.signalled,
-      ",\"inline_wrs\":", rdma.inline_wrs, ",\"queued_wrs\":", rdma.queued_wrs,
-      ",\"completion_errors\":", rdma.completion_errors, ",\"async_events\":", rdma.async_events,
-      ",\"qp_reconnects\":", rdma.qp_reconnects, "},\"gpu\":{\"regions\":", gpu.regions,
-      ",\"rdma_dmabuf_regions\":", gpu.rdma_dmabuf_regions,
-      ",\"rdma_peermem_regions\":", gpu.rdma_peermem_regions, ",\"rdma_path_reason\":\"",
-      JsonEscape(gpu.rdma_path_reason), "\",\"shm_ipc_opens\":", gpu.shm_ipc_opens,
-      ",\"shm_device_copies\":", gpu.shm_device_copies,
-      ",\"tcp_staged_bytes\":", gpu.tcp_staged_bytes, "}");
-  absl::StrAppend(&out, ",\"tcp_listener\":{\"connections\":", tcp_listener.connections,
-                  ",\"refused_over_limit\":", tcp_listener.refused_over_limit,
-                  ",\"hello_refused\":", tcp_listener.hello_refused,
-                  ",\"hello_timeouts\":", tcp_listener.hello_timeouts,
-                  ",\"thread_failures\":", tcp_listener.thread_failures,
-                  ",\"stalled_dropped\":", tcp_listener.stalled_dropped, "}}");
+  absl::StrAppend(&out, "]");
+  // The transports' statistics, by group in the order they first appear; "gpu" is also the
+  // engine's (its regions come first).
+  std::vector<std::string> groups;
+  for (const TransportStat& stat : transport_stats) {
+    if (std::find(groups.begin(), groups.end(), stat.group) == groups.end()) {
+      groups.push_back(stat.group);
+    }
+  }
+  if (std::find(groups.begin(), groups.end(), "gpu") == groups.end()) groups.push_back("gpu");
+  for (const std::string& group : groups) {
+    absl::StrAppend(&out, ",\"", JsonEscape(group), "\":{");
+    first = true;
+    if (group == "gpu") {
+      absl::StrAppend(&out, "\"regions\":", gpu.regions);
+      first = false;
+    }
+    for (const TransportStat& stat : transport_stats) {
+      if (stat.group != group) continue;
+      absl::StrAppend(&out, first ? "" : ",", "\"", JsonEscape(stat.name), "\":");
+      if (stat.kind == TransportStat::Kind::kText) {
+        absl::StrAppend(&out, "\"", JsonEscape(stat.text), "\"");
+      } else {
+        absl::StrAppend(&out, stat.value);
+      }
+      first = false;
+    }
+    absl::StrAppend(&out, "}");
+  }
+  absl::StrAppend(&out, "}");
   return out;
 }
 
 std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
-  const std::string label = absl::StrCat("engine=\"", JsonEscape(engine_name), "\"");
+  const std::string label = absl::StrCat("engine=\"", PrometheusLabelValue(engine_name), "\"");
   std::string out;
-  auto metric = [&](const char* type, const char* name, const char* help, double value) {
+  // Values are integers: written exactly (a double's six significant digits would round
+  // a byte counter).
+  auto metric = [&](const char* type, const char* name, const char* help, uint64_t value) {
     absl::StrAppend(&out, "# HELP kvwire_", name, " ", help, "\n# TYPE kvwire_", name, " ", type,
                     "\nkvwire_", name, "{", label, "} ", value, "\n");
   };
-  auto counter = [&](const char* name, const char* help, double value) {
+  auto counter = [&](const char* name, const char* help, uint64_t value) {
     metric("counter", name, help, value);
   };
-  auto gauge = [&](const char* name, const char* help, double value) {
+  auto gauge = [&](const char* name, const char* help, uint64_t value) {
     metric("gauge", name, help, value);
   };
   counter("bytes_read_total", "Bytes moved by completed READ transfers.", bytes_read);
@@ -111,41 +140,21 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("notifications_delivered_total", "Notifications delivered.", notifications_delivered);
   counter("incoming_ops_total", "Ops served as a target.", incoming_ops);
   counter("incoming_rejected_total", "Incoming ops refused by validation.", incoming_rejected);
-  counter("rdma_work_requests_total", "rdma work requests posted.", rdma.work_requests);
-  counter("rdma_post_calls_total", "ibv_post_send calls (one per chain).", rdma.post_calls);
-  counter("rdma_signalled_total", "rdma work requests posted signalled.", rdma.signalled);
-  counter("rdma_inline_total", "rdma work requests with inline payload.", rdma.inline_wrs);
-  counter("rdma_queued_total", "rdma work requests that waited for send-queue room.",
-          rdma.queued_wrs);
-  counter("rdma_completion_errors_total", "rdma work completions with an error status.",
-          rdma.completion_errors);
-  counter("rdma_async_events_total", "rdma error events (QP, CQ, port, device).",
-          rdma.async_events);
-  counter("rdma_qp_reconnects_total", "rdma QPs re-created after a failure.", rdma.qp_reconnects);
-  gauge("gpu_regions", "GPU memory regions registered.", gpu.regions);
-  counter("gpu_rdma_dmabuf_regions_total", "GPU regions registered with ibv_reg_dmabuf_mr.",
-          gpu.rdma_dmabuf_regions);
-  counter("gpu_rdma_peermem_regions_total",
-          "GPU regions registered with ibv_reg_mr on the device pointer (peer memory).",
-          gpu.rdma_peermem_regions);
-  counter("gpu_shm_ipc_opens_total", "Peer GPU allocations opened from IPC handles.",
-          gpu.shm_ipc_opens);
-  counter("gpu_shm_device_copies_total", "Copies on the shm transport's device streams.",
-          gpu.shm_device_copies);
-  counter("gpu_tcp_staged_bytes_total", "Bytes staged through pinned host buffers (tcp).",
-          gpu.tcp_staged_bytes);
-  gauge("tcp_data_connections", "tcp data connections open, every stage.",
-        tcp_listener.connections);
-  counter("tcp_refused_over_limit_total", "tcp data connections refused by a connection limit.",
-          tcp_listener.refused_over_limit);
-  counter("tcp_hello_refused_total", "tcp data connections with a bad hello or unknown token.",
-          tcp_listener.hello_refused);
-  counter("tcp_hello_timeouts_total", "tcp data connections cut at the hello deadline.",
-          tcp_listener.hello_timeouts);
-  counter("tcp_thread_failures_total", "tcp data connections refused: no thread could start.",
-          tcp_listener.thread_failures);
-  counter("tcp_stalled_dropped_total", "tcp data connections cut mid-op by the I/O deadline.",
-          tcp_listener.stalled_dropped);
+  // The transports' metrics in the order they list them; the engine's GPU region gauge goes
+  // with the first of group "gpu".
+  bool gpu_regions_done = false;
+  const auto gpu_regions = [&] {
+    if (gpu_regions_done) return;
+    gauge("gpu_regions", "GPU memory regions registered.", gpu.regions);
+    gpu_regions_done = true;
+  };
+  for (const TransportStat& stat : transport_stats) {
+    if (stat.metric.empty() || stat.kind == TransportStat::Kind::kText) continue;
+    if (stat.group == "gpu") gpu_regions();
+    metric(stat.kind == TransportStat::Kind::kGauge ? "gauge" : "counter", stat.metric.c_str(),
+           stat.help.c_str(), stat.value);
+  }
+  gpu_regions();
   gauge("control_handshakes_in_flight", "Inbound control handshakes not yet authenticated.",
         control.handshakes_in_flight);
   gauge("control_connections", "Inbound control connections open.", control.control_connections);
@@ -159,26 +168,36 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("control_peers_closed_for_protocol_total",
           "Peers closed for a malformed/unknown control message or an overrun queue.",
           control.peers_closed_for_protocol);
-  absl::StrAppend(&out, "# HELP kvwire_transfer_latency_us Transfer latency.\n",
-                  "# TYPE kvwire_transfer_latency_us histogram\n");
+  // Latency in seconds, as Prometheus names and measures it; the buckets are the histogram's
+  // power-of-two microsecond bounds.
+  absl::StrAppend(&out,
+                  "# HELP kvwire_transfer_latency_seconds Transfer latency, from Transfer to "
+                  "completion.\n",
+                  "# TYPE kvwire_transfer_latency_seconds histogram\n");
   uint64_t cumulative = 0;
   for (int i = 0; i < LatencyHistogram::kBuckets - 1; ++i) {
     cumulative += transfer_latency.counts[i];
-    absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"", std::ldexp(1.0, i),
-                    "\"} ", cumulative, "\n");
+    absl::StrAppend(&out, "kvwire_transfer_latency_seconds_bucket{", label, ",le=\"",
+                    PrometheusNumber(std::ldexp(1.0, i) / 1e6), "\"} ", cumulative, "\n");
   }
-  absl::StrAppend(&out, "kvwire_transfer_latency_us_bucket{", label, ",le=\"+Inf\"} ",
-                  transfer_latency.samples, "\n", "kvwire_transfer_latency_us_sum{", label, "} ",
-                  transfer_latency.sum_us, "\n", "kvwire_transfer_latency_us_count{", label, "} ",
-                  transfer_latency.samples, "\n");
-  absl::StrAppend(&out, "# TYPE kvwire_errors_total counter\n");
+  absl::StrAppend(&out, "kvwire_transfer_latency_seconds_bucket{", label, ",le=\"+Inf\"} ",
+                  transfer_latency.samples, "\n", "kvwire_transfer_latency_seconds_sum{", label,
+                  "} ", PrometheusNumber(transfer_latency.sum_us / 1e6), "\n",
+                  "kvwire_transfer_latency_seconds_count{", label, "} ", transfer_latency.samples,
+                  "\n");
+  absl::StrAppend(&out, "# HELP kvwire_errors_total Failed transfers by status code.\n",
+                  "# TYPE kvwire_errors_total counter\n");
   for (const auto& [kind, count] : errors_by_kind) {
-    absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", kind, "\"} ", count, "\n");
+    absl::StrAppend(&out, "kvwire_errors_total{", label, ",kind=\"", PrometheusLabelValue(kind),
+                    "\"} ", count, "\n");
   }
-  absl::StrAppend(&out, "# TYPE kvwire_peer_info gauge\n");
+  absl::StrAppend(&out,
+                  "# HELP kvwire_peer_info A peer and its transport: 1 while alive, 0 after.\n",
+                  "# TYPE kvwire_peer_info gauge\n");
   for (const PeerStats& p : peers) {
-    absl::StrAppend(&out, "kvwire_peer_info{", label, ",peer=\"", JsonEscape(p.name),
-                    "\",transport=\"", JsonEscape(p.transport), "\"} ", p.alive ? 1 : 0, "\n");
+    absl::StrAppend(&out, "kvwire_peer_info{", label, ",peer=\"", PrometheusLabelValue(p.name),
+                    "\",transport=\"", PrometheusLabelValue(p.transport), "\"} ", p.alive ? 1 : 0,
+                    "\n");
   }
   return out;
 }

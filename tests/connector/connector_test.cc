@@ -19,6 +19,7 @@
 
 #include "tests/connector/child.h"
 #include "tests/connector/kv_sim.h"
+#include "tests/support/promtool.h"
 
 namespace kvwire::testing {
 namespace {
@@ -814,6 +815,30 @@ TEST_P(ConnectorTest, RoleBothServesAsPrefillAndAsDecode) {
   b.ExpectClean();
   EXPECT_EQ(a.cache->live().size(), 0u);
   EXPECT_EQ(b.cache->live().size(), 0u);
+}
+
+// The connector's and its engine's Prometheus output pass promtool after real traffic in
+// both modes, with a prefill peer whose name needs escaping in a label value.
+TEST_P(ConnectorTest, PrometheusOutputPassesPromtool) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  auto p = Prefill(s, "auto", 60000, "", "prefill \"q\" \\b\nc");
+  Decode d(transport(), s, KvMode::kAuto);
+  int n = 0;
+  for (const char* mode : {"read", "write"}) {
+    const std::string id = absl::StrCat("m", ++n);
+    ASSERT_EQ(Run(*p, d, id, 200, 0, mode), "");
+    d.cache->Release(id);
+    ASSERT_TRUE(p->Expect("FREED " + id).ok());
+  }
+  const std::string connector = d.connector->StatsPrometheus();
+  EXPECT_NE(connector.find("kvwire_connector_group_bytes_total"), std::string::npos);
+  const absl::Status c = PromtoolCheckMetrics(connector);
+  EXPECT_TRUE(c.ok()) << c.message();
+  Engine& engine = d.connector->engine();
+  const std::string text = engine.Stats().ToPrometheus(engine.name());
+  const absl::Status e = PromtoolCheckMetrics(text);
+  EXPECT_TRUE(e.ok()) << e.message();
+  EXPECT_NE(text.find("peer=\"prefill \\\"q\\\" \\\\b\\nc\""), std::string::npos) << text;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ConnectorTest, ::testing::Values("tcp", "shm"));

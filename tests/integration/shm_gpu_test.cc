@@ -207,7 +207,7 @@ TEST_P(ShmGpuTest, RouteIsShmAndOneIpcOpenServesBothRegionsOfTheAllocation) {
   EXPECT_THAT(stats.peers[0].transport, HasSubstr("shm memfd"));
   EXPECT_THAT(stats.peers[0].transport, HasSubstr("+gpu-ipc"));
   // Regions 0 and 1 lie in one device allocation of the peer: one IPC open for both.
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 1u);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 1u);
   EXPECT_EQ(emulated_->counters().ipc_opens, 1u);
   EXPECT_EQ(EmulatedMappings(), baseline_mappings_ + 2);
   EXPECT_EQ(stats.gpu.regions, 1u);
@@ -217,12 +217,12 @@ TEST_P(ShmGpuTest, ReadGpuToGpu) {
   std::mt19937_64 rng(11);
   const std::vector<Piece> pieces = MakePieces(rng);
   FillLocalGpu(3);
-  const uint64_t copies_before = engine_->Stats().gpu.shm_device_copies;
+  const uint64_t copies_before = engine_->Stats().TransportStatValue("gpu", "shm_device_copies");
   ASSERT_TRUE(Run(OpKind::kRead, local_gpu_, pieces).ok());
   ExpectRead(LocalGpuBytes(), pieces);
   EngineStats stats = engine_->Stats();
-  EXPECT_GE(stats.gpu.shm_device_copies - copies_before, pieces.size());
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 1u);
+  EXPECT_GE(stats.TransportStatValue("gpu", "shm_device_copies") - copies_before, pieces.size());
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 1u);
   EXPECT_GE(stats.peers[0].bytes_read, (1u << 20));
 }
 
@@ -232,7 +232,7 @@ TEST_P(ShmGpuTest, WriteGpuToGpu) {
   FillLocalGpu(5);
   ASSERT_TRUE(Run(OpKind::kWrite, local_gpu_, pieces).ok());
   ExpectWritten(LocalGpuBytes(), pieces, 0, 1);
-  EXPECT_EQ(engine_->Stats().gpu.shm_ipc_opens, 1u);
+  EXPECT_EQ(engine_->Stats().TransportStatValue("gpu", "shm_ipc_opens"), 1u);
 }
 
 TEST_P(ShmGpuTest, ReadGpuToHostAndWriteHostToGpu) {
@@ -325,7 +325,7 @@ TEST_P(ShmGpuTest, RevokedRegionsCloseTheMappingAndReRegisteredOnesReopenIt) {
   ASSERT_TRUE(transfer.ok()) << transfer.status();
   ASSERT_TRUE(engine_->Wait(*transfer, absl::Seconds(30)).ok());
   ExpectRead(LocalGpuBytes(), {Piece{1, 4096, 0, 65536}});
-  EXPECT_EQ(engine_->Stats().gpu.shm_ipc_opens, 2u);
+  EXPECT_EQ(engine_->Stats().TransportStatValue("gpu", "shm_ipc_opens"), 2u);
   EXPECT_EQ(EmulatedMappings(), baseline_mappings_ + 2);
 }
 
@@ -356,7 +356,7 @@ TEST(ShmGpuFallbackTest, GpuRegionOfAnotherRuntimeGoesOverTcp) {
     ASSERT_TRUE((*engine)->WaitForRemoteRegion(*pid, r, absl::Seconds(10)).ok());
   }
   EngineStats stats = (*engine)->Stats();
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 0u);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 0u);
   // The host region still goes over shm; the GPU one does not.
   std::vector<Op> host_op = {Op{*local, 0, (*peer)->regions()[2], 0, 4096}};
   auto id = (*engine)->Transfer(*pid, OpKind::kRead, host_op);
@@ -374,7 +374,7 @@ TEST(ShmGpuFallbackTest, GpuRegionOfAnotherRuntimeGoesOverTcp) {
     // Refused by the peer's tcp transport (it does not move GPU memory in this build).
     EXPECT_THAT(moved.message(), HasSubstr("tcp target")) << moved;
   }
-  EXPECT_EQ((*engine)->Stats().gpu.shm_device_copies, 0u);
+  EXPECT_EQ((*engine)->Stats().TransportStatValue("gpu", "shm_device_copies"), 0u);
   engine->reset();
   (*peer)->Stop();
 }

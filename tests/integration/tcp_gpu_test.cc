@@ -187,7 +187,9 @@ class TcpGpuFixture : public ::testing::Test {
     return initiator_->Wait(*id, kWait);
   }
 
-  static uint64_t Staged(const Engine& engine) { return engine.Stats().gpu.tcp_staged_bytes; }
+  static uint64_t Staged(const Engine& engine) {
+    return engine.Stats().TransportStatValue("gpu", "tcp_staged_bytes");
+  }
 
   std::unique_ptr<EmulatedGpu> emulated_;  // null on a real device
   gpu::Runtime* rt_ = nullptr;

@@ -19,6 +19,7 @@
 #include "kvwire/engine.h"
 #include "src/gpu/runtime.h"
 #include "src/util/log.h"
+#include "tests/rdma/rdma_stats.h"
 #include "tests/support/emulated_gpu.h"
 #include "transport/rdma/rdma_transport.h"
 
@@ -145,8 +146,8 @@ TEST_F(RdmaGpuTest, GpuSubRangeRegistersThroughPeerMemoryAndMovesBytesExactly) {
   SetLogLevel(LogLevel::kWarning);
   ASSERT_TRUE(gpu_id.ok()) << gpu_id.status();
   EXPECT_EQ(OpenFds(), fds) << "the refused dma-buf's fd must be closed";
-  const GpuStats stats = a_->Stats().gpu;
-  EXPECT_EQ(stats.regions, 1u);
+  const RdmaStats stats = RdmaOf(a_->Stats());
+  EXPECT_EQ(a_->Stats().gpu.regions, 1u);
   EXPECT_EQ(stats.rdma_peermem_regions, 1u);
   EXPECT_EQ(stats.rdma_dmabuf_regions, 0u);
   EXPECT_TRUE(NamesErrnoOf(stats.rdma_path_reason, "ibv_reg_dmabuf_mr")) << stats.rdma_path_reason;
@@ -184,9 +185,9 @@ TEST_F(RdmaGpuTest, GpuSubRangeRegistersThroughPeerMemoryAndMovesBytesExactly) {
         << "WRITE from GPU memory is not byte-exact at " << op.local_offset;
   }
   // A WRITE small enough to go inline must not: the CPU cannot read device memory.
-  const uint64_t inline_before = a_->Stats().rdma.inline_wrs;
+  const uint64_t inline_before = RdmaOf(a_->Stats()).inline_wrs;
   ASSERT_TRUE(Run(*a_, *b_at_a, OpKind::kWrite, {Op{*gpu_id, 8, host_id_, 200000, 64}}).ok());
-  EXPECT_EQ(a_->Stats().rdma.inline_wrs, inline_before) << "a WRITE from GPU memory went inline";
+  EXPECT_EQ(RdmaOf(a_->Stats()).inline_wrs, inline_before) << "a WRITE from GPU memory went inline";
   EXPECT_EQ(0, std::memcmp(host_.data() + 200000, source.data() + 8, 64));
 
   // b initiates, GPU memory remote (a's MR and rkey): WRITE host -> GPU, READ it back.
@@ -217,8 +218,8 @@ TEST_F(RdmaGpuTest, GpuSubRangeRegistersThroughPeerMemoryAndMovesBytesExactly) {
   ASSERT_TRUE(b_->Disconnect(*a_at_b).ok());
   ASSERT_TRUE(a_->Disconnect(*b_at_a).ok());
   ASSERT_TRUE(a_->DeregisterMemory(*gpu_id).ok());
-  const GpuStats after = a_->Stats().gpu;
-  EXPECT_EQ(after.regions, 0u);
+  const RdmaStats after = RdmaOf(a_->Stats());
+  EXPECT_EQ(a_->Stats().gpu.regions, 0u);
   EXPECT_EQ(after.rdma_peermem_regions, 0u);
 }
 
@@ -239,7 +240,7 @@ TEST_F(RdmaGpuTest, UnreachableGpuMemoryFailsNamingBothPathsAndLeaksNothing) {
   const EngineStats stats = a_->Stats();
   EXPECT_EQ(stats.regions, 0u);
   EXPECT_EQ(stats.gpu.regions, 0u);
-  EXPECT_EQ(stats.gpu.rdma_peermem_regions + stats.gpu.rdma_dmabuf_regions, 0u);
+  EXPECT_EQ(RdmaOf(stats).rdma_peermem_regions + RdmaOf(stats).rdma_dmabuf_regions, 0u);
 
   // The engine is still usable: host memory registers and moves over rdma.
   std::vector<std::byte> local(64 << 10, std::byte{0});
@@ -309,8 +310,8 @@ TEST(RdmaLeakCheck, GpuRegistrationBothOutcomes) {
                                  static_cast<std::byte*>(alloc->data()) + 4096 + 64, 16 << 10);
     ASSERT_TRUE(region.ok()) << region.status();
     absl::Status s = (*t)->RegisterRegion(*region);
-    EngineStats stats;
-    (*t)->AddStats(&stats);
+    EngineStats stats = StatsOf(transport::RdmaTransportStats());
+    (*t)->AddStats(&stats.transport_stats);
     if (reachable) {
       ASSERT_TRUE(s.ok()) << s;
       // A peer's own MR of the region takes the same (peer-memory) path.
@@ -318,11 +319,11 @@ TEST(RdmaLeakCheck, GpuRegistrationBothOutcomes) {
       ASSERT_TRUE(key.ok()) << key.status();
       EXPECT_FALSE(key->empty());
       EXPECT_EQ(*(*t)->ExportKey(5, 1), *key);
-      EXPECT_EQ(stats.gpu.rdma_peermem_regions, 1u);
+      EXPECT_EQ(RdmaOf(stats).rdma_peermem_regions, 1u);
       (*t)->DeregisterRegion(1);
     } else {
       EXPECT_FALSE(s.ok());
-      EXPECT_EQ(stats.gpu.rdma_peermem_regions, 0u);
+      EXPECT_EQ(RdmaOf(stats).rdma_peermem_regions, 0u);
     }
     (*t)->Shutdown();
   }

@@ -25,6 +25,7 @@
 #include "tests/integration/peer_process.h"
 #include "tests/integration/random_ops.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/rdma/rdma_stats.h"
 #include "transport/rdma/rdma_transport.h"
 
 namespace kvwire::testing {
@@ -216,7 +217,7 @@ TEST_F(RdmaEngineTest, ThousandsOfSmallPiecesAreByteExact) {
     remote[r] += gap + len;
   }
   ASSERT_GE(ops.size(), 2000u);
-  const RdmaStats before = engine_->Stats().rdma;
+  const RdmaStats before = RdmaOf(engine_->Stats());
   const absl::Time start = absl::Now();
   TransferOptions options;
   options.notification = "many";
@@ -230,7 +231,7 @@ TEST_F(RdmaEngineTest, ThousandsOfSmallPiecesAreByteExact) {
   // The posting path, as EngineStats reports it: WRs gather pieces (remote-contiguous ones
   // merge), chains need far fewer ibv_post_send calls than WRs, few WRs are signalled, and
   // the 8-byte slot binds go inline.
-  const RdmaStats after = engine_->Stats().rdma;
+  const RdmaStats after = RdmaOf(engine_->Stats());
   const uint64_t wrs = after.work_requests - before.work_requests;
   const uint64_t calls = after.post_calls - before.post_calls;
   const uint64_t signalled = after.signalled - before.signalled;
@@ -365,7 +366,7 @@ TEST_F(RdmaEngineTest, PortErrorFailsTransfersAtOnceAndTheEngineRecovers) {
     }
   });
   absl::SleepFor(absl::Seconds(2));
-  const RdmaStats before = engine_->Stats().rdma;
+  const RdmaStats before = RdmaOf(engine_->Stats());
   const absl::Time down = absl::Now();
   ASSERT_TRUE(SetLink("down").ok());
   absl::SleepFor(absl::Milliseconds(500));
@@ -399,7 +400,7 @@ TEST_F(RdmaEngineTest, PortErrorFailsTransfersAtOnceAndTheEngineRecovers) {
   EXPECT_GT(by_event, 0);
   EXPECT_EQ(other, 0) << other_error;
   EXPECT_LT(last_end - down, absl::Seconds(20));  // far below the 60 s transfer deadline
-  const RdmaStats after = engine_->Stats().rdma;
+  const RdmaStats after = RdmaOf(engine_->Stats());
   EXPECT_GT(after.async_events, before.async_events);
 
   // While the port is down, a new transfer is refused at once, naming the event.
@@ -425,7 +426,7 @@ TEST_F(RdmaEngineTest, PortErrorFailsTransfersAtOnceAndTheEngineRecovers) {
   for (uint64_t i = 0; i < (1 << 20); i += 4099) {
     ASSERT_EQ(local_[i], PatternByte(kSeed, 1, 4096 + i));
   }
-  EXPECT_GT(engine_->Stats().rdma.qp_reconnects, before.qp_reconnects);
+  EXPECT_GT(RdmaOf(engine_->Stats()).qp_reconnects, before.qp_reconnects);
   bool alive = false;
   for (const PeerInfo& p : engine_->Peers()) alive = alive || (p.id == peer_id_ && p.alive);
   EXPECT_TRUE(alive);

@@ -95,20 +95,22 @@ void RdmaTransportImpl::DropPeer(PeerId peer) {
   }
 }
 
-void RdmaTransportImpl::AddStats(EngineStats* stats) const {
-  RdmaStats& r = stats->rdma;
-  r.work_requests = counters_.wrs.load(std::memory_order_relaxed);
-  r.post_calls = counters_.post_calls.load(std::memory_order_relaxed);
-  r.signalled = counters_.signalled.load(std::memory_order_relaxed);
-  r.inline_wrs = counters_.inline_wrs.load(std::memory_order_relaxed);
-  r.queued_wrs = counters_.queued_wrs.load(std::memory_order_relaxed);
-  r.completion_errors = counters_.completion_errors.load(std::memory_order_relaxed);
-  r.async_events = counters_.async_events.load(std::memory_order_relaxed);
-  r.qp_reconnects = counters_.qp_reconnects.load(std::memory_order_relaxed);
+void RdmaTransportImpl::AddStats(std::vector<TransportStat>* stats) const {
+  const auto add = [&](const char* name, const std::atomic<uint64_t>& counter) {
+    AddStat(stats, "rdma", name, counter.load(std::memory_order_relaxed));
+  };
+  add("work_requests", counters_.wrs);
+  add("post_calls", counters_.post_calls);
+  add("signalled", counters_.signalled);
+  add("inline_wrs", counters_.inline_wrs);
+  add("queued_wrs", counters_.queued_wrs);
+  add("completion_errors", counters_.completion_errors);
+  add("async_events", counters_.async_events);
+  add("qp_reconnects", counters_.qp_reconnects);
   MutexLock lock(&mrs_mu_);
-  stats->gpu.rdma_dmabuf_regions = gpu_dmabuf_regions_;
-  stats->gpu.rdma_peermem_regions = gpu_peermem_regions_;
-  stats->gpu.rdma_path_reason = gpu_path_reason_;
+  AddStat(stats, "gpu", "rdma_dmabuf_regions", gpu_dmabuf_regions_);
+  AddStat(stats, "gpu", "rdma_peermem_regions", gpu_peermem_regions_);
+  SetStatText(stats, "gpu", "rdma_path_reason", gpu_path_reason_);
 }
 
 void RdmaTransportImpl::Shutdown() {
@@ -134,6 +136,34 @@ void RdmaTransportImpl::Shutdown() {
 }
 
 }  // namespace rdma
+
+std::vector<TransportStat> RdmaTransportStats() {
+  using Kind = TransportStat::Kind;
+  const auto rdma = [](const char* name, const char* metric, const char* help) {
+    return DeclareStat("rdma", "rdma", name, Kind::kCounter, metric, help);
+  };
+  return {
+      // The posting path. Chains: one ibv_post_send each.
+      rdma("work_requests", "rdma_work_requests_total", "rdma work requests posted."),
+      rdma("post_calls", "rdma_post_calls_total", "ibv_post_send calls (one per chain)."),
+      rdma("signalled", "rdma_signalled_total", "rdma work requests posted signalled."),
+      rdma("inline_wrs", "rdma_inline_total", "rdma work requests with inline payload."),
+      rdma("queued_wrs", "rdma_queued_total",
+           "rdma work requests that waited for send-queue room."),
+      rdma("completion_errors", "rdma_completion_errors_total",
+           "rdma work completions with an error status."),
+      rdma("async_events", "rdma_async_events_total", "rdma error events (QP, CQ, port, device)."),
+      rdma("qp_reconnects", "rdma_qp_reconnects_total", "rdma QPs re-created after a failure."),
+      // GPU regions registered now, by path, and why the newest took its path.
+      DeclareStat("rdma", "gpu", "rdma_dmabuf_regions", Kind::kCounter,
+                  "gpu_rdma_dmabuf_regions_total",
+                  "GPU regions registered with ibv_reg_dmabuf_mr."),
+      DeclareStat("rdma", "gpu", "rdma_peermem_regions", Kind::kCounter,
+                  "gpu_rdma_peermem_regions_total",
+                  "GPU regions registered with ibv_reg_mr on the device pointer (peer memory)."),
+      DeclareStat("rdma", "gpu", "rdma_path_reason", Kind::kText),
+  };
+}
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(const RdmaTransportOptions& options,
                                                                TargetHooks* hooks) {

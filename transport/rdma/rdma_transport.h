@@ -51,7 +51,8 @@
 //   events (QP fatal, CQ error, port error, device fatal) fail every affected lane at once;
 //   after a port error the device refuses new lanes (naming the event) until the port is
 //   ACTIVE again, then QPs are re-created on next use. A failed QP is moved to ERROR first,
-//   so nothing touches local memory once its lanes are reported. Counters: AddStats.
+//   so nothing touches local memory once its lanes are reported. Counters: AddStats
+//   (RdmaTransportStats).
 //   Close and DropPeer (peer dead by lease) destroy the QPs.
 //
 // Files: rdma_transport_impl.h (the Transport; its methods in rdma_transport.cc, lifetime and
@@ -97,6 +98,9 @@ struct RdmaTransportOptions {
   uint8_t rnr_retry = 7;
   uint64_t max_op_bytes = 1ull << 30;
 };
+
+// The statistics the rdma transport reports (groups "rdma" and "gpu"), at zero.
+std::vector<TransportStat> RdmaTransportStats();
 
 // A transport over every usable device, or NotFound (with the reasons) when there is none.
 absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(const RdmaTransportOptions& options,

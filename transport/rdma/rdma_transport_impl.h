@@ -52,7 +52,7 @@ class RdmaTransportImpl final : public Transport {
   void Shutdown() override;
   void OnControlMessage(PeerId peer, const std::string& payload,
                         const ControlSender& reply) override;
-  void AddStats(EngineStats* stats) const override;
+  void AddStats(std::vector<TransportStat>* stats) const override;
 
   // Fails the QP exchanges in flight for `core` (its channel closed).
   void AbortCalls(const ChannelCore* core, const absl::Status& status);

@@ -117,9 +117,11 @@ class ShmTransport final : public Transport {
   }
   std::string RegionKey(RegionId id) const override { return gpu_exports_.Key(id); }
 
-  void AddStats(EngineStats* stats) const override {
-    stats->gpu.shm_ipc_opens += gpu_counters_->ipc_opens.load(std::memory_order_relaxed);
-    stats->gpu.shm_device_copies += gpu_counters_->device_copies.load(std::memory_order_relaxed);
+  void AddStats(std::vector<TransportStat>* stats) const override {
+    AddStat(stats, "gpu", "shm_ipc_opens",
+            gpu_counters_->ipc_opens.load(std::memory_order_relaxed));
+    AddStat(stats, "gpu", "shm_device_copies",
+            gpu_counters_->device_copies.load(std::memory_order_relaxed));
   }
 
   absl::Status CanReach(const std::string& remote_endpoint) const override {
@@ -207,6 +209,16 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateShmTransport(const ShmTransport
     return started;
   }
   return std::unique_ptr<Transport>(std::move(transport));
+}
+
+std::vector<TransportStat> ShmTransportStats() {
+  using Kind = TransportStat::Kind;
+  return {
+      DeclareStat("shm", "gpu", "shm_ipc_opens", Kind::kCounter, "gpu_shm_ipc_opens_total",
+                  "Peer GPU allocations opened from IPC handles."),
+      DeclareStat("shm", "gpu", "shm_device_copies", Kind::kCounter, "gpu_shm_device_copies_total",
+                  "Copies on the shm transport's device streams."),
+  };
 }
 
 }  // namespace kvwire::transport

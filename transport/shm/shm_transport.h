@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -67,6 +68,9 @@ struct ShmTransportOptions {
   absl::Duration auth_timeout = absl::Seconds(5);
   size_t max_unauthenticated_per_uid = 16;
 };
+
+// The statistics the shm transport reports (group "gpu"), at zero.
+std::vector<TransportStat> ShmTransportStats();
 
 // Starts the transport's socket server. `hooks` (not null) must outlive the transport.
 absl::StatusOr<std::unique_ptr<Transport>> CreateShmTransport(const ShmTransportOptions& options,

@@ -35,6 +35,16 @@
 
 namespace kvwire::transport {
 
+// The data listener's limits at work (see TcpTransportOptions): what it refused and why.
+struct TcpListenerStats {
+  uint64_t connections = 0;         // data connections open now, every stage (gauge)
+  uint64_t refused_over_limit = 0;  // refused by a connection limit (total, address, peer)
+  uint64_t hello_refused = 0;       // bad hello or token not accepted
+  uint64_t hello_timeouts = 0;      // hello stage not complete by its absolute deadline
+  uint64_t thread_failures = 0;     // no serving thread could be started: refused
+  uint64_t stalled_dropped = 0;     // cut mid-op by io_timeout; the peer was dropped
+};
+
 class TcpServer {
  public:
   // Listens on options.listen_host:listen_port and starts accepting.

@@ -43,7 +43,7 @@ inline constexpr uint64_t kStagedBatchBytes = 4 * kStagingChunkBytes;
 inline constexpr absl::Duration kStagingCopyTimeout = absl::Seconds(30);
 
 // What a connection needs to move device memory: the runtime (null: it refuses) and the
-// transport's counter of staged bytes (EngineStats::gpu.tcp_staged_bytes).
+// transport's counter of staged bytes (transport statistic gpu/tcp_staged_bytes).
 struct GpuStaging {
   gpu::Runtime* runtime = nullptr;
   std::shared_ptr<std::atomic<uint64_t>> staged_bytes;

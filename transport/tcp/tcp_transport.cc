@@ -117,9 +117,16 @@ class TcpTransport final : public Transport {
 
   void DropPeer(PeerId peer) override { server_->DropPeer(peer); }
 
-  void AddStats(EngineStats* stats) const override {
-    stats->gpu.tcp_staged_bytes += staging_.staged_bytes->load(std::memory_order_relaxed);
-    stats->tcp_listener = server_->Stats();
+  void AddStats(std::vector<TransportStat>* stats) const override {
+    AddStat(stats, "gpu", "tcp_staged_bytes",
+            staging_.staged_bytes->load(std::memory_order_relaxed));
+    const TcpListenerStats listener = server_->Stats();
+    AddStat(stats, "tcp_listener", "connections", listener.connections);
+    AddStat(stats, "tcp_listener", "refused_over_limit", listener.refused_over_limit);
+    AddStat(stats, "tcp_listener", "hello_refused", listener.hello_refused);
+    AddStat(stats, "tcp_listener", "hello_timeouts", listener.hello_timeouts);
+    AddStat(stats, "tcp_listener", "thread_failures", listener.thread_failures);
+    AddStat(stats, "tcp_listener", "stalled_dropped", listener.stalled_dropped);
   }
 
   void Shutdown() override {
@@ -192,6 +199,30 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   absl::StatusOr<std::unique_ptr<TcpServer>> server = TcpServer::Start(options, hooks, staging);
   if (!server.ok()) return server.status();
   return std::make_unique<TcpTransport>(options, std::move(staging), *std::move(server));
+}
+
+std::vector<TransportStat> TcpTransportStats() {
+  using Kind = TransportStat::Kind;
+  // The data listener's limits at work (see TcpTransportOptions): what it refused and why.
+  const auto listener = [](const char* name, Kind kind, const char* metric, const char* help) {
+    return DeclareStat("tcp", "tcp_listener", name, kind, metric, help);
+  };
+  return {
+      DeclareStat("tcp", "gpu", "tcp_staged_bytes", Kind::kCounter, "gpu_tcp_staged_bytes_total",
+                  "Bytes staged through pinned host buffers (tcp)."),
+      listener("connections", Kind::kGauge, "tcp_data_connections",
+               "tcp data connections open, every stage."),
+      listener("refused_over_limit", Kind::kCounter, "tcp_refused_over_limit_total",
+               "tcp data connections refused by a connection limit."),
+      listener("hello_refused", Kind::kCounter, "tcp_hello_refused_total",
+               "tcp data connections with a bad hello or unknown token."),
+      listener("hello_timeouts", Kind::kCounter, "tcp_hello_timeouts_total",
+               "tcp data connections cut at the hello deadline."),
+      listener("thread_failures", Kind::kCounter, "tcp_thread_failures_total",
+               "tcp data connections refused: no thread could start."),
+      listener("stalled_dropped", Kind::kCounter, "tcp_stalled_dropped_total",
+               "tcp data connections cut mid-op by the I/O deadline."),
+  };
 }
 
 }  // namespace kvwire::transport

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -35,9 +36,9 @@ struct TcpTransportOptions {
 
   // Limits of the data listener. Whatever a dialer sends, it holds at most one socket and no
   // thread until its session token is accepted, and a serving thread only after that. Every
-  // refusal is logged with its reason, counted (EngineStats::tcp_listener), and answered with
-  // a hello reply that names the limit when the socket can still take it.
-  // Data connections open at once, in every stage.
+  // refusal is logged with its reason, counted (TcpTransportStats, group "tcp_listener"), and
+  // answered with a hello reply that names the limit when the socket can still take it. Data
+  // connections open at once, in every stage.
   uint32_t max_data_connections = 1024;
   // Connections in the hello stage (no accepted token yet), in total and per remote address.
   uint32_t max_pending_hellos = 128;
@@ -51,6 +52,9 @@ struct TcpTransportOptions {
   // released. Keep it below the 10 s that DeregisterMemory waits for ops in flight.
   absl::Duration io_timeout = absl::Seconds(5);
 };
+
+// The statistics the tcp transport reports (groups "gpu" and "tcp_listener"), at zero.
+std::vector<TransportStat> TcpTransportStats();
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransportOptions& options,
                                                               TargetHooks* hooks);

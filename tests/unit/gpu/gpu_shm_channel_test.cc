@@ -268,10 +268,11 @@ TEST_F(GpuShmChannelTest, DeviceCopiesCompleteBeforeDoneAndStatsCountThem) {
   ExpectLocal(0, 300, 1);
   for (uint64_t at = 1000; at + 5000 < kRegionBytes; at += 40000) ExpectLocal(at, 5000, 1);
   EngineStats stats;
-  initiator_->AddStats(&stats);
-  EXPECT_EQ(stats.gpu.shm_device_copies, ops);
+  stats.transport_stats = ShmTransportStats();
+  initiator_->AddStats(&stats.transport_stats);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_device_copies"), ops);
   // Same process: the region is used in place (a runtime cannot open its own IPC handle).
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 0u);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 0u);
   // WRITE back a changed range, then READ it into another place.
   std::vector<uint8_t> fill(65536);
   for (uint64_t i = 0; i < fill.size(); ++i) fill[i] = Byte(i, 5);

@@ -260,7 +260,7 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
   EngineStats stats = engine_->Stats();
   ASSERT_EQ(stats.peers.size(), 1u);
   EXPECT_THAT(stats.peers[0].transport, ::testing::HasSubstr("gpu-ipc"));
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 1u);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 1u);
 
   // READ the child's whole region, and an odd sub-range to an odd place.
   KVW_ASSERT_OK(Move(OpKind::kRead, *local_a, 0, 0, MaxBytes()));
@@ -337,8 +337,8 @@ TEST_F(GpuShmTransferTest, GpuToGpuBetweenTwoProcessesVerifiedAndMeasured) {
   }
   std::fflush(stdout);
   stats = engine_->Stats();
-  EXPECT_EQ(stats.gpu.shm_ipc_opens, 1u);
-  EXPECT_GT(stats.gpu.shm_device_copies, 0u);
+  EXPECT_EQ(stats.TransportStatValue("gpu", "shm_ipc_opens"), 1u);
+  EXPECT_GT(stats.TransportStatValue("gpu", "shm_device_copies"), 0u);
   engine_.reset();
 }
 
