@@ -252,6 +252,7 @@ kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
     } else {
       options.engine = kvwire::EngineOptions::FromEnvironment(std::move(options.engine));
     }
+    if (absl::Status s = kvwire::capi::CheckConsistent(options.engine); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
         kvwire::Connector::Create(std::move(options));
     if (!c.ok()) return c.status();

@@ -48,6 +48,25 @@ absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const 
   return kind;
 }
 
+// Options C++ accepts but the engine cannot work with: refused before anything starts.
+absl::Status CheckConsistent(const kvwire::EngineOptions& o) {
+  if (o.max_message_bytes >= o.max_frame_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine options: max_message_bytes (", o.max_message_bytes,
+                     ") must stay below max_frame_bytes (", o.max_frame_bytes, ")"));
+  }
+  if (o.max_control_send_queue_bytes < uint64_t{o.max_frame_bytes} + 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "engine options: max_control_send_queue_bytes (", o.max_control_send_queue_bytes,
+        ") must be at least max_frame_bytes + 4 (", uint64_t{o.max_frame_bytes} + 4, ")"));
+  }
+  if (o.shm_cma && o.shm_deny_ptrace) {
+    return absl::InvalidArgumentError(
+        "engine options: shm_cma and shm_deny_ptrace cannot be combined");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvwire::capi
 
 namespace {
@@ -86,25 +105,6 @@ int SetEngineNumber(const char* call, kvw_engine_options_t* o, int64_t value, in
 absl::Status WaitTimeout(const char* call, int64_t ms, absl::Duration* out) {
   if (absl::Status s = RequireRange(call, ms, 0, kMsPerDay); !s.ok()) return s;
   *out = absl::Milliseconds(ms);
-  return absl::OkStatus();
-}
-
-// Options C++ accepts but the engine cannot work with: refused before anything starts.
-absl::Status CheckConsistent(const kvwire::EngineOptions& o) {
-  if (o.max_message_bytes >= o.max_frame_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kvw_engine_create: max_message_bytes (", o.max_message_bytes,
-                     ") must stay below max_frame_bytes (", o.max_frame_bytes, ")"));
-  }
-  if (o.max_control_send_queue_bytes < uint64_t{o.max_frame_bytes} + 4) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kvw_engine_create: max_control_send_queue_bytes (", o.max_control_send_queue_bytes,
-        ") must be at least max_frame_bytes + 4 (", uint64_t{o.max_frame_bytes} + 4, ")"));
-  }
-  if (o.shm_cma && o.shm_deny_ptrace) {
-    return absl::InvalidArgumentError(
-        "kvw_engine_create: shm_cma and shm_deny_ptrace cannot be combined");
-  }
   return absl::OkStatus();
 }
 
@@ -284,7 +284,7 @@ int kvw_engine_options_set_compat_salt(kvw_engine_options_t* o, uint64_t v, char
 kvw_engine_t* kvw_engine_create(const kvw_engine_options_t* o, char** errptr) {
   return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_engine_t>> {
     kvwire::EngineOptions options = o == nullptr ? kvwire::EngineOptions() : o->rep;
-    if (absl::Status s = CheckConsistent(options); !s.ok()) return s;
+    if (absl::Status s = kvwire::capi::CheckConsistent(options); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<kvwire::Engine>> e = kvwire::Engine::Create(std::move(options));
     if (!e.ok()) return e.status();
     auto handle = std::make_unique<kvw_engine_t>();

@@ -75,15 +75,25 @@ inline int Report(const absl::Status& s, char** errptr) {
   return static_cast<int>(s.code());
 }
 
+// The message of an exception caught at the C boundary; building it may itself throw (out of
+// memory), and that must not leave the C ABI either: then *errptr stays as it was.
+inline void SetInternalError(char** errptr, const char* what) noexcept {
+  try {
+    SetError(errptr, what == nullptr ? std::string("internal error")
+                                     : std::string("internal error: ") + what);
+  } catch (...) {
+  }
+}
+
 // Runs `f` (returning absl::Status) so that no exception leaves the C ABI.
 template <typename F>
 int Guard(char** errptr, F&& f) {
   try {
     return Report(f(), errptr);
   } catch (const std::exception& e) {
-    SetError(errptr, std::string("internal error: ") + e.what());
+    SetInternalError(errptr, e.what());
   } catch (...) {
-    SetError(errptr, "internal error");
+    SetInternalError(errptr, nullptr);
   }
   return static_cast<int>(absl::StatusCode::kInternal);
 }
@@ -97,9 +107,9 @@ auto GuardMake(char** errptr, F&& f) -> typename decltype(f())::value_type::poin
     if (made.ok()) return made->release();
     Report(made.status(), errptr);
   } catch (const std::exception& e) {
-    SetError(errptr, std::string("internal error: ") + e.what());
+    SetInternalError(errptr, e.what());
   } catch (...) {
-    SetError(errptr, "internal error");
+    SetInternalError(errptr, nullptr);
   }
   return nullptr;
 }
@@ -149,6 +159,10 @@ inline absl::Status RequireRange(const char* call, int64_t value, int64_t lo, in
 // The one place a C transport name becomes the C++ API's transport value: C callers keep
 // passing names whatever the C++ side's representation is.
 absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const char* name);
+
+// Engine options C++ accepts but the engine cannot work with (kvw_engine_create and
+// kvw_connector_create refuse them before anything starts).
+absl::Status CheckConsistent(const kvwire::EngineOptions& o);
 
 inline std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 

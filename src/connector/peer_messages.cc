@@ -541,8 +541,12 @@ absl::Time Connector::Impl::NextWakeLocked() const {
   for (const auto& [tid, e] : pushes_.early_writes) wake = std::min(wake, e.expires);
   for (const auto& [id, r] : table_.requests) {
     // A request with transfers in flight waits for their ends (each has a deadline of its
-    // own in the engine); CheckDeadlines acts on the others.
-    if (r.transfers.empty()) wake = std::min(wake, r.deadline);
+    // own in the engine); CheckDeadlines acts on the others, except matched and pending ones
+    // (the scheduler has not started them): their deadline would stay in the past and spin
+    // this loop.
+    if (r.transfers.empty() && r.state != State::kMatched && r.state != State::kPending) {
+      wake = std::min(wake, r.deadline);
+    }
   }
   // CheckDeadlines acts on deadlines strictly in the past.
   return wake + absl::Microseconds(1);

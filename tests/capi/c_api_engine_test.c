@@ -165,6 +165,13 @@ static void TestEngineOptionsOther(void) {
   EXPECT_OK(kvw_engine_options_set_shm_cma(o, 1, &err));
   EXPECT_OK(kvw_engine_options_set_shm_deny_ptrace(o, 1, &err));
   EXPECT_NULL_ERROR(kvw_engine_create(o, &err), "cannot be combined");
+  {
+    /* The connector's engine is held to the same rules. */
+    kvw_options_t* co = kvw_options_create();
+    EXPECT_OK(kvw_options_set_engine_options(co, o, &err));
+    EXPECT_NULL_ERROR(kvw_connector_create(co, &err), "cannot be combined");
+    kvw_options_destroy(co);
+  }
   kvw_engine_options_destroy(o);
 
   /* The environment: a variable replaces what was set before from_environment; a setter after
