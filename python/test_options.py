@@ -163,6 +163,13 @@ class EngineTest(unittest.TestCase):
         events = inbox.wait(timeout_s=10)
         self.assertEqual(events, [("message", peer_a, "py-opt-a", b"hi")])
         b.unexport(peer_a, [rb])
+        # Once the revocation reached a, a refuses the op itself; sent before that, b would
+        # drop a as a peer using a region it no longer has (and the disconnect below would
+        # carry that reason instead).
+        deadline = time.monotonic() + 10
+        while a.remote_regions(peer_b) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(a.remote_regions(peer_b), [])
         with self.assertRaises(RuntimeError):
             t = a.transfer(peer_b, "read", [(ra, 0, rb, 0, 16)])
             a.wait(t, 20)

@@ -378,8 +378,8 @@ absl::Status ClientConnection::ReadErrorResponse(HeaderReader& reader,
   const WireOp& wop = head.request.ops[state.op];
   state.head_error = absl::Status(
       code, absl::StrCat("transfer ", head.request.transfer_id, " op ", state.op, " (",
-                         wire::WireKindName(h.kind), " remote region ", wop.remote_region,
-                         " offset ", wop.remote_offset, " length ", wop.length,
+                         wire::WireKindName(wire::WireKind(head.request.kind)), " remote region ",
+                         wop.remote_region, " offset ", wop.remote_offset, " length ", wop.length,
                          ") failed at tcp target ", endpoint_, ": ", message));
   return absl::Status(code, absl::StrCat("tcp connection to ", endpoint_,
                                          " closed by the target after an error: ", message));
