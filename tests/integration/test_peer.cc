@@ -205,6 +205,9 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (args.linger_s > 0) absl::SleepFor(absl::Seconds(args.linger_s));
+  // The engine (and the transports' serving threads it joins) ends before the memory it
+  // serves, which was allocated after it.
+  engine->reset();
   if (args.sanitizer_report) CommitSanitizedDefect(args.exit_code);
   return args.exit_code;
 }
