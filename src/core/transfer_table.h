@@ -115,7 +115,10 @@ class TransferTable {
   mutable Mutex mu_;
   CondVar ended_cv_;     // Wait
   CondVar deadline_cv_;  // WaitForDeadline: an earlier deadline, or the stop
-  CondVar ends_cv_;      // RunEndCallbacks: a callback queued, or the stop
+  // When the thread in WaitForDeadline wakes anyway (InfinitePast while it is awake: it
+  // re-reads the deadlines before it sleeps again).
+  absl::Time deadline_wake_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  CondVar ends_cv_;  // RunEndCallbacks: a callback queued, or the stop
   absl::flat_hash_map<TransferId, Record> records_ ABSL_GUARDED_BY(mu_);
   // Deadlines of transfers that may still expire (not ended, not claimed), earliest first.
   std::set<std::pair<absl::Time, TransferId>> deadlines_ ABSL_GUARDED_BY(mu_);
