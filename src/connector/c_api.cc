@@ -189,12 +189,8 @@ void kvw_options_set_request_timeout_ms(kvw_options_t* o, int64_t ms) {
 int kvw_options_set_secret(kvw_options_t* o, const char* secret, size_t length, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     if (absl::Status s = Require("kvw_options_set_secret", {{"options", o}}); !s.ok()) return s;
-    if (absl::Status s = RequireArray("kvw_options_set_secret", "secret", secret, length);
-        !s.ok()) {
-      return s;
-    }
-    o->rep.engine.shared_secret.assign(length == 0 ? "" : secret, length);
-    return absl::OkStatus();
+    return kvwire::capi::SetSecret("kvw_options_set_secret", secret, length,
+                                   &o->rep.engine.shared_secret);
   });
 }
 int kvw_options_set_engine_options(kvw_options_t* o, const kvw_engine_options_t* engine,

@@ -67,6 +67,17 @@ absl::Status CheckConsistent(const kvwire::EngineOptions& o) {
   return absl::OkStatus();
 }
 
+absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out) {
+  if (absl::Status s = RequireArray(call, "secret", secret, length); !s.ok()) return s;
+  constexpr size_t kMaxSecretBytes = 64 * 1024;
+  if (length > kMaxSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        call, ": a ", length, "-byte secret is over the ", kMaxSecretBytes, "-byte limit"));
+  }
+  out->assign(length == 0 ? "" : secret, length);
+  return absl::OkStatus();
+}
+
 }  // namespace kvwire::capi
 
 namespace {
@@ -199,13 +210,7 @@ int kvw_engine_options_set_secret(kvw_engine_options_t* o, const char* secret, s
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_engine_options_set_secret";
     if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    if (absl::Status s = RequireArray(kCall, "secret", secret, length); !s.ok()) return s;
-    if (length > 64 * kKiB) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kCall, ": a ", length, "-byte secret is over the 65536-byte limit"));
-    }
-    o->rep.shared_secret.assign(length == 0 ? "" : secret, length);
-    return absl::OkStatus();
+    return kvwire::capi::SetSecret(kCall, secret, length, &o->rep.shared_secret);
   });
 }
 int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* o, const char* devices,

@@ -160,6 +160,10 @@ inline absl::Status RequireRange(const char* call, int64_t value, int64_t lo, in
 // passing names whatever the C++ side's representation is.
 absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const char* name);
 
+// Stores a shared secret a C caller passes as (pointer, length): NULL only with length 0, at
+// most 64 KiB (a length past that is a caller's mistake, not a secret).
+absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out);
+
 // Engine options C++ accepts but the engine cannot work with (kvw_engine_create and
 // kvw_connector_create refuse them before anything starts).
 absl::Status CheckConsistent(const kvwire::EngineOptions& o);
