@@ -69,6 +69,16 @@ absl::Duration FromSeconds(const char* name, double s) {
   }
   return absl::Seconds(s);
 }
+// Inbox events as [(kind, peer, peer_name, payload bytes)].
+py::list EventList(const std::vector<kvwire::InboxEvent>& events) {
+  py::list out;
+  for (const kvwire::InboxEvent& ev : events) {
+    out.append(
+        py::make_tuple(ev.kind == kvwire::InboxEvent::Kind::kPeerClosed ? "peer_closed" : "message",
+                       ev.peer, ev.peer_name, py::bytes(ev.payload)));
+  }
+  return out;
+}
 // An integer option within [lo, hi], else ValueError naming it and the range (the C API's
 // setters accept the same ranges).
 template <typename T>
@@ -276,17 +286,7 @@ PYBIND11_MODULE(_kvwire, m) {
 
   py::class_<kvwire::Inbox, std::shared_ptr<kvwire::Inbox>>(m, "Inbox")
       .def_property_readonly("topic", &kvwire::Inbox::topic)
-      .def("take",
-           [](kvwire::Inbox& in) {
-             std::vector<kvwire::InboxEvent> events = in.Take();
-             py::list out;
-             for (const kvwire::InboxEvent& ev : events) {
-               out.append(py::make_tuple(
-                   ev.kind == kvwire::InboxEvent::Kind::kPeerClosed ? "peer_closed" : "message",
-                   ev.peer, ev.peer_name, py::bytes(ev.payload)));
-             }
-             return out;
-           })
+      .def("take", [](kvwire::Inbox& in) { return EventList(in.Take()); })
       .def(
           "wait",
           [](kvwire::Inbox& in, double timeout_s) {
@@ -295,13 +295,7 @@ PYBIND11_MODULE(_kvwire, m) {
               py::gil_scoped_release release;
               events = in.Wait(FromSeconds("timeout_s", timeout_s));
             }
-            py::list out;
-            for (const kvwire::InboxEvent& ev : events) {
-              out.append(py::make_tuple(
-                  ev.kind == kvwire::InboxEvent::Kind::kPeerClosed ? "peer_closed" : "message",
-                  ev.peer, ev.peer_name, py::bytes(ev.payload)));
-            }
-            return out;
+            return EventList(events);
           },
           py::arg("timeout_s") = 10.0, "[(kind, peer, peer_name, payload bytes)]");
 

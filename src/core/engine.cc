@@ -117,6 +117,7 @@ absl::Status Engine::Impl::Init() {
     transports_.push_back(std::move(*created));
   }
   if (transports_.empty()) return absl::FailedPreconditionError("no transport could start");
+  rank_order_ = core::RankOrder(caps_);
 
   work_ =
       std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(

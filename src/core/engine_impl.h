@@ -173,6 +173,7 @@ class Engine::Impl final : public transport::TargetHooks {
   // names one: routing decides from their Capabilities (src/core/route.h). Fixed after Init.
   std::vector<std::unique_ptr<transport::Transport>> transports_;
   std::vector<const transport::Capabilities*> caps_;  // transports_[i]->caps()
+  std::vector<size_t> rank_order_;                    // core::RankOrder(caps_), fixed after Init
   // Every transport that serves incoming ops itself (reaches_every_region) moves GPU memory.
   bool incoming_gpu_ok_ = true;
 

@@ -85,7 +85,8 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     for (size_t i = 0; i < peer->channels.size(); ++i) {
       if (peer->channels[i]) connected |= core::TransportMask{1} << i;
     }
-    absl::StatusOr<size_t> route = core::PickTransport(caps_, connected, needs, peer->name);
+    absl::StatusOr<size_t> route =
+        core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
     if (!route.ok()) return route.status();
     channel = peer->channels[*route];
     caps = caps_[*route];

@@ -114,8 +114,14 @@ std::string ChannelChoice::Describe(const std::vector<std::string>& describe) co
 absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* const> caps,
                                      TransportMask connected, const TransferNeeds& needs,
                                      const std::string& peer_name) {
+  return PickTransport(caps, RankOrder(caps), connected, needs, peer_name);
+}
+
+absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* const> caps,
+                                     absl::Span<const size_t> rank_order, TransportMask connected,
+                                     const TransferNeeds& needs, const std::string& peer_name) {
   std::string reasons;
-  for (size_t i : RankOrder(caps)) {
+  for (size_t i : rank_order) {
     if ((connected & (TransportMask{1} << i)) == 0) continue;
     const transport::Capabilities& c = *caps[i];
     const char* why = nullptr;

@@ -82,6 +82,11 @@ struct TransferNeeds {
 absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* const> caps,
                                      TransportMask connected, const TransferNeeds& needs,
                                      const std::string& peer_name);
+// The same with `rank_order` = RankOrder(caps) computed once (the engine's per-transfer path:
+// no allocation, no sort).
+absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* const> caps,
+                                     absl::Span<const size_t> rank_order, TransportMask connected,
+                                     const TransferNeeds& needs, const std::string& peer_name);
 
 }  // namespace kvwire::core
 
