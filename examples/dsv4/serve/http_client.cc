@@ -28,7 +28,12 @@ namespace {
 class Call {
  public:
   Call(const std::string& address, const HttpCallOptions& options)
-      : address_(address), options_(options), resolver_(io_), socket_(io_), timer_(io_) {}
+      : address_(address),
+        options_(options),
+        resolver_(io_),
+        socket_(io_),
+        timer_(io_),
+        poll_timer_(io_) {}
 
   absl::StatusOr<HttpResponse> Run(const std::string& host, int port, http::verb verb,
                                    const std::string& target, const std::string& body) {
@@ -44,7 +49,7 @@ class Call {
     }
     req_.prepare_payload();
     parser_.emplace();
-    parser_->body_limit(256ull << 20);
+    parser_->body_limit(options_.body_limit);
     const absl::Duration left = options_.deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError(absl::StrCat("HTTP call to ", address_, ": deadline"));
@@ -57,6 +62,7 @@ class Call {
       resolver_.cancel();
       socket_.close(ignored);
     });
+    if (options_.cancelled) Poll();
     resolver_.async_resolve(host, std::to_string(port),
                             [this](error_code ec, tcp::resolver::results_type r) {
                               if (ec) return Fail(ec, "resolve");
@@ -72,6 +78,18 @@ class Call {
   }
 
  private:
+  void Poll() {
+    poll_timer_.expires_after(absl::ToChronoNanoseconds(options_.poll_interval));
+    poll_timer_.async_wait([this](error_code ec) {
+      if (ec || stopped_) return;
+      if (options_.cancelled()) {
+        error_ = absl::CancelledError("stopped by the caller");
+        return Stop();
+      }
+      Poll();
+    });
+  }
+
   void Write() {
     http::async_write(socket_, req_, [this](error_code ec, size_t) {
       if (ec) return Fail(ec, "send");
@@ -90,6 +108,7 @@ class Call {
   void ReadBody() {
     if (parser_->is_done()) return Finish();
     http::async_read_some(socket_, buffer_, *parser_, [this](error_code ec, size_t) {
+      if (stopped_) return;  // cancelled while the read was in flight
       std::string& b = parser_->get().body();
       if (!b.empty()) {
         if (options_.on_body) {
@@ -112,14 +131,22 @@ class Call {
   void Finish() { Stop(); }
 
   void Stop() {
+    stopped_ = true;
     error_code ignored;
     timer_.cancel();
+    poll_timer_.cancel();
+    resolver_.cancel();
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
   }
 
   void Fail(error_code ec, const char* step) {
-    if (timed_out_) {
+    if (stopped_) return;  // cancelled: the error is already set
+    if (ec == http::error::body_limit) {
+      error_ = absl::ResourceExhaustedError(
+          absl::StrCat("the answer of ", address_, " is larger than ", options_.body_limit,
+                       " bytes"));
+    } else if (timed_out_) {
       error_ = absl::DeadlineExceededError(
           absl::StrCat("HTTP call to ", address_, ": deadline passed (", step, ")"));
     } else if (!connected_) {
@@ -137,13 +164,13 @@ class Call {
   net::io_context io_;
   tcp::resolver resolver_;
   tcp::socket socket_;
-  net::steady_timer timer_;
+  net::steady_timer timer_, poll_timer_;
   boost::beast::flat_buffer buffer_;
   http::request<http::string_body> req_;
   std::optional<http::response_parser<http::string_body>> parser_;
   HttpResponse response_;
   absl::Status error_;
-  bool timed_out_ = false, connected_ = false, sent_ = false;
+  bool timed_out_ = false, connected_ = false, sent_ = false, stopped_ = false;
 };
 
 }  // namespace

@@ -41,8 +41,10 @@ std::string ErrorJson(int status, const std::string& message) {
 // then closes. All socket work happens on the io thread; Responders post to it.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, const HttpServerOptions& options, const HttpServer::Handler& handler)
-      : socket_(std::move(socket)),
+  Session(tcp::socket socket, std::string source, const HttpServerOptions& options,
+          const HttpServer::Handler& handler)
+      : source_(std::move(source)),
+        socket_(std::move(socket)),
         timer_(socket_.get_executor()),
         write_timer_(socket_.get_executor()),
         options_(options),
@@ -72,11 +74,15 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Queues bytes; `last` closes the connection once they are written.
   void Post(std::string bytes, bool last) {
+    pending_.fetch_add(bytes.size());
     net::post(socket_.get_executor(), [self = shared_from_this(), b = std::move(bytes),
                                        last]() mutable { self->Queue(std::move(b), last); });
   }
 
   bool closed() const { return closed_.load(); }
+  uint64_t pending() const { return pending_.load(); }
+  // The client's address ("" when unknown): what the per-source cap counts.
+  const std::string& source() const { return source_; }
   // Server shutdown (io thread).
   void Shutdown() { Close(); }
 
@@ -137,7 +143,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // connection lingers (reading and dropping, at most a second) after the answer.
   void Reject(int status, const std::string& message) {
     linger_ = true;
-    Queue(Format(status, ErrorJson(status, message), "application/json"), true);
+    std::string answer = Format(status, ErrorJson(status, message), "application/json");
+    pending_.fetch_add(answer.size());
+    Queue(std::move(answer), true);
   }
 
   void Linger() {
@@ -156,7 +164,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Queue(std::string bytes, bool last) {
-    if (done_) return;
+    if (done_) {
+      pending_.fetch_sub(bytes.size());
+      return;
+    }
     queue_.push_back(std::move(bytes));
     if (last) last_queued_ = true;
     if (!writing_) WriteNext();
@@ -173,11 +184,14 @@ class Session : public std::enable_shared_from_this<Session> {
                      [self = shared_from_this()](error_code ec, size_t) {
                        self->write_timer_.cancel();
                        self->writing_ = false;
+                       // Closed while this write completed: Close dropped the queue.
+                       if (self->done_) return;
                        if (ec) {
                          self->closed_.store(true);
                          self->Close();
                          return;
                        }
+                       self->pending_.fetch_sub(self->queue_.front().size());
                        self->queue_.pop_front();
                        self->WriteNext();
                      });
@@ -187,6 +201,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (done_) return;
     done_ = true;
     closed_.store(true);
+    for (const std::string& b : queue_) pending_.fetch_sub(b.size());
     queue_.clear();
     error_code ignored;
     timer_.cancel();
@@ -211,6 +226,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  const std::string source_;
   tcp::socket socket_;
   net::steady_timer timer_, write_timer_;
   const HttpServerOptions& options_;
@@ -222,6 +238,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool writing_ = false, last_queued_ = false, done_ = false;
   bool read_done_ = false, read_timed_out_ = false, linger_ = false;
   std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> pending_{0};  // bytes posted and not yet written or dropped
 };
 
 // --- Responder ----------------------------------------------------------------------------
@@ -237,6 +254,8 @@ Responder::~Responder() {
 }
 
 bool Responder::closed() const { return session_->closed(); }
+
+uint64_t Responder::pending_bytes() const { return session_->pending(); }
 
 void Responder::Respond(int status, std::string body, std::string content_type) {
   if (answered_.exchange(true)) return;
@@ -351,10 +370,24 @@ class HttpServer::Impl {
       std::erase_if(sessions_, expired);
       std::erase_if(refusing_, expired);
       const int open = static_cast<int>(sessions_.size());
-      auto session = std::make_shared<Session>(std::move(socket), options_, handler_);
-      if (open < options_.max_connections) {
+      error_code endpoint_error;
+      const tcp::endpoint remote = socket.remote_endpoint(endpoint_error);
+      std::string source = endpoint_error ? std::string() : remote.address().to_string();
+      int from_source = 0;
+      for (const std::weak_ptr<Session>& w : sessions_) {
+        if (std::shared_ptr<Session> s = w.lock(); s && s->source() == source) ++from_source;
+      }
+      auto session = std::make_shared<Session>(std::move(socket), source, options_, handler_);
+      if (open < options_.max_connections &&
+          from_source < std::max(options_.max_connections_per_source, 1)) {
         sessions_.push_back(session);
         session->Start();
+      } else if (open < options_.max_connections &&
+                 static_cast<int>(refusing_.size()) < kMaxRefusing) {
+        refusing_.push_back(session);
+        session->Refuse(503, absl::StrCat("too many connections from ", source, " (", from_source,
+                                          " open, at most ", options_.max_connections_per_source,
+                                          " per source address)"));
       } else if (static_cast<int>(refusing_.size()) < kMaxRefusing) {
         refusing_.push_back(session);
         session->Refuse(503, absl::StrCat("too many connections (", open, " open, at most ",

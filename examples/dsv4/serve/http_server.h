@@ -51,6 +51,9 @@ class Responder {
   bool streaming() const { return streaming_.load(); }
   // The client went away (its connection closed or failed).
   bool closed() const;
+  // Bytes queued for the client and not yet written: a relay (the router forwarding a
+  // stream) waits while this is high rather than hold what a slow reader has not taken.
+  uint64_t pending_bytes() const;
 
  private:
   std::shared_ptr<Session> session_;
@@ -74,6 +77,12 @@ struct HttpServerOptions {
   // Connections open at once (being read, or waiting for their answer); one more is answered
   // 503 and closed at once, so a flood costs neither file descriptors nor memory.
   int max_connections = 256;
+  // Connections open at once from one source address (as the control port's handshakes):
+  // one host that opens and holds connections (slow loris) is refused past this, and the
+  // other max_connections - max_connections_per_source slots stay free for everyone else.
+  // A model server's clients are routers (one address each, one connection per request in
+  // flight): its cap must cover a router's --max-inflight.
+  int max_connections_per_source = 64;
 };
 
 class HttpServer {

@@ -15,6 +15,7 @@
 //
 // Servers print one "listening" line, write --ready-file (JSON with the ports) once they
 // serve, and stop cleanly on SIGINT or SIGTERM.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -55,6 +56,7 @@ int Usage() {
                "           [--num-blocks N] [--max-requests 32] [--max-queue 128]\n"
                "           [--max-queue-wait-s 30] [--threads 0] (docs/dsv4-capacity.md)\n"
                "           [--request-timeout-s 60] [--peer-lease-ms 5000] [--ready-file F]\n"
+               "           [--max-connections-per-source 128] (HTTP, per client address)\n"
                "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
                "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
                "           a file (mode 600) is recommended: argv is visible to local users;\n"
@@ -63,6 +65,8 @@ int Usage() {
                "           (register in etcd under /kvwire/NAME/instances/<engine id>)\n"
                "  router   --prefill H:P[,H:P] --decode H:P[,H:P] --mode read|write [--port 0]\n"
                "           [--timeout-s 300] [--ready-file F] [--policy round_robin|least_loaded]\n"
+               "           [--max-connections-per-source 64] (HTTP, per client address)\n"
+               "           [--max-upstream-body-mib 8] (non-streamed answers; larger: 502)\n"
                "  router   --etcd http://H:P[,...] --cluster NAME --mode read|write [...]\n"
                "           (instances discovered and followed through etcd)\n"
                "  demo     [--config C.json] [--weights W] [--work-dir D] [--secret-file F]\n"
@@ -194,9 +198,10 @@ int Serve(const Flags& f) {
                           lease = f.GetInt("peer-lease-ms", 5000),
                           delay = f.GetInt("inject-delay-ms", 0),
                           seed = f.GetInt("allocation-seed", 0),
-                          etcd_lease = f.GetInt("etcd-lease-s", 10);
+                          etcd_lease = f.GetInt("etcd-lease-s", 10),
+                          per_source = f.GetInt("max-connections-per-source", 128);
   for (const auto* v : {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay,
-                        &seed, &max_queue, &queue_wait, &etcd_lease}) {
+                        &seed, &max_queue, &queue_wait, &etcd_lease, &per_source}) {
     if (!v->ok()) return Fail(v->status());
   }
   o.port = static_cast<int>(*port);
@@ -211,6 +216,7 @@ int Serve(const Flags& f) {
   o.max_queue = static_cast<uint64_t>(std::max<int64_t>(0, *max_queue));
   o.max_queue_wait = absl::Seconds(std::max<int64_t>(0, *queue_wait));
   o.etcd_lease_s = *etcd_lease;
+  o.max_connections_per_source = static_cast<int>(std::clamp<int64_t>(*per_source, 1, 1 << 20));
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<ModelServer>> server = ModelServer::Start(o);
@@ -249,11 +255,16 @@ int RouterMain(const Flags& f) {
   }
   o.mode = f.Get("mode", "read");
   o.host = f.Get("host", "127.0.0.1");
-  absl::StatusOr<int64_t> port = f.GetInt("port", 0), timeout = f.GetInt("timeout-s", 300);
-  if (!port.ok()) return Fail(port.status());
-  if (!timeout.ok()) return Fail(timeout.status());
+  absl::StatusOr<int64_t> port = f.GetInt("port", 0), timeout = f.GetInt("timeout-s", 300),
+                          per_source = f.GetInt("max-connections-per-source", 64),
+                          body_mib = f.GetInt("max-upstream-body-mib", 8);
+  for (const auto* v : {&port, &timeout, &per_source, &body_mib}) {
+    if (!v->ok()) return Fail(v->status());
+  }
   o.port = static_cast<int>(*port);
   o.timeout = absl::Seconds(*timeout);
+  o.max_connections_per_source = static_cast<int>(std::clamp<int64_t>(*per_source, 1, 1 << 20));
+  o.max_upstream_body = static_cast<uint64_t>(std::clamp<int64_t>(*body_mib, 1, 4096)) << 20;
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(o);
@@ -313,12 +324,13 @@ int Main(int argc, char** argv) {
                "secret-file",
                "etcd",
                "cluster",
-               "etcd-lease-s"},
+               "etcd-lease-s",
+               "max-connections-per-source"},
               {"corrupt-kv-page"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
     f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file", "etcd",
-               "cluster", "policy"});
+               "cluster", "policy", "max-connections-per-source", "max-upstream-body-mib"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
     f = parse(

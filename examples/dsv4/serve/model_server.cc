@@ -41,6 +41,13 @@ std::vector<int32_t> PromptTokens(const CompletionRequest& req) {
   return req.prompt_ids ? *req.prompt_ids : Encode(req.prompt);
 }
 
+// How many tokens PromptTokens gives, without encoding: the one count that the request
+// checks and KV admission use, so that a token-id prompt (whose `prompt` text is empty) is
+// counted as what it is, not as one BOS.
+uint64_t PromptTokenCount(const CompletionRequest& req) {
+  return req.prompt_ids ? req.prompt_ids->size() : req.prompt.size() + 1;  // BOS + bytes
+}
+
 // Tokens of an n-token prompt whose KV moves from prefill to decode: all but the last, which
 // decode runs again for the logits of its first token (as vLLM's scheduler does), so that no
 // sampled token has to travel with the KV. Rerunning the last token rewrites its own slots
@@ -152,6 +159,7 @@ class ModelServer::Impl {
     HttpServerOptions ho;
     ho.host = options_.host;
     ho.port = options_.port;
+    ho.max_connections_per_source = options_.max_connections_per_source;
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
@@ -290,7 +298,7 @@ class ModelServer::Impl {
     const KvTransferFields& kv = req.kv;
     const bool remote_decode = kv.do_remote_decode;
     const bool remote_prefill = kv.do_remote_prefill;
-    const uint64_t n = req.prompt_ids ? req.prompt_ids->size() : req.prompt.size() + 1;
+    const uint64_t n = PromptTokenCount(req);
     if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
       return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
                                                      req.max_tokens, ") exceeds max_seq_len ",
@@ -443,7 +451,7 @@ class ModelServer::Impl {
   // (aborts, and a write-mode decode claiming the blocks it prepared).
   std::optional<uint64_t> TokensToHold(const Job& job) const {
     if (job.kind == Job::Kind::kAbort) return std::nullopt;
-    const uint64_t n = job.req.prompt.size() + 1;  // BOS + bytes
+    const uint64_t n = PromptTokenCount(job.req);
     if (job.kind == Job::Kind::kCompletion) {
       const KvTransferFields& kv = job.req.kv;
       if (kv.do_remote_decode) return n;

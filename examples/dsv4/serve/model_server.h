@@ -58,6 +58,10 @@ struct ModelServerOptions {
   int threads = 0;
   absl::Duration request_timeout = absl::Seconds(60);
   absl::Duration peer_lease = absl::Seconds(5);
+  // HTTP connections open at once from one source address (HttpServerOptions). A model
+  // server's clients are routers, each one address with a connection per request in flight:
+  // above a router's --max-inflight (64), below the server's 256 connections.
+  int max_connections_per_source = 128;
   // Fault injection (tests): corrupt one received KV page after each load.
   bool corrupt_kv_page = false;
   // Test hook: sleep this long after every layer of a prefill and every decode step, so a

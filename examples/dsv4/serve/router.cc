@@ -53,6 +53,9 @@ Failure UpstreamFailure(const HttpResponse& r, std::string message) {
   return {r.status >= 500 ? 502 : r.status, std::move(message), ""};
 }
 
+// What the router keeps queued for a streaming client before it stops reading from decode.
+constexpr uint64_t kMaxRelayBacklog = 1 << 20;
+
 int StatusFor(const absl::Status& s) {
   if (absl::IsDeadlineExceeded(s)) return 504;
   if (absl::IsUnavailable(s)) return 503;
@@ -120,6 +123,7 @@ class Router::Impl {
     HttpServerOptions so;
     so.host = options_.host;
     so.port = options_.port;
+    so.max_connections_per_source = options_.max_connections_per_source;
     absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(
         so, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!server.ok()) return server.status();
@@ -166,6 +170,10 @@ class Router::Impl {
       std::string m = "# TYPE kvwire_dsv4_router_requests_total counter\n";
       absl::StrAppend(&m, "kvwire_dsv4_router_requests_total{outcome=\"ok\"} ", ok_.load(), "\n",
                       "kvwire_dsv4_router_requests_total{outcome=\"error\"} ", errors_.load(), "\n",
+                      "kvwire_dsv4_router_requests_total{outcome=\"client_gone\"} ",
+                      client_gone_.load(), "\n",
+                      "# TYPE kvwire_dsv4_router_upstream_too_large_total counter\n",
+                      "kvwire_dsv4_router_upstream_too_large_total ", too_large_.load(), "\n",
                       "# TYPE kvwire_dsv4_router_inflight gauge\n", "kvwire_dsv4_router_inflight ",
                       inflight_.load(), "\n", instances_->Metrics());
       resp->Respond(200, m, "text/plain; version=0.0.4");
@@ -288,6 +296,7 @@ class Router::Impl {
     }
     HttpCallOptions o;
     o.deadline = std::min(deadline, absl::Now() + absl::Seconds(10));
+    o.body_limit = options_.max_upstream_body;
     absl::StatusOr<HttpResponse> r = HttpCall(server, "GET", "/health", "", o);
     if (!r.ok()) return r.status();
     json j = json::parse(r->body, nullptr, false);
@@ -309,11 +318,14 @@ class Router::Impl {
   void Models(const std::shared_ptr<Responder>& resp) {
     HttpCallOptions o;
     o.deadline = absl::Now() + std::min(options_.timeout, absl::Seconds(10));
+    o.body_limit = options_.max_upstream_body;
+    o.cancelled = [&] { return Stopping() || resp->closed(); };
     std::string server;
     absl::StatusOr<HttpResponse> r = TryEach(
         InstanceKind::kDecode,
         [&](const std::string& d) { return HttpCall(d, "GET", "/v1/models", "", o); }, &server);
     if (!r.ok()) {
+      if (absl::IsResourceExhausted(r.status())) ++too_large_;
       resp->Error(StatusFor(r.status()), absl::StrCat("decode: ", r.status().message()));
     } else if (r->status != 200) {
       resp->Error(502, absl::StrCat("decode ", server, ": ", UpstreamMessage(*r)));
@@ -361,6 +373,7 @@ class Router::Impl {
     // Checks prefill's answer: the first token and (read) the kv_transfer_params.
     auto take_prefill = [&](const absl::StatusOr<HttpResponse>& r) {
       if (!r.ok()) {
+        if (absl::IsResourceExhausted(r.status())) ++too_large_;
         failure = Failure{StatusFor(r.status()),
                           prefill_server.empty() ? absl::StrCat("prefill: ", r.status().message())
                                                  : absl::StrCat("prefill server ", prefill_server,
@@ -394,8 +407,13 @@ class Router::Impl {
         }
       }
     };
+    // The client that leaves ends the upstream calls too (their servers notice the closed
+    // connection: decode stops generating and frees its blocks).
+    auto client_gone = [this, resp] { return Stopping() || resp->closed(); };
     HttpCallOptions call_options;
     call_options.deadline = deadline;
+    call_options.body_limit = options_.max_upstream_body;
+    call_options.cancelled = client_gone;
     if (write) {
       // Each prefill server at most once: one that cannot be reached is skipped.
       const std::vector<std::string> prefills = instances_->Order(InstanceKind::kPrefill);
@@ -443,6 +461,7 @@ class Router::Impl {
             },
             &decode_server);
         if (!prep.ok()) {
+          if (absl::IsResourceExhausted(prep.status())) ++too_large_;
           failure = Failure{StatusFor(prep.status()),
                             absl::StrCat("decode prepare failed: ", prep.status().message())};
           break;
@@ -490,9 +509,11 @@ class Router::Impl {
       std::string collected;
       int status = 0;
       std::string retry_after;
+      bool too_large = false;
       auto call = [&](const std::string& d) {
         HttpCallOptions o;
         o.deadline = deadline;
+        o.cancelled = client_gone;
         o.on_headers = [&](const HttpResponse& head) {
           status = head.status;
           retry_after = head.retry_after;
@@ -502,9 +523,18 @@ class Router::Impl {
           }
         };
         o.on_body = [&](std::string_view piece) {
-          if (Stopping() || resp->closed()) return false;
+          if (client_gone()) return false;
           if (started) {
             resp->Raw(std::string(piece));
+            // Relayed, not held: while the client has not taken what is queued, stop reading
+            // from decode (its socket buffers fill and it waits on its writes).
+            while (resp->pending_bytes() > kMaxRelayBacklog) {
+              if (client_gone() || absl::Now() > deadline) return false;
+              absl::SleepFor(absl::Milliseconds(2));
+            }
+          } else if (collected.size() + piece.size() > options_.max_upstream_body) {
+            too_large = true;
+            return false;
           } else {
             collected.append(piece);
           }
@@ -514,7 +544,13 @@ class Router::Impl {
       };
       absl::StatusOr<HttpResponse> r =
           write ? call(decode_server) : TryEach(InstanceKind::kDecode, call, &decode_server);
-      if (!r.ok()) {
+      if (too_large) {
+        failure = Failure{502, absl::StrCat("decode server ", decode_server,
+                                            ": its answer is larger than the router's limit of ",
+                                            options_.max_upstream_body,
+                                            " bytes (--max-upstream-body-mib)")};
+        ++too_large_;
+      } else if (!r.ok()) {
         failure = Failure{StatusFor(r.status()),
                           decode_server.empty() ? absl::StrCat("decode: ", r.status().message())
                                                 : absl::StrCat("decode server ", decode_server,
@@ -536,6 +572,13 @@ class Router::Impl {
     if (!failure) {
       ++ok_;
       if (started) resp->EndEvents(/*done=*/false);  // decode's own [DONE] went through
+      return;
+    }
+    if (resp->closed()) {
+      // Nobody to answer: the upstream calls were cut when the client left.
+      ++client_gone_;
+      KVW_LOG(kInfo, kLog) << "client went away; upstream request cancelled"
+                           << Kv("error", failure->message);
       return;
     }
     ++errors_;
@@ -565,7 +608,7 @@ class Router::Impl {
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_address_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> inflight_{0};
-  std::atomic<uint64_t> ok_{0}, errors_{0};
+  std::atomic<uint64_t> ok_{0}, errors_{0}, client_gone_{0}, too_large_{0};
   std::unique_ptr<InstanceSet> instances_;  // outlives the request threads (joined first)
 };
 

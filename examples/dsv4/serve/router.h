@@ -31,6 +31,13 @@ struct RouterOptions {
   int port = 0;
   absl::Duration timeout = absl::Seconds(300);  // whole request
   int max_inflight = 64;
+  // Client connections open at once from one source address (HttpServerOptions).
+  int max_connections_per_source = 64;
+  // The largest upstream answer the router holds whole (every non-streamed answer: prefill's,
+  // decode's, prepare's): a larger one is cut and the client gets 502 (counted as
+  // kvwire_dsv4_router_upstream_too_large_total). Streamed answers are relayed as they come,
+  // never held: the router reads from decode only as fast as the client takes them.
+  uint64_t max_upstream_body = 8ull << 20;
 };
 
 class Router {

@@ -141,6 +141,9 @@ class ServeCluster {
     return Launch(name, args).status();
   }
 
+  // The process id of a running server or router (e.g. for its /proc/<pid>/status).
+  pid_t Pid(const std::string& name) const { return procs_.at(name)->pid(); }
+
   std::string Logs() const {
     std::string all;
     for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());

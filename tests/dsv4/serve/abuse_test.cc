@@ -1,0 +1,563 @@
+// Issue 30's attacks on the running reference servers, each as a hostile client tried it,
+// against real kvwire-dsv4 processes on loopback (label e2e):
+//   - token-id prompts count for KV admission as text prompts do (an admitted stream ends
+//     complete while a long token-id prompt arrives; more than the whole cache is a 400);
+//   - one source address that opens and holds every connection it can (slow loris) leaves
+//     the clients of other addresses served, on the prefill's, the decode's and the router's
+//     port;
+//   - the router holds at most --max-upstream-body-mib of a non-streamed upstream answer (a
+//     larger one is a 502, counted) and relays a streamed one as it comes: its resident memory
+//     stays small while two 250 MiB answers pass;
+//   - a client that leaves a non-streamed request through the router stops the decode's
+//     generation, and the decode frees its blocks, within a second.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "examples/dsv4/serve/client.h"
+#include "examples/dsv4/serve/http_client.h"
+#include "tests/dsv4/serve/serve_cluster.h"
+
+namespace dsv4::serve {
+namespace {
+
+using nlohmann::json;
+using test_support::ServeCluster;
+
+// --- plain sockets: a chosen source address, and clients that misbehave --------------------
+
+// A socket connected from `source` (an address of 127/8) to 127.0.0.1:`port`; -1 on failure.
+int ConnectFrom(const std::string& source, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  inet_pton(AF_INET, source.c_str(), &local.sin_addr);
+  sockaddr_in remote{};
+  remote.sin_family = AF_INET;
+  remote.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &remote.sin_addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&remote), sizeof(remote)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool SendAll(int fd, std::string_view bytes) {
+  while (!bytes.empty()) {
+    const ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+// Reads until the peer closes or `deadline`; at most `keep` bytes are kept (the rest
+// counted in *total when given).
+std::string ReadAll(int fd, absl::Time deadline, size_t keep = 1 << 20, uint64_t* total = nullptr) {
+  std::string out;
+  char buf[65536];
+  while (true) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (ms <= 0) break;
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, ms) <= 0) break;
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    if (total != nullptr) *total += static_cast<uint64_t>(n);
+    // Keeps the first `keep` bytes and the last `keep` (the status line, and a stream's end).
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > 2 * keep) out.erase(keep, out.size() - 2 * keep);
+  }
+  return out;
+}
+
+int StatusOf(const std::string& answer) {
+  int status = 0;
+  if (!absl::StartsWith(answer, "HTTP/1.1 ") || answer.size() < 12 ||
+      !absl::SimpleAtoi(answer.substr(9, 3), &status)) {
+    return 0;
+  }
+  return status;
+}
+
+std::string BodyOf(const std::string& answer) {
+  const size_t p = answer.find("\r\n\r\n");
+  return p == std::string::npos ? "" : answer.substr(p + 4);
+}
+
+// One HTTP exchange from `source`; the whole answer ("" when none came by the deadline).
+std::string Exchange(const std::string& source, int port, const std::string& method,
+                     const std::string& path, const std::string& body = "",
+                     absl::Duration timeout = absl::Seconds(30)) {
+  const int fd = ConnectFrom(source, port);
+  if (fd < 0) return "";
+  const std::string req =
+      absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n",
+                   body.empty() ? "" : "Content-Type: application/json\r\n",
+                   "Content-Length: ", body.size(), "\r\n\r\n", body);
+  std::string answer;
+  if (SendAll(fd, req)) answer = ReadAll(fd, absl::Now() + timeout);
+  close(fd);
+  return answer;
+}
+
+int PortOf(const std::string& address) {
+  std::string host;
+  int port = 0;
+  return SplitHostPort(address, &host, &port) ? port : 0;
+}
+
+// The value of the first series of `body` whose line starts with `prefix`; -1 when none.
+double Metric(const std::string& body, const std::string& prefix) {
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    double v = 0;
+    if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) return v;
+  }
+  return -1;
+}
+
+std::string MetricsOf(const std::string& address) {
+  HttpCallOptions o;
+  o.deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<HttpResponse> r = HttpCall(address, "GET", "/metrics", "", o);
+  return r.ok() ? r->body : "";
+}
+
+// Peak resident memory of a process (VmHWM), in KiB; -1 when unreadable.
+int64_t PeakRssKiB(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    int64_t kib = 0;
+    if (absl::StartsWith(line, "VmHWM:") &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(
+                             absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
+                         &kib)) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+std::vector<int32_t> TokenIds(int n) {
+  std::vector<int32_t> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(3 + (i * 37) % 250);
+  return ids;
+}
+
+// --- 1. admission counts token-id prompts -------------------------------------------------
+
+// The issue's repro: a decode of 20 blocks per group behind a write-mode router; a stream of
+// 1200 tokens is admitted; then ~950 token ids arrive. Before the fix they counted as one
+// token, were admitted beside the stream and took its blocks: the stream died half way with
+// "out of KV blocks". Now the token-id request waits for the stream's blocks (or is refused
+// 503) and the stream ends complete; a request larger than the whole cache is a 400 that
+// names it, as text or as token ids, through the router and on the prefill.
+TEST(Abuse, TokenIdPromptsCountForAdmission) {
+  ServeCluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  const std::vector<std::string> small = {"--num-blocks", "20", "--mode", "write"};
+  absl::StatusOr<std::string> prefill = c.Serve("prefill", "prefill", "tcp", small);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::string> decode = c.Serve("decode", "decode", "tcp", small);
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::string> router = c.Router("router", *prefill, *decode, "write");
+  ASSERT_TRUE(router.ok()) << router.status();
+
+  absl::StatusOr<CompletionResult> stream = absl::UnknownError("not run");
+  std::thread streamer([&] {
+    stream = Complete(*router, {{"prompt", "Hello"}, {"max_tokens", 1200}, {"stream", true}},
+                      absl::Seconds(240));
+  });
+  // The stream is admitted and generating (its blocks are taken on the decode).
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < until) {
+    absl::StatusOr<json> h = GetJson(*decode, "/health");
+    if (h.ok() && h->value("active_requests", 0) > 0 && h->value("used_blocks", 0) > 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::vector<std::thread> others;
+  std::vector<absl::StatusOr<CompletionResult>> results(3, absl::UnknownError("not run"));
+  const std::vector<json> bodies = {
+      {{"prompt", TokenIds(950)}, {"max_tokens", 1}},
+      {{"prompt", TokenIds(700)}, {"max_tokens", 200}},
+      {{"prompt", std::string(600, 'x')}, {"max_tokens", 300}},
+  };
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    others.emplace_back([&, i] { results[i] = Complete(*router, bodies[i], absl::Seconds(240)); });
+  }
+  for (std::thread& t : others) t.join();
+  streamer.join();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  EXPECT_EQ(stream->status, 200) << stream->error;
+  EXPECT_TRUE(stream->error.empty()) << "the admitted stream failed half way: " << stream->error
+                                     << "\n"
+                                     << c.Logs();
+  EXPECT_TRUE(stream->done);
+  EXPECT_EQ(stream->tokens.size(), 1200u);
+  for (size_t i = 0; i < results.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    // Served once the stream's blocks came back, or refused as overloaded: never a failure
+    // half way, never a 502.
+    EXPECT_TRUE(results[i]->status == 200 || results[i]->status == 503)
+        << i << ": " << results[i]->status << " " << results[i]->error;
+  }
+
+  // Larger than the whole cache (20 blocks of 64 tokens): a 400 naming the limit, as token
+  // ids or as text, through the router and straight to the prefill.
+  for (const json& prompt : {json(TokenIds(1400)), json(std::string(1400, 'y'))}) {
+    absl::StatusOr<CompletionResult> big =
+        Complete(*router, {{"prompt", prompt}, {"max_tokens", 1}}, absl::Seconds(60));
+    ASSERT_TRUE(big.ok()) << big.status();
+    EXPECT_EQ(big->status, 400) << big->error;
+    EXPECT_TRUE(absl::StrContains(big->error, "whole cache")) << big->error;
+    EXPECT_TRUE(absl::StrContains(big->error, "--num-blocks")) << big->error;
+    absl::StatusOr<CompletionResult> direct = Complete(
+        *prefill,
+        {{"prompt", prompt},
+         {"max_tokens", 1},
+         {"kv_transfer_params", {{"do_remote_decode", true}, {"mode", "read"}}}},
+        absl::Seconds(60));
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    EXPECT_EQ(direct->status, 400) << direct->error;
+    EXPECT_TRUE(absl::StrContains(direct->error, "whole cache")) << direct->error;
+  }
+}
+
+// --- 5. per-source connection caps --------------------------------------------------------
+
+// 260 connections from one address that each send a request line and nothing more, reopened
+// as they are dropped, against each of the three ports at once. The clients of other
+// addresses are served: /health on every port, and a whole completion through the router
+// (which reaches the servers from 127.0.0.1; the attacker is 127.0.0.3).
+TEST(Abuse, SlowLorisFromOneAddressLeavesOtherClientsServed) {
+  rlimit nofile{};
+  getrlimit(RLIMIT_NOFILE, &nofile);
+  nofile.rlim_cur = nofile.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &nofile);
+  ServeCluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  absl::StatusOr<std::string> prefill = c.Serve("prefill", "prefill", "tcp", {"--mode", "read"});
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::string> decode = c.Serve("decode", "decode", "tcp", {"--mode", "read"});
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::string> router = c.Router("router", *prefill, *decode, "read");
+  ASSERT_TRUE(router.ok()) << router.status();
+  const json request = {{"prompt", "The slow loris"}, {"max_tokens", 8}};
+  absl::StatusOr<CompletionResult> before = Complete(*router, request, absl::Seconds(60));
+  ASSERT_TRUE(before.ok() && before->status == 200) << before.status();
+
+  constexpr int kSockets = 260;
+  std::atomic<bool> stop{false};
+  std::atomic<int> refused{0};
+  std::mutex mu;
+  std::string refusal;
+  std::vector<std::thread> attackers;
+  for (const std::string& target : {*prefill, *decode, *router}) {
+    attackers.emplace_back([&, port = PortOf(target)] {
+      std::vector<int> fds;
+      while (!stop.load()) {
+        // Reopens what was dropped (a 503 answer, or the 10 s request deadline).
+        for (auto it = fds.begin(); it != fds.end();) {
+          pollfd p{*it, POLLIN, 0};
+          if (poll(&p, 1, 0) > 0) {
+            char buf[512];
+            const ssize_t n = recv(*it, buf, sizeof(buf) - 1, MSG_DONTWAIT);
+            if (n > 0 && StatusOf(std::string(buf, static_cast<size_t>(n))) == 503) {
+              ++refused;
+              std::lock_guard<std::mutex> lock(mu);
+              if (refusal.empty()) refusal.assign(buf, static_cast<size_t>(n));
+            }
+            close(*it);
+            it = fds.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        while (static_cast<int>(fds.size()) < kSockets && !stop.load()) {
+          const int fd = ConnectFrom("127.0.0.3", port);
+          if (fd < 0) break;
+          (void)SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+          fds.push_back(fd);
+        }
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      for (int fd : fds) close(fd);
+    });
+  }
+  absl::SleepFor(absl::Seconds(2));  // every port holds all the attacker can take
+  for (const std::string& target : {*prefill, *decode, *router}) {
+    const std::string health = Exchange("127.0.0.2", PortOf(target), "GET", "/health");
+    EXPECT_EQ(StatusOf(health), 200) << target << ": " << health;
+  }
+  const std::string answer =
+      Exchange("127.0.0.2", PortOf(*router), "POST", "/v1/completions", request.dump());
+  stop = true;
+  for (std::thread& t : attackers) t.join();
+  ASSERT_EQ(StatusOf(answer), 200) << answer << "\n" << c.Logs();
+  json j = json::parse(BodyOf(answer), nullptr, false);
+  ASSERT_TRUE(j.is_object()) << answer;
+  EXPECT_EQ(j["choices"][0]["token_ids"].get<std::vector<int32_t>>(), before->tokens);
+  // The attacker got refusals that say why.
+  EXPECT_GT(refused.load(), 0);
+  EXPECT_TRUE(absl::StrContains(refusal, "too many connections from 127.0.0.3")) << refusal;
+}
+
+// --- 4. the router's upstream answers are bounded ------------------------------------------
+
+// A fake prefill and decode on one port: prefill's answer is a real-looking read-mode
+// hand-off; decode's is 250 MiB, non-streamed (Content-Length) or streamed (chunked SSE),
+// written 1 MiB at a time as the reader takes it.
+class HugeUpstream {
+ public:
+  static constexpr uint64_t kHuge = 250ull << 20;
+
+  HugeUpstream() {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    socklen_t len = sizeof(a);
+    bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(listen_fd_, 64);
+    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    acceptor_ = std::thread([this] { Accept(); });
+  }
+  ~HugeUpstream() {
+    stop_ = true;
+    shutdown(listen_fd_, SHUT_RDWR);
+    acceptor_.join();
+    close(listen_fd_);
+    for (std::thread& t : conns_) t.join();
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  int bodies_cut() const { return bodies_cut_.load(); }
+
+ private:
+  void Accept() {
+    while (!stop_) {
+      pollfd p{listen_fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      conns_.emplace_back([this, fd] {
+        Serve(fd);
+        close(fd);
+      });
+    }
+  }
+
+  void Serve(int fd) {
+    // The request: headers, then Content-Length bytes of body.
+    std::string req;
+    char buf[65536];
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    size_t need = std::string::npos;
+    while (req.size() < need && absl::Now() < deadline) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) return;
+      req.append(buf, static_cast<size_t>(n));
+      const size_t end = req.find("\r\n\r\n");
+      if (end != std::string::npos && need == std::string::npos) {
+        const size_t cl = req.find("Content-Length: ");
+        size_t len = 0;
+        if (cl != std::string::npos) {
+          (void)absl::SimpleAtoi(req.substr(cl + 16, req.find("\r\n", cl) - cl - 16), &len);
+        }
+        need = end + 4 + len;
+      }
+    }
+    if (absl::StrContains(req, "\"do_remote_decode\":true")) {
+      const json answer = {
+          {"id", "cmpl-fake"},
+          {"object", "text_completion"},
+          {"choices", {{{"index", 0}, {"text", "x"}, {"finish_reason", "length"}}}},
+          {"kv_transfer_params",
+           {{"do_remote_prefill", true},
+            {"mode", "read"},
+            {"transfer_id", "fake"},
+            {"remote_host", "127.0.0.1"},
+            {"remote_port", 1}}}};
+      const std::string body = answer.dump();
+      (void)SendAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                     "Connection: close\r\nContent-Length: ",
+                                     body.size(), "\r\n\r\n", body));
+      return;
+    }
+    const bool stream = absl::StrContains(req, "\"stream\":true");
+    const std::string mib(1 << 20, 'z');
+    if (stream) {
+      if (!SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                       "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n")) {
+        return;
+      }
+      // One event per MiB, as "data: zzz...\n\n" chunks; then [DONE].
+      const std::string event = absl::StrCat("data: ", mib.substr(8), "\n\n");
+      const std::string chunk = absl::StrCat(absl::Hex(event.size()), "\r\n", event, "\r\n");
+      for (uint64_t sent = 0; sent < kHuge; sent += event.size()) {
+        if (!SendAll(fd, chunk)) return;
+      }
+      const std::string done = "data: [DONE]\n\n";
+      (void)SendAll(fd, absl::StrCat(absl::Hex(done.size()), "\r\n", done, "\r\n0\r\n\r\n"));
+      return;
+    }
+    if (!SendAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                  "Connection: close\r\nContent-Length: ",
+                                  kHuge, "\r\n\r\n"))) {
+      return;
+    }
+    for (uint64_t sent = 0; sent < kHuge; sent += mib.size()) {
+      if (!SendAll(fd, mib)) {
+        ++bodies_cut_;  // the reader hung up before the end
+        return;
+      }
+    }
+  }
+
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> bodies_cut_{0};
+  std::thread acceptor_;
+  std::vector<std::thread> conns_;  // acceptor thread only, then the destructor
+};
+
+TEST(Abuse, RouterCutsHugeAnswersAndRelaysStreamsWithoutHoldingThem) {
+  HugeUpstream fake;
+  ServeCluster c;
+  absl::StatusOr<std::string> router = c.Router("router", fake.address(), fake.address(), "read");
+  ASSERT_TRUE(router.ok()) << router.status();
+  const int port = PortOf(*router);
+  const pid_t pid = c.Pid("router");
+  ASSERT_GT(pid, 0);
+  const int64_t base = PeakRssKiB(pid);
+
+  // Two at once, non-streamed: each a 502 that names the limit; counted.
+  std::vector<std::string> answers(2);
+  {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 2; ++i) {
+      ts.emplace_back([&, i] {
+        answers[i] = Exchange("127.0.0.1", port, "POST", "/v1/completions",
+                              json{{"prompt", "hi"}, {"max_tokens", 4}}.dump());
+      });
+    }
+    for (std::thread& t : ts) t.join();
+  }
+  for (const std::string& a : answers) {
+    EXPECT_EQ(StatusOf(a), 502) << a.substr(0, 400);
+    EXPECT_TRUE(absl::StrContains(a, "larger than the router's limit of 8388608 bytes"))
+        << a.substr(0, 400);
+  }
+  EXPECT_EQ(Metric(MetricsOf(*router), "kvwire_dsv4_router_upstream_too_large_total"), 2);
+
+  // Two at once, streamed: every byte arrives (the router relays, the client reads).
+  std::vector<uint64_t> totals(2, 0);
+  std::vector<std::string> tails(2);
+  {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 2; ++i) {
+      ts.emplace_back([&, i] {
+        const int fd = ConnectFrom("127.0.0.1", port);
+        if (fd < 0) return;
+        const std::string body = json{{"prompt", "hi"}, {"max_tokens", 4}, {"stream", true}}.dump();
+        (void)SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                       "Content-Type: application/json\r\nContent-Length: ",
+                                       body.size(), "\r\n\r\n", body));
+        tails[i] = ReadAll(fd, absl::Now() + absl::Seconds(120), 4096, &totals[i]);
+        close(fd);
+      });
+    }
+    for (std::thread& t : ts) t.join();
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_GT(totals[i], HugeUpstream::kHuge) << i;
+    EXPECT_TRUE(absl::StrContains(tails[i], "data: [DONE]")) << tails[i].substr(0, 300);
+  }
+  const int64_t peak = PeakRssKiB(pid);
+  // 2 x 250 MiB passed through; the router held a few MiB at a time (the issue: 2.63 GB).
+  EXPECT_LT(peak - base, 96 * 1024) << "router peak RSS " << peak << " KiB (was " << base
+                                    << " KiB before)";
+}
+
+// --- 6. a client that leaves a non-streamed request ----------------------------------------
+
+TEST(Abuse, ClientThatLeavesNonStreamedRequestStopsTheDecode) {
+  ServeCluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  absl::StatusOr<std::string> prefill = c.Serve("prefill", "prefill", "tcp", {"--mode", "read"});
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  // 10 ms per step: 1,500 tokens would take 15 s.
+  absl::StatusOr<std::string> decode =
+      c.Serve("decode", "decode", "tcp", {"--mode", "read", "--inject-delay-ms", "10"});
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::string> router = c.Router("router", *prefill, *decode, "read");
+  ASSERT_TRUE(router.ok()) << router.status();
+
+  const int fd = ConnectFrom("127.0.0.1", PortOf(*router));
+  ASSERT_GE(fd, 0);
+  const std::string body = json{{"prompt", "Go on and on"}, {"max_tokens", 1500}}.dump();
+  ASSERT_TRUE(SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                       "Content-Type: application/json\r\nContent-Length: ",
+                                       body.size(), "\r\n\r\n", body)));
+  // Generating on the decode.
+  double generated = 0;
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < until) {
+    generated = Metric(MetricsOf(*decode), "kvwire_dsv4_generated_tokens_total");
+    if (generated >= 20) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_GE(generated, 20) << c.Logs();
+  close(fd);  // the client leaves
+  const absl::Time left = absl::Now();
+  json h;
+  while (absl::Now() < left + absl::Seconds(5)) {
+    absl::StatusOr<json> got = GetJson(*decode, "/health");
+    if (got.ok()) {
+      h = *got;
+      if (h.value("active_requests", 1) == 0 && h.value("used_blocks", 1) == 0) break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const absl::Duration freed = absl::Now() - left;
+  EXPECT_EQ(h.value("active_requests", -1), 0) << h.dump();
+  EXPECT_EQ(h.value("used_blocks", -1), 0) << h.dump();
+  EXPECT_LT(freed, absl::Seconds(1 * test_support::kServerDeadlineScale))
+      << "the decode freed its blocks " << absl::FormatDuration(freed) << " after the client left";
+  const double stopped_at = Metric(MetricsOf(*decode), "kvwire_dsv4_generated_tokens_total");
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(Metric(MetricsOf(*decode), "kvwire_dsv4_generated_tokens_total"), stopped_at);
+  EXPECT_LT(stopped_at, 1500);
+  EXPECT_EQ(Metric(MetricsOf(*router), "kvwire_dsv4_router_requests_total{outcome=\"client_gone\"}"),
+            1);
+}
+
+}  // namespace
+}  // namespace dsv4::serve
