@@ -143,9 +143,8 @@ class Call {
   void Fail(error_code ec, const char* step) {
     if (stopped_) return;  // cancelled: the error is already set
     if (ec == http::error::body_limit) {
-      error_ = absl::ResourceExhaustedError(
-          absl::StrCat("the answer of ", address_, " is larger than ", options_.body_limit,
-                       " bytes"));
+      error_ = absl::ResourceExhaustedError(absl::StrCat(
+          "the answer of ", address_, " is larger than ", options_.body_limit, " bytes"));
     } else if (timed_out_) {
       error_ = absl::DeadlineExceededError(
           absl::StrCat("HTTP call to ", address_, ": deadline passed (", step, ")"));

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <tuple>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "examples/dsv4/serve/attest.h"
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
+#include "src/control/hmac.h"
 #include "src/discovery/instance.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -98,6 +101,12 @@ absl::StatusOr<std::unique_ptr<InstanceSet>> InstanceSet::Start(InstanceSetOptio
         [p = set.get()](const discovery::PrefixWatcher::Snapshot& keys) { p->OnChange(keys); });
     if (!w.ok()) return w.status();
     set->watcher_ = std::move(*w);
+    if (o.secret.empty()) {
+      KVW_LOG(kWarning, kLog)
+          << "no shared secret: instances registered in etcd are routed to as their records "
+             "say (whoever can write to etcd can take requests); give the router the "
+             "deployment's secret (--secret-file) to require proof of membership";
+    }
   }
   set->poller_ = std::thread([p = set.get()] { p->PollLoop(); });
   return set;
@@ -129,15 +138,22 @@ void InstanceSet::OnChange(const discovery::PrefixWatcher::Snapshot& keys) {
     in.kind = r->role == "prefill" ? InstanceKind::kPrefill : InstanceKind::kDecode;
     in.name = r->name;
     in.engine_id = r->name;
+    in.role = r->role;
+    in.kv_address = r->kv_address;
+    in.verified = options_.secret.empty();
     seen[r->http_address] = std::move(in);
   }
   kvwire::MutexLock lock(&mu_);
   for (auto it = instances_.begin(); it != instances_.end();) {
     auto s = seen.find(it->first);
-    if (s == seen.end() || s->second.name != it->second.name) {
+    if (s == seen.end() || s->second.name != it->second.name ||
+        s->second.kv_address != it->second.kv_address || s->second.kind != it->second.kind) {
       KVW_LOG(kWarning, kLog) << "instance gone" << Kv("kind", InstanceKindName(it->second.kind))
                               << Kv("name", it->second.name) << Kv("address", it->first);
       ++removed_;
+      // Its routing counter goes with it: a series per instance that ever was would grow
+      // without bound as instances come and go (or as forged records are written).
+      routed_.erase({static_cast<int>(it->second.kind), it->second.name});
       it = instances_.erase(it);
     } else {
       ++it;
@@ -164,6 +180,34 @@ void InstanceSet::PollLoop() {
       for (const auto& [a, in] : instances_) addresses.push_back(a);
     }
     for (const std::string& a : addresses) {
+      Instance claim;
+      {
+        kvwire::MutexLock lock(&mu_);
+        auto it = instances_.find(a);
+        if (it == instances_.end()) continue;
+        claim = it->second;
+      }
+      if (!claim.verified) {
+        absl::Status proof = Verify(a, claim);
+        kvwire::MutexLock lock(&mu_);
+        auto it = instances_.find(a);
+        // Gone, or replaced by another record at the same address meanwhile.
+        if (it == instances_.end() || it->second.name != claim.name) continue;
+        if (proof.ok()) {
+          it->second.verified = true;
+          ++verified_;
+          KVW_LOG(kInfo, kLog) << "instance proved membership" << Kv("name", claim.name)
+                               << Kv("address", a);
+        } else if (!it->second.refusal_logged) {
+          it->second.refusal_logged = true;
+          ++refused_;
+          KVW_LOG(kWarning, kLog) << "ignoring an instance that does not prove membership"
+                                  << Kv("kind", InstanceKindName(claim.kind))
+                                  << Kv("name", claim.name) << Kv("address", a)
+                                  << Kv("error", proof.message());
+        }
+        if (!proof.ok()) continue;
+      }
       // A loaded machine may answer slowly: only a failed call (refused, reset, or no answer
       // within a second) marks an instance unreachable.
       absl::StatusOr<json> h = GetJson(a, "/health", absl::Seconds(1));
@@ -188,13 +232,44 @@ void InstanceSet::PollLoop() {
   }
 }
 
+absl::Status InstanceSet::Verify(const std::string& address, const Instance& claim) const {
+  absl::StatusOr<std::string> nonce = kvwire::control::RandomNonce(16);
+  if (!nonce.ok()) return nonce.status();
+  const std::string nonce_hex = absl::BytesToHexString(*nonce);
+  HttpCallOptions o;
+  o.deadline = absl::Now() + absl::Seconds(1);
+  o.body_limit = 64 << 10;
+  absl::StatusOr<HttpResponse> r =
+      HttpCall(address, "GET", absl::StrCat(kAttestPath, "?nonce=", nonce_hex), "", o);
+  if (!r.ok()) return r.status();
+  if (r->status != 200) {
+    return absl::PermissionDeniedError(absl::StrCat("its ", kAttestPath, " answered ", r->status));
+  }
+  absl::StatusOr<json> j = kvwire::ParseJsonObject(r->body, "attestation", {});
+  if (!j.ok()) return j.status();
+  kvwire::JsonFields f(*j, "attestation");
+  const std::string proof = f.String("proof", 256);
+  if (!f.ok()) return f.status();
+  AttestClaim c;
+  c.engine_id = claim.name;
+  c.role = claim.role;
+  c.http_address = address;
+  c.kv_address = claim.kv_address;
+  if (!kvwire::control::ConstantTimeEquals(proof, AttestProof(options_.secret, nonce_hex, c))) {
+    return absl::PermissionDeniedError(
+        "its proof does not match the shared secret and its record (engine id, role, "
+        "addresses)");
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> InstanceSet::Order(InstanceKind kind) {
   kvwire::MutexLock lock(&mu_);
   // The map is sorted by address; the rotation starts from the order the instances joined
   // (for a static list: the order on the command line).
   std::vector<std::pair<uint64_t, std::string>> joined;
   for (const auto& [a, in] : instances_) {
-    if (in.kind == kind) joined.push_back({in.order, a});
+    if (in.kind == kind && in.verified) joined.push_back({in.order, a});
   }
   std::sort(joined.begin(), joined.end());
   std::vector<std::string> all;
@@ -257,8 +332,9 @@ json InstanceSet::Health() {
     out["etcd_connected"] = watcher_->connected();
     out["cluster"] = options_.cluster;
   }
+  out["unverified"] = json::array();
   for (const auto& [a, in] : instances_) {
-    out[InstanceKindName(in.kind)].push_back(a);
+    out[in.verified ? InstanceKindName(in.kind) : "unverified"].push_back(a);
   }
   return out;
 }
@@ -276,6 +352,7 @@ std::string InstanceSet::Metrics() {
   std::string free_blocks = "# TYPE kvwire_dsv4_router_instance_free_blocks gauge\n";
   int count[2] = {0, 0};
   for (const auto& [a, in] : instances_) {
+    if (!in.verified) continue;  // not routed to: no series (a forged record makes none)
     ++count[static_cast<int>(in.kind)];
     const std::string labels =
         absl::StrCat("{kind=\"", InstanceKindName(in.kind), "\",instance=\"", in.name, "\"} ");
@@ -290,7 +367,11 @@ std::string InstanceSet::Metrics() {
                   "kvwire_dsv4_router_instances{kind=\"decode\"} ", count[1], "\n",
                   "# TYPE kvwire_dsv4_router_instance_changes_total counter\n",
                   "kvwire_dsv4_router_instance_changes_total{change=\"added\"} ", added_, "\n",
-                  "kvwire_dsv4_router_instance_changes_total{change=\"removed\"} ", removed_, "\n");
+                  "kvwire_dsv4_router_instance_changes_total{change=\"removed\"} ", removed_, "\n",
+                  "# TYPE kvwire_dsv4_router_instance_proofs_total counter\n",
+                  "kvwire_dsv4_router_instance_proofs_total{outcome=\"verified\"} ", verified_,
+                  "\n", "kvwire_dsv4_router_instance_proofs_total{outcome=\"refused\"} ", refused_,
+                  "\n");
   if (watcher_) {
     absl::StrAppend(&m, "# TYPE kvwire_dsv4_router_etcd_connected gauge\n",
                     "kvwire_dsv4_router_etcd_connected ", watcher_->connected() ? 1 : 0, "\n");

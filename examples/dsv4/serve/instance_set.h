@@ -8,6 +8,13 @@
 //                 /health: active_requests + prefilling, polled every poll interval), then
 //                 the most free KV blocks (total_blocks - used_blocks), then in turn.
 // Every choice is counted per instance and policy in Metrics().
+//
+// etcd is a directory, not an authority: with the deployment's shared secret (`secret`), a
+// discovered instance is routed to only once it has proved it holds the secret (attest.h:
+// an HMAC over a fresh nonce and what its record claims, asked on its HTTP port); one that
+// cannot is ignored, logged once and counted, and asked again every poll (a real server that
+// was still starting is taken once it answers). Without a secret, records are trusted as
+// given (logged at start).
 #ifndef KVWIRE_EXAMPLES_DSV4_SERVE_INSTANCE_SET_H_
 #define KVWIRE_EXAMPLES_DSV4_SERVE_INSTANCE_SET_H_
 
@@ -39,6 +46,9 @@ struct InstanceSetOptions {
   std::string
       policy;  // round_robin | least_loaded; empty: least_loaded with etcd, else round_robin
   absl::Duration poll = absl::Milliseconds(250);  // reported load
+  // The deployment's shared secret: discovered instances must prove they hold it. Empty:
+  // records are trusted.
+  std::string secret;
 };
 
 class InstanceSet {
@@ -90,11 +100,18 @@ class InstanceSet {
     int reported_active = -1;  // -1: not yet polled
     int64_t free_blocks = -1;
     bool reachable = true;
+    // What the record claims (attest.h) and whether the instance proved it: always true
+    // for the fixed lists and without a secret.
+    std::string role, kv_address;
+    bool verified = true;
+    bool refusal_logged = false;
     uint64_t order = 0;  // when it joined: round robin follows the order instances were given
   };
   explicit InstanceSet(InstanceSetOptions options);
   void OnChange(const kvwire::discovery::PrefixWatcher::Snapshot& keys);
   void PollLoop();
+  // Asks an unverified instance for its proof (no lock held); OK when it holds the secret.
+  absl::Status Verify(const std::string& address, const Instance& claim) const;
 
   const InstanceSetOptions options_;
   std::string policy_;
@@ -106,6 +123,7 @@ class InstanceSet {
   // Routing choices: (kind, name, policy) -> count; kept after an instance goes.
   std::map<std::tuple<int, std::string>, uint64_t> routed_ ABSL_GUARDED_BY(mu_);
   uint64_t added_ ABSL_GUARDED_BY(mu_) = 0, removed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t verified_ ABSL_GUARDED_BY(mu_) = 0, refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
   uint64_t joined_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread poller_;

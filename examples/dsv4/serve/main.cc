@@ -68,7 +68,9 @@ int Usage() {
                "           [--max-connections-per-source 64] (HTTP, per client address)\n"
                "           [--max-upstream-body-mib 8] (non-streamed answers; larger: 502)\n"
                "  router   --etcd http://H:P[,...] --cluster NAME --mode read|write [...]\n"
-               "           (instances discovered and followed through etcd)\n"
+               "           [--secret-file F | --secret S] (the servers' shared secret: every\n"
+               "           instance must prove it holds it; neither: KVWIRE_SECRET; none: etcd\n"
+               "           records are trusted) (instances discovered and followed through etcd)\n"
                "  demo     [--config C.json] [--weights W] [--work-dir D] [--secret-file F]\n"
                "           (make demo)\n");
   return 2;
@@ -265,6 +267,15 @@ int RouterMain(const Flags& f) {
   o.timeout = absl::Seconds(*timeout);
   o.max_connections_per_source = static_cast<int>(std::clamp<int64_t>(*per_source, 1, 1 << 20));
   o.max_upstream_body = static_cast<uint64_t>(std::clamp<int64_t>(*body_mib, 1, 4096)) << 20;
+  // The servers' secret: with etcd, instances must prove they hold it. KVWIRE_SECRET as the
+  // servers' connectors take it when neither flag is given.
+  absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
+  if (!secret.ok()) return Fail(secret.status());
+  if (*secret) {
+    o.secret = **secret;
+  } else if (const char* env = getenv("KVWIRE_SECRET"); env != nullptr) {
+    o.secret = env;
+  }
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(o);
@@ -330,7 +341,8 @@ int Main(int argc, char** argv) {
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
     f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file", "etcd",
-               "cluster", "policy", "max-connections-per-source", "max-upstream-body-mib"});
+               "cluster", "policy", "max-connections-per-source", "max-upstream-body-mib", "secret",
+               "secret-file"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
     f = parse(

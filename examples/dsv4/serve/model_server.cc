@@ -17,6 +17,7 @@
 #include "examples/dsv4/model/model.h"
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/admission.h"
+#include "examples/dsv4/serve/attest.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_server.h"
 #include "examples/dsv4/serve/stop_strings.h"
@@ -133,6 +134,7 @@ class ModelServer::Impl {
     co.mode = *mode;
     co.engine = kvwire::EngineOptions::FromEnvironment({});
     if (options_.shared_secret) co.engine.shared_secret = *options_.shared_secret;
+    attest_secret_ = co.engine.shared_secret;
     co.engine.name =
         options_.name.empty() ? absl::StrCat("dsv4-", role, "-", getpid()) : options_.name;
     co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
@@ -225,6 +227,10 @@ class ModelServer::Impl {
       resp->Respond(200, Metrics(), "text/plain; version=0.0.4");
       return;
     }
+    if (r.method == "GET" && path == kAttestPath) {
+      Attest(r.target, *resp);
+      return;
+    }
     if (r.method == "GET" && path == "/v1/models") {
       resp->Respond(200, ModelsJson(config_.name, config_.max_seq_len).dump());
       return;
@@ -278,6 +284,31 @@ class ModelServer::Impl {
     }
     queue_.push_back(std::move(job));
     cv_.SignalAll();
+  }
+
+  // attest.h: proves to a router that this server, as its etcd record describes it, holds
+  // the deployment's shared secret.
+  void Attest(const std::string& target, Responder& resp) const {
+    if (attest_secret_.empty()) {
+      resp.Error(404, "this server has no shared secret: it cannot prove membership");
+      return;
+    }
+    absl::StatusOr<std::string> nonce = AttestNonce(target);
+    if (!nonce.ok()) {
+      resp.Error(400, std::string(nonce.status().message()));
+      return;
+    }
+    AttestClaim claim;
+    claim.engine_id = connector_->engine_id();
+    claim.role = options_.role;
+    claim.http_address = absl::StrCat(options_.host, ":", http_->port());
+    claim.kv_address = connector_->engine().address();
+    json j = {{"engine_id", claim.engine_id},
+              {"role", claim.role},
+              {"http_address", claim.http_address},
+              {"kv_address", claim.kv_address},
+              {"proof", AttestProof(attest_secret_, *nonce, claim)}};
+    resp.Respond(200, j.dump());
   }
 
   // A completion or chat request; prepare takes either (chat when it has messages).
@@ -1074,6 +1105,7 @@ class ModelServer::Impl {
   std::unique_ptr<HttpServer> http_;
   std::thread worker_;
   uint64_t total_blocks_ = 0;  // over the paged groups (set in Init)
+  std::string attest_secret_;  // the engine's shared secret (set in Init; empty: none)
 
   kvwire::Mutex mu_;
   kvwire::CondVar cv_;

@@ -117,6 +117,7 @@ class Router::Impl {
     io.etcd = options_.etcd;
     io.cluster = options_.cluster;
     io.policy = options_.policy;
+    io.secret = options_.secret;
     absl::StatusOr<std::unique_ptr<InstanceSet>> instances = InstanceSet::Start(io);
     if (!instances.ok()) return instances.status();
     instances_ = std::move(*instances);
@@ -545,10 +546,10 @@ class Router::Impl {
       absl::StatusOr<HttpResponse> r =
           write ? call(decode_server) : TryEach(InstanceKind::kDecode, call, &decode_server);
       if (too_large) {
-        failure = Failure{502, absl::StrCat("decode server ", decode_server,
-                                            ": its answer is larger than the router's limit of ",
-                                            options_.max_upstream_body,
-                                            " bytes (--max-upstream-body-mib)")};
+        failure = Failure{
+            502, absl::StrCat("decode server ", decode_server,
+                              ": its answer is larger than the router's limit of ",
+                              options_.max_upstream_body, " bytes (--max-upstream-body-mib)")};
         ++too_large_;
       } else if (!r.ok()) {
         failure = Failure{StatusFor(r.status()),

@@ -25,6 +25,9 @@ struct RouterOptions {
   std::vector<std::string> decode;
   // Discovery instead of the lists: etcd endpoints and cluster (see instance_set.h).
   std::string etcd, cluster;
+  // The deployment's shared secret: instances discovered through etcd are routed to only
+  // once they prove they hold it (instance_set.h). Empty: etcd records are trusted.
+  std::string secret;
   std::string policy;         // round_robin | least_loaded (empty: least_loaded with etcd)
   std::string mode = "read";  // read | write
   std::string host = "127.0.0.1";

@@ -9,19 +9,22 @@
 //     larger one is a 502, counted) and relays a streamed one as it comes: its resident memory
 //     stays small while two 250 MiB answers pass;
 //   - a client that leaves a non-streamed request through the router stops the decode's
-//     generation, and the decode frees its blocks, within a second.
+//     generation, and the decode frees its blocks, within a second;
+//   - etcd is a directory, not an authority: a forged decode record (whose /health claims a
+//     billion free blocks) and a forged prefill record pointing at the router itself get no
+//     request; a removed instance's routing series is pruned.
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <poll.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -35,7 +38,11 @@
 
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/http_server.h"
+#include "src/discovery/etcd_client.h"
+#include "src/discovery/instance.h"
 #include "tests/dsv4/serve/serve_cluster.h"
+#include "tests/support/etcd_cluster.h"
 
 namespace dsv4::serve {
 namespace {
@@ -153,9 +160,9 @@ int64_t PeakRssKiB(pid_t pid) {
   while (std::getline(in, line)) {
     int64_t kib = 0;
     if (absl::StartsWith(line, "VmHWM:") &&
-        absl::SimpleAtoi(absl::StripAsciiWhitespace(
-                             absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
-                         &kib)) {
+        absl::SimpleAtoi(
+            absl::StripAsciiWhitespace(absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
+            &kib)) {
       return kib;
     }
   }
@@ -213,9 +220,9 @@ TEST(Abuse, TokenIdPromptsCountForAdmission) {
   streamer.join();
   ASSERT_TRUE(stream.ok()) << stream.status();
   EXPECT_EQ(stream->status, 200) << stream->error;
-  EXPECT_TRUE(stream->error.empty()) << "the admitted stream failed half way: " << stream->error
-                                     << "\n"
-                                     << c.Logs();
+  EXPECT_TRUE(stream->error.empty())
+      << "the admitted stream failed half way: " << stream->error << "\n"
+      << c.Logs();
   EXPECT_TRUE(stream->done);
   EXPECT_EQ(stream->tokens.size(), 1200u);
   for (size_t i = 0; i < results.size(); ++i) {
@@ -235,12 +242,12 @@ TEST(Abuse, TokenIdPromptsCountForAdmission) {
     EXPECT_EQ(big->status, 400) << big->error;
     EXPECT_TRUE(absl::StrContains(big->error, "whole cache")) << big->error;
     EXPECT_TRUE(absl::StrContains(big->error, "--num-blocks")) << big->error;
-    absl::StatusOr<CompletionResult> direct = Complete(
-        *prefill,
-        {{"prompt", prompt},
-         {"max_tokens", 1},
-         {"kv_transfer_params", {{"do_remote_decode", true}, {"mode", "read"}}}},
-        absl::Seconds(60));
+    absl::StatusOr<CompletionResult> direct =
+        Complete(*prefill,
+                 {{"prompt", prompt},
+                  {"max_tokens", 1},
+                  {"kv_transfer_params", {{"do_remote_decode", true}, {"mode", "read"}}}},
+                 absl::Seconds(60));
     ASSERT_TRUE(direct.ok()) << direct.status();
     EXPECT_EQ(direct->status, 400) << direct->error;
     EXPECT_TRUE(absl::StrContains(direct->error, "whole cache")) << direct->error;
@@ -413,8 +420,9 @@ class HugeUpstream {
     const bool stream = absl::StrContains(req, "\"stream\":true");
     const std::string mib(1 << 20, 'z');
     if (stream) {
-      if (!SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                       "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n")) {
+      if (!SendAll(fd,
+                   "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                   "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n")) {
         return;
       }
       // One event per MiB, as "data: zzz...\n\n" chunks; then [DONE].
@@ -502,8 +510,8 @@ TEST(Abuse, RouterCutsHugeAnswersAndRelaysStreamsWithoutHoldingThem) {
   }
   const int64_t peak = PeakRssKiB(pid);
   // 2 x 250 MiB passed through; the router held a few MiB at a time (the issue: 2.63 GB).
-  EXPECT_LT(peak - base, 96 * 1024) << "router peak RSS " << peak << " KiB (was " << base
-                                    << " KiB before)";
+  EXPECT_LT(peak - base, 96 * 1024)
+      << "router peak RSS " << peak << " KiB (was " << base << " KiB before)";
 }
 
 // --- 6. a client that leaves a non-streamed request ----------------------------------------
@@ -555,8 +563,133 @@ TEST(Abuse, ClientThatLeavesNonStreamedRequestStopsTheDecode) {
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(Metric(MetricsOf(*decode), "kvwire_dsv4_generated_tokens_total"), stopped_at);
   EXPECT_LT(stopped_at, 1500);
-  EXPECT_EQ(Metric(MetricsOf(*router), "kvwire_dsv4_router_requests_total{outcome=\"client_gone\"}"),
-            1);
+  EXPECT_EQ(
+      Metric(MetricsOf(*router), "kvwire_dsv4_router_requests_total{outcome=\"client_gone\"}"), 1);
+}
+
+// --- 3. etcd is a directory, not an authority ---------------------------------------------
+
+namespace discovery = kvwire::discovery;
+
+bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return pred();
+}
+
+TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
+  absl::StatusOr<std::unique_ptr<kvwire::testing::EtcdCluster>> etcd =
+      kvwire::testing::EtcdCluster::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoints();
+  const std::string secret = "the deployment's secret, not the forger's";
+  ServeCluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  auto registered = [&](const std::string& name) {
+    return std::vector<std::string>{"--etcd",         endpoints, "--cluster", "attack",
+                                    "--etcd-lease-s", "2",       "--name",    name,
+                                    "--secret",       secret,    "--mode",    "read"};
+  };
+  absl::StatusOr<std::string> prefill =
+      c.Serve("prefill", "prefill", "tcp", registered("real-prefill"));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::string> decode =
+      c.Serve("decode", "decode", "tcp", registered("real-decode"));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+
+  // The forger: a "decode" that claims to be idle with a billion free blocks, answers every
+  // completion with its own text, and answers the challenge with a made-up proof.
+  std::atomic<int> forged_completions{0};
+  absl::StatusOr<std::unique_ptr<HttpServer>> forged = HttpServer::Start(
+      HttpServerOptions(), [&](const HttpRequest& r, std::shared_ptr<Responder> resp) {
+        if (absl::StartsWith(r.target, "/health")) {
+          resp->Respond(200, json{{"status", "ok"},
+                                  {"active_requests", 0},
+                                  {"total_blocks", 1000000000},
+                                  {"used_blocks", 0}}
+                                 .dump());
+        } else if (absl::StartsWith(r.target, "/v1/kvwire/attest")) {
+          resp->Respond(200, json{{"proof", std::string(64, '0')}}.dump());
+        } else {
+          ++forged_completions;
+          resp->Respond(200, json{{"choices", {{{"text", "FORGED"}, {"index", 0}}}}}.dump());
+        }
+      });
+  ASSERT_TRUE(forged.ok()) << forged.status();
+  absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> client =
+      discovery::EtcdClient::Create({.endpoints = endpoints});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto forge = [&](const std::string& name, const std::string& role, const std::string& http) {
+    discovery::InstanceRecord r;
+    r.name = name;
+    r.role = role;
+    r.http_address = http;
+    r.kv_address = "127.0.0.1:1";
+    r.transports = {"tcp"};
+    r.mode = "read";
+    r.pid = 1;
+    return (*client)->Put(discovery::InstanceKey("attack", name), r.ToJson()).status();
+  };
+  ASSERT_TRUE(forge("forged-decode", "decode", absl::StrCat("127.0.0.1:", (*forged)->port())).ok());
+
+  absl::StatusOr<std::string> router =
+      c.Start("router", {"router", "--etcd", endpoints, "--cluster", "attack", "--mode", "read",
+                         "--policy", "least_loaded", "--secret", secret, "--timeout-s", "60"});
+  ASSERT_TRUE(router.ok()) << router.status();
+  // A forged prefill that points at the router itself (the router would call itself).
+  ASSERT_TRUE(forge("forged-prefill", "prefill", *router).ok());
+  json h;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<json> got = GetJson(*router, "/health");
+        if (!got.ok()) return false;
+        h = *got;
+        return h["prefill"].size() == 1 && h["decode"].size() == 1 && h["unverified"].size() == 2;
+      },
+      absl::Seconds(30)))
+      << h.dump()
+      << "
+         "
+      << c.Logs();
+  EXPECT_EQ(h["decode"][0], *decode);
+  EXPECT_EQ(h["prefill"][0], *prefill);
+
+  std::vector<int32_t> first;
+  for (int i = 0; i < 6; ++i) {
+    absl::StatusOr<CompletionResult> r =
+        Complete(*router, {{"prompt", "Whose directory?"}, {"max_tokens", 6}}, absl::Seconds(60));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->status, 200) << r->error
+                              << "
+                                 " << c.Logs();
+        EXPECT_NE(r->text, "FORGED");
+    if (i == 0) first = r->tokens;
+    EXPECT_EQ(r->tokens, first);
+  }
+  EXPECT_EQ(forged_completions.load(), 0);
+  const std::string metrics = MetricsOf(*router);
+  EXPECT_EQ(Metric(metrics, "kvwire_dsv4_router_instance_proofs_total{outcome=\"refused\"}"), 2)
+      << metrics;
+  EXPECT_EQ(Metric(metrics, "kvwire_dsv4_router_instance_proofs_total{outcome=\"verified\"}"), 2)
+      << metrics;
+  EXPECT_FALSE(absl::StrContains(metrics, "forged-")) << metrics;
+  EXPECT_EQ(
+      Metric(metrics, "kvwire_dsv4_router_routed_total{kind=\"decode\",instance=\"real-decode\""),
+      6)
+      << metrics;
+
+  // The decode leaves (deregisters): its routing series goes with it.
+  c.StopOne("decode");
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return !absl::StrContains(MetricsOf(*router),
+                                  "kvwire_dsv4_router_routed_total{kind=\"decode\"");
+      },
+      absl::Seconds(10)))
+      << MetricsOf(*router);
 }
 
 }  // namespace

@@ -141,6 +141,21 @@ class ServeCluster {
     return Launch(name, args).status();
   }
 
+  // Any kvwire-dsv4 command that writes a ready file (a router discovering through etcd).
+  absl::StatusOr<std::string> Start(const std::string& name, std::vector<std::string> args) {
+    return Launch(name, std::move(args));
+  }
+
+  // SIGTERM to one process, which must exit cleanly; it is forgotten.
+  void StopOne(const std::string& name) {
+    auto it = procs_.find(name);
+    if (it == procs_.end()) return;
+    it->second->Stop(SIGTERM, absl::Seconds(30));
+    EXPECT_EQ(it->second->exit_code(), 0) << name << " did not stop cleanly:\n"
+                                          << it->second->LogTail();
+    procs_.erase(it);
+  }
+
   // The process id of a running server or router (e.g. for its /proc/<pid>/status).
   pid_t Pid(const std::string& name) const { return procs_.at(name)->pid(); }
 
