@@ -89,6 +89,9 @@ absl::StatusOr<json> GetJson(const std::string& address, const std::string& path
                              absl::Duration timeout) {
   HttpCallOptions o;
   o.deadline = absl::Now() + timeout;
+  // /health and /v1/models are small: an instance that answers more (the router polls
+  // discovered ones) is refused, not held.
+  o.body_limit = 1 << 20;
   absl::StatusOr<HttpResponse> r = HttpCall(address, "GET", path, "", o);
   if (!r.ok()) return r.status();
   json j = json::parse(r->body, nullptr, false);

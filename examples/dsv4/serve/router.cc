@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <list>
 #include <map>
 #include <optional>
@@ -515,6 +516,9 @@ class Router::Impl {
         HttpCallOptions o;
         o.deadline = deadline;
         o.cancelled = client_gone;
+        // A stream is relayed, never held, however long; a non-streamed answer is bounded
+        // by on_body (max_upstream_body).
+        o.body_limit = std::numeric_limits<uint64_t>::max();
         o.on_headers = [&](const HttpResponse& head) {
           status = head.status;
           retry_after = head.retry_after;

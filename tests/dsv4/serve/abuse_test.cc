@@ -153,6 +153,15 @@ std::string MetricsOf(const std::string& address) {
   return r.ok() ? r->body : "";
 }
 
+bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return pred();
+}
+
 // Peak resident memory of a process (VmHWM), in KiB; -1 when unreadable.
 int64_t PeakRssKiB(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
@@ -335,7 +344,7 @@ TEST(Abuse, SlowLorisFromOneAddressLeavesOtherClientsServed) {
 
 // --- 4. the router's upstream answers are bounded ------------------------------------------
 
-// A fake prefill and decode on one port: prefill's answer is a real-looking read-mode
+// A fake prefill or decode: prefill's answer is a real-looking read-mode
 // hand-off; decode's is 250 MiB, non-streamed (Content-Length) or streamed (chunked SSE),
 // written 1 MiB at a time as the reader takes it.
 class HugeUpstream {
@@ -400,6 +409,13 @@ class HugeUpstream {
         need = end + 4 + len;
       }
     }
+    if (absl::StartsWith(req, "GET ")) {  // the router's /health polls
+      const std::string body = R"({"status":"ok","active_requests":0})";
+      (void)SendAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                     "Connection: close\r\nContent-Length: ",
+                                     body.size(), "\r\n\r\n", body));
+      return;
+    }
     if (absl::StrContains(req, "\"do_remote_decode\":true")) {
       const json answer = {
           {"id", "cmpl-fake"},
@@ -457,9 +473,10 @@ class HugeUpstream {
 };
 
 TEST(Abuse, RouterCutsHugeAnswersAndRelaysStreamsWithoutHoldingThem) {
-  HugeUpstream fake;
+  HugeUpstream fake_prefill, fake;  // the router takes each address in one role only
   ServeCluster c;
-  absl::StatusOr<std::string> router = c.Router("router", fake.address(), fake.address(), "read");
+  absl::StatusOr<std::string> router =
+      c.Router("router", fake_prefill.address(), fake.address(), "read");
   ASSERT_TRUE(router.ok()) << router.status();
   const int port = PortOf(*router);
   const pid_t pid = c.Pid("router");
@@ -484,6 +501,9 @@ TEST(Abuse, RouterCutsHugeAnswersAndRelaysStreamsWithoutHoldingThem) {
         << a.substr(0, 400);
   }
   EXPECT_EQ(Metric(MetricsOf(*router), "kvwire_dsv4_router_upstream_too_large_total"), 2);
+  // The router hung up on both: the fake decode could not write the rest.
+  EXPECT_TRUE(WaitFor([&] { return fake.bodies_cut() == 2; }, absl::Seconds(10)))
+      << fake.bodies_cut();
 
   // Two at once, streamed: every byte arrives (the router relays, the client reads).
   std::vector<uint64_t> totals(2, 0);
@@ -570,15 +590,6 @@ TEST(Abuse, ClientThatLeavesNonStreamedRequestStopsTheDecode) {
 // --- 3. etcd is a directory, not an authority ---------------------------------------------
 
 namespace discovery = kvwire::discovery;
-
-bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (pred()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return pred();
-}
 
 TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
   absl::StatusOr<std::unique_ptr<kvwire::testing::EtcdCluster>> etcd =
