@@ -661,9 +661,7 @@ TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
         return h["prefill"].size() == 1 && h["decode"].size() == 1 && h["unverified"].size() == 2;
       },
       absl::Seconds(30)))
-      << h.dump()
-      << "
-         "
+      << h.dump() << "\n"
       << c.Logs();
   EXPECT_EQ(h["decode"][0], *decode);
   EXPECT_EQ(h["prefill"][0], *prefill);
@@ -673,10 +671,8 @@ TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
     absl::StatusOr<CompletionResult> r =
         Complete(*router, {{"prompt", "Whose directory?"}, {"max_tokens", 6}}, absl::Seconds(60));
     ASSERT_TRUE(r.ok()) << r.status();
-    ASSERT_EQ(r->status, 200) << r->error
-                              << "
-                                 " << c.Logs();
-        EXPECT_NE(r->text, "FORGED");
+    ASSERT_EQ(r->status, 200) << r->error << "\n" << c.Logs();
+    EXPECT_NE(r->text, "FORGED");
     if (i == 0) first = r->tokens;
     EXPECT_EQ(r->tokens, first);
   }
