@@ -646,6 +646,10 @@ class ModelServer::Impl {
     } else {
       cache_->Free(*blocks);
     }
+    // /health shows the hand-off before the answer goes out (the loop updates these only
+    // after this iteration: a client that asks at once saw none).
+    held_count_.store(static_cast<int>(held_.size()));
+    held_blocks_.store(HeldBlocks());
     const double prefill_ms = Ms(computed - start);
     prefill_us_ += static_cast<uint64_t>(prefill_ms * 1000);
     prompt_tokens_ += n;
