@@ -151,9 +151,9 @@ void InstanceSet::OnChange(const discovery::PrefixWatcher::Snapshot& keys) {
       KVW_LOG(kWarning, kLog) << "instance gone" << Kv("kind", InstanceKindName(it->second.kind))
                               << Kv("name", it->second.name) << Kv("address", it->first);
       ++removed_;
-      // Its routing counter goes with it: a series per instance that ever was would grow
-      // without bound as instances come and go (or as forged records are written).
-      routed_.erase({static_cast<int>(it->second.kind), it->second.name});
+      // Its routing counter goes after forget_after unless it comes back: a series per
+      // instance that ever was would grow without bound as instances come and go.
+      gone_[{static_cast<int>(it->second.kind), it->second.name}] = absl::Now();
       it = instances_.erase(it);
     } else {
       ++it;
@@ -164,6 +164,7 @@ void InstanceSet::OnChange(const discovery::PrefixWatcher::Snapshot& keys) {
     KVW_LOG(kWarning, kLog) << "instance added" << Kv("kind", InstanceKindName(in.kind))
                             << Kv("name", in.name) << Kv("address", address);
     ++added_;
+    gone_.erase({static_cast<int>(in.kind), in.name});
     in.order = joined_++;
     instances_[address] = std::move(in);
   }
@@ -178,6 +179,15 @@ void InstanceSet::PollLoop() {
       while (!stop_ && absl::Now() < until) cv_.WaitUntil(&mu_, until);
       if (stop_) return;
       for (const auto& [a, in] : instances_) addresses.push_back(a);
+      const absl::Time now = absl::Now();
+      for (auto it = gone_.begin(); it != gone_.end();) {
+        if (now - it->second < options_.forget_after) {
+          ++it;
+          continue;
+        }
+        routed_.erase(it->first);
+        it = gone_.erase(it);
+      }
     }
     for (const std::string& a : addresses) {
       Instance claim;

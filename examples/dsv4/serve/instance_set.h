@@ -49,6 +49,10 @@ struct InstanceSetOptions {
   // The deployment's shared secret: discovered instances must prove they hold it. Empty:
   // records are trusted.
   std::string secret;
+  // How long the routing counter of an instance that left is kept: one that comes back
+  // within it (a lease that lapsed on a loaded machine) keeps its count; after it, the series
+  // is pruned, so instances that come and go (or forged records) do not grow the metrics.
+  absl::Duration forget_after = absl::Seconds(30);
 };
 
 class InstanceSet {
@@ -122,6 +126,8 @@ class InstanceSet {
   std::map<std::string, Instance> instances_ ABSL_GUARDED_BY(mu_);  // by HTTP address
   // Routing choices: (kind, name, policy) -> count; kept after an instance goes.
   std::map<std::tuple<int, std::string>, uint64_t> routed_ ABSL_GUARDED_BY(mu_);
+  // Instances that left, and when: their routed_ series goes after forget_after.
+  std::map<std::tuple<int, std::string>, absl::Time> gone_ ABSL_GUARDED_BY(mu_);
   uint64_t added_ ABSL_GUARDED_BY(mu_) = 0, removed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t verified_ ABSL_GUARDED_BY(mu_) = 0, refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_[2] ABSL_GUARDED_BY(mu_) = {0, 0};

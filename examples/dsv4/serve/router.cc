@@ -119,6 +119,7 @@ class Router::Impl {
     io.cluster = options_.cluster;
     io.policy = options_.policy;
     io.secret = options_.secret;
+    io.forget_after = options_.forget_instance_after;
     absl::StatusOr<std::unique_ptr<InstanceSet>> instances = InstanceSet::Start(io);
     if (!instances.ok()) return instances.status();
     instances_ = std::move(*instances);

@@ -28,6 +28,7 @@ struct RouterOptions {
   // The deployment's shared secret: instances discovered through etcd are routed to only
   // once they prove they hold it (instance_set.h). Empty: etcd records are trusted.
   std::string secret;
+  absl::Duration forget_instance_after = absl::Seconds(30);  // InstanceSetOptions::forget_after
   std::string policy;         // round_robin | least_loaded (empty: least_loaded with etcd)
   std::string mode = "read";  // read | write
   std::string host = "127.0.0.1";
