@@ -67,6 +67,7 @@ int Usage() {
                "           [--timeout-s 300] [--ready-file F] [--policy round_robin|least_loaded]\n"
                "           [--max-connections-per-source 64] (HTTP, per client address)\n"
                "           [--max-upstream-body-mib 8] (non-streamed answers; larger: 502)\n"
+               "           [--forget-instance-s 30] (metrics of a departed instance kept)\n"
                "  router   --etcd http://H:P[,...] --cluster NAME --mode read|write [...]\n"
                "           [--secret-file F | --secret S] (the servers' shared secret: every\n"
                "           instance must prove it holds it; neither: KVWIRE_SECRET; none: etcd\n"
@@ -259,14 +260,16 @@ int RouterMain(const Flags& f) {
   o.host = f.Get("host", "127.0.0.1");
   absl::StatusOr<int64_t> port = f.GetInt("port", 0), timeout = f.GetInt("timeout-s", 300),
                           per_source = f.GetInt("max-connections-per-source", 64),
-                          body_mib = f.GetInt("max-upstream-body-mib", 8);
-  for (const auto* v : {&port, &timeout, &per_source, &body_mib}) {
+                          body_mib = f.GetInt("max-upstream-body-mib", 8),
+                          forget_s = f.GetInt("forget-instance-s", 30);
+  for (const auto* v : {&port, &timeout, &per_source, &body_mib, &forget_s}) {
     if (!v->ok()) return Fail(v->status());
   }
   o.port = static_cast<int>(*port);
   o.timeout = absl::Seconds(*timeout);
   o.max_connections_per_source = static_cast<int>(std::clamp<int64_t>(*per_source, 1, 1 << 20));
   o.max_upstream_body = static_cast<uint64_t>(std::clamp<int64_t>(*body_mib, 1, 4096)) << 20;
+  o.forget_instance_after = absl::Seconds(std::clamp<int64_t>(*forget_s, 0, 86400));
   // The servers' secret: with etcd, instances must prove they hold it. KVWIRE_SECRET as the
   // servers' connectors take it when neither flag is given.
   absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
@@ -342,7 +345,7 @@ int Main(int argc, char** argv) {
   } else if (cmd == "router") {
     f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file", "etcd",
                "cluster", "policy", "max-connections-per-source", "max-upstream-body-mib", "secret",
-               "secret-file"});
+               "secret-file", "forget-instance-s"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
     f = parse(

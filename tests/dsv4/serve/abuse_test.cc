@@ -651,7 +651,8 @@ TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
 
   absl::StatusOr<std::string> router =
       c.Start("router", {"router", "--etcd", endpoints, "--cluster", "attack", "--mode", "read",
-                         "--policy", "least_loaded", "--secret", secret, "--timeout-s", "60"});
+                         "--policy", "least_loaded", "--secret", secret, "--timeout-s", "60",
+                         "--forget-instance-s", "1"});
   ASSERT_TRUE(router.ok()) << router.status();
   // A forged prefill that points at the router itself (the router would call itself).
   ASSERT_TRUE(forge("forged-prefill", "prefill", *router).ok());
