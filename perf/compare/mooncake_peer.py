@@ -6,8 +6,9 @@ measurement loops, perf/compare/README.md for why this is fair to Mooncake.
 
 Each side registers one buffer (register_memory). A batch is one batch_transfer_async_write /
 _read call with the batch's local addresses, remote addresses and lengths (what SGLang's and
-vLLM's Mooncake connectors call); the initiator busy-polls transfer_check_status. The engine's
-own threads serve the target, whose main thread sleeps.
+vLLM's Mooncake connectors call); the initiator waits for each batch with
+get_batch_transfer_status (the engine's own completion wait). The engine's own threads serve
+the target, whose main thread sleeps.
 """
 import argparse
 import os
@@ -25,6 +26,41 @@ def make_engine():
     return engine
 
 
+# Mooncake 0.3.13.post1's tcp transport queues at most 2,048 entries (more: "TCP lane
+# queue-full" and the batch fails): a longer batch (the kv request's 2,550 ranges) goes as
+# chunks of at most CHUNK entries, CHUNKS_IN_FLIGHT of them submitted at a time.
+CHUNK = 1024
+CHUNKS_IN_FLIGHT = 2
+
+
+class Request:
+    """One batch in flight: its chunks, submitted CHUNKS_IN_FLIGHT at a time."""
+
+    def __init__(self, backend, chunks):
+        self.backend = backend
+        self.todo = list(chunks)
+        self.inflight = []
+        while self.todo and len(self.inflight) < CHUNKS_IN_FLIGHT:
+            self._submit()
+
+    def _submit(self):
+        batch_id = self.backend.submit(self.backend.session, *self.todo.pop(0))
+        if batch_id < 0:
+            raise RuntimeError(f"mooncake batch submit returned {batch_id}")
+        self.inflight.append(batch_id)
+
+    def wait_one(self):
+        # get_batch_transfer_status waits (GIL released, the engine polling) until every entry
+        # of the batch completed; transfer_check_status looks at the batch's first entry only
+        # in this release, so it would call a batch done early.
+        rc = self.backend.engine.get_batch_transfer_status([self.inflight.pop(0)])
+        if rc != 0:
+            raise RuntimeError(f"mooncake get_batch_transfer_status = {rc}")
+        if self.todo:
+            self._submit()
+        return not self.inflight
+
+
 class Backend:
     def __init__(self, engine, session, local_addr, remote_addr, op):
         self.engine = engine
@@ -34,22 +70,16 @@ class Backend:
         self.submit = (engine.batch_transfer_async_write if op == "WRITE"
                        else engine.batch_transfer_async_read)
 
-    def prepare(self, ops):  # the three lists the batch call takes, built once
-        return ([self.local_addr + l for l, _, _ in ops], [self.remote_addr + r for _, r, _ in ops],
-                [n for _, _, n in ops])
+    def prepare(self, ops):  # the three lists the batch call takes, built once per chunk
+        return [([self.local_addr + l for l, _, _ in part],
+                 [self.remote_addr + r for _, r, _ in part], [n for _, _, n in part])
+                for part in (ops[i:i + CHUNK] for i in range(0, len(ops), CHUNK))]
 
-    def post(self, lists):
-        batch_id = self.submit(self.session, *lists)
-        if batch_id < 0:
-            raise RuntimeError(f"mooncake batch submit returned {batch_id}")
-        return batch_id
+    def post(self, chunks):
+        return Request(self, chunks)
 
-    def poll(self, batch_id):
-        state = self.engine.transfer_check_status(batch_id)
-        if state < 0:
-            raise RuntimeError(f"mooncake transfer_check_status = {state} "
-                               f"({'failed' if state == -1 else 'timed out'})")
-        return state == 1
+    def poll(self, request):
+        return request.wait_one()
 
 
 def main():
