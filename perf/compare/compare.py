@@ -83,7 +83,8 @@ class Runner:
 
     # --- ucx_perftest -------------------------------------------------------------------
     def ucx(self, test, tls, size, uct=None, tool=None, latency=False):
-        """GB/s of the "Final:" line; latency: its typical latency (us) as {"p50_us": ...}.
+        """GB/s of the "Final:" line; latency: one op outstanding (-O 1), its typical latency
+        (us) as {"p50_us": ...}.
         tool: (ucx_perftest, its lib folder) of another UCX than Debian's."""
         port = free_port()
         budget = (1 << 30) if tls == "tcp" else (4 << 30)
@@ -105,7 +106,7 @@ class Runner:
             for _ in range(50):
                 r = subprocess.run([perftest, "127.0.0.1", "-p", str(port), "-t", test,
                                     "-s", str(size), "-n", str(n), "-w", str(max(100, n // 10))]
-                                   + extra, env=env, capture_output=True, text=True, timeout=300)
+                                   + extra + (["-O", "1"] if latency else []), env=env, capture_output=True, text=True, timeout=300)
                 final = [l for l in r.stdout.splitlines() if l.startswith("Final:")]
                 if final and latency:
                     return {"p50_us": float(final[0].split()[2])}  # typical latency

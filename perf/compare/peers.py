@@ -110,7 +110,7 @@ class Peers:
         return result
 
     def ucx_lat(self, tls, size):
-        """ucx_perftest 1.22 ucp_get, one get in flight: its typical (median-like) latency."""
+        """ucx_perftest 1.22 ucp_get -O 1, one get outstanding: its typical latency."""
         if UCX_NEW in self.errors:
             raise RuntimeError(self.errors[UCX_NEW])
         return self.runner.ucx("ucp_get", tls, size, tool=self.ucx_tool(), latency=True)
@@ -292,7 +292,8 @@ def render(peers, med, sizes, have_kv, failures):
         if all(lat(name, s, "p50_us") is None for s in LAT_SIZES):
             note = why(f"lat {name}", "hot", LAT_SIZES[0])
         lines.append(f"{name:<34} {'':<7}{cells}{note}")
-    lines.append(f"({UCX_NEW}: ucp_get's typical latency as p50; ucx_perftest prints no p99)")
+    lines.append(f"({UCX_NEW}: `ucp_get -O 1` (one get outstanding), its typical latency as "
+                 "p50; ucx_perftest prints no p99)")
     lines.append("")
 
     def lat_ratio(transport, op):
