@@ -337,7 +337,13 @@ def render(args, med, have_kv, seconds):
                 if t == "shm":
                     floor_ms, floor_name = row["floor_ms"], "memcpy of the same ranges"
                 else:
-                    bw = max([v for v in (best_tcp(1 << 20), g("iperf3", "-", 1 << 20)) if v])
+                    streams = [v for v in (best_tcp(1 << 20), g("iperf3", "-", 1 << 20)) if v]
+                    if not streams:  # neither ran (not installed, or left out by --only)
+                        kv_lines.append(f"dsv4-pro 8k request {op:<5} {t}: "
+                                        f"{row['lat_avg_us'] / 1e3:6.2f} ms; no tcp floor "
+                                        "measured (ucx_perftest and iperf3 gave nothing)")
+                        continue
+                    bw = max(streams)
                     floor_ms, floor_name = row["bytes"] / (bw * 1e9) * 1e3, f"{bw:.2f} GB/s"
                 t_ms = row["lat_avg_us"] / 1e3
                 ratio = t_ms / floor_ms
