@@ -395,7 +395,12 @@ def plot(args, med):
                 lw = 2.5 if label.startswith("kvwire") else 1.5
                 clauses.append(f'"{data}" index {i} using 1:2 with linespoints dt {dt} lw {lw} '
                                f'lc {i + 1} pt {i % 13 + 1} title "{label}"')
+        if not clauses:  # nothing of this panel ran (--only, or every tool failed)
+            continue
         plots.append(f'set title "{title}"\nplot ' + ", \\\n  ".join(clauses))
+    if not plots:
+        print("no bandwidth measured: no plot", file=sys.stderr)
+        return
     script = f"""
 set terminal pngcairo noenhanced size 1600,700 font ",10"
 set output "{os.path.abspath(args.plot)}"
