@@ -6,7 +6,7 @@
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
-#   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest; writes perf/RESULTS.md
+#   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
@@ -102,7 +102,8 @@ compare: deps
 	@scripts/install-deps.sh --compare
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-perf kvwire-memcpy-floor
-	python3 perf/compare/compare.py --bin $(BUILD_DIR)/perf $(COMPARE_ARGS)
+	scripts/compare-venv.sh $(BUILD_DIR)/venv-compare
+	python3 perf/compare/compare.py --bin $(BUILD_DIR)/perf --venv $(BUILD_DIR)/venv-compare $(COMPARE_ARGS)
 
 # CPU cost per request and per Transfer (perf/cpu/README.md, issue 15): kvwire-request-bench
 # (dsv4-pro and dsv4-flash 8k requests through two connectors, read and write, shm and tcp,

@@ -35,6 +35,13 @@ class KvSide {
                                      ProgressLine* progress) = 0;
 };
 
+// --dump-ranges: writes the first request slot's byte ranges of the kv workload `options`
+// describes to options.dump_ranges_file, as text: a header line "kvwire-kv-ranges BYTES
+// RANGES REQUEST_BYTES OPS_BEFORE_MERGE" (BYTES: the buffer each side needs; the ranges'
+// addresses are offsets in it), then one "SRC DST LENGTH" line per range (prefill offset,
+// decode offset, bytes). The same ranges the initiator hands its engine; no engine is made.
+absl::Status DumpKvRanges(const PerfOptions& options);
+
 }  // namespace kvwire::perf
 
 #endif  // KVWIRE_PERF_KV_WORKLOAD_H_

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include "perf/initiator.h"
+#include "perf/kv_workload.h"
 #include "perf/perf_options.h"
 #include "perf/target.h"
 
@@ -19,6 +20,14 @@ int main(int argc, char** argv) {
   }
   if (options->help) {
     std::printf("%s", kvwire::perf::UsageText().c_str());
+    return 0;
+  }
+  if (!options->dump_ranges_file.empty()) {
+    const absl::Status dumped = kvwire::perf::DumpKvRanges(*options);
+    if (!dumped.ok()) {
+      std::fprintf(stderr, "kvwire-perf: %s\n", std::string(dumped.message()).c_str());
+      return 1;
+    }
     return 0;
   }
   signal(SIGPIPE, SIG_IGN);

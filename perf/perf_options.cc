@@ -110,6 +110,9 @@ absl::Status Validate(const PerfOptions& o) {
   if (o.iterations > 0 && o.duration_s > 0) {
     return absl::InvalidArgumentError("-n (iterations) and -D (seconds) exclude each other");
   }
+  if (!o.dump_ranges_file.empty() && o.workload != Workload::kKv) {
+    return absl::InvalidArgumentError("--dump-ranges applies to --workload kv only");
+  }
   if (o.all_sizes && o.workload == Workload::kKv) {
     return absl::InvalidArgumentError("-a (all sizes) applies to --workload raw only");
   }
@@ -184,6 +187,8 @@ Both sides take the same test options; they are compared at connect time.
       --frag SHARE             kv: share of blocks not next to the previous one (default 0.5)
       --requests N             kv: requests in flight (default 4)
       --json FILE, --csv FILE  also write the results there
+      --dump-ranges FILE       kv: write one request's byte ranges (the plan's, merged where
+                               contiguous on both sides) to FILE and exit: no engine, no peer
       --report_gbits           bandwidth in Gb/s instead of GB/s (both decimal)
   -F, --CPU-freq               accepted for perftest's command lines (kvwire-perf never
                                warns about CPU frequency scaling)
@@ -398,6 +403,12 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
        true,
        [&](const std::string&, const std::string& v) {
          o.json_file = v;
+         return absl::OkStatus();
+       }},
+      {{"--dump-ranges"},
+       true,
+       [&](const std::string&, const std::string& v) {
+         o.dump_ranges_file = v;
          return absl::OkStatus();
        }},
       {{"--csv"},

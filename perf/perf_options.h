@@ -65,6 +65,9 @@ struct PerfOptions {
   double fragmentation = 0.5;       // --frag: share of blocks not contiguous with the previous
   int requests = 4;                 // --requests: requests in flight
 
+  // --dump-ranges FILE (kv workload): write one request's byte ranges there and exit, without
+  // an engine or a peer (the page set `make compare` gives every peer's batch API).
+  std::string dump_ranges_file;
   std::string json_file;      // --json FILE
   std::string csv_file;       // --csv FILE
   bool report_gbits = false;  // --report_gbits: Gb/s instead of GB/s (both decimal)

@@ -41,8 +41,9 @@ packages=(
   hipcc libamdhip64-dev
 )
 # `--compare`: what `make compare` (perf/compare/) runs besides kvwire; not needed by `make test`.
-# valgrind: perf/cpu/callgrind.sh (make cpu-bench), instructions per Transfer.
-compare_packages=(ucx-utils iperf3 gnuplot-nox python3 valgrind)
+# valgrind: perf/cpu/callgrind.sh (make cpu-bench), instructions per Transfer. python3-venv: the
+# peers' virtual environment (scripts/compare-venv.sh: NIXL, Mooncake, UCX from PyPI).
+compare_packages=(ucx-utils iperf3 gnuplot-nox python3 python3-venv valgrind)
 if [[ ${1:-} == --compare ]]; then
   shift
   packages+=("${compare_packages[@]}")

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+import peers as peer_libs
+
 SIZES = [64 << 10, 1 << 20, 4 << 20]
 POOL_MIB = 1024
 KIB = 1024
@@ -48,6 +50,7 @@ class Runner:
         self.floor = os.path.join(args.bin, "kvwire-memcpy-floor")
         self.tmp = tempfile.mkdtemp(prefix="kvwire-compare-")
         self.env = dict(os.environ, KVWIRE_LOG_LEVEL="error")
+        self.pool_mib = POOL_MIB
 
     # --- floors -------------------------------------------------------------------------
     def memcpy(self, size, pattern):
@@ -79,23 +82,34 @@ class Runner:
             server.wait()
 
     # --- ucx_perftest -------------------------------------------------------------------
-    def ucx(self, test, tls, size, uct=None):
+    def ucx(self, test, tls, size, uct=None, tool=None, latency=False):
+        """GB/s of the "Final:" line; latency: one op outstanding (-O 1), its typical latency
+        (us) as {"p50_us": ...}.
+        tool: (ucx_perftest, its lib folder) of another UCX than Debian's."""
         port = free_port()
         budget = (1 << 30) if tls == "tcp" else (4 << 30)
         n = max(1000, min(200000, budget // size))
+        if latency:
+            n = 2000
         env = dict(os.environ, UCX_TLS=tls)
+        perftest = "ucx_perftest"
+        if tool is not None:
+            perftest = tool[0]
+            env["LD_LIBRARY_PATH"] = tool[1]
         extra = []
         if uct is not None:  # UCT-level test: transport and device named, zero-copy
             env.pop("UCX_TLS")
             extra = ["-x", uct, "-d", "memory", "-D", "zcopy"]
-        server = subprocess.Popen(["ucx_perftest", "-p", str(port)] + extra, env=env,
+        server = subprocess.Popen([perftest, "-p", str(port)] + extra, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(50):
-                r = subprocess.run(["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test,
+                r = subprocess.run([perftest, "127.0.0.1", "-p", str(port), "-t", test,
                                     "-s", str(size), "-n", str(n), "-w", str(max(100, n // 10))]
-                                   + extra, env=env, capture_output=True, text=True, timeout=300)
+                                   + extra + (["-O", "1"] if latency else []), env=env, capture_output=True, text=True, timeout=300)
                 final = [l for l in r.stdout.splitlines() if l.startswith("Final:")]
+                if final and latency:
+                    return {"p50_us": float(final[0].split()[2])}  # typical latency
                 if final:
                     return float(final[0].split()[6]) * 1048576 / 1e9  # overall MiB/s
                 if "Connection refused" not in r.stdout + r.stderr:
@@ -107,9 +121,13 @@ class Runner:
             server.wait()
 
     # --- kvwire-perf --------------------------------------------------------------------
-    def kvwire(self, transport, op, size=None, pattern="hot", kv=False):
+    def kvwire(self, transport, op, size=None, pattern="hot", kv=False, latency=False):
+        """The initiator's JSON row; latency: one transfer of one op in flight (-t 1 -l 1)."""
         test = ["--transport", transport, "--op", op]
-        if kv:
+        if latency:
+            test += ["-s", str(size), "-n", "300" if self.args.quick else "3000", "-w", "200",
+                     "-l", "1", "-t", "1"]
+        elif kv:
             test += ["--workload", "kv", "--layout", "dsv4-pro", "--prompt", "8192", "--frag",
                      "0.5", "--requests", "1", "-n", "20"]
         else:
@@ -185,8 +203,16 @@ def main():
     ap.add_argument("--qps", type=int, default=1, help="kvwire-perf -q over tcp")
     ap.add_argument("--results", default="perf/RESULTS.md")
     ap.add_argument("--plot", default="perf/RESULTS-bandwidth.png")
+    ap.add_argument("--venv", default="build/venv-compare",
+                    help="the peers' virtual environment (scripts/compare-venv.sh)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller peer budgets and fewer latency samples: checks the pipeline "
+                         "end to end, not a result to publish")
+    ap.add_argument("--only", default="",
+                    help="regex: run only the measurements whose name matches (a check)")
     args = ap.parse_args()
     runner = Runner(args)
+    peers = peer_libs.Peers(args, runner)
 
     probe = subprocess.Popen([runner.perf, "--workload", "kv", "-p", "0"], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -196,8 +222,11 @@ def main():
         have_kv = True
         probe.kill()
         probe.communicate()
-    todo = measurements(args, have_kv)
+    todo = measurements(args, have_kv) + peer_libs.measurements(peers, SIZES, have_kv)
+    if args.only:
+        todo = [(key, thunk) for key, thunk in todo if re.search(args.only, key[0])]
     values = {key: [] for key, _ in todo}
+    failures = {}
     started = time.time()
     load_before = os.getloadavg()[0]
     for run in range(args.runs):
@@ -208,17 +237,23 @@ def main():
                 values[key].append(thunk(runner))
             except Exception as e:  # a failed tool is reported, the others still run
                 print(f"\n{key}: {e}", file=sys.stderr)
+                failures[key] = str(e).replace("\n", " ")
     print(file=sys.stderr)
     med = {}
     for key, v in values.items():
         if not v:
             continue
-        if isinstance(v[0], dict):  # kv rows: median by request time
-            v = sorted(v, key=lambda row: row["lat_avg_us"])
+        if isinstance(v[0], dict):  # kv and latency rows: the median row by its time
+            v = sorted(v, key=lambda row: row.get("lat_avg_us", row.get("request_ms",
+                                                                        row.get("p50_us", 0))))
             med[key] = v[len(v) // 2]
         else:
             med[key] = statistics.median(v)
     report = render(args, med, have_kv, time.time() - started)
+    peer_lines, peer_goals = peer_libs.render(peers, med, SIZES, have_kv, failures)
+    report["table"] += "\n\n" + "\n".join(peer_lines)
+    report["goals"] += peer_goals
+    report["peers"] = peers.versions()
     load_after = os.getloadavg()[0]
     report["load"] = (f"Load average {load_before:.1f} before and {load_after:.1f} after the run "
                       f"on {os.cpu_count()} cores (a shared machine).")
@@ -302,7 +337,13 @@ def render(args, med, have_kv, seconds):
                 if t == "shm":
                     floor_ms, floor_name = row["floor_ms"], "memcpy of the same ranges"
                 else:
-                    bw = max([v for v in (best_tcp(1 << 20), g("iperf3", "-", 1 << 20)) if v])
+                    streams = [v for v in (best_tcp(1 << 20), g("iperf3", "-", 1 << 20)) if v]
+                    if not streams:  # neither ran (not installed, or left out by --only)
+                        kv_lines.append(f"dsv4-pro 8k request {op:<5} {t}: "
+                                        f"{row['lat_avg_us'] / 1e3:6.2f} ms; no tcp floor "
+                                        "measured (ucx_perftest and iperf3 gave nothing)")
+                        continue
+                    bw = max(streams)
                     floor_ms, floor_name = row["bytes"] / (bw * 1e9) * 1e3, f"{bw:.2f} GB/s"
                 t_ms = row["lat_avg_us"] / 1e3
                 ratio = t_ms / floor_ms
@@ -338,8 +379,8 @@ def plot(args, med):
         panels[panel].setdefault(label, []).append((size, v))
     folder = tempfile.mkdtemp()
     plots = []
-    for panel, title in (("shm", "same host: memcpy, ucx posix/cma, kvwire shm"),
-                         ("tcp", "tcp loopback: iperf3, ucx tcp, kvwire tcp")):
+    for panel, title in (("shm", "same host: memcpy, ucx posix/cma, nixl shm, kvwire shm"),
+                         ("tcp", "tcp loopback: iperf3, ucx, nixl, mooncake, kvwire tcp")):
         data = os.path.join(folder, f"{panel}.dat")
         clauses = []
         with open(data, "w") as f:
@@ -354,7 +395,12 @@ def plot(args, med):
                 lw = 2.5 if label.startswith("kvwire") else 1.5
                 clauses.append(f'"{data}" index {i} using 1:2 with linespoints dt {dt} lw {lw} '
                                f'lc {i + 1} pt {i % 13 + 1} title "{label}"')
+        if not clauses:  # nothing of this panel ran (--only, or every tool failed)
+            continue
         plots.append(f'set title "{title}"\nplot ' + ", \\\n  ".join(clauses))
+    if not plots:
+        print("no bandwidth measured: no plot", file=sys.stderr)
+        return
     script = f"""
 set terminal pngcairo noenhanced size 1600,700 font ",10"
 set output "{os.path.abspath(args.plot)}"
@@ -405,6 +451,8 @@ Generated by `make compare` (perf/compare/compare.py) on {now}. Do not edit by h
 `make compare` again.
 
 Machine: {machine()}. {report['load']}
+
+Peers: {report['peers']}.
 
 Every number is the median of {args.runs} rounds in decimal GB/s (1e9 B/s); in each round
 every tool runs once, in turn. ucx_perftest's "MB/s" (MiB/s) is converted. "hot" reuses one

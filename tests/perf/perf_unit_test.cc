@@ -1,11 +1,15 @@
 // kvwire-perf's parts that need no second process: options, agreement, plans, summaries.
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 #include "perf/buffer_plan.h"
+#include "perf/kv_workload.h"
 #include "perf/perf_options.h"
 #include "perf/results.h"
 
@@ -233,6 +237,43 @@ TEST(ResultsTest, SummarizeComputesRatesAndPercentiles) {
   EXPECT_DOUBLE_EQ(r.post_avg_us, 2.0);
   EXPECT_GE(r.bw_peak_gbs, r.bw_avg_gbs);
   EXPECT_DOUBLE_EQ(Percentile({}, 50), 0);
+}
+
+// --dump-ranges writes the dsv4-pro 8k request's plan that `make compare` gives the peers: the
+// same 3,096 pages the kv workload reports, as ranges inside both sides' buffers that add up
+// to the request's bytes.
+TEST(KvDumpRangesTest, Dsv4Pro8kRequestRanges) {
+  const std::string path = ::testing::TempDir() + "/dsv4-pro-8k.ranges";
+  auto o = Parse({"--workload", "kv", "--layout", "dsv4-pro", "--prompt", "8192", "--frag", "0.5",
+                  "--requests", "1", "--dump-ranges", path.c_str()});
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_TRUE(DumpKvRanges(*o).ok());
+  std::ifstream in(path);
+  std::string magic;
+  uint64_t bytes = 0, count = 0, request_bytes = 0, pages = 0;
+  in >> magic >> bytes >> count >> request_bytes >> pages;
+  EXPECT_EQ(magic, "kvwire-kv-ranges");
+  EXPECT_EQ(pages, 3096u);
+  EXPECT_GT(count, 0u);
+  EXPECT_LE(count, pages);
+  uint64_t src = 0, dst = 0, length = 0, sum = 0, read = 0;
+  while (in >> src >> dst >> length) {
+    EXPECT_GT(length, 0u);
+    EXPECT_LE(src + length, bytes);
+    EXPECT_LE(dst + length, bytes);
+    sum += length;
+    ++read;
+  }
+  EXPECT_EQ(read, count);
+  EXPECT_EQ(sum, request_bytes);
+  std::remove(path.c_str());
+}
+
+TEST(KvDumpRangesTest, ClearErrors) {
+  EXPECT_THAT(Parse({"--dump-ranges", "x"}).status().message(), HasSubstr("--workload kv"));
+  auto o = Parse({"--workload", "kv", "--dump-ranges", "/nonexistent-dir/x"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_THAT(DumpKvRanges(*o).message(), HasSubstr("cannot write /nonexistent-dir/x"));
 }
 
 }  // namespace
