@@ -31,6 +31,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.plugins import load_general_plugins
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -52,6 +53,9 @@ STOP = 9  # a stop token (stop_token_ids)
 DEADLINE_S = 40.0
 
 init_none_hash(sha256)
+# What every vLLM process does first: kvwire's entry point (when installed) registers
+# KvwireConnector by name.
+load_general_plugins()
 
 
 def _model_dir() -> str:
@@ -303,7 +307,7 @@ class WorkerProc:
 # ---------------------------------------------------------------------------------------------
 class Engine:
     def __init__(self, name, extra, *, kind="mha", tp=1, policy="recompute",
-                 shared_memory=False, module_path=None):
+                 shared_memory=False, module_path="kvwire.vllm_connector"):
         self.name, self.kind, self.tp = name, kind, tp
         self.cfg = vllm_config(name, extra, tp=tp, policy=policy, module_path=module_path)
         self.workers = []

@@ -15,7 +15,7 @@ venv=${1:?usage: scripts/vllm-venv.sh VENV_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 constraints=$root/constraints.txt
 stamp=$venv/.kvwire-vllm-stamp
-want=$(sha256sum "$constraints" "$0" | sha256sum | cut -d' ' -f1)
+want=$(cat "$constraints" "$0" | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi

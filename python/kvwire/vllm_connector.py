@@ -513,6 +513,7 @@ class _SchedulerSide:
         self.pending_saves: dict = {}  # prefill write mode, not sent yet: id -> (req, entry)
         self.saving: dict = {}  # prefill write mode, sent: id -> entry
         self.holding: set = set()  # prefill read mode, blocks held for a reader
+        self.warned_tp = False
 
     # handshake ---------------------------------------------------------------------------
     def set_workers(self, metadata) -> None:
@@ -591,6 +592,17 @@ class _SchedulerSide:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         if request.request_id in self.load_started:
+            return 0, False
+        if self.c._tp_size > 1:
+            # Not yet: several decode ranks reading one prefill rank's blocks (each its slice
+            # of the heads, or the replicated latent cache) would need the prefill to wait for
+            # every reader. vLLM computes the prompt here instead, and the prefill is told to
+            # free its blocks at once (update_state_after_alloc).
+            if not self.warned_tp:
+                self.warned_tp = True
+                logger.warning("kvwire connector: decode with tensor_parallel_size=%d loads no "
+                               "KV (not supported yet); prompts are computed here",
+                               self.c._tp_size)
             return 0, False
         count = _prompt_len(request) - int(num_computed_tokens)
         if count > 1:
