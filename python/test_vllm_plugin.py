@@ -74,7 +74,9 @@ def kv_cache_config(tp_size=1):
                             dtype=torch.float16, sliding_window=WINDOW)
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=NUM_BLOCKS * full.page_size_bytes, shared_by=[n])
+        kv_cache_tensors=[KVCacheTensor(size=NUM_BLOCKS * full.page_size_bytes, layers=[n],
+                                        layer_stride=NUM_BLOCKS * full.page_size_bytes,
+                                        block_stride=full.page_size_bytes)
                           for n in LAYERS],
         kv_cache_groups=[KVCacheGroupSpec(FULL_LAYERS, full), KVCacheGroupSpec(SWA_LAYERS, swa)])
 

@@ -36,7 +36,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                        KVCacheTensor, MLAAttentionSpec, SlidingWindowSpec)
+                                        MLAAttentionSpec, SlidingWindowSpec)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -74,7 +74,8 @@ def _model_dir() -> str:
 MODEL_DIR = _model_dir()
 
 
-def vllm_config(name, extra, *, tp=1, pp=1, policy="recompute", module_path=None):
+def vllm_config(name, extra, *, tp=1, pp=1, policy="recompute",
+                module_path="kvwire.vllm_connector"):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float16", seed=0,
                         max_model_len=4096)
@@ -113,8 +114,7 @@ def kv_cache_config(kind, tp=1):
     groups = [KVCacheGroupSpec(names, spec) for names, spec in zip(group_layers(kind), specs)]
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=NUM_BLOCKS * specs[0].page_size_bytes,
-                                        shared_by=[n]) for n in LAYERS],
+        kv_cache_tensors=[],  # the workers' tensors are made by make_caches
         kv_cache_groups=groups)
 
 
