@@ -533,7 +533,7 @@ class PluginUnitTest(unittest.TestCase):
         names = {"swa_kv": ["m.layers.2.attn.swa", "m.layers.4.attn.swa"],
                  "c4a_kv": ["m.layers.2.attn.c4a", "m.layers.4.attn.c4a"],
                  "c4a_compressor_state": ["m.layers.2.attn.state", "m.layers.4.attn.state"]}
-        cfg = KVCacheConfig(num_blocks=6, kv_cache_groups=[
+        cfg = KVCacheConfig(num_blocks=6, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(names[g.name], PagedBytesSpec(block_size=g.tokens_per_block,
                                                            page_bytes=g.page_bytes))
             for g in want])
@@ -595,7 +595,8 @@ class PluginUnitTest(unittest.TestCase):
         # MLA: one latent vector per token, replicated on every rank.
         mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
                                dtype=torch.float16)
-        cfg = KVCacheConfig(num_blocks=8, kv_cache_groups=[KVCacheGroupSpec(["l.0.attn"], mla)])
+        cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(["l.0.attn"], mla)])
         c = KvwireConnector(vllm_config("unit-mla", {"transport": "tcp"}),
                             KVConnectorRole.WORKER, cfg)
         try:
@@ -662,7 +663,8 @@ class PluginUnitTest(unittest.TestCase):
         self.assertEqual([h["request_id"] for h in meta.holds], ["capped"])
         # Without the hybrid allocator (one group), vLLM calls request_finished with one
         # flat list; the params carry one flat list, as NIXL's do.
-        one = KVCacheConfig(num_blocks=8, kv_cache_groups=[kv_cache_config().kv_cache_groups[0]])
+        one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                            kv_cache_groups=[kv_cache_config().kv_cache_groups[0]])
         flat = KvwireConnector(vllm_config("unit-flat", {}), KVConnectorRole.SCHEDULER, one)
         flat.set_xfer_handshake_metadata({0: KvwireHandshakeMetadata("f", "h:1", 0)})
         r = Request("flat", [1] * 20, kv_transfer_params={"do_remote_decode": True})
