@@ -853,12 +853,13 @@ class PluginProcessesTest(unittest.TestCase):
 
         run_until([p, d], proxy, "read-mode hand-offs")
         self.assertEqual(d.mismatches, [])
-        self.assertEqual(set(d.verified), {f"dr{i}" for i in range(len(LENGTHS))})
+        # A one-token prompt loads nothing: vLLM recomputes a prompt's last token anyway.
+        self.assertEqual(set(d.verified), {f"dr{i}" for i, n in enumerate(LENGTHS) if n > 1})
         self.assertTrue(all(d.verified.values()))
         self.assertEqual(d.recomputed, set())
         self.check_transport(d, transport, "bytes_read")
         stats = d.stats.reduce()
-        self.assertEqual(stats["requests_completed"], len(LENGTHS))
+        self.assertEqual(stats["requests_completed"], sum(n > 1 for n in LENGTHS))
         self.assertGreater(stats["bytes"], 0)
         self.check_clean(p, d)
 
@@ -878,7 +879,7 @@ class PluginProcessesTest(unittest.TestCase):
         d.step()
         run_until([p, d], lambda: p.idle() and d.idle(), "write-mode hand-offs")
         self.assertEqual(d.mismatches, [])
-        self.assertEqual(set(d.verified), {f"dw{i}" for i in range(len(LENGTHS))})
+        self.assertEqual(set(d.verified), {f"dw{i}" for i, n in enumerate(LENGTHS) if n > 1})
         self.assertTrue(all(d.verified.values()))
         self.check_transport(p, transport, "bytes_written")
         self.check_clean(p, d)
