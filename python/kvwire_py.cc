@@ -644,6 +644,19 @@ PYBIND11_MODULE(_kvwire, m) {
              return py::make_tuple(f.finished_sending, f.finished_recving, failed);
            })
       .def("abort", [](kvwire::Connector& c, const std::string& id) { Check(c.Abort(id)); })
+      .def(
+          "release_unread",
+          [](kvwire::Connector& c, const std::string& id, const std::string& params,
+             const std::string& reason) {
+            absl::Status s;
+            {
+              py::gil_scoped_release nogil;  // connects to the prefill ranks
+              s = c.ReleaseUnread(id, params, reason);
+            }
+            Check(s);
+          },
+          py::arg("request_id"), py::arg("kv_transfer_params"), py::arg("reason"),
+          "Decode: tell the prefill rank(s) holding this hand-off to free its blocks now.")
       .def("live_requests", &kvwire::Connector::LiveRequests)
       .def("stats_json", &kvwire::Connector::StatsJson)
       .def(

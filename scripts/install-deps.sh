@@ -17,7 +17,7 @@ packages=(
   libbenchmark-dev
   libssl-dev
   # Connector: JSON (layouts, kv_transfer_params) and the Python binding.
-  nlohmann-json3-dev pybind11-dev python3-dev
+  nlohmann-json3-dev pybind11-dev python3-dev python3-venv
   # vLLM connector plugin tests (python/): real torch CPU tensors; the vLLM-style P/D proxy
   # in the serving tests speaks HTTP through httpx/aiohttp.
   python3-torch python3-numpy python3-httpx python3-aiohttp

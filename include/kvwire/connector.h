@@ -227,6 +227,12 @@ class Connector {
   // Aborts a request on this side (either role); the peer is told. Blocks are reported
   // through GetFinished once nothing touches them any more.
   absl::Status Abort(const std::string& request_id);
+  // Decode: this engine will not load the KV the prefill holds for `kv_transfer_params`
+  // (do_remote_prefill; it found the prompt in its own prefix cache, or the request ended
+  // before its load started). Connects to the prefill rank(s) and tells them to free the
+  // blocks now (they count it as released) instead of at the end of their lease.
+  absl::Status ReleaseUnread(const std::string& request_id, const std::string& kv_transfer_params,
+                             const std::string& reason);
 
   // Discovery (ConnectorOptions::etcd_endpoints): registers this engine (role, control
   // address, transports, compatibility hash, layout summary, and `http_address` of the

@@ -86,6 +86,11 @@ except ImportError:  # kvwire without vLLM: the class is usable, vLLM cannot loa
         def has_connector_metadata(self):
             return self._connector_metadata is not None
 
+try:  # vLLM whose scheduler takes failed loads per request (failed_recving)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    KVConnectorTransferResults = None
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:
@@ -230,6 +235,11 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
       finishes: the scheduler finished a request the workers still move, {request_id,
                 aborted, blocks, num_tokens, params}
       failed:   decode loads refused before they started, {request_id, reason, block_ids}
+                (block_ids: only the blocks the load would have filled, never local prefix
+                blocks other requests may share)
+      releases: decode will not load a prefill's hand-off (its prompt is in the local prefix
+                cache, or it ended before its load started): {request_id, params, reason};
+                worker rank 0 tells the prefill ranks to free the blocks now
     """
 
     def __init__(self):
@@ -238,14 +248,16 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
         self.holds: list = []
         self.finishes: list = []
         self.failed: list = []
+        self.releases: list = []
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.holds or self.finishes or self.failed)
+        return not (self.loads or self.saves or self.holds or self.finishes or self.failed or
+                    self.releases)
 
     def __repr__(self):
         return (f"KvwireConnectorMetadata(loads={len(self.loads)}, saves={len(self.saves)}, "
                 f"holds={len(self.holds)}, finishes={len(self.finishes)}, "
-                f"failed={len(self.failed)})")
+                f"failed={len(self.failed)}, releases={len(self.releases)})")
 
 
 class KvwireHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -285,15 +297,22 @@ class KvwireConnectorStats(KVConnectorStats):
         return not any(self.data.get(k, 0) for k in self.KEYS)
 
 
-def _finished_length_capped(request) -> bool:
-    """The finish status vLLM's P/D connectors hand off on (NIXL, MoRIIO): the prefill ran to
-    max_tokens (1). Any other end (stop, abort, error) frees the blocks at once."""
+_HAND_OFF_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def _hands_off(request) -> bool:
+    """The finish statuses vLLM's P/D connectors hand off on (NIXL's): the prefill ran to
+    max_tokens (1), or its first token was a stop token (FINISHED_STOPPED; the prompt's KV is
+    complete either way). Any other end (abort, error) frees the blocks at once."""
     status = getattr(request, "status", None)
-    try:
-        from vllm.v1.request import RequestStatus
-        return status == RequestStatus.FINISHED_LENGTH_CAPPED
-    except ImportError:
-        return getattr(status, "name", str(status)) == "FINISHED_LENGTH_CAPPED"
+    return getattr(status, "name", str(status)) in _HAND_OFF_STATUSES
+
+
+def _own_blocks(lists, num_computed: int, block_size: int) -> list:
+    """Per group, the blocks a load fills: those past the tokens already computed locally
+    (the local prefix-cache hit, whole blocks, which other requests may share)."""
+    skip = max(int(num_computed), 0) // max(int(block_size), 1)
+    return [list(ids[skip:]) for ids in lists]
 
 
 def _prompt_len(request) -> int:
@@ -349,6 +368,13 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_cache_config = kv_cache_config
         self._block_size = int(vllm_config.cache_config.block_size)
         self._tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            # Each pipeline stage holds other layers under the same tensor-parallel rank; the
+            # hand-off names one worker per TP rank, so a stage's KV could not be found.
+            raise ValueError(f"kvwire connector: pipeline parallelism is not supported "
+                             f"(pipeline_parallel_size={pp}); run prefill and decode with "
+                             f"pipeline_parallel_size=1 (tensor parallelism is supported)")
         self._names = _group_names(kv_cache_config, self._settings)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self)
@@ -450,7 +476,18 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids):
-        return self._worker.get_finished(finished_req_ids)
+        """vLLM without get_transfer_results: failed loads go as block ids."""
+        sending, recving, _ = self._worker.get_transfer_results(finished_req_ids,
+                                                                per_request=False)
+        return sending, recving
+
+    if KVConnectorTransferResults is not None:
+        def get_transfer_results(self, finished_req_ids):
+            sending, recving, failed = self._worker.get_transfer_results(finished_req_ids,
+                                                                         per_request=True)
+            return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                              finished_recving=set(recving or ()),
+                                              failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set:
         return self._worker.take_load_errors() if self._worker else set()
@@ -476,6 +513,7 @@ class _SchedulerSide:
         self.pending_saves: dict = {}  # prefill write mode, not sent yet: id -> (req, entry)
         self.saving: dict = {}  # prefill write mode, sent: id -> entry
         self.holding: set = set()  # prefill read mode, blocks held for a reader
+        self.warned_tp = False
 
     # handshake ---------------------------------------------------------------------------
     def set_workers(self, metadata) -> None:
@@ -555,9 +593,24 @@ class _SchedulerSide:
             return 0, False
         if request.request_id in self.load_started:
             return 0, False
+        if self.c._tp_size > 1:
+            # Not yet: several decode ranks reading one prefill rank's blocks (each its slice
+            # of the heads, or the replicated latent cache) would need the prefill to wait for
+            # every reader. vLLM computes the prompt here instead, and the prefill is told to
+            # free its blocks at once (update_state_after_alloc).
+            if not self.warned_tp:
+                self.warned_tp = True
+                logger.warning("kvwire connector: decode with tensor_parallel_size=%d loads no "
+                               "KV (not supported yet); prompts are computed here",
+                               self.c._tp_size)
+            return 0, False
         count = _prompt_len(request) - int(num_computed_tokens)
-        if count > 0:
+        if count > 1:
             return count, True
+        # Everything but the last prompt token is in the local prefix cache (vLLM never counts
+        # the last one as a hit): vLLM computes that token here even after a load (it replays
+        # it to sample the next), so nothing is loaded and the prefill is told to free its
+        # blocks (update_state_after_alloc).
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -573,7 +626,9 @@ class _SchedulerSide:
                     rid not in self.loading):
                 # vLLM waits for this load: it must end, as a failed one.
                 try:
-                    flat = sorted({b for g in _block_lists(blocks) for b in g})
+                    computed = max(_prompt_len(request) - int(num_external_tokens), 0)
+                    flat = sorted({b for g in _own_blocks(_block_lists(blocks), computed,
+                                                          self.c._block_size) for b in g})
                 except Exception:  # noqa: BLE001
                     flat = []
                 self.meta.failed.append({"request_id": rid, "reason": str(e),
@@ -590,11 +645,16 @@ class _SchedulerSide:
                 return  # the second call, after the load: nothing more to do
             self.load_started.add(rid)
             if num_external_tokens <= 0:
-                return  # a full local prefix hit: nothing to load
+                # A full local prefix hit: nothing to load, and the prefill frees its blocks
+                # now rather than at the end of its lease.
+                self._release(request, params, "decode found the prompt in its prefix cache")
+                return
             lists = _block_lists(blocks)
-            flat = sorted({b for g in lists for b in g})
             prompt_len = _prompt_len(request)
             num_computed = max(prompt_len - int(num_external_tokens), 0)
+            # Only the blocks this load fills: a local prefix block may be shared.
+            flat = sorted({b for g in _own_blocks(lists, num_computed, self.c._block_size)
+                           for b in g})
             try:
                 text = self._load_params(params, prompt_len)
                 table = self._table(lists)
@@ -629,6 +689,18 @@ class _SchedulerSide:
                      "params": json.dumps({"do_remote_decode": True, "mode": "write",
                                            "transfer_id": tid})}
             self.pending_saves[rid] = (request, entry)
+
+    def _release(self, request, params, reason: str) -> None:
+        """Decode will not load this hand-off: the workers tell the prefill ranks."""
+        try:
+            text = self._load_params(params, _prompt_len(request))
+        except (ValueError, TypeError, RuntimeError) as e:
+            logger.warning("kvwire connector: request %s: cannot tell the prefill to free its "
+                           "blocks (bad kv_transfer_params: %s); its lease will", request.request_id,
+                           e)
+            return
+        self.meta.releases.append({"request_id": request.request_id, "params": text,
+                                   "reason": reason})
 
     def build_connector_meta(self, scheduler_output) -> KvwireConnectorMetadata:
         # Write mode: a save goes to the workers with the step that computes the last prompt
@@ -672,7 +744,12 @@ class _SchedulerSide:
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None)
         params = params if isinstance(params, dict) else {}
+        started = rid in self.load_started
         self.load_started.discard(rid)
+        if params.get("do_remote_prefill") and not started and rid not in self.loading:
+            # Decode, ended (aborted) before vLLM allocated its blocks: the load never started.
+            self._release(request, params, "decode request ended before its load started")
+            return False, None
         if rid in self.loading:
             # Decode, finished (aborted) before its KV arrived: the workers stop the load and
             # report it received; vLLM keeps the blocks until then (finish_requests).
@@ -688,7 +765,7 @@ class _SchedulerSide:
         if rid in self.saving:
             entry = self.saving.pop(rid)
             self.meta.finishes.append({
-                "request_id": rid, "aborted": not _finished_length_capped(request),
+                "request_id": rid, "aborted": not _hands_off(request),
                 "blocks": entry["blocks"], "num_tokens": entry["num_tokens"],
                 "params": entry["params"]})
             self.holding.add(rid)
@@ -701,8 +778,8 @@ class _SchedulerSide:
             logger.error("kvwire connector: request %s: bad kv_transfer_params: %s; no "
                          "hand-off, blocks freed", rid, e)
             return False, None
-        if not _finished_length_capped(request):
-            return False, None  # stopped early or aborted: nothing to hand off
+        if not _hands_off(request):
+            return False, None  # aborted or failed: nothing to hand off
         if self.c._settings.mode == "write":
             logger.error("kvwire connector: request %s: read-mode hand-off but this engine is "
                          "'write'; blocks freed", rid)
@@ -770,11 +847,14 @@ class _WorkerSide:
         self.layout = None
         self.layer_of: dict = {}  # vLLM layer name -> model layer index
         self.names_of_layer: dict = {}  # model layer index -> its layer names
-        self.load_blocks: dict = {}  # decode request -> its block ids (reported on failure)
+        # decode request -> the block ids its load fills (reported on failure; never the local
+        # prefix blocks before them, which other requests may share)
+        self.load_blocks: dict = {}
         self.loading: set = set()  # decode loads not reported yet
         self.sending: set = set()  # prefill requests the native holds or saves
         self.done_recving: set = set()  # reported by us, not by the native
         self.done_sending: set = set()
+        self.failed_loads: dict = {}  # decode request -> its own blocks, failure not reported
         self.invalid: set = set()
         self.finished_seen: set = set()  # request ids vLLM has passed to get_finished
         self.unreported_sending: set = set()
@@ -819,10 +899,19 @@ class _WorkerSide:
             rid = f["request_id"]
             logger.warning("kvwire connector: load of %s failed: %s", rid, f["reason"])
             self.done_recving.add(rid)
-            self.invalid.update(f["block_ids"])
+            self.failed_loads[rid] = list(f["block_ids"])
+        for r in meta.releases:
+            if self.tp_rank != 0:
+                continue  # rank 0 tells every prefill rank (the params name them all)
+            try:
+                n.release_unread(r["request_id"], r["params"], r["reason"])
+            except (ValueError, RuntimeError) as err:
+                logger.warning("kvwire connector: cannot tell the prefill of %s to free its "
+                               "blocks (its lease will): %s", r["request_id"], err)
         for e in meta.loads:
             rid = e["request_id"]
-            self.load_blocks[rid] = sorted({b for ids in e["blocks"].values() for b in ids})
+            own = _own_blocks(list(e["blocks"].values()), e["num_computed"], self.c._block_size)
+            self.load_blocks[rid] = sorted({b for ids in own for b in ids})
             try:
                 got, _ = n.get_num_new_matched_tokens(rid, e["num_tokens"], e["num_computed"],
                                                       e["params"])
@@ -837,7 +926,7 @@ class _WorkerSide:
             except (ValueError, RuntimeError) as err:
                 logger.warning("kvwire connector: load of %s failed: %s", rid, err)
                 self.done_recving.add(rid)
-                self.invalid.update(self.load_blocks.pop(rid))
+                self.failed_loads[rid] = self.load_blocks.pop(rid)
         for e in meta.saves:
             rid = e["request_id"]
             try:
@@ -959,17 +1048,31 @@ class _WorkerSide:
     def unsent_layers(self) -> list:
         return [i for i in sorted(self.names_of_layer) if i not in self.sent_layers]
 
+    def get_transfer_results(self, finished_req_ids, per_request: bool):
+        """(finished sending, finished receiving, failed receiving). A failed load is also
+        received (vLLM's contract). `per_request`: vLLM takes failures per request
+        (failed_recving): with more than one KV cache group that is the only way (block ids
+        are per group), so failures go there and never into the block ids; with one group
+        they go as block ids (the blocks the load filled only), so vLLM keeps the valid local
+        prefix. vLLM recomputes or fails the request per kv_load_failure_policy."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self.failed_loads = self.failed_loads, {}
+        if per_request and len(self.c._names) > 1:
+            return sending, recving, set(failed)
+        for blocks in failed.values():
+            self.invalid.update(blocks)
+        return sending, recving, set()
+
     def get_finished(self, finished_req_ids):
-        """(finished sending, finished receiving). A failed load is received with its blocks
-        in get_block_ids_with_load_errors() (vLLM then recomputes or fails the request per
-        kv_load_failure_policy), never as a good load."""
+        """(finished sending, finished receiving). A failed load is received and remembered
+        in failed_loads (get_transfer_results reports it), never reported as a good load."""
         sending, recving, failed = self.native.get_finished()
         recving = set(recving) | self.done_recving
         self.done_recving = set()
         for rid, reason in failed:
             logger.warning("kvwire connector: load of %s failed: %s", rid, reason)
             recving.add(rid)
-            self.invalid.update(self.load_blocks.get(rid, ()))
+            self.failed_loads[rid] = self.load_blocks.get(rid, [])
         for rid in recving:
             self.loading.discard(rid)
             self.load_blocks.pop(rid, None)

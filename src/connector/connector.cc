@@ -217,6 +217,12 @@ absl::Status Connector::Abort(const std::string& request_id) {
   impl_->WakeProgress();
   return result;
 }
+
+absl::Status Connector::ReleaseUnread(const std::string& request_id,
+                                      const std::string& kv_transfer_params,
+                                      const std::string& reason) {
+  return impl_->ReleaseUnread(request_id, kv_transfer_params, reason);
+}
 size_t Connector::LiveRequests() const { return impl_->LiveRequests(); }
 std::string Connector::StatsJson() const { return impl_->StatsJson(); }
 std::string Connector::StatsPrometheus() const { return impl_->StatsPrometheus(); }

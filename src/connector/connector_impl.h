@@ -126,6 +126,10 @@ struct PeerMessage {
   std::vector<RegionSpan> regions;
   // release
   bool ok = true;
+  // release, fail: the reader will not read this transfer at all (it found the KV in its own
+  // prefix cache, or its request ended first): the holder frees the blocks at once and counts
+  // the request as released, not failed.
+  bool unread = false;
   // release, fail; hello_err's error
   std::string reason;
   // write_req
@@ -222,6 +226,9 @@ class Connector::Impl {
     bool finished_by_scheduler = false;  // RequestFinished was called
     // Decode write mode: abort sent, waiting for prefill to stop.
     bool abort_sent = false;
+    // Decode: not a load, only the news that this engine will not read the prefill's blocks
+    // (ReleaseUnread); StartLoad connects, tells the prefill ranks and forgets it.
+    bool release_only = false;
     std::string fail_reason;  // set once a request fails
     std::map<std::string, GroupCounters> groups;
     double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
@@ -295,6 +302,8 @@ class Connector::Impl {
     return out;
   }
   absl::Status Abort(const std::string& req_id);
+  absl::Status ReleaseUnread(const std::string& req_id, const std::string& params_json,
+                             const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
   size_t LiveRequests() const {
     MutexLock lock(&mu_);
     return table_.requests.size();
@@ -394,6 +403,10 @@ class Connector::Impl {
   // Ends a request once nothing touches its blocks any more (else drains first).
   void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill: the reader said it will not read (PeerMessage::unread); the blocks go now.
+  void ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TellUnreadLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Retire(Request& r, const char* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !sessions_.dead.Contains(id);
@@ -436,6 +449,7 @@ class Connector::Impl {
   struct EarlyRelease {
     PeerId peer = 0;
     bool ok = true;
+    bool unread = false;
     std::string reason;
   };
 

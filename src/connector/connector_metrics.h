@@ -24,12 +24,13 @@ struct GroupCounters {
 
 class ConnectorMetrics {
  public:
-  // Balances: started = completed + failed + withdrawn + live requests.
+  // Balances: started = completed + failed + released + withdrawn + live requests.
   struct Snapshot {
     uint64_t started = 0;
     uint64_t completed = 0;
     uint64_t failed = 0;
     uint64_t withdrawn = 0;      // dropped by the scheduler before any transfer
+    uint64_t released = 0;       // prefill: held blocks the reader freed without reading
     uint64_t lease_expired = 0;  // read-mode holds no reader released (of failed)
     double transfer_seconds = 0;
     std::map<std::string, GroupCounters> group_totals;  // of completed requests
@@ -49,12 +50,14 @@ class ConnectorMetrics {
     MutexLock lock(&mu_);
     ++s_.lease_expired;
   }
-  // A request ended, completed or failed: counted, its groups added to the totals when it
-  // completed, its `record` kept among the recent ones.
-  void Retired(bool completed, const std::map<std::string, GroupCounters>& groups,
+  enum class Outcome { kCompleted, kFailed, kReleased };
+  // A request ended: counted by outcome, its groups added to the totals when it completed,
+  // its `record` kept among the recent ones.
+  void Retired(Outcome outcome, const std::map<std::string, GroupCounters>& groups,
                double transfer_seconds, nlohmann::json record) ABSL_LOCKS_EXCLUDED(mu_) {
     MutexLock lock(&mu_);
-    ++(completed ? s_.completed : s_.failed);
+    const bool completed = outcome == Outcome::kCompleted;
+    ++(completed ? s_.completed : outcome == Outcome::kReleased ? s_.released : s_.failed);
     if (completed) {
       for (const auto& [g, c] : groups) {
         GroupCounters& t = s_.group_totals[g];

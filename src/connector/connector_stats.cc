@@ -21,6 +21,7 @@ std::string Connector::Impl::StatsJson() const {
             {"completed", m.completed},
             {"failed", m.failed},
             {"withdrawn", m.withdrawn},
+            {"released", m.released},
             {"lease_expired", m.lease_expired},
             {"groups", groups},
             {"requests", m.recent}};
@@ -42,6 +43,8 @@ std::string Connector::Impl::StatsPrometheus() const {
                   m.failed, "\n");
   absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e,
                   "\",outcome=\"withdrawn\"} ", m.withdrawn, "\n");
+  absl::StrAppend(&out, "kvwire_connector_requests_total{engine=\"", e, "\",outcome=\"released\"} ",
+                  m.released, "\n");
   family("kvwire_connector_requests_started_total", "counter", "Requests started.");
   absl::StrAppend(&out, "kvwire_connector_requests_started_total{engine=\"", e, "\"} ", m.started,
                   "\n");
@@ -94,7 +97,12 @@ void Connector::Impl::Retire(Request& r, const char* outcome) {
   if (r.t_first != absl::InfinitePast() && r.t_last != absl::InfinitePast()) {
     transfer_seconds = absl::ToDoubleSeconds(r.t_last - r.t_first);
   }
-  accounting_.Retired(std::string(outcome) == "completed", r.groups, transfer_seconds,
+  using Outcome = connector_internal::ConnectorMetrics::Outcome;
+  const std::string o(outcome);
+  accounting_.Retired(o == "completed"  ? Outcome::kCompleted
+                      : o == "released" ? Outcome::kReleased
+                                        : Outcome::kFailed,
+                      r.groups, transfer_seconds,
                       {{"request_id", r.id},
                        {"transfer_id", r.params.transfer_id},
                        {"role", r.decode ? "decode" : "prefill"},

@@ -38,7 +38,11 @@ void Connector::Impl::StartLoad(const std::string& id) {
     if (!resolved.ok()) {
       MutexLock lock(&mu_);
       auto it = table_.requests.find(id);
-      if (it != table_.requests.end()) {
+      if (it != table_.requests.end() && it->second.release_only) {
+        KVW_LOG(kWarning, kLog) << "cannot tell the prefill to free its blocks (its lease will)"
+                                << Kv("request", id) << Kv("reason", resolved.status().message());
+        table_.requests.erase(it);
+      } else if (it != table_.requests.end()) {
         Request& r = it->second;
         FailLocked(
             r, r.fail_reason.empty() ? std::string(resolved.status().message()) : r.fail_reason);
@@ -58,6 +62,12 @@ void Connector::Impl::StartLoad(const std::string& id) {
   for (size_t i = 0; i < tp_peers.size(); ++i) {
     if (tp_peers[i].ok())
       r.tp_sources.emplace_back(*tp_peers[i], r.params.tp_sources[i].transfer_id);
+  }
+  if (r.release_only) {
+    if (peer.ok()) r.peer = *peer;
+    TellUnreadLocked(r);
+    table_.requests.erase(it);  // never counted as started: nothing moved
+    return;
   }
   if (!r.fail_reason.empty()) {  // aborted while connecting
     FailLocked(r, r.fail_reason);
@@ -122,6 +132,60 @@ void Connector::Impl::StartLoad(const std::string& id) {
   KVW_LOG(kDebug, kLog) << "load started" << Kv("request", r.id)
                         << Kv("transfer", r.params.transfer_id) << Kv("bytes", r.plan->bytes)
                         << Kv("sources", 1 + r.tp_sources.size());
+}
+
+// Decode: tells every prefill rank of a release-only request that it will not read (read
+// mode: "release" unread; write mode, before any block ids went out: "fail" unread).
+void Connector::Impl::TellUnreadLocked(Request& r) {
+  KvMode mode = r.params.mode;
+  if (mode == KvMode::kAuto) mode = r.params.block_ids.empty() ? KvMode::kWrite : KvMode::kRead;
+  json m = {{"t", mode == KvMode::kWrite ? "fail" : "release"},
+            {"transfer_id", r.params.transfer_id},
+            {"ok", false},
+            {"unread", true},
+            {"reason", r.fail_reason}};
+  if (r.peer && PeerAlive(*r.peer)) (void)SendMessage(*r.peer, m);
+  for (const auto& [peer, tid] : r.tp_sources) {
+    if (!PeerAlive(peer)) continue;
+    json more = m;
+    more["transfer_id"] = tid;
+    (void)SendMessage(peer, more);
+  }
+  KVW_LOG(kDebug, kLog) << "told prefill its blocks are not needed" << Kv("request", r.id)
+                        << Kv("transfer", r.params.transfer_id) << Kv("reason", r.fail_reason);
+}
+
+absl::Status Connector::Impl::ReleaseUnread(const std::string& req_id,
+                                            const std::string& params_json,
+                                            const std::string& reason) {
+  absl::StatusOr<KvTransferParams> params = KvTransferParams::FromJson(params_json);
+  if (!params.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", req_id, ": ", params.status().message()));
+  }
+  if (!params->do_remote_prefill || params->transfer_id.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", req_id,
+                     ": release needs a prefill's hand-off (do_remote_prefill, transfer_id)"));
+  }
+  {
+    MutexLock lock(&mu_);
+    if (table_.requests.count(req_id) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", req_id, " is already known"));
+    }
+    Request r;
+    r.id = req_id;
+    r.decode = true;
+    r.release_only = true;
+    r.params = *std::move(params);
+    r.state = State::kPending;
+    r.fail_reason = reason.substr(0, 256);
+    r.t_queued = absl::Now();
+    r.deadline = r.t_queued + options_.request_timeout;
+    table_.requests[req_id] = std::move(r);
+  }
+  StartLoad(req_id);
+  return absl::OkStatus();
 }
 
 bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<PeerId>>& tp_peers) {

@@ -65,6 +65,7 @@ void ParseTransferId(JsonFields& f, PeerMessage& m) {
 void ParseRelease(JsonFields& f, PeerMessage& m) {
   ParseTransferId(f, m);
   m.ok = f.OptBool("ok", true);
+  m.unread = f.OptBool("unread", false);
   m.reason = f.OptString("reason", "?", kMaxReasonBytes);
 }
 
@@ -86,6 +87,7 @@ void ParseDone(JsonFields& f, PeerMessage& m) {
 
 void ParseFail(JsonFields& f, PeerMessage& m) {
   ParseTransferId(f, m);
+  m.unread = f.OptBool("unread", false);
   m.reason = f.OptString("reason", "?", kMaxReasonBytes);
 }
 
@@ -327,7 +329,8 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
   if (r == nullptr) {
     // Ended here already, or not held yet (see table_.early_releases): kept for a while.
     // The reason is cut short: thousands of these may wait.
-    if (table_.early_releases.emplace(tid, EarlyRelease{n.peer, m.ok, m.reason.substr(0, 256)})
+    if (table_.early_releases
+            .emplace(tid, EarlyRelease{n.peer, m.ok, m.unread, m.reason.substr(0, 256)})
             .second) {
       table_.early_release_order.push_back(tid);
       if (table_.early_release_order.size() > connector_internal::kMaxEarlyReleases) {
@@ -345,7 +348,9 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
     return;
   }
   if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
-  if (m.ok) {
+  if (m.unread) {
+    ReleaseUnreadLocked(*r, n.peer, m.reason);
+  } else if (m.ok) {
     CompleteLocked(*r);
   } else {
     FailLocked(*r, absl::StrCat("reader failed: ", m.reason));
@@ -423,6 +428,12 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
     }
     if (bound == n.peer) {
       if (r->mode == KvMode::kWrite) AbortLocked(*r, "aborted by decode");
+      return;
+    }
+    if (!bound && m.unread && r->mode == KvMode::kWrite) {
+      // Write mode, before decode sent its blocks: decode will not load (the transfer id,
+      // 128 random bits, is the capability to say so).
+      ReleaseUnreadLocked(*r, n.peer, m.reason);
       return;
     }
     bound_elsewhere = bound_elsewhere || bound.has_value();

@@ -104,6 +104,25 @@ void Connector::Impl::FailLocked(Request& r, const std::string& reason) {
   Retire(r, "failed");
 }
 
+void Connector::Impl::ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason) {
+  if (!r.transfers.empty() || r.state == State::kLoading || r.state == State::kDraining) {
+    // Data moved or is moving for it after all: the ordinary failure path drains first.
+    FailLocked(r, absl::StrCat("reader released it: ", reason));
+    return;
+  }
+  r.peer = reader;
+  r.fail_reason = absl::StrCat("released unread: ", reason);
+  r.t_last = absl::Now();
+  KVW_LOG(kDebug, kLog) << "released unread" << Kv("request", r.id)
+                        << Kv("transfer", r.params.transfer_id) << Kv("reason", reason);
+  if (r.finished_by_scheduler) {
+    table_.finished.finished_sending.push_back(r.id);
+  } else {
+    table_.retired_early.insert(r.id);  // its RequestFinished frees the blocks at once
+  }
+  Retire(r, "released");
+}
+
 void Connector::Impl::AbortLocked(Request& r, const std::string& reason) {
   if (!r.fail_reason.empty()) return;
   if (!r.decode && r.state == State::kHeld) {

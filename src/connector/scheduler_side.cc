@@ -249,9 +249,13 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     Request& held = table_.requests[req_id];
     held.peer = e->second.peer;
     const bool ok = e->second.ok;
+    const bool unread = e->second.unread;
+    const PeerId reader = e->second.peer;
     const std::string reason = e->second.reason;
     table_.early_releases.erase(e);
-    if (ok) {
+    if (unread) {
+      ReleaseUnreadLocked(held, reader, reason);
+    } else if (ok) {
       CompleteLocked(held);
     } else {
       FailLocked(held, absl::StrCat("reader failed: ", reason));

@@ -316,7 +316,7 @@ TEST_P(SoakTest, EveryRequestCompletesExactlyOrFailsForAnInjectedReason) {
     const json& cn = h["connector"];
     const uint64_t cs = cn.value("started", uint64_t{0});
     const uint64_t ce = cn.value("completed", uint64_t{0}) + cn.value("failed", uint64_t{0}) +
-                        cn.value("withdrawn", uint64_t{0});
+                        cn.value("withdrawn", uint64_t{0}) + cn.value("released", uint64_t{0});
     EXPECT_EQ(cs, ce) << "connector requests started != ended";
     EXPECT_EQ(cn.value("live_requests", 1), 0);
     const json& a = h["admission"];

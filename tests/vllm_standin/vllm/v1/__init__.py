@@ -1,1 +1,0 @@
-"""Stand-in package (tests only)."""
