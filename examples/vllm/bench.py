@@ -41,9 +41,13 @@ def connector_config(name: str, kv_port: int, side: str) -> tuple:
                 {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(serving.free_port()),
                  "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_TLS": "tcp,self,sm"})
     if name == "mooncake":
-        return ({"kv_connector": "MooncakeConnector",
+        # The prefill's bootstrap server listens on kv_port (decode's on a port of its own).
+        return ({"kv_connector": "MooncakeConnector", "engine_id": f"mooncake-{side}",
                  "kv_role": "kv_producer" if side == "prefill" else "kv_consumer",
-                 "kv_buffer_device": "cpu"}, {})
+                 "kv_buffer_device": "cpu",
+                 "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
+                {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(kv_port if side == "prefill"
+                                                     else serving.free_port())})
     raise ValueError(f"unknown connector {name}")
 
 
@@ -100,7 +104,11 @@ def bench_connector(name: str, model: str, logs: str, start_timeout_s: float) ->
             servers.append(s)
         for s in servers:
             s.wait_ready(start_timeout_s)
-        proxy = serving.PdProxy(f"bench-{name}-proxy", servers[0], servers[1], logs)
+        if name == "mooncake":
+            proxy = serving.PdProxy(f"bench-{name}-proxy", servers[0], servers[1], logs,
+                                    "mooncake", f"127.0.0.1:{kv_port}", "mooncake-prefill")
+        else:
+            proxy = serving.PdProxy(f"bench-{name}-proxy", servers[0], servers[1], logs)
         procs.append(proxy)
         proxy.wait_ready()
         one_request(proxy.url, [5] * PROMPT_TOKENS)  # warm-up (first-call costs)

@@ -9,6 +9,9 @@
   prefill {do_remote_decode, mode: write, transfer_id}, decode {do_remote_prefill, mode: write,
   transfer_id, remote_host/remote_port: the prefill worker's kvwire control address}; decode
   announces its blocks to prefill, prefill writes the KV into them.
+  mooncake mode (vLLM's MooncakeConnector): both at once as well: prefill {do_remote_decode,
+  transfer_id}, decode {do_remote_prefill, transfer_id, remote_engine_id, remote_bootstrap_addr:
+  the prefill's bootstrap server}; decode pulls the KV.
 
 Each answer carries header x-pd-prefill-ms (prefill's time); every upstream call has a deadline.
 
@@ -32,11 +35,12 @@ READ_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
 
 class Proxy:
     def __init__(self, prefill: str, decode: str, mode: str, prefill_kv: str,
-                 timeout_s: float):
+                 timeout_s: float, prefill_engine_id: str = "prefill"):
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
         self.mode = mode
         self.prefill_kv = prefill_kv
+        self.prefill_engine_id = prefill_engine_id
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session = None
 
@@ -72,14 +76,22 @@ class Proxy:
             if not isinstance(params, dict):
                 raise web.HTTPBadGateway(text=f"prefill gave no kv_transfer_params: {answer}")
             prefill_ms = (time.monotonic() - start) * 1e3
-        else:
+        elif self.mode == "write":
             tid = secrets.token_hex(16)
             host, _, port = self.prefill_kv.rpartition(":")
             prefill_task = asyncio.ensure_future(self._prefill(
                 body, {"do_remote_decode": True, "mode": "write", "transfer_id": tid}))
             params = {"do_remote_prefill": True, "mode": "write", "transfer_id": tid,
                       "remote_host": host, "remote_port": int(port),
-                      "remote_engine_id": "prefill"}
+                      "remote_engine_id": self.prefill_engine_id}
+            prefill_ms = -1.0
+        else:  # mooncake
+            tid = secrets.token_hex(16)
+            prefill_task = asyncio.ensure_future(self._prefill(
+                body, {"do_remote_decode": True, "transfer_id": tid}))
+            params = {"do_remote_prefill": True, "transfer_id": tid,
+                      "remote_engine_id": self.prefill_engine_id,
+                      "remote_bootstrap_addr": f"http://{self.prefill_kv}"}
             prefill_ms = -1.0
         dreq = dict(body)
         dreq["kv_transfer_params"] = params
@@ -105,16 +117,19 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", required=True)
     ap.add_argument("--decode", required=True)
-    ap.add_argument("--mode", choices=("read", "write"), default="read")
+    ap.add_argument("--mode", choices=("read", "write", "mooncake"), default="read")
     ap.add_argument("--prefill-kv", default="",
-                    help="write mode: the prefill worker's kvwire control address host:port")
+                    help="write mode: the prefill worker's kvwire control address host:port; "
+                         "mooncake mode: the prefill's bootstrap server host:port")
+    ap.add_argument("--prefill-engine-id", default="prefill")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args()
-    if args.mode == "write" and ":" not in args.prefill_kv:
-        sys.exit("--mode write needs --prefill-kv HOST:PORT")
-    proxy = Proxy(args.prefill, args.decode, args.mode, args.prefill_kv, args.timeout_s)
+    if args.mode != "read" and ":" not in args.prefill_kv:
+        sys.exit(f"--mode {args.mode} needs --prefill-kv HOST:PORT")
+    proxy = Proxy(args.prefill, args.decode, args.mode, args.prefill_kv, args.timeout_s,
+                  args.prefill_engine_id)
     app = web.Application()
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)

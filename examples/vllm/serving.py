@@ -137,13 +137,15 @@ class VllmServer(Process):
 
 class PdProxy(Process):
     def __init__(self, name: str, prefill: VllmServer, decode: VllmServer, log_dir: str,
-                 mode: str = "read", prefill_kv: str = ""):
+                 mode: str = "read", prefill_kv: str = "", prefill_engine_id: str = ""):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--prefill", prefill.url,
                 "--decode", decode.url, "--port", str(self.port), "--mode", mode]
         if prefill_kv:
             argv += ["--prefill-kv", prefill_kv]
+        if prefill_engine_id:
+            argv += ["--prefill-engine-id", prefill_engine_id]
         super().__init__(name, argv, log_dir)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
