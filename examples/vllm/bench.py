@@ -33,8 +33,11 @@ PROMPT_TOKENS, MAX_TOKENS = 256, 16
 def connector_config(name: str, kv_port: int, side: str) -> tuple:
     """(kv_transfer_config, extra environment) of one server; side is prefill or decode."""
     if name.startswith("kvwire-"):
-        return serving.kvwire_config(name.split("-", 1)[1], kv_port if side == "prefill" else 0,
-                                     mode="read"), {}
+        transport = name.split("-", 1)[1]
+        # shm moves vLLM's CPU cache (plain process memory) by cross-memory attach: opt-in.
+        return (serving.kvwire_config(transport, kv_port if side == "prefill" else 0,
+                                      mode="read"),
+                {"KVWIRE_SHM_CMA": "1"} if transport == "shm" else {})
     if name == "nixl":
         return ({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                  "kv_buffer_device": "cpu"},

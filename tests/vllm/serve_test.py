@@ -57,10 +57,17 @@ class VllmServeTest(unittest.TestCase):
         cls.pairs = {}
         for t in TRANSPORTS:
             kv_port = serving.free_port()
+            env = serving.server_env()
+            if t == "shm":
+                # vLLM's CPU KV cache is plain process memory (not a kvwire ShareableBuffer):
+                # shm moves it by cross-memory attach, which each engine must opt in to
+                # (docs/SECURITY-shm.md); without it every shm load fails ("shm does not reach
+                # every remote region of this transfer").
+                env["KVWIRE_SHM_CMA"] = "1"
             p = cls.start(serving.VllmServer(f"{ARCH}-{t}-prefill", cls.model, cls.logs,
-                                             serving.kvwire_config(t, kv_port)))
+                                             serving.kvwire_config(t, kv_port), env=env))
             d = cls.start(serving.VllmServer(f"{ARCH}-{t}-decode", cls.model, cls.logs,
-                                             serving.kvwire_config(t)))
+                                             serving.kvwire_config(t), env=env))
             cls.pairs[t] = (p, d, f"127.0.0.1:{kv_port}")
         for proc in cls.procs:
             proc.wait_ready(START_TIMEOUT_S)
