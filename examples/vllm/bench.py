@@ -139,9 +139,11 @@ def main() -> None:
                         f"{r['c1']['tok_s']:.1f} | {r['c8']['ttft_ms']:.1f} | "
                         f"{r['c8']['handoff_ms']:.1f} | {r['c8']['tok_s']:.1f} |")
         except Exception as e:  # noqa: BLE001 - a connector that does not serve is a row too
-            first = str(e).strip().splitlines()
-            rows.append(f"| {name} | did not serve: {first[0][:200] if first else e!r} "
-                        f"| | | | | |")
+            lines = str(e).strip().splitlines()
+            # The root cause: the last "...Error: ..." line of the server's log tail.
+            errors = [ln.strip() for ln in lines if "Error:" in ln]
+            why = (errors[-1] if errors else lines[0] if lines else repr(e))[:300]
+            rows.append(f"| {name} | did not serve: {why.replace('|', '/')} | | | | | |")
         print(rows[-1], flush=True)
     table = "\n".join([
         f"Prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated, greedy; tiny Llama (2 layers, "
