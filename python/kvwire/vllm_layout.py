@@ -12,6 +12,8 @@ layer named.
 Logical shapes vLLM's attention backends use (strides may permute the last three dims: HND):
   MHA/GQA, K and V apart:  (2, num_blocks, block_size, heads, head_size)   flash-attn
                            (num_blocks, 2, block_size, heads, head_size)   flashinfer and others
+  MHA/GQA on vLLM's CPU:   (num_blocks, heads, block_size, 2 * head_size)  cpu_attn: per head
+                           its block's K rows, then its V rows; one dense page a block
   MLA (one latent vector): (num_blocks, block_size, head_size) or with a heads dim of 1
   other specs (e.g. DeepSeek-V4's compressed caches): (num_blocks, ...) one dense page a block
 """
@@ -55,7 +57,20 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
     what = f"kvwire connector: layer {name!r}"
     heads = {"total": 0, "tp_size": 1, "tp_rank": 0, "outer": 1, "inner_bytes": 0}
     block_size = int(spec.block_size)
-    if kind == "mha":
+    if kind == "mha" and len(shape) == 4:
+        # vLLM's CPU attention (cpu_attn.py): (blocks, heads, block_size, 2 * head_size), each
+        # head's K rows then its V rows (the backend views it as (blocks, heads, 2 * block_size,
+        # head_size)). One dense page a block; a head's slice is its K and V together.
+        h, d = int(spec.num_kv_heads), int(spec.head_size)
+        if shape[1:] != (h, block_size, 2 * d):
+            raise ValueError(f"{what}: an attention cache of shape {shape} (expected (2, "
+                             f"blocks, block_size, heads, head_size), (blocks, 2, ...) or vLLM "
+                             f"CPU's (blocks, {h} heads, {block_size}, 2 * {d}))")
+        page_elems = _dense_inner(shape, strides, (1, 2, 3), what)
+        heads = {"total": h * tp_size, "tp_size": tp_size, "tp_rank": tp_rank, "outer": 1,
+                 "inner_bytes": 2 * block_size * d * es}
+        bdim, comps, cstride, block_major = 0, 1, 0, True
+    elif kind == "mha":
         if len(shape) != 5:
             raise ValueError(f"{what}: an attention cache of shape {shape} (expected "
                              f"(2, blocks, block_size, heads, head_size) or (blocks, 2, ...))")
