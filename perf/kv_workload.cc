@@ -79,58 +79,15 @@ class KvSideImpl : public KvSide {
                                                           bool initiator) {
     auto self = std::make_unique<KvSideImpl>();
     self->o_ = o;
-    absl::StatusOr<Layout> preset = PresetLayout(PresetName(o.layout));
-    if (!preset.ok()) return preset.status();
-    const uint64_t slots = static_cast<uint64_t>(o.threads) * o.requests;
-    // Blocks one request needs in its largest group, and the bytes of one block everywhere.
-    uint64_t needed = 1;
-    for (const CacheGroup& g : preset->groups) {
-      needed = std::max<uint64_t>(needed, SelectBlocks(g, o.prompt_tokens).logical_blocks.size());
-    }
-    Layout probe = *preset;
-    const uint64_t per_block = std::max<uint64_t>(1, AssignBacking(&probe, 0, 1, 1));
-    const uint64_t state_blocks = 2 * slots;
-    uint64_t blocks = std::max<uint64_t>(2 * needed * slots, (o.pool_mib << 20) / per_block);
-    probe = *preset;
-    uint64_t bytes = AssignBacking(&probe, 0, blocks, state_blocks);
-    if (bytes > kMaxPoolBytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("kv: layout ", o.layout, " with a ", o.prompt_tokens, "-token prompt and ",
-                       slots, " request slots needs ", bytes >> 20, " MiB per side (over ",
-                       kMaxPoolBytes >> 20, " MiB): use a shorter --prompt or fewer --requests"));
-    }
-    self->bytes_ = bytes;
+    absl::StatusOr<KvPlans> plans = BuildKvPlans(o);
+    if (!plans.ok()) return plans.status();
+    self->bytes_ = plans->bytes;
+    self->plans_ = std::move(plans->plans);
     const bool source = o.op == OpKind::kWrite ? initiator : !initiator;
-    absl::StatusOr<LocalBuffer> buffer = MakeBuffer(engine, bytes, o.check && source, !initiator);
+    absl::StatusOr<LocalBuffer> buffer =
+        MakeBuffer(engine, self->bytes_, o.check && source, !initiator);
     if (!buffer.ok()) return buffer.status();
     self->buffer_ = *std::move(buffer);
-    // Both sides lay the layout out from offset 0 of their buffer.
-    for (int side = 0; side < 2; ++side) {
-      Side& s = side == 0 ? self->prefill_ : self->decode_;
-      s.layout = *preset;
-      AssignBacking(&s.layout, 0, blocks, state_blocks);
-      for (const CacheGroup& g : s.layout.groups) {
-        BlockAllocator alloc(g.num_blocks, 0x6b762d7065726600ull + side * 7919 + g.num_blocks);
-        for (uint64_t slot = 0; slot < slots; ++slot) {
-          if (s.tables.size() <= slot) s.tables.resize(slot + 1);
-          const BlockSelection sel = SelectBlocks(g, o.prompt_tokens);
-          std::vector<int64_t> table;
-          alloc.Restart();
-          for (uint64_t lb : sel.logical_blocks) {
-            if (table.size() <= lb) table.resize(lb + 1, -1);
-            table[lb] = alloc.Next(o.fragmentation);
-          }
-          s.tables[slot][g.name] = std::move(table);
-        }
-      }
-    }
-    for (uint64_t slot = 0; slot < slots; ++slot) {
-      absl::StatusOr<TransferPlan> plan =
-          PlanTransfer(self->prefill_.layout, self->prefill_.tables[slot], self->decode_.layout,
-                       self->decode_.tables[slot], o.prompt_tokens);
-      if (!plan.ok()) return plan.status();
-      self->plans_.push_back(*std::move(plan));
-    }
     return self;
   }
 
@@ -273,11 +230,63 @@ class KvSideImpl : public KvSide {
   PerfOptions o_;
   uint64_t bytes_ = 0;
   LocalBuffer buffer_;
-  Side prefill_, decode_;
   std::vector<TransferPlan> plans_;
 };
 
 }  // namespace
+
+absl::StatusOr<KvPlans> BuildKvPlans(const PerfOptions& o) {
+  absl::StatusOr<Layout> preset = PresetLayout(PresetName(o.layout));
+  if (!preset.ok()) return preset.status();
+  const uint64_t slots = static_cast<uint64_t>(o.threads) * o.requests;
+  // Blocks one request needs in its largest group, and the bytes of one block everywhere.
+  uint64_t needed = 1;
+  for (const CacheGroup& g : preset->groups) {
+    needed = std::max<uint64_t>(needed, SelectBlocks(g, o.prompt_tokens).logical_blocks.size());
+  }
+  Layout probe = *preset;
+  const uint64_t per_block = std::max<uint64_t>(1, AssignBacking(&probe, 0, 1, 1));
+  const uint64_t state_blocks = 2 * slots;
+  uint64_t blocks = std::max<uint64_t>(2 * needed * slots, (o.pool_mib << 20) / per_block);
+  probe = *preset;
+  const uint64_t bytes = AssignBacking(&probe, 0, blocks, state_blocks);
+  if (bytes > kMaxPoolBytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv: layout ", o.layout, " with a ", o.prompt_tokens, "-token prompt and ",
+                     slots, " request slots needs ", bytes >> 20, " MiB per side (over ",
+                     kMaxPoolBytes >> 20, " MiB): use a shorter --prompt or fewer --requests"));
+  }
+  KvPlans out;
+  out.bytes = bytes;
+  // Both sides lay the layout out from offset 0 of their buffer.
+  Side prefill, decode;
+  for (int side = 0; side < 2; ++side) {
+    Side& s = side == 0 ? prefill : decode;
+    s.layout = *preset;
+    AssignBacking(&s.layout, 0, blocks, state_blocks);
+    for (const CacheGroup& g : s.layout.groups) {
+      BlockAllocator alloc(g.num_blocks, 0x6b762d7065726600ull + side * 7919 + g.num_blocks);
+      for (uint64_t slot = 0; slot < slots; ++slot) {
+        if (s.tables.size() <= slot) s.tables.resize(slot + 1);
+        const BlockSelection sel = SelectBlocks(g, o.prompt_tokens);
+        std::vector<int64_t> table;
+        alloc.Restart();
+        for (uint64_t lb : sel.logical_blocks) {
+          if (table.size() <= lb) table.resize(lb + 1, -1);
+          table[lb] = alloc.Next(o.fragmentation);
+        }
+        s.tables[slot][g.name] = std::move(table);
+      }
+    }
+  }
+  for (uint64_t slot = 0; slot < slots; ++slot) {
+    absl::StatusOr<TransferPlan> plan = PlanTransfer(
+        prefill.layout, prefill.tables[slot], decode.layout, decode.tables[slot], o.prompt_tokens);
+    if (!plan.ok()) return plan.status();
+    out.plans.push_back(*std::move(plan));
+  }
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<KvSide>> KvSide::Create(const PerfOptions& options, Engine& engine,
                                                        bool initiator) {
