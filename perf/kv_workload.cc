@@ -73,64 +73,6 @@ struct Side {
   std::vector<BlockTable> tables;  // one per request slot
 };
 
-// Both sides' layouts laid out from offset 0 of a buffer of `bytes`, and one plan per request
-// slot (threads x requests).
-struct KvPlans {
-  uint64_t bytes = 0;
-  std::vector<TransferPlan> plans;
-};
-
-absl::StatusOr<KvPlans> PlanKv(const PerfOptions& o) {
-  absl::StatusOr<Layout> preset = PresetLayout(PresetName(o.layout));
-  if (!preset.ok()) return preset.status();
-  const uint64_t slots = static_cast<uint64_t>(o.threads) * o.requests;
-  // Blocks one request needs in its largest group, and the bytes of one block everywhere.
-  uint64_t needed = 1;
-  for (const CacheGroup& g : preset->groups) {
-    needed = std::max<uint64_t>(needed, SelectBlocks(g, o.prompt_tokens).logical_blocks.size());
-  }
-  Layout probe = *preset;
-  const uint64_t per_block = std::max<uint64_t>(1, AssignBacking(&probe, 0, 1, 1));
-  const uint64_t state_blocks = 2 * slots;
-  uint64_t blocks = std::max<uint64_t>(2 * needed * slots, (o.pool_mib << 20) / per_block);
-  probe = *preset;
-  KvPlans out;
-  out.bytes = AssignBacking(&probe, 0, blocks, state_blocks);
-  if (out.bytes > kMaxPoolBytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("kv: layout ", o.layout, " with a ", o.prompt_tokens, "-token prompt and ",
-                     slots, " request slots needs ", out.bytes >> 20, " MiB per side (over ",
-                     kMaxPoolBytes >> 20, " MiB): use a shorter --prompt or fewer --requests"));
-  }
-  Side prefill, decode;
-  for (int side = 0; side < 2; ++side) {
-    Side& s = side == 0 ? prefill : decode;
-    s.layout = *preset;
-    AssignBacking(&s.layout, 0, blocks, state_blocks);
-    for (const CacheGroup& g : s.layout.groups) {
-      BlockAllocator alloc(g.num_blocks, 0x6b762d7065726600ull + side * 7919 + g.num_blocks);
-      for (uint64_t slot = 0; slot < slots; ++slot) {
-        if (s.tables.size() <= slot) s.tables.resize(slot + 1);
-        const BlockSelection sel = SelectBlocks(g, o.prompt_tokens);
-        std::vector<int64_t> table;
-        alloc.Restart();
-        for (uint64_t lb : sel.logical_blocks) {
-          if (table.size() <= lb) table.resize(lb + 1, -1);
-          table[lb] = alloc.Next(o.fragmentation);
-        }
-        s.tables[slot][g.name] = std::move(table);
-      }
-    }
-  }
-  for (uint64_t slot = 0; slot < slots; ++slot) {
-    absl::StatusOr<TransferPlan> plan = PlanTransfer(
-        prefill.layout, prefill.tables[slot], decode.layout, decode.tables[slot], o.prompt_tokens);
-    if (!plan.ok()) return plan.status();
-    out.plans.push_back(*std::move(plan));
-  }
-  return out;
-}
-
 class KvSideImpl : public KvSide {
  public:
   RegionId region() const override { return buffer_.region; }
@@ -139,10 +81,10 @@ class KvSideImpl : public KvSide {
                                                           bool initiator) {
     auto self = std::make_unique<KvSideImpl>();
     self->o_ = o;
-    absl::StatusOr<KvPlans> planned = PlanKv(o);
-    if (!planned.ok()) return planned.status();
-    self->bytes_ = planned->bytes;
-    self->plans_ = std::move(planned->plans);
+    absl::StatusOr<KvPlans> plans = BuildKvPlans(o);
+    if (!plans.ok()) return plans.status();
+    self->bytes_ = plans->bytes;
+    self->plans_ = std::move(plans->plans);
     const bool source = o.op == OpKind::kWrite ? initiator : !initiator;
     absl::StatusOr<LocalBuffer> buffer =
         MakeBuffer(engine, self->bytes_, o.check && source, !initiator);
@@ -296,7 +238,7 @@ class KvSideImpl : public KvSide {
 }  // namespace
 
 absl::Status DumpKvRanges(const PerfOptions& options) {
-  absl::StatusOr<KvPlans> planned = PlanKv(options);
+  absl::StatusOr<KvPlans> planned = BuildKvPlans(options);
   if (!planned.ok()) return planned.status();
   const TransferPlan& plan = planned->plans.front();
   std::string text = absl::StrCat("kvwire-kv-ranges ", planned->bytes, " ", plan.ops_after_merge,
@@ -316,6 +258,59 @@ absl::Status DumpKvRanges(const PerfOptions& options) {
         absl::StrCat("--dump-ranges: writing ", options.dump_ranges_file, " failed"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<KvPlans> BuildKvPlans(const PerfOptions& o) {
+  absl::StatusOr<Layout> preset = PresetLayout(PresetName(o.layout));
+  if (!preset.ok()) return preset.status();
+  const uint64_t slots = static_cast<uint64_t>(o.threads) * o.requests;
+  // Blocks one request needs in its largest group, and the bytes of one block everywhere.
+  uint64_t needed = 1;
+  for (const CacheGroup& g : preset->groups) {
+    needed = std::max<uint64_t>(needed, SelectBlocks(g, o.prompt_tokens).logical_blocks.size());
+  }
+  Layout probe = *preset;
+  const uint64_t per_block = std::max<uint64_t>(1, AssignBacking(&probe, 0, 1, 1));
+  const uint64_t state_blocks = 2 * slots;
+  uint64_t blocks = std::max<uint64_t>(2 * needed * slots, (o.pool_mib << 20) / per_block);
+  probe = *preset;
+  const uint64_t bytes = AssignBacking(&probe, 0, blocks, state_blocks);
+  if (bytes > kMaxPoolBytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv: layout ", o.layout, " with a ", o.prompt_tokens, "-token prompt and ",
+                     slots, " request slots needs ", bytes >> 20, " MiB per side (over ",
+                     kMaxPoolBytes >> 20, " MiB): use a shorter --prompt or fewer --requests"));
+  }
+  KvPlans out;
+  out.bytes = bytes;
+  // Both sides lay the layout out from offset 0 of their buffer.
+  Side prefill, decode;
+  for (int side = 0; side < 2; ++side) {
+    Side& s = side == 0 ? prefill : decode;
+    s.layout = *preset;
+    AssignBacking(&s.layout, 0, blocks, state_blocks);
+    for (const CacheGroup& g : s.layout.groups) {
+      BlockAllocator alloc(g.num_blocks, 0x6b762d7065726600ull + side * 7919 + g.num_blocks);
+      for (uint64_t slot = 0; slot < slots; ++slot) {
+        if (s.tables.size() <= slot) s.tables.resize(slot + 1);
+        const BlockSelection sel = SelectBlocks(g, o.prompt_tokens);
+        std::vector<int64_t> table;
+        alloc.Restart();
+        for (uint64_t lb : sel.logical_blocks) {
+          if (table.size() <= lb) table.resize(lb + 1, -1);
+          table[lb] = alloc.Next(o.fragmentation);
+        }
+        s.tables[slot][g.name] = std::move(table);
+      }
+    }
+  }
+  for (uint64_t slot = 0; slot < slots; ++slot) {
+    absl::StatusOr<TransferPlan> plan = PlanTransfer(
+        prefill.layout, prefill.tables[slot], decode.layout, decode.tables[slot], o.prompt_tokens);
+    if (!plan.ok()) return plan.status();
+    out.plans.push_back(*std::move(plan));
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<KvSide>> KvSide::Create(const PerfOptions& options, Engine& engine,

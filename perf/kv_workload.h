@@ -12,12 +12,22 @@
 #include "absl/time/time.h"
 
 #include "kvwire/engine.h"
+#include "kvwire/layout.h"
 #include "perf/perf_options.h"
 #include "perf/report.h"
 #include "perf/results.h"
 #include "perf/side_channel.h"
 
 namespace kvwire::perf {
+
+// The kv workload's pool size and request plans (one per request slot: --threads x
+// --requests), exactly as both kvwire-perf sides build them, without an engine or memory:
+// kvwire-memcpy-floor copies the same ranges for an independent floor.
+struct KvPlans {
+  uint64_t bytes = 0;  // each side's pool, ranges' offsets from its start
+  std::vector<TransferPlan> plans;
+};
+absl::StatusOr<KvPlans> BuildKvPlans(const PerfOptions& options);
 
 class KvSide {
  public:

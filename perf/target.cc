@@ -56,17 +56,17 @@ absl::Status CheckRun(const PerfOptions& o, uint64_t buffer_bytes,
 }  // namespace
 
 // Handles one RUN/DONE exchange of a raw size; the reply to DONE says whether WRITEs landed.
-absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buffer,
+absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, std::byte* host, uint64_t bytes,
                        const std::vector<std::string>& run) {
   uint64_t size = 0, planned = 0;
-  if (absl::Status s = CheckRun(o, buffer.size(), run, &size, &planned); !s.ok()) {
+  if (absl::Status s = CheckRun(o, bytes, run, &size, &planned); !s.ok()) {
     return s;
   }
   const bool verify = o.check && o.op == OpKind::kWrite;
-  BufferPlan plan(o.pattern, o.threads, size, buffer.size());
+  BufferPlan plan(o.pattern, o.threads, size, bytes);
   if (verify) {
     for (int t = 0; t < o.threads; ++t) {
-      plan.ClearDestinations(buffer.memory.data(), true, t, planned == 0 ? UINT64_MAX : planned);
+      plan.ClearDestinations(host, true, t, planned == 0 ? UINT64_MAX : planned);
     }
   }
   if (absl::Status s = sock.SendLine("READY"); !s.ok()) return s;
@@ -85,13 +85,52 @@ absl::Status ServeSize(const PerfOptions& o, LineSocket& sock, LocalBuffer& buff
   if (verify) {
     absl::Status checked = absl::OkStatus();
     for (int t = 0; t < o.threads && checked.ok(); ++t) {
-      checked = plan.Verify(buffer.memory.data(), true, t, (*ops)[t]);
+      checked = plan.Verify(host, true, t, (*ops)[t]);
     }
     verdict = checked.ok() ? "ok" : std::string(checked.message());
     std::printf(" %-10llu check %s\n", static_cast<unsigned long long>(size), verdict.c_str());
     std::fflush(stdout);
   }
   return sock.SendLine(absl::StrCat("CHECK ", verdict));
+}
+
+absl::StatusOr<std::map<std::string, std::string>> ReadHello(const PerfOptions& o,
+                                                             LineSocket& sock) {
+  const std::string prefix = absl::StrCat("HELLO ", kProtocol, " ");
+  absl::StatusOr<std::string> hello = sock.ReadLine(std::min(absl::Seconds(30), SideTimeout(o)));
+  if (!hello.ok()) return hello.status();
+  if (!absl::StartsWith(*hello, prefix)) {
+    return absl::InvalidArgumentError(absl::StrCat("not a ", kProtocol, " HELLO"));
+  }
+  return DecodeSettings(hello->substr(prefix.size()));
+}
+
+absl::Status ServeInitiator(const PerfOptions& o, LineSocket& sock, std::byte* host, uint64_t bytes,
+                            KvSide* kv) {
+  while (true) {
+    absl::StatusOr<std::string> line = sock.ReadLine(SideTimeout(o));
+    if (!line.ok()) return line.status();
+    std::vector<std::string> parts = absl::StrSplit(*line, ' ');
+    if (parts[0] == "BYE") return absl::OkStatus();
+    absl::Status served;
+    if (parts[0] == "RUN" && kv == nullptr) {
+      served = ServeSize(o, sock, host, bytes, parts);
+    } else if (parts[0] == "RUN") {
+      served = kv->Serve(sock, parts, SideTimeout(o));
+    } else {
+      served = absl::InvalidArgumentError(absl::StrCat("unexpected \"", *line, "\""));
+    }
+    if (IsRefusal(served)) {
+      // The initiator learns what was wrong; this side stays ready for a correct request.
+      std::fprintf(stderr, "kvwire-perf (target): refused: %s\n",
+                   std::string(served.message()).c_str());
+      if (absl::Status s = sock.SendLine(absl::StrCat("ERROR ", served.message())); !s.ok()) {
+        return s;
+      }
+      continue;
+    }
+    if (!served.ok()) return served;
+  }
 }
 
 namespace {
@@ -101,25 +140,15 @@ namespace {
 // and is closed; the target keeps waiting. Settings that differ end the target (exit 2).
 absl::StatusOr<LineSocket> AcceptInitiator(const PerfOptions& o, LineListener& listener,
                                            std::map<std::string, std::string>* theirs) {
-  const std::string prefix = absl::StrCat("HELLO ", kProtocol, " ");
   while (true) {
     absl::StatusOr<LineSocket> sock = listener.Accept(absl::Hours(24 * 365));
     if (!sock.ok()) return sock.status();
-    absl::StatusOr<std::string> hello = sock->ReadLine(std::min(absl::Seconds(30), SideTimeout(o)));
-    absl::Status refused;
-    if (!hello.ok()) {
-      refused = hello.status();
-    } else if (!absl::StartsWith(*hello, prefix)) {
-      refused = absl::InvalidArgumentError(absl::StrCat("not a ", kProtocol, " HELLO"));
-    } else {
-      absl::StatusOr<std::map<std::string, std::string>> settings =
-          DecodeSettings(hello->substr(prefix.size()));
-      if (settings.ok()) {
-        *theirs = *std::move(settings);
-        return sock;
-      }
-      refused = settings.status();
+    absl::StatusOr<std::map<std::string, std::string>> settings = ReadHello(o, *sock);
+    if (settings.ok()) {
+      *theirs = *std::move(settings);
+      return sock;
     }
+    const absl::Status refused = settings.status();
     (void)sock->SendLine(absl::StrCat("ERROR target speaks ", kProtocol, ": ", refused.message()));
     std::fprintf(stderr, "kvwire-perf (target): side-channel connection refused: %s\n",
                  std::string(refused.message()).c_str());
@@ -171,29 +200,9 @@ int RunTarget(const PerfOptions& o) {
   }
   std::printf(" initiator connected; serving\n");
   std::fflush(stdout);
-  while (true) {
-    absl::StatusOr<std::string> line = sock->ReadLine(SideTimeout(o));
-    if (!line.ok()) return Fail(line.status());
-    std::vector<std::string> parts = absl::StrSplit(*line, ' ');
-    if (parts[0] == "BYE") break;
-    absl::Status served;
-    if (parts[0] == "RUN" && !kv) {
-      served = ServeSize(o, *sock, buffer, parts);
-    } else if (parts[0] == "RUN" && kv) {
-      served = kv->Serve(*sock, parts, SideTimeout(o));
-    } else {
-      served = absl::InvalidArgumentError(absl::StrCat("unexpected \"", *line, "\""));
-    }
-    if (IsRefusal(served)) {
-      // The initiator learns what was wrong; this side stays ready for a correct request.
-      std::fprintf(stderr, "kvwire-perf (target): refused: %s\n",
-                   std::string(served.message()).c_str());
-      if (absl::Status s = sock->SendLine(absl::StrCat("ERROR ", served.message())); !s.ok()) {
-        return Fail(s);
-      }
-      continue;
-    }
-    if (!served.ok()) return Fail(served);
+  if (absl::Status s = ServeInitiator(o, *sock, buffer.memory.data(), buffer.size(), kv.get());
+      !s.ok()) {
+    return Fail(s);
   }
   std::printf(" done\n");
   return 0;

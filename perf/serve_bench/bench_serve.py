@@ -319,14 +319,21 @@ async def settle(session, instances: list[str], timeout_s: float) -> list[dict]:
         for base in instances:
             try:
                 h = await get_json(session, base + "/health")
+                if "used_blocks" not in h:
+                    # Without it nothing says whether the instance gave its blocks back.
+                    raise ValueError("no used_blocks in the answer")
                 report.append({"url": base, "role": h.get("role"),
-                               "used_blocks": int(h.get("used_blocks", -1)),
+                               "used_blocks": int(h["used_blocks"]),
+                               "held_blocks": int(h.get("held_blocks", 0)),
                                "live_connector_requests": int(h.get("live_connector_requests", 0)),
                                "active_requests": int(h.get("active_requests", 0)),
                                "held_requests": int(h.get("held_requests", 0))})
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError,
+                    TypeError) as e:
+                # Unknown, not zero: counted in instances_unreachable (a --strict failure).
                 report.append({"url": base, "error": f"/health: {e}", "used_blocks": -1})
-        busy = [r for r in report if r["used_blocks"] != 0 or r.get("live_connector_requests")
+        busy = [r for r in report if "error" in r or r["used_blocks"] != 0
+                or r.get("held_blocks") or r.get("live_connector_requests")
                 or r.get("held_requests") or r.get("active_requests")]
         if not busy or time.monotonic() >= deadline:
             return report
@@ -551,7 +558,10 @@ async def run_benchmark(base_urls: list[str], samples: list[Sample], *, concurre
     ttft_total = sum(o.ttft for o in outcomes if o.success)
     r["kv_wait_share_of_ttft_metrics"] = wait_s / ttft_total if ttft_total > 0 else None
     r["instances"] = per_instance
-    r["leaked_blocks"] = sum(max(0, i["used_blocks"]) for i in per_instance)
+    # Blocks in use and blocks held for a reader that never came; an instance that did not
+    # answer /health is not "0 leaked" but unknown: instances_unreachable.
+    r["leaked_blocks"] = sum(max(0, i["used_blocks"]) + max(0, i.get("held_blocks", 0))
+                             for i in per_instance)
     r["instances_unreachable"] = sum(1 for i in per_instance if "error" in i)
     r["input_lens"] = [o.prompt_len for o in outcomes]
     r["output_lens"] = [o.output_tokens if o.success else 0 for o in outcomes]
@@ -605,6 +615,8 @@ def print_summary(r: dict, percentiles) -> None:
     print(line("KV wait share of TTFT (/metrics):",
                "n/a" if share_m is None else f"{100 * share_m:.1f}%"))
     print(line("Blocks in use after the run:", r["leaked_blocks"]))
+    if r.get("instances_unreachable"):
+        print(line("Instances without /health after the run:", r["instances_unreachable"]))
     print("=" * 54)
 
 
@@ -710,7 +722,8 @@ def parse_args(argv=None):
                    help="file name for one run (a sweep appends -concurrencyN)")
     p.add_argument("--plot", default=None, help="PNG: throughput per instance vs interactivity")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when a request failed or a block stayed in use")
+                   help="exit 1 when a request failed, a block stayed in use (or held), or "
+                        "an instance did not answer /health after the run")
     args = p.parse_args(argv)
     if args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
@@ -781,7 +794,8 @@ def main(argv=None) -> int:
                   "burstiness": args.burstiness, "max_concurrency": c,
                   "base_urls": args.base_url, **r}
         print_summary(result, args.percentiles)
-        bad = bad or result["failed"] > 0 or result["leaked_blocks"] > 0
+        bad = (bad or result["failed"] > 0 or result["leaked_blocks"] > 0
+               or result["instances_unreachable"] > 0)
         if not args.save_detailed:
             for k in DETAILED:
                 result.pop(k, None)

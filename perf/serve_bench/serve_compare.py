@@ -381,7 +381,8 @@ def main(argv=None) -> int:
         if note:
             notes.append(f"{name}: {note}")
             status = 1
-        if any(r["failed"] or r["leaked_blocks"] for r in all_results[name]):
+        if any(r["failed"] or r["leaked_blocks"] or r.get("instances_unreachable")
+               for r in all_results[name]):
             status = 1
     # The servers as they come (no admission queue yet): errors are expected and counted.
     defaults: dict[str, list[dict]] = {}

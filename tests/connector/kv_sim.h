@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 #include "kvwire/connector.h"
 #include "kvwire/layout.h"
@@ -298,6 +299,30 @@ class KvCache {
     }
   }
 
+  // The logical blocks of a history group (not a per-request state) that a request of
+  // `tokens`, `cached` of them already at the destination, must move, token by token: a
+  // token moves when the destination lacks it, it is within the sliding window (if any), and
+  // its compression entry is complete; its block is token / tokens_per_block. "" when
+  // `sel` (SelectBlocks) is exactly that set.
+  static std::string CheckSelection(const CacheGroup& g, const BlockSelection& sel, uint64_t tokens,
+                                    uint64_t cached) {
+    if (g.per_request_state) return "";
+    const uint64_t ratio = static_cast<uint64_t>(g.tokens_per_entry);
+    const uint64_t window = static_cast<uint64_t>(g.window_tokens);
+    std::vector<uint64_t> want;
+    for (uint64_t p = cached; p < tokens; ++p) {
+      if (window > 0 && p + window < tokens) continue;  // before the window
+      if ((p / ratio + 1) * ratio > tokens) continue;   // its entry is not complete
+      if (want.empty() || want.back() != p / g.tokens_per_block) {
+        want.push_back(p / g.tokens_per_block);
+      }
+    }
+    if (want == sel.logical_blocks) return "";
+    return absl::StrCat("group ", g.name, ": SelectBlocks chose blocks [",
+                        absl::StrJoin(sel.logical_blocks, ","), "], the token-by-token rule [",
+                        absl::StrJoin(want, ","), "] (", tokens, " tokens, ", cached, " cached)");
+  }
+
   // Decode: checks every byte that must have moved for the request (of model layer
   // `only_layer`, or of all layers). Returns "" when all match.
   std::string Verify(const std::string& req, const BlockTable& t, uint64_t tokens, uint64_t cached,
@@ -306,6 +331,11 @@ class KvCache {
     if (absl::Status s = Pull(); !s.ok()) return absl::StrCat("gpu: ", s.message());
     for (const CacheGroup& g : layout_.groups) {
       const BlockSelection sel = SelectBlocks(g, tokens, cached);
+      // The blocks checked are the ones a token-by-token reading of the layout's rules needs,
+      // not only the ones the code under test selected: one it left out is a failure here.
+      if (std::string missed = CheckSelection(g, sel, tokens, cached); !missed.empty()) {
+        return absl::StrCat("request ", req, ": ", missed);
+      }
       const std::vector<int64_t>& ids = t.at(g.name);
       for (size_t l = 0; l < g.layers.size(); ++l) {
         if (only_layer >= 0 && g.layers[l] != only_layer) continue;

@@ -1,12 +1,16 @@
 // kvwire-perf's side channel as its target serves it (perf/target.cc, perf/side_channel.cc):
 // the initiator's lines - HELLO with its settings, then RUN / DONE per size, BYE - come from
 // whoever connects to the target's port. The input is those lines, queued on a real socket
-// (a socketpair) that LineSocket reads; each RUN goes to the real ServeSize against a 64 KiB
-// buffer with --check on, so that a size or op count the buffer cannot hold shows as an ASan
-// report rather than silent corruption.
+// (a socketpair) that LineSocket reads, and RunTarget's own pieces read them: ReadHello and
+// CheckAgreement for the HELLO, then ServeInitiator (every RUN through the real ServeSize)
+// against a 64 KiB heap buffer with --check on, so that a size or op count the buffer cannot
+// hold shows as an ASan report (heap memory is guarded; a memfd mapping would not be) rather
+// than silent corruption.
 //
-// Input: byte 0 picks the options (bit 0: pool pattern; bits 1-2: threads - 1), the rest is
-// the stream of lines.
+// Input: byte 0 picks the options (bit 0: pool pattern; bits 1-2: threads - 1) and the HELLO
+// (bit 3 clear: an initiator that agreed, whose HELLO the harness sends first, so that the
+// fuzzing reaches the RUN lines; set: the input's own first line is the HELLO, which must
+// agree with the options as RunTarget requires); the rest is the stream of lines.
 #include <sys/socket.h>
 
 #include <cstddef>
@@ -15,9 +19,7 @@
 #include <unistd.h>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 
 #include "perf/perf_options.h"
 #include "perf/session.h"
@@ -39,43 +41,32 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   PerfOptions o;
   o.op = kvwire::OpKind::kWrite;
   o.check = true;
+  o.side_timeout_s = 5;
   o.pattern = (data[0] & 1) != 0 ? Pattern::kPool : Pattern::kHot;
   o.threads = 1 + ((data[0] >> 1) & 3);
+  const bool own_hello = (data[0] & 8) != 0;
 
-  static absl::StatusOr<kvwire::ShareableBuffer> memory =
-      kvwire::ShareableBuffer::Create(kBufferBytes, "kvwire-fuzz");
-  KVWIRE_FUZZ_CHECK(memory.ok() && memory->size() == kBufferBytes);
-  LocalBuffer buffer;
-  buffer.memory = std::move(*memory);
+  // On the heap: ASan reports a byte written or read past its end.
+  std::vector<std::byte> buffer(kBufferBytes);
 
+  std::string stream;
+  if (!own_hello) {
+    stream = absl::StrCat("HELLO ", kProtocol, " ", EncodeSettings(AgreedSettings(o)), "\n");
+  }
+  stream.append(reinterpret_cast<const char*>(data + 1), size - 1);
   int fds[2];
   KVWIRE_FUZZ_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0);
-  KVWIRE_FUZZ_CHECK(::send(fds[1], data + 1, size - 1, MSG_NOSIGNAL) ==
-                    static_cast<ssize_t>(size - 1));
+  KVWIRE_FUZZ_CHECK(::send(fds[1], stream.data(), stream.size(), MSG_NOSIGNAL) ==
+                    static_cast<ssize_t>(stream.size()));
   ::shutdown(fds[1], SHUT_WR);  // the stream ends after the input; answers still fit
   {
     LineSocket sock(fds[0]);
-    // RunTarget: the HELLO line, then RUN lines until BYE or an error.
-    bool first = true;
-    while (true) {
-      absl::StatusOr<std::string> line = sock.ReadLine(absl::Seconds(5));
-      if (!line.ok()) break;
-      const std::string prefix = absl::StrCat("HELLO ", kProtocol, " ");
-      if (first && absl::StartsWith(*line, prefix)) {
-        absl::StatusOr<std::map<std::string, std::string>> theirs =
-            DecodeSettings(line->substr(prefix.size()));
-        if (!theirs.ok()) break;
-        (void)CheckAgreement(AgreedSettings(o), *theirs, "initiator");
-        first = false;
-        continue;
-      }
-      first = false;
-      std::vector<std::string> parts = absl::StrSplit(*line, ' ');
-      if (parts[0] == "BYE") break;
-      if (parts[0] != "RUN" || !ServeSize(o, sock, buffer, parts).ok()) break;
+    // As RunTarget: a HELLO in the protocol whose settings agree, then RUN lines until BYE.
+    absl::StatusOr<std::map<std::string, std::string>> theirs = ReadHello(o, sock);
+    if (theirs.ok() && CheckAgreement(AgreedSettings(o), *theirs, "initiator").ok()) {
+      (void)ServeInitiator(o, sock, buffer.data(), buffer.size(), /*kv=*/nullptr);
     }
   }  // closes fds[0]
   ::close(fds[1]);
-  *memory = std::move(buffer.memory);
   return 0;
 }

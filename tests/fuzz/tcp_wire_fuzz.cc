@@ -1,26 +1,34 @@
-// The tcp transport's wire (transport/tcp/tcp_wire.h) and its stream reader
-// (transport/tcp/tcp_reader.cc) as a data connection's two ends drive them: the input is
-// what the peer sends, pushed through a real socket (a socketpair) into the real
-// HeaderReader, and each header goes through the same decode-and-check sequence as
-// tcp_server_connection.cc Handshake/Serve (target side) or tcp_client_connection.cc
-// ReaderLoop (initiator side). The engine is replaced by one 64 KiB region (id 1) whose
-// bounds this harness checks as the region registry would, so that a payload the reader
-// writes lands in memory that ASan watches.
+// The tcp transport's wire (transport/tcp/tcp_wire.h) as a data connection's two ends read
+// it: the input is what the peer sends, pushed through a real socket (a socketpair).
+//   Target side: the dialer's hello (decoded as TcpServer does: DecodeHello, then the token),
+//   then the real ServerConnection (transport/tcp/tcp_server_connection.cc) serving the
+//   stream on its own thread, every op validated by TargetHooks::ResolveIncoming through the
+//   engine's real RegionRegistry::ResolveForPeer (exported, bounds, permission), as
+//   Engine::Impl::ResolveIncoming does, over one 64 KiB heap region (id 1, read-write) and
+//   one read-only one (id 2) that ASan watches.
+//   Initiator side: the hello reply and responses to READs it posted, read with the real
+//   HeaderReader in the sequence tcp_client_connection.cc ReaderLoop follows.
 //
 // Input: byte 0 bit 0 picks the side (0: target reading a dialer's hello and requests,
 // 1: initiator reading hello reply and responses to READs it posted); the rest is the stream.
 #include <sys/socket.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <poll.h>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
+#include "src/core/region_registry.h"
 #include "tests/fuzz/fuzz_util.h"
 #include "transport/tcp/tcp_reader.h"
+#include "transport/tcp/tcp_server_connection.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -29,14 +37,36 @@ namespace {
 
 namespace wire = tcp_wire;
 
-constexpr uint64_t kRegionId = 1;
 constexpr size_t kRegionBytes = 64 << 10;
 constexpr uint64_t kMaxOpBytes = 1 << 20;
+constexpr PeerId kPeer = 7;
 // More than fits the socket's buffer would block the single thread that writes and reads.
 constexpr size_t kMaxStreamBytes = 96 << 10;
 
-// The target side: hello, then requests until the stream ends or is refused.
-void ServeTarget(int fd, std::vector<std::byte>& region) {
+// The engine's side of the target: its region registry, nothing else.
+class RegistryHooks : public TargetHooks {
+ public:
+  explicit RegistryHooks(core::RegionRegistry& regions) : regions_(regions) {}
+  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return kPeer; }
+  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
+                                                 uint64_t length, OpKind kind) override {
+    absl::StatusOr<core::ResolvedRange> r =
+        regions_.ResolveForPeer(peer, region, offset, length, kind);
+    if (!r.ok()) return r.status();
+    return IncomingAccess{r->data, r->gpu_device, std::move(r->pin)};
+  }
+  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
+    return regions_.ExportedRegion(peer, region);
+  }
+  void OnWriteArrived(PeerId, TransferId) override {}
+  void OnPeerError(PeerId, const absl::Status&) override {}
+
+ private:
+  core::RegionRegistry& regions_;
+};
+
+// The target side: the hello as TcpServer reads it, then the real ServerConnection.
+void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<std::byte>& ro) {
   std::array<std::byte, wire::kHelloBytes> raw;
   if (!RecvExact(fd, raw.data(), raw.size()).ok()) return;
   wire::Hello hello;
@@ -45,22 +75,38 @@ void ServeTarget(int fd, std::vector<std::byte>& region) {
   std::string token(hello.token_len, '\0');
   if (!RecvExact(fd, token.data(), token.size()).ok()) return;
 
-  HeaderReader reader(fd, wire::kRequestBytes, /*output=*/nullptr);
-  uint64_t expected_seq = 0;
-  while (true) {
-    absl::StatusOr<const std::byte*> next = reader.Next();
-    if (!next.ok()) return;
-    wire::RequestHeader h;
-    if (!wire::DecodeRequest(*next, kMaxOpBytes, &h).ok()) return;
-    KVWIRE_FUZZ_CHECK(h.length <= kMaxOpBytes);
-    if (h.sequence != expected_seq++) return;
-    const bool write = h.kind == wire::kKindWrite;
-    if (h.region != kRegionId || h.offset > kRegionBytes || h.length > kRegionBytes - h.offset) {
-      return;  // ResolveIncoming refuses: the stream ends with an error response
+  core::RegionRegistry regions;
+  LocalRegion a;
+  a.base = rw.data();
+  a.length = rw.size();
+  a.access = kRemoteRead | kRemoteWrite;
+  LocalRegion b = a;
+  b.base = ro.data();
+  b.length = ro.size();
+  b.access = kRemoteRead;
+  KVWIRE_FUZZ_CHECK(regions.Add(a, /*export_to_all=*/true) == 1);
+  KVWIRE_FUZZ_CHECK(regions.Add(b, /*export_to_all=*/true) == 2);
+  RegistryHooks hooks(regions);
+  // Whatever the connection answers is read and dropped, so that its sends never block.
+  std::atomic<bool> done{false};
+  std::thread drain([&] {
+    std::vector<char> sink(64 << 10);
+    while (!done.load()) {
+      pollfd p{peer_fd, POLLIN, 0};
+      if (::poll(&p, 1, 10) <= 0) continue;
+      if (::recv(peer_fd, sink.data(), sink.size(), 0) <= 0) break;
     }
-    if (!reader.Expect(write ? h.length : 0, h.follow).ok()) return;
-    if (write && !reader.ReadTrailing(region.data() + h.offset, h.length).ok()) return;
-  }
+  });
+  {
+    ServerConnection conn(std::make_unique<Socket>(::dup(fd)), "fuzz", kPeer, &hooks, kMaxOpBytes,
+                          GpuStaging{});
+    if (conn.Start().ok()) {
+      // The stream ends after the input: the connection serves it and returns.
+      while (!conn.Exited()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }  // stops and joins
+  done.store(true);
+  drain.join();
 }
 
 // The initiator side with READs of known lengths in flight: hello reply, then responses.
@@ -121,13 +167,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     KVWIRE_FUZZ_CHECK(n > 0);
     sent += static_cast<size_t>(n);
   }
-  ::close(fds[1]);
+  ::shutdown(fds[1], SHUT_WR);  // end of stream; the target's answers still have a reader
   std::vector<std::byte> region(kvwire::transport::kRegionBytes);
   if ((data[0] & 1) == 0) {
-    kvwire::transport::ServeTarget(fds[0], region);
+    std::vector<std::byte> read_only(kvwire::transport::kRegionBytes);
+    kvwire::transport::ServeTarget(fds[0], fds[1], region, read_only);
   } else {
     kvwire::transport::RunInitiator(fds[0], region);
   }
   ::close(fds[0]);
+  ::close(fds[1]);
   return 0;
 }

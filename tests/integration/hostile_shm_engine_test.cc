@@ -101,9 +101,15 @@ TEST(HostileShmEngineTest, PartOfASharedBufferGoesOverTcpWithItsPermission) {
   std::printf("route to the target: %s\n", (*initiator)->Stats().peers.at(0).transport.c_str());
   EXPECT_THAT((*initiator)->Stats().peers.at(0).transport, HasSubstr("tcp"));
 
+  // The route text names tcp for every same-host peer (the secondary transport); what shows
+  // that this region avoided shm is the target serving the op itself: only tcp's target
+  // resolves incoming ops (Engine::ResolveIncoming), shm's initiator copies from its mapping.
+  const uint64_t served_before = (*target)->Stats().incoming_ops;
   ASSERT_TRUE(
       RunOps(**initiator, *peer, OpKind::kRead, {Op{*local_id, 0, *part, 0, kRegionBytes}}).ok());
   EXPECT_EQ(std::memcmp(local.data(), buffer->data() + kRegionBytes, kRegionBytes), 0);
+  EXPECT_GE((*target)->Stats().incoming_ops, served_before + 1)
+      << "the target served no op: the region was read over shm, not tcp";
   const absl::Status write =
       RunOps(**initiator, *peer, OpKind::kWrite, {Op{*local_id, 0, *part, 0, 64}});
   EXPECT_EQ(write.code(), absl::StatusCode::kPermissionDenied) << write;

@@ -1,6 +1,7 @@
 #include "examples/dsv4/serve/http_server.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <optional>
 #include <sstream>
@@ -351,6 +352,7 @@ class HttpServer::Impl {
   }
 
   int port() const { return port_; }
+  uint64_t accept_failures() const { return accept_failures_.load(std::memory_order_relaxed); }
 
  private:
   void Accept() {
@@ -359,6 +361,7 @@ class HttpServer::Impl {
       if (ec) {
         // Out of file descriptors (or buffers): accepting again at once would spin on the
         // same error, so pause.
+        accept_failures_.fetch_add(1, std::memory_order_relaxed);
         KVW_LOG(kWarning, "http") << "accept failed, pausing" << kvwire::Kv("error", ec.message());
         accept_retry_.expires_after(std::chrono::milliseconds(100));
         accept_retry_.async_wait([this](error_code e) {
@@ -404,6 +407,7 @@ class HttpServer::Impl {
   const Handler handler_;
   net::io_context io_;
   tcp::acceptor acceptor_;
+  std::atomic<uint64_t> accept_failures_{0};
   std::thread thread_;
   int port_ = 0;
   net::steady_timer accept_retry_;
@@ -421,5 +425,6 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HttpServer::~HttpServer() = default;
 int HttpServer::port() const { return impl_->port(); }
+uint64_t HttpServer::accept_failures() const { return impl_->accept_failures(); }
 
 }  // namespace dsv4::serve

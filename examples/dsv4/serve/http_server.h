@@ -95,6 +95,9 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   int port() const;
+  // Times accept failed (out of descriptors or buffers) and the server paused before trying
+  // again: for tests that must know the failure happened.
+  uint64_t accept_failures() const;
 
   class Impl;
 

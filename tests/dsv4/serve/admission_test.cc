@@ -3,7 +3,10 @@
 // Retry-After that an overloaded server sends and the router passes on, over real sockets.
 #include "examples/dsv4/serve/admission.h"
 
+#include <atomic>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -253,7 +256,7 @@ TEST(AdmissionQueue, ARequestThatFitsIsAdmittedHoweverLongItWaitedForItsTurn) {
 }
 
 // An overloaded upstream's 503 and Retry-After reach the client through the router (any
-// other server error is a 502), and the router's own limit says Retry-After too.
+// other server error is a 502). The router's own limit: TheRoutersInflightLimitIsA503...
 TEST(RetryAfter, OverloadedUpstreamIsA503WithRetryAfterThroughTheRouter) {
   auto serve = [](bool retry_after) {
     HttpServerOptions o;
@@ -297,6 +300,59 @@ TEST(RetryAfter, OverloadedUpstreamIsA503WithRetryAfterThroughTheRouter) {
       EXPECT_EQ(r->retry_after, "");
     }
   }
+}
+
+// The router's own limit: with max_inflight requests in flight, the next one is refused at
+// once with 503 and Retry-After (the client backs off), not queued and not a 502.
+TEST(RetryAfter, TheRoutersInflightLimitIsA503WithRetryAfter) {
+  // An upstream that holds every request until the test lets it answer.
+  std::mutex mu;
+  std::vector<std::shared_ptr<Responder>> held;
+  std::atomic<int> arrived{0};
+  HttpServerOptions o;
+  absl::StatusOr<std::unique_ptr<HttpServer>> upstream =
+      HttpServer::Start(o, [&](const HttpRequest&, std::shared_ptr<Responder> r) {
+        std::lock_guard<std::mutex> lock(mu);
+        held.push_back(std::move(r));
+        ++arrived;
+      });
+  ASSERT_TRUE(upstream.ok()) << upstream.status();
+  absl::StatusOr<std::unique_ptr<HttpServer>> decode =
+      HttpServer::Start(o, [](const HttpRequest&, std::shared_ptr<Responder> r) {
+        r->Error(500, "decode is not reached in this test");
+      });
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  RouterOptions ro;
+  ro.prefill = {absl::StrCat("127.0.0.1:", (*upstream)->port())};
+  ro.decode = {absl::StrCat("127.0.0.1:", (*decode)->port())};
+  ro.max_inflight = 1;
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(ro);
+  ASSERT_TRUE(router.ok()) << router.status();
+  const std::string addr = absl::StrCat("127.0.0.1:", (*router)->port());
+  const std::string body = json{{"prompt", "hello"}, {"max_tokens", 2}}.dump();
+
+  absl::StatusOr<HttpResponse> first = absl::UnknownError("not run");
+  std::thread t([&] { first = HttpCall(addr, "POST", "/v1/completions", body); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (arrived.load() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(arrived.load(), 1) << "the first request never reached the upstream";
+
+  absl::StatusOr<HttpResponse> second = HttpCall(addr, "POST", "/v1/completions", body);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const std::shared_ptr<Responder>& r : held) r->Error(503, "released by the test");
+    held.clear();
+  }
+  t.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->status, 503) << second->body;
+  EXPECT_EQ(second->retry_after, "1");
+  EXPECT_NE(second->body.find("too many requests in flight (1)"), std::string::npos)
+      << second->body;
+  EXPECT_EQ(arrived.load(), 1) << "the refused request still reached the upstream";
+  // The first one was in flight, not refused: it ends with the upstream's answer.
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->status, 502) << first->body;
 }
 
 }  // namespace

@@ -150,17 +150,20 @@ class ScriptedServer:
     """Streams `tokens` tokens per request; request i (by arrival) fails with 503 when
     i % 5 == 4, and with an error event after its first token when i % 7 == 6."""
 
-    def __init__(self, leak_blocks=0):
+    def __init__(self, leak_blocks=0, held_blocks=0, fail=True, health=None):
         self.count = 0
         self.inflight = 0
         self.max_inflight = 0
         self.leak_blocks = leak_blocks
+        self.held_blocks = held_blocks
+        self.fail = fail  # False: every request completes
+        self.health_answer = health  # replaces /health's JSON when set
 
     async def completions(self, request):
         body = await request.json()
         i = self.count
         self.count += 1
-        if i % 5 == 4:
+        if self.fail and i % 5 == 4:
             return web.json_response({"error": {"message": f"out of KV blocks: need {i}",
                                                 "code": 503}}, status=503)
         self.inflight += 1
@@ -172,7 +175,7 @@ class ScriptedServer:
             for t in range(body["max_tokens"]):
                 ev = {"choices": [{"text": "x", "token_ids": [65 + t]}]}
                 await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
-                if i % 7 == 6:
+                if self.fail and i % 7 == 6:
                     err = {"error": {"message": f"decode server 127.0.0.1:{9000 + i} failed",
                                      "code": 502}}
                     await resp.write(f"data: {json.dumps(err)}\n\n".encode())
@@ -186,7 +189,10 @@ class ScriptedServer:
             self.inflight -= 1
 
     async def health(self, request):
-        return web.json_response({"role": "both", "used_blocks": self.leak_blocks})
+        if self.health_answer is not None:
+            return web.json_response(self.health_answer)
+        return web.json_response({"role": "both", "used_blocks": self.leak_blocks,
+                                  "held_blocks": self.held_blocks})
 
     async def metrics(self, request):
         return web.Response(text=f'kvwire_dsv4_kv_load_wait_seconds_total{{engine="e"}} '
@@ -260,6 +266,45 @@ class AgainstScriptedServer(unittest.IsolatedAsyncioTestCase):
                                             settle_timeout=0.3)
         self.assertEqual(r["leaked_blocks"], 3)
         self.assertEqual(r["instances"][0]["used_blocks"], 3)
+
+    async def test_blocks_held_for_a_reader_count_as_leaked(self):
+        server = ScriptedServer(held_blocks=2)
+        url = await self.start(server)
+        r = await bench_serve.run_benchmark([url], bench_serve.random_samples(2, 8, 2, seed=0),
+                                            concurrency=1, progress=False, warmup=0,
+                                            settle_timeout=0.3)
+        self.assertEqual(r["leaked_blocks"], 2)
+        self.assertEqual(r["instances"][0]["held_blocks"], 2)
+
+    async def test_an_instance_without_health_is_unreachable_not_zero_leaked(self):
+        server = ScriptedServer(fail=False)
+        url = await self.start(server)
+        dead = "http://127.0.0.1:1"  # nothing listens on port 1 for an unprivileged test
+        r = await bench_serve.run_benchmark([url], bench_serve.random_samples(2, 8, 2, seed=0),
+                                            concurrency=1, progress=False, warmup=0,
+                                            instances=[url, dead], settle_timeout=0.3)
+        self.assertEqual(r["failed"], 0)
+        self.assertEqual(r["instances_unreachable"], 1)
+        self.assertIn("error", r["instances"][1])
+
+    async def test_strict_fails_on_an_unreachable_or_silent_instance(self):
+        # main() runs its own event loop: in a thread. The requests all complete and no
+        # block is in use, so only the instance that cannot say so fails --strict.
+        server = ScriptedServer(fail=False)
+        url = await self.start(server)
+        argv = ["--base-url", url, "--num-prompts", "2", "--random-input-len", "8",
+                "--random-output-len", "2", "--num-warmups", "0", "--settle-timeout", "0.3",
+                "--disable-tqdm", "--strict", "--instance", url]
+        self.assertEqual(await asyncio.to_thread(bench_serve.main, argv), 0)
+        self.assertEqual(
+            await asyncio.to_thread(bench_serve.main, argv + ["--instance", "http://127.0.0.1:1"]),
+            1)
+        # Answers /health, but not with the block counts: unknown, not "0 leaked".
+        server.health_answer = {"role": "both"}
+        self.assertEqual(await asyncio.to_thread(bench_serve.main, argv), 1)
+        server.health_answer = None
+        server.held_blocks = 1
+        self.assertEqual(await asyncio.to_thread(bench_serve.main, argv), 1)
 
     async def test_unreachable_server_is_a_counted_error(self):
         server = ScriptedServer()

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cerrno>
 #include <fcntl.h>
 #include <memory>
 #include <string>
@@ -293,7 +294,16 @@ TEST(HttpLimits, OutOfFileDescriptorsDoesNotSpin) {
   getrusage(RUSAGE_SELF, &before);
   absl::SleepFor(absl::Seconds(1));
   getrusage(RUSAGE_SELF, &after);
+  // The condition under test happened: no descriptor could be made, and the server's accept
+  // failed (and paused) at least once.
+  const int probe = socket(AF_INET, SOCK_STREAM, 0);
+  const int probe_errno = errno;
+  const uint64_t accept_failures = server->accept_failures();
   ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (probe >= 0) close(probe);
+  EXPECT_EQ(probe, -1) << "a descriptor could still be made: EMFILE was not reached";
+  EXPECT_EQ(probe_errno, EMFILE);
+  EXPECT_GE(accept_failures, 1u) << "the server's accept never failed: EMFILE was not reached";
   auto cpu = [](const rusage& r) {
     return absl::DurationFromTimeval(r.ru_utime) + absl::DurationFromTimeval(r.ru_stime);
   };
