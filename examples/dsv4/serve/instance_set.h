@@ -90,6 +90,8 @@ class InstanceSet {
 
   const std::string& policy() const { return policy_; }
   bool discovered() const { return watcher_ != nullptr; }
+  // Discovered, and etcd answering now (false with etcd unreachable: the last known list).
+  bool directory_reachable() const { return watcher_ != nullptr && watcher_->connected(); }
   // Why there is no instance of `kind` (for the client's error).
   std::string NoneReason(InstanceKind kind) const;
   nlohmann::json Health();

@@ -425,7 +425,10 @@ class Router::Impl {
       for (const std::string& p : prefills) {
         prefill_server = p;
         // Discovered: decode's connector resolves the prefill by its engine id through etcd.
-        const std::string engine_id = instances_->EngineId(prefill_server);
+        // With etcd unreachable a decode could not resolve a prefill it has not met yet, so
+        // the prefill is named by the kv address it reports, as for a static list.
+        const std::string engine_id =
+            instances_->directory_reachable() ? instances_->EngineId(prefill_server) : "";
         absl::StatusOr<std::string> kv = engine_id.empty() ? KvAddress(prefill_server, deadline)
                                                            : absl::StatusOr<std::string>("");
         if (!kv.ok()) {

@@ -328,8 +328,8 @@ TEST_P(XpydTest, DiscoveredThroughEtcdSurvivesDecodeDeathAndRejoin) {
   }
 
   // 4. etcd goes away: the router keeps its last list, and the instances keep serving in
-  // both modes (read mode carries prefill's address; write mode resolves through peers
-  // already connected).
+  // both modes (read mode carries prefill's address; in write mode the router names the
+  // prefill by the kv address it reports, as a decode that never met it cannot resolve it).
   (*etcd)->Kill(0);
   {
     absl::StatusOr<json> h;
