@@ -191,14 +191,15 @@ def measurements(peers, sizes, have_kv):
     return m
 
 
+# "The best peer" is known only when every peer of the comparison was measured: a peer that
+# did not run (not installed, failed, left out by --only) leaves the ratio unknown, so its goal
+# row prints "-" and MISSED rather than "met" against a partial field.
 def _best(values):
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
+    return None if not values or any(v is None for v in values) else max(values)
 
 
 def _least(values):
-    values = [v for v in values if v is not None]
-    return min(values) if values else None
+    return None if not values or any(v is None for v in values) else min(values)
 
 
 def render(peers, med, sizes, have_kv, failures):
@@ -351,7 +352,8 @@ def render(peers, med, sizes, have_kv, failures):
     for t in ("tcp", "shm"):
         for op in OPS:
             ours = request_ms(kv_rows.get((f"kvwire {t}", op)))
-            best = _least([request_ms(kv_rows.get((f"{p} {t}", op))) for p in DRIVERS])
+            best = _least([request_ms(kv_rows.get((f"{p} {t}", op)))
+                           for p, (_, ts) in DRIVERS.items() if t in ts])
             ratio = None if ours is None or not best else ours / best
             met = ratio is not None and ratio <= 0.8
             label = f"dsv4-pro 8k {op} {t}: kvwire / best peer"
