@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -282,9 +283,14 @@ TEST_P(SoakTest, EveryRequestCompletesExactlyOrFailsForAnInjectedReason) {
   // Failures are the kill's only if the request was in flight when it happened and the error
   // names the killed decode itself (every router error names some upstream: one naming the
   // surviving decode or only the prefill is not the kill's).
+  // A name matches whole: "127.0.0.1:4000" does not match inside "127.0.0.1:40001".
   auto names_killed = [&](const std::string& detail) {
     for (const std::string& n : killed_names) {
-      if (detail.find(n) != std::string::npos) return true;
+      for (size_t at = detail.find(n); at != std::string::npos; at = detail.find(n, at + 1)) {
+        const size_t end = at + n.size();
+        if (end == detail.size() || !absl::ascii_isalnum(static_cast<unsigned char>(detail[end])))
+          return true;
+      }
     }
     return false;
   };
