@@ -80,8 +80,10 @@ def test_factory_loads_by_name_and_by_module_path(engines):
 def test_hand_off_byte_exact(engines, mode, transport, shm):
     p = engines("prefill", {"transport": transport, "mode": mode}, kind="hybrid",
                 shared_memory=shm)
+    # policy "fail": a load that fails ends its request in an error instead of being
+    # recomputed into the very bytes verify() expects.
     d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
-                shared_memory=shm)
+                shared_memory=shm, policy="fail")
     lengths = [1, 15, 16, 17, 40, 100]
     for i, n in enumerate(lengths):
         out = prefill_one(p, f"p{i}", prompt(i, n))
@@ -98,6 +100,10 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
         return len(running) == len(lengths)
 
     run_until([p, d], loaded, "loads")
+    # Each prompt longer than one token was loaded by kvwire (a one-token prompt loads
+    # nothing: vLLM computes the last prompt token itself), and no load failed.
+    assert worker_counter(d, "completed") == sum(n > 1 for n in lengths), d.worker_stats()
+    assert worker_counter(d, "failed") == 0, d.worker_stats()
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
 
 
@@ -165,7 +171,7 @@ def test_stopped_at_first_token_hands_off(engines):
     """FINISHED_STOPPED (the prefill's one token is a stop token) hands off as
     FINISHED_LENGTH_CAPPED does."""
     p = engines("prefill", {"transport": "tcp"})
-    d = engines("decode", {"transport": "tcp"})
+    d = engines("decode", {"transport": "tcp"}, policy="fail")
     out = prefill_one(p, "s", prompt(3, 40), stop=[STOP], token=STOP)
     assert out.finish_reason.name == "STOP"
     params = decode_params(out)
@@ -173,6 +179,7 @@ def test_stopped_at_first_token_hands_off(engines):
     run_until([p, d], lambda: "ds" in d.sched.requests and
               d.sched.requests["ds"].num_output_tokens >= 1, "the load")
     assert d.verify("ds") == []
+    assert worker_counter(d, "completed") == 1, d.worker_stats()  # loaded, not recomputed
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
 
 

@@ -3,8 +3,8 @@
 One aggregated server (no connector) and, per transport (tcp, shm), a prefill and a decode server
 with kv_connector KvwireConnector ("mode": "auto": each request picks read or write), behind
 examples/vllm/pd_proxy.py in vLLM's P/D protocol. The model is a tiny config this test writes
-(random weights from --load-format dummy, a word-level tokenizer built here): nothing is
-downloaded. Checked, per transport and per mode:
+(seeded weights at a normal scale, not --load-format dummy, whose outputs ignore the KV; a
+word-level tokenizer built here): nothing is downloaded. Checked, per transport and per mode:
   - greedy outputs through the proxy equal the aggregated server's, for prompts of 1, 15, 16,
     17, 31, 32, 33 and 300 tokens (block size 32, the smallest vLLM's CPU attention takes:
     below, at and past a block boundary, and past half a block);
@@ -138,12 +138,17 @@ class VllmServeTest(unittest.TestCase):
         p, d, _ = self.pairs[transport]
         lengths = [random.Random(i).choice(LENGTHS + (40, 100)) for i in range(N_LOAD)]
         prompts = [prompt_of(n, 100 + i) for i, n in enumerate(lengths)]
+        before = self.transferred(d)
         with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
             got = list(pool.map(lambda pr: serving.output_tokens(
                 serving.completion(proxy.url, pr, MAX_TOKENS)), prompts))
         want = [self.aggregated(pr) for pr in prompts]
         bad = [i for i in range(N_LOAD) if got[i] != want[i]]
         self.assertEqual(bad, [], f"{transport}/{mode}: {len(bad)} of {N_LOAD} differ")
+        # Equal outputs alone would pass if every load failed and vLLM recomputed the prompts.
+        self.assertGreaterEqual(self.transferred(d) - before, sum(n - 1 for n in lengths),
+                                f"{transport}/{mode}: the concurrent prompts were not all "
+                                f"loaded through the connector")
         self.wait_no_blocks_in_use(p, d)
 
 
