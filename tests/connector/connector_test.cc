@@ -308,6 +308,40 @@ class ConnectorTest : public ::testing::TestWithParam<std::string> {
   std::string address_;
 };
 
+// The oracle the byte checks start from (KvCache::CheckSelection) is an independent
+// token-by-token rule, so it fails when the selection under test is wrong: a block missed, a
+// block too many, or a prefix hit ignored, in every DeepSeek-V4-Pro group.
+TEST(KvSimOracle, CatchesAWrongBlockSelection) {
+  const Layout layout = DeepSeekV4ProLayout();
+  int checked = 0;
+  for (const CacheGroup& g : layout.groups) {
+    if (g.per_request_state) continue;
+    for (uint64_t tokens : {1u, 63u, 64u, 65u, 700u, 8192u}) {
+      for (uint64_t cached : {0u, 256u}) {
+        if (cached >= tokens) continue;
+        const BlockSelection right = SelectBlocks(g, tokens, cached);
+        EXPECT_EQ(KvCache::CheckSelection(g, right, tokens, cached), "")
+            << g.name << " " << tokens << " " << cached;
+        if (right.logical_blocks.empty()) continue;
+        BlockSelection missed = right;
+        missed.logical_blocks.pop_back();
+        EXPECT_NE(KvCache::CheckSelection(g, missed, tokens, cached), "") << g.name << " missed";
+        BlockSelection extra = right;
+        extra.logical_blocks.push_back(right.logical_blocks.back() + 1);
+        EXPECT_NE(KvCache::CheckSelection(g, extra, tokens, cached), "") << g.name << " extra";
+        ++checked;
+      }
+    }
+    // A prefix hit ignored: the blocks of the cached prefix selected again.
+    const BlockSelection whole = SelectBlocks(g, 8192, 0);
+    const BlockSelection hit = SelectBlocks(g, 8192, 4096);
+    if (whole.logical_blocks != hit.logical_blocks) {
+      EXPECT_NE(KvCache::CheckSelection(g, whole, 8192, 4096), "") << g.name << " prefix";
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
 TEST_P(ConnectorTest, EveryByteArrivesInBothModes) {
   std::vector<std::string> layouts = {"deepseek-v4-flash", "deepseek-v3.2", "mha"};
   for (int i = 1; i <= 4; ++i) layouts.push_back(absl::StrCat("random:", i * 7919 + 3));
