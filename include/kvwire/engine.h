@@ -77,6 +77,10 @@ struct EngineOptions {
   // Parallel tcp data connections per peer; a transfer is striped over them.
   int tcp_connections = 4;
 
+  // I/O threads that run every tcp data connection of the engine, whatever the number of
+  // peers (epoll; see docs/ARCHITECTURE.md). 0: one per 8 cores, 1..4.
+  int tcp_io_threads = 0;
+
   // Ops longer than this are split into pieces (striped across connections); at most 64 MiB.
   uint64_t max_op_bytes = 1 << 20;
 
@@ -185,6 +189,7 @@ struct EngineOptions {
   //   KVWIRE_LISTEN           listen_address, taken as is
   //   KVWIRE_TRANSPORT        transport: auto, tcp, shm or rdma
   //   KVWIRE_TCP_CONNECTIONS  tcp_connections, 1..64
+  //   KVWIRE_TCP_IO_THREADS   tcp_io_threads, 0..64
   //   KVWIRE_SECRET           shared_secret, taken as is
   //   KVWIRE_SHM_CMA          shm_cma: "1" turns it on, ANY other value turns it off
   //   KVWIRE_SHM_DENY_PTRACE  shm_deny_ptrace: likewise, "1" on, anything else off

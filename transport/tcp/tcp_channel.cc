@@ -23,7 +23,8 @@ absl::Status Prefixed(const absl::Status& s, const std::string& context) {
 
 absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link, uint32_t lane,
                                                            int socket_buffer_bytes,
-                                                           const GpuStaging& staging) {
+                                                           const GpuStaging& staging,
+                                                           const std::shared_ptr<IoPool>& pool) {
   const std::string context = absl::StrCat("tcp data connection to ", link.remote_endpoint,
                                            " (lane ", lane, " of ", link.lanes, ")");
   if (link.token.size() > wire::kMaxTokenBytes) {
@@ -80,7 +81,7 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
   if (s = SetIoTimeout(fd, absl::ZeroDuration()); !s.ok()) return Prefixed(s, context);
 
   auto connection = std::make_shared<ClientConnection>(std::move(*socket), link.remote_endpoint,
-                                                       lane, reply.max_op_bytes, staging);
+                                                       lane, reply.max_op_bytes, staging, pool);
   if (s = connection->Start(); !s.ok()) {
     connection->Close(s);
     connection->Join();

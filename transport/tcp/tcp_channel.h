@@ -17,16 +17,17 @@ namespace kvwire::transport {
 
 // Dials one data connection of `link`, presents the token, and starts it. Errors name the
 // endpoint and the lane: DeadlineExceeded, Unavailable, Unauthenticated (token refused), ...
-// `staging` moves the connection's ops on device memory.
+// `staging` moves the connection's ops on device memory; `pool` runs the connection.
 absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link, uint32_t lane,
                                                            int socket_buffer_bytes,
-                                                           const GpuStaging& staging);
+                                                           const GpuStaging& staging,
+                                                           const std::shared_ptr<IoPool>& pool);
 
 class TcpChannel final : public Channel {
  public:
   TcpChannel(std::string endpoint, std::vector<std::shared_ptr<ClientConnection>> connections);
-  // Closes and joins the connections (unless on one of their threads: the transport then
-  // joins them later).
+  // Closes and joins the connections (unless on a thread of their I/O pool: the transport
+  // then reaps them later).
   ~TcpChannel() override;
 
   void Post(PostRequest request, DoneCallback done) override;

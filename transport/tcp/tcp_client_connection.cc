@@ -2,16 +2,13 @@
 
 #include <algorithm>
 #include <array>
-#include <pthread.h>
-#include <system_error>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 #include "src/util/log.h"
-#include "transport/tcp/tcp_gather.h"
-#include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_wire.h"
 
 namespace kvwire::transport {
@@ -23,52 +20,71 @@ namespace wire = tcp_wire;
 // bytes: enough to amortise the system call, small enough to keep responses flowing.
 constexpr size_t kMaxBatchOps = 256;
 constexpr uint64_t kMaxBatchBytes = 4 << 20;
+// One turn of a connection on its I/O thread moves at most about this much in each direction
+// before the thread serves the other connections (and comes back to this one).
+constexpr uint64_t kTurnBytes = 16 << 20;
+// How long Join waits for the I/O thread to let go of the connection (it only has to fail
+// the requests in flight and close the socket; staged copies may take longer).
+constexpr absl::Duration kJoinWait = absl::Seconds(60);
 
 }  // namespace
 
 ClientConnection::ClientConnection(std::unique_ptr<Socket> socket, std::string endpoint,
-                                   uint32_t lane, uint64_t remote_max_op_bytes, GpuStaging staging)
+                                   uint32_t lane, uint64_t remote_max_op_bytes, GpuStaging staging,
+                                   std::shared_ptr<IoPool> pool)
     : socket_(std::move(socket)),
       endpoint_(std::move(endpoint)),
       lane_(lane),
       remote_max_op_bytes_(remote_max_op_bytes),
       gpu_(staging.runtime != nullptr),
+      pool_(std::move(pool)),
       staged_out_(staging),
-      staged_in_(staging) {}
+      staged_in_(staging),
+      reader_(socket_->fd(), wire::kResponseBytes, /*output=*/nullptr) {}
 
 ClientConnection::~ClientConnection() {
+  // Only reached once no loop holds the connection: torn down there, never registered, or
+  // its loop stopped. In the last two cases nothing else can run its I/O-thread state now.
   Close(absl::CancelledError(absl::StrCat("tcp connection to ", endpoint_, " destroyed")));
-  if (!Join()) {
-    KVW_LOG(kError, "tcp") << "connection destroyed on its own thread; detaching its threads"
-                           << Kv("endpoint", endpoint_) << Kv("lane", lane_);
-    MutexLock lock(&join_mu_);
-    if (writer_.joinable()) writer_.detach();
-    if (reader_.joinable()) reader_.detach();
-  }
+  Teardown(absl::CancelledError(absl::StrCat("tcp connection to ", endpoint_, " destroyed")));
 }
 
 absl::Status ClientConnection::Start() {
-  MutexLock lock(&join_mu_);
-  try {
-    writer_ = std::thread([this] { WriterLoop(); });
-    writer_id_ = writer_.get_id();
-    reader_ = std::thread([this] { ReaderLoop(); });
-    reader_id_ = reader_.get_id();
-  } catch (const std::system_error& e) {
-    // The owner's Close and Join end a writer that did start.
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot start the connection's threads: ", e.what()));
+  if (absl::Status s = SetNonBlocking(socket_->fd(), true); !s.ok()) return s;
+  loop_ = pool_->Pick();
+  std::shared_ptr<ClientConnection> self = shared_from_this();
+  const bool queued = loop_->Run([self] {
+    if (absl::Status s = self->loop_->Add(self->socket_->fd(), self); !s.ok()) {
+      self->Fail(absl::InternalError(
+          absl::StrCat("tcp connection to ", self->endpoint_, ": ", s.message())));
+    }
+    self->Pump();
+  });
+  if (!queued) {
+    loop_ = nullptr;
+    return absl::UnavailableError("the tcp transport's I/O threads stopped");
   }
   return absl::OkStatus();
 }
 
 bool ClientConnection::Join() {
-  const std::thread::id self = std::this_thread::get_id();
-  if (self == writer_id_ || self == reader_id_) return false;
-  MutexLock lock(&join_mu_);
-  if (writer_.joinable()) writer_.join();
-  if (reader_.joinable()) reader_.join();
-  socket_->Close();
+  if (loop_ == nullptr) {
+    // Never started: no thread ever saw it.
+    torn_down_ = true;
+    socket_->Close();
+    exited_.store(true, std::memory_order_release);
+    return true;
+  }
+  if (pool_->OnPoolThread()) return false;
+  MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + kJoinWait;
+  while (!exited_.load(std::memory_order_acquire)) {
+    if (!exited_cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
+      KVW_LOG(kError, "tcp") << "data connection not released by its I/O thread in time"
+                             << Kv("endpoint", endpoint_) << Kv("lane", lane_);
+      return false;
+    }
+  }
   return true;
 }
 
@@ -78,8 +94,7 @@ bool ClientConnection::Cancelled(const Pending& pending) {
 }
 
 void ClientConnection::Complete(Pending& pending, const absl::Status& status) {
-  // Moved out so that the callback (and what it captured) is released right after it ran,
-  // while the ops and pins stay valid for a writer that may still be sending them.
+  // Moved out so that the callback (and what it captured) is released right after it ran.
   DoneCallback done = std::move(pending.done);
   if (done) done(status);
 }
@@ -122,12 +137,31 @@ void ClientConnection::Post(PostRequest request, DoneCallback done) {
     MutexLock lock(&mu_);
     if (closed_.ok()) {
       to_send_.push_back(std::move(pending));
-      writer_cv_.Signal();
-      return;
+      if (scheduled_) return;
+      scheduled_ = true;
+    } else {
+      closed = closed_;
     }
-    closed = closed_;
+  }
+  if (closed.ok()) {
+    std::shared_ptr<ClientConnection> self = shared_from_this();
+    if (loop_ == nullptr || !loop_->Run([self] { self->Pump(); })) {
+      Fail(absl::UnavailableError(
+          absl::StrCat("tcp connection to ", endpoint_, ": the transport's I/O threads stopped")));
+    }
+    return;
   }
   Complete(*pending, ForRequest(closed, *pending));
+}
+
+void ClientConnection::Schedule() {
+  {
+    MutexLock lock(&mu_);
+    if (scheduled_) return;
+    scheduled_ = true;
+  }
+  std::shared_ptr<ClientConnection> self = shared_from_this();
+  if (loop_ != nullptr) (void)loop_->Run([self] { self->Pump(); });
 }
 
 void ClientConnection::Close(const absl::Status& reason) {
@@ -142,8 +176,6 @@ void ClientConnection::Fail(const absl::Status& status) {
     if (!closed_.ok()) return;
     closed_ = status;
     unsent.swap(to_send_);
-    writer_cv_.SignalAll();
-    reader_cv_.SignalAll();
   }
   KVW_LOG(kInfo, "tcp") << "data connection closed" << Kv("endpoint", endpoint_)
                         << Kv("lane", lane_) << Kv("reason", status.message());
@@ -151,80 +183,96 @@ void ClientConnection::Fail(const absl::Status& status) {
   for (const std::shared_ptr<Pending>& pending : unsent) {
     Complete(*pending, ForRequest(status, *pending));
   }
+  // The I/O thread fails what is in flight (it alone touches that); not from a destructor.
+  if (!torn_down_ && loop_ != nullptr && weak_from_this().lock() != nullptr) Schedule();
 }
 
-std::vector<std::shared_ptr<ClientConnection::Pending>> ClientConnection::Release(
-    const std::vector<std::shared_ptr<Pending>>& batch, const Pending* still_sending) {
-  std::vector<std::shared_ptr<Pending>> ready;
-  MutexLock lock(&mu_);
-  for (const std::shared_ptr<Pending>& pending : batch) {
-    if (pending.get() == still_sending || pending->released) continue;
-    pending->released = true;
-    if (pending->acked) ready.push_back(pending);
+void ClientConnection::OnIo(uint32_t /*events*/) { Pump(); }
+
+void ClientConnection::Pump() {
+  // Teardown lets go of the loop's reference; this one keeps the connection until the end.
+  const std::shared_ptr<ClientConnection> self = shared_from_this();
+  {
+    MutexLock lock(&mu_);
+    scheduled_ = false;
   }
-  return ready;
+  if (torn_down_) return;
+  absl::Status closed;
+  {
+    MutexLock lock(&mu_);
+    closed = closed_;
+  }
+  if (!closed.ok()) {
+    Teardown(closed);
+    return;
+  }
+  // Set when a direction stopped for fairness with bytes still waiting: edge-triggered epoll
+  // will not report them again, so the connection queues itself for another turn.
+  bool more = false;
+  absl::Status s = SendSome(&more);
+  if (s.ok()) s = ReceiveSome(&more);
+  if (!s.ok()) {
+    Fail(s);
+    Teardown(s);
+    return;
+  }
+  if (more) Schedule();
 }
 
-// The writer's batch: the ops of one gather send, their encoded headers, and the requests
-// they belong to (kept alive, ops and pins, while their bytes are sent).
-struct ClientConnection::WriterBatch {
-  struct Slot {
-    const Pending* pending;
-    uint32_t op;
-  };
-  WriterBatch() : headers(kMaxBatchOps) {
-    slots.reserve(kMaxBatchOps);
-    gather.Reserve(2 * kMaxBatchOps);
-    holds.reserve(kMaxBatchOps);
-  }
-  std::vector<Slot> slots;
-  std::vector<std::array<std::byte, wire::kRequestBytes>> headers;
-  GatherList gather;
-  std::vector<std::shared_ptr<Pending>> holds;
-  std::shared_ptr<Pending> current;  // a request whose ops did not all fit in one batch
-  uint32_t next_op = 0;
-};
-
-void ClientConnection::WriterLoop() {
-  pthread_setname_np(pthread_self(), "kvw-tcp-send");
-  WriterBatch batch;
-  while (TakeBatch(batch)) {
-    EncodeRequestHeaders(batch);
-    GatherBatch(batch);
-    // Device payloads go through the staging buffers; when this returns, no copy reads the
-    // batch's memory any more.
-    const absl::Status sent = batch.gather.Send(socket_->fd(), staged_out_);
-    for (const std::shared_ptr<Pending>& pending : Release(batch.holds, batch.current.get())) {
-      Complete(*pending, pending->result);
+absl::Status ClientConnection::SendSome(bool* more) {
+  uint64_t sent = 0;
+  while (true) {
+    if (sent >= kTurnBytes) {
+      *more = true;
+      return absl::OkStatus();
     }
-    if (!sent.ok()) {
-      Fail(absl::UnavailableError(
-          absl::StrCat("tcp connection to ", endpoint_, " lost: ", sent.message())));
-      break;
+    if (!batch_.sending) {
+      if (!TakeBatch()) return absl::OkStatus();
+      EncodeRequestHeaders();
+      GatherBatch();
+      batch_.sending = true;
+      if (batch_.gather.staged()) {
+        // Device payloads go through the staging buffers, blocking this thread meanwhile;
+        // when this returns, no copy reads the batch's memory any more.
+        const absl::Status s = batch_.gather.Send(socket_->fd(), staged_out_);
+        batch_.sending = false;
+        batch_.holds.clear();
+        if (!s.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("tcp connection to ", endpoint_, " lost: ", s.message()));
+        }
+        sent += kMaxBatchBytes;
+        continue;
+      }
     }
+    absl::StatusOr<bool> done = batch_.gather.SendSome(socket_->fd());
+    if (!done.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("tcp connection to ", endpoint_, " lost: ", done.status().message()));
+    }
+    if (!*done) return absl::OkStatus();  // the socket is full: EPOLLOUT brings us back
+    batch_.sending = false;
+    batch_.holds.clear();
+    sent += kMaxBatchBytes;
   }
-  WriterExited(batch);
 }
 
-bool ClientConnection::TakeBatch(WriterBatch& batch) {
+bool ClientConnection::TakeBatch() {
+  WriterBatch& batch = batch_;
   batch.slots.clear();
   batch.holds.clear();
   uint64_t batch_bytes = 0;
   MutexLock lock(&mu_);
-  while (closed_.ok() && batch.current == nullptr && to_send_.empty()) writer_cv_.Wait(&mu_);
   if (!closed_.ok()) return false;
   while (batch.slots.size() < kMaxBatchOps && batch_bytes < kMaxBatchBytes) {
     if (batch.current == nullptr) {
       if (to_send_.empty()) break;
       batch.current = std::move(to_send_.front());
       to_send_.pop_front();
-      // In flight before its first byte is sent, so the reader expects its responses.
+      // In flight before its first byte is sent, so that its responses are expected.
       batch.current->first_seq = next_seq_;
       next_seq_ += batch.current->request.ops.size();
-      // The writer never touches a READ's local memory: nothing to wait for.
-      batch.current->released = batch.current->request.kind == OpKind::kRead;
       in_flight_.push_back(batch.current);
-      reader_cv_.Signal();
       batch.next_op = 0;
     }
     batch.holds.push_back(batch.current);
@@ -238,10 +286,13 @@ bool ClientConnection::TakeBatch(WriterBatch& batch) {
     }
     if (batch.next_op == ops.size()) batch.current.reset();
   }
-  return true;
+  return !batch.slots.empty();
 }
 
-void ClientConnection::EncodeRequestHeaders(WriterBatch& batch) {
+void ClientConnection::EncodeRequestHeaders() {
+  WriterBatch& batch = batch_;
+  // Grown to the largest batch seen, not to kMaxBatchOps: idle connections stay small.
+  if (batch.headers.size() < batch.slots.size()) batch.headers.resize(batch.slots.size());
   // Back to front: `follow` counts the headers after an op's payload up to and including the
   // next one that carries a payload.
   uint16_t follow = 0;
@@ -265,7 +316,8 @@ void ClientConnection::EncodeRequestHeaders(WriterBatch& batch) {
   }
 }
 
-void ClientConnection::GatherBatch(WriterBatch& batch) {
+void ClientConnection::GatherBatch() {
+  WriterBatch& batch = batch_;
   batch.gather.Clear();
   for (size_t i = 0; i < batch.slots.size(); ++i) {
     // Adjacent headers (READs) share one iovec: the header array is contiguous.
@@ -278,69 +330,84 @@ void ClientConnection::GatherBatch(WriterBatch& batch) {
   }
 }
 
-void ClientConnection::WriterExited(WriterBatch& batch) {
-  {
-    // Every batch was released after its send; only a partly sent request may remain, and it
-    // cannot be acked. The reader fails what is left once it sees writer_exited_.
-    MutexLock lock(&mu_);
-    for (const std::shared_ptr<Pending>& pending : in_flight_) pending->released = true;
-    if (batch.current != nullptr) batch.current->released = true;
-    writer_exited_ = true;
-    reader_cv_.SignalAll();
-  }
-  exited_.fetch_add(1, std::memory_order_acq_rel);
-}
-
-// The reader's position: the request whose responses come next, and how far it got.
-struct ClientConnection::ReaderState {
-  std::shared_ptr<Pending> head;
-  uint32_t op = 0;
-  bool head_cancelled = false;
-  absl::Status head_error;  // the target's error for `head`, if it sent one
-};
-
-void ClientConnection::ReaderLoop() {
-  pthread_setname_np(pthread_self(), "kvw-tcp-recv");
-  HeaderReader reader(socket_->fd(), wire::kResponseBytes, /*output=*/nullptr);
-  ReaderState state;
-  absl::Status error;  // why this loop failed the connection, if it did
-  while (NextInFlight(state)) {
-    error = ReadResponse(reader, state);
-    if (!error.ok()) break;
-    if (++state.op == state.head->request.ops.size()) {
-      error = CompleteHead(state);
-      if (!error.ok()) break;
+absl::Status ClientConnection::ReceiveSome(bool* more) {
+  uint64_t received = 0;
+  while (true) {
+    if (received >= kTurnBytes) {
+      *more = true;
+      return absl::OkStatus();
+    }
+    switch (rx_.phase) {
+      case ReaderState::Phase::kHeader: {
+        absl::StatusOr<const std::byte*> raw = reader_.TryNext();
+        if (!raw.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("tcp connection to ", endpoint_, " lost: ", raw.status().message()));
+        }
+        if (*raw == nullptr) return absl::OkStatus();
+        received += wire::kResponseBytes;
+        if (absl::Status s = OnResponseHeader(*raw); !s.ok()) return s;
+        break;
+      }
+      case ReaderState::Phase::kPayload: {
+        // Once the engine ended the transfer, its local memory is no longer ours to write:
+        // the rest of the payload is dropped (the stream stays in sync).
+        if (rx_.dest != nullptr && Cancelled(*in_flight_.front())) {
+          rx_.head_cancelled = true;
+          rx_.dest = nullptr;
+        }
+        const size_t before = rx_.done;
+        absl::StatusOr<bool> done = reader_.TryReadTrailing(rx_.dest, rx_.length, &rx_.done);
+        if (!done.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("tcp connection to ", endpoint_, " lost: ", done.status().message()));
+        }
+        received += rx_.done - before;
+        if (!*done) return absl::OkStatus();
+        if (absl::Status s = FinishOp(); !s.ok()) return s;
+        break;
+      }
+      case ReaderState::Phase::kMessage: {
+        absl::StatusOr<bool> done = reader_.TryReadTrailing(
+            reinterpret_cast<std::byte*>(rx_.message.data()), rx_.length, &rx_.done);
+        if (!done.ok()) {
+          rx_.message = absl::StrCat("(message lost: ", done.status().message(), ")");
+          return OnErrorMessage();
+        }
+        if (!*done) return absl::OkStatus();
+        return OnErrorMessage();
+      }
     }
   }
-  ReaderExited(state, error);
 }
 
-bool ClientConnection::NextInFlight(ReaderState& state) {
-  if (state.head != nullptr) return true;
-  MutexLock lock(&mu_);
-  while (closed_.ok() && in_flight_.empty()) reader_cv_.Wait(&mu_);
-  if (!closed_.ok()) return false;
-  state.head = in_flight_.front();
-  state.op = 0;
-  state.head_cancelled = false;
-  return true;
-}
-
-absl::Status ClientConnection::ReadResponse(HeaderReader& reader, ReaderState& state) {
-  absl::StatusOr<const std::byte*> raw = reader.Next();
-  if (!raw.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("tcp connection to ", endpoint_, " lost: ", raw.status().message()));
-  }
-  wire::ResponseHeader h;
-  if (absl::Status s = wire::DecodeResponse(*raw, &h); !s.ok()) {
+absl::Status ClientConnection::OnResponseHeader(const std::byte* raw) {
+  wire::ResponseHeader& h = rx_.header;
+  if (absl::Status s = wire::DecodeResponse(raw, &h); !s.ok()) {
     return absl::DataLossError(
         absl::StrCat("tcp protocol error from ", endpoint_, ": ", s.message()));
   }
-  if (h.code != 0) return ReadErrorResponse(reader, h, state);
-  const Pending& head = *state.head;
-  const uint64_t expected_seq = head.first_seq + state.op;
-  const WireOp& wop = head.request.ops[state.op];
+  if (h.code != 0) {
+    // The target refused an op (or our stream); it closes the connection after the message.
+    rx_.message.assign(h.message_len, '\0');
+    if (absl::Status s = reader_.Expect(h.message_len, 0); !s.ok()) {
+      rx_.message = absl::StrCat("(message lost: ", s.message(), ")");
+      return OnErrorMessage();
+    }
+    if (h.message_len == 0) return OnErrorMessage();
+    rx_.phase = ReaderState::Phase::kMessage;
+    rx_.length = h.message_len;
+    rx_.done = 0;
+    return absl::OkStatus();
+  }
+  if (in_flight_.empty()) {
+    return absl::DataLossError(absl::StrCat("tcp protocol error from ", endpoint_,
+                                            ": response seq ", h.sequence,
+                                            " with no request in flight"));
+  }
+  const Pending& head = *in_flight_.front();
+  const uint64_t expected_seq = head.first_seq + rx_.op;
+  const WireOp& wop = head.request.ops[rx_.op];
   const bool read = head.request.kind == OpKind::kRead;
   const uint64_t payload = read ? wop.length : 0;
   if (h.sequence != expected_seq || h.kind != wire::WireKind(head.request.kind) ||
@@ -349,35 +416,54 @@ absl::Status ClientConnection::ReadResponse(HeaderReader& reader, ReaderState& s
         "tcp protocol error from ", endpoint_, ": response seq ", h.sequence, " kind ",
         wire::WireKindName(h.kind), " payload ", h.payload_len, ", expected seq ", expected_seq,
         " kind ", wire::WireKindName(wire::WireKind(head.request.kind)), " payload ", payload,
-        " (transfer ", head.request.transfer_id, " op ", state.op, ")"));
+        " (transfer ", head.request.transfer_id, " op ", rx_.op, ")"));
   }
-  if (absl::Status s = reader.Expect(payload, h.follow); !s.ok()) {
+  if (absl::Status s = reader_.Expect(payload, h.follow); !s.ok()) {
     return absl::DataLossError(
         absl::StrCat("tcp protocol error from ", endpoint_, ": ", s.message()));
   }
-  if (payload == 0) return absl::OkStatus();
-  return ReceiveReadPayload(reader, wop, payload, state);
+  if (payload == 0) return FinishOp();
+  rx_.head_cancelled = rx_.head_cancelled || Cancelled(head);
+  if (!rx_.head_cancelled && wop.local_gpu_device >= 0) {
+    // Device memory: through the staging buffers, blocking this thread while the payload
+    // arrives (CompleteHead waits for the last copies).
+    absl::Status s = staged_in_.Receive(reader_, wop.local_gpu_device, wop.local, payload,
+                                        head.request.cancelled.get());
+    if (absl::IsCancelled(s)) {
+      rx_.head_cancelled = true;  // ended mid-payload; the stream is still in sync
+      s = absl::OkStatus();
+    }
+    if (!s.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("tcp connection to ", endpoint_, " lost: ", s.message()));
+    }
+    return FinishOp();
+  }
+  rx_.phase = ReaderState::Phase::kPayload;
+  rx_.length = payload;
+  rx_.done = 0;
+  rx_.dest = rx_.head_cancelled ? nullptr : wop.local;
+  return absl::OkStatus();
 }
 
-absl::Status ClientConnection::ReadErrorResponse(HeaderReader& reader,
-                                                 const tcp_wire::ResponseHeader& h,
-                                                 ReaderState& state) {
-  // The target refused an op (or our stream); it closes the connection after this.
-  std::string message(h.message_len, '\0');
-  absl::Status s = reader.Expect(h.message_len, 0);
-  if (s.ok()) {
-    s = reader.ReadTrailing(reinterpret_cast<std::byte*>(message.data()), message.size());
-  }
-  if (!s.ok()) message = absl::StrCat("(message lost: ", s.message(), ")");
+absl::Status ClientConnection::FinishOp() {
+  rx_.phase = ReaderState::Phase::kHeader;
+  if (++rx_.op == in_flight_.front()->request.ops.size()) return CompleteHead();
+  return absl::OkStatus();
+}
+
+absl::Status ClientConnection::OnErrorMessage() {
+  const wire::ResponseHeader& h = rx_.header;
   const absl::StatusCode code = wire::CodeFromWire(h.code);
-  const Pending& head = *state.head;
-  if (h.sequence != head.first_seq + state.op) {
+  const std::string& message = rx_.message;
+  if (in_flight_.empty() || h.sequence != in_flight_.front()->first_seq + rx_.op) {
     return absl::Status(
         code, absl::StrCat("tcp target ", endpoint_, " reported a protocol error: ", message));
   }
-  const WireOp& wop = head.request.ops[state.op];
-  state.head_error = absl::Status(
-      code, absl::StrCat("transfer ", head.request.transfer_id, " op ", state.op, " (",
+  const Pending& head = *in_flight_.front();
+  const WireOp& wop = head.request.ops[rx_.op];
+  rx_.head_error = absl::Status(
+      code, absl::StrCat("transfer ", head.request.transfer_id, " op ", rx_.op, " (",
                          wire::WireKindName(wire::WireKind(head.request.kind)), " remote region ",
                          wop.remote_region, " offset ", wop.remote_offset, " length ", wop.length,
                          ") failed at tcp target ", endpoint_, ": ", message));
@@ -385,84 +471,68 @@ absl::Status ClientConnection::ReadErrorResponse(HeaderReader& reader,
                                          " closed by the target after an error: ", message));
 }
 
-absl::Status ClientConnection::ReceiveReadPayload(HeaderReader& reader, const WireOp& wop,
-                                                  uint64_t payload, ReaderState& state) {
-  const Pending& head = *state.head;
-  absl::Status s;
-  // Once the engine ended the transfer, its local memory is no longer ours to write.
-  state.head_cancelled = state.head_cancelled || Cancelled(head);
-  if (state.head_cancelled) {
-    s = reader.DiscardTrailing(payload);
-  } else if (wop.local_gpu_device >= 0) {
-    // Device memory: through the staging buffers (CompleteHead waits for the last copies).
-    s = staged_in_.Receive(reader, wop.local_gpu_device, wop.local, payload,
-                           head.request.cancelled.get());
-  } else {
-    s = reader.ReadTrailing(wop.local, payload, head.request.cancelled.get());
-  }
-  if (absl::IsCancelled(s)) {
-    state.head_cancelled = true;  // the engine ended it mid-payload; the stream is still in sync
-    s = absl::OkStatus();
-  }
-  if (!s.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("tcp connection to ", endpoint_, " lost: ", s.message()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ClientConnection::CompleteHead(ReaderState& state) {
+absl::Status ClientConnection::CompleteHead() {
   if (staged_in_.has_work()) {
     // The READ completes only once its last bytes reached the device.
     absl::Status s = staged_in_.Drain();
     if (absl::IsCancelled(s)) {
-      state.head_cancelled = true;
+      rx_.head_cancelled = true;
     } else if (!s.ok()) {
       return absl::Status(s.code(),
                           absl::StrCat("tcp connection to ", endpoint_, ": ", s.message()));
     }
   }
-  const std::shared_ptr<Pending> head = std::move(state.head);
+  const std::shared_ptr<Pending> head = std::move(in_flight_.front());
+  in_flight_.pop_front();
   const absl::Status result =
-      state.head_cancelled || Cancelled(*head)
+      rx_.head_cancelled || Cancelled(*head)
           ? absl::CancelledError(absl::StrCat("transfer ", head->request.transfer_id,
                                               " was cancelled; its tcp responses were "
                                               "discarded"))
           : absl::OkStatus();
-  bool complete_now = false;
-  {
-    MutexLock lock(&mu_);
-    in_flight_.pop_front();
-    head->acked = true;
-    head->result = result;
-    complete_now = head->released;  // else the writer completes it when its send returns
-  }
-  if (complete_now) Complete(*head, result);
+  rx_.op = 0;
+  rx_.head_cancelled = false;
+  // Every payload byte of the request was sent (the target acked it) and received: nothing
+  // reads or writes its memory any more.
+  Complete(*head, result);
   return absl::OkStatus();
 }
 
-void ClientConnection::ReaderExited(const ReaderState& state, const absl::Status& error) {
-  if (!error.ok()) Fail(error);
+void ClientConnection::Teardown(const absl::Status& error) {
+  if (torn_down_) return;
+  torn_down_ = true;
+  absl::Status why;
+  std::deque<std::shared_ptr<Pending>> unsent;
+  {
+    MutexLock lock(&mu_);
+    if (closed_.ok()) closed_ = error;
+    why = closed_;
+    unsent.swap(to_send_);
+  }
+  socket_->Shutdown();
   // Copies into the device memory of requests about to fail must end before they do.
   if (absl::Status s = staged_in_.Abandon(); !s.ok()) {
     KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("endpoint", endpoint_)
                            << Kv("error", s.message());
   }
+  batch_.sending = false;
+  batch_.holds.clear();
+  batch_.current.reset();
+  batch_.gather.Clear();
   std::deque<std::shared_ptr<Pending>> failed;
-  absl::Status why;
-  {
-    MutexLock lock(&mu_);
-    // Fail() shut the socket down, so the writer returns promptly; until it has, it may
-    // still read the memory of the requests about to be failed.
-    while (!writer_exited_) reader_cv_.Wait(&mu_);
-    failed.swap(in_flight_);
-    why = closed_;
+  failed.swap(in_flight_);
+  const absl::Status head_error = rx_.head_error;
+  for (size_t i = 0; i < failed.size(); ++i) {
+    Complete(*failed[i], i == 0 && !head_error.ok() ? head_error : ForRequest(why, *failed[i]));
   }
-  for (const std::shared_ptr<Pending>& pending : failed) {
-    Complete(*pending, pending == state.head && !state.head_error.ok() ? state.head_error
-                                                                       : ForRequest(why, *pending));
+  for (const std::shared_ptr<Pending>& pending : unsent) {
+    Complete(*pending, ForRequest(why, *pending));
   }
-  exited_.fetch_add(1, std::memory_order_acq_rel);
+  if (loop_ != nullptr && loop_->OnLoopThread()) loop_->Remove(socket_->fd());
+  socket_->Close();
+  MutexLock lock(&mu_);
+  exited_.store(true, std::memory_order_release);
+  exited_cv_.SignalAll();
 }
 
 }  // namespace kvwire::transport

@@ -13,6 +13,7 @@ void GatherList::Clear() {
   iov_.clear();
   devices_.clear();
   staged_ = false;
+  sent_ = 0;
 }
 
 void GatherList::AddHeader(const std::byte* data, size_t length) {
@@ -39,6 +40,24 @@ absl::Status GatherList::Send(int fd, StagedSender& staging) {
         {static_cast<const std::byte*>(iov_[i].iov_base), iov_[i].iov_len, devices_[i]});
   }
   return staging.Send(fd, pieces_);
+}
+
+absl::StatusOr<bool> GatherList::SendSome(int fd) {
+  while (sent_ < iov_.size()) {
+    absl::StatusOr<size_t> n = transport::SendSome(fd, iov_.data() + sent_, iov_.size() - sent_);
+    if (!n.ok()) return n.status();
+    if (*n == 0) return false;
+    size_t left = *n;
+    while (sent_ < iov_.size() && left >= iov_[sent_].iov_len) {
+      left -= iov_[sent_].iov_len;
+      ++sent_;
+    }
+    if (left > 0) {
+      iov_[sent_].iov_base = static_cast<char*>(iov_[sent_].iov_base) + left;
+      iov_[sent_].iov_len -= left;
+    }
+  }
+  return true;
 }
 
 }  // namespace kvwire::transport

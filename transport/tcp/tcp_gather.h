@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 #include "transport/tcp/tcp_staging.h"
 
@@ -34,11 +35,19 @@ class GatherList {
   // when this returns, no copy reads the list's memory any more (also on error).
   absl::Status Send(int fd, StagedSender& staging);
 
+  // True when some payload lies in device memory (then only Send can send the list).
+  bool staged() const { return staged_; }
+  // Non-blocking send of a host-only list: sends what the socket takes, remembers where it
+  // stopped, and returns true once every byte is out (false: wait until it is writable and
+  // call again). The list's memory must stay valid until then.
+  absl::StatusOr<bool> SendSome(int fd);
+
  private:
   std::vector<iovec> iov_;
   std::vector<int> devices_;  // by iov_ entry: -1 for host memory
   std::vector<StagedSender::Piece> pieces_;
   bool staged_ = false;  // some entry is device memory
+  size_t sent_ = 0;      // SendSome: iov_ entries fully sent
 };
 
 }  // namespace kvwire::transport

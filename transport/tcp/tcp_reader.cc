@@ -69,6 +69,46 @@ absl::StatusOr<const std::byte*> HeaderReader::Next() {
   return header;
 }
 
+absl::StatusOr<const std::byte*> HeaderReader::TryNext() {
+  while (buffered() < header_bytes_) {
+    const size_t need = header_bytes_ - buffered();
+    Compact(std::max(need, ahead_));
+    const size_t want = std::min(std::max(need, ahead_), buffer_.size() - end_);
+    iovec iov{buffer_.data() + end_, want};
+    absl::StatusOr<size_t> n = RecvSome(fd_, &iov, 1, RecvMode::kNonBlocking);
+    if (!n.ok()) return n.status();
+    if (*n == 0) return nullptr;
+    end_ += *n;
+    ahead_ -= std::min(ahead_, *n);
+  }
+  const std::byte* header = buffer_.data() + begin_;
+  begin_ += header_bytes_;
+  return header;
+}
+
+absl::StatusOr<bool> HeaderReader::TryReadTrailing(std::byte* dest, size_t length, size_t* done) {
+  Compact(ahead_);
+  if (dest == nullptr && scratch_.empty()) scratch_.resize(kRecvPieceBytes);
+  while (*done < length) {
+    const size_t left = length - *done;
+    const size_t piece = std::min(left, kRecvPieceBytes);
+    std::byte* into = dest == nullptr ? scratch_.data() : dest + *done;
+    // Headers are read ahead only with the last piece (see ReadTrailing).
+    iovec iov[2] = {{into, piece}, {buffer_.data() + end_, 0}};
+    if (piece == left) iov[1].iov_len = std::min(ahead_, buffer_.size() - end_);
+    absl::StatusOr<size_t> n =
+        RecvSome(fd_, iov, iov[1].iov_len > 0 ? 2 : 1, RecvMode::kNonBlocking);
+    if (!n.ok()) return n.status();
+    if (*n == 0) return false;
+    const size_t into_dest = std::min(*n, piece);
+    *done += into_dest;
+    const size_t extra = *n - into_dest;
+    end_ += extra;
+    ahead_ -= extra;
+  }
+  return true;
+}
+
 absl::Status HeaderReader::Expect(uint64_t trailing, uint16_t follow) {
   const size_t promised = std::min<size_t>(follow, tcp_wire::kMaxFollow) * header_bytes_;
   if (trailing > 0) {

@@ -57,6 +57,16 @@ class HeaderReader {
   // Receives and drops the `length` trailing bytes (through a small scratch buffer).
   absl::Status DiscardTrailing(uint64_t length);
 
+  // The non-blocking forms, for connections on the I/O pool (tcp_io_pool.h); they never wait
+  // and keep their progress in the reader (and in `*done`), so that the caller returns to
+  // epoll when the socket runs dry and calls again when it is readable.
+  //
+  // Next() without waiting: the header, or nullptr when it is not all there yet.
+  absl::StatusOr<const std::byte*> TryNext();
+  // ReadTrailing without waiting: receives trailing bytes [*done, length) into `dest`
+  // (nullptr: received and dropped) and advances *done; true once all `length` are in.
+  absl::StatusOr<bool> TryReadTrailing(std::byte* dest, size_t length, size_t* done);
+
  private:
   // Flushes pending output before blocking; `wait_all` fills all of iov when it blocks.
   absl::StatusOr<size_t> Receive(iovec* iov, size_t count, bool wait_all);

@@ -76,9 +76,10 @@ struct TcpServer::HelloStage {
 };
 
 absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(const TcpTransportOptions& options,
-                                                            TargetHooks* hooks,
-                                                            GpuStaging staging) {
-  std::unique_ptr<TcpServer> server(new TcpServer(options, hooks, std::move(staging)));
+                                                            TargetHooks* hooks, GpuStaging staging,
+                                                            std::shared_ptr<IoPool> pool) {
+  std::unique_ptr<TcpServer> server(
+      new TcpServer(options, hooks, std::move(staging), std::move(pool)));
   if (absl::Status s = server->Listen(); !s.ok()) return s;
   server->Accept();
   server->Watch();
@@ -104,10 +105,12 @@ absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(const TcpTransportOp
   return server;
 }
 
-TcpServer::TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging)
+TcpServer::TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging,
+                     std::shared_ptr<IoPool> pool)
     : options_(options),
       hooks_(hooks),
       staging_(std::move(staging)),
+      pool_(std::move(pool)),
       acceptor_(io_),
       retry_timer_(io_),
       watchdog_(io_) {}
@@ -298,10 +301,9 @@ void TcpServer::Authenticate(const std::shared_ptr<HelloStage>& hello) {
     SendRefusal(fd, refused);
     return;
   }
-  // The connection's thread does blocking I/O on the descriptor from here on.
+  // The I/O pool runs the descriptor from here on (non-blocking).
   boost::system::error_code ec;
-  hello->socket.native_non_blocking(false, ec);
-  if (!ec) hello->socket.release(ec);
+  hello->socket.release(ec);
   if (ec) {
     KVW_LOG(kWarning, "tcp") << "cannot set up accepted connection" << Kv("remote", hello->remote)
                              << Kv("error", ec.message());
@@ -324,8 +326,8 @@ void TcpServer::Authenticate(const std::shared_ptr<HelloStage>& hello) {
                      options_.max_data_connections_per_peer, ") is reached"));
     counter = &refused_over_limit_;
   } else {
-    auto connection = std::make_unique<ServerConnection>(std::move(socket), hello->remote, *peer,
-                                                         hooks_, options_.max_op_bytes, staging_);
+    auto connection = std::make_shared<ServerConnection>(
+        std::move(socket), hello->remote, *peer, hooks_, options_.max_op_bytes, staging_, pool_);
     refused = connection->Start();
     if (refused.ok()) {
       connections_.push_back(std::move(connection));
@@ -368,7 +370,8 @@ void TcpServer::Watch() {
       MutexLock lock(&mu_);
       if (stopped_) return;
       Reap();
-      for (const std::unique_ptr<ServerConnection>& connection : connections_) {
+      for (const std::shared_ptr<ServerConnection>& connection : connections_) {
+        if (connection->LingerOver(now)) connection->Stop();
         const char* what = "";
         const absl::Duration busy = connection->BusyFor(now, &what);
         if (busy <= options_.io_timeout) continue;
@@ -390,7 +393,6 @@ void TcpServer::Watch() {
 void TcpServer::Reap() {
   for (size_t i = 0; i < connections_.size();) {
     if (connections_[i]->Exited()) {
-      connections_[i]->Join();
       connections_[i] = std::move(connections_.back());
       connections_.pop_back();
     } else {
@@ -401,7 +403,7 @@ void TcpServer::Reap() {
 
 size_t TcpServer::ConnectionsOf(PeerId peer) const {
   size_t n = 0;
-  for (const std::unique_ptr<ServerConnection>& connection : connections_) {
+  for (const std::shared_ptr<ServerConnection>& connection : connections_) {
     if (connection->peer() == peer && !connection->Exited()) ++n;
   }
   return n;
@@ -412,7 +414,7 @@ TcpListenerStats TcpServer::Stats() const {
   s.connections = pending_.load(std::memory_order_relaxed);
   {
     MutexLock lock(&mu_);
-    for (const std::unique_ptr<ServerConnection>& connection : connections_) {
+    for (const std::shared_ptr<ServerConnection>& connection : connections_) {
       if (!connection->Exited()) ++s.connections;
     }
   }
@@ -428,7 +430,7 @@ void TcpServer::DropPeer(PeerId peer) {
   MutexLock lock(&mu_);
   dropped_.Insert(peer);
   std::vector<ServerConnection*> stopping;
-  for (const std::unique_ptr<ServerConnection>& connection : connections_) {
+  for (const std::shared_ptr<ServerConnection>& connection : connections_) {
     if (connection->peer() == peer) {
       connection->Stop();
       stopping.push_back(connection.get());
@@ -436,8 +438,10 @@ void TcpServer::DropPeer(PeerId peer) {
   }
   // The engine reports the peer closed when this returns, and its owner may then reuse the
   // memory the peer was reading or writing: wait (bounded) until no connection of the peer
-  // is inside an access any more. Serving threads never need mu_, so waiting under it cannot
-  // deadlock.
+  // is inside an access any more. I/O threads never need mu_, so waiting under it cannot
+  // deadlock. On an I/O thread (a callback) there is no waiting: that thread may be the one
+  // the connection needs, and a stopped connection touches no memory on its next turn.
+  if (pool_->OnPoolThread()) return;
   const absl::Time deadline = absl::Now() + kDropPeerWait;
   for (ServerConnection* connection : stopping) {
     while (!connection->Exited() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
@@ -471,13 +475,13 @@ void TcpServer::Shutdown() {
   } else {
     close_all();
   }
-  std::vector<std::unique_ptr<ServerConnection>> connections;
+  std::vector<std::shared_ptr<ServerConnection>> connections;
   {
     MutexLock lock(&mu_);
     connections.swap(connections_);
   }
-  for (const std::unique_ptr<ServerConnection>& connection : connections) connection->Stop();
-  for (const std::unique_ptr<ServerConnection>& connection : connections) connection->Join();
+  for (const std::shared_ptr<ServerConnection>& connection : connections) connection->Stop();
+  for (const std::shared_ptr<ServerConnection>& connection : connections) connection->Join();
   KVW_LOG(kInfo, "tcp") << "server stopped" << Kv("endpoint", endpoint_);
 }
 

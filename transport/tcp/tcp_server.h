@@ -1,6 +1,7 @@
 // The target side of the tcp transport: an Asio acceptor on its own thread that also reads
-// every connection's hello (no thread per unauthenticated connection), and one
-// ServerConnection (one thread) per authenticated data connection.
+// every connection's hello (no thread per unauthenticated connection) and watches the
+// serving connections, and one ServerConnection per authenticated data connection, run by
+// the transport's I/O pool (tcp_io_pool.h).
 //
 // Limits (TcpTransportOptions): connections open in total, connections in the hello stage in
 // total and per remote address, authenticated connections per peer, an absolute deadline for
@@ -41,7 +42,7 @@ struct TcpListenerStats {
   uint64_t refused_over_limit = 0;  // refused by a connection limit (total, address, peer)
   uint64_t hello_refused = 0;       // bad hello or token not accepted
   uint64_t hello_timeouts = 0;      // hello stage not complete by its absolute deadline
-  uint64_t thread_failures = 0;     // no serving thread could be started: refused
+  uint64_t thread_failures = 0;     // the I/O threads had stopped: refused
   uint64_t stalled_dropped = 0;     // cut mid-op by io_timeout; the peer was dropped
 };
 
@@ -49,8 +50,10 @@ class TcpServer {
  public:
   // Listens on options.listen_host:listen_port and starts accepting.
   // Connections stage device memory with `staging` (its runtime is options.gpu_runtime).
+  // Connections run on `pool`.
   static absl::StatusOr<std::unique_ptr<TcpServer>> Start(const TcpTransportOptions& options,
-                                                          TargetHooks* hooks, GpuStaging staging);
+                                                          TargetHooks* hooks, GpuStaging staging,
+                                                          std::shared_ptr<IoPool> pool);
   ~TcpServer();  // Shutdown()
   TcpServer(const TcpServer&) = delete;
   TcpServer& operator=(const TcpServer&) = delete;
@@ -67,24 +70,27 @@ class TcpServer {
   // A connection in the hello stage; owned by its pending handlers, on the accept thread.
   struct HelloStage;
 
-  TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging);
+  TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, GpuStaging staging,
+            std::shared_ptr<IoPool> pool);
   absl::Status Listen();
   void Accept();
   void OnAccepted(boost::asio::ip::tcp::socket socket);
   void ReadToken(const std::shared_ptr<HelloStage>& hello);
-  // The token is in: serve the connection on a thread of its own, or refuse it.
+  // The token is in: serve the connection on the I/O pool, or refuse it.
   void Authenticate(const std::shared_ptr<HelloStage>& hello);
   // The hello stage of `hello` is over (whatever the outcome): it no longer counts as pending.
   void EndHelloStage(HelloStage& hello);
-  // Cuts serving connections stuck in one access for longer than io_timeout; reaps.
+  // Cuts serving connections stuck in one access for longer than io_timeout, ends those
+  // whose lingering after an error is over; reaps.
   void Watch();
-  // Joins and forgets connections whose thread has returned.
+  // Forgets connections that their I/O thread let go of.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t ConnectionsOf(PeerId peer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const TcpTransportOptions options_;
   TargetHooks* const hooks_;
   const GpuStaging staging_;
+  const std::shared_ptr<IoPool> pool_;
   std::string endpoint_;  // set by Listen, read-only after Start
 
   // Used only by the accept thread after Start (and by Shutdown once that thread is joined).
@@ -106,7 +112,7 @@ class TcpServer {
 
   mutable Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::unique_ptr<ServerConnection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<ServerConnection>> connections_ ABSL_GUARDED_BY(mu_);
   // Bounded: the engine revokes a peer's token before dropping it, so an old id is refused by
   // the token check already (peer ids are never reused).
   RecentSet<PeerId> dropped_ ABSL_GUARDED_BY(mu_){kClosedPeersRemembered};

@@ -4,8 +4,6 @@
 #include <array>
 #include <functional>
 #include <optional>
-#include <pthread.h>
-#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -29,6 +27,12 @@ constexpr uint64_t kLingerBytes = 256 << 20;
 // bytes (acked WRITE data or READ payload), or when the input runs dry.
 constexpr size_t kMaxResponses = 64;
 constexpr uint64_t kFlushBytes = 1 << 20;
+
+// One turn of a connection on its I/O thread moves at most about this much before the thread
+// serves the other connections (and comes back to this one).
+constexpr uint64_t kTurnBytes = 16 << 20;
+// How long Join waits for the I/O thread to let go of the connection.
+constexpr absl::Duration kJoinWait = absl::Seconds(60);
 
 int64_t SteadyNs(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -101,10 +105,46 @@ class ServerConnection::Responses final : public PendingOutput {
   }
   bool HasPending() const override { return count_ > 0; }
 
+  // The blocking flush (PendingOutput), for the paths that block the I/O thread anyway
+  // (device staging, error responses): returns once every response is sent.
   absl::Status Flush() override {
     if (count_ == 0) return absl::OkStatus();
     // The peer must take what is sent (and READ payloads stay pinned) until this returns.
     BusyScope busy(owner_, "sending responses");
+    if (absl::Status s = Prepare(); !s.ok()) return s;
+    // READ payloads on a device go through the staging buffers.
+    const absl::Status s = gather_.Send(fd_, staged_out_);
+    Finish();
+    return s;
+  }
+
+  // The non-blocking flush: sends what the socket takes now; true once everything is out
+  // (false: flushing() until ContinueFlush returns true). Device payloads are staged and
+  // sent at once (blocking).
+  absl::StatusOr<bool> StartFlush() {
+    if (count_ == 0) return true;
+    if (absl::Status s = Prepare(); !s.ok()) return s;
+    if (gather_.staged()) {
+      BusyScope busy(owner_, "sending responses");
+      const absl::Status s = gather_.Send(fd_, staged_out_);
+      Finish();
+      if (!s.ok()) return s;
+      return true;
+    }
+    flushing_ = true;
+    return ContinueFlush();
+  }
+  absl::StatusOr<bool> ContinueFlush() {
+    absl::StatusOr<bool> done = gather_.SendSome(fd_);
+    if (!done.ok() || *done) Finish();
+    return done;
+  }
+  bool flushing() const { return flushing_; }
+
+ private:
+  // Encodes the queued responses into the gather list (after the staged WRITEs they ack
+  // reached the device).
+  absl::Status Prepare() {
     if (staged_in_.has_work()) {
       // Acks (and arrival reports) of staged WRITEs only once their bytes are on the device.
       if (absl::Status s = staged_in_.Drain(); !s.ok()) return s;
@@ -122,20 +162,24 @@ class ServerConnection::Responses final : public PendingOutput {
       const Payload& p = payloads_[i];
       if (p.length > 0) gather_.AddPayload(p.data, p.length, p.device);
     }
-    // READ payloads on a device go through the staging buffers.
-    const absl::Status s = gather_.Send(fd_, staged_out_);
+    return absl::OkStatus();
+  }
+  // The responses are sent (or failed): the READ payloads are no longer read.
+  void Finish() {
     for (size_t i = 0; i < count_; ++i) pins_[i].reset();
     count_ = 0;
     bytes_ = 0;
     staged_bytes_ = 0;
-    return s;
+    flushing_ = false;
   }
 
+ public:
   // The connection ends: waits for the copies of staged WRITEs, then releases every pin.
   absl::Status Abandon() {
     absl::Status s = staged_in_.Abandon();
     for (size_t i = 0; i < count_; ++i) pins_[i].reset();
     count_ = 0;
+    flushing_ = false;
     staged_arrivals_.clear();
     return s;
   }
@@ -166,6 +210,7 @@ class ServerConnection::Responses final : public PendingOutput {
   std::vector<std::shared_ptr<const void>> pins_;
   GatherList gather_;
   size_t count_ = 0;
+  bool flushing_ = false;      // a non-blocking flush is under way (nothing may be added)
   uint64_t bytes_ = 0;         // host payload and acked host bytes
   uint64_t staged_bytes_ = 0;  // staged READ payload and staged acked bytes
   std::vector<TransferId> staged_arrivals_;
@@ -176,33 +221,64 @@ class ServerConnection::Responses final : public PendingOutput {
 };
 
 ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote, PeerId peer,
-                                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging)
+                                   TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging,
+                                   std::shared_ptr<IoPool> pool)
     : socket_(std::move(socket)),
       remote_(std::move(remote)),
       peer_(peer),
       hooks_(hooks),
       max_op_bytes_(max_op_bytes),
-      staging_(std::move(staging)) {}
+      staging_(std::move(staging)),
+      pool_(std::move(pool)),
+      context_(absl::StrCat("tcp data connection from ", remote_, " (peer ", peer_, ")")) {
+  responses_ = std::make_unique<Responses>(
+      this, socket_->fd(), staging_, [this](TransferId id) { hooks_->OnWriteArrived(peer_, id); });
+  reader_ = std::make_unique<HeaderReader>(socket_->fd(), wire::kRequestBytes, responses_.get());
+}
 
 ServerConnection::~ServerConnection() {
-  Stop();
-  Join();
+  // Only reached once no loop holds the connection (torn down there, never registered, or
+  // its loop stopped): nothing else runs its I/O-thread state now.
+  receiving_.reset();
+  responses_.reset();  // waits for staged copies, then releases the pins
+  socket_->Close();
 }
 
 absl::Status ServerConnection::Start() {
-  try {
-    thread_ = std::thread([this] { Run(); });
-  } catch (const std::system_error& e) {
-    // E.g. EAGAIN at the process's thread limit: this connection is refused, nothing else.
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot start a thread to serve the connection: ", e.what()));
+  if (absl::Status s = SetNonBlocking(socket_->fd(), true); !s.ok()) return s;
+  loop_ = pool_->Pick();
+  std::shared_ptr<ServerConnection> self = shared_from_this();
+  const bool queued = loop_->Run([self] {
+    if (absl::Status s = self->loop_->Add(self->socket_->fd(), self); !s.ok()) {
+      KVW_LOG(kWarning, "tcp") << "data connection lost before it was served"
+                               << Kv("remote", self->remote_) << Kv("peer", self->peer_)
+                               << Kv("error", s.message());
+      self->Release();
+      return;
+    }
+    self->Pump();
+  });
+  if (!queued) {
+    loop_ = nullptr;
+    return absl::UnavailableError("the tcp transport's I/O threads stopped");
   }
   return absl::OkStatus();
+}
+
+void ServerConnection::Schedule() {
+  {
+    MutexLock lock(&mu_);
+    if (scheduled_) return;
+    scheduled_ = true;
+  }
+  std::shared_ptr<ServerConnection> self = weak_from_this().lock();
+  if (self != nullptr && loop_ != nullptr) (void)loop_->Run([self] { self->Pump(); });
 }
 
 void ServerConnection::Stop() {
   stopped_.store(true, std::memory_order_release);
   socket_->Shutdown();
+  Schedule();
 }
 
 bool ServerConnection::Expire(std::string reason) {
@@ -212,11 +288,21 @@ bool ServerConnection::Expire(std::string reason) {
     expired_ = std::move(reason);
   }
   socket_->Shutdown();
+  Schedule();
   return true;
 }
 
 void ServerConnection::Join() {
-  if (thread_.joinable()) thread_.join();
+  if (loop_ == nullptr || Exited() || pool_->OnPoolThread()) return;
+  MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + kJoinWait;
+  while (!Exited()) {
+    if (!exited_cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
+      KVW_LOG(kError, "tcp") << "data connection not released by its I/O thread in time"
+                             << Kv("remote", remote_) << Kv("peer", peer_);
+      return;
+    }
+  }
 }
 
 absl::Duration ServerConnection::BusyFor(std::chrono::steady_clock::time_point now,
@@ -227,26 +313,80 @@ absl::Duration ServerConnection::BusyFor(std::chrono::steady_clock::time_point n
   return absl::Nanoseconds(std::max<int64_t>(0, SteadyNs(now) - since));
 }
 
-void ServerConnection::Run() {
-  pthread_setname_np(pthread_self(), "kvw-tcp-serve");
+bool ServerConnection::LingerOver(std::chrono::steady_clock::time_point now) const {
+  const int64_t until = linger_until_ns_.load(std::memory_order_acquire);
+  return until != 0 && SteadyNs(now) >= until;
+}
+
+void ServerConnection::UpdateBusy(const char* what) {
+  const bool busy = receiving_ != nullptr || responses_->flushing();
+  if (!busy) {
+    busy_since_ns_.store(0, std::memory_order_release);
+  } else if (busy_since_ns_.load(std::memory_order_relaxed) == 0) {
+    busy_what_.store(what, std::memory_order_relaxed);
+    // At least 1: 0 means "not busy".
+    busy_since_ns_.store(std::max<int64_t>(1, SteadyNs(std::chrono::steady_clock::now())),
+                         std::memory_order_release);
+  }
+}
+
+void ServerConnection::OnIo(uint32_t /*events*/) { Pump(); }
+
+absl::Status ServerConnection::SendHelloReply() {
   wire::HelloReply reply;
   reply.code = 0;
   reply.max_op_bytes = max_op_bytes_;
   std::array<std::byte, wire::kHelloReplyBytes> out;
   wire::EncodeHelloReply(reply, out.data());
-  absl::Status sent;
+  // 24 bytes into a fresh socket: they fit at once.
+  BusyScope busy(this, "sending the hello reply");
+  return SendAll(socket_->fd(), out.data(), out.size());
+}
+
+void ServerConnection::Pump() {
+  // Release lets go of the loop's reference; this one keeps the connection until the end.
+  const std::shared_ptr<ServerConnection> self = shared_from_this();
   {
-    BusyScope busy(this, "sending the hello reply");
-    sent = SendAll(socket_->fd(), out.data(), out.size());
+    MutexLock lock(&mu_);
+    scheduled_ = false;
   }
-  if (sent.ok()) {
-    Serve();
-  } else {
-    KVW_LOG(kWarning, "tcp") << "data connection lost before it was served" << Kv("remote", remote_)
-                             << Kv("peer", peer_) << Kv("error", sent.message());
+  if (released_) return;
+  bool expired = false;
+  {
+    MutexLock lock(&mu_);
+    expired = !expired_.empty();
   }
-  socket_->Close();
-  exited_.store(true, std::memory_order_release);
+  if (stopped_.load(std::memory_order_acquire) || expired) {
+    // Whatever is half done stays so: the memory is let go of now.
+    EndServing(absl::CancelledError(expired ? "cut" : "stopped"));
+    return;
+  }
+  if (lingering_) {
+    DrainLinger();
+    return;
+  }
+  if (!hello_sent_) {
+    hello_sent_ = true;
+    if (absl::Status s = SendHelloReply(); !s.ok()) {
+      KVW_LOG(kWarning, "tcp") << "data connection lost before it was served"
+                               << Kv("remote", remote_) << Kv("peer", peer_)
+                               << Kv("error", s.message());
+      Release();
+      return;
+    }
+  }
+  bool more = false;
+  bool refused = false;
+  const absl::Status io = Serve(&more, &refused);
+  if (refused) {
+    DrainLinger();
+    return;
+  }
+  if (!io.ok()) {
+    EndServing(io);
+    return;
+  }
+  if (more) Schedule();
 }
 
 // One op the peer sent, validated and resolved to the engine's memory (`access` pins it).
@@ -258,87 +398,108 @@ struct ServerConnection::IncomingOp {
   bool count = false;   // a WRITE the engine counts as arrived
 };
 
-void ServerConnection::Serve() {
-  const PeerId peer = peer_;
-  const int fd = socket_->fd();
-  Responses responses(this, fd, staging_,
-                      [this, peer](TransferId id) { hooks_->OnWriteArrived(peer, id); });
-  HeaderReader reader(fd, wire::kRequestBytes, &responses);
-  const std::string context =
-      absl::StrCat("tcp data connection from ", remote_, " (peer ", peer, ")");
-  uint64_t expected_seq = 0;
-  absl::Status io;  // why the stream ended, when it did by itself
-
-  while (true) {
-    absl::StatusOr<const std::byte*> raw = reader.Next();
-    if (!raw.ok()) {
-      io = raw.status();
-      break;
-    }
-    std::optional<IncomingOp> op = AcceptOp(*raw, expected_seq, reader, responses, context);
-    if (!op.has_value()) return;  // refused: the error was answered and reported
-    if (absl::Status s = ServeOp(*op, reader, responses); !s.ok()) {
-      io = s;
-      break;
-    }
-    if (responses.Full()) {
-      if (absl::Status s = responses.Flush(); !s.ok()) {
-        io = s;
-        break;
-      }
-    }
-  }
-  EndServing(responses, io, context);
+absl::Status ServerConnection::StartFlush() {
+  absl::StatusOr<bool> done = responses_->StartFlush();
+  UpdateBusy("sending responses");
+  return done.status();
 }
 
-std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std::byte* raw,
-                                                                       uint64_t& expected_seq,
-                                                                       HeaderReader& reader,
-                                                                       Responses& responses,
-                                                                       const std::string& context) {
+absl::Status ServerConnection::Serve(bool* more, bool* refused) {
+  uint64_t moved = 0;
+  while (true) {
+    if (responses_->flushing()) {
+      absl::StatusOr<bool> done = responses_->ContinueFlush();
+      UpdateBusy("sending responses");
+      if (!done.ok()) return done.status();
+      if (!*done) return absl::OkStatus();  // the socket is full: EPOLLOUT brings us back
+    }
+    if (moved >= kTurnBytes) {
+      *more = true;
+      return absl::OkStatus();
+    }
+    if (receiving_ != nullptr) {
+      // A WRITE's payload, straight into the engine's memory (`access` pins it meanwhile).
+      IncomingOp& op = *receiving_;
+      const size_t before = received_;
+      absl::StatusOr<bool> done =
+          reader_->TryReadTrailing(op.access.data, op.header.length, &received_);
+      if (!done.ok()) return done.status();
+      moved += received_ - before;
+      if (!*done) {
+        // Only wait for more input after the queued responses are on their way: the peer
+        // may be waiting for them.
+        return responses_->HasPending() ? StartFlush() : absl::OkStatus();
+      }
+      const wire::RequestHeader h = op.header;
+      const bool count = op.count;
+      std::unique_ptr<IncomingOp> finished = std::move(receiving_);
+      UpdateBusy("");
+      if (count) hooks_->OnWriteArrived(peer_, h.transfer_id);
+      responses_->AddAck(h.sequence, h.length);
+      finished.reset();  // the pin: the memory is written
+    } else {
+      absl::StatusOr<const std::byte*> raw = reader_->TryNext();
+      if (!raw.ok()) return raw.status();
+      if (*raw == nullptr) return responses_->HasPending() ? StartFlush() : absl::OkStatus();
+      moved += wire::kRequestBytes;
+      std::optional<IncomingOp> op = AcceptOp(*raw);
+      if (!op.has_value()) {
+        *refused = true;  // the error was answered and reported
+        return absl::OkStatus();
+      }
+      if (absl::Status s = ServeOp(*op); !s.ok()) return s;
+    }
+    if (responses_->Full()) {
+      if (absl::Status s = StartFlush(); !s.ok()) return s;
+    }
+  }
+}
+
+std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std::byte* raw) {
   IncomingOp op;
   wire::RequestHeader& h = op.header;
   if (absl::Status s = wire::DecodeRequest(raw, max_op_bytes_, &h); !s.ok()) {
-    RefuseOp(responses, wire::kNoSequence,
-             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+    RefuseOp(wire::kNoSequence,
+             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context_);
     return std::nullopt;
   }
-  if (h.sequence != expected_seq) {
-    RefuseOp(responses, wire::kNoSequence,
+  if (h.sequence != expected_seq_) {
+    RefuseOp(wire::kNoSequence,
              absl::InvalidArgumentError(absl::StrCat("protocol error: op sequence ", h.sequence,
-                                                     ", expected ", expected_seq)),
-             context);
+                                                     ", expected ", expected_seq_)),
+             context_);
     return std::nullopt;
   }
-  ++expected_seq;
+  ++expected_seq_;
   op.write = h.kind == wire::kKindWrite;
+  // The target's access check: every op, before any of its bytes touch memory.
   absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
       peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead);
   if (!access.ok()) {
-    RefuseOp(responses, h.sequence, access.status(),
-             absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+    RefuseOp(h.sequence, access.status(),
+             absl::StrCat(context_, ": op ", h.op_index, " of transfer ", h.transfer_id));
     return std::nullopt;
   }
   if (access->data == nullptr && h.length > 0) {
     RefuseOp(
-        responses, h.sequence,
+        h.sequence,
         absl::InternalError(absl::StrCat("remote region ", h.region, " resolved to no memory")),
-        absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+        absl::StrCat(context_, ": op ", h.op_index, " of transfer ", h.transfer_id));
     return std::nullopt;
   }
-  if (absl::Status s = reader.Expect(op.write ? h.length : 0, h.follow); !s.ok()) {
-    RefuseOp(responses, wire::kNoSequence,
-             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context);
+  if (absl::Status s = reader_->Expect(op.write ? h.length : 0, h.follow); !s.ok()) {
+    RefuseOp(wire::kNoSequence,
+             absl::InvalidArgumentError(absl::StrCat("protocol error: ", s.message())), context_);
     return std::nullopt;
   }
   op.staged = access->gpu_device >= 0 && h.length > 0;
   if (op.staged && staging_.runtime == nullptr) {
     RefuseOp(
-        responses, h.sequence,
+        h.sequence,
         absl::FailedPreconditionError(absl::StrCat("remote region ", h.region,
                                                    " is GPU memory and this tcp target has no GPU "
                                                    "runtime")),
-        absl::StrCat(context, ": op ", h.op_index, " of transfer ", h.transfer_id));
+        absl::StrCat(context_, ": op ", h.op_index, " of transfer ", h.transfer_id));
     return std::nullopt;
   }
   op.count = (h.flags & wire::kFlagCountArrivals) != 0;
@@ -346,80 +507,70 @@ std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std
   return op;
 }
 
-absl::Status ServerConnection::ServeOp(IncomingOp& op, HeaderReader& reader, Responses& responses) {
+absl::Status ServerConnection::ServeOp(IncomingOp& op) {
   const wire::RequestHeader& h = op.header;
   if (!op.write) {
     // The payload goes out with the responses (staged there when on a device), pinned until.
-    responses.AddRead(h.sequence, op.access.data, h.length, op.staged ? op.access.gpu_device : -1,
-                      std::move(op.access.pin));
+    responses_->AddRead(h.sequence, op.access.data, h.length, op.staged ? op.access.gpu_device : -1,
+                        std::move(op.access.pin));
     return absl::OkStatus();
   }
-  return op.staged ? ReceiveStagedWrite(op, reader, responses)
-                   : ReceiveWrite(op, reader, responses);
-}
-
-absl::Status ServerConnection::ReceiveWrite(IncomingOp& op, HeaderReader& reader,
-                                            Responses& responses) {
-  const wire::RequestHeader& h = op.header;
-  // Straight into the engine's memory; `access` pins it meanwhile.
-  absl::Status s;
-  {
-    BusyScope busy(this, "receiving a WRITE payload");
-    s = reader.ReadTrailing(op.access.data, h.length);
-  }
-  if (!s.ok()) return s;
-  if (op.count) hooks_->OnWriteArrived(peer_, h.transfer_id);
-  responses.AddAck(h.sequence, h.length);
+  if (op.staged) return ReceiveStagedWrite(op);
+  receiving_ = std::make_unique<IncomingOp>(std::move(op));
+  received_ = 0;
+  UpdateBusy("receiving a WRITE payload");
   return absl::OkStatus();
 }
 
-absl::Status ServerConnection::ReceiveStagedWrite(IncomingOp& op, HeaderReader& reader,
-                                                  Responses& responses) {
+absl::Status ServerConnection::ReceiveStagedWrite(IncomingOp& op) {
   const wire::RequestHeader& h = op.header;
   // Through the staging buffers; acked (and counted) once on the device, pinned until then.
   absl::Status s;
   {
     BusyScope busy(this, "receiving a WRITE payload");
-    s = responses.staged_in().Receive(reader, op.access.gpu_device, op.access.data, h.length,
-                                      nullptr);
+    s = responses_->staged_in().Receive(*reader_, op.access.gpu_device, op.access.data, h.length,
+                                        nullptr);
   }
   if (!s.ok()) return s;
-  responses.AddStagedAck(h.sequence, h.length, op.count, h.transfer_id, std::move(op.access.pin));
+  responses_->AddStagedAck(h.sequence, h.length, op.count, h.transfer_id, std::move(op.access.pin));
   return absl::OkStatus();
 }
 
-void ServerConnection::EndServing(Responses& responses, const absl::Status& io,
-                                  const std::string& context) {
-  if (absl::Status s = responses.Abandon(); !s.ok()) {
+void ServerConnection::EndServing(const absl::Status& io) {
+  receiving_.reset();
+  if (absl::Status s = responses_->Abandon(); !s.ok()) {
     KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("remote", remote_)
                            << Kv("error", s.message());
   }
+  busy_since_ns_.store(0, std::memory_order_release);
   std::string expired;
   {
     MutexLock lock(&mu_);
     expired = expired_;
   }
+  const bool stopped = stopped_.load(std::memory_order_acquire);
+  // Every pin is released by now: the socket may go, and the engine may drop the peer.
+  Release();
   if (!expired.empty()) {
-    // Every pin is released by now; the engine drops the peer and tells it why.
     const absl::Status report =
-        absl::DeadlineExceededError(absl::StrCat(context, " dropped: ", expired));
+        absl::DeadlineExceededError(absl::StrCat(context_, " dropped: ", expired));
     KVW_LOG(kWarning, "tcp") << "stalled data connection cut" << Kv("peer", peer_)
                              << Kv("error", report.message());
-    if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer_, report);
+    if (!stopped) hooks_->OnPeerError(peer_, report);
     return;
   }
   KVW_LOG(kInfo, "tcp") << "data connection ended" << Kv("remote", remote_) << Kv("peer", peer_)
-                        << Kv("reason", io.message())
-                        << Kv("stopped", stopped_.load(std::memory_order_acquire));
+                        << Kv("reason", io.message()) << Kv("stopped", stopped);
 }
 
-void ServerConnection::RefuseOp(Responses& responses, uint64_t sequence, const absl::Status& error,
+void ServerConnection::RefuseOp(uint64_t sequence, const absl::Status& error,
                                 const std::string& context) {
   const absl::Status report(error.code(), absl::StrCat(context, ": ", error.message()));
   KVW_LOG(kWarning, "tcp") << "refusing op stream" << Kv("peer", peer_)
                            << Kv("error", report.message());
-  // Earlier ops succeeded: their responses go first, in order.
-  absl::Status sent = responses.Flush();
+  // Earlier ops succeeded: their responses go first, in order. Both sends are small or
+  // bounded by the watchdog (io_timeout), which shuts the socket down.
+  absl::Status sent = responses_->Flush();
   if (sent.ok()) {
     std::string message(error.message());
     message.resize(std::min<size_t>(message.size(), wire::kMaxMessageBytes));
@@ -430,26 +581,48 @@ void ServerConnection::RefuseOp(Responses& responses, uint64_t sequence, const a
     std::array<std::byte, wire::kResponseBytes> out;
     wire::EncodeResponse(h, out.data());
     iovec iov[2] = {{out.data(), out.size()}, {message.data(), message.size()}};
+    BusyScope busy(this, "sending an error response");
     sent = SendAll(socket_->fd(), iov, 2);
   }
+  (void)responses_->Abandon();
   if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer_, report);
-  if (sent.ok()) Linger();
+  if (!sent.ok()) {
+    Release();
+    return;
+  }
+  // Stop sending, and discard input for a moment so that closing does not reset the
+  // connection before the peer read the error (the server's watchdog ends the moment).
+  socket_->ShutdownWrite();
+  lingering_ = true;
+  linger_until_ns_.store(
+      SteadyNs(std::chrono::steady_clock::now()) + absl::ToInt64Nanoseconds(kLingerTime),
+      std::memory_order_release);
 }
 
-void ServerConnection::Linger() {
-  socket_->ShutdownWrite();
-  const int fd = socket_->fd();
-  const absl::Time until = absl::Now() + kLingerTime;
-  std::vector<std::byte> sink(64 << 10);
-  uint64_t drained = 0;
-  while (drained < kLingerBytes && !stopped_.load(std::memory_order_acquire)) {
-    const absl::Duration left = until - absl::Now();
-    if (left <= absl::ZeroDuration() || !SetIoTimeout(fd, left).ok()) break;
+void ServerConnection::DrainLinger() {
+  std::array<std::byte, 16 << 10> sink;
+  while (lingered_bytes_ < kLingerBytes) {
     iovec iov{sink.data(), sink.size()};
-    absl::StatusOr<size_t> n = RecvSome(fd, &iov, 1, RecvMode::kSome);
-    if (!n.ok()) break;  // end of stream (the peer read the error and closed), or timeout
-    drained += *n;
+    absl::StatusOr<size_t> n = RecvSome(socket_->fd(), &iov, 1, RecvMode::kNonBlocking);
+    if (!n.ok()) break;   // end of stream (the peer read the error and closed), or an error
+    if (*n == 0) return;  // more later (or the watchdog ends it)
+    lingered_bytes_ += *n;
   }
+  Release();
+}
+
+void ServerConnection::Release() {
+  if (released_) return;
+  released_ = true;
+  receiving_.reset();
+  (void)responses_->Abandon();
+  busy_since_ns_.store(0, std::memory_order_release);
+  linger_until_ns_.store(0, std::memory_order_release);
+  if (loop_ != nullptr && loop_->OnLoopThread()) loop_->Remove(socket_->fd());
+  socket_->Close();
+  MutexLock lock(&mu_);
+  exited_.store(true, std::memory_order_release);
+  exited_cv_.SignalAll();
 }
 
 }  // namespace kvwire::transport

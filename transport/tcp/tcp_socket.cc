@@ -9,6 +9,8 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <boost/asio/connect.hpp>
@@ -38,6 +40,45 @@ void Socket::Close() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+
+bool IsNonBlocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  return flags >= 0 && (flags & O_NONBLOCK) != 0;
+}
+
+bool WaitFor(int fd, short events) {
+  pollfd entry{fd, events, 0};
+  while (true) {
+    const int n = ::poll(&entry, 1, -1);
+    if (n >= 0) return true;  // ready, or an error/hang-up the next call reports
+    if (errno != EINTR) return false;
+  }
+}
+
+}  // namespace
+
+absl::Status SetNonBlocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) != 0) {
+    return absl::InternalError(absl::StrCat("fcntl(O_NONBLOCK): ", ErrnoText(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> SendSome(int fd, iovec* iov, size_t count) {
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = std::min<size_t>(count, IOV_MAX);
+  while (true) {
+    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) return static_cast<size_t>(n);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    return absl::UnavailableError(ErrnoText(errno));
+  }
+}
+
 std::string ErrnoText(int err) {
   if (err == 0) return "connection closed by peer";
   char buf[128];
@@ -53,7 +94,12 @@ absl::Status SendAll(int fd, iovec* iov, size_t count) {
     const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::DeadlineExceededError("timed out");
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        // A non-blocking socket (an I/O-pool connection on a path that blocks its thread, e.g.
+        // device staging): wait until it drains. Shutdown() of the socket ends the wait.
+        if (IsNonBlocking(fd) && WaitFor(fd, POLLOUT)) continue;
+        return absl::DeadlineExceededError("timed out");
+      }
       return absl::UnavailableError(ErrnoText(errno));
     }
     size_t sent = static_cast<size_t>(n);
@@ -89,6 +135,8 @@ absl::StatusOr<size_t> RecvSome(int fd, iovec* iov, size_t count, RecvMode mode)
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       if (mode == RecvMode::kNonBlocking) return 0;
+      // See SendAll: a non-blocking socket on a path that blocks its thread.
+      if (IsNonBlocking(fd) && WaitFor(fd, POLLIN)) continue;
       return absl::DeadlineExceededError("timed out");
     }
     return absl::UnavailableError(ErrnoText(errno));

@@ -48,8 +48,17 @@ class Socket {
 // "Connection reset by peer", "connection closed by peer", ... for error messages.
 std::string ErrnoText(int err);
 
+// O_NONBLOCK on or off.
+absl::Status SetNonBlocking(int fd, bool on);
+
+// One sendmsg(2) of iov[0..count) that never blocks: the bytes sent (0 when the socket buffer
+// is full). Errors: Unavailable with the errno text.
+absl::StatusOr<size_t> SendSome(int fd, iovec* iov, size_t count);
+
 // Sends every byte described by iov[0..count). The array is consumed: entries are advanced in
-// place across partial sends. Errors: Unavailable with the errno text.
+// place across partial sends. On a non-blocking socket it waits (poll) for room; on a
+// blocking one with SO_SNDTIMEO, the timeout is DeadlineExceeded. Errors: Unavailable with
+// the errno text.
 absl::Status SendAll(int fd, iovec* iov, size_t count);
 absl::Status SendAll(int fd, const void* data, size_t length);
 
@@ -58,7 +67,8 @@ enum class RecvMode {
   kNonBlocking,  // return 0 when nothing is there
   kWaitAll,      // block until all of iov is filled (MSG_WAITALL; fewer wake-ups), or error
 };
-// One recvmsg(2) into iov[0..count). Returns the bytes read (> 0; possibly fewer than asked
+// One recvmsg(2) into iov[0..count) (kSome and kWaitAll wait with poll on a non-blocking
+// socket). Returns the bytes read (> 0; possibly fewer than asked
 // even with kWaitAll, e.g. on a signal), or 0 with kNonBlocking when nothing is there yet.
 // Errors: Unavailable "connection closed by peer" at end of stream or the errno text;
 // DeadlineExceeded when a receive timeout (SetIoTimeout) expired.

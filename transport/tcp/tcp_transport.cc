@@ -15,6 +15,7 @@
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_channel.h"
 #include "transport/tcp/tcp_client_connection.h"
+#include "transport/tcp/tcp_io_pool.h"
 #include "transport/tcp/tcp_server.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_staging.h"
@@ -24,9 +25,12 @@ namespace {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(const TcpTransportOptions& options, GpuStaging staging,
+  TcpTransport(const TcpTransportOptions& options, GpuStaging staging, std::shared_ptr<IoPool> pool,
                std::unique_ptr<TcpServer> server)
-      : options_(options), staging_(std::move(staging)), server_(std::move(server)) {
+      : options_(options),
+        staging_(std::move(staging)),
+        pool_(std::move(pool)),
+        server_(std::move(server)) {
     caps_.name = "tcp";
     caps_.rank = 30;  // kernel sockets: reaches any peer, costs the most
     // The target validates and serves every op itself (TargetHooks::ResolveIncoming).
@@ -90,7 +94,7 @@ class TcpTransport final : public Transport {
     std::vector<std::shared_ptr<ClientConnection>> connections;
     for (uint32_t lane = 0; lane < link.lanes; ++lane) {
       absl::StatusOr<std::shared_ptr<ClientConnection>> connection =
-          OpenLane(link, lane, options_.socket_buffer_bytes, staging_);
+          OpenLane(link, lane, options_.socket_buffer_bytes, staging_, pool_);
       if (!connection.ok()) {
         for (const auto& c : connections) c->Close(connection.status());
         for (const auto& c : connections) c->Join();
@@ -141,15 +145,18 @@ class TcpTransport final : public Transport {
     for (const auto& c : clients) c->Close(down);
     for (const auto& c : clients) {
       if (!c->Join()) {
-        KVW_LOG(kError, "tcp") << "Shutdown called on a connection thread; cannot join it"
+        KVW_LOG(kError, "tcp") << "Shutdown called on a tcp I/O thread; cannot join it"
                                << Kv("endpoint", c->endpoint());
       }
     }
+    // Every connection let go of its I/O thread (or Shutdown runs on one of them): the
+    // threads end here.
+    pool_->Stop();
   }
 
  private:
-  // Forgets client connections whose threads have returned (closed channels), joining them
-  // here when their channel could not (it was destroyed on one of their threads).
+  // Forgets client connections that their I/O thread let go of (closed channels), which
+  // their channel could not join (it was destroyed on an I/O thread).
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (size_t i = 0; i < clients_.size();) {
       if (clients_[i]->Exited() && clients_[i]->Join()) {
@@ -165,6 +172,8 @@ class TcpTransport final : public Transport {
   // Shared with every connection (which may outlive a channel, never the counter).
   const GpuStaging staging_;
   Capabilities caps_;
+  // The I/O threads of every data connection, both directions (tcp_io_pool.h).
+  const std::shared_ptr<IoPool> pool_;
   const std::unique_ptr<TcpServer> server_;
 
   Mutex mu_;
@@ -196,9 +205,17 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   GpuStaging staging;
   staging.runtime = options.gpu_runtime;
   staging.staged_bytes = std::make_shared<std::atomic<uint64_t>>(0);
-  absl::StatusOr<std::unique_ptr<TcpServer>> server = TcpServer::Start(options, hooks, staging);
-  if (!server.ok()) return server.status();
-  return std::make_unique<TcpTransport>(options, std::move(staging), *std::move(server));
+  const uint32_t threads = options.io_threads > 0 ? options.io_threads : IoPool::DefaultThreads();
+  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(threads);
+  if (!pool.ok()) return pool.status();
+  absl::StatusOr<std::unique_ptr<TcpServer>> server =
+      TcpServer::Start(options, hooks, staging, *pool);
+  if (!server.ok()) {
+    (*pool)->Stop();
+    return server.status();
+  }
+  return std::make_unique<TcpTransport>(options, std::move(staging), *std::move(pool),
+                                        *std::move(server));
 }
 
 std::vector<TransportStat> TcpTransportStats() {

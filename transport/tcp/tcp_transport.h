@@ -1,9 +1,10 @@
 // tcp transport: one-sided READ/WRITE emulated over plain TCP sockets: every data connection is
-// a blocking socket served by its own thread with scatter/gather sendmsg/recvmsg (tcp_socket.h,
-// tcp_client_connection.h, tcp_server_connection.h); Boost.Asio only accepts and dials them and
-// reads the hello of unauthenticated ones (tcp_server.h). The target validates every op
-// (TargetHooks::ResolveIncoming) before touching memory. With a GPU runtime, ops on device
-// memory (either side) are staged through pinned host buffers.
+// a non-blocking socket run by one of a fixed set of I/O threads (epoll, tcp_io_pool.h) with
+// scatter/gather sendmsg/recvmsg (tcp_client_connection.h, tcp_server_connection.h), so the
+// transport's threads do not grow with its peers; Boost.Asio only accepts and dials the
+// connections and reads the hello of unauthenticated ones, on one more thread (tcp_server.h). The
+// target validates every op (TargetHooks::ResolveIncoming) before touching memory. With a GPU
+// runtime, ops on device memory (either side) are staged through pinned host buffers.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_TRANSPORT_H_
 
@@ -27,6 +28,9 @@ struct TcpTransportOptions {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;
   uint32_t max_lanes = 16;
+  // I/O threads that run every data connection, both directions (EngineOptions::
+  // tcp_io_threads); 0 = IoPool::DefaultThreads() (1 per 8 cores, 1..4).
+  uint32_t io_threads = 0;
   // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
   // max_lanes): EngineOptions::tcp_connections.
   uint32_t connections_per_peer = 4;
@@ -43,7 +47,7 @@ struct TcpTransportOptions {
   // Connections in the hello stage (no accepted token yet), in total and per remote address.
   uint32_t max_pending_hellos = 128;
   uint32_t max_pending_hellos_per_address = 32;
-  // Authenticated connections (one serving thread each) of one peer.
+  // Authenticated connections of one peer.
   uint32_t max_data_connections_per_peer = 64;
   // Absolute deadline for the whole hello stage (hello header and token) of a connection.
   absl::Duration hello_timeout = absl::Seconds(10);

@@ -1,0 +1,209 @@
+#include "transport/tcp/tcp_io_pool.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <exception>
+#include <pthread.h>
+#include <system_error>
+#include <unistd.h>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#include "src/util/log.h"
+#include "transport/tcp/tcp_socket.h"
+
+namespace kvwire::transport {
+namespace {
+
+// epoll_data of the eventfd; descriptors are >= 0.
+constexpr uint64_t kWakeTag = ~uint64_t{0};
+
+}  // namespace
+
+IoLoop::~IoLoop() {
+  Stop();
+  if (thread_.joinable()) {
+    // Destroyed by its own thread (a transport destroyed inside one of its callbacks).
+    KVW_LOG(kError, "tcp") << "I/O loop destroyed on its own thread; detaching it";
+    thread_.detach();
+  }
+  if (epfd_ >= 0) ::close(epfd_);
+  if (eventfd_ >= 0) ::close(eventfd_);
+}
+
+absl::Status IoLoop::Start(const std::string& name) {
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) return absl::InternalError(absl::StrCat("epoll_create1: ", ErrnoText(errno)));
+  eventfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (eventfd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", ErrnoText(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeTag;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, eventfd_, &ev) != 0) {
+    return absl::InternalError(absl::StrCat("epoll_ctl(eventfd): ", ErrnoText(errno)));
+  }
+  try {
+    thread_ = std::thread([this, name] {
+      pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+      Loop();
+    });
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot start tcp I/O thread: ", e.what()));
+  }
+  thread_id_.store(thread_.get_id());
+  return absl::OkStatus();
+}
+
+void IoLoop::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    if (!thread_.joinable()) stopped_ = true;  // never started: refuse tasks from now on
+  }
+  const uint64_t one = 1;
+  if (eventfd_ >= 0) (void)!::write(eventfd_, &one, sizeof(one));
+  if (OnLoopThread()) return;  // the thread returns after the current dispatch
+  MutexLock lock(&join_mu_);
+  if (thread_.joinable()) thread_.join();
+  handlers_.clear();  // the thread is gone: nobody else touches it
+}
+
+bool IoLoop::Run(std::function<void()> task) {
+  bool wake = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return false;
+    wake = tasks_.empty();
+    tasks_.push_back(std::move(task));
+  }
+  if (wake) {
+    const uint64_t one = 1;
+    // EAGAIN only when the counter is about to overflow: the loop is awake anyway.
+    (void)!::write(eventfd_, &one, sizeof(one));
+  }
+  return true;
+}
+
+absl::Status IoLoop::Add(int fd, std::shared_ptr<IoHandler> handler) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.data.u64 = static_cast<uint64_t>(fd);
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    return absl::InternalError(absl::StrCat("epoll_ctl(ADD): ", ErrnoText(errno)));
+  }
+  handlers_[fd] = std::move(handler);
+  return absl::OkStatus();
+}
+
+void IoLoop::Remove(int fd) {
+  (void)::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  // Released after the current dispatch: the handler may be the one running now.
+  auto it = handlers_.find(fd);
+  if (it == handlers_.end()) return;
+  std::shared_ptr<IoHandler> handler = std::move(it->second);
+  handlers_.erase(it);
+  MutexLock lock(&mu_);
+  tasks_.push_back([h = std::move(handler)] {});
+  const uint64_t one = 1;
+  (void)!::write(eventfd_, &one, sizeof(one));
+}
+
+void IoLoop::RunTasks() {
+  std::vector<std::function<void()>> tasks;
+  {
+    MutexLock lock(&mu_);
+    tasks.swap(tasks_);
+  }
+  for (std::function<void()>& task : tasks) {
+    try {
+      task();
+    } catch (const std::exception& e) {
+      KVW_LOG(kError, "tcp") << "I/O task failed" << Kv("error", e.what());
+    }
+    task = nullptr;  // what it captured goes here, on this thread
+  }
+}
+
+void IoLoop::Loop() {
+  std::array<epoll_event, 64> events;
+  while (true) {
+    const int n = ::epoll_wait(epfd_, events.data(), static_cast<int>(events.size()), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      KVW_LOG(kError, "tcp") << "epoll_wait failed; I/O thread ends"
+                             << Kv("error", ErrnoText(errno));
+      break;
+    }
+    bool wake = false;
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 == kWakeTag) {
+        wake = true;
+        continue;
+      }
+      // Looked up per event: an earlier handler of this batch may have removed it.
+      auto it = handlers_.find(static_cast<int>(events[i].data.u64));
+      if (it == handlers_.end()) continue;
+      const std::shared_ptr<IoHandler> handler = it->second;
+      try {
+        handler->OnIo(events[i].events);
+      } catch (const std::exception& e) {
+        KVW_LOG(kError, "tcp") << "I/O handler failed" << Kv("error", e.what());
+      }
+    }
+    if (wake) {
+      uint64_t count = 0;
+      (void)!::read(eventfd_, &count, sizeof(count));
+    }
+    RunTasks();
+    MutexLock lock(&mu_);
+    if (stopping_ && tasks_.empty()) {
+      stopped_ = true;
+      break;
+    }
+  }
+  // Tasks queued between the last run and stopped_: run them so that nothing is lost.
+  RunTasks();
+  MutexLock lock(&mu_);
+  stopped_ = true;
+}
+
+absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads) {
+  auto pool = std::make_shared<IoPool>();
+  threads = std::max<uint32_t>(1, threads);
+  for (uint32_t i = 0; i < threads; ++i) {
+    auto loop = std::make_unique<IoLoop>();
+    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i)); !s.ok()) {
+      pool->Stop();
+      return s;
+    }
+    pool->loops_.push_back(std::move(loop));
+  }
+  return pool;
+}
+
+uint32_t IoPool::DefaultThreads() {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::clamp<uint32_t>(cores / 8, 1, 4);
+}
+
+IoLoop* IoPool::Pick() {
+  return loops_[next_.fetch_add(1, std::memory_order_relaxed) % loops_.size()].get();
+}
+
+void IoPool::Stop() {
+  for (const std::unique_ptr<IoLoop>& loop : loops_) loop->Stop();
+}
+
+bool IoPool::OnPoolThread() const {
+  for (const std::unique_ptr<IoLoop>& loop : loops_) {
+    if (loop->OnLoopThread()) return true;
+  }
+  return false;
+}
+
+}  // namespace kvwire::transport

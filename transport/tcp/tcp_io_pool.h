@@ -1,0 +1,99 @@
+// The fixed set of I/O threads that runs every data connection of one tcp transport, whatever
+// the number of peers. Each thread owns an epoll instance; a connection is registered with one
+// thread for its whole life (edge-triggered, input and output), and all of its I/O, parsing
+// and completions run there, so a connection's state needs no lock against itself. Other
+// threads hand work to a connection's thread with IoLoop::Run (a task queue woken through an
+// eventfd). Nothing on these threads blocks on a peer in the host-memory paths: sockets are
+// non-blocking and a connection that cannot make progress returns to epoll_wait, so a slow
+// peer never holds up another one. The loop has no timers: an idle transport does not wake.
+#ifndef KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
+#define KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#include "src/util/mutex.h"
+
+namespace kvwire::transport {
+
+// A connection's side of the loop: OnIo runs on the loop thread with the epoll events.
+class IoHandler {
+ public:
+  virtual ~IoHandler() = default;
+  virtual void OnIo(uint32_t events) = 0;
+};
+
+class IoLoop {
+ public:
+  IoLoop() = default;
+  ~IoLoop();  // Stop()
+  IoLoop(const IoLoop&) = delete;
+  IoLoop& operator=(const IoLoop&) = delete;
+
+  // Creates the epoll instance and the eventfd and starts the thread named `name`.
+  absl::Status Start(const std::string& name);
+  // Runs the queued tasks, drops every registered handler and joins the thread. Idempotent;
+  // not on the loop thread (then it only asks the thread to stop).
+  void Stop();
+
+  // Queues `task` for the loop thread; false (task not run, dropped) once the loop stopped.
+  bool Run(std::function<void()> task);
+  // Registers `fd` for input, output and hang-up, edge-triggered; the loop keeps `handler`
+  // alive until Remove. Call on the loop thread.
+  absl::Status Add(int fd, std::shared_ptr<IoHandler> handler);
+  // Unregisters `fd` and lets go of its handler (events already fetched for it are
+  // dropped). Call on the loop thread, before the descriptor is closed.
+  void Remove(int fd);
+  bool OnLoopThread() const { return std::this_thread::get_id() == thread_id_.load(); }
+
+ private:
+  void Loop();
+  void RunTasks();
+
+  int epfd_ = -1;
+  int eventfd_ = -1;
+  Mutex join_mu_;  // std::thread::join must not run twice at once
+  std::thread thread_;
+  std::atomic<std::thread::id> thread_id_{};
+  // Loop thread only: the registered handlers by descriptor.
+  absl::flat_hash_map<int, std::shared_ptr<IoHandler>> handlers_;
+  Mutex mu_;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class IoPool {
+ public:
+  // `threads` loops (at least 1) named kvw-tcp-io<i>.
+  static absl::StatusOr<std::shared_ptr<IoPool>> Create(uint32_t threads);
+  // The default size: a small number tied to the cores (1 per 8 cores, 1..4).
+  static uint32_t DefaultThreads();
+  ~IoPool() { Stop(); }
+
+  // The loop for a new connection (round robin).
+  IoLoop* Pick();
+  // Stops every loop (see IoLoop::Stop).
+  void Stop();
+  // True on any thread of this pool.
+  bool OnPoolThread() const;
+  size_t threads() const { return loops_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<IoLoop>> loops_;
+  std::atomic<uint64_t> next_{0};
+};
+
+}  // namespace kvwire::transport
+
+#endif  // KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
