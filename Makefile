@@ -5,6 +5,7 @@
 #   make test          build build/ (gcc) and run every test
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
+#   make tcp-scale     tcp with 1000 peers (4 processes) and 1000 connect/disconnect cycles
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
@@ -59,7 +60,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer soak compare cpu-bench serve-bench test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale soak compare cpu-bench serve-bench test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -115,6 +116,16 @@ soak: deps
 	ninja -C $(BUILD_DIR) -j$(JOBS) dsv4_serve_soak_test
 	KVWIRE_SOAK_REQUESTS=$(SOAK_REQUESTS) KVWIRE_SOAK_CONCURRENCY=$(SOAK_CONCURRENCY) \
 	  KVWIRE_SOAK_SECONDS=$(SOAK_SECONDS) $(BUILD_DIR)/tests/dsv4/serve/dsv4_serve_soak_test
+
+# tcp with many peers (tests/integration/tcp_peer_scale_test.cc): one engine, 1000 peer engines
+# in 4 processes transferring at once; prints thread counts, memory per peer and idle CPU.
+SCALE_PEERS ?= 1000
+SCALE_PROCS ?= 4
+tcp-scale: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) tcp_peer_scale_test tcp_scale_peer
+	KVWIRE_SCALE_PEERS=$(SCALE_PEERS) KVWIRE_SCALE_PROCS=$(SCALE_PROCS) KVWIRE_SCALE_CYCLES=1000 \
+	  $(BUILD_DIR)/tests/integration/tcp_peer_scale_test
 
 # Side by side with the floors and ucx_perftest, in one run (a few minutes): prints the table
 # of medians and regenerates perf/RESULTS.md and its plot. COMPARE_ARGS= passes arguments

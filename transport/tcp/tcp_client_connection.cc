@@ -160,8 +160,9 @@ void ClientConnection::Schedule() {
     if (scheduled_) return;
     scheduled_ = true;
   }
-  std::shared_ptr<ClientConnection> self = shared_from_this();
-  if (loop_ != nullptr) (void)loop_->Run([self] { self->Pump(); });
+  // Not from the destructor (no owner left to hand to the loop).
+  std::shared_ptr<ClientConnection> self = weak_from_this().lock();
+  if (self != nullptr && loop_ != nullptr) (void)loop_->Run([self] { self->Pump(); });
 }
 
 void ClientConnection::Close(const absl::Status& reason) {
@@ -184,7 +185,7 @@ void ClientConnection::Fail(const absl::Status& status) {
     Complete(*pending, ForRequest(status, *pending));
   }
   // The I/O thread fails what is in flight (it alone touches that); not from a destructor.
-  if (!torn_down_ && loop_ != nullptr && weak_from_this().lock() != nullptr) Schedule();
+  Schedule();
 }
 
 void ClientConnection::OnIo(uint32_t /*events*/) { Pump(); }

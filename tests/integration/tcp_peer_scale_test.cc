@@ -1,0 +1,398 @@
+// tcp with many peers: one hub engine connected to many peer engines (held by a few peer
+// processes, tcp_scale_peer), all transferring to and from it at once, byte-exact. The test
+// prints the hub's thread count with 0, 1, 100 and all peers connected and checks that the
+// tcp data path keeps it fixed (the I/O pool, tcp_io_pool.h); it also prints the hub's memory
+// per connected peer and its CPU time while idle. A second test connects and disconnects a
+// peer in a loop and checks that no thread, descriptor or memory is left behind.
+//
+// KVWIRE_SCALE_PEERS (default 100) and KVWIRE_SCALE_PROCS (default 2) size the first test;
+// KVWIRE_SCALE_CYCLES (default 200) sizes the second. `make tcp-scale` runs 1000 peers over 4
+// processes and 1000 cycles.
+#include <sys/resource.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <dirent.h>
+#include <fcntl.h>
+#include <memory>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+#include "kvwire/engine.h"
+#include "tests/integration/tcp_scale_pattern.h"
+
+extern char** environ;
+
+namespace kvwire {
+namespace {
+
+constexpr uint64_t kSlotBytes = 16 << 10;
+constexpr absl::Duration kWait = absl::Seconds(240);
+
+uint64_t EnvOr(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  uint64_t n = 0;
+  return v != nullptr && absl::SimpleAtoi(v, &n) && n > 0 ? n : fallback;
+}
+
+size_t CountEntries(const char* dir) {
+  DIR* d = opendir(dir);
+  if (d == nullptr) return 0;
+  size_t n = 0;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(d);
+  return n;
+}
+size_t Threads() { return CountEntries("/proc/self/task"); }
+size_t Descriptors() { return CountEntries("/proc/self/fd") - 1; }  // less opendir's own
+
+// Resident memory of this process, bytes.
+uint64_t Rss() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  unsigned long size = 0, resident = 0;
+  const int got = std::fscanf(f, "%lu %lu", &size, &resident);
+  std::fclose(f);
+  return got == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+double CpuSeconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
+         (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+void RaiseOpenFiles() {
+  rlimit lim{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
+  lim.rlim_cur = lim.rlim_max;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lim), 0);
+}
+
+// One tcp_scale_peer process, driven over its stdin and stdout.
+class PeerProcess {
+ public:
+  PeerProcess(const std::vector<std::string>& args) {
+    int in[2], out[2];
+    EXPECT_EQ(pipe2(in, O_CLOEXEC), 0);
+    EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    std::vector<std::string> all = {KVWIRE_SCALE_PEER};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    EXPECT_EQ(posix_spawn(&pid_, KVWIRE_SCALE_PEER, &actions, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    close(in[0]);
+    close(out[1]);
+    in_ = in[1];
+    out_ = out[0];
+  }
+  ~PeerProcess() {
+    CloseInput();
+    if (pid_ > 0 && !Exited(absl::Seconds(60))) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) close(out_);
+  }
+  void Send(const std::string& line) {
+    const std::string l = line + "\n";
+    EXPECT_EQ(write(in_, l.data(), l.size()), static_cast<ssize_t>(l.size()));
+  }
+  // The next line it prints, or "" at the deadline / end of output.
+  std::string ReadLine(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      const size_t nl = buffered_.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buffered_.substr(0, nl);
+        buffered_.erase(0, nl + 1);
+        return line;
+      }
+      const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (ms <= 0) return "";
+      pollfd p{out_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1000))) <= 0) continue;
+      char buf[256];
+      const ssize_t n = read(out_, buf, sizeof(buf));
+      if (n <= 0) return "";
+      buffered_.append(buf, n);
+    }
+  }
+  void CloseInput() {
+    if (in_ >= 0) close(in_);
+    in_ = -1;
+  }
+  bool Exited(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return true;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int in_ = -1;
+  int out_ = -1;
+  std::string buffered_;
+};
+
+EngineOptions HubOptions(uint64_t peers) {
+  EngineOptions options;
+  options.name = "hub";
+  options.transport = TransportKind::kTcp;
+  options.tcp_connections = 1;
+  options.tcp_io_threads = 2;
+  const int connections = static_cast<int>(4 * peers + 64);
+  options.tcp_max_data_connections = connections;
+  options.max_control_connections = connections;
+  // Heartbeats are the control channel's per-peer timer: slowed down so that the idle CPU
+  // measured is the data path's.
+  options.heartbeat_interval = absl::Seconds(30);
+  options.peer_lease = absl::Seconds(120);
+  return options;
+}
+
+size_t AlivePeers(const Engine& engine) {
+  size_t n = 0;
+  for (const PeerInfo& p : engine.Peers()) n += p.alive ? 1 : 0;
+  return n;
+}
+
+bool WaitAlivePeers(const Engine& engine, size_t want, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (AlivePeers(engine) != want) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
+TEST(TcpPeerScaleTest, ThreadsStayFixedFromOnePeerToMany) {
+  RaiseOpenFiles();
+  const uint64_t peers = std::max<uint64_t>(2, EnvOr("KVWIRE_SCALE_PEERS", 100));
+  const uint64_t procs = std::min(peers - 1, EnvOr("KVWIRE_SCALE_PROCS", 2));
+  const size_t base_threads = Threads();
+  const uint64_t rss_before = Rss();
+  EngineOptions options = HubOptions(peers);
+  auto created = Engine::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<Engine> hub = std::move(*created);
+  // Area A: written by the peers; B: read by them; C: the hub's READs of their buffers.
+  std::vector<std::byte> region(3 * peers * kSlotBytes);
+  for (uint64_t slot = 0; slot < peers; ++slot) {
+    testing::FillPattern(region.data() + (peers + slot) * kSlotBytes, kSlotBytes, slot, 2);
+  }
+  RegionOptions region_options;
+  region_options.export_to_all_peers = true;
+  auto hub_region = hub->RegisterMemory(region.data(), region.size(), region_options);
+  ASSERT_TRUE(hub_region.ok()) << hub_region.status();
+
+  struct Count {
+    uint64_t peers;
+    size_t threads;
+    uint64_t rss;
+  };
+  std::vector<Count> counts;
+  const auto count = [&](uint64_t n) {
+    ASSERT_TRUE(WaitAlivePeers(*hub, n, kWait)) << AlivePeers(*hub) << " of " << n;
+    counts.push_back({n, Threads() - base_threads, Rss()});
+    std::printf("hub engine with %4lu peers: %3zu threads, RSS %.1f MiB, %zu descriptors\n",
+                static_cast<unsigned long>(n), counts.back().threads, counts.back().rss / 1048576.0,
+                Descriptors());
+  };
+  count(0);
+
+  // Peer processes: the first holds one engine; the others share the rest.
+  std::vector<std::unique_ptr<PeerProcess>> children;
+  const auto spawn = [&](uint64_t first, uint64_t n) {
+    children.push_back(std::make_unique<PeerProcess>(std::vector<std::string>{
+        hub->address(), absl::StrCat(first), absl::StrCat(n), absl::StrCat(kSlotBytes),
+        absl::StrCat(*hub_region), absl::StrCat(peers)}));
+    const std::string line = children.back()->ReadLine(kWait);
+    ASSERT_EQ(line, "READY") << "peer process for slots " << first << ".." << first + n - 1;
+  };
+  spawn(0, 1);
+  count(1);
+  uint64_t next = 1;
+  const auto spawn_up_to = [&](uint64_t total, uint64_t processes) {
+    const uint64_t each = (total - next + processes - 1) / processes;
+    while (next < total) {
+      const uint64_t n = std::min(each, total - next);
+      spawn(next, n);
+      next += n;
+    }
+  };
+  if (peers > 100) {
+    spawn_up_to(100, 1);
+    count(100);
+  }
+  spawn_up_to(peers, procs);
+  if (HasFatalFailure()) return;
+  count(peers);
+
+  // Idle: nothing moves; the hub's threads should sleep (no per-peer timer of the data path).
+  const double cpu0 = CpuSeconds();
+  absl::SleepFor(absl::Seconds(3));
+  const double idle_cpu_ms = (CpuSeconds() - cpu0) * 1000;
+  std::printf("hub idle for 3 s with %lu peers: %.1f ms CPU\n", static_cast<unsigned long>(peers),
+              idle_cpu_ms);
+  const double per_peer_kib =
+      (static_cast<double>(counts.back().rss) - static_cast<double>(counts[1].rss)) /
+      static_cast<double>(peers - 1) / 1024;
+  std::printf(
+      "hub memory per connected peer: %.1f KiB (RSS %lu -> %lu peers; before the engine "
+      "%.1f MiB)\n",
+      per_peer_kib, 1ul, static_cast<unsigned long>(peers), rss_before / 1048576.0);
+
+  // Everything at once: the peers WRITE area A and READ area B; the hub READs each peer's
+  // first half into area C and WRITEs its second half.
+  std::vector<std::byte> out(peers * kSlotBytes);
+  for (uint64_t slot = 0; slot < peers; ++slot) {
+    testing::FillPattern(out.data() + slot * kSlotBytes, kSlotBytes, slot, 3);
+  }
+  auto out_region = hub->RegisterMemory(out.data(), out.size());
+  ASSERT_TRUE(out_region.ok()) << out_region.status();
+  for (auto& child : children) child->Send("GO");
+  const absl::Time start = absl::Now();
+  std::vector<std::pair<std::string, TransferId>> ids;
+  for (const PeerInfo& p : hub->Peers()) {
+    if (!p.alive) continue;
+    uint64_t slot = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(p.name.substr(1), &slot)) << p.name;
+    auto remote = hub->RemoteRegions(p.id);
+    ASSERT_TRUE(remote.ok() && remote->size() == 1) << p.name;
+    const RegionId r = (*remote)[0].id;
+    auto read = hub->Transfer(p.id, OpKind::kRead,
+                              {Op{*hub_region, (2 * peers + slot) * kSlotBytes, r, 0, kSlotBytes}});
+    auto write = hub->Transfer(p.id, OpKind::kWrite,
+                               {Op{*out_region, slot * kSlotBytes, r, kSlotBytes, kSlotBytes}});
+    ASSERT_TRUE(read.ok() && write.ok()) << p.name << ": " << read.status() << write.status();
+    ids.push_back({p.name, *read});
+    ids.push_back({p.name, *write});
+  }
+  ASSERT_EQ(ids.size(), 2 * peers);
+  for (const auto& [name, id] : ids) {
+    const absl::Status s = hub->Wait(id, kWait);
+    EXPECT_TRUE(s.ok()) << name << ": " << s;
+  }
+  for (auto& child : children) EXPECT_EQ(child->ReadLine(kWait), "DONE 0");
+  std::printf("%lu peers x 4 transfers of %lu KiB, all at once: %.0f ms\n",
+              static_cast<unsigned long>(peers), static_cast<unsigned long>(kSlotBytes >> 10),
+              absl::ToDoubleMilliseconds(absl::Now() - start));
+  for (uint64_t slot = 0; slot < peers; ++slot) {
+    EXPECT_TRUE(testing::CheckPattern(region.data() + slot * kSlotBytes, kSlotBytes, slot, 1))
+        << "area A slot " << slot;
+    EXPECT_TRUE(
+        testing::CheckPattern(region.data() + (2 * peers + slot) * kSlotBytes, kSlotBytes, slot, 0))
+        << "area C slot " << slot;
+  }
+  for (auto& child : children) child->Send("CHECK");
+  for (auto& child : children) EXPECT_EQ(child->ReadLine(kWait), "CHECKED 0");
+
+  // The thread count does not grow with the peers: equal for 1 and for all, give or take the
+  // pool (a thread starting or ending at the moment of the count).
+  const int64_t one = static_cast<int64_t>(counts[1].threads);
+  const int64_t all = static_cast<int64_t>(counts.back().threads);
+  EXPECT_LE(std::abs(all - one), options.tcp_io_threads)
+      << "threads with 1 peer: " << one << ", with " << peers << ": " << all;
+
+  for (auto& child : children) child->CloseInput();
+  for (auto& child : children) EXPECT_TRUE(child->Exited(kWait));
+  EXPECT_TRUE(WaitAlivePeers(*hub, 0, kWait));
+  std::printf("hub after the peers left: %zu threads, %zu descriptors\n", Threads() - base_threads,
+              Descriptors());
+}
+
+TEST(TcpPeerScaleTest, ConnectDisconnectCyclesLeaveNothingBehind) {
+  RaiseOpenFiles();
+  const uint64_t cycles = EnvOr("KVWIRE_SCALE_CYCLES", 200);
+  auto hub = Engine::Create(HubOptions(16));
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  EngineOptions peer_options = HubOptions(16);
+  peer_options.name = "cycler";
+  peer_options.tcp_connections = 2;
+  auto peer = Engine::Create(peer_options);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  std::vector<std::byte> remote(1 << 20), local(1 << 20);
+  testing::FillPattern(remote.data(), remote.size(), 1, 0);
+  RegionOptions exported;
+  exported.export_to_all_peers = true;
+  auto remote_id = (*hub)->RegisterMemory(remote.data(), remote.size(), exported);
+  auto local_id = (*peer)->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(remote_id.ok() && local_id.ok());
+
+  const auto cycle = [&](uint64_t i) {
+    auto id = (*peer)->Connect((*hub)->address());
+    ASSERT_TRUE(id.ok()) << "cycle " << i << ": " << id.status();
+    ASSERT_TRUE((*peer)->WaitForRemoteRegion(*id, *remote_id, absl::Seconds(30)).ok());
+    // Every cycle moves bytes, so that its data connections really open.
+    auto t = (*peer)->Transfer(*id, OpKind::kRead, {Op{*local_id, 0, *remote_id, 0, 64 << 10}});
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE((*peer)->Wait(*t, absl::Seconds(30)).ok());
+    ASSERT_TRUE((*peer)->Disconnect(*id).ok());
+  };
+  // Warm-up: allocator pools, the engines' first peer structures, the I/O threads.
+  for (uint64_t i = 0; i < 20; ++i) {
+    cycle(i);
+    if (HasFatalFailure()) return;
+  }
+  ASSERT_TRUE(WaitAlivePeers(**hub, 0, kWait));
+  const size_t threads = Threads();
+  const size_t fds = Descriptors();
+  const uint64_t rss = Rss();
+  const absl::Time start = absl::Now();
+  for (uint64_t i = 0; i < cycles; ++i) {
+    cycle(i);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_TRUE(testing::CheckPattern(local.data(), 64 << 10, 1, 0));
+  ASSERT_TRUE(WaitAlivePeers(**hub, 0, kWait));
+  // Ended connections are let go of on the I/O threads shortly after the peers closed.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while ((Threads() != threads || Descriptors() != fds) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const uint64_t rss_after = Rss();
+  std::printf(
+      "%lu connect/disconnect cycles in %.1f s: threads %zu -> %zu, descriptors %zu -> "
+      "%zu, RSS %.1f -> %.1f MiB\n",
+      static_cast<unsigned long>(cycles), absl::ToDoubleSeconds(absl::Now() - start), threads,
+      Threads(), fds, Descriptors(), rss / 1048576.0, rss_after / 1048576.0);
+  EXPECT_EQ(Threads(), threads);
+  EXPECT_EQ(Descriptors(), fds);
+  // Memory: allocator slack is fine, growth with the cycles is not (1000 leaked connections
+  // of even 16 KiB each would be 16 MiB).
+  EXPECT_LT(rss_after, rss + (8 << 20)) << rss << " -> " << rss_after;
+}
+
+}  // namespace
+}  // namespace kvwire
