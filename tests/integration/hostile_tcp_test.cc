@@ -498,7 +498,9 @@ TEST(HostileTcpTest, ConnectionsPerPeerAreCapped) {
   (*target)->Stop();
 }
 
-TEST(HostileTcpTest, NoThreadForAConnectionRefusesItCleanly) {
+// Data connections run on the transport's fixed I/O pool (tcp_io_pool.h): at the process's
+// thread limit a connection with a valid token is still served, not refused.
+TEST(HostileTcpTest, AtTheThreadLimitConnectionsAreStillServed) {
   auto target = PeerProcess::Start(TargetArgs({}));
   ASSERT_TRUE(target.ok()) << target.status();
   Dialer hostile;
@@ -519,17 +521,16 @@ TEST(HostileTcpTest, NoThreadForAConnectionRefusesItCleanly) {
   ASSERT_TRUE(limited.ok()) << limited.status();
   if (*limited != "LIMIT_THREADS ok") GTEST_SKIP() << "cannot limit threads here: " << *limited;
 
-  // A valid token, but no thread to serve it: refused with the reason, the target lives on.
+  // A valid token and no thread to spare: served all the same (no thread per connection).
   for (int i = 0; i < 3; ++i) {
     auto c = RawConn::Open(hostile.data_endpoint());
     ASSERT_TRUE(c.ok()) << c.status();
     ASSERT_TRUE((*c)->SendHello(hostile.token()).ok());
     absl::StatusOr<absl::Status> reply = (*c)->ReadHelloReply(absl::Seconds(10));
     ASSERT_TRUE(reply.ok()) << reply.status();
-    EXPECT_EQ(reply->code(), absl::StatusCode::kResourceExhausted) << *reply;
-    EXPECT_THAT(reply->message(), HasSubstr("cannot start a thread")) << *reply;
+    EXPECT_TRUE(reply->ok()) << *reply;
   }
-  EXPECT_EQ(ListenerStat(**target, "thread_failures"), 3);
+  EXPECT_EQ(ListenerStat(**target, "thread_failures"), 0);
 
   ASSERT_TRUE((*target)->WriteLine("UNLIMIT_THREADS").ok());
   absl::StatusOr<std::string> unlimited = (*target)->ReadLine(absl::Seconds(10));
