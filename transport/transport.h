@@ -60,6 +60,9 @@ struct Capabilities {
   // The target learns of each arriving WRITE piece and reports it with
   // TargetHooks::OnWriteArrived; notifications are gated on that count.
   bool counts_arrivals = false;
+  // The target checks the READ grant each op carries (PostRequest::grant, through
+  // TargetHooks::ResolveIncoming): READs of grant-guarded regions are routed only here.
+  bool checks_grants = false;
   uint64_t max_op_bytes = UINT64_MAX;  // the engine splits longer ops
   uint32_t max_lanes = 1;              // parallel streams per peer the engine may stripe over
   uint32_t lanes_per_peer = 1;         // streams to open per peer (PeerLink::lanes, <= max_lanes)
@@ -77,6 +80,10 @@ struct LocalRegion {
   uint64_t length = 0;
   uint32_t access = kAccessNone;
   MemoryKind kind = MemoryKind::kHost;
+  // RegionOptions::reads_need_grant: READs only under a grant the target checks
+  // (TargetHooks::ResolveIncoming). A transport whose target cannot check one per op never
+  // lets a peer read the region (shm: no mapping, no key; rdma: no remote-read access).
+  bool reads_need_grant = false;
   int memfd = -1;             // >= 0 when backed by a ShareableBuffer (not owned here)
   uint64_t memfd_offset = 0;  // offset of `base` within the memfd
   // kGpu: the device, and the runtime allocation around [base, base + length) (IPC handles
@@ -94,6 +101,9 @@ struct RemoteRegionDesc {
   MemoryKind kind = MemoryKind::kHost;
   uint64_t address = 0;    // base address in the peer's process
   bool shareable = false;  // memfd-backed on the peer
+  // The peer serves READs of it only under a grant (LocalRegion::reads_need_grant): they are
+  // routed only to transports with Capabilities::checks_grants.
+  bool reads_need_grant = false;
   // The peer's Transport::RegionKey for the transport this desc is handed to (rdma: its
   // rkeys), opaque. A fixed array: the struct stays trivially copyable.
   static constexpr size_t kMaxKeyBytes = 120;
@@ -128,6 +138,8 @@ struct PostRequest {
   uint32_t lane = 0;
   // WRITE pieces are counted by the target (the transfer carries a notification).
   bool count_arrivals = false;
+  // TransferOptions::grant, presented with every op (checks_grants transports carry it).
+  GrantId grant = 0;
   std::vector<WireOp> ops;
   // Set by the engine when the transfer has already ended (deadline, deregistration, peer
   // death): a transport must not write into local memory for it any more (drain instead).
@@ -159,6 +171,14 @@ class TargetHooks {
   virtual absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
                                                          uint64_t offset, uint64_t length,
                                                          OpKind kind) = 0;
+  // The same for an op that carries a read grant (Capabilities::checks_grants): a READ of a
+  // grant-guarded region is served only inside a live grant of `grant` to `peer`. The default
+  // (hooks without grants, e.g. tests' fakes) ignores the grant.
+  virtual absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
+                                                         uint64_t offset, uint64_t length,
+                                                         OpKind kind, GrantId grant) {
+    return ResolveIncoming(peer, region, offset, length, kind);
+  }
   // Looks up a region exported to `peer` (shm maps it); NotFound / PermissionDenied if not.
   virtual absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) = 0;
   // A WRITE piece of `transfer_id` from `peer` is now visible in memory.

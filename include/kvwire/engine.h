@@ -24,6 +24,8 @@ namespace kvwire {
 using RegionId = uint64_t;    // unique within one engine, never reused
 using PeerId = uint64_t;      // unique within one engine, never reused
 using TransferId = uint64_t;  // unique within one engine, never reused (64-bit: no wrap)
+// A read grant (Engine::Grant): unique within the granting engine, never reused; 0 is none.
+using GrantId = uint64_t;
 
 enum class OpKind : uint32_t { kRead = 0, kWrite = 1 };
 
@@ -220,6 +222,20 @@ struct RegionOptions {
   int gpu_device = -1;
   // Exported to every peer (present and future) without a per-peer Export call.
   bool export_to_all_peers = false;
+  // Peers may READ the region only where this engine granted them (Engine::Grant): a READ
+  // is served only for ranges of a live grant to the peer presenting it
+  // (TransferOptions::grant), checked by the target for every op. Transports whose target
+  // cannot check a grant never serve READs of such a region: shm does not map it (a mapping
+  // reads everything) and rdma exports it to peers without remote-read access, so READs of it
+  // go over tcp (see docs/SECURITY.md, "Read grants"). WRITEs are unaffected.
+  bool reads_need_grant = false;
+};
+
+// A range of a local region that Engine::Grant lets one peer READ.
+struct GrantRange {
+  RegionId region = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
 };
 
 struct ConnectOptions {
@@ -243,6 +259,10 @@ struct TransferOptions {
   // the engine (Transfer, SendMessage, ...) but must not block for long (it delays the other
   // callbacks), throw, or destroy the engine. Every callback has run when ~Engine returns.
   std::function<void(TransferId, const absl::Status&)> on_complete;
+  // READ: the grant the target engine gave this engine (Engine::Grant on its side; the
+  // protocol layered on the engine carries its id), presented with every op. Needed for
+  // regions the target registered with RegionOptions::reads_need_grant; ignored elsewhere.
+  GrantId grant = 0;
 };
 
 enum class TransferState { kPending, kSucceeded, kFailed };
@@ -397,6 +417,19 @@ class Engine {
   // Call before reusing memory on a peer's word (e.g. its release of blocks it read): the
   // word travels apart from the data and can overtake the serving thread's last access.
   absl::Status WaitForServedOps(PeerId peer, absl::Duration timeout);
+  // Target side, read grants (RegionOptions::reads_need_grant): lets `peer` READ `ranges`
+  // (each inside a registered region exported to it) when it presents the returned id
+  // (TransferOptions::grant). Nothing else of a grant-guarded region is readable by anyone.
+  // Refused ops fail that peer's transfer with PermissionDenied naming the grant, and are
+  // counted in EngineStats::grant_refused. Errors: NotFound for an unknown or closed peer or
+  // an unexported region, OutOfRange for a range outside its region, InvalidArgument for no
+  // ranges. A peer's grants end with the peer.
+  absl::StatusOr<GrantId> Grant(PeerId peer, absl::Span<const GrantRange> ranges);
+  // Ends a grant: no op under it begins being served after this returns (call
+  // WaitForServedOps, as for any reuse, before reusing the memory). NotFound for a grant that
+  // is not live for `peer`.
+  absl::Status Revoke(PeerId peer, GrantId grant);
+
   // Target side: orders the caller's earlier writes to registered memory before every op
   // this engine begins serving after the call. Call after filling memory, before telling a
   // peer it may read it.

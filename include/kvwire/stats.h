@@ -84,6 +84,11 @@ struct EngineStats {
   uint64_t notifications_delivered = 0;
   uint64_t incoming_ops = 0;  // ops served as a target (tcp)
   uint64_t incoming_rejected = 0;
+  // READs of grant-guarded regions (RegionOptions::reads_need_grant) refused for want of a
+  // live grant covering them (no grant, unknown or revoked grant, range outside it); also in
+  // incoming_rejected. And the grants live now (Engine::Grant, not yet revoked).
+  uint64_t grant_refused = 0;
+  uint64_t grants_live = 0;
   LatencyHistogram transfer_latency;
   std::map<std::string, uint64_t> errors_by_kind;  // absl::StatusCode name -> count
   std::vector<PeerStats> peers;

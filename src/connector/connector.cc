@@ -100,6 +100,9 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
   for (const KvMemory& m : memory) {
     RegionOptions ro;
     ro.export_to_all_peers = true;
+    // Peers read the KV only where a read-mode hand-off granted it to them (OnReadStart): a
+    // peer never reads another request's blocks, nor freed ones.
+    ro.reads_need_grant = true;
     ro.kind = m.kind;
     ro.gpu_device = m.gpu_device;
     absl::StatusOr<RegionId> id = engine_->RegisterMemory(m.ptr, m.length, ro);

@@ -114,7 +114,8 @@ struct PeerMessage {
     kWriteReq,
     kLayer,
     kDone,
-    kFail
+    kFail,
+    kReadOk
   };
   Type type = Type::kHello;
   std::string name;  // the type as sent ("hello", "release", ...)
@@ -137,6 +138,8 @@ struct PeerMessage {
   uint64_t num_cached = 0;
   // layer
   int layer = 0;
+  // read_ok: the engine grant the reader presents with its READs (TransferOptions::grant)
+  uint64_t grant = 0;
 };
 // Errors name the message type and the field ("connector message 'release': 'transfer_id'
 // must be a string, got 5").
@@ -218,6 +221,18 @@ class Connector::Impl {
     // Decode: layers not yet in place (WaitForLayerLoad waits on them).
     std::set<int> layers_pending;
     std::optional<TransferPlan> plan;
+    // Prefill, read mode: the engine grant of the blocks to the reader (`peer`), given on its
+    // read_start, revoked when the request retires.
+    GrantId grant = 0;
+    // Decode, read mode: what each prefill source moves, per layer, and the grant it gave
+    // (read_ok); the READs start once every source granted.
+    struct ReadSource {
+      PeerId peer = 0;
+      std::string transfer_id;
+      std::map<int, std::vector<Op>> layer_ops;
+      std::optional<GrantId> grant;
+    };
+    std::vector<ReadSource> read_sources;
     // Prefill, write mode.
     bool have_remote = false;
     BlockTable remote_blocks;
@@ -338,6 +353,18 @@ class Connector::Impl {
   void OnLayer(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnDone(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnFail(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // read_ok on the decode side: a prefill source granted the blocks; the READs start once
+  // every source of the request did.
+  void OnReadOk(const InboxEvent& n, PeerMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: every page of `r`'s blocks (all groups, layers, components) as
+  // ranges of the local regions, for Engine::Grant.
+  absl::StatusOr<std::vector<GrantRange>> GrantRangesLocked(const Request& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: ends `r`'s grant (if any), then waits (bounded) for READs under it
+  // that were being served, so that the blocks are not handed back while one copies them.
+  void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decode, read mode: submits the READs of every source, layer by layer.
+  void SubmitReadsLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // layer/done/fail about a decode load: handled here, or the load is bound to another peer,
   // or no load of this side has that transfer id.
   enum class LoadResult { kHandled, kBoundElsewhere, kNotALoad };
@@ -423,8 +450,9 @@ class Connector::Impl {
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Submits one transfer of `r` moving `layer`; its end is pushed to OnTransferEnded.
+  // `grant`: the source's read grant (read mode), presented with every op.
   absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, const std::vector<Op>& ops,
-                            int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            int layer, GrantId grant = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine reported the end of transfer `id` (progress thread).
   void OnTransferEnded(TransferId id, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -32,6 +32,9 @@ class ConnectorMetrics {
     uint64_t withdrawn = 0;      // dropped by the scheduler before any transfer
     uint64_t released = 0;       // prefill: held blocks the reader freed without reading
     uint64_t lease_expired = 0;  // read-mode holds no reader released (of failed)
+    // read_start for a transfer id this prefill does not hold (unknown or released): refused,
+    // no grant given.
+    uint64_t reads_refused = 0;
     double transfer_seconds = 0;
     std::map<std::string, GroupCounters> group_totals;  // of completed requests
     nlohmann::json recent = nlohmann::json::array();    // the last kRecent retired requests
@@ -49,6 +52,10 @@ class ConnectorMetrics {
   void LeaseExpired() ABSL_LOCKS_EXCLUDED(mu_) {
     MutexLock lock(&mu_);
     ++s_.lease_expired;
+  }
+  void ReadRefused() ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    ++s_.reads_refused;
   }
   enum class Outcome { kCompleted, kFailed, kReleased };
   // A request ended: counted by outcome, its groups added to the totals when it completed,

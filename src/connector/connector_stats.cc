@@ -23,6 +23,7 @@ std::string Connector::Impl::StatsJson() const {
             {"withdrawn", m.withdrawn},
             {"released", m.released},
             {"lease_expired", m.lease_expired},
+            {"reads_refused", m.reads_refused},
             {"groups", groups},
             {"requests", m.recent}};
   return DumpJson(j);
@@ -52,6 +53,10 @@ std::string Connector::Impl::StatsPrometheus() const {
          "Requests whose lease expired before the peer finished.");
   absl::StrAppend(&out, "kvwire_connector_lease_expired_total{engine=\"", e, "\"} ",
                   m.lease_expired, "\n");
+  family("kvwire_connector_reads_refused_total", "counter",
+         "read_start for a transfer id not held here (unknown or released): no grant given.");
+  absl::StrAppend(&out, "kvwire_connector_reads_refused_total{engine=\"", e, "\"} ",
+                  m.reads_refused, "\n");
   family("kvwire_connector_live_requests", "gauge", "Requests not retired yet.");
   absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ",
                   table_.requests.size(), "\n");
@@ -115,6 +120,7 @@ void Connector::Impl::Retire(Request& r, const char* outcome) {
                        {"connector_cpu_us", r.cpu_us},
                        {"groups", groups}});
   table_.by_transfer.erase(r.params.transfer_id);
+  RevokeGrantLocked(r);
   cv_.SignalAll();
   const std::string id = r.id;
   table_.requests.erase(id);  // `r` dies here

@@ -271,38 +271,46 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     CompleteLocked(r);
     return false;
   }
+  // Each source is told first (read_start), so that the blocks it holds are bound to this
+  // reader (freed if it dies) and granted to it; the READs start once every source answered
+  // with its grant (read_ok, OnReadOk): before that the prefill serves none of them.
+  r.read_sources.clear();
   for (Source& s : sources) {
-    // Told first, so that the blocks it holds are bound to this reader (freed if it dies).
+    r.read_sources.push_back({s.peer, *s.transfer_id, std::move(s.layer_ops), std::nullopt});
+  }
+  r.layers_pending = layers;
+  for (const Request::ReadSource& s : r.read_sources) {
     cpu.Pause();
     absl::Status started =
-        SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", *s.transfer_id}});
+        SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", s.transfer_id}});
     cpu.Resume();
     if (!started.ok()) {
       FailLocked(r, std::string(started.message()));
       return false;
     }
   }
-  // One transfer per layer and source, in layer order: WaitForLayerLoad(i) returns once
-  // layer i is in place while later layers still move.
-  r.layers_pending = layers;
-  // Before the first Transfer: shm copies run inside it, so a later stamp misses them.
-  r.t_first = absl::Now();
-  for (int layer : layers) {
-    for (Source& s : sources) {
-      auto ops = s.layer_ops.find(layer);
-      if (ops == s.layer_ops.end()) continue;
-      cpu.Pause();
-      absl::Status submitted = SubmitLocked(r, s.peer, OpKind::kRead, ops->second, layer);
-      cpu.Resume();
-      if (!submitted.ok()) {
-        FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
-        return false;
-      }
-    }
-  }
   cpu.Pause();
   r.cpu_us += cpu_us;
   return true;
+}
+
+void Connector::Impl::SubmitReadsLocked(Request& r) {
+  // One transfer per layer and source, in layer order: WaitForLayerLoad(i) returns once
+  // layer i is in place while later layers still move.
+  // Before the first Transfer: shm copies run inside it, so a later stamp misses them.
+  r.t_first = absl::Now();
+  for (int layer : std::set<int>(r.layers_pending)) {
+    for (const Request::ReadSource& s : r.read_sources) {
+      auto ops = s.layer_ops.find(layer);
+      if (ops == s.layer_ops.end()) continue;
+      absl::Status submitted = SubmitLocked(r, s.peer, OpKind::kRead, ops->second, layer, *s.grant);
+      if (!submitted.ok()) {
+        FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
+        return;
+      }
+    }
+  }
+  r.read_sources.clear();  // the ops are no longer needed
 }
 
 }  // namespace kvwire

@@ -85,6 +85,12 @@ void ParseDone(JsonFields& f, PeerMessage& m) {
   (void)f.OptUint("bytes", std::numeric_limits<uint64_t>::max(), 0);
 }
 
+void ParseReadOk(JsonFields& f, PeerMessage& m) {
+  ParseTransferId(f, m);
+  m.grant = f.Uint("grant", std::numeric_limits<uint64_t>::max());
+  if (f.ok() && m.grant == 0) f.Fail("grant", "is 0");
+}
+
 void ParseFail(JsonFields& f, PeerMessage& m) {
   ParseTransferId(f, m);
   m.unread = f.OptBool("unread", false);
@@ -107,6 +113,7 @@ constexpr MessageFormat kMessageFormats[] = {
     {"layer", PeerMessage::Type::kLayer, ParseLayer},
     {"done", PeerMessage::Type::kDone, ParseDone},
     {"fail", PeerMessage::Type::kFail, ParseFail},
+    {"read_ok", PeerMessage::Type::kReadOk, ParseReadOk},
 };
 
 }  // namespace
@@ -238,6 +245,7 @@ void Connector::Impl::OnMessage(const InboxEvent& n) {
       {Type::kLayer, true, &Impl::OnLayer},
       {Type::kDone, true, &Impl::OnDone},
       {Type::kFail, true, &Impl::OnFail},
+      {Type::kReadOk, true, &Impl::OnReadOk},
   };
   if (!PeerAlive(n.peer)) return;  // closed here earlier in this batch
   absl::StatusOr<PeerMessage> parsed = connector_internal::ParsePeerMessage(n.payload);
@@ -308,10 +316,29 @@ void Connector::Impl::OnHelloAnswer(const InboxEvent& n, PeerMessage& m) {
 }
 
 // read_start: decode is about to READ. The held blocks are bound to it, so that its death
-// frees them at once rather than at the end of the lease, and nobody else can release them.
+// frees them at once rather than at the end of the lease, and nobody else can release them;
+// they are granted to it alone in the engine (the only way anyone reads them), and read_ok
+// hands it the grant. An id not held here gets "fail" and no grant.
 void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
   Request* r = FindByTransfer(m.transfer_id);
-  if (r == nullptr) return;  // ended here already
+  if (r == nullptr || r->state != State::kHeld) {
+    // Unknown, released, or its lease ended: nothing to read. Told (a reader does not wait
+    // for its deadline) and counted; the id is cut short in the log (a peer chose it).
+    accounting_.ReadRefused();
+    auto retired = table_.retired_transfers.find(m.transfer_id);
+    const std::string reason =
+        retired != table_.retired_transfers.end()
+            ? absl::StrCat("prefill engine ", engine_->name(), " released transfer ", m.transfer_id,
+                           ": ", retired->second)
+            : absl::StrCat("prefill engine ", engine_->name(),
+                           " holds no blocks under transfer id ", m.transfer_id,
+                           " (unknown or released): nothing to read");
+    KVW_LOG(kWarning, kLog) << "read_start refused: transfer id not held" << Kv("peer", n.peer_name)
+                            << Kv("transfer", m.transfer_id.substr(0, 64));
+    (void)SendMessage(n.peer,
+                      json{{"t", "fail"}, {"transfer_id", m.transfer_id}, {"reason", reason}});
+    return;
+  }
   if (r->mode != KvMode::kRead) {
     ClosePeerLocked(n.peer, n.peer_name,
                     absl::FailedPreconditionError(
@@ -319,7 +346,85 @@ void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
                                      ", which is not a read-mode hand-off")));
     return;
   }
-  (void)CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/r->state == State::kHeld);
+  if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
+  if (r->grant == 0) {
+    absl::StatusOr<std::vector<GrantRange>> ranges = GrantRangesLocked(*r);
+    absl::StatusOr<GrantId> grant =
+        ranges.ok() ? engine_->Grant(n.peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
+    if (!grant.ok()) {
+      const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
+      (void)SendMessage(n.peer,
+                        json{{"t", "fail"}, {"transfer_id", m.transfer_id}, {"reason", reason}});
+      FailLocked(*r, reason);
+      return;
+    }
+    r->grant = *grant;
+  }
+  (void)SendMessage(n.peer,
+                    json{{"t", "read_ok"}, {"transfer_id", m.transfer_id}, {"grant", r->grant}});
+}
+
+absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const Request& r) {
+  std::vector<GrantRange> out;
+  for (const CacheGroup& g : layout_.groups) {
+    auto blocks = r.blocks.find(g.name);
+    if (blocks == r.blocks.end()) continue;
+    for (int64_t block : blocks->second) {
+      if (block < 0 || static_cast<uint64_t>(block) >= g.num_blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cache group '", g.name, "': block ", block, " of ", g.num_blocks));
+      }
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        for (int c = 0; c < g.components; ++c) {
+          const uint64_t addr = g.BlockAddress(l, static_cast<uint64_t>(block), c);
+          absl::StatusOr<std::pair<RegionId, uint64_t>> where =
+              connector_internal::FindRegion(local_regions_, addr, g.page_bytes, "local");
+          if (!where.ok()) return where.status();
+          out.push_back({where->first, where->second, g.page_bytes});
+        }
+      }
+    }
+  }
+  if (out.empty()) return absl::FailedPreconditionError("the request holds no blocks");
+  return out;
+}
+
+void Connector::Impl::RevokeGrantLocked(Request& r) {
+  if (r.decode || r.grant == 0 || !r.peer) return;
+  const GrantId grant = std::exchange(r.grant, 0);
+  // NotFound: the peer closed, and the engine dropped its grants with it.
+  if (!engine_->Revoke(*r.peer, grant).ok()) return;
+  // A READ that began under the grant before the revocation may still be copying: the
+  // blocks go back to the scheduler only once it ended. The reader's release was preceded
+  // by WaitForServedOps already, so this returns at once unless the peer kept reading after
+  // its own release; bounded for a peer that keeps an op stalled.
+  constexpr absl::Duration kRevokeWait = absl::Milliseconds(250);
+  if (absl::Status s = engine_->WaitForServedOps(*r.peer, kRevokeWait); !s.ok()) {
+    KVW_LOG(kWarning, kLog) << "a READ under a revoked grant is still served" << Kv("request", r.id)
+                            << Kv("peer", *r.peer) << Kv("error", s.message());
+  }
+}
+
+// read_ok: a prefill source granted a read-mode load's blocks to this engine.
+void Connector::Impl::OnReadOk(const InboxEvent& n, PeerMessage& m) {
+  for (auto& [id, r] : table_.requests) {
+    if (!r.decode || r.mode != KvMode::kRead) continue;
+    for (Request::ReadSource& s : r.read_sources) {
+      if (s.transfer_id != m.transfer_id) continue;
+      if (s.peer != n.peer) {
+        RefuseBoundElsewhere(n, m);
+        return;
+      }
+      if (r.state != State::kLoading || !r.fail_reason.empty() || s.grant) return;
+      s.grant = m.grant;
+      if (std::all_of(r.read_sources.begin(), r.read_sources.end(),
+                      [](const Request::ReadSource& x) { return x.grant.has_value(); })) {
+        SubmitReadsLocked(r);
+      }
+      return;
+    }
+  }
+  // Else: a load that ended here already.
 }
 
 // release: the reader is done with a read-mode hand-off (or failed).
@@ -382,8 +487,15 @@ Connector::Impl::LoadResult Connector::Impl::OnLoadResult(const InboxEvent& n,
   if (d == nullptr) return LoadResult::kNotALoad;
   if (d_peer != n.peer) return LoadResult::kBoundElsewhere;
   Request& r = *d;
-  // Read mode: prefill's "fail" (its lease ended) changes nothing here; the READs fail.
-  if (r.mode != KvMode::kWrite) return LoadResult::kHandled;
+  if (r.mode != KvMode::kWrite) {
+    // Read mode: a "fail" before the READs started (the prefill refused the read_start: it
+    // holds no such transfer, or could not grant it) ends the load; once they started, the
+    // READs themselves fail.
+    if (m.type == Type::kFail && r.state == State::kLoading && r.transfers.empty()) {
+      FailLocked(r, r.fail_reason.empty() ? absl::StrCat("prefill: ", m.reason) : r.fail_reason);
+    }
+    return LoadResult::kHandled;
+  }
   if (r.state != State::kLoading && r.state != State::kDraining) return LoadResult::kHandled;
   if (m.type == Type::kLayer) {
     r.layers_pending.erase(m.layer);

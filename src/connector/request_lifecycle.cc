@@ -137,8 +137,9 @@ void Connector::Impl::AbortLocked(Request& r, const std::string& reason) {
 }
 
 absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
-                                           const std::vector<Op>& ops, int layer) {
+                                           const std::vector<Op>& ops, int layer, GrantId grant) {
   TransferOptions to;
+  to.grant = grant;
   to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
   // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on
   // it: a transfer that ends inside Transfer (shm) is handled once this caller lets go.

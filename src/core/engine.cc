@@ -220,6 +220,7 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   region.length = length;
   region.access = options.access;
   region.kind = options.kind;
+  region.reads_need_grant = options.reads_need_grant;
   if (options.kind == MemoryKind::kGpu) {
     if (absl::Status s = DescribeGpuMemory(options, &region); !s.ok()) return s;
   } else if (auto backing = transport::FindShareable(ptr, length)) {
@@ -332,6 +333,7 @@ EngineStats Engine::Impl::Stats() const {
   out.regions = regions_.size();
   out.registered_bytes = regions_.bytes();
   out.gpu.regions = regions_.gpu_regions();
+  out.grants_live = grants_.live();
   out.notifications_delivered = arrivals_.delivered();
   out.control.notifications_dropped = arrivals_.dropped();
   out.control.peers_closed_for_protocol = peers_closed_for_protocol_.load();
@@ -411,6 +413,10 @@ absl::StatusOr<TransferId> Engine::Transfer(PeerId peer, OpKind kind, absl::Span
                                             const TransferOptions& options) {
   return impl_->Transfer(peer, kind, ops, options);
 }
+absl::StatusOr<GrantId> Engine::Grant(PeerId peer, absl::Span<const GrantRange> ranges) {
+  return impl_->Grant(peer, ranges);
+}
+absl::Status Engine::Revoke(PeerId peer, GrantId grant) { return impl_->Revoke(peer, grant); }
 TransferState Engine::Poll(TransferId id, absl::Status* status) { return impl_->Poll(id, status); }
 absl::Status Engine::Wait(TransferId id, absl::Duration timeout) {
   return impl_->Wait(id, timeout);

@@ -21,6 +21,7 @@
 #include "proto/kvwire.pb.h"
 #include "src/control/control.h"
 #include "src/core/arrival_counter.h"
+#include "src/core/grant_table.h"
 #include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
 #include "src/core/route.h"
@@ -59,6 +60,8 @@ struct Peer {
   // opens the best one and, if needed, a fallback: src/core/route.h).
   std::vector<std::shared_ptr<transport::Channel>> channels ABSL_GUARDED_BY(mu);
   std::vector<uint32_t> lanes ABSL_GUARDED_BY(mu);  // lanes each channel was opened with
+  // Channels routed only for grant-guarded regions (core::ChannelChoice::GrantFallback).
+  core::TransportMask guarded_only ABSL_GUARDED_BY(mu) = 0;
   std::string transport_desc ABSL_GUARDED_BY(mu);
   std::string transport_reason ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<RegionId, RemoteRegionState> remote ABSL_GUARDED_BY(mu);
@@ -106,12 +109,19 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
                                                             uint64_t offset, uint64_t length,
                                                             OpKind kind) override;
+  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
+                                                            uint64_t offset, uint64_t length,
+                                                            OpKind kind, GrantId grant) override;
   absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId region) override;
   void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
   void OnPeerError(PeerId peer, const absl::Status& error) override;
   uint32_t PeerProcessId(PeerId peer) override;
 
   core::ServedOps& served_ops() { return *served_ops_; }
+
+  // engine_transfers.cc: read grants (Engine::Grant / Revoke).
+  absl::StatusOr<GrantId> Grant(PeerId peer, absl::Span<const GrantRange> ranges);
+  absl::Status Revoke(PeerId peer, GrantId grant);
 
  private:
   // engine_peers.cc
@@ -178,6 +188,7 @@ class Engine::Impl final : public transport::TargetHooks {
   bool incoming_gpu_ok_ = true;
 
   core::RegionRegistry regions_;
+  core::GrantTable grants_;
   // Incoming ops being served (ResolveIncoming's pins); shared with those pins.
   const std::shared_ptr<core::ServedOps> served_ops_ = std::make_shared<core::ServedOps>();
   core::TransferTable transfers_;

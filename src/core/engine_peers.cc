@@ -48,6 +48,7 @@ pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
   d.set_memory_kind(static_cast<uint32_t>(region.kind));
   d.set_address(reinterpret_cast<uint64_t>(region.base));
   d.set_shareable(region.memfd >= 0);
+  d.set_reads_need_grant(region.reads_need_grant);
   return d;
 }
 
@@ -356,6 +357,9 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
     }
     peer->channels = std::move(channels);
     peer->lanes = std::move(lanes);
+    if (std::optional<size_t> g = choice.GrantFallback()) {
+      peer->guarded_only = core::TransportMask{1} << *g;
+    }
     peer->transport_desc = desc;
     peer->transport_reason = reason;
   }
@@ -470,6 +474,7 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
           state.desc.kind = static_cast<MemoryKind>(d.memory_kind());
           state.desc.address = d.address();
           state.desc.shareable = d.shareable();
+          state.desc.reads_need_grant = d.reads_need_grant();
           state.transport_keys.insert(d.transport_keys().begin(), d.transport_keys().end());
           peer->remote[d.id()] = state;
         }
@@ -579,6 +584,7 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   }
   arrivals_.DropPeer(peer->id);
   regions_.ForgetPeer(peer->id);
+  grants_.ForgetPeer(peer->id);
   // After its transfers failed: a consumer that sees the event finds them ended.
   messages_->PeerClosed(peer->id, peer->name, std::string(reason.message()));
   MutexLock lock(&peers_mu_);

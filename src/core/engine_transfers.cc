@@ -79,8 +79,11 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
         return OpError(i, s);
       }
       remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
+      needs.grant_reads = needs.grant_reads || (kind == OpKind::kRead && desc.reads_need_grant);
+      needs.guarded = needs.guarded || desc.reads_need_grant;
       needs.reaches &= it->second.resolved ? it->second.reached_by : 0;
     }
+    needs.guarded_only = peer->guarded_only;
     core::TransportMask connected = 0;
     for (size_t i = 0; i < peer->channels.size(); ++i) {
       if (peer->channels[i]) connected |= core::TransportMask{1} << i;
@@ -139,6 +142,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     request.kind = kind;
     request.lane = static_cast<uint32_t>(lane);
     request.count_arrivals = info.count_arrivals;
+    request.grant = options.grant;
     request.ops = std::move(plan.lanes[lane]);
     request.cancelled = cancelled;
     request.pins = pin_list;
@@ -240,11 +244,29 @@ absl::StatusOr<PeerId> Engine::Impl::PeerForToken(const std::string& token) {
 
 absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
     PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind) {
+  // A transport that carries no grant: grant-guarded regions are not readable through it.
+  return ResolveIncoming(peer, region, offset, length, kind, /*grant=*/0);
+}
+
+absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
+    PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind, GrantId grant) {
   auto resolved = regions_.ResolveForPeer(peer, region, offset, length, kind);
+  absl::Status granted;
+  if (resolved.ok() && kind == OpKind::kRead && resolved->reads_need_grant) {
+    granted = grants_.Check(peer, grant, region, offset, length);
+  }
   MutexLock lock(&stats_mu_);
   if (!resolved.ok()) {
     ++stats_.incoming_rejected;
     return resolved.status();
+  }
+  if (!granted.ok()) {
+    ++stats_.incoming_rejected;
+    ++stats_.grant_refused;
+    KVW_LOG(kWarning, "engine") << "READ refused: no grant covers it" << Kv("engine", name_)
+                                << Kv("peer", peer) << Kv("region", region) << Kv("offset", offset)
+                                << Kv("length", length) << Kv("reason", granted.message());
+    return granted;
   }
   if (resolved->gpu_device >= 0 && !incoming_gpu_ok_) {
     // Only transports that reach every region serve incoming ops themselves; one of them
@@ -261,7 +283,53 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
 }
 
 absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {
-  return regions_.ExportedRegion(peer, region);
+  absl::StatusOr<transport::LocalRegion> r = regions_.ExportedRegion(peer, region);
+  if (r.ok() && r->reads_need_grant) {
+    // A mapping reads the whole region, which no grant check can stop: such a region is
+    // never mapped (its ops go over a transport whose target checks them).
+    return absl::PermissionDeniedError(absl::StrCat(
+        "region ", region, " is readable only under a grant and is never mapped by a peer"));
+  }
+  return r;
+}
+
+absl::StatusOr<GrantId> Engine::Impl::Grant(PeerId peer_id, absl::Span<const GrantRange> ranges) {
+  if (ranges.empty()) return absl::InvalidArgumentError("Grant: no ranges");
+  std::shared_ptr<Peer> peer = GetPeer(peer_id);
+  if (!peer) return absl::NotFoundError(absl::StrCat("Grant: unknown peer ", peer_id));
+  {
+    MutexLock lock(&peer->mu);
+    if (!peer->alive) {
+      return absl::NotFoundError(absl::StrCat("Grant: peer ", peer->name, " closed"));
+    }
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const GrantRange& r = ranges[i];
+    // Exported to the peer, readable by it, inside the region (no overflow).
+    auto resolved = regions_.ResolveForPeer(peer_id, r.region, r.offset, r.length, OpKind::kRead);
+    if (!resolved.ok()) {
+      return absl::Status(resolved.status().code(),
+                          absl::StrCat("Grant: range ", i, ": ", resolved.status().message()));
+    }
+  }
+  const GrantId id = grants_.Add(peer_id, ranges);
+  // A peer that closed meanwhile never comes back (ids are not reused): its grant is dropped.
+  bool alive;
+  {
+    MutexLock lock(&peer->mu);
+    alive = peer->alive;
+  }
+  if (!alive) {
+    (void)grants_.Remove(peer_id, id);
+    return absl::NotFoundError(absl::StrCat("Grant: peer ", peer->name, " closed"));
+  }
+  KVW_LOG(kDebug, "engine") << "grant" << Kv("engine", name_) << Kv("peer", peer->name)
+                            << Kv("grant", id) << Kv("ranges", ranges.size());
+  return id;
+}
+
+absl::Status Engine::Impl::Revoke(PeerId peer, GrantId grant) {
+  return grants_.Remove(peer, grant);
 }
 
 void Engine::Impl::OnWriteArrived(PeerId peer, TransferId transfer_id) {

@@ -72,7 +72,8 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, Region
   if (absl::Status s = CheckBounds("remote", id, offset, length, entry.region.length); !s.ok()) {
     return s;
   }
-  return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second};
+  return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second,
+                       entry.region.reads_need_grant};
 }
 
 absl::StatusOr<transport::LocalRegion> RegionRegistry::ExportedRegion(PeerId peer,

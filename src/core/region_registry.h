@@ -28,6 +28,7 @@ struct ResolvedRange {
   std::byte* data = nullptr;
   int gpu_device = -1;  // >= 0: device memory (kGpu region)
   std::shared_ptr<const void> pin;
+  bool reads_need_grant = false;  // RegionOptions::reads_need_grant
 };
 
 class RegionRegistry {

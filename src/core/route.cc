@@ -29,6 +29,17 @@ ChannelChoice::ChannelChoice(std::vector<const transport::Capabilities*> caps, s
 std::optional<size_t> ChannelChoice::Next() const {
   if (!forced_name_.empty()) {
     if (forced_ && state_[*forced_] == State::kUntried) return forced_;
+    if (!forced_ || state_[*forced_] != State::kConnected || caps_[*forced_]->checks_grants) {
+      return std::nullopt;
+    }
+    // The forced transport's target cannot check read grants: also the best-ranked one
+    // that can, used only for grant-guarded regions (GrantFallback).
+    for (size_t i : order_) {
+      if (caps_[i]->checks_grants && state_[i] == State::kConnected) return std::nullopt;
+    }
+    for (size_t i : order_) {
+      if (caps_[i]->checks_grants && state_[i] == State::kUntried) return i;
+    }
     return std::nullopt;
   }
   bool partial_connected = false;
@@ -53,6 +64,14 @@ void ChannelChoice::Connected(size_t index) { state_[index] = State::kConnected;
 void ChannelChoice::Unusable(size_t index, std::string reason) {
   state_[index] = State::kUnusable;
   reason_[index] = std::move(reason);
+}
+
+std::optional<size_t> ChannelChoice::GrantFallback() const {
+  if (!forced_ || state_[*forced_] != State::kConnected) return std::nullopt;
+  for (size_t i : order_) {
+    if (i != *forced_ && state_[i] == State::kConnected) return i;
+  }
+  return std::nullopt;
 }
 
 std::vector<size_t> ChannelChoice::connected() const {
@@ -104,6 +123,14 @@ std::string ChannelChoice::Describe(const std::vector<std::string>& describe) co
   const std::vector<size_t> chosen = connected();
   if (chosen.empty()) return std::string();
   std::string desc = describe[chosen[0]];
+  if (forced_) {
+    // Forced: the forced transport first, whatever its rank; a grant fallback after it.
+    desc = describe[*forced_];
+    if (std::optional<size_t> g = GrantFallback()) {
+      absl::StrAppend(&desc, "; ", describe[*g], " for grant-guarded regions only");
+    }
+    return desc;
+  }
   for (size_t k = 1; k < chosen.size(); ++k) {
     absl::StrAppend(&desc, "; ", describe[chosen[k]], " for regions ", caps_[chosen[0]]->name,
                     " cannot reach");
@@ -125,10 +152,14 @@ absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* c
     if ((connected & (TransportMask{1} << i)) == 0) continue;
     const transport::Capabilities& c = *caps[i];
     const char* why = nullptr;
-    if (!c.reaches_every_region && (needs.reaches & (TransportMask{1} << i)) == 0) {
+    if ((needs.guarded_only & (TransportMask{1} << i)) != 0 && !needs.guarded) {
+      why = "is connected only for grant-guarded regions (another transport is forced)";
+    } else if (!c.reaches_every_region && (needs.reaches & (TransportMask{1} << i)) == 0) {
       why = "does not reach every remote region of this transfer";
     } else if (needs.kind == OpKind::kRead ? !c.one_sided_read : !c.one_sided_write) {
       why = needs.kind == OpKind::kRead ? "does not carry READ" : "does not carry WRITE";
+    } else if (needs.grant_reads && !c.checks_grants) {
+      why = "does not check read grants (a remote region is readable only under a grant)";
     } else if (needs.local_gpu && !c.gpu_memory) {
       why = "cannot move GPU memory (a local region is GPU memory)";
     } else if (needs.local_host && !c.host_memory) {

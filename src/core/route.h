@@ -29,8 +29,10 @@ std::vector<size_t> RankOrder(absl::Span<const transport::Capabilities* const> c
 
 // Which channels to open to one peer. Auto: the best-ranked transport that reaches the peer;
 // when it does not reach every region (reaches_every_region), also the best-ranked reachable
-// one that does, for the regions the first cannot reach. Forced: that transport only, or an
-// error. The engine asks Next(), tries to connect it, and reports Connected / Unusable.
+// one that does, for the regions the first cannot reach. Forced: that transport (and a grant
+// fallback, below), or an error, plus, when the forced transport cannot check read grants, the best
+// one that can (for grant-guarded regions only: GrantFallback). The engine asks Next(), tries to
+// connect it, and reports Connected / Unusable.
 class ChannelChoice {
  public:
   // `caps` in registration order; `forced` is a transport name, empty for auto.
@@ -47,6 +49,10 @@ class ChannelChoice {
   absl::Status Result(const std::string& peer_name) const;
   // The connected transports, best first (the first is the primary route).
   std::vector<size_t> connected() const;
+  // Forced to a transport whose target cannot check read grants (Capabilities::checks_grants):
+  // the best-ranked one that can, connected too but routed only for grant-guarded regions
+  // (TransferNeeds::guarded_only); nullopt otherwise.
+  std::optional<size_t> GrantFallback() const;
   // Why the primary was chosen, for logs and Peers()/Stats(): "forced by configuration", or
   // "same host" (a same_host_only transport) / "<name> ranks first of the usable transports",
   // then every better-ranked one's reason for not being usable.
@@ -73,6 +79,12 @@ struct TransferNeeds {
   // Bit i: transport i's channel accepted every remote region of the transfer
   // (AddRemoteRegions); transports with reaches_every_region need no bit.
   TransportMask reaches = 0;
+  // A READ of a region the peer guards with grants: only checks_grants transports carry it.
+  bool grant_reads = false;
+  // Some remote region of the transfer is grant-guarded (RemoteRegionDesc::reads_need_grant),
+  // and the channels connected only for such regions (ChannelChoice::GrantFallback).
+  bool guarded = false;
+  TransportMask guarded_only = 0;
 };
 
 // The transport that carries one transfer to one peer: the best-ranked connected one

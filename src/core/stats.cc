@@ -55,7 +55,8 @@ std::string EngineStats::ToJson() const {
       ",\"transfers_succeeded\":", transfers_succeeded, ",\"transfers_failed\":", transfers_failed,
       ",\"notifications_sent\":", notifications_sent,
       ",\"notifications_delivered\":", notifications_delivered, ",\"incoming_ops\":", incoming_ops,
-      ",\"incoming_rejected\":", incoming_rejected,
+      ",\"incoming_rejected\":", incoming_rejected, ",\"grant_refused\":", grant_refused,
+      ",\"grants_live\":", grants_live,
       ",\"control\":{\"handshakes_in_flight\":", control.handshakes_in_flight,
       ",\"connections\":", control.control_connections,
       ",\"handshakes_failed\":", control.handshakes_failed,
@@ -140,6 +141,10 @@ std::string EngineStats::ToPrometheus(const std::string& engine_name) const {
   counter("notifications_delivered_total", "Notifications delivered.", notifications_delivered);
   counter("incoming_ops_total", "Ops served as a target.", incoming_ops);
   counter("incoming_rejected_total", "Incoming ops refused by validation.", incoming_rejected);
+  counter("grant_refused_total",
+          "Incoming READs of grant-guarded regions refused for want of a live grant.",
+          grant_refused);
+  gauge("grants_live", "Read grants live (Engine::Grant, not yet revoked).", grants_live);
   // The transports' metrics in the order they list them; the engine's GPU region gauge goes
   // with the first of group "gpu".
   bool gpu_regions_done = false;

@@ -9,6 +9,7 @@
 //   abort <id>       Connector::Abort (+ RequestFinished(aborted) in write mode), "ABORTED <id>"
 //   acct             "ACCT <accounting error or ok> live=<requests> connector_live=<n>"
 //   stats            "STATS <json>"
+//   engine_stats     "ESTATS <json>" (the engine's: grant_refused, grants_live, ...)
 //   quit             exits (destroying the connector), like closing stdin
 // Between commands it polls GetFinished and frees the blocks of finished requests, printing
 // "FREED <id>". Prints "READY <address>" first; exits when stdin closes.
@@ -17,6 +18,8 @@
 //   load <id> <tokens> <kv_transfer_params json>
 //       match, allocate, bind and start the load; prints "STARTED <id>", later
 //       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
+//
+// --secret=S sets the engine's shared secret.
 //
 // --metrics=host:port starts the connector's metrics endpoint and prints "METRICS <address>"
 // after READY.
@@ -57,6 +60,7 @@ struct Args {
   std::string role = "prefill";
   std::string gpu;  // "" (host memory) or "emulated"
   std::string metrics;
+  std::string secret;
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -85,6 +89,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->role = v;
     else if (k == "metrics")
       a->metrics = v;
+    else if (k == "secret")
+      a->secret = v;
     else if (k == "gpu")
       ok = (a->gpu = v) == "emulated";
     else
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.engine.transport = *transport;
+  options.engine.shared_secret = args.secret;
   options.mode = *mode;
   options.metrics_address = args.metrics;
   // Before the connector: its engine keeps the runtime it was created with.
@@ -300,6 +307,8 @@ int main(int argc, char** argv) {
             " connector_live=" + std::to_string(c.LiveRequests()));
       } else if (cmd == "stats") {
         Say("STATS " + c.StatsJson());
+      } else if (cmd == "engine_stats") {
+        Say("ESTATS " + c.engine().Stats().ToJson());
       } else if (cmd == "quit") {
         quit = true;
         break;

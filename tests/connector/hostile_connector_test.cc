@@ -46,9 +46,11 @@ constexpr absl::Duration kWait = absl::Seconds(60);
 // decode whose every step the test controls.
 class RawPeer {
  public:
-  RawPeer(const std::string& name, const std::string& transport) : name_(name) {
+  RawPeer(const std::string& name, const std::string& transport, const std::string& secret = "")
+      : name_(name) {
     EngineOptions o;
     o.name = name;
+    o.shared_secret = secret;
     o.transport = *ParseTransportKind(transport);
     o.peer_lease = absl::Seconds(3);
     o.heartbeat_interval = absl::Milliseconds(200);
@@ -127,6 +129,34 @@ class RawPeer {
     }
   }
 
+  // read_start for `tid`, as a reader does: the grant the prefill answers with (read_ok), or
+  // PermissionDenied with the reason of its "fail".
+  absl::StatusOr<GrantId> ReadStart(const std::string& tid) {
+    if (absl::Status s = Send(json{{"t", "read_start"}, {"transfer_id", tid}}); !s.ok()) return s;
+    const absl::Time deadline = absl::Now() + kWait;
+    while (true) {
+      for (InboxEvent& e : inbox_->Take()) events_.push_back(std::move(e));
+      for (auto it = events_.begin(); it != events_.end(); ++it) {
+        if (it->kind != InboxEvent::Kind::kMessage) continue;
+        json m = json::parse(it->payload, nullptr, false);
+        if (!m.is_object() || m.value("transfer_id", "") != tid) continue;
+        const std::string t = m.value("t", "");
+        if (t == "read_ok") {
+          events_.erase(it);
+          return m["grant"].get<GrantId>();
+        }
+        if (t == "fail") {
+          events_.erase(it);
+          return absl::PermissionDeniedError(m.value("reason", "?"));
+        }
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("no answer to read_start ", tid));
+      }
+      for (InboxEvent& e : inbox_->Wait(absl::Milliseconds(20))) events_.push_back(std::move(e));
+    }
+  }
+
   // Waits for the peer to close this one; returns the reason it gave.
   absl::StatusOr<std::string> WaitClosed(absl::Duration timeout = absl::Seconds(15)) {
     const absl::Time deadline = absl::Now() + timeout;
@@ -143,7 +173,7 @@ class RawPeer {
 
   // Reads `layers` of the request described by `params` into this peer's blocks `mine`.
   absl::Status ReadLayers(const KvTransferParams& params, const BlockTable& mine,
-                          const std::vector<int>& layers) {
+                          const std::vector<int>& layers, GrantId grant) {
     auto plan = PlanTransfer(remote_layout_, params.block_ids, cache_->layout(), mine, kTokens);
     if (!plan.ok()) return plan.status();
     for (int layer : layers) {
@@ -155,7 +185,9 @@ class RawPeer {
         ops.push_back({l->first, l->second, r->first, r->second, br.length});
       }
       if (ops.empty()) continue;
-      auto id = engine_->Transfer(peer_, OpKind::kRead, ops);
+      TransferOptions to;
+      to.grant = grant;
+      auto id = engine_->Transfer(peer_, OpKind::kRead, ops, to);
       if (!id.ok()) return id.status();
       if (absl::Status s = engine_->Wait(*id, kWait); !s.ok()) return s;
     }
@@ -200,8 +232,9 @@ class RawPeer {
 // A decode instance (kvwire::Connector) in this process.
 class Decode {
  public:
-  explicit Decode(const std::string& transport) {
+  explicit Decode(const std::string& transport, const std::string& secret = "") {
     ConnectorOptions o;
+    o.engine.shared_secret = secret;
     o.role = "decode";
     o.engine.name = absl::StrCat("decode-", getpid());
     o.engine.transport = *ParseTransportKind(transport);
@@ -338,12 +371,13 @@ TEST_P(HostileConnectorTest, ForgedReleaseWhileDecodeReadsIsRefused) {
   ASSERT_TRUE(decode.Hello().ok());
   auto mine = decode.cache().Allocate("r1", kTokens);
   ASSERT_TRUE(mine.ok()) << mine.status();
-  ASSERT_TRUE(decode.Send(json{{"t", "read_start"}, {"transfer_id", params->transfer_id}}).ok());
+  absl::StatusOr<GrantId> grant = decode.ReadStart(params->transfer_id);
+  ASSERT_TRUE(grant.ok()) << grant.status();
   const std::vector<int> layers = decode.Layers();
   ASSERT_GE(layers.size(), 2u);
   const std::vector<int> first(layers.begin(), layers.begin() + layers.size() / 2);
   const std::vector<int> rest(layers.begin() + layers.size() / 2, layers.end());
-  ASSERT_TRUE(decode.ReadLayers(*params, *mine, first).ok());
+  ASSERT_TRUE(decode.ReadLayers(*params, *mine, first, *grant).ok());
 
   // Mid-read: a forged release, and a forged read_start trying to take the transfer over.
   auto forger = Attacker(address_, "forger");
@@ -365,7 +399,7 @@ TEST_P(HostileConnectorTest, ForgedReleaseWhileDecodeReadsIsRefused) {
   EXPECT_FALSE(freed.ok()) << "prefill freed blocks still being read: " << *freed;
 
   // The reader finishes, byte-exact, and its own release frees them.
-  ASSERT_TRUE(decode.ReadLayers(*params, *mine, rest).ok());
+  ASSERT_TRUE(decode.ReadLayers(*params, *mine, rest, *grant).ok());
   EXPECT_EQ(decode.cache().Verify("r1", *mine, kTokens, 0), "");
   ASSERT_TRUE(
       decode
@@ -375,6 +409,106 @@ TEST_P(HostileConnectorTest, ForgedReleaseWhileDecodeReadsIsRefused) {
   EXPECT_TRUE(prefill->Expect("FREED r1").ok());
   ExpectServesLegitimatePeer(*prefill, "r2");
   ExpectPrefillClean(*prefill);
+}
+
+// The attack of issue 30, finding 2: a peer that completed both handshakes (with the
+// deployment's secret when there is one) and knows another request's block ids (they travel in
+// kv_transfer_params) reads none of that request's KV: a made-up transfer id gets "fail" and
+// no grant; a READ of the blocks without a grant, with a guessed grant id, or with the grant of
+// a request of its own is refused by the prefill's engine; and a grant is dead once its request
+// is released. Each refusal also closes the peer (a refused op is a protocol error), so every
+// attempt is a new peer. Counted: the connector's reads_refused, the engine's grant_refused.
+// The victim's real reader still gets its KV byte-exact.
+TEST_P(HostileConnectorTest, MadeUpTransferIdReadsNothing) {
+  for (const std::string secret : {"", "deployment-secret"}) {
+    SCOPED_TRACE(secret.empty() ? "no secret" : "with a shared secret");
+    std::vector<std::string> extra;
+    if (!secret.empty()) extra.push_back("--secret=" + secret);
+    auto prefill = Prefill(extra);
+    auto victim = Handoff(*prefill, "v1");
+    ASSERT_TRUE(victim.ok()) << victim.status();
+    int n = 0;
+    const auto thief = [&] {
+      auto t = std::make_unique<RawPeer>(absl::StrCat("thief-", n++), transport(), secret);
+      EXPECT_TRUE(t->Connect(address_).ok());
+      absl::Status s = t->Hello();
+      EXPECT_TRUE(s.ok()) << s;
+      return t;
+    };
+    // A READ of the victim's blocks that must be refused, and leave no victim byte here.
+    const auto expect_refused = [&](RawPeer& t, const KvTransferParams& of, GrantId grant,
+                                    const std::string& says) {
+      auto mine = t.cache().Allocate(absl::StrCat("x", n), kTokens);
+      ASSERT_TRUE(mine.ok()) << mine.status();
+      const absl::Status s = t.ReadLayers(of, *mine, t.Layers(), grant);
+      EXPECT_FALSE(s.ok());
+      EXPECT_TRUE(absl::StrContains(s.message(), says)) << s;
+      EXPECT_NE(t.cache().Verify(of.remote_request_id, *mine, kTokens, 0), "")
+          << "the other request's KV arrived";
+    };
+
+    // The repro: a made-up transfer id and the victim's block ids.
+    auto t1 = thief();
+    absl::StatusOr<GrantId> none = t1->ReadStart("made-up-transfer-id");
+    EXPECT_EQ(none.status().code(), absl::StatusCode::kPermissionDenied) << none.status();
+    EXPECT_TRUE(absl::StrContains(none.status().message(), "holds no blocks")) << none.status();
+    expect_refused(*t1, *victim, 0, "presented none");
+    for (GrantId guess : {GrantId{1}, GrantId{2}, GrantId{77}}) {
+      auto t = thief();
+      expect_refused(*t, *victim, guess, "not live");
+    }
+
+    // A request of its own: its grant covers its own blocks, not the victim's.
+    auto own = Handoff(*prefill, "t2");
+    ASSERT_TRUE(own.ok()) << own.status();
+    auto t2 = thief();
+    absl::StatusOr<GrantId> g2 = t2->ReadStart(own->transfer_id);
+    ASSERT_TRUE(g2.ok()) << g2.status();
+    expect_refused(*t2, *victim, *g2, "does not cover");
+    EXPECT_TRUE(prefill->Expect("FREED t2").ok());  // bound to t2, which was closed
+
+    // And nothing once released: the grant dies with the hand-off.
+    auto own3 = Handoff(*prefill, "t3");
+    ASSERT_TRUE(own3.ok()) << own3.status();
+    auto t3 = thief();
+    absl::StatusOr<GrantId> g3 = t3->ReadStart(own3->transfer_id);
+    ASSERT_TRUE(g3.ok()) << g3.status();
+    auto mine3 = t3->cache().Allocate("t3", kTokens);
+    ASSERT_TRUE(mine3.ok()) << mine3.status();
+    ASSERT_TRUE(t3->ReadLayers(*own3, *mine3, t3->Layers(), *g3).ok());
+    EXPECT_EQ(t3->cache().Verify("t3", *mine3, kTokens, 0), "");
+    ASSERT_TRUE(
+        t3
+            ->Send(json{
+                {"t", "release"}, {"transfer_id", own3->transfer_id}, {"ok", true}, {"reason", ""}})
+            .ok());
+    EXPECT_TRUE(prefill->Expect("FREED t3").ok());
+    expect_refused(*t3, *own3, *g3, "not live");
+    // Its release was the last word on t3: read_start for it again is refused too.
+    auto t4 = thief();
+    EXPECT_EQ(t4->ReadStart(own3->transfer_id).status().code(),
+              absl::StatusCode::kPermissionDenied);
+
+    // The victim's reader is served, byte-exact.
+    Decode d(transport(), secret);
+    ASSERT_TRUE(d.Start("v1", victim->ToJson()).ok());
+    auto r = d.WaitDone("v1");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(*r, "");
+    EXPECT_EQ(d.cache->Verify("v1", d.cache->live().at("v1"), kTokens, 0), "");
+    EXPECT_TRUE(prefill->Expect("FREED v1").ok());
+
+    prefill->Send("stats");
+    auto stats = prefill->Expect("STATS ");
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(json::parse(stats->substr(6))["reads_refused"].get<int>(), 2) << *stats;
+    prefill->Send("engine_stats");
+    auto estats = prefill->Expect("ESTATS ");
+    ASSERT_TRUE(estats.ok()) << estats.status();
+    EXPECT_GE(json::parse(estats->substr(7))["grant_refused"].get<int>(), 6) << *estats;
+    EXPECT_EQ(json::parse(estats->substr(7))["grants_live"].get<int>(), 0) << *estats;
+    ExpectPrefillClean(*prefill);
+  }
 }
 
 // Write mode, both directions: while prefill streams layers to decode, a third peer forges

@@ -371,6 +371,62 @@ TEST_F(RdmaIsolationTest, WithdrawnExportIsUnreachableWithItsOldRkey) {
 
 // Whether the kernel's rxe offers type-2 memory windows (the alternative design; see
 // rdma_transport.h). Printed for the record; nothing depends on it.
+// Read grants over rdma (docs/SECURITY.md, "Read grants"): the per-peer MR of a grant-guarded
+// region has no remote-read access, so even the peer it is exported to, with its own real
+// rkey and a live grant, cannot READ it over rdma: the NIC refuses. Under the grant its READ
+// goes over tcp, where the target checks it. The legitimate engine is made to try rdma by
+// slipping it the region's descriptor without the reads_need_grant flag (what a peer running a
+// rewritten kvwire could do).
+TEST_F(RdmaIsolationTest, GrantGuardedRegionIsNotReadableOverRdma) {
+  std::vector<std::byte> guarded_mem(kRegionBytes);
+  FillPattern(guarded_mem.data(), kRegionBytes, kSeed, 2);
+  RegionOptions ro;
+  ro.export_to_all_peers = true;
+  ro.reads_need_grant = true;
+  auto guarded = target_->RegisterMemory(guarded_mem.data(), kRegionBytes, ro);
+  ASSERT_TRUE(guarded.ok()) << guarded.status();
+  ASSERT_TRUE(legit_->WaitForRemoteRegion(target_at_legit_, *guarded, absl::Seconds(60)).ok());
+  auto grant = target_->Grant(legit_at_target_, {GrantRange{*guarded, 0, kAttackBytes}});
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  const auto read = [&] {
+    std::fill(local_.begin(), local_.end(), std::byte{0xEE});
+    TransferOptions options;
+    options.timeout = absl::Seconds(60);
+    options.grant = *grant;
+    auto id = legit_->Transfer(target_at_legit_, OpKind::kRead,
+                               {Op{local_id_, 0, *guarded, 0, kAttackBytes}}, options);
+    if (!id.ok()) return id.status();
+    return legit_->Wait(*id, absl::Seconds(90));
+  };
+
+  // Under the grant: served (by the target's tcp path, which checks it), byte-exact.
+  const uint64_t served = target_->Stats().incoming_ops;
+  ASSERT_TRUE(read().ok());
+  EXPECT_EQ(0, std::memcmp(local_.data(), guarded_mem.data(), kAttackBytes));
+  EXPECT_GT(target_->Stats().incoming_ops, served) << "the granted READ did not go over tcp";
+
+  // The real descriptor, with the rdma key this peer's MR has, minus the flag.
+  pb::RegionDescriptor d = Learned(*guarded);
+  ASSERT_EQ(d.id(), *guarded);
+  ASSERT_TRUE(d.reads_need_grant());
+  ASSERT_TRUE(d.transport_keys().count("rdma") != 0) << "WRITEs keep rdma: a key is exported";
+  d.set_reads_need_grant(false);
+  pb::Envelope forged;
+  *forged.mutable_export_regions()->add_regions() = d;
+  ASSERT_TRUE(proxy_->Inject(forged).ok());
+  absl::SleepFor(absl::Seconds(2));  // the engine re-resolves the region (rdma accepts it)
+  const uint64_t served_before = target_->Stats().incoming_ops;
+  const absl::Status over_rdma = read();
+  std::printf("READ of the guarded region over rdma: %s\n", over_rdma.ToString().c_str());
+  EXPECT_FALSE(over_rdma.ok()) << "an rdma READ of a grant-guarded region succeeded";
+  EXPECT_EQ(target_->Stats().incoming_ops, served_before) << "it went over tcp, not rdma";
+  EXPECT_NE(over_rdma.message().find("remote access error"), absl::string_view::npos) << over_rdma;
+  EXPECT_NE(0, std::memcmp(local_.data(), guarded_mem.data(), kAttackBytes))
+      << "the guarded region's bytes arrived over rdma";
+  // The peer keeps working for what rdma may carry.
+  ExpectLegitByteExact("after the rdma READ", true);
+}
+
 TEST(RdmaIsolationFacts, MemoryWindowSupportOfRxe) {
   int n = 0;
   ibv_device** list = ibv_get_device_list(&n);

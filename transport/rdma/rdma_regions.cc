@@ -21,7 +21,12 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
   // Peers get MRs of their own (ExportKey), with the region's remote access.
   const int access = IBV_ACCESS_LOCAL_WRITE;
   mr->remote_access = IBV_ACCESS_LOCAL_WRITE;  // never remote atomics
-  if (region.access & kRemoteRead) mr->remote_access |= IBV_ACCESS_REMOTE_READ;
+  // A grant-guarded region: a one-sided READ is never checked by this host's CPU, so the
+  // peers' MRs get no remote-read access at all (its READs go over a transport whose target
+  // checks the grant of each op; docs/SECURITY.md, "Read grants").
+  if ((region.access & kRemoteRead) && !region.reads_need_grant) {
+    mr->remote_access |= IBV_ACCESS_REMOTE_READ;
+  }
   if (region.access & kRemoteWrite) mr->remote_access |= IBV_ACCESS_REMOTE_WRITE;
   const absl::Time start = absl::Now();
   std::string gpu_reason;

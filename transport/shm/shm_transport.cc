@@ -95,6 +95,10 @@ class ShmTransport final : public Transport {
   std::string Endpoint() const override { return endpoint_; }
 
   absl::Status RegisterRegion(const LocalRegion& region) override {
+    // A grant-guarded region is never mapped by a peer (a mapping reads it whole): no IPC
+    // key for GPU memory, and the fd server asks the engine (ExportedRegion), which refuses
+    // it for host memory. Its ops go over a transport whose target checks them.
+    if (region.kind == MemoryKind::kGpu && region.reads_need_grant) return absl::OkStatus();
     if (region.kind == MemoryKind::kGpu) {
       absl::Status exported = gpu_exports_.Add(region);
       if (!exported.ok() && gpu_ == nullptr) return exported;  // GPU memory was not offered

@@ -311,6 +311,7 @@ void ClientConnection::EncodeRequestHeaders() {
     h.region = op.remote_region;
     h.offset = op.remote_offset;
     h.length = op.length;
+    h.grant = p.request.grant;
     wire::EncodeRequest(h, batch.headers[i].data());
     const bool has_payload = write && op.length > 0;
     follow = has_payload ? 1 : static_cast<uint16_t>(std::min<int>(follow + 1, wire::kMaxFollow));

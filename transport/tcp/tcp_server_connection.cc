@@ -474,7 +474,7 @@ std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std
   op.write = h.kind == wire::kKindWrite;
   // The target's access check: every op, before any of its bytes touch memory.
   absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
-      peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead);
+      peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead, h.grant);
   if (!access.ok()) {
     RefuseOp(h.sequence, access.status(),
              absl::StrCat(context_, ": op ", h.op_index, " of transfer ", h.transfer_id));

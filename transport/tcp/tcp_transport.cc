@@ -39,6 +39,8 @@ class TcpTransport final : public Transport {
     caps_.one_sided_write = true;
     caps_.same_host_only = false;
     caps_.counts_arrivals = true;
+    // Each op carries its read grant (tcp_wire.h), which the target checks (ResolveIncoming).
+    caps_.checks_grants = true;
     caps_.max_op_bytes = options.max_op_bytes;
     caps_.max_lanes = options.max_lanes;
     caps_.lanes_per_peer = std::clamp<uint32_t>(options.connections_per_peer, 1, options.max_lanes);

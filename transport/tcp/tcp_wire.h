@@ -1,14 +1,14 @@
-// Wire protocol of the tcp transport, version 1. Every integer is little-endian, every header
-// has a fixed size, and every variable-length field is capped.
+// Wire protocol of the tcp transport, version 2 (2 added the op's read grant). Every integer is
+// little-endian, every header has a fixed size, and every variable-length field is capped.
 //
 // Setup, once per data connection (one connection per lane):
 //
 //   dialer -> target  Hello, 16 B:
-//     0 u32 magic 0x4857564B ("KVWH")    4 u16 version (1)    6 u16 reserved (0)
+//     0 u32 magic 0x4857564B ("KVWH")    4 u16 version (2)    6 u16 reserved (0)
 //     8 u32 token_len (<= kMaxTokenBytes) 12 u32 lane (informational)
 //     then token_len bytes: the session token the target issued in the control handshake
 //   target -> dialer  HelloReply, 24 B:
-//     0 u32 magic 0x6857564B ("KVWh")    4 u16 version (1)    6 u16 reserved (0)
+//     0 u32 magic 0x6857564B ("KVWh")    4 u16 version (2)    6 u16 reserved (0)
 //     8 u32 code (absl::StatusCode, 0 = accepted)   12 u32 message_len (<= kMaxMessageBytes)
 //    16 u64 max_op_bytes the target accepts (0 when refused)
 //     then message_len bytes of error text.
@@ -16,7 +16,7 @@
 //
 // Ops, initiator -> target, pipelined (no waiting for responses):
 //
-//   Request header, 56 B:
+//   Request header, 64 B:
 //     0 u32 magic 0x5157564B ("KVWQ")
 //     4 u8  kind: 1 = WRITE, 2 = READ
 //     5 u8  flags: bit 0 = count arrivals (WRITE only); other bits 0
@@ -27,6 +27,8 @@
 //    16 u64 sequence: 0, 1, 2, ... per connection
 //    24 u64 transfer_id    32 u64 remote_region    40 u64 remote_offset
 //    48 u64 length (<= the target's max_op_bytes)
+//    56 u64 grant: the read grant presented (TransferOptions::grant; 0 = none), checked by
+//           the target for READs of grant-guarded regions
 //   then, for WRITE, `length` payload bytes.
 //
 // Responses, target -> initiator, one per request, in request order:
@@ -59,7 +61,7 @@
 
 namespace kvwire::transport::tcp_wire {
 
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;
 
 inline constexpr uint32_t kHelloMagic = 0x4857564B;       // "KVWH" as bytes on the wire
 inline constexpr uint32_t kHelloReplyMagic = 0x6857564B;  // "KVWh"
@@ -68,7 +70,7 @@ inline constexpr uint32_t kResponseMagic = 0x4157564B;    // "KVWA"
 
 inline constexpr size_t kHelloBytes = 16;
 inline constexpr size_t kHelloReplyBytes = 24;
-inline constexpr size_t kRequestBytes = 56;
+inline constexpr size_t kRequestBytes = 64;
 inline constexpr size_t kResponseBytes = 32;
 
 inline constexpr uint32_t kMaxTokenBytes = 4096;
@@ -187,6 +189,7 @@ struct RequestHeader {
   RegionId region = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
+  GrantId grant = 0;
 };
 
 inline void EncodeRequest(const RequestHeader& h, std::byte* out) {
@@ -201,6 +204,7 @@ inline void EncodeRequest(const RequestHeader& h, std::byte* out) {
   Store64(out + 32, h.region);
   Store64(out + 40, h.offset);
   Store64(out + 48, h.length);
+  Store64(out + 56, h.grant);
 }
 
 // Rewrites only the `follow` field of an encoded request or response header.
@@ -224,6 +228,7 @@ inline absl::Status DecodeRequest(const std::byte* in, uint64_t max_op_bytes, Re
   h->region = Load64(in + 32);
   h->offset = Load64(in + 40);
   h->length = Load64(in + 48);
+  h->grant = Load64(in + 56);
   if (h->kind != kKindWrite && h->kind != kKindRead) {
     return absl::InvalidArgumentError(absl::StrFormat("unknown op kind %u", h->kind));
   }

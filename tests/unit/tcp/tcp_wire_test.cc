@@ -35,6 +35,7 @@ TEST(TcpWireTest, RequestRoundTripsLittleEndian) {
   h.region = 9;
   h.offset = 1 << 20;
   h.length = 4096;
+  h.grant = 0x1112131415161718;
   std::array<std::byte, wire::kRequestBytes> raw;
   wire::EncodeRequest(h, raw.data());
   // Fixed little-endian layout, whatever the host.
@@ -52,6 +53,8 @@ TEST(TcpWireTest, RequestRoundTripsLittleEndian) {
   EXPECT_EQ(out.region, h.region);
   EXPECT_EQ(out.offset, h.offset);
   EXPECT_EQ(out.length, h.length);
+  EXPECT_EQ(raw[56], std::byte{0x18});  // the read grant, after the length
+  EXPECT_EQ(out.grant, h.grant);
 }
 
 TEST(TcpWireTest, RejectsMalformedRequests) {

@@ -1,0 +1,54 @@
+// Read grants (Engine::Grant): which ranges of grant-guarded regions each peer may READ, under
+// which grant id. The target checks every incoming READ of such a region here, so that a peer
+// reads exactly what it was granted for one request, and nothing once the grant is revoked.
+#ifndef KVWIRE_CORE_GRANT_TABLE_H_
+#define KVWIRE_CORE_GRANT_TABLE_H_
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+#include "kvwire/engine.h"
+#include "src/util/mutex.h"
+
+namespace kvwire::core {
+
+class GrantTable {
+ public:
+  // Records a grant of `ranges` (already validated against their regions) to `peer`.
+  GrantId Add(PeerId peer, absl::Span<const GrantRange> ranges) ABSL_LOCKS_EXCLUDED(mu_);
+  // NotFound when `grant` is not live for `peer`.
+  absl::Status Remove(PeerId peer, GrantId grant) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every grant of a closed peer.
+  void ForgetPeer(PeerId peer) ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `grant` is live for `peer` and one of its ranges holds [offset, offset+length) of
+  // `region`; PermissionDenied naming what is missing otherwise.
+  absl::Status Check(PeerId peer, GrantId grant, RegionId region, uint64_t offset,
+                     uint64_t length) const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t live() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Key {
+    PeerId peer;
+    GrantId grant;
+    bool operator==(const Key&) const = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const Key& k) {
+      return H::combine(std::move(h), k.peer, k.grant);
+    }
+  };
+  // Per region: start offset -> end offset, merged (no two touch), so a check is one lookup.
+  using Ranges = std::map<RegionId, std::map<uint64_t, uint64_t>>;
+
+  mutable Mutex mu_;
+  GrantId next_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<Key, Ranges> grants_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvwire::core
+
+#endif  // KVWIRE_CORE_GRANT_TABLE_H_
