@@ -363,6 +363,11 @@ class Connector::Impl {
   // Prefill, read mode: ends `r`'s grant (if any), then waits (bounded) for READs under it
   // that were being served, so that the blocks are not handed back while one copies them.
   void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: grants held `r`'s blocks to `peer` (once) and answers read_ok.
+  void GrantReadLocked(Request& r, PeerId peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: tells `peer` that `tid` is not readable here, and counts it.
+  void RefuseReadLocked(PeerId peer, const std::string& tid, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode, read mode: submits the READs of every source, layer by layer.
   void SubmitReadsLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // layer/done/fail about a decode load: handled here, or the load is bound to another peer,
@@ -435,6 +440,9 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TellUnreadLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Retire(Request& r, const char* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill: remembers an ended transfer id with why it ended (retired_transfers), bounded.
+  void RememberRetiredLocked(const Request& r, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool PeerAlive(PeerId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !sessions_.dead.Contains(id);
   }
@@ -472,6 +480,12 @@ class Connector::Impl {
     PeerId peer = 0;
     BlockTable blocks;
     uint64_t num_cached = 0;
+    absl::Time expires;
+  };
+  // A read_start for a transfer id not held (yet): a scheduler in another process may hand
+  // the id out before its worker holds the blocks (RequestFinished with a given id).
+  struct EarlyRead {
+    PeerId peer = 0;
     absl::Time expires;
   };
   struct EarlyRelease {
@@ -527,6 +541,11 @@ class Connector::Impl {
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
     // with a given id), so a fast reader's release can come first. Bounded, oldest dropped.
     std::map<std::string, EarlyRelease> early_releases;
+    // Read mode, read_starts of transfer ids not held (yet): granted when the hold comes,
+    // refused (fail, counted in reads_refused) after handshake_timeout. Bounded like
+    // early_releases (the oldest is refused at once).
+    std::map<std::string, EarlyRead> early_reads;
+    std::deque<std::string> early_read_order;
     std::deque<std::string> early_release_order;
     std::set<std::string> retired_early;
     // Prefill transfers that failed, with the reason, for decodes that ask late.

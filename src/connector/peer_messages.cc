@@ -4,6 +4,7 @@
 #include <iterator>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -320,48 +321,70 @@ void Connector::Impl::OnHelloAnswer(const InboxEvent& n, PeerMessage& m) {
 // they are granted to it alone in the engine (the only way anyone reads them), and read_ok
 // hands it the grant. An id not held here gets "fail" and no grant.
 void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
-  Request* r = FindByTransfer(m.transfer_id);
-  if (r == nullptr || r->state != State::kHeld) {
-    // Unknown, released, or its lease ended: nothing to read. Told (a reader does not wait
-    // for its deadline) and counted; the id is cut short in the log (a peer chose it).
-    accounting_.ReadRefused();
-    auto retired = table_.retired_transfers.find(m.transfer_id);
-    const std::string reason =
-        retired != table_.retired_transfers.end()
-            ? absl::StrCat("prefill engine ", engine_->name(), " released transfer ", m.transfer_id,
-                           ": ", retired->second)
-            : absl::StrCat("prefill engine ", engine_->name(),
-                           " holds no blocks under transfer id ", m.transfer_id,
-                           " (unknown or released): nothing to read");
-    KVW_LOG(kWarning, kLog) << "read_start refused: transfer id not held" << Kv("peer", n.peer_name)
-                            << Kv("transfer", m.transfer_id.substr(0, 64));
-    (void)SendMessage(n.peer,
-                      json{{"t", "fail"}, {"transfer_id", m.transfer_id}, {"reason", reason}});
+  const std::string& tid = m.transfer_id;
+  Request* r = FindByTransfer(tid);
+  if (r == nullptr) {
+    if (auto retired = table_.retired_transfers.find(tid);
+        retired != table_.retired_transfers.end()) {
+      RefuseReadLocked(n.peer, tid, absl::StrCat("it was released: ", retired->second));
+      return;
+    }
+    // Not held (yet): granted if the hold comes within handshake_timeout, else refused.
+    if (table_.early_reads.contains(tid)) return;  // asked already
+    table_.early_reads[tid] = EarlyRead{n.peer, absl::Now() + options_.handshake_timeout};
+    table_.early_read_order.push_back(tid);
+    if (table_.early_read_order.size() > connector_internal::kMaxEarlyReleases) {
+      const std::string oldest = std::move(table_.early_read_order.front());
+      table_.early_read_order.pop_front();
+      auto e = table_.early_reads.find(oldest);
+      if (e != table_.early_reads.end()) {
+        const PeerId peer = e->second.peer;
+        table_.early_reads.erase(e);
+        RefuseReadLocked(peer, oldest, "too many read_starts for transfers not held here");
+      }
+    }
     return;
   }
-  if (r->mode != KvMode::kRead) {
-    ClosePeerLocked(n.peer, n.peer_name,
-                    absl::FailedPreconditionError(
-                        absl::StrCat("connector message 'read_start' for transfer ", m.transfer_id,
-                                     ", which is not a read-mode hand-off")));
+  if (r->mode != KvMode::kRead || r->state != State::kHeld) {
+    ClosePeerLocked(
+        n.peer, n.peer_name,
+        absl::FailedPreconditionError(absl::StrCat("connector message 'read_start' for transfer ",
+                                                   tid, ", which is not a read-mode hand-off")));
     return;
   }
   if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
-  if (r->grant == 0) {
-    absl::StatusOr<std::vector<GrantRange>> ranges = GrantRangesLocked(*r);
+  GrantReadLocked(*r, n.peer);
+}
+
+void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
+  if (r.grant == 0) {
+    absl::StatusOr<std::vector<GrantRange>> ranges = GrantRangesLocked(r);
     absl::StatusOr<GrantId> grant =
-        ranges.ok() ? engine_->Grant(n.peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
+        ranges.ok() ? engine_->Grant(peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
     if (!grant.ok()) {
       const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
-      (void)SendMessage(n.peer,
-                        json{{"t", "fail"}, {"transfer_id", m.transfer_id}, {"reason", reason}});
-      FailLocked(*r, reason);
+      (void)SendMessage(
+          peer, json{{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}});
+      FailLocked(r, reason);
       return;
     }
-    r->grant = *grant;
+    r.grant = *grant;
   }
-  (void)SendMessage(n.peer,
-                    json{{"t", "read_ok"}, {"transfer_id", m.transfer_id}, {"grant", r->grant}});
+  (void)SendMessage(
+      peer, json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", r.grant}});
+}
+
+void Connector::Impl::RefuseReadLocked(PeerId peer, const std::string& tid,
+                                       const std::string& why) {
+  accounting_.ReadRefused();
+  KVW_LOG(kWarning, kLog) << "read_start refused" << Kv("peer", peer)
+                          << Kv("transfer", tid.substr(0, 64)) << Kv("why", why);
+  if (!PeerAlive(peer)) return;
+  (void)SendMessage(
+      peer, json{{"t", "fail"},
+                 {"transfer_id", tid},
+                 {"reason", absl::StrCat("prefill engine ", engine_->name(),
+                                         " holds no blocks under transfer id ", tid, ": ", why)}});
 }
 
 absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const Request& r) {
@@ -662,6 +685,7 @@ absl::Time Connector::Impl::NextWakeLocked() const {
   absl::Time wake = now + kIdleWake;
   if (!sessions_.pending_hellos.empty()) wake = std::min(wake, now + kHelloCheck);
   for (const auto& [tid, e] : pushes_.early_writes) wake = std::min(wake, e.expires);
+  for (const auto& [tid, e] : table_.early_reads) wake = std::min(wake, e.expires);
   for (const auto& [id, r] : table_.requests) {
     // A request with transfers in flight waits for their ends (each has a deadline of its
     // own in the engine); CheckDeadlines acts on the others, except matched and pending ones

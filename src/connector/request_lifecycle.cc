@@ -57,6 +57,7 @@ void Connector::Impl::CompleteLocked(Request& r) {
   } else {
     table_.retired_early.insert(r.id);  // its RequestFinished frees the blocks at once
   }
+  if (!r.decode && r.mode == KvMode::kRead) RememberRetiredLocked(r, "released by its reader");
   Retire(r, "completed");
 }
 
@@ -93,15 +94,19 @@ void Connector::Impl::FailLocked(Request& r, const std::string& reason) {
     // Failed before the scheduler finished it: its RequestFinished frees the blocks.
     table_.retired_early.insert(r.id);
   }
-  if (!r.decode && !r.params.transfer_id.empty()) {
-    table_.retired_transfers[r.params.transfer_id] = r.fail_reason;
-    table_.retired_order.push_back(r.params.transfer_id);
-    if (table_.retired_order.size() > 4096) {
-      table_.retired_transfers.erase(table_.retired_order.front());
-      table_.retired_order.pop_front();
-    }
-  }
+  if (!r.decode) RememberRetiredLocked(r, r.fail_reason);
   Retire(r, "failed");
+}
+
+void Connector::Impl::RememberRetiredLocked(const Request& r, const std::string& reason) {
+  if (r.params.transfer_id.empty()) return;
+  if (table_.retired_transfers.insert_or_assign(r.params.transfer_id, reason).second) {
+    table_.retired_order.push_back(r.params.transfer_id);
+  }
+  if (table_.retired_order.size() > 4096) {
+    table_.retired_transfers.erase(table_.retired_order.front());
+    table_.retired_order.pop_front();
+  }
 }
 
 void Connector::Impl::ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason) {
@@ -212,6 +217,17 @@ void Connector::Impl::CheckDeadlines() {
                                        absl::FormatDuration(options_.request_timeout))}});
     }
     e = pushes_.early_writes.erase(e);
+  }
+  for (auto e = table_.early_reads.begin(); e != table_.early_reads.end();) {
+    if (e->second.expires >= now) {
+      ++e;
+      continue;
+    }
+    RefuseReadLocked(
+        e->second.peer, e->first,
+        absl::StrCat("none was held under it within ",
+                     absl::FormatDuration(options_.handshake_timeout), " (unknown or released)"));
+    e = table_.early_reads.erase(e);
   }
   std::vector<std::string> late;
   for (auto& [id, r] : table_.requests) {

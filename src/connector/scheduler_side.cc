@@ -243,6 +243,16 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   engine_->PublishMemory();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
+  if (auto e = table_.early_reads.find(p.transfer_id); e != table_.early_reads.end()) {
+    // The reader asked before this hold: bound to it and granted now.
+    const PeerId reader = e->second.peer;
+    table_.early_reads.erase(e);
+    Request& held = table_.requests[req_id];
+    if (PeerAlive(reader)) {
+      held.peer = reader;
+      GrantReadLocked(held, reader);
+    }
+  }
   if (auto e = table_.early_releases.find(p.transfer_id); e != table_.early_releases.end()) {
     // The reader was done before this hold: it is bound to that reader and ends now
     // (GetFinished reports it as sent).

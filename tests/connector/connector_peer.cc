@@ -19,7 +19,8 @@
 //       match, allocate, bind and start the load; prints "STARTED <id>", later
 //       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
 //
-// --secret=S sets the engine's shared secret.
+// --secret=S sets the engine's shared secret; --handshake_ms=N the connector's
+// handshake_timeout (also how long a read_start for a transfer not held waits for its hold).
 //
 // --metrics=host:port starts the connector's metrics endpoint and prints "METRICS <address>"
 // after READY.
@@ -61,6 +62,7 @@ struct Args {
   std::string gpu;  // "" (host memory) or "emulated"
   std::string metrics;
   std::string secret;
+  int handshake_ms = 0;  // 0: the connector's default
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -91,6 +93,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->metrics = v;
     else if (k == "secret")
       a->secret = v;
+    else if (k == "handshake_ms")
+      ok = absl::SimpleAtoi(v, &a->handshake_ms);
     else if (k == "gpu")
       ok = (a->gpu = v) == "emulated";
     else
@@ -134,6 +138,7 @@ int main(int argc, char** argv) {
   }
   options.engine.transport = *transport;
   options.engine.shared_secret = args.secret;
+  if (args.handshake_ms > 0) options.handshake_timeout = absl::Milliseconds(args.handshake_ms);
   options.mode = *mode;
   options.metrics_address = args.metrics;
   // Before the connector: its engine keeps the runtime it was created with.

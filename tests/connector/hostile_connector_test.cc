@@ -422,7 +422,8 @@ TEST_P(HostileConnectorTest, ForgedReleaseWhileDecodeReadsIsRefused) {
 TEST_P(HostileConnectorTest, MadeUpTransferIdReadsNothing) {
   for (const std::string secret : {"", "deployment-secret"}) {
     SCOPED_TRACE(secret.empty() ? "no secret" : "with a shared secret");
-    std::vector<std::string> extra;
+    // A read_start for a transfer not held waits this long for its hold, then is refused.
+    std::vector<std::string> extra = {"--handshake_ms=1500"};
     if (!secret.empty()) extra.push_back("--secret=" + secret);
     auto prefill = Prefill(extra);
     auto victim = Handoff(*prefill, "v1");
@@ -452,6 +453,7 @@ TEST_P(HostileConnectorTest, MadeUpTransferIdReadsNothing) {
     absl::StatusOr<GrantId> none = t1->ReadStart("made-up-transfer-id");
     EXPECT_EQ(none.status().code(), absl::StatusCode::kPermissionDenied) << none.status();
     EXPECT_TRUE(absl::StrContains(none.status().message(), "holds no blocks")) << none.status();
+    EXPECT_TRUE(absl::StrContains(none.status().message(), "unknown or released")) << none.status();
     expect_refused(*t1, *victim, 0, "presented none");
     for (GrantId guess : {GrantId{1}, GrantId{2}, GrantId{77}}) {
       auto t = thief();

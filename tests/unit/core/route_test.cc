@@ -105,6 +105,50 @@ TEST_F(RouteTest, ForcedTransportIsTheOnlyOneTried) {
             "transport shm required but peer p is not reachable over shm: peer on another host");
 }
 
+// Read grants: a forced transport whose target cannot check them (shm, rdma) gets the best one
+// that can as a fallback, routed only for grant-guarded regions; READs of such regions go only
+// to a transport that checks grants.
+TEST_F(RouteTest, ForcedTransportGetsAGrantCheckingFallbackForGuardedRegionsOnly) {
+  tcp_.checks_grants = true;
+  ChannelChoice choice(caps_, "rdma");
+  ASSERT_EQ(choice.Next(), kRdma);
+  choice.Connected(kRdma);
+  ASSERT_EQ(choice.Next(), kTcp);
+  choice.Connected(kTcp);
+  EXPECT_EQ(choice.Next(), std::nullopt);
+  EXPECT_TRUE(choice.Result("p").ok());
+  EXPECT_EQ(choice.GrantFallback(), kTcp);
+  EXPECT_EQ(choice.Describe({"tcp x4 a", "", "rdma x2"}),
+            "rdma x2; tcp x4 a for grant-guarded regions only");
+  // Forced tcp checks grants itself: nothing more.
+  ChannelChoice tcp_only(caps_, "tcp");
+  ASSERT_EQ(tcp_only.Next(), kTcp);
+  tcp_only.Connected(kTcp);
+  EXPECT_EQ(tcp_only.Next(), std::nullopt);
+  EXPECT_EQ(tcp_only.GrantFallback(), std::nullopt);
+
+  const TransportMask connected = TransportMask{1} << kRdma | TransportMask{1} << kTcp;
+  TransferNeeds needs;
+  needs.kind = OpKind::kWrite;
+  needs.local_host = true;
+  needs.guarded_only = TransportMask{1} << kTcp;
+  needs.reaches = TransportMask{1} << kRdma;
+  EXPECT_EQ(*PickTransport(caps_, connected, needs, "p"), kRdma);
+  needs.reaches = 0;  // rdma cannot reach it, and tcp is only for guarded regions
+  const absl::StatusOr<size_t> refused = PickTransport(caps_, connected, needs, "p");
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("only for grant-guarded regions"));
+  needs.guarded = true;
+  EXPECT_EQ(*PickTransport(caps_, connected, needs, "p"), kTcp);
+  // A READ of a guarded region: never rdma (its target cannot check the grant).
+  needs.kind = OpKind::kRead;
+  needs.grant_reads = true;
+  needs.reaches = TransportMask{1} << kRdma;
+  EXPECT_EQ(*PickTransport(caps_, connected, needs, "p"), kTcp);
+  const absl::StatusOr<size_t> no_tcp = PickTransport(caps_, TransportMask{1} << kRdma, needs, "p");
+  EXPECT_THAT(no_tcp.status().message(), HasSubstr("does not check read grants"));
+}
+
 TEST_F(RouteTest, ForcedTransportThisEngineLacksIsRefusedByName) {
   std::vector<const transport::Capabilities*> caps = {&tcp_, &shm_};
   ChannelChoice choice(caps, "rdma");
