@@ -68,7 +68,9 @@ struct EngineOptions {
   // Transport used for peers: kAuto picks, per peer and per transfer, the best-ranked
   // transport (Capabilities::rank: shm on the same host when the regions allow it, else rdma
   // when both sides have a device that reaches the other, else tcp) and reports why. A forced
-  // transport that cannot reach a peer fails Connect with the reason.
+  // transport that cannot reach a peer fails Connect with the reason. A forced transport whose
+  // target cannot check read grants (shm, rdma) gets tcp too, used only for regions the peer
+  // guards with grants (RegionOptions::reads_need_grant).
   TransportKind transport = TransportKind::kAuto;
 
   // Transports added to the built-in ones (transport/builtin_transports.cc): Create calls each
