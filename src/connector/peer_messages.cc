@@ -393,7 +393,8 @@ absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const
     auto blocks = r.blocks.find(g.name);
     if (blocks == r.blocks.end()) continue;
     for (int64_t block : blocks->second) {
-      if (block < 0 || static_cast<uint64_t>(block) >= g.num_blocks) {
+      if (block < 0) continue;  // no block here (e.g. outside a sliding window)
+      if (static_cast<uint64_t>(block) >= g.num_blocks) {
         return absl::InvalidArgumentError(
             absl::StrCat("cache group '", g.name, "': block ", block, " of ", g.num_blocks));
       }
