@@ -250,23 +250,20 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
 
 absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
     PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind, GrantId grant) {
-  auto resolved = regions_.ResolveForPeer(peer, region, offset, length, kind);
-  absl::Status granted;
-  if (resolved.ok() && kind == OpKind::kRead && resolved->reads_need_grant) {
-    granted = grants_.Check(peer, grant, region, offset, length);
-  }
+  bool grant_refused = false;
+  absl::StatusOr<core::ResolvedRange> resolved = core::CheckIncoming(
+      regions_, grants_, peer, region, offset, length, kind, grant, &grant_refused);
   MutexLock lock(&stats_mu_);
   if (!resolved.ok()) {
     ++stats_.incoming_rejected;
+    if (grant_refused) {
+      ++stats_.grant_refused;
+      KVW_LOG(kWarning, "engine") << "READ refused: no grant covers it" << Kv("engine", name_)
+                                  << Kv("peer", peer) << Kv("region", region)
+                                  << Kv("offset", offset) << Kv("length", length)
+                                  << Kv("reason", resolved.status().message());
+    }
     return resolved.status();
-  }
-  if (!granted.ok()) {
-    ++stats_.incoming_rejected;
-    ++stats_.grant_refused;
-    KVW_LOG(kWarning, "engine") << "READ refused: no grant covers it" << Kv("engine", name_)
-                                << Kv("peer", peer) << Kv("region", region) << Kv("offset", offset)
-                                << Kv("length", length) << Kv("reason", granted.message());
-    return granted;
   }
   if (resolved->gpu_device >= 0 && !incoming_gpu_ok_) {
     // Only transports that reach every region serve incoming ops themselves; one of them

@@ -80,4 +80,19 @@ uint64_t GrantTable::live() const {
   return grants_.size();
 }
 
+absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const GrantTable& grants,
+                                            PeerId peer, RegionId region, uint64_t offset,
+                                            uint64_t length, OpKind kind, GrantId grant,
+                                            bool* grant_refused) {
+  *grant_refused = false;
+  absl::StatusOr<ResolvedRange> resolved =
+      regions.ResolveForPeer(peer, region, offset, length, kind);
+  if (!resolved.ok() || kind != OpKind::kRead || !resolved->reads_need_grant) return resolved;
+  if (absl::Status granted = grants.Check(peer, grant, region, offset, length); !granted.ok()) {
+    *grant_refused = true;
+    return granted;
+  }
+  return resolved;
+}
+
 }  // namespace kvwire::core

@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 
 #include "kvwire/engine.h"
+#include "src/core/region_registry.h"
 #include "src/util/mutex.h"
 
 namespace kvwire::core {
@@ -49,6 +50,15 @@ class GrantTable {
   GrantId next_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<Key, Ranges> grants_ ABSL_GUARDED_BY(mu_);
 };
+
+// The target's access check for one incoming op, the one place it is written (the engine's
+// TargetHooks::ResolveIncoming and the tcp_wire fuzz target call it): the region's existence,
+// export, bounds and permission, then, for a READ of a grant-guarded region, the grant.
+// `*grant_refused` tells the caller that the grant, not the range, refused it.
+absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const GrantTable& grants,
+                                            PeerId peer, RegionId region, uint64_t offset,
+                                            uint64_t length, OpKind kind, GrantId grant,
+                                            bool* grant_refused);
 
 }  // namespace kvwire::core
 

@@ -159,12 +159,32 @@ void Tcp() {
   wire::EncodeRequest(r, buf);
   target += bytes(buf, wire::kRequestBytes);
   Write("tcp_wire", "target-ops", target);
+  // READs of the grant-guarded region 3: inside grant 1 (served), then with no grant (refused).
+  std::string guarded = Byte(0x00);
+  wire::EncodeHello(hello, buf);
+  guarded += bytes(buf, wire::kHelloBytes) + token;
+  wire::RequestHeader g = r;
+  g.sequence = 0;
+  g.region = 3;
+  g.offset = 4096;
+  g.length = 64;
+  g.follow = 0;
+  g.grant = 1;
+  wire::EncodeRequest(g, buf);
+  guarded += bytes(buf, wire::kRequestBytes);
+  Write("tcp_wire", "target-granted-read", guarded);
+  g.sequence = 1;
+  g.grant = 0;
+  wire::EncodeRequest(g, buf);
+  guarded += bytes(buf, wire::kRequestBytes);
+  Write("tcp_wire", "target-ungranted-read", guarded);
 
   wire::HelloReply reply;
   reply.max_op_bytes = 1 << 20;
   wire::EncodeHelloReply(reply, buf);
   std::string initiator = Byte(0x01) + bytes(buf, wire::kHelloReplyBytes);
-  for (uint64_t op = 0; op < 4; ++op) {
+  // Every response of the initiator's 16-op READ: the request completes.
+  for (uint64_t op = 0; op < 16; ++op) {
     wire::ResponseHeader h;
     h.kind = wire::kKindRead;
     h.sequence = op;

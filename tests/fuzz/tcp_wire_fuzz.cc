@@ -2,12 +2,13 @@
 // it: the input is what the peer sends, pushed through a real socket (a socketpair).
 //   Target side: the dialer's hello (decoded as TcpServer does: DecodeHello, then the token),
 //   then the real ServerConnection (transport/tcp/tcp_server_connection.cc) serving the
-//   stream on its own thread, every op validated by TargetHooks::ResolveIncoming through the
-//   engine's real RegionRegistry::ResolveForPeer (exported, bounds, permission), as
-//   Engine::Impl::ResolveIncoming does, over one 64 KiB heap region (id 1, read-write) and
-//   one read-only one (id 2) that ASan watches.
-//   Initiator side: the hello reply and responses to READs it posted, read with the real
-//   HeaderReader in the sequence tcp_client_connection.cc ReaderLoop follows.
+//   stream on a real one-thread I/O pool, every op checked by core::CheckIncoming (the
+//   engine's own access check: export, bounds, permission, read grant) over three 64 KiB heap
+//   regions that ASan watches: 1 read-write, 2 read-only, 3 readable only under grant 1, which
+//   covers its bytes [4096, 12288).
+//   Initiator side: the hello reply (decoded as tcp_channel.cc does), then the real
+//   ClientConnection (tcp_client_connection.cc) with one READ request of 16 ops posted, whose
+//   responses the input supplies.
 //
 // Input: byte 0 bit 0 picks the side (0: target reading a dialer's hello and requests,
 // 1: initiator reading hello reply and responses to READs it posted); the rest is the stream.
@@ -15,9 +16,11 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <poll.h>
 #include <string>
@@ -25,9 +28,11 @@
 #include <unistd.h>
 #include <vector>
 
+#include "src/core/grant_table.h"
 #include "src/core/region_registry.h"
 #include "tests/fuzz/fuzz_util.h"
-#include "transport/tcp/tcp_reader.h"
+#include "transport/tcp/tcp_client_connection.h"
+#include "transport/tcp/tcp_io_pool.h"
 #include "transport/tcp/tcp_server_connection.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
@@ -43,15 +48,27 @@ constexpr PeerId kPeer = 7;
 // More than fits the socket's buffer would block the single thread that writes and reads.
 constexpr size_t kMaxStreamBytes = 96 << 10;
 
-// The engine's side of the target: its region registry, nothing else.
+// Waits for a connection the input drives to let go; the stream is finite, so this ends
+// unless the connection hangs (a finding).
+constexpr auto kConnectionDeadline = std::chrono::seconds(20);
+
+// The engine's side of the target: its region registry and grant table, through the engine's
+// own access check.
 class RegistryHooks : public TargetHooks {
  public:
-  explicit RegistryHooks(core::RegionRegistry& regions) : regions_(regions) {}
+  RegistryHooks(core::RegionRegistry& regions, core::GrantTable& grants)
+      : regions_(regions), grants_(grants) {}
   absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return kPeer; }
   absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
                                                  uint64_t length, OpKind kind) override {
-    absl::StatusOr<core::ResolvedRange> r =
-        regions_.ResolveForPeer(peer, region, offset, length, kind);
+    return ResolveIncoming(peer, region, offset, length, kind, /*grant=*/0);
+  }
+  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
+                                                 uint64_t length, OpKind kind,
+                                                 GrantId grant) override {
+    bool grant_refused = false;
+    absl::StatusOr<core::ResolvedRange> r = core::CheckIncoming(
+        regions_, grants_, peer, region, offset, length, kind, grant, &grant_refused);
     if (!r.ok()) return r.status();
     return IncomingAccess{r->data, r->gpu_device, std::move(r->pin)};
   }
@@ -63,10 +80,12 @@ class RegistryHooks : public TargetHooks {
 
  private:
   core::RegionRegistry& regions_;
+  core::GrantTable& grants_;
 };
 
 // The target side: the hello as TcpServer reads it, then the real ServerConnection.
-void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<std::byte>& ro) {
+void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<std::byte>& ro,
+                 std::vector<std::byte>& guarded) {
   std::array<std::byte, wire::kHelloBytes> raw;
   if (!RecvExact(fd, raw.data(), raw.size()).ok()) return;
   wire::Hello hello;
@@ -84,9 +103,19 @@ void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<st
   b.base = ro.data();
   b.length = ro.size();
   b.access = kRemoteRead;
+  LocalRegion c = b;
+  c.base = guarded.data();
+  c.length = guarded.size();
+  c.reads_need_grant = true;
   KVWIRE_FUZZ_CHECK(regions.Add(a, /*export_to_all=*/true) == 1);
   KVWIRE_FUZZ_CHECK(regions.Add(b, /*export_to_all=*/true) == 2);
-  RegistryHooks hooks(regions);
+  KVWIRE_FUZZ_CHECK(regions.Add(c, /*export_to_all=*/true) == 3);
+  core::GrantTable grants;
+  const GrantRange granted[] = {{3, 4096, 8192}};
+  KVWIRE_FUZZ_CHECK(grants.Add(kPeer, granted) == 1);
+  RegistryHooks hooks(regions, grants);
+  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(1);
+  KVWIRE_FUZZ_CHECK(pool.ok());
   // Whatever the connection answers is read and dropped, so that its sends never block.
   std::atomic<bool> done{false};
   std::thread drain([&] {
@@ -98,18 +127,28 @@ void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<st
     }
   });
   {
-    ServerConnection conn(std::make_unique<Socket>(::dup(fd)), "fuzz", kPeer, &hooks, kMaxOpBytes,
-                          GpuStaging{});
-    if (conn.Start().ok()) {
-      // The stream ends after the input: the connection serves it and returns.
-      while (!conn.Exited()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    auto conn = std::make_shared<ServerConnection>(std::make_unique<Socket>(::dup(fd)), "fuzz",
+                                                   kPeer, &hooks, kMaxOpBytes, GpuStaging{}, *pool);
+    if (conn->Start().ok()) {
+      // The stream ends after the input: the connection serves it (or refuses and lingers
+      // until the end of the stream) and lets go.
+      const auto until = std::chrono::steady_clock::now() + kConnectionDeadline;
+      while (!conn->Exited()) {
+        KVWIRE_FUZZ_CHECK(std::chrono::steady_clock::now() < until);
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
-  }  // stops and joins
+    conn->Stop();
+    conn->Join();
+  }
+  (*pool)->Stop();
   done.store(true);
   drain.join();
 }
 
-// The initiator side with READs of known lengths in flight: hello reply, then responses.
+// The initiator side: the hello reply as tcp_channel.cc reads it, then the real
+// ClientConnection with one READ request posted (op i reads (i * 1031) % 4096 bytes of remote
+// region 5 into the region at i * 4096), completed by the responses in the input.
 void RunInitiator(int fd, std::vector<std::byte>& region) {
   std::array<std::byte, wire::kHelloReplyBytes> raw;
   if (!RecvExact(fd, raw.data(), raw.size()).ok()) return;
@@ -122,31 +161,33 @@ void RunInitiator(int fd, std::vector<std::byte>& region) {
     (void)wire::CodeFromWire(reply.code);
     return;
   }
+  if (reply.version != wire::kVersion) return;
 
-  HeaderReader reader(fd, wire::kResponseBytes, /*output=*/nullptr);
-  // Posted READs: op i reads (i * 1031) % 4096 bytes into the region at i * 4096.
-  constexpr uint64_t kOps = kRegionBytes / 4096;
-  for (uint64_t op = 0; op < kOps; ++op) {
-    absl::StatusOr<const std::byte*> next = reader.Next();
-    if (!next.ok()) return;
-    wire::ResponseHeader h;
-    if (!wire::DecodeResponse(*next, &h).ok()) return;
-    if (h.code != 0) {
-      std::string text(h.message_len, '\0');
-      if (reader.Expect(h.message_len, 0).ok()) {
-        (void)reader.ReadTrailing(reinterpret_cast<std::byte*>(text.data()), text.size());
-      }
-      (void)wire::CodeFromWire(h.code);
-      return;
+  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(1);
+  KVWIRE_FUZZ_CHECK(pool.ok());
+  auto conn =
+      std::make_shared<ClientConnection>(std::make_unique<Socket>(::dup(fd)), "fuzz",
+                                         /*lane=*/0, reply.max_op_bytes, GpuStaging{}, *pool);
+  if (conn->Start().ok()) {
+    PostRequest request;
+    request.transfer_id = 77;
+    request.kind = OpKind::kRead;
+    request.cancelled = std::make_shared<std::atomic<bool>>(false);
+    constexpr uint64_t kOps = kRegionBytes / 4096;
+    for (uint64_t op = 0; op < kOps; ++op) {
+      request.ops.push_back(
+          WireOp{region.data() + op * 4096, /*remote_region=*/5, op * 4096, (op * 1031) % 4096});
     }
-    const uint64_t payload = (op * 1031) % 4096;
-    if (h.sequence != op || h.kind != wire::kKindRead || h.payload_len != payload) return;
-    if (!reader.Expect(payload, h.follow).ok()) return;
-    // Every other op as if the engine had ended the transfer meanwhile: dropped, not written.
-    const absl::Status s = op % 2 == 0 ? reader.ReadTrailing(region.data() + op * 4096, payload)
-                                       : reader.DiscardTrailing(payload);
-    if (!s.ok()) return;
+    std::promise<absl::Status> done;
+    std::future<absl::Status> ended = done.get_future();
+    conn->Post(std::move(request), [&done](absl::Status s) { done.set_value(std::move(s)); });
+    // Every response is in the input and the stream then ends: the request completes or
+    // fails, never waits.
+    KVWIRE_FUZZ_CHECK(ended.wait_for(kConnectionDeadline) == std::future_status::ready);
   }
+  conn->Close(absl::CancelledError("fuzz input done"));
+  KVWIRE_FUZZ_CHECK(conn->Join());
+  (*pool)->Stop();
 }
 
 }  // namespace
@@ -171,7 +212,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<std::byte> region(kvwire::transport::kRegionBytes);
   if ((data[0] & 1) == 0) {
     std::vector<std::byte> read_only(kvwire::transport::kRegionBytes);
-    kvwire::transport::ServeTarget(fds[0], fds[1], region, read_only);
+    std::vector<std::byte> guarded(kvwire::transport::kRegionBytes);
+    kvwire::transport::ServeTarget(fds[0], fds[1], region, read_only, guarded);
   } else {
     kvwire::transport::RunInitiator(fds[0], region);
   }
