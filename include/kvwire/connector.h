@@ -114,6 +114,12 @@ struct ConnectorOptions {
   std::string cluster;
   absl::Duration etcd_call_timeout = absl::Seconds(2);  // every etcd call
   int64_t etcd_lease_seconds = 10;                      // how long a dead instance stays registered
+  // READs of this instance's KV need the request's grant (docs/SECURITY.md, "Read grants"): a
+  // peer reads only the blocks of a request handed to it, and none after their release. The
+  // price: those READs go over tcp, where the target checks each op (shm never maps the KV,
+  // rdma never READs it; write mode keeps rdma). false: every peer holding the deployment's
+  // secret may READ the whole KV zero-copy over shm and rdma, as with NIXL and Mooncake.
+  bool read_grants = true;
 };
 
 struct MatchResult {

@@ -143,6 +143,9 @@ int kvw_options_set_engine_options(kvw_options_t* options, const kvw_engine_opti
 /* request_timeout (1 ms .. 24 h), checked; kvw_options_set_request_timeout_ms stores any value. */
 int kvw_options_set_request_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 int kvw_options_set_handshake_timeout(kvw_options_t* options, int64_t ms, char** errptr);
+// Connector: READs of the KV need the request's grant (1, the default; they go over tcp) or
+// not (0: zero-copy shm/rdma READs by any peer holding the secret). Other values: an error.
+int kvw_options_set_read_grants(kvw_options_t* options, int on, char** errptr);
 /* "host:port" of GET /metrics and /stats.json (port 0: a free one); "" or NULL: none. */
 int kvw_options_set_metrics_address(kvw_options_t* options, const char* address, char** errptr);
 /* Discovery through etcd (v3 API): "http://host:port[,http://host:port...]" of the cluster's

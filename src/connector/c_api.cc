@@ -213,6 +213,19 @@ int kvw_options_set_handshake_timeout(kvw_options_t* o, int64_t ms, char** errpt
   return SetMs("kvw_options_set_handshake_timeout", o, ms, 1, kMsPerDay,
                o == nullptr ? nullptr : &o->rep.handshake_timeout, errptr);
 }
+int kvw_options_set_read_grants(kvw_options_t* o, int on, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require("kvw_options_set_read_grants", {{"options", o}}); !s.ok()) {
+      return s;
+    }
+    if (on != 0 && on != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kvw_options_set_read_grants: on is ", on, ", expected 0 or 1"));
+    }
+    o->rep.read_grants = on == 1;
+    return absl::OkStatus();
+  });
+}
 int kvw_options_set_metrics_address(kvw_options_t* o, const char* address, char** errptr) {
   return SetString("kvw_options_set_metrics_address", o, address, errptr,
                    [&](std::string v) { o->rep.metrics_address = std::move(v); });

@@ -101,8 +101,9 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
     RegionOptions ro;
     ro.export_to_all_peers = true;
     // Peers read the KV only where a read-mode hand-off granted it to them (OnReadStart): a
-    // peer never reads another request's blocks, nor freed ones.
-    ro.reads_need_grant = true;
+    // peer never reads another request's blocks, nor freed ones. Without read_grants the
+    // hand-off still grants (the protocol is the same) but the engine does not enforce it.
+    ro.reads_need_grant = options_.read_grants;
     ro.kind = m.kind;
     ro.gpu_device = m.gpu_device;
     absl::StatusOr<RegionId> id = engine_->RegisterMemory(m.ptr, m.length, ro);

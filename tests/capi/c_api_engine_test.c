@@ -536,6 +536,10 @@ static void TestConnectorAdditions(void) {
   EXPECT_OK(kvw_options_set_handshake_timeout(o, 5000, &err));
   EXPECT_ERROR(kvw_options_set_handshake_timeout(o, -1, &err), 3, "out of range");
   EXPECT_ERROR(kvw_options_set_handshake_timeout(NULL, 1, &err), 3, "options is NULL");
+  EXPECT_OK(kvw_options_set_read_grants(o, 0, &err));
+  EXPECT_OK(kvw_options_set_read_grants(o, 1, &err));
+  EXPECT_ERROR(kvw_options_set_read_grants(o, 2, &err), 3, "expected 0 or 1");
+  EXPECT_ERROR(kvw_options_set_read_grants(NULL, 1, &err), 3, "options is NULL");
   EXPECT_OK(kvw_options_set_metrics_address(o, "127.0.0.1:0", &err));
   EXPECT_ERROR(kvw_options_set_metrics_address(NULL, "", &err), 3, "options is NULL");
   EXPECT_OK(kvw_options_set_etcd_call_timeout(o, 500, &err));

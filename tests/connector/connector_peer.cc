@@ -20,7 +20,8 @@
 //       "LOADED <id> <verify error or ok>" or "FAILED <id> <reason>" (blocks freed on either)
 //
 // --secret=S sets the engine's shared secret; --handshake_ms=N the connector's
-// handshake_timeout (also how long a read_start for a transfer not held waits for its hold).
+// handshake_timeout (also how long a read_start for a transfer not held waits for its hold);
+// --read_grants=0 turns ConnectorOptions::read_grants off.
 //
 // --metrics=host:port starts the connector's metrics endpoint and prints "METRICS <address>"
 // after READY.
@@ -63,6 +64,7 @@ struct Args {
   std::string metrics;
   std::string secret;
   int handshake_ms = 0;  // 0: the connector's default
+  bool read_grants = true;
 };
 
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -95,6 +97,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->secret = v;
     else if (k == "handshake_ms")
       ok = absl::SimpleAtoi(v, &a->handshake_ms);
+    else if (k == "read_grants")
+      ok = absl::SimpleAtob(v, &a->read_grants);
     else if (k == "gpu")
       ok = (a->gpu = v) == "emulated";
     else
@@ -141,6 +145,7 @@ int main(int argc, char** argv) {
   if (args.handshake_ms > 0) options.handshake_timeout = absl::Milliseconds(args.handshake_ms);
   options.mode = *mode;
   options.metrics_address = args.metrics;
+  options.read_grants = args.read_grants;
   // Before the connector: its engine keeps the runtime it was created with.
   std::unique_ptr<kvwire::testing::EmulatedGpu> emulated;
   if (args.gpu == "emulated") {

@@ -513,6 +513,28 @@ TEST_P(HostileConnectorTest, MadeUpTransferIdReadsNothing) {
   }
 }
 
+// ConnectorOptions::read_grants off (a trusted fabric, for zero-copy shm and rdma READs): the
+// KV is registered without grants, so the repro above reads the victim's blocks with a
+// made-up transfer id and no grant. What the option trades away, shown rather than claimed.
+TEST_P(HostileConnectorTest, WithoutReadGrantsAnyPeerReadsTheKv) {
+  auto prefill = Prefill({"--read_grants=0"});
+  auto victim = Handoff(*prefill, "v1");
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  RawPeer thief("thief", transport(), "");
+  ASSERT_TRUE(thief.Connect(address_).ok());
+  ASSERT_TRUE(thief.Hello().ok());
+  auto mine = thief.cache().Allocate("x", kTokens);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const absl::Status s = thief.ReadLayers(*victim, *mine, thief.Layers(), /*grant=*/0);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(thief.cache().Verify(victim->remote_request_id, *mine, kTokens, 0), "")
+      << "without read grants the victim's KV is readable by any peer";
+  prefill->Send("engine_stats");
+  auto estats = prefill->Expect("ESTATS ");
+  ASSERT_TRUE(estats.ok()) << estats.status();
+  EXPECT_EQ(json::parse(estats->substr(7))["grant_refused"].get<int>(), 0) << *estats;
+}
+
 // Write mode, both directions: while prefill streams layers to decode, a third peer forges
 // decode's `write_req` (to get the KV written into its own memory) and `fail` (to abort it) at
 // prefill, and prefill's `layer`, `done` and `fail` at decode. Each forger is closed; the
