@@ -86,10 +86,17 @@ test-vllm: deps
 	scripts/vllm-venv.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-index \
 	  --no-build-isolation --no-deps .
-	cd python && PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python:$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
-	  HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) \
-	  $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -v -p no:cacheprovider \
-	  test_vllm_plugin.py test_vllm_real.py test_install.py
+	rc=0; for t in test_vllm_plugin.py test_vllm_real.py test_install.py; do \
+	  (cd python && PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python:$(CURDIR)/python \
+	    PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) \
+	    $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -v -p no:cacheprovider --durations=5 $$t) \
+	    || rc=1; \
+	done; exit $$rc
+# One pytest process per file: test_vllm_real.py's workers are forked from the pytest process,
+# which must not have run kvwire engines or torch's thread pools of its own first (as
+# test_vllm_plugin.py's in-process tests do): a child forked from a process with running
+# threads can wait forever on a lock one of them held (vLLM, too, makes its workers' connectors
+# after the fork).
 
 # Builds only what the demo needs, so a broken test elsewhere does not stop it. The demo's
 # weights are written once into $(BUILD_DIR)/dsv4-demo/ and reused.

@@ -126,15 +126,17 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
                 shared_memory=shm, policy="fail")
     lengths = HAND_OFF_LENGTHS
+    # Four output tokens: a request stays in the decode's scheduler for a few steps after its
+    # first token, for loaded() to see it there and verify its blocks.
     if mode == "read":
         for i, n in enumerate(lengths):
             out = prefill_one(p, f"p{i}", prompt(i, n))
-            d.add(f"d{i}", prompt(i, n), 2, decode_params(out))
+            d.add(f"d{i}", prompt(i, n), 4, decode_params(out))
     else:
         # The decode allocates and sends its block ids before the prefill computes.
         for i, n in enumerate(lengths):
             tid = f"{i:02x}" * 16
-            d.add(f"d{i}", prompt(i, n), 2, write_mode_params(p, tid))
+            d.add(f"d{i}", prompt(i, n), 4, write_mode_params(p, tid))
             p.add(f"p{i}", prompt(i, n), 1, {"do_remote_decode": True, "mode": "write",
                                              "transfer_id": tid})
         d.step()
@@ -307,18 +309,24 @@ def test_prefill_dies_holding_blocks(engines):
     check_clean(d)
 
 
-def test_reader_done_before_the_hold(engines):
+def test_reader_before_the_hold(engines):
     """The prefill's scheduler hands the params out one step before its worker holds the
-    blocks; a decode that reads and releases in between still frees them."""
+    blocks: a decode whose read starts in between waits for the hold (read grants), then
+    loads byte-exact, and the prefill frees the blocks on the decode's release."""
     p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S})
     d = engines("decode", {"transport": "tcp"}, policy="fail")
     out = prefill_one(p, "e0", prompt(60, 40))
     assert p.live() == 0  # the hold goes to the worker with the prefill's next step
-    d.add("de0", prompt(60, 40), 2, decode_params(out))
-    run_until([d], lambda: d.finished("de0") is not None,
-              "the load, with the prefill's worker not stepping")
+    d.add("de0", prompt(60, 40), 4, decode_params(out))
+    for _ in range(3):  # the load starts: its read_start reaches a prefill with no hold yet
+        d.step()
+    assert d.sched.requests["de0"].status.name == "WAITING_FOR_REMOTE_KVS"
+    run_until([p, d], lambda: d.sched.requests.get("de0") is not None and
+              d.sched.requests["de0"].num_output_tokens >= 1, "the load, once the hold came")
+    assert d.verify("de0") == []
     assert worker_counter(d, "completed") == 1, d.worker_stats()
-    run_until([p], p.all_free, "the release that came before the hold")
+    run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    assert worker_counter(p, "completed") == 1, p.worker_stats()  # read, not released unread
     assert worker_counter(p, "lease_expired") == 0
     check_clean(p, d)
 
