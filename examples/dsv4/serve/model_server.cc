@@ -19,8 +19,10 @@
 #include "examples/dsv4/serve/admission.h"
 #include "examples/dsv4/serve/attest.h"
 #include "examples/dsv4/serve/completion_api.h"
+#include "examples/dsv4/serve/generation_output.h"
+#include "examples/dsv4/serve/handoff_release.h"
 #include "examples/dsv4/serve/http_server.h"
-#include "examples/dsv4/serve/stop_strings.h"
+#include "examples/dsv4/serve/sampler.h"
 #include "kvwire/connector.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -56,10 +58,13 @@ uint64_t PromptTokenCount(const CompletionRequest& req) {
 // that moved; a one-token prompt moves whole.
 uint64_t KvTokens(uint64_t n) { return n > 1 ? n - 1 : n; }
 
+std::string DecodeTokens(std::span<const int32_t> tokens) { return Decode(tokens); }
+
 struct Job {
-  enum class Kind { kCompletion, kPrepare, kAbort } kind = Kind::kCompletion;
+  enum class Kind { kCompletion, kPrepare, kAbort, kRelease } kind = Kind::kCompletion;
   CompletionRequest req;
   std::string transfer_id;  // kAbort
+  std::string release_params, release_reason;  // kRelease (handoff_release.h)
   std::shared_ptr<Responder> resp;
   absl::Time arrived;
 };
@@ -79,8 +84,8 @@ struct Active {
   kvwire::BlockTable blocks;
   std::vector<int32_t> out;
   std::string transfer_id, peer;
-  StopMatcher stop;              // over the generated tokens
-  std::vector<int32_t> emitted;  // generated tokens released to the client
+  std::optional<Sampler> sampler;  // set when the request's answer goes to a client
+  GenerationOutput output;         // what the client sees of `out`
   absl::Time arrived, claimed, load_start, load_end, decode_start, deadline;
   double prefill_ms = 0;
   json transfer;  // per-request transfer stats once loaded
@@ -245,16 +250,18 @@ class ModelServer::Impl {
       absl::StatusOr<CompletionRequest> req = ParseRequest(path, r.body);
       if (!req.ok()) {
         resp->Error(400, std::string(req.status().message()));
-        return;
+        return QueueRelease(UnreadHandOffInBody(r.body), req.status().message());
       }
       if (!req->model.empty() && req->model != config_.name) {
-        resp->Error(404, absl::StrCat("the model '", req->model,
-                                      "' does not exist (this server runs '", config_.name, "')"));
-        return;
+        const std::string m = absl::StrCat("the model '", req->model,
+                                           "' does not exist (this server runs '", config_.name,
+                                           "')");
+        resp->Error(404, m);
+        return QueueRelease(UnreadHandOff(req->kv_transfer_params), m);
       }
       if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
         resp->Error(400, std::string(s.message()));
-        return;
+        return QueueRelease(UnreadHandOff(req->kv_transfer_params), s.message());
       }
       job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
       job.req = std::move(*req);
@@ -284,6 +291,34 @@ class ModelServer::Impl {
     }
     queue_.push_back(std::move(job));
     cv_.SignalAll();
+  }
+
+  // handoff_release.h: the worker tells the prefill that holds `params` to free its blocks.
+  void QueueRelease(std::optional<std::string> params, absl::string_view why) {
+    if (!params || options_.role == "prefill") return;
+    Job job;
+    job.kind = Job::Kind::kRelease;
+    job.arrived = absl::Now();
+    job.release_params = *std::move(params);
+    job.release_reason = std::string(why.substr(0, 200));
+    kvwire::MutexLock lock(&mu_);
+    if (stop_) return;
+    queue_.push_back(std::move(job));
+    cv_.SignalAll();
+  }
+
+  // Worker: a refused request's hand-off goes back to its prefill now (handoff_release.h).
+  void ReleaseHandOff(const CompletionRequest& req, absl::string_view why) {
+    std::optional<std::string> params = UnreadHandOff(req.kv_transfer_params);
+    if (params && options_.role != "prefill") ReleaseHandOff(*params, why);
+  }
+  void ReleaseHandOff(const std::string& params, absl::string_view why) {
+    const std::string id = NewId();
+    if (absl::Status s = connector_->ReleaseUnread(id, params, std::string(why.substr(0, 200)));
+        !s.ok()) {
+      KVW_LOG(kWarning, kLog) << "cannot release a refused request's hand-off" << Kv("request", id)
+                              << Kv("error", s.message());
+    }
   }
 
   // attest.h: proves to a router that this server, as its etcd record describes it, holds
@@ -334,6 +369,17 @@ class ModelServer::Impl {
       return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
                                                      req.max_tokens, ") exceeds max_seq_len ",
                                                      config_.max_seq_len));
+    }
+    if (req.sampling.logprobs) {
+      const int64_t vocab = config_.vocab_size;
+      const int64_t want = *req.sampling.logprobs < 0 ? vocab : *req.sampling.logprobs;
+      const int64_t most = options_.max_logprobs < 0 ? vocab : options_.max_logprobs;
+      if (want > most) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request body: '", req.endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
+            "' asks for ", want, " logprobs, more than this server's --max-logprobs (", most,
+            ")"));
+      }
     }
     if (remote_decode && remote_prefill) {
       return absl::InvalidArgumentError(
@@ -473,15 +519,17 @@ class ModelServer::Impl {
     const std::optional<uint64_t> tokens = TokensToHold(job);
     if (!tokens) return AdmitGuarded(job);
     absl::Status s = admission_->Offer(job, BlocksNeeded(cache_->layout(), *tokens), job.arrived);
+    if (s.ok()) return;
+    ReleaseHandOff(job.req, s.message());
     if (absl::IsResourceExhausted(s)) return Overloaded(job.resp, std::string(s.message()));
-    if (!s.ok()) Fail(job.resp, 400, std::string(s.message()));
+    Fail(job.resp, 400, std::string(s.message()));
   }
 
   // The most tokens whose KV a job will hold: a prefill its prompt; a decode or a local
   // generation the prompt and every token it may generate. None for jobs that take no blocks
   // (aborts, and a write-mode decode claiming the blocks it prepared).
   std::optional<uint64_t> TokensToHold(const Job& job) const {
-    if (job.kind == Job::Kind::kAbort) return std::nullopt;
+    if (job.kind == Job::Kind::kAbort || job.kind == Job::Kind::kRelease) return std::nullopt;
     const uint64_t n = PromptTokenCount(job.req);
     if (job.kind == Job::Kind::kCompletion) {
       const KvTransferFields& kv = job.req.kv;
@@ -499,6 +547,7 @@ class ModelServer::Impl {
         [](const Job& j) { return j.resp && j.resp->closed(); },
         [this](Job& j) { AdmitGuarded(j); },
         [this](Job& j, Rejection why, const std::string& message) {
+          ReleaseHandOff(j.req, message);
           if (why == Rejection::kClientGone) return Fail(j.resp, 499, message);
           Overloaded(j.resp, message);
         });
@@ -569,6 +618,8 @@ class ModelServer::Impl {
       case Job::Kind::kPrepare:
         Prepare(job);
         return;
+      case Job::Kind::kRelease:
+        return ReleaseHandOff(job.release_params, job.release_reason);
       case Job::Kind::kCompletion:
         break;
     }
@@ -633,7 +684,9 @@ class ModelServer::Impl {
       return Fail(job.resp, 500, absl::StrCat("prefill failed: ", logits.status().message()));
     }
     if (write) (void)connector_->WaitForSave();
-    const int32_t first = SampleToken(*logits, req.temperature, req.seed, 0);
+    // Decode samples the client's tokens (this one is not shown): any seed gives a token.
+    const int32_t first =
+        Sampler(req.sampling, req.sampling.seed.value_or(0), tokens, kEosToken).Next(*logits, {}).token;
     absl::StatusOr<kvwire::RequestFinishedResult> rf =
         connector_->RequestFinished(id, *blocks, write ? KvTokens(n) : n, params);
     if (!rf.ok()) {
@@ -709,9 +762,10 @@ class ModelServer::Impl {
     const uint64_t n = a.prompt.size();
     if (kv.num_tokens == 0) kvp["num_tokens"] = n;
     if (kv.num_tokens != 0 && kv.num_tokens != n) {
-      Fail(resp, 400,
-           absl::StrCat("kv_transfer_params.num_tokens ", kv.num_tokens,
-                        " does not match the prompt's ", n, " tokens"));
+      const std::string m = absl::StrCat("kv_transfer_params.num_tokens ", kv.num_tokens,
+                                         " does not match the prompt's ", n, " tokens");
+      ReleaseHandOff(a.req, m);
+      Fail(resp, 400, m);
       return false;
     }
     a.transfer_id = kv.transfer_id;
@@ -805,7 +859,7 @@ class ModelServer::Impl {
         }
       }
       a.req = job.req;
-      a.stop = StopMatcher(job.req.stop);
+      InitSampling(a);
       a.resp = job.resp;
       a.claimed = absl::Now();
       a.deadline = a.claimed + options_.request_timeout;
@@ -816,7 +870,7 @@ class ModelServer::Impl {
     a.req = job.req;
     a.resp = job.resp;
     a.prompt = PromptTokens(job.req);
-    a.stop = StopMatcher(job.req.stop);
+    InitSampling(a);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     if (!StartLoad(a, a.resp)) return;
@@ -928,7 +982,7 @@ class ModelServer::Impl {
       a.resp.reset();
       return Finish(a);
     }
-    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, 0));
+    Emit(a, a.sampler->Next(*logits, a.out));
   }
 
   json TransferStats(const Active& a) const {
@@ -988,7 +1042,7 @@ class ModelServer::Impl {
     a.req = job.req;
     a.resp = job.resp;
     a.prompt = PromptTokens(job.req);
-    a.stop = StopMatcher(job.req.stop);
+    InitSampling(a);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(a.prompt.size());
@@ -1008,7 +1062,7 @@ class ModelServer::Impl {
     a.decode_start = absl::Now();
     const std::string id = a.id;
     Active& in = active_.emplace(id, std::move(a)).first->second;
-    Emit(in, SampleToken(*logits, in.req.temperature, in.req.seed, 0));
+    Emit(in, in.sampler->Next(*logits, in.out));
   }
 
   // --- generation ---------------------------------------------------------------------------
@@ -1029,30 +1083,31 @@ class ModelServer::Impl {
       return Finish(a);
     }
     Delay();
-    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, a.out.size()));
+    Emit(a, a.sampler->Next(*logits, a.out));
   }
 
-  // Appends a token, streams what the stop strings release, and completes the request at a
-  // stop string, EOS or max_tokens.
-  void Emit(Active& a, int32_t token) {
-    a.out.push_back(token);
+  // The request's sampler (choice 0; a request without a seed draws one now) and output.
+  static void InitSampling(Active& a) {
+    const SamplingParams& p = a.req.sampling;
+    a.sampler.emplace(p, p.seed ? *p.seed : RandomSeed(), a.prompt, kEosToken);
+    a.output = GenerationOutput(a.req, kEosToken, DecodeTokens,
+                                a.req.prompt_ids ? Decode(*a.req.prompt_ids) : a.req.prompt);
+  }
+
+  // Appends a token, streams what the output releases, and completes the request at a stop
+  // string, EOS (unless ignore_eos) or max_tokens.
+  void Emit(Active& a, const Sampled& sampled) {
+    a.out.push_back(sampled.token);
     ++generated_tokens_;
-    std::vector<int32_t> release = a.stop.Feed(token, Decode(std::vector<int32_t>{token}));
-    const bool eos = token == kEosToken;
-    const bool done = a.stop.stopped() || eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
-    if (done) {
-      std::vector<int32_t> rest = a.stop.Flush();
-      release.insert(release.end(), rest.begin(), rest.end());
-    }
+    GenerationOutput::Step step = a.output.Feed(sampled);
     const Endpoint endpoint = a.req.endpoint;
-    if (a.req.stream && !release.empty()) {
+    if (a.req.stream && (!step.tokens.empty() || !step.text.empty())) {
       const bool first = !a.resp->streaming();
       if (first) a.resp->StartEvents();
       a.resp->Event(Dump(ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name,
-                                      Decode(release), release, nullptr)));
+                                      step.text, step.tokens, nullptr, step.logprobs)));
     }
-    a.emitted.insert(a.emitted.end(), release.begin(), release.end());
-    if (!done) return;
+    if (!step.done) return;
     const double decode_ms = Ms(absl::Now() - a.decode_start);
     decode_us_ += static_cast<uint64_t>(decode_ms * 1000);
     prompt_tokens_ += a.remote ? 0 : a.prompt.size();
@@ -1074,11 +1129,11 @@ class ModelServer::Impl {
     const json usage = {{"prompt_tokens", n},
                         {"completion_tokens", a.out.size()},
                         {"total_tokens", n + a.out.size()}};
-    const char* reason = eos || a.stop.stopped() ? "stop" : "length";
     if (a.req.stream) {
       const bool first = !a.resp->streaming();
       if (first) a.resp->StartEvents();
-      json last = ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, "", {}, reason);
+      json last = ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, "", {},
+                               step.finish_reason);
       last["kvwire"] = stats;
       a.resp->Event(Dump(last));
       if (a.req.include_usage) {
@@ -1087,7 +1142,8 @@ class ModelServer::Impl {
       a.resp->EndEvents(true);
     } else {
       json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name,
-                              Decode(a.emitted), a.emitted, reason);
+                              a.output.text(), a.output.emitted(), step.finish_reason,
+                              a.output.logprobs());
       out["usage"] = usage;
       out["kvwire"] = stats;
       a.resp->Respond(200, Dump(out));
