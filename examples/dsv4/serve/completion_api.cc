@@ -48,7 +48,7 @@ const std::set<std::string_view>& Supported(Endpoint e) {
       "model",          "max_tokens",       "temperature",        "top_p",
       "top_k",          "min_p",            "seed",               "presence_penalty",
       "frequency_penalty", "repetition_penalty", "ignore_eos",     "min_tokens",
-      "logprobs",       "stream",             "stream_options",
+      "logprobs",       "n",                "stream",             "stream_options",
       "stop",           "kv_transfer_params", "kvwire_prefill",   "user",
       "return_tokens_as_token_ids"};
   static const std::set<std::string_view> completions = [] {
@@ -68,7 +68,7 @@ const std::set<std::string_view>& Supported(Endpoint e) {
 // client that sends the default is served, one that asks for more is told.
 bool IsDefault(std::string_view name, const json& v) {
   auto number_is = [&](double want) { return v.is_number() && v.get<double>() == want; };
-  if (name == "n" || name == "best_of") return number_is(1);
+  if (name == "best_of") return number_is(1);
   if (name == "min_completion_tokens") return number_is(0);
   if (name == "prompt_logprobs") return number_is(0);
   if (name == "logit_bias") return v.is_object() && v.empty();

@@ -18,6 +18,7 @@
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/admission.h"
 #include "examples/dsv4/serve/attest.h"
+#include "examples/dsv4/serve/choices.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/generation_output.h"
 #include "examples/dsv4/serve/handoff_release.h"
@@ -170,6 +171,7 @@ class ModelServer::Impl {
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
+    http_port_.store((*http)->port());
     http_ = std::move(*http);
     // Serving now: visible to routers from here on (and gone first at shutdown).
     if (!options_.etcd.empty()) {
@@ -192,8 +194,9 @@ class ModelServer::Impl {
       kvwire::MutexLock lock(&mu_);
       queue_.clear();
     }
-    // Responders are gone: the HTTP server may go; then the connector (its transfers touch
-    // the cache), then the cache.
+    // Responders are gone (the choices' requests to this server answered): the HTTP server
+    // may go; then the connector (its transfers touch the cache), then the cache.
+    choices_.reset();
     http_.reset();
     connector_.reset();
     cache_.reset();
@@ -263,6 +266,10 @@ class ModelServer::Impl {
         resp->Error(400, std::string(s.message()));
         return QueueRelease(UnreadHandOff(req->kv_transfer_params), s.message());
       }
+      // A prefill computes the prompt once, whatever n is.
+      if (req->sampling.n > 1 && !req->kv.do_remote_decode) {
+        return StartChoices(path, r, req->sampling.n, req->stream, resp);
+      }
       job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
       job.req = std::move(*req);
     } else if (path == "/v1/kv/abort" && r.method == "POST") {
@@ -291,6 +298,22 @@ class ModelServer::Impl {
     }
     queue_.push_back(std::move(job));
     cv_.SignalAll();
+  }
+
+  // choices.h: n one-choice requests to this server itself, answered as one.
+  void StartChoices(const std::string& path, const HttpRequest& r, int n, bool stream,
+                    const std::shared_ptr<Responder>& resp) {
+    absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
+    if (!body.ok()) return resp->Error(400, std::string(body.status().message()));
+    const std::string self = absl::StrCat(options_.host, ":", http_port_.load());
+    const absl::Time deadline =
+        absl::Now() + options_.request_timeout + options_.max_queue_wait + absl::Seconds(10);
+    if (!choices_->Start([self, path, body = *std::move(body), n, stream, resp, deadline] {
+          RunChoices(self, path, body, n, stream, *resp, deadline,
+                     [resp] { return resp->closed(); });
+        })) {
+      resp->Error(503, "cannot start a thread for the choices");
+    }
   }
 
   // handoff_release.h: the worker tells the prefill that holds `params` to free its blocks.
@@ -369,6 +392,11 @@ class ModelServer::Impl {
       return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
                                                      req.max_tokens, ") exceeds max_seq_len ",
                                                      config_.max_seq_len));
+    }
+    if (req.sampling.n > 1 && (remote_prefill || prepare)) {
+      return absl::InvalidArgumentError(
+          "request body: 'n' > 1 cannot load one prefill's KV more than once (an aggregated "
+          "server or the router runs each choice on its own)");
     }
     if (req.sampling.logprobs) {
       const int64_t vocab = config_.vocab_size;
@@ -1163,6 +1191,8 @@ class ModelServer::Impl {
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<kvwire::Connector> connector_;
   std::unique_ptr<HttpServer> http_;
+  std::atomic<int> http_port_{0};  // for handlers, which run before http_ is assigned
+  std::unique_ptr<ChoicesRunner> choices_ = std::make_unique<ChoicesRunner>();
   std::thread worker_;
   uint64_t total_blocks_ = 0;  // over the paged groups (set in Init)
   std::string attest_secret_;  // the engine's shared secret (set in Init; empty: none)

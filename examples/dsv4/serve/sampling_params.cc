@@ -55,6 +55,7 @@ void ParseSamplingParams(JsonFields& f, const json& body, Endpoint endpoint, int
              body.at("min_tokens"));
     }
   }
+  p.n = static_cast<int>(f.OptInt("n", 1, kMaxChoices, p.n));
   p.tokens_as_ids = f.OptBool("return_tokens_as_token_ids", p.tokens_as_ids);
   if (endpoint == Endpoint::kChat) {
     const bool logprobs = f.OptBool("logprobs", false);

@@ -13,7 +13,8 @@
 //     sampled one; chat: logprobs (bool) and top_logprobs (-1 or >= 0, needs logprobs).
 //     The values are the model's own distribution (vLLM's default raw_logprobs), before
 //     temperature, penalties and filters. The server bounds the count (--max-logprobs, 20).
-//   echo (completions): the prompt is prepended to the text. (n > 1 is refused by name.)
+//   n in [1, kMaxChoices] choices (choices.h); echo (completions): the prompt is prepended to
+//   the text.
 //
 // A prefill of a disaggregated request (kv_transfer_params.do_remote_decode) computes one
 // token that the client never sees: the relations that only bind the generation (min_tokens <=
@@ -34,6 +35,8 @@ namespace dsv4::serve {
 inline constexpr double kGreedyTemperature = 1e-5;
 // vLLM's default --max-logprobs.
 inline constexpr int kDefaultMaxLogprobs = 20;
+// The most choices one request may ask for (each costs a whole generation).
+inline constexpr int kMaxChoices = 16;
 
 struct SamplingParams {
   double temperature = 0.0;  // the servers' default: greedy
@@ -49,6 +52,7 @@ struct SamplingParams {
   // Top tokens per position to report besides the sampled one (-1: all); unset: no logprobs.
   std::optional<int64_t> logprobs;
   bool echo = false;
+  int n = 1;
   // Tokens in logprobs as "token_id:<id>" (vLLM's return_tokens_as_token_ids).
   bool tokens_as_ids = false;
 

@@ -35,10 +35,11 @@ TEST(OpenAiRequest, TokenIdPromptsInEveryForm) {
 }
 
 TEST(OpenAiRequest, UnsupportedParametersAreRefusedByName) {
-  auto r = ParseCompletionRequest(R"({"prompt":"a","n":2,"suffix":"z","best_of":1})", kVocab);
+  auto r = ParseCompletionRequest(R"({"prompt":"a","logit_bias":{"1":1},"suffix":"z","best_of":1})",
+                                  kVocab);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("'n'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("'logit_bias'"), std::string::npos) << r.status();
   EXPECT_NE(r.status().message().find("'suffix'"), std::string::npos) << r.status();
   EXPECT_EQ(r.status().message().find("'best_of'"), std::string::npos) << r.status();
   // Defaults (what the server does anyway) and nulls (not given) are served.

@@ -100,7 +100,8 @@ TEST(SamplingParams, OutOfBoundsIsRefusedByName) {
       {R"({"prompt":"a","logprobs":-2})", "logprobs"},
       {R"({"prompt":"a","logprobs":true})", "logprobs"},
       {R"({"prompt":"a","echo":true,"logprobs":1})", "echo"},
-      {R"({"prompt":"a","n":2})", "n"},
+      {R"({"prompt":"a","n":0})", "n"},
+      {R"({"prompt":"a","n":17})", "n"},
       {R"({"prompt":"a","best_of":2})", "best_of"},
       {R"({"prompt":"a","prompt_logprobs":1})", "prompt_logprobs"},
   };
