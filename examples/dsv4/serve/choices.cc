@@ -20,8 +20,8 @@ namespace {
 struct ChoiceCall {
   absl::StatusOr<HttpResponse> result = absl::UnknownError("not run");
   int status = 0;
-  std::string raw;   // a non-200 answer's body (streams)
-  json usage;        // the usage of its stream (null: none came)
+  std::string raw;  // a non-200 answer's body (streams)
+  json usage;       // the usage of its stream (null: none came)
   bool error_event = false;
 };
 

@@ -44,13 +44,27 @@ absl::Status ParseKvTransferFields(const json& params, KvTransferFields* out) {
 
 // Parameters the servers act on, per endpoint.
 const std::set<std::string_view>& Supported(Endpoint e) {
-  static const std::set<std::string_view> common = {
-      "model",          "max_tokens",       "temperature",        "top_p",
-      "top_k",          "min_p",            "seed",               "presence_penalty",
-      "frequency_penalty", "repetition_penalty", "ignore_eos",     "min_tokens",
-      "logprobs",       "n",                "stream",             "stream_options",
-      "stop",           "kv_transfer_params", "kvwire_prefill",   "user",
-      "return_tokens_as_token_ids"};
+  static const std::set<std::string_view> common = {"model",
+                                                    "max_tokens",
+                                                    "temperature",
+                                                    "top_p",
+                                                    "top_k",
+                                                    "min_p",
+                                                    "seed",
+                                                    "presence_penalty",
+                                                    "frequency_penalty",
+                                                    "repetition_penalty",
+                                                    "ignore_eos",
+                                                    "min_tokens",
+                                                    "logprobs",
+                                                    "n",
+                                                    "stream",
+                                                    "stream_options",
+                                                    "stop",
+                                                    "kv_transfer_params",
+                                                    "kvwire_prefill",
+                                                    "user",
+                                                    "return_tokens_as_token_ids"};
   static const std::set<std::string_view> completions = [] {
     std::set<std::string_view> s = common;
     s.insert({"prompt", "echo"});

@@ -15,8 +15,8 @@ double Finite(float lp) { return std::max<double>(lp, -9999.0); }
 
 }  // namespace
 
-GenerationOutput::GenerationOutput(const CompletionRequest& req, int32_t eos_token,
-                                   DecodeFn decode, std::string echo_text)
+GenerationOutput::GenerationOutput(const CompletionRequest& req, int32_t eos_token, DecodeFn decode,
+                                   std::string echo_text)
     : endpoint_(req.endpoint),
       max_tokens_(req.max_tokens),
       min_tokens_(req.sampling.min_tokens),

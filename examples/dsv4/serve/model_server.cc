@@ -64,7 +64,7 @@ std::string DecodeTokens(std::span<const int32_t> tokens) { return Decode(tokens
 struct Job {
   enum class Kind { kCompletion, kPrepare, kAbort, kRelease } kind = Kind::kCompletion;
   CompletionRequest req;
-  std::string transfer_id;  // kAbort
+  std::string transfer_id;                     // kAbort
   std::string release_params, release_reason;  // kRelease (handoff_release.h)
   std::shared_ptr<Responder> resp;
   absl::Time arrived;
@@ -256,9 +256,8 @@ class ModelServer::Impl {
         return QueueRelease(UnreadHandOffInBody(r.body), req.status().message());
       }
       if (!req->model.empty() && req->model != config_.name) {
-        const std::string m = absl::StrCat("the model '", req->model,
-                                           "' does not exist (this server runs '", config_.name,
-                                           "')");
+        const std::string m = absl::StrCat(
+            "the model '", req->model, "' does not exist (this server runs '", config_.name, "')");
         resp->Error(404, m);
         return QueueRelease(UnreadHandOff(req->kv_transfer_params), m);
       }
@@ -405,8 +404,7 @@ class ModelServer::Impl {
       if (want > most) {
         return absl::InvalidArgumentError(absl::StrCat(
             "request body: '", req.endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
-            "' asks for ", want, " logprobs, more than this server's --max-logprobs (", most,
-            ")"));
+            "' asks for ", want, " logprobs, more than this server's --max-logprobs (", most, ")"));
       }
     }
     if (remote_decode && remote_prefill) {
@@ -713,8 +711,9 @@ class ModelServer::Impl {
     }
     if (write) (void)connector_->WaitForSave();
     // Decode samples the client's tokens (this one is not shown): any seed gives a token.
-    const int32_t first =
-        Sampler(req.sampling, req.sampling.seed.value_or(0), tokens, kEosToken).Next(*logits, {}).token;
+    const int32_t first = Sampler(req.sampling, req.sampling.seed.value_or(0), tokens, kEosToken)
+                              .Next(*logits, {})
+                              .token;
     absl::StatusOr<kvwire::RequestFinishedResult> rf =
         connector_->RequestFinished(id, *blocks, write ? KvTokens(n) : n, params);
     if (!rf.ok()) {
@@ -1169,9 +1168,8 @@ class ModelServer::Impl {
       }
       a.resp->EndEvents(true);
     } else {
-      json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name,
-                              a.output.text(), a.output.emitted(), step.finish_reason,
-                              a.output.logprobs());
+      json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name, a.output.text(),
+                              a.output.emitted(), step.finish_reason, a.output.logprobs());
       out["usage"] = usage;
       out["kvwire"] = stats;
       a.resp->Respond(200, Dump(out));

@@ -210,8 +210,8 @@ class Router::Impl {
         // choices.h: one whole hand-off per choice, through this router.
         work = [this, body = *std::move(body), n = req->sampling.n, stream = req->stream, path,
                 resp] {
-          RunChoices(absl::StrCat(options_.host, ":", port_.load()), path, body, n, stream,
-                     *resp, absl::Now() + options_.timeout,
+          RunChoices(absl::StrCat(options_.host, ":", port_.load()), path, body, n, stream, *resp,
+                     absl::Now() + options_.timeout,
                      [this, resp] { return Stopping() || resp->closed(); });
         };
       } else {

@@ -158,8 +158,9 @@ Sampled Sampler::Next(std::span<const float> logits, const std::vector<int32_t>&
                          : std::min(lp.size(), static_cast<size_t>(*params_.logprobs));
     std::vector<int32_t> order(lp.size());
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
-                      [&](int32_t a, int32_t b) { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); });
+    std::partial_sort(
+        order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
+        [&](int32_t a, int32_t b) { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); });
     for (size_t i = 0; i < k; ++i) s.logprobs.top.emplace_back(order[i], lp[order[i]]);
   }
   return s;

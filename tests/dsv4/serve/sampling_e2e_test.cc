@@ -7,6 +7,8 @@
 // overload, a request larger than its cache) frees the prefill's blocks at once.
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,7 @@
 
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
+#include "examples/dsv4/serve/sse.h"
 #include "tests/dsv4/serve/serve_cluster.h"
 
 namespace dsv4::serve {
@@ -66,6 +69,72 @@ std::vector<int32_t> Tokens(const Answer& a) {
 std::string FinishReason(const Answer& a) {
   const json& r = a.body["choices"][0]["finish_reason"];
   return r.is_string() ? r.get<std::string>() : "";
+}
+
+// A streamed answer's token ids per choice index, and its usage chunk's usage.
+struct Streamed {
+  std::map<int, std::vector<int32_t>> tokens;
+  json usage;
+  bool done = false;
+};
+
+Streamed Stream(const std::string& address, const json& request) {
+  HttpCallOptions o;
+  o.deadline = absl::Now() + absl::Seconds(120);
+  absl::StatusOr<HttpResponse> r = HttpCall(address, "POST", "/v1/completions", request.dump(), o);
+  Streamed out;
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return out;
+  EXPECT_EQ(r->status, 200) << r->body;
+  SseParser parser;
+  for (const std::string& event : parser.Feed(r->body)) {
+    if (event == "[DONE]") {
+      out.done = true;
+      continue;
+    }
+    const json j = json::parse(event, nullptr, false);
+    EXPECT_FALSE(j.is_discarded() || j.contains("error")) << event;
+    if (j.is_discarded()) continue;
+    if (j.contains("usage")) out.usage = j["usage"];
+    for (const json& c : j.value("choices", json::array())) {
+      std::vector<int32_t>& t = out.tokens[c["index"].get<int>()];
+      for (const json& id : c["token_ids"]) t.push_back(id.get<int32_t>());
+    }
+  }
+  return out;
+}
+
+// n choices: choice i is the one-choice request with seed + i, in both shapes; the usage
+// sums them.
+void ExpectChoices(const std::string& address, const std::string& reference) {
+  const json req = {{"prompt", "Once"},   {"max_tokens", 6}, {"temperature", 1.0},
+                    {"ignore_eos", true}, {"seed", 70},      {"n", 3}};
+  const Answer a = Post(address, "/v1/completions", req);
+  ASSERT_EQ(a.status, 200) << a.raw;
+  ASSERT_EQ(a.body["choices"].size(), 3u) << a.raw;
+  json one = req;
+  one.erase("n");
+  std::set<std::vector<int32_t>> distinct;
+  for (int i = 0; i < 3; ++i) {
+    const json& c = a.body["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    one["seed"] = 70 + i;
+    const std::vector<int32_t> want = Tokens(Post(reference, "/v1/completions", one));
+    EXPECT_EQ(c["token_ids"].get<std::vector<int32_t>>(), want) << "choice " << i;
+    distinct.insert(want);
+  }
+  EXPECT_EQ(distinct.size(), 3u) << "each choice draws its own tokens";
+  EXPECT_EQ(a.body["usage"]["completion_tokens"], 18);
+  json streamed = req;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const Streamed s = Stream(address, streamed);
+  EXPECT_TRUE(s.done);
+  ASSERT_EQ(s.tokens.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(s.tokens.at(i), a.body["choices"][i]["token_ids"].get<std::vector<int32_t>>());
+  }
+  EXPECT_EQ(s.usage["completion_tokens"], 18);
 }
 
 json Health(const std::string& address) {
@@ -208,9 +277,9 @@ TEST(Surface, LogprobsSumToOneAndEcho) {
     EXPECT_EQ(t["logprob"], t["top_logprobs"][0]["logprob"]) << "greedy: the top token";
   }
   // A few: the sampled token and the top ones; past the server's bound: a 400 naming it.
-  const Answer two = Post(*s, "/v1/completions", {{"prompt", "Hello"}, {"max_tokens", 2},
-                                                  {"logprobs", 2}, {"temperature", 1.0},
-                                                  {"seed", 5}});
+  const Answer two = Post(
+      *s, "/v1/completions",
+      {{"prompt", "Hello"}, {"max_tokens", 2}, {"logprobs", 2}, {"temperature", 1.0}, {"seed", 5}});
   ASSERT_EQ(two.status, 200) << two.raw;
   for (const json& top : two.body["choices"][0]["logprobs"]["top_logprobs"]) {
     EXPECT_GE(top.size(), 2u);
@@ -227,9 +296,9 @@ TEST(Surface, LogprobsSumToOneAndEcho) {
   EXPECT_EQ(echo.body["choices"][0]["text"].get<std::string>(),
             "Hello" + plain.body["choices"][0]["text"].get<std::string>());
   EXPECT_EQ(Tokens(echo), Tokens(plain));
-  absl::StatusOr<CompletionResult> streamed = Complete(
-      *s, {{"prompt", "Hello"}, {"max_tokens", 3}, {"echo", true}, {"stream", true}},
-      absl::Seconds(60));
+  absl::StatusOr<CompletionResult> streamed =
+      Complete(*s, {{"prompt", "Hello"}, {"max_tokens", 3}, {"echo", true}, {"stream", true}},
+               absl::Seconds(60));
   ASSERT_TRUE(streamed.ok()) << streamed.status();
   EXPECT_EQ(streamed->text, echo.body["choices"][0]["text"].get<std::string>());
 }
@@ -297,9 +366,11 @@ TEST(SeededSampling, EqualAcrossPdAndDifferentWithoutASeed) {
     to_decode["kv_transfer_params"] = pa.body["kv_transfer_params"];
     EXPECT_EQ(Tokens(Post(tcp_decode, "/v1/completions", to_decode)), tokens) << "toy proxy";
   }
+  ExpectChoices(*both, *both);
+  ExpectChoices(via[0], *both);
   // No seed: each request draws its own.
-  const json unseeded = {{"prompt", "Once"}, {"max_tokens", 16}, {"temperature", 1.5},
-                         {"ignore_eos", true}};
+  const json unseeded = {
+      {"prompt", "Once"}, {"max_tokens", 16}, {"temperature", 1.5}, {"ignore_eos", true}};
   EXPECT_NE(Tokens(Post(*both, "/v1/completions", unseeded)),
             Tokens(Post(*both, "/v1/completions", unseeded)));
   EXPECT_NE(Tokens(Post(via[0], "/v1/completions", unseeded)),
@@ -311,8 +382,8 @@ TEST(SeededSampling, EqualAcrossPdAndDifferentWithoutASeed) {
 TEST(HandOff, DecodeRefusalReleasesThePrefillsBlocks) {
   ServeCluster c;
   ASSERT_TRUE(c.MakeWeights().ok());
-  absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp",
-                                          {"--request-timeout-s", "60"});
+  absl::StatusOr<std::string> p =
+      c.Serve("prefill", "prefill", "tcp", {"--request-timeout-s", "60"});
   ASSERT_TRUE(p.ok()) << p.status();
   absl::StatusOr<std::string> d = c.Serve("decode", "decode", "tcp", {"--num-blocks", "20"});
   ASSERT_TRUE(d.ok()) << d.status();
@@ -330,6 +401,7 @@ TEST(HandOff, DecodeRefusalReleasesThePrefillsBlocks) {
       {"unknown model", *d, {{"model", "other"}}, 404, "other"},
       {"larger than the cache", *d, {{"max_tokens", 2000}}, 400, "whole cache"},
       {"overload", *busy, json::object(), 503, "overloaded"},
+      {"n > 1", *d, {{"n", 2}}, 400, "'n'"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);

@@ -72,13 +72,13 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
       Endpoint::kChat);
   EXPECT_EQ(c.sampling.logprobs, 4);
   EXPECT_EQ(c.max_tokens, 7);
-  EXPECT_EQ(Parse(R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})",
-                  Endpoint::kChat)
-                .sampling.logprobs,
-            0);
-  EXPECT_FALSE(Parse(R"({"messages":[{"role":"user","content":"x"}],"logprobs":false})",
-                     Endpoint::kChat)
-                   .sampling.logprobs.has_value());
+  EXPECT_EQ(
+      Parse(R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})", Endpoint::kChat)
+          .sampling.logprobs,
+      0);
+  EXPECT_FALSE(
+      Parse(R"({"messages":[{"role":"user","content":"x"}],"logprobs":false})", Endpoint::kChat)
+          .sampling.logprobs.has_value());
 }
 
 TEST(SamplingParams, OutOfBoundsIsRefusedByName) {
@@ -299,7 +299,8 @@ Sampled Tok(int32_t t, float lp = -1.0f) {
 }
 
 // Feeds `tokens`; returns the steps until done.
-std::vector<GenerationOutput::Step> FeedAll(GenerationOutput& o, const std::vector<int32_t>& tokens) {
+std::vector<GenerationOutput::Step> FeedAll(GenerationOutput& o,
+                                            const std::vector<int32_t>& tokens) {
   std::vector<GenerationOutput::Step> steps;
   for (int32_t t : tokens) {
     steps.push_back(o.Feed(Tok(t)));
@@ -339,8 +340,7 @@ TEST(GenerationOutput, MinTokensHoldsStopStringsBack) {
 }
 
 TEST(GenerationOutput, EchoAndCompletionLogprobs) {
-  CompletionRequest r =
-      Parse(R"({"prompt":"Hi","max_tokens":2,"echo":true,"stream":true})");
+  CompletionRequest r = Parse(R"({"prompt":"Hi","max_tokens":2,"echo":true,"stream":true})");
   GenerationOutput o(r, kEosToken, Text, "Hi");
   std::vector<GenerationOutput::Step> steps = FeedAll(o, {'x', 'y'});
   ASSERT_EQ(steps.size(), 2u);
