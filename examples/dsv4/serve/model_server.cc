@@ -23,6 +23,7 @@
 #include "examples/dsv4/serve/generation_output.h"
 #include "examples/dsv4/serve/handoff_release.h"
 #include "examples/dsv4/serve/http_server.h"
+#include "examples/dsv4/serve/request_check.h"
 #include "examples/dsv4/serve/sampler.h"
 #include "kvwire/connector.h"
 #include "src/util/json_fields.h"
@@ -45,12 +46,9 @@ std::vector<int32_t> PromptTokens(const CompletionRequest& req) {
   return req.prompt_ids ? *req.prompt_ids : Encode(req.prompt);
 }
 
-// How many tokens PromptTokens gives, without encoding: the one count that the request
-// checks and KV admission use, so that a token-id prompt (whose `prompt` text is empty) is
-// counted as what it is, not as one BOS.
-uint64_t PromptTokenCount(const CompletionRequest& req) {
-  return req.prompt_ids ? req.prompt_ids->size() : req.prompt.size() + 1;  // BOS + bytes
-}
+// PromptTokenCount (request_check.h) counts PromptTokens without encoding: the one count that
+// the request checks and KV admission use, so that a token-id prompt (whose `prompt` text is
+// empty) is counted as what it is, not as one BOS.
 
 // Tokens of an n-token prompt whose KV moves from prefill to decode: all but the last, which
 // decode runs again for the logits of its first token (as vLLM's scheduler does), so that no
@@ -108,6 +106,10 @@ class ModelServer::Impl {
     absl::StatusOr<Config> config = Config::FromFile(options_.config_path);
     if (!config.ok()) return config.status();
     config_ = *config;
+    limits_ = {.role = role,
+               .max_seq_len = config_.max_seq_len,
+               .vocab_size = config_.vocab_size,
+               .max_logprobs = options_.max_logprobs};
     absl::StatusOr<std::unique_ptr<Model>> model =
         Model::Load(config_, options_.weights_path, options_.threads);
     if (!model.ok()) return model.status();
@@ -261,7 +263,7 @@ class ModelServer::Impl {
         resp->Error(404, m);
         return QueueRelease(UnreadHandOff(req->kv_transfer_params), m);
       }
-      if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
+      if (absl::Status s = CheckRequest(*req, path == "/v1/kv/prepare", limits_); !s.ok()) {
         resp->Error(400, std::string(s.message()));
         return QueueRelease(UnreadHandOff(req->kv_transfer_params), s.message());
       }
@@ -379,52 +381,6 @@ class ModelServer::Impl {
     if (!j.ok()) return j.status();
     return CompletionRequestFromJson(
         *j, config_.vocab_size, j->contains("messages") ? Endpoint::kChat : Endpoint::kCompletions);
-  }
-
-  // What the HTTP thread can refuse at once (400).
-  absl::Status Check(const CompletionRequest& req, bool prepare) const {
-    const KvTransferFields& kv = req.kv;
-    const bool remote_decode = kv.do_remote_decode;
-    const bool remote_prefill = kv.do_remote_prefill;
-    const uint64_t n = PromptTokenCount(req);
-    if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
-                                                     req.max_tokens, ") exceeds max_seq_len ",
-                                                     config_.max_seq_len));
-    }
-    if (req.sampling.n > 1 && (remote_prefill || prepare)) {
-      return absl::InvalidArgumentError(
-          "request body: 'n' > 1 cannot load one prefill's KV more than once (an aggregated "
-          "server or the router runs each choice on its own)");
-    }
-    if (req.sampling.logprobs) {
-      const int64_t vocab = config_.vocab_size;
-      const int64_t want = *req.sampling.logprobs < 0 ? vocab : *req.sampling.logprobs;
-      const int64_t most = options_.max_logprobs < 0 ? vocab : options_.max_logprobs;
-      if (want > most) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request body: '", req.endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
-            "' asks for ", want, " logprobs, more than this server's --max-logprobs (", most, ")"));
-      }
-    }
-    if (remote_decode && remote_prefill) {
-      return absl::InvalidArgumentError(
-          "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive");
-    }
-    if (remote_decode && options_.role == "decode") {
-      return absl::InvalidArgumentError(
-          "this is a decode server: do_remote_decode requests go to a prefill server");
-    }
-    if ((remote_prefill || prepare) && options_.role == "prefill") {
-      return absl::InvalidArgumentError(
-          "this is a prefill server: do_remote_prefill requests go to a decode server");
-    }
-    if (prepare && (!remote_prefill || kv.mode != "write" || kv.transfer_id.empty())) {
-      return absl::InvalidArgumentError(
-          "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
-          "and a transfer_id");
-    }
-    return absl::OkStatus();
   }
 
   std::string Metrics() const {
@@ -1185,6 +1141,7 @@ class ModelServer::Impl {
   const ModelServerOptions options_;
   std::string capacity_;
   Config config_;
+  ServerLimits limits_;  // set in Init
   std::unique_ptr<Model> model_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<kvwire::Connector> connector_;
