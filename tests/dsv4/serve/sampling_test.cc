@@ -42,7 +42,7 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
   CompletionRequest r = Parse(
       R"({"prompt":"a","max_tokens":9,"temperature":0.7,"top_p":0.9,"top_k":40,"min_p":0.05,
           "seed":-3,"presence_penalty":-2,"frequency_penalty":2,"repetition_penalty":1.3,
-          "ignore_eos":true,"min_tokens":9,"logprobs":3,"echo":true,
+          "ignore_eos":true,"min_tokens":9,"logprobs":3,
           "return_tokens_as_token_ids":true})");
   const SamplingParams& p = r.sampling;
   EXPECT_DOUBLE_EQ(p.temperature, 0.7);
@@ -56,7 +56,7 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_EQ(p.min_tokens, 9);
   EXPECT_EQ(p.logprobs, 3);
-  EXPECT_TRUE(p.echo);
+  EXPECT_TRUE(Parse(R"({"prompt":"a","echo":true})").sampling.echo);
   EXPECT_TRUE(p.tokens_as_ids);
   // Defaults: greedy, no seed (a random one per request), no logprobs; -1 turns top_k off.
   CompletionRequest d = Parse(R"({"prompt":"a","top_k":-1,"logprobs":null,"seed":null})");
@@ -138,7 +138,7 @@ std::map<int32_t, int> Histogram(const SamplingParams& p, const std::vector<floa
                                  int draws, const std::vector<int32_t>& output = {}) {
   std::map<int32_t, int> h;
   for (int s = 0; s < draws; ++s) {
-    ++h[Sampler(p, static_cast<uint64_t>(s) * 7919, {}, -1).Next(logits, output).token];
+    ++h[Sampler(p, static_cast<uint64_t>(s) * 7919, {}, kEosToken).Next(logits, output).token];
   }
   return h;
 }
