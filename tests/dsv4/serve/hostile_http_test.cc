@@ -394,11 +394,27 @@ TEST_F(HostileHttpTest, PrepareAndAbortBodiesAreChecked) {
 // null means "not given" for every optional field (as OpenAI's API has it): the request is
 // served, through the router and by decode alone.
 TEST_F(HostileHttpTest, NullOptionalFieldsMeanDefaults) {
-  const json req = {{"prompt", kPrompt},        {"max_tokens", kMaxTokens},
-                    {"stream", nullptr},        {"temperature", nullptr},
-                    {"seed", nullptr},          {"model", nullptr},
-                    {"first_token", nullptr},   {"kv_transfer_params", nullptr},
-                    {"kvwire_prefill", nullptr}};
+  const json req = {{"prompt", kPrompt},
+                    {"max_tokens", kMaxTokens},
+                    {"stream", nullptr},
+                    {"temperature", nullptr},
+                    {"seed", nullptr},
+                    {"model", nullptr},
+                    {"first_token", nullptr},
+                    {"kv_transfer_params", nullptr},
+                    {"kvwire_prefill", nullptr},
+                    {"top_p", nullptr},
+                    {"top_k", nullptr},
+                    {"min_p", nullptr},
+                    {"presence_penalty", nullptr},
+                    {"frequency_penalty", nullptr},
+                    {"repetition_penalty", nullptr},
+                    {"ignore_eos", nullptr},
+                    {"min_tokens", nullptr},
+                    {"logprobs", nullptr},
+                    {"n", nullptr},
+                    {"echo", nullptr},
+                    {"return_tokens_as_token_ids", nullptr}};
   for (const char* target : {"router", "decode"}) {
     SCOPED_TRACE(target);
     absl::StatusOr<CompletionResult> r =
