@@ -78,7 +78,8 @@ void RunChoices(const std::string& address, const std::string& path, const json&
                 bool stream, Responder& resp, absl::Time deadline,
                 const std::function<bool()>& cancelled) {
   std::vector<ChoiceCall> calls(static_cast<size_t>(n));
-  kvwire::Mutex mu;  // one event at a time
+  kvwire::Mutex mu;       // one event at a time
+  std::string stream_id;  // the first chunk's id, given to every chunk (one completion)
   bool include_usage = false;
   if (stream) {
     const auto so = body.find("stream_options");
@@ -119,6 +120,10 @@ void RunChoices(const std::string& address, const std::string& path, const json&
               for (json& choice : j["choices"]) {
                 if (choice.is_object()) choice["index"] = i;
               }
+              if (stream_id.empty() && j.contains("id") && j["id"].is_string()) {
+                stream_id = j["id"].get<std::string>();
+              }
+              if (!stream_id.empty()) j["id"] = stream_id;
               resp.Event(kvwire::DumpJson(j));
             }
           }
@@ -145,6 +150,7 @@ void RunChoices(const std::string& address, const std::string& path, const json&
       for (const ChoiceCall& c : calls) usages.push_back(c.usage.value("usage", json()));
       json last = calls[0].usage;
       last["usage"] = SumUsage(usages);
+      if (!stream_id.empty()) last["id"] = stream_id;
       resp.Event(kvwire::DumpJson(last));
     }
     resp.EndEvents(/*done=*/!failed);

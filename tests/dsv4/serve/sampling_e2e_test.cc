@@ -74,6 +74,7 @@ std::string FinishReason(const Answer& a) {
 // A streamed answer's token ids per choice index, and its usage chunk's usage.
 struct Streamed {
   std::map<int, std::vector<int32_t>> tokens;
+  std::set<std::string> ids;  // of the chunks
   json usage;
   bool done = false;
 };
@@ -96,6 +97,7 @@ Streamed Stream(const std::string& address, const json& request) {
     EXPECT_FALSE(j.is_discarded() || j.contains("error")) << event;
     if (j.is_discarded()) continue;
     if (j.contains("usage")) out.usage = j["usage"];
+    if (j.contains("id")) out.ids.insert(j["id"].get<std::string>());
     for (const json& c : j.value("choices", json::array())) {
       std::vector<int32_t>& t = out.tokens[c["index"].get<int>()];
       for (const json& id : c["token_ids"]) t.push_back(id.get<int32_t>());
@@ -135,6 +137,7 @@ void ExpectChoices(const std::string& address, const std::string& reference) {
     EXPECT_EQ(s.tokens.at(i), a.body["choices"][i]["token_ids"].get<std::vector<int32_t>>());
   }
   EXPECT_EQ(s.usage["completion_tokens"], 18);
+  EXPECT_EQ(s.ids.size(), 1u) << "one completion, one id";
 }
 
 json Health(const std::string& address) {
