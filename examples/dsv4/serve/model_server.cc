@@ -574,8 +574,8 @@ class ModelServer::Impl {
     json cs = json::parse(connector_->StatsJson(), nullptr, false);
     json c = json::object();
     if (cs.is_object()) {
-      for (const char* k :
-           {"started", "completed", "failed", "withdrawn", "lease_expired", "live_requests"}) {
+      for (const char* k : {"started", "completed", "failed", "withdrawn", "released",
+                            "lease_expired", "live_requests"}) {
         if (cs.contains(k)) c[k] = cs[k];
       }
     }
