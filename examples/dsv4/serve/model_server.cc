@@ -440,8 +440,10 @@ class ModelServer::Impl {
 
   // Aborts what is in flight and waits (bounded) until the connector lets go of the blocks.
   void Shutdown() {
-    admission_->Drain(
-        [this](Job& j, Rejection, const std::string& why) { Overloaded(j.resp, why); });
+    admission_->Drain([this](Job& j, Rejection, const std::string& why) {
+      ReleaseHandOff(j.req, why);
+      Overloaded(j.resp, why);
+    });
     for (auto& [id, a] : active_) {
       if (a.resp && !a.resp->answered()) a.resp->Error(503, "server is shutting down");
       if (a.resp && a.resp->streaming()) a.resp->EndEvents(false);
