@@ -2,8 +2,10 @@
 // completion_api.cc, chat_template.cc), as an HTTP client sends it to the dsv4 servers and the
 // router, and the kv_transfer_params it carries, which the server hands to the connector
 // (KvTransferParams::FromJson). Each input is parsed for both endpoints. A body that parses
-// must hold values inside the documented ranges; its stop strings then run over its own prompt
-// (stop_strings.cc), which must release no more than it was fed.
+// must hold values inside the documented ranges (the sampling parameters' are vLLM's); its stop
+// strings then run over its own prompt (stop_strings.cc), which must release no more than it was
+// fed.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,7 +28,18 @@ void Check(const std::string& body, dsv4::serve::Endpoint endpoint) {
   }
   KVWIRE_FUZZ_CHECK(request->endpoint == endpoint);
   KVWIRE_FUZZ_CHECK(request->max_tokens >= 1);
-  KVWIRE_FUZZ_CHECK(request->temperature >= 0.0f && request->temperature <= 100.0f);
+  const dsv4::serve::SamplingParams& p = request->sampling;
+  KVWIRE_FUZZ_CHECK(p.temperature >= 0.0 && std::isfinite(p.temperature));
+  KVWIRE_FUZZ_CHECK(p.top_p > 0.0 && p.top_p <= 1.0);
+  KVWIRE_FUZZ_CHECK(p.top_k >= 0);
+  KVWIRE_FUZZ_CHECK(p.min_p >= 0.0 && p.min_p <= 1.0);
+  KVWIRE_FUZZ_CHECK(p.presence_penalty >= -2.0 && p.presence_penalty <= 2.0);
+  KVWIRE_FUZZ_CHECK(p.frequency_penalty >= -2.0 && p.frequency_penalty <= 2.0);
+  KVWIRE_FUZZ_CHECK(p.repetition_penalty > 0.0 && std::isfinite(p.repetition_penalty));
+  KVWIRE_FUZZ_CHECK(p.min_tokens >= 0 && p.min_tokens <= request->max_tokens);
+  KVWIRE_FUZZ_CHECK(!p.logprobs || *p.logprobs >= -1);
+  KVWIRE_FUZZ_CHECK(p.n >= 1 && p.n <= dsv4::serve::kMaxChoices);
+  KVWIRE_FUZZ_CHECK(!p.echo || (endpoint == dsv4::serve::Endpoint::kCompletions && !p.logprobs));
   if (request->prompt_ids) {
     KVWIRE_FUZZ_CHECK(endpoint == dsv4::serve::Endpoint::kCompletions);
     KVWIRE_FUZZ_CHECK(!request->prompt_ids->empty() && request->prompt.empty());

@@ -44,15 +44,37 @@ absl::Status ParseKvTransferFields(const json& params, KvTransferFields* out) {
 
 // Parameters the servers act on, per endpoint.
 const std::set<std::string_view>& Supported(Endpoint e) {
-  static const std::set<std::string_view> completions = {
-      "prompt",         "model", "max_tokens",         "temperature",    "seed", "stream",
-      "stream_options", "stop",  "kv_transfer_params", "kvwire_prefill", "user"};
-  static const std::set<std::string_view> chat = {"messages",       "model",
-                                                  "max_tokens",     "max_completion_tokens",
-                                                  "temperature",    "seed",
-                                                  "stream",         "stream_options",
-                                                  "stop",           "kv_transfer_params",
-                                                  "kvwire_prefill", "user"};
+  static const std::set<std::string_view> common = {"model",
+                                                    "max_tokens",
+                                                    "temperature",
+                                                    "top_p",
+                                                    "top_k",
+                                                    "min_p",
+                                                    "seed",
+                                                    "presence_penalty",
+                                                    "frequency_penalty",
+                                                    "repetition_penalty",
+                                                    "ignore_eos",
+                                                    "min_tokens",
+                                                    "logprobs",
+                                                    "n",
+                                                    "stream",
+                                                    "stream_options",
+                                                    "stop",
+                                                    "kv_transfer_params",
+                                                    "kvwire_prefill",
+                                                    "user",
+                                                    "return_tokens_as_token_ids"};
+  static const std::set<std::string_view> completions = [] {
+    std::set<std::string_view> s = common;
+    s.insert({"prompt", "echo"});
+    return s;
+  }();
+  static const std::set<std::string_view> chat = [] {
+    std::set<std::string_view> s = common;
+    s.insert({"messages", "max_completion_tokens", "top_logprobs", "echo"});
+    return s;
+  }();
   return e == Endpoint::kChat ? chat : completions;
 }
 
@@ -60,13 +82,9 @@ const std::set<std::string_view>& Supported(Endpoint e) {
 // client that sends the default is served, one that asks for more is told.
 bool IsDefault(std::string_view name, const json& v) {
   auto number_is = [&](double want) { return v.is_number() && v.get<double>() == want; };
-  if (name == "n" || name == "best_of") return number_is(1);
-  if (name == "top_p") return number_is(1);
-  if (name == "presence_penalty" || name == "frequency_penalty") return number_is(0);
-  if (name == "min_tokens" || name == "min_completion_tokens") return number_is(0);
-  if (name == "echo") return v.is_boolean() && !v.get<bool>();
-  if (name == "logprobs") return (v.is_boolean() && !v.get<bool>()) || number_is(0);
-  if (name == "top_logprobs") return number_is(0);
+  if (name == "best_of") return number_is(1);
+  if (name == "min_completion_tokens") return number_is(0);
+  if (name == "prompt_logprobs") return number_is(0);
   if (name == "logit_bias") return v.is_object() && v.empty();
   if (name == "suffix") return v.is_string() && v.get<std::string>().empty();
   return false;
@@ -165,14 +183,9 @@ absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int v
   }
   r.max_tokens = static_cast<int>(f.OptInt("max_tokens", 1, 1000000, r.max_tokens));
   if (endpoint == Endpoint::kChat && f.Has("max_completion_tokens")) {
-    const int m = static_cast<int>(f.Int("max_completion_tokens", 1, 1000000));
-    if (f.ok() && f.Has("max_tokens") && m != r.max_tokens) {
-      f.Fail("max_completion_tokens", "differs from 'max_tokens' (give one)");
-    }
-    r.max_tokens = m;
+    // vLLM: max_completion_tokens, when given, wins over the deprecated max_tokens.
+    r.max_tokens = static_cast<int>(f.Int("max_completion_tokens", 1, 1000000));
   }
-  r.temperature = static_cast<float>(f.OptNumber("temperature", 0, 100, r.temperature));
-  r.seed = f.OptUint("seed", UINT64_MAX, r.seed);
   r.stream = f.OptBool("stream", r.stream);
   r.model = f.OptString("model", r.model, kMaxIdBytes);
   ParseStop(f, j, &r);
@@ -204,6 +217,8 @@ absl::StatusOr<CompletionRequest> CompletionRequestFromJson(const json& j, int v
     }
     if (absl::Status s = ParseKvTransferFields(*kvp, &r.kv); !s.ok()) return s;
   }
+  ParseSamplingParams(f, j, endpoint, r.max_tokens, r.kv.do_remote_decode, &r.sampling);
+  if (!f.ok()) return f.status();
   const json* prefill = f.Object("kvwire_prefill", /*required=*/false);
   if (!f.ok()) return f.status();
   if (prefill != nullptr) {
@@ -227,9 +242,10 @@ json CompletionJson(const std::string& id, const std::string& model, const std::
 
 json ResponseJson(Endpoint endpoint, bool chunk, bool first_chunk, const std::string& id,
                   const std::string& model, const std::string& text,
-                  const std::vector<int32_t>& tokens, const char* finish_reason) {
+                  const std::vector<int32_t>& tokens, const char* finish_reason,
+                  const json& logprobs, int index) {
   const json reason = finish_reason == nullptr ? json(nullptr) : json(finish_reason);
-  json choice = {{"index", 0}, {"token_ids", tokens}, {"logprobs", nullptr}};
+  json choice = {{"index", index}, {"token_ids", tokens}, {"logprobs", logprobs}};
   const char* object = "text_completion";
   if (endpoint == Endpoint::kChat) {
     object = chunk ? "chat.completion.chunk" : "chat.completion";

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 
+#include "examples/dsv4/serve/sampling_params.h"
 #include "src/util/json_fields.h"
 
 namespace dsv4::serve {
@@ -52,9 +53,8 @@ struct CompletionRequest {
   // is empty and the ids are run as given: no BOS is added).
   std::string prompt;
   std::optional<std::vector<int32_t>> prompt_ids;
-  int max_tokens = 16;
-  float temperature = 0.0f;
-  uint64_t seed = 0;
+  int max_tokens = 16;  // chat: max_completion_tokens when given (vLLM)
+  SamplingParams sampling;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   std::vector<std::string> stop;
@@ -89,10 +89,12 @@ nlohmann::json CompletionJson(const std::string& id, const std::string& model,
 
 // The answer in the shape of `endpoint`: a text_completion / chat.completion (chunk = false) or
 // one stream chunk (a chat chunk carries the assistant role when `first_chunk`). Every choice
-// also carries `token_ids` (as vLLM's return_token_ids does).
+// also carries `token_ids` (as vLLM's return_token_ids does), its `logprobs` (null: none asked
+// for; generation_output.h makes them) and its `index` (of n).
 nlohmann::json ResponseJson(Endpoint endpoint, bool chunk, bool first_chunk, const std::string& id,
                             const std::string& model, const std::string& text,
-                            const std::vector<int32_t>& tokens, const char* finish_reason);
+                            const std::vector<int32_t>& tokens, const char* finish_reason,
+                            const nlohmann::json& logprobs = nullptr, int index = 0);
 
 // The stream's closing usage chunk (stream_options.include_usage): no choices, the usage.
 nlohmann::json UsageChunkJson(Endpoint endpoint, const std::string& id, const std::string& model,

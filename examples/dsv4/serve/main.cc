@@ -57,6 +57,7 @@ int Usage() {
                "           [--max-queue-wait-s 30] [--threads 0] (docs/dsv4-capacity.md)\n"
                "           [--request-timeout-s 60] [--peer-lease-ms 5000] [--ready-file F]\n"
                "           [--max-connections-per-source 128] (HTTP, per client address)\n"
+               "           [--max-logprobs 20] (per token a request may ask for; -1: all)\n"
                "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
                "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
                "           a file (mode 600) is recommended: argv is visible to local users;\n"
@@ -202,9 +203,10 @@ int Serve(const Flags& f) {
                           delay = f.GetInt("inject-delay-ms", 0),
                           seed = f.GetInt("allocation-seed", 0),
                           etcd_lease = f.GetInt("etcd-lease-s", 10),
-                          per_source = f.GetInt("max-connections-per-source", 128);
+                          per_source = f.GetInt("max-connections-per-source", 128),
+                          max_logprobs = f.GetInt("max-logprobs", 20);
   for (const auto* v : {&port, &kv_port, &blocks, &requests, &threads, &timeout, &lease, &delay,
-                        &seed, &max_queue, &queue_wait, &etcd_lease, &per_source}) {
+                        &seed, &max_queue, &queue_wait, &etcd_lease, &per_source, &max_logprobs}) {
     if (!v->ok()) return Fail(v->status());
   }
   o.port = static_cast<int>(*port);
@@ -220,6 +222,8 @@ int Serve(const Flags& f) {
   o.max_queue_wait = absl::Seconds(std::max<int64_t>(0, *queue_wait));
   o.etcd_lease_s = *etcd_lease;
   o.max_connections_per_source = static_cast<int>(std::clamp<int64_t>(*per_source, 1, 1 << 20));
+  if (*max_logprobs < -1) return Fail(absl::InvalidArgumentError("--max-logprobs: -1 or >= 0"));
+  o.max_logprobs = *max_logprobs;
   sigset_t set;
   BlockStopSignals(&set);
   absl::StatusOr<std::unique_ptr<ModelServer>> server = ModelServer::Start(o);
@@ -339,7 +343,8 @@ int Main(int argc, char** argv) {
                "etcd",
                "cluster",
                "etcd-lease-s",
-               "max-connections-per-source"},
+               "max-connections-per-source",
+               "max-logprobs"},
               {"corrupt-kv-page"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {

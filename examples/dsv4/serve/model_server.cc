@@ -18,9 +18,13 @@
 #include "examples/dsv4/model/tokenizer.h"
 #include "examples/dsv4/serve/admission.h"
 #include "examples/dsv4/serve/attest.h"
+#include "examples/dsv4/serve/choices.h"
 #include "examples/dsv4/serve/completion_api.h"
+#include "examples/dsv4/serve/generation_output.h"
+#include "examples/dsv4/serve/handoff_release.h"
 #include "examples/dsv4/serve/http_server.h"
-#include "examples/dsv4/serve/stop_strings.h"
+#include "examples/dsv4/serve/request_check.h"
+#include "examples/dsv4/serve/sampler.h"
 #include "kvwire/connector.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -42,12 +46,9 @@ std::vector<int32_t> PromptTokens(const CompletionRequest& req) {
   return req.prompt_ids ? *req.prompt_ids : Encode(req.prompt);
 }
 
-// How many tokens PromptTokens gives, without encoding: the one count that the request
-// checks and KV admission use, so that a token-id prompt (whose `prompt` text is empty) is
-// counted as what it is, not as one BOS.
-uint64_t PromptTokenCount(const CompletionRequest& req) {
-  return req.prompt_ids ? req.prompt_ids->size() : req.prompt.size() + 1;  // BOS + bytes
-}
+// PromptTokenCount (request_check.h) counts PromptTokens without encoding: the one count that
+// the request checks and KV admission use, so that a token-id prompt (whose `prompt` text is
+// empty) is counted as what it is, not as one BOS.
 
 // Tokens of an n-token prompt whose KV moves from prefill to decode: all but the last, which
 // decode runs again for the logits of its first token (as vLLM's scheduler does), so that no
@@ -56,10 +57,13 @@ uint64_t PromptTokenCount(const CompletionRequest& req) {
 // that moved; a one-token prompt moves whole.
 uint64_t KvTokens(uint64_t n) { return n > 1 ? n - 1 : n; }
 
+std::string DecodeTokens(std::span<const int32_t> tokens) { return Decode(tokens); }
+
 struct Job {
-  enum class Kind { kCompletion, kPrepare, kAbort } kind = Kind::kCompletion;
+  enum class Kind { kCompletion, kPrepare, kAbort, kRelease } kind = Kind::kCompletion;
   CompletionRequest req;
-  std::string transfer_id;  // kAbort
+  std::string transfer_id;                     // kAbort
+  std::string release_params, release_reason;  // kRelease (handoff_release.h)
   std::shared_ptr<Responder> resp;
   absl::Time arrived;
 };
@@ -79,8 +83,8 @@ struct Active {
   kvwire::BlockTable blocks;
   std::vector<int32_t> out;
   std::string transfer_id, peer;
-  StopMatcher stop;              // over the generated tokens
-  std::vector<int32_t> emitted;  // generated tokens released to the client
+  std::optional<Sampler> sampler;  // set when the request's answer goes to a client
+  GenerationOutput output;         // what the client sees of `out`
   absl::Time arrived, claimed, load_start, load_end, decode_start, deadline;
   double prefill_ms = 0;
   json transfer;  // per-request transfer stats once loaded
@@ -102,6 +106,10 @@ class ModelServer::Impl {
     absl::StatusOr<Config> config = Config::FromFile(options_.config_path);
     if (!config.ok()) return config.status();
     config_ = *config;
+    limits_ = {.role = role,
+               .max_seq_len = config_.max_seq_len,
+               .vocab_size = config_.vocab_size,
+               .max_logprobs = options_.max_logprobs};
     absl::StatusOr<std::unique_ptr<Model>> model =
         Model::Load(config_, options_.weights_path, options_.threads);
     if (!model.ok()) return model.status();
@@ -165,6 +173,7 @@ class ModelServer::Impl {
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         ho, [this](const HttpRequest& r, std::shared_ptr<Responder> resp) { Handle(r, resp); });
     if (!http.ok()) return http.status();
+    http_port_.store((*http)->port());
     http_ = std::move(*http);
     // Serving now: visible to routers from here on (and gone first at shutdown).
     if (!options_.etcd.empty()) {
@@ -187,8 +196,9 @@ class ModelServer::Impl {
       kvwire::MutexLock lock(&mu_);
       queue_.clear();
     }
-    // Responders are gone: the HTTP server may go; then the connector (its transfers touch
-    // the cache), then the cache.
+    // Responders are gone (the choices' requests to this server answered): the HTTP server
+    // may go; then the connector (its transfers touch the cache), then the cache.
+    choices_.reset();
     http_.reset();
     connector_.reset();
     cache_.reset();
@@ -245,16 +255,21 @@ class ModelServer::Impl {
       absl::StatusOr<CompletionRequest> req = ParseRequest(path, r.body);
       if (!req.ok()) {
         resp->Error(400, std::string(req.status().message()));
-        return;
+        return QueueRelease(UnreadHandOffInBody(r.body), req.status().message());
       }
       if (!req->model.empty() && req->model != config_.name) {
-        resp->Error(404, absl::StrCat("the model '", req->model,
-                                      "' does not exist (this server runs '", config_.name, "')"));
-        return;
+        const std::string m = absl::StrCat(
+            "the model '", req->model, "' does not exist (this server runs '", config_.name, "')");
+        resp->Error(404, m);
+        return QueueRelease(UnreadHandOff(req->kv_transfer_params), m);
       }
-      if (absl::Status s = Check(*req, path == "/v1/kv/prepare"); !s.ok()) {
+      if (absl::Status s = CheckRequest(*req, path == "/v1/kv/prepare", limits_); !s.ok()) {
         resp->Error(400, std::string(s.message()));
-        return;
+        return QueueRelease(UnreadHandOff(req->kv_transfer_params), s.message());
+      }
+      // A prefill computes the prompt once, whatever n is.
+      if (req->sampling.n > 1 && !req->kv.do_remote_decode) {
+        return StartChoices(path, r, req->sampling.n, req->stream, resp);
       }
       job.kind = path == "/v1/kv/prepare" ? Job::Kind::kPrepare : Job::Kind::kCompletion;
       job.req = std::move(*req);
@@ -284,6 +299,50 @@ class ModelServer::Impl {
     }
     queue_.push_back(std::move(job));
     cv_.SignalAll();
+  }
+
+  // choices.h: n one-choice requests to this server itself, answered as one.
+  void StartChoices(const std::string& path, const HttpRequest& r, int n, bool stream,
+                    const std::shared_ptr<Responder>& resp) {
+    absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
+    if (!body.ok()) return resp->Error(400, std::string(body.status().message()));
+    const std::string self = absl::StrCat(options_.host, ":", http_port_.load());
+    const absl::Time deadline =
+        absl::Now() + options_.request_timeout + options_.max_queue_wait + absl::Seconds(10);
+    if (!choices_->Start([self, path, body = *std::move(body), n, stream, resp, deadline] {
+          RunChoices(self, path, body, n, stream, *resp, deadline,
+                     [resp] { return resp->closed(); });
+        })) {
+      resp->Error(503, "cannot start a thread for the choices");
+    }
+  }
+
+  // handoff_release.h: the worker tells the prefill that holds `params` to free its blocks.
+  void QueueRelease(std::optional<std::string> params, absl::string_view why) {
+    if (!params || options_.role == "prefill") return;
+    Job job;
+    job.kind = Job::Kind::kRelease;
+    job.arrived = absl::Now();
+    job.release_params = *std::move(params);
+    job.release_reason = std::string(why.substr(0, 200));
+    kvwire::MutexLock lock(&mu_);
+    if (stop_) return;
+    queue_.push_back(std::move(job));
+    cv_.SignalAll();
+  }
+
+  // Worker: a refused request's hand-off goes back to its prefill now (handoff_release.h).
+  void ReleaseHandOff(const CompletionRequest& req, absl::string_view why) {
+    std::optional<std::string> params = UnreadHandOff(req.kv_transfer_params);
+    if (params && options_.role != "prefill") ReleaseHandOff(*params, why);
+  }
+  void ReleaseHandOff(const std::string& params, absl::string_view why) {
+    const std::string id = NewId();
+    if (absl::Status s = connector_->ReleaseUnread(id, params, std::string(why.substr(0, 200)));
+        !s.ok()) {
+      KVW_LOG(kWarning, kLog) << "cannot release a refused request's hand-off" << Kv("request", id)
+                              << Kv("error", s.message());
+    }
   }
 
   // attest.h: proves to a router that this server, as its etcd record describes it, holds
@@ -322,37 +381,6 @@ class ModelServer::Impl {
     if (!j.ok()) return j.status();
     return CompletionRequestFromJson(
         *j, config_.vocab_size, j->contains("messages") ? Endpoint::kChat : Endpoint::kCompletions);
-  }
-
-  // What the HTTP thread can refuse at once (400).
-  absl::Status Check(const CompletionRequest& req, bool prepare) const {
-    const KvTransferFields& kv = req.kv;
-    const bool remote_decode = kv.do_remote_decode;
-    const bool remote_prefill = kv.do_remote_prefill;
-    const uint64_t n = PromptTokenCount(req);
-    if (n + req.max_tokens > static_cast<uint64_t>(config_.max_seq_len)) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt (", n, " tokens) + max_tokens (",
-                                                     req.max_tokens, ") exceeds max_seq_len ",
-                                                     config_.max_seq_len));
-    }
-    if (remote_decode && remote_prefill) {
-      return absl::InvalidArgumentError(
-          "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive");
-    }
-    if (remote_decode && options_.role == "decode") {
-      return absl::InvalidArgumentError(
-          "this is a decode server: do_remote_decode requests go to a prefill server");
-    }
-    if ((remote_prefill || prepare) && options_.role == "prefill") {
-      return absl::InvalidArgumentError(
-          "this is a prefill server: do_remote_prefill requests go to a decode server");
-    }
-    if (prepare && (!remote_prefill || kv.mode != "write" || kv.transfer_id.empty())) {
-      return absl::InvalidArgumentError(
-          "/v1/kv/prepare needs kv_transfer_params with do_remote_prefill, mode \"write\" "
-          "and a transfer_id");
-    }
-    return absl::OkStatus();
   }
 
   std::string Metrics() const {
@@ -412,8 +440,10 @@ class ModelServer::Impl {
 
   // Aborts what is in flight and waits (bounded) until the connector lets go of the blocks.
   void Shutdown() {
-    admission_->Drain(
-        [this](Job& j, Rejection, const std::string& why) { Overloaded(j.resp, why); });
+    admission_->Drain([this](Job& j, Rejection, const std::string& why) {
+      ReleaseHandOff(j.req, why);
+      Overloaded(j.resp, why);
+    });
     for (auto& [id, a] : active_) {
       if (a.resp && !a.resp->answered()) a.resp->Error(503, "server is shutting down");
       if (a.resp && a.resp->streaming()) a.resp->EndEvents(false);
@@ -473,15 +503,17 @@ class ModelServer::Impl {
     const std::optional<uint64_t> tokens = TokensToHold(job);
     if (!tokens) return AdmitGuarded(job);
     absl::Status s = admission_->Offer(job, BlocksNeeded(cache_->layout(), *tokens), job.arrived);
+    if (s.ok()) return;
+    ReleaseHandOff(job.req, s.message());
     if (absl::IsResourceExhausted(s)) return Overloaded(job.resp, std::string(s.message()));
-    if (!s.ok()) Fail(job.resp, 400, std::string(s.message()));
+    Fail(job.resp, 400, std::string(s.message()));
   }
 
   // The most tokens whose KV a job will hold: a prefill its prompt; a decode or a local
   // generation the prompt and every token it may generate. None for jobs that take no blocks
   // (aborts, and a write-mode decode claiming the blocks it prepared).
   std::optional<uint64_t> TokensToHold(const Job& job) const {
-    if (job.kind == Job::Kind::kAbort) return std::nullopt;
+    if (job.kind == Job::Kind::kAbort || job.kind == Job::Kind::kRelease) return std::nullopt;
     const uint64_t n = PromptTokenCount(job.req);
     if (job.kind == Job::Kind::kCompletion) {
       const KvTransferFields& kv = job.req.kv;
@@ -499,6 +531,7 @@ class ModelServer::Impl {
         [](const Job& j) { return j.resp && j.resp->closed(); },
         [this](Job& j) { AdmitGuarded(j); },
         [this](Job& j, Rejection why, const std::string& message) {
+          ReleaseHandOff(j.req, message);
           if (why == Rejection::kClientGone) return Fail(j.resp, 499, message);
           Overloaded(j.resp, message);
         });
@@ -543,8 +576,8 @@ class ModelServer::Impl {
     json cs = json::parse(connector_->StatsJson(), nullptr, false);
     json c = json::object();
     if (cs.is_object()) {
-      for (const char* k :
-           {"started", "completed", "failed", "withdrawn", "lease_expired", "live_requests"}) {
+      for (const char* k : {"started", "completed", "failed", "withdrawn", "released",
+                            "lease_expired", "live_requests"}) {
         if (cs.contains(k)) c[k] = cs[k];
       }
     }
@@ -569,6 +602,8 @@ class ModelServer::Impl {
       case Job::Kind::kPrepare:
         Prepare(job);
         return;
+      case Job::Kind::kRelease:
+        return ReleaseHandOff(job.release_params, job.release_reason);
       case Job::Kind::kCompletion:
         break;
     }
@@ -633,7 +668,10 @@ class ModelServer::Impl {
       return Fail(job.resp, 500, absl::StrCat("prefill failed: ", logits.status().message()));
     }
     if (write) (void)connector_->WaitForSave();
-    const int32_t first = SampleToken(*logits, req.temperature, req.seed, 0);
+    // Decode samples the client's tokens (this one is not shown): any seed gives a token.
+    const int32_t first = Sampler(req.sampling, req.sampling.seed.value_or(0), tokens, kEosToken)
+                              .Next(*logits, {})
+                              .token;
     absl::StatusOr<kvwire::RequestFinishedResult> rf =
         connector_->RequestFinished(id, *blocks, write ? KvTokens(n) : n, params);
     if (!rf.ok()) {
@@ -709,9 +747,10 @@ class ModelServer::Impl {
     const uint64_t n = a.prompt.size();
     if (kv.num_tokens == 0) kvp["num_tokens"] = n;
     if (kv.num_tokens != 0 && kv.num_tokens != n) {
-      Fail(resp, 400,
-           absl::StrCat("kv_transfer_params.num_tokens ", kv.num_tokens,
-                        " does not match the prompt's ", n, " tokens"));
+      const std::string m = absl::StrCat("kv_transfer_params.num_tokens ", kv.num_tokens,
+                                         " does not match the prompt's ", n, " tokens");
+      ReleaseHandOff(a.req, m);
+      Fail(resp, 400, m);
       return false;
     }
     a.transfer_id = kv.transfer_id;
@@ -805,7 +844,7 @@ class ModelServer::Impl {
         }
       }
       a.req = job.req;
-      a.stop = StopMatcher(job.req.stop);
+      InitSampling(a);
       a.resp = job.resp;
       a.claimed = absl::Now();
       a.deadline = a.claimed + options_.request_timeout;
@@ -816,7 +855,7 @@ class ModelServer::Impl {
     a.req = job.req;
     a.resp = job.resp;
     a.prompt = PromptTokens(job.req);
-    a.stop = StopMatcher(job.req.stop);
+    InitSampling(a);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     if (!StartLoad(a, a.resp)) return;
@@ -928,7 +967,7 @@ class ModelServer::Impl {
       a.resp.reset();
       return Finish(a);
     }
-    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, 0));
+    Emit(a, a.sampler->Next(*logits, a.out));
   }
 
   json TransferStats(const Active& a) const {
@@ -988,7 +1027,7 @@ class ModelServer::Impl {
     a.req = job.req;
     a.resp = job.resp;
     a.prompt = PromptTokens(job.req);
-    a.stop = StopMatcher(job.req.stop);
+    InitSampling(a);
     a.arrived = a.claimed = job.arrived;
     a.deadline = absl::Now() + options_.request_timeout;
     absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(a.prompt.size());
@@ -1008,7 +1047,7 @@ class ModelServer::Impl {
     a.decode_start = absl::Now();
     const std::string id = a.id;
     Active& in = active_.emplace(id, std::move(a)).first->second;
-    Emit(in, SampleToken(*logits, in.req.temperature, in.req.seed, 0));
+    Emit(in, in.sampler->Next(*logits, in.out));
   }
 
   // --- generation ---------------------------------------------------------------------------
@@ -1029,30 +1068,31 @@ class ModelServer::Impl {
       return Finish(a);
     }
     Delay();
-    Emit(a, SampleToken(*logits, a.req.temperature, a.req.seed, a.out.size()));
+    Emit(a, a.sampler->Next(*logits, a.out));
   }
 
-  // Appends a token, streams what the stop strings release, and completes the request at a
-  // stop string, EOS or max_tokens.
-  void Emit(Active& a, int32_t token) {
-    a.out.push_back(token);
+  // The request's sampler (choice 0; a request without a seed draws one now) and output.
+  static void InitSampling(Active& a) {
+    const SamplingParams& p = a.req.sampling;
+    a.sampler.emplace(p, p.seed ? *p.seed : RandomSeed(), a.prompt, kEosToken);
+    a.output = GenerationOutput(a.req, kEosToken, DecodeTokens,
+                                a.req.prompt_ids ? Decode(*a.req.prompt_ids) : a.req.prompt);
+  }
+
+  // Appends a token, streams what the output releases, and completes the request at a stop
+  // string, EOS (unless ignore_eos) or max_tokens.
+  void Emit(Active& a, const Sampled& sampled) {
+    a.out.push_back(sampled.token);
     ++generated_tokens_;
-    std::vector<int32_t> release = a.stop.Feed(token, Decode(std::vector<int32_t>{token}));
-    const bool eos = token == kEosToken;
-    const bool done = a.stop.stopped() || eos || static_cast<int>(a.out.size()) >= a.req.max_tokens;
-    if (done) {
-      std::vector<int32_t> rest = a.stop.Flush();
-      release.insert(release.end(), rest.begin(), rest.end());
-    }
+    GenerationOutput::Step step = a.output.Feed(sampled);
     const Endpoint endpoint = a.req.endpoint;
-    if (a.req.stream && !release.empty()) {
+    if (a.req.stream && (!step.tokens.empty() || !step.text.empty())) {
       const bool first = !a.resp->streaming();
       if (first) a.resp->StartEvents();
       a.resp->Event(Dump(ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name,
-                                      Decode(release), release, nullptr)));
+                                      step.text, step.tokens, nullptr, step.logprobs)));
     }
-    a.emitted.insert(a.emitted.end(), release.begin(), release.end());
-    if (!done) return;
+    if (!step.done) return;
     const double decode_ms = Ms(absl::Now() - a.decode_start);
     decode_us_ += static_cast<uint64_t>(decode_ms * 1000);
     prompt_tokens_ += a.remote ? 0 : a.prompt.size();
@@ -1074,11 +1114,11 @@ class ModelServer::Impl {
     const json usage = {{"prompt_tokens", n},
                         {"completion_tokens", a.out.size()},
                         {"total_tokens", n + a.out.size()}};
-    const char* reason = eos || a.stop.stopped() ? "stop" : "length";
     if (a.req.stream) {
       const bool first = !a.resp->streaming();
       if (first) a.resp->StartEvents();
-      json last = ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, "", {}, reason);
+      json last = ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, "", {},
+                               step.finish_reason);
       last["kvwire"] = stats;
       a.resp->Event(Dump(last));
       if (a.req.include_usage) {
@@ -1086,8 +1126,8 @@ class ModelServer::Impl {
       }
       a.resp->EndEvents(true);
     } else {
-      json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name,
-                              Decode(a.emitted), a.emitted, reason);
+      json out = ResponseJson(endpoint, /*chunk=*/false, false, a.id, config_.name, a.output.text(),
+                              a.output.emitted(), step.finish_reason, a.output.logprobs());
       out["usage"] = usage;
       out["kvwire"] = stats;
       a.resp->Respond(200, Dump(out));
@@ -1103,10 +1143,13 @@ class ModelServer::Impl {
   const ModelServerOptions options_;
   std::string capacity_;
   Config config_;
+  ServerLimits limits_;  // set in Init
   std::unique_ptr<Model> model_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<kvwire::Connector> connector_;
   std::unique_ptr<HttpServer> http_;
+  std::atomic<int> http_port_{0};  // for handlers, which run before http_ is assigned
+  std::unique_ptr<ChoicesRunner> choices_ = std::make_unique<ChoicesRunner>();
   std::thread worker_;
   uint64_t total_blocks_ = 0;  // over the paged groups (set in Init)
   std::string attest_secret_;  // the engine's shared secret (set in Init; empty: none)

@@ -55,6 +55,8 @@ struct ModelServerOptions {
   uint64_t max_queue = 128;
   absl::Duration max_queue_wait = absl::Seconds(30);
   uint64_t allocation_seed = 0;  // 0: by role (prefill and decode differ)
+  // The most logprobs a request may ask for per token (vLLM's --max-logprobs); -1: the vocabulary.
+  int64_t max_logprobs = 20;
   int threads = 0;
   absl::Duration request_timeout = absl::Seconds(60);
   absl::Duration peer_lease = absl::Seconds(5);

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "examples/dsv4/serve/choices.h"
 #include "examples/dsv4/serve/completion_api.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/http_server.h"
@@ -205,9 +206,19 @@ class Router::Impl {
         resp->Error(400, std::string(req.status().message()));
         return;
       }
-      work = [this, body = *std::move(body), stream = req->stream, endpoint, resp]() mutable {
-        ProxyGuarded(std::move(body), stream, endpoint, resp);
-      };
+      if (req->sampling.n > 1) {
+        // choices.h: one whole hand-off per choice, through this router.
+        work = [this, body = *std::move(body), n = req->sampling.n, stream = req->stream, path,
+                resp] {
+          RunChoices(absl::StrCat(options_.host, ":", port_.load()), path, body, n, stream, *resp,
+                     absl::Now() + options_.timeout,
+                     [this, resp] { return Stopping() || resp->closed(); });
+        };
+      } else {
+        work = [this, body = *std::move(body), stream = req->stream, endpoint, resp]() mutable {
+          ProxyGuarded(std::move(body), stream, endpoint, resp);
+        };
+      }
     }
     kvwire::MutexLock lock(&mu_);
     if (stopping_) {

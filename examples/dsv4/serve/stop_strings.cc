@@ -18,7 +18,7 @@ std::vector<int32_t> StopMatcher::Release(size_t chars) {
   return out;
 }
 
-std::vector<int32_t> StopMatcher::Feed(int32_t token, const std::string& text) {
+std::vector<int32_t> StopMatcher::Feed(int32_t token, const std::string& text, bool may_stop) {
   if (stopped_) return {};
   held_.push_back(token);
   held_bytes_.push_back(text.size());
@@ -26,7 +26,9 @@ std::vector<int32_t> StopMatcher::Feed(int32_t token, const std::string& text) {
   if (stops_.empty()) return Release(held_text_.size());
   // The earliest complete stop string ends the output before it.
   size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_text_.find(s));
+  for (const std::string& s : stops_) {
+    if (may_stop) first = std::min(first, held_text_.find(s));
+  }
   if (first != std::string::npos) {
     std::vector<int32_t> out = Release(first);
     held_.clear();

@@ -18,8 +18,10 @@ class StopMatcher {
 
   // Takes the next generated token (`text`: its bytes, empty for BOS/EOS) and returns the
   // tokens now safe to release. After a match (stopped()), the tokens from the stop string on
-  // are dropped and every later call returns nothing.
-  std::vector<int32_t> Feed(int32_t token, const std::string& text);
+  // are dropped and every later call returns nothing. `may_stop` false (fewer than min_tokens
+  // tokens so far): a complete stop string does not end the output yet; a tail that may
+  // become one is still held back.
+  std::vector<int32_t> Feed(int32_t token, const std::string& text, bool may_stop = true);
   // The tokens still held back (the generation ended for another reason).
   std::vector<int32_t> Flush();
   bool stopped() const { return stopped_; }

@@ -270,7 +270,7 @@ TEST_P(DisaggregatedTest, BadRequestsAreClear400sAndPlainRequestsServedWhole) {
       {*r, {{"prompt", "x"}, {"max_tokens", -2}}, "'max_tokens'"},
       {*r, {{"prompt", std::string(5000, 'x')}}, "exceeds max_seq_len"},
       {*d, {{"prompt", "x"}, {"first_token", 3}}, "'first_token' is not supported"},
-      {*r, {{"prompt", "x"}, {"n", 2}}, "'n' is not supported"},
+      {*r, {{"prompt", "x"}, {"best_of", 2}}, "'best_of' is not supported"},
       {*d,
        {{"prompt", "x"}, {"kv_transfer_params", {{"do_remote_prefill", true}}}},
        "kv_transfer_params"},

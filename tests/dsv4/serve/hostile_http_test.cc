@@ -248,9 +248,9 @@ std::vector<Case> CompletionCases() {
       {"{\"prompt\":\"x\",\"max_tokens\":1e400}", "request body"},
       {"{\"prompt\":\"x\",\"max_tokens\":true}", "'max_tokens'"},
       {"{\"prompt\":\"x\",\"temperature\":\"hot\"}", "'temperature'"},
-      {"{\"prompt\":\"x\",\"temperature\":1e308}", "'temperature'"},
+      {"{\"prompt\":\"x\",\"temperature\":-1e308}", "'temperature'"},
       {"{\"prompt\":\"x\",\"temperature\":-0.5}", "'temperature'"},
-      {"{\"prompt\":\"x\",\"seed\":-1}", "'seed'"},
+      {"{\"prompt\":\"x\",\"seed\":9223372036854775808}", "'seed'"},
       {"{\"prompt\":\"x\",\"seed\":\"1\"}", "'seed'"},
       {"{\"prompt\":\"x\",\"seed\":2.5}", "'seed'"},
       {"{\"prompt\":\"x\",\"stream\":1}", "'stream'"},
@@ -259,7 +259,11 @@ std::vector<Case> CompletionCases() {
       {"{\"prompt\":\"x\",\"model\":5}", "'model'"},
       {"{\"prompt\":\"x\",\"model\":{}}", "'model'"},
       {"{\"prompt\":\"x\",\"first_token\":3}", "'first_token' is not supported"},
-      {"{\"prompt\":\"x\",\"n\":3,\"logprobs\":5}", "'logprobs', 'n'"},
+      {"{\"prompt\":\"x\",\"best_of\":3,\"suffix\":\"s\"}", "'best_of', 'suffix'"},
+      {"{\"prompt\":\"x\",\"n\":17}", "'n'"},
+      {"{\"prompt\":\"x\",\"logprobs\":\"5\"}", "'logprobs'"},
+      {"{\"prompt\":\"x\",\"top_k\":-7}", "'top_k'"},
+      {"{\"prompt\":\"x\",\"max_tokens\":2,\"min_tokens\":3}", "'min_tokens'"},
       {"{\"prompt\":\"x\",\"stop\":{}}", "'stop'"},
       {"{\"prompt\":\"x\",\"stop\":[\"\"]}", "'stop'"},
       {"{\"prompt\":\"x\",\"stream_options\":5}", "'stream_options'"},
@@ -390,11 +394,27 @@ TEST_F(HostileHttpTest, PrepareAndAbortBodiesAreChecked) {
 // null means "not given" for every optional field (as OpenAI's API has it): the request is
 // served, through the router and by decode alone.
 TEST_F(HostileHttpTest, NullOptionalFieldsMeanDefaults) {
-  const json req = {{"prompt", kPrompt},        {"max_tokens", kMaxTokens},
-                    {"stream", nullptr},        {"temperature", nullptr},
-                    {"seed", nullptr},          {"model", nullptr},
-                    {"first_token", nullptr},   {"kv_transfer_params", nullptr},
-                    {"kvwire_prefill", nullptr}};
+  const json req = {{"prompt", kPrompt},
+                    {"max_tokens", kMaxTokens},
+                    {"stream", nullptr},
+                    {"temperature", nullptr},
+                    {"seed", nullptr},
+                    {"model", nullptr},
+                    {"first_token", nullptr},
+                    {"kv_transfer_params", nullptr},
+                    {"kvwire_prefill", nullptr},
+                    {"top_p", nullptr},
+                    {"top_k", nullptr},
+                    {"min_p", nullptr},
+                    {"presence_penalty", nullptr},
+                    {"frequency_penalty", nullptr},
+                    {"repetition_penalty", nullptr},
+                    {"ignore_eos", nullptr},
+                    {"min_tokens", nullptr},
+                    {"logprobs", nullptr},
+                    {"n", nullptr},
+                    {"echo", nullptr},
+                    {"return_tokens_as_token_ids", nullptr}};
   for (const char* target : {"router", "decode"}) {
     SCOPED_TRACE(target);
     absl::StatusOr<CompletionResult> r =

@@ -82,8 +82,8 @@ TEST(CompletionApi, ValidatesEveryField) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->prompt, "hi");
   EXPECT_EQ(ok->max_tokens, 3);
-  EXPECT_FLOAT_EQ(ok->temperature, 0.5f);
-  EXPECT_EQ(ok->seed, 7u);
+  EXPECT_DOUBLE_EQ(ok->sampling.temperature, 0.5);
+  EXPECT_EQ(ok->sampling.seed, 7u);
   EXPECT_TRUE(ok->stream);
   EXPECT_TRUE(ok->kv_transfer_params.value("do_remote_decode", false));
   const std::pair<const char*, const char*> bad[] = {
@@ -94,7 +94,7 @@ TEST(CompletionApi, ValidatesEveryField) {
       {R"({"prompt":"a","max_tokens":0})", "'max_tokens'"},
       {R"({"prompt":"a","max_tokens":"3"})", "'max_tokens'"},
       {R"({"prompt":"a","temperature":-1})", "'temperature'"},
-      {R"({"prompt":"a","seed":-1})", "'seed'"},
+      {R"({"prompt":"a","seed":9223372036854775808})", "'seed'"},
       {R"({"prompt":"a","stream":"yes"})", "'stream'"},
       {R"({"prompt":"a","kv_transfer_params":"x"})", "'kv_transfer_params'"},
       {R"({"prompt":"a","first_token":65})", "'first_token' is not supported"},

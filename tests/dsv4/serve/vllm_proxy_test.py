@@ -15,7 +15,8 @@ streamed back. No other field is added: no first token travels.
 
 The test checks, for prompts crossing the 4-token (c4 compression), 128-token (window and c128
 compression) and 256-token (compressed page) boundaries, that the streamed tokens through the
-proxy equal those of an aggregated ("both") server, in completions and chat form, then stop
+proxy equal those of an aggregated ("both") server, in completions and chat form, seeded
+sampling with vLLM's filters and penalties, then stop
 strings, include_usage, token-id prompts and GET /v1/models, and that both servers give every
 KV block back.
 
@@ -293,6 +294,18 @@ def main():
             check(got[1] == want[1], f"{n} tokens: text {got[1]!r} != {want[1]!r}")
             answers[n] = want[0]
             print(f"prompt of {n} tokens: {got[0]}")
+
+        # Seeded sampling with every filter and penalty: the proxy's tokens are the aggregated
+        # server's (decode samples every token with the seed, as the aggregated server does).
+        seeded = {"model": "dsv4-tiny", "prompt": prompt_of_tokens(130),
+                  "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0.9,
+                  "top_p": 0.95, "top_k": 50, "min_p": 0.02, "presence_penalty": 0.4,
+                  "frequency_penalty": 0.3, "repetition_penalty": 1.2, "ignore_eos": True,
+                  "seed": 4242}
+        want = stream(whole, "/v1/completions", seeded)
+        got = stream(via, "/v1/completions", seeded)
+        check(len(want[0]) == MAX_TOKENS and got[0] == want[0],
+              f"seeded: proxy {got[0]} != aggregated {want[0]}")
 
         # Chat, streamed with include_usage: the role first, the usage chunk last.
         chat = {"model": "dsv4-tiny", "stream": True,
