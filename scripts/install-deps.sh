@@ -21,8 +21,9 @@ packages=(
   # vLLM connector plugin tests (python/): real torch CPU tensors; the vLLM-style P/D proxy
   # in the serving tests speaks HTTP through httpx/aiohttp.
   python3-torch python3-numpy python3-httpx python3-aiohttp
-  # Discovery (issue 16): tests start a real etcd (v3 API) on loopback; etcdctl for checks.
-  etcd-server etcd-client
+  # Discovery (issue 16): tests start a real etcd (v3 API) on loopback; etcdctl for checks;
+  # openssl makes the certificates of the TLS etcd tests.
+  etcd-server etcd-client openssl
   # Metrics (issue 14): tests check the Prometheus output with `promtool check metrics`.
   prometheus
   # Sanitizer builds (make test-asan / test-tsan): clang, its runtimes, and the symbolizer

@@ -27,6 +27,12 @@ absl::Status Connector::Impl::InitDiscovery() {
   o.call_timeout = options_.etcd_call_timeout;
   absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> c = discovery::EtcdClient::Create(o);
   if (!c.ok()) return c.status();
+  // etcd's credentials (KVWIRE_ETCD_*): etcd that answers and refuses them is a configuration
+  // error, reported now; etcd unreachable is not (registration retries until it returns).
+  if (absl::Status a = (*c)->Authenticate();
+      !a.ok() && !absl::IsUnavailable(a) && !absl::IsDeadlineExceeded(a) && !absl::IsAborted(a)) {
+    return a;
+  }
   etcd_ = std::move(*c);
   return absl::OkStatus();
 }

@@ -1,13 +1,17 @@
 #include "src/discovery/etcd_client.h"
 
+#include <cstdlib>
+#include <fstream>
 #include <limits>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "boost/asio/ssl/context.hpp"
 
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -41,15 +45,51 @@ bool WatchCancel::cancelled() {
   return cancelled_;
 }
 
+absl::StatusOr<std::string> ReadPasswordFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    return absl::InvalidArgumentError(absl::StrCat("cannot read password file '", path, "'"));
+  std::string line;
+  std::getline(in, line);
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  return line;
+}
+
+absl::Status FillEtcdOptionsFromEnvironment(EtcdOptions* options) {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v == nullptr ? "" : v);
+  };
+  if (options->user.empty()) {
+    options->user = env("KVWIRE_ETCD_USER");
+    if (!options->user.empty() && options->password.empty()) {
+      options->password = env("KVWIRE_ETCD_PASSWORD");
+      const std::string file = env("KVWIRE_ETCD_PASSWORD_FILE");
+      if (options->password.empty() && !file.empty()) {
+        absl::StatusOr<std::string> p = ReadPasswordFile(file);
+        if (!p.ok())
+          return absl::Status(p.status().code(),
+                              absl::StrCat("KVWIRE_ETCD_PASSWORD_FILE: ", p.status().message()));
+        options->password = *std::move(p);
+      }
+    }
+  }
+  if (options->ca_file.empty()) options->ca_file = env("KVWIRE_ETCD_CACERT");
+  if (options->cert_file.empty()) options->cert_file = env("KVWIRE_ETCD_CERT");
+  if (options->key_file.empty()) options->key_file = env("KVWIRE_ETCD_KEY");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions options) {
-  std::vector<Endpoint> endpoints;
+  if (absl::Status s = FillEtcdOptionsFromEnvironment(&options); !s.ok()) return s;
+  std::vector<HttpEndpoint> endpoints;
+  bool tls = false;
   for (absl::string_view e : absl::StrSplit(options.endpoints, ',', absl::SkipWhitespace())) {
-    Endpoint ep;
-    if (absl::Status s =
-            ParseEndpoint(std::string(absl::StripAsciiWhitespace(e)), &ep.host, &ep.port);
-        !s.ok()) {
+    HttpEndpoint ep;
+    if (absl::Status s = ParseEndpoint(std::string(absl::StripAsciiWhitespace(e)), &ep); !s.ok()) {
       return s;
     }
+    tls = tls || ep.tls;
     endpoints.push_back(std::move(ep));
   }
   if (endpoints.empty()) return absl::InvalidArgumentError("no etcd endpoint given");
@@ -57,19 +97,94 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions optio
   if (options.call_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("etcd call timeout must be positive");
   }
-  return std::unique_ptr<EtcdClient>(new EtcdClient(std::move(options), std::move(endpoints)));
+  const bool tls_files =
+      !options.ca_file.empty() || !options.cert_file.empty() || !options.key_file.empty();
+  if (tls_files && !tls) {
+    // Certificates given for a cluster spoken to in plain HTTP: the deployment meant TLS.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "etcd TLS files are set but no endpoint is https:// (", options.endpoints, ")"));
+  }
+  std::shared_ptr<boost::asio::ssl::context> context;
+  if (tls) {
+    absl::StatusOr<std::shared_ptr<boost::asio::ssl::context>> c =
+        MakeTlsContext(options.ca_file, options.cert_file, options.key_file);
+    if (!c.ok()) return c.status();
+    context = *std::move(c);
+  }
+  if (options.user.empty() && !options.password.empty()) {
+    return absl::InvalidArgumentError("an etcd password without a user");
+  }
+  return std::unique_ptr<EtcdClient>(
+      new EtcdClient(std::move(options), std::move(endpoints), std::move(context)));
 }
 
-EtcdClient::EtcdClient(EtcdOptions options, std::vector<Endpoint> endpoints)
-    : options_(std::move(options)), endpoints_(std::move(endpoints)) {}
+EtcdClient::EtcdClient(EtcdOptions options, std::vector<HttpEndpoint> endpoints,
+                       std::shared_ptr<boost::asio::ssl::context> tls)
+    : options_(std::move(options)), endpoints_(std::move(endpoints)), tls_(std::move(tls)) {}
+
+HttpExchangeOptions EtcdClient::ExchangeOptions(const std::string& token) const {
+  HttpExchangeOptions o;
+  o.tls = tls_.get();
+  o.authorization = token;
+  return o;
+}
+
+absl::StatusOr<std::string> EtcdClient::Token() {
+  if (options_.user.empty()) return std::string();
+  {
+    MutexLock lock(&token_mu_);
+    if (!token_.empty()) return token_;
+  }
+  absl::StatusOr<std::string> r =
+      CallOnce("/v3/auth/authenticate",
+               json{{"name", options_.user}, {"password", options_.password}}.dump(), "");
+  if (!r.ok()) {
+    return absl::Status(r.status().code(), absl::StrCat("etcd authentication as '", options_.user,
+                                                        "' failed: ", r.status().message()));
+  }
+  absl::StatusOr<std::string> token = ParseAuthenticateResponse(*r);
+  if (!token.ok()) return token.status();
+  MutexLock lock(&token_mu_);
+  token_ = *token;
+  return token_;
+}
+
+void EtcdClient::DropToken(const std::string& token) {
+  MutexLock lock(&token_mu_);
+  if (token_ == token) token_.clear();
+}
+
+namespace {
+
+// etcd refused the token (expired, or the auth store changed since it was issued): a new
+// one may do.
+bool TokenRefused(const absl::Status& s) {
+  return absl::IsUnauthenticated(s) || absl::StrContains(s.message(), "invalid auth token") ||
+         absl::StrContains(s.message(), "revision of auth store is old");
+}
+
+}  // namespace
 
 absl::StatusOr<std::string> EtcdClient::Call(const std::string& target, const std::string& body) {
+  absl::StatusOr<std::string> token = Token();
+  if (!token.ok()) return token.status();
+  absl::StatusOr<std::string> r = CallOnce(target, body, *token);
+  if (r.ok() || token->empty() || !TokenRefused(r.status())) return r;
+  DropToken(*token);
+  token = Token();
+  if (!token.ok()) return token.status();
+  return CallOnce(target, body, *token);
+}
+
+absl::StatusOr<std::string> EtcdClient::CallOnce(const std::string& target, const std::string& body,
+                                                 const std::string& token) {
   const absl::Time deadline = absl::Now() + options_.call_timeout;
   const size_t n = endpoints_.size();
   // A member that hangs gets its share of the deadline, so that the others are still tried.
   const absl::Duration share =
       std::max(options_.call_timeout / static_cast<int64_t>(n), absl::Milliseconds(500));
   const size_t first = preferred_.load();
+  const HttpExchangeOptions exchange_options = ExchangeOptions(token);
   absl::Status last;
   // Rounds over the members until the deadline: a member that lost its leader (an election
   // after a member died) answers Unavailable at once, and the next round may find a leader.
@@ -81,11 +196,11 @@ absl::StatusOr<std::string> EtcdClient::Call(const std::string& target, const st
       if (absl::Now() >= deadline) break;
     }
     const size_t at = (first + i) % n;
-    const Endpoint& ep = endpoints_[at];
+    const HttpEndpoint& ep = endpoints_[at];
     HttpExchange exchange;
     absl::StatusOr<HttpReply> r =
-        exchange.Post(ep.host, ep.port, target, body, std::min(deadline, absl::Now() + share),
-                      nullptr, kEtcdMaxBodyBytes);
+        exchange.Post(ep, target, body, std::min(deadline, absl::Now() + share), nullptr,
+                      kEtcdMaxBodyBytes, exchange_options);
     absl::Status s = r.status();
     if (r.ok()) s = EtcdError(r->status, r->body);
     if (s.ok()) {
@@ -176,12 +291,14 @@ absl::Status EtcdClient::Watch(const std::string& prefix, int64_t start_revision
                                   {"range_end", B64(PrefixRangeEnd(prefix))},
                                   {"start_revision", std::to_string(start_revision)}}}}
                                .dump();
+  absl::StatusOr<std::string> token = Token();
+  if (!token.ok()) return token.status();
   const size_t n = endpoints_.size();
   const size_t first = preferred_.load();
   absl::Status last;
   for (size_t i = 0; i < n; ++i) {
     const size_t at = (first + i) % n;
-    const Endpoint& ep = endpoints_[at];
+    const HttpEndpoint& ep = endpoints_[at];
     HttpExchange exchange;
     {
       MutexLock lock(&cancel->mu_);
@@ -191,6 +308,7 @@ absl::Status EtcdClient::Watch(const std::string& prefix, int64_t start_revision
     // Messages are newline-separated JSON objects; a piece may end inside one.
     std::string pending;
     absl::Status bad;
+    bool token_refused = false;
     auto on_body = [&](std::string_view piece) {
       pending.append(piece);
       size_t start = 0;
@@ -205,6 +323,8 @@ absl::Status EtcdClient::Watch(const std::string& prefix, int64_t start_revision
           bad = m.status();
           return false;
         }
+        // A watch etcd refused for its token: the caller's next watch authenticates again.
+        if (m->canceled && TokenRefused(absl::UnknownError(m->cancel_reason))) token_refused = true;
         if (!on_message(*m)) return false;
       }
       pending.erase(0, start);
@@ -214,15 +334,23 @@ absl::Status EtcdClient::Watch(const std::string& prefix, int64_t start_revision
       }
       return true;
     };
-    absl::StatusOr<HttpReply> r = exchange.Post(ep.host, ep.port, "/v3/watch", body, deadline,
-                                                on_body, std::numeric_limits<size_t>::max() / 2);
+    absl::StatusOr<HttpReply> r =
+        exchange.Post(ep, "/v3/watch", body, deadline, on_body,
+                      std::numeric_limits<size_t>::max() / 2, ExchangeOptions(*token));
     {
       MutexLock lock(&cancel->mu_);
       cancel->current_ = nullptr;
     }
-    if (!bad.ok()) return bad;
+    if (token_refused) DropToken(*token);
+    if (!bad.ok()) {
+      if (TokenRefused(bad)) DropToken(*token);  // the caller's next watch authenticates
+      return bad;
+    }
     if (r.ok()) {
-      if (absl::Status e = EtcdError(r->status, r->body); !e.ok()) return e;
+      if (absl::Status e = EtcdError(r->status, r->body); !e.ok()) {
+        if (TokenRefused(e)) DropToken(*token);
+        return e;
+      }
       // A trailing message without its newline.
       if (!absl::StripAsciiWhitespace(pending).empty()) {
         absl::StatusOr<EtcdWatchMessage> m = ParseWatchMessage(pending);

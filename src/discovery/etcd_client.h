@@ -30,10 +30,32 @@
 namespace kvwire::discovery {
 
 struct EtcdOptions {
-  // "http://host:port" of one or more members, comma-separated.
+  // "http://host:port" or "https://host:port" of one or more members, comma-separated.
   std::string endpoints;
   absl::Duration call_timeout = absl::Seconds(3);
+  // etcd's own authentication (`etcdctl auth enable`): the client takes a token from
+  // /v3/auth/authenticate with this user and password, sends it with every call, and takes a
+  // new one when etcd says it expired. Empty user: no authentication.
+  std::string user{};
+  std::string password{};
+  // TLS (https:// endpoints): the CA that signed the members' certificates (PEM; empty: the
+  // system's CAs), and a client certificate and key (PEM) for members started with
+  // --client-cert-auth. A member's certificate must be valid for the endpoint's host.
+  // (The {} initializers let callers name only the fields they set.)
+  std::string ca_file{};
+  std::string cert_file{};
+  std::string key_file{};
 };
+
+// Fills the fields of `options` that are empty from the environment, as etcdctl reads
+// ETCDCTL_*: KVWIRE_ETCD_USER, KVWIRE_ETCD_PASSWORD (or KVWIRE_ETCD_PASSWORD_FILE, whose
+// first line is the password), KVWIRE_ETCD_CACERT, KVWIRE_ETCD_CERT, KVWIRE_ETCD_KEY.
+// EtcdClient::Create does this, so an engine's connector (whose options have no fields for
+// them) authenticates too. Errors: a password file that cannot be read.
+absl::Status FillEtcdOptionsFromEnvironment(EtcdOptions* options);
+
+// The first line of `path` (a password file, as etcd's and most tools' take it).
+absl::StatusOr<std::string> ReadPasswordFile(const std::string& path);
 
 // Stops a Watch in progress from another thread.
 class WatchCancel {
@@ -53,6 +75,9 @@ class EtcdClient {
   static absl::StatusOr<std::unique_ptr<EtcdClient>> Create(EtcdOptions options);
 
   const std::string& endpoints() const { return options_.endpoints; }
+  // Takes a token now (OK without authentication), so that a wrong user or password shows
+  // at start rather than at the first call.
+  absl::Status Authenticate() { return Token().status(); }
 
   absl::StatusOr<int64_t> Put(const std::string& key, const std::string& value, int64_t lease = 0);
   absl::StatusOr<EtcdRange> Get(const std::string& key);
@@ -74,17 +99,25 @@ class EtcdClient {
                      WatchCancel* cancel);
 
  private:
-  struct Endpoint {
-    std::string host;
-    int port = 0;
-  };
-  explicit EtcdClient(EtcdOptions options, std::vector<Endpoint> endpoints);
-  // POSTs to the member that answered last, then to the others, within one call deadline.
+  explicit EtcdClient(EtcdOptions options, std::vector<HttpEndpoint> endpoints,
+                      std::shared_ptr<boost::asio::ssl::context> tls);
+  // POSTs to the member that answered last, then to the others, within one call deadline;
+  // with authentication, once more with a new token when etcd refused the one it had.
   absl::StatusOr<std::string> Call(const std::string& target, const std::string& body);
+  absl::StatusOr<std::string> CallOnce(const std::string& target, const std::string& body,
+                                       const std::string& token);
+  // The token to send ("" without authentication): the one held, or a new one.
+  absl::StatusOr<std::string> Token();
+  // Forgets `token` (etcd refused it), so that the next Token() authenticates again.
+  void DropToken(const std::string& token);
+  HttpExchangeOptions ExchangeOptions(const std::string& token) const;
 
   const EtcdOptions options_;
-  const std::vector<Endpoint> endpoints_;
+  const std::vector<HttpEndpoint> endpoints_;
+  const std::shared_ptr<boost::asio::ssl::context> tls_;
   std::atomic<size_t> preferred_{0};
+  Mutex token_mu_;
+  std::string token_ ABSL_GUARDED_BY(token_mu_);
 };
 
 }  // namespace kvwire::discovery

@@ -154,6 +154,20 @@ absl::StatusOr<EtcdLease> ParseLeaseGrantResponse(absl::string_view body) {
   return l;
 }
 
+absl::StatusOr<std::string> ParseAuthenticateResponse(absl::string_view body) {
+  absl::StatusOr<json> j = Parse(body, "etcd authenticate");
+  if (!j.ok()) return j.status();
+  JsonFields f(*j, "etcd authenticate");
+  (void)HeaderRevision(f, *j);
+  const std::string token = f.OptString("token", "", 4096);
+  if (!f.ok()) return f.status();
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        "etcd authenticate: the answer has no token (is authentication enabled?)");
+  }
+  return token;
+}
+
 absl::StatusOr<EtcdLease> ParseKeepAliveResponse(absl::string_view body) {
   absl::StatusOr<json> j = Parse(body, "etcd lease keep-alive");
   if (!j.ok()) return j.status();

@@ -61,6 +61,8 @@ absl::StatusOr<EtcdRange> ParseRangeResponse(absl::string_view body);
 // Put and deleterange: the store revision after the change (deleterange: and the count).
 absl::StatusOr<int64_t> ParseHeaderRevision(absl::string_view body, int64_t* deleted = nullptr);
 absl::StatusOr<EtcdLease> ParseLeaseGrantResponse(absl::string_view body);
+// /v3/auth/authenticate: the token every later call carries.
+absl::StatusOr<std::string> ParseAuthenticateResponse(absl::string_view body);
 // /v3/lease/keepalive answers {"result": {...}} (a streaming call's one message).
 absl::StatusOr<EtcdLease> ParseKeepAliveResponse(absl::string_view body);
 // One message of the /v3/watch stream: {"result": {...}} or {"error": {...}}.

@@ -1,7 +1,7 @@
 // One HTTP/1.1 POST on Boost.Beast with a deadline for the whole exchange, for the etcd
-// client (the library cannot use examples/dsv4/serve/http_client, which sits above it). The
-// body can be taken piece by piece (etcd's watch stream), and another thread can end the
-// exchange at once with Cancel().
+// client (the library cannot use examples/dsv4/serve/http_client, which sits above it), over
+// plain TCP or TLS (https:// endpoints). The body can be taken piece by piece (etcd's watch
+// stream), and another thread can end the exchange at once with Cancel().
 #ifndef KVWIRE_SRC_DISCOVERY_HTTP_EXCHANGE_H_
 #define KVWIRE_SRC_DISCOVERY_HTTP_EXCHANGE_H_
 
@@ -16,7 +16,27 @@
 
 #include "src/util/mutex.h"
 
+namespace boost::asio::ssl {
+class context;
+}  // namespace boost::asio::ssl
+
 namespace kvwire::discovery {
+
+// Where a POST goes: host, port, and TLS (an https:// endpoint).
+struct HttpEndpoint {
+  std::string host;
+  int port = 0;
+  bool tls = false;
+};
+
+// What travels with every POST of one client.
+struct HttpExchangeOptions {
+  // For TLS endpoints: trusted CAs and the client's certificate (MakeTlsContext). The
+  // member's certificate must be valid for the endpoint's host (name or IP address).
+  boost::asio::ssl::context* tls = nullptr;
+  // The Authorization header ("" for none): etcd's auth token.
+  std::string authorization;
+};
 
 struct HttpReply {
   int status = 0;
@@ -35,10 +55,13 @@ class HttpExchange {
   // returns false to stop. Errors: Unavailable when no connection was made (nothing was sent),
   // DeadlineExceeded at `deadline`, Aborted when the connection failed after it was made,
   // Cancelled after Cancel(). Body over `max_body` bytes: ResourceExhausted.
-  absl::StatusOr<HttpReply> Post(const std::string& host, int port, const std::string& target,
+  // A TLS endpoint needs options.tls; a member whose certificate does not verify is
+  // Unavailable (nothing was sent), naming the TLS error.
+  absl::StatusOr<HttpReply> Post(const HttpEndpoint& endpoint, const std::string& target,
                                  const std::string& body, absl::Time deadline,
                                  const std::function<bool(std::string_view)>& on_body = nullptr,
-                                 size_t max_body = 16 << 20);
+                                 size_t max_body = 16 << 20,
+                                 const HttpExchangeOptions& options = HttpExchangeOptions());
 
   // Ends a Post in progress (or the next one) with Cancelled; callable from any thread.
   void Cancel();
@@ -51,9 +74,15 @@ class HttpExchange {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// "http://host:port" (or "host:port") → host and port. https is refused: the client speaks
-// plain HTTP (put an etcd gRPC proxy or a local member in front of a TLS cluster).
-absl::Status ParseEndpoint(const std::string& url, std::string* host, int* port);
+// "http://host:port" (or "host:port") → host and port; "https://host:port" → the same with
+// tls set.
+absl::Status ParseEndpoint(const std::string& url, HttpEndpoint* endpoint);
+
+// A TLS client context: verifies servers against `ca_file` (PEM; empty: the system's CAs)
+// and presents `cert_file`/`key_file` (PEM; both or neither) to members that require a client
+// certificate. Errors name the file that could not be used.
+absl::StatusOr<std::shared_ptr<boost::asio::ssl::context>> MakeTlsContext(
+    const std::string& ca_file, const std::string& cert_file, const std::string& key_file);
 
 }  // namespace kvwire::discovery
 

@@ -1,15 +1,22 @@
 // The etcd client, registration and prefix watch against real etcd members that the test
 // starts on loopback (tests/support/etcd_cluster.h): one member, one killed and restarted
 // (with and without its data), one paused (a member that accepts and never answers), and a
-// three-member cluster that loses a member.
+// three-member cluster that loses a member; etcd's own authentication (user and password,
+// tokens that expire) and TLS (a client certificate, a CA that does not match).
 #include <sys/wait.h>
 
+#include <atomic>
 #include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <thread>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -22,6 +29,7 @@ namespace kvwire::discovery {
 namespace {
 
 using kvwire::testing::EtcdCluster;
+using kvwire::testing::EtcdClusterOptions;
 
 bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
@@ -155,7 +163,7 @@ TEST_F(EtcdOneMember, UnreachableAndSilentEtcdGiveBoundedErrors) {
   EXPECT_GE(took, absl::Milliseconds(1900));
   EXPECT_LT(took, absl::Seconds(5));
   // Bad endpoints are refused when the client is made.
-  EXPECT_FALSE(EtcdClient::Create({.endpoints = "https://127.0.0.1:2379"}).ok());
+  EXPECT_FALSE(EtcdClient::Create({.endpoints = "ftp://127.0.0.1:2379"}).ok());
   EXPECT_FALSE(EtcdClient::Create({.endpoints = "127.0.0.1"}).ok());
   EXPECT_FALSE(EtcdClient::Create({.endpoints = ""}).ok());
 }
@@ -273,6 +281,202 @@ TEST(EtcdThreeMembers, OneMemberKilled) {
   EXPECT_TRUE(absl::IsUnavailable(lone->Get("/x").status()));
   reg->reset();
   EXPECT_FALSE(HasKey(*client, "/kvwire/c/instances/r"));
+}
+
+// --- etcd's own authentication and TLS ------------------------------------------------------
+
+std::unique_ptr<EtcdClient> MustClient(EtcdOptions o) {
+  absl::StatusOr<std::unique_ptr<EtcdClient>> c = EtcdClient::Create(std::move(o));
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// A watch on `prefix` sees a key put under it while it runs.
+bool WatchSeesAPut(EtcdClient& c, const std::string& prefix) {
+  absl::StatusOr<EtcdRange> before = c.Get(prefix + "none");
+  if (!before.ok()) return false;
+  std::atomic<bool> seen{false};
+  std::thread writer([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    (void)c.Put(prefix + "w", "x");
+  });
+  WatchCancel cancel;
+  const absl::Status s = c.Watch(
+      prefix, before->revision + 1, absl::Now() + absl::Seconds(10),
+      [&](const EtcdWatchMessage& m) {
+        for (const EtcdWatchEvent& e : m.events) {
+          if (e.kv.key == prefix + "w") seen = true;
+        }
+        return !seen;
+      },
+      &cancel);
+  writer.join();
+  EXPECT_TRUE(s.ok()) << s;
+  return seen;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/kvwire-etcd-test-XXXXXX";
+    if (mkdtemp(tmpl) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A cluster with authentication enabled (`etcdctl user add root`, `auth enable`) and tokens
+// that live 2 s (--auth-token-ttl): a client with the user's password works (calls, leases,
+// watch), also after its token expired; a client without credentials and one with a wrong
+// password get errors that say why; the password can come from a file and from the
+// environment (as a server's connector takes it).
+TEST(EtcdAuth, UserAndPassword) {
+  EtcdClusterOptions co;
+  co.extra_args = {"--auth-token-ttl", "2"};
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> etcd = EtcdCluster::Start(1, absl::Seconds(30), co);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoints();
+  const absl::Status enabled = (*etcd)->EnableAuth("s3cret-pw");
+  ASSERT_TRUE(enabled.ok()) << enabled;
+
+  // No credentials: etcd refuses, and the error says a user is missing.
+  std::unique_ptr<EtcdClient> anonymous = MustClient({.endpoints = endpoints});
+  ASSERT_NE(anonymous, nullptr);
+  absl::StatusOr<int64_t> put = anonymous->Put("/auth/k", "v");
+  ASSERT_FALSE(put.ok());
+  EXPECT_TRUE(absl::StrContains(put.status().message(), "user name is empty")) << put.status();
+
+  // A wrong password: a clear error, at Authenticate() and at every call.
+  std::unique_ptr<EtcdClient> wrong =
+      MustClient({.endpoints = endpoints, .user = "root", .password = "not-it"});
+  ASSERT_NE(wrong, nullptr);
+  const absl::Status auth = wrong->Authenticate();
+  EXPECT_TRUE(absl::IsInvalidArgument(auth)) << auth;
+  EXPECT_TRUE(absl::StrContains(auth.message(), "etcd authentication as 'root' failed")) << auth;
+  EXPECT_TRUE(absl::StrContains(auth.message(), "invalid user ID or password")) << auth;
+  put = wrong->Put("/auth/k", "v");
+  EXPECT_TRUE(absl::IsInvalidArgument(put.status())) << put.status();
+
+  // The right one: calls, a lease, a watch.
+  std::unique_ptr<EtcdClient> good =
+      MustClient({.endpoints = endpoints, .user = "root", .password = "s3cret-pw"});
+  ASSERT_NE(good, nullptr);
+  EXPECT_TRUE(good->Authenticate().ok());
+  ASSERT_TRUE(good->Put("/auth/k", "v").ok());
+  absl::StatusOr<EtcdRange> got = good->GetPrefix("/auth/");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->kvs.size(), 1u);
+  EXPECT_EQ(got->kvs[0].value, "v");
+  absl::StatusOr<EtcdLease> lease = good->GrantLease(5);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(good->KeepAlive(lease->id).ok());
+  EXPECT_TRUE(WatchSeesAPut(*good, "/auth/watch/"));
+
+  // Past the token's 2 s: etcd refuses it ("invalid auth token"); the client takes a new one.
+  absl::SleepFor(absl::Seconds(4));
+  got = good->Get("/auth/k");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->kvs.size(), 1u);
+  absl::SleepFor(absl::Seconds(4));
+  EXPECT_TRUE(WatchSeesAPut(*good, "/auth/watch2/"));
+
+  // From the environment, the password in a file (as a server's connector takes them).
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string file = dir.path() + "/password";
+  std::ofstream(file) << "s3cret-pw\n";
+  setenv("KVWIRE_ETCD_USER", "root", 1);
+  setenv("KVWIRE_ETCD_PASSWORD_FILE", file.c_str(), 1);
+  std::unique_ptr<EtcdClient> from_env = MustClient({.endpoints = endpoints});
+  ASSERT_NE(from_env, nullptr);
+  EXPECT_TRUE(from_env->Put("/auth/env", "e").ok());
+  setenv("KVWIRE_ETCD_PASSWORD_FILE", (dir.path() + "/missing").c_str(), 1);
+  absl::StatusOr<std::unique_ptr<EtcdClient>> missing =
+      EtcdClient::Create({.endpoints = endpoints});
+  EXPECT_FALSE(missing.ok());
+  EXPECT_TRUE(absl::StrContains(missing.status().message(), "cannot read password file"))
+      << missing.status();
+  unsetenv("KVWIRE_ETCD_USER");
+  unsetenv("KVWIRE_ETCD_PASSWORD_FILE");
+  EXPECT_FALSE(EtcdClient::Create({.endpoints = endpoints, .password = "alone"}).ok());
+}
+
+// A member that serves https:// and requires a client certificate (--client-cert-auth):
+// a client with the CA and its certificate works; without a certificate, or trusting
+// another CA, it is refused with the TLS error; certificates for an http:// cluster are a
+// configuration error. Authentication on top of TLS works too.
+TEST(EtcdTls, ClientCertificateAndCa) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  absl::StatusOr<kvwire::testing::TestPki> pki = kvwire::testing::MakeTestPki(dir.path());
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  EtcdClusterOptions co;
+  co.server_cert = pki->server_cert;
+  co.server_key = pki->server_key;
+  co.client_ca = pki->ca;
+  co.access.ca_file = pki->ca;
+  co.access.cert_file = pki->client_cert;
+  co.access.key_file = pki->client_key;
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> etcd = EtcdCluster::Start(1, absl::Seconds(30), co);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoints();
+  ASSERT_TRUE(absl::StartsWith(endpoints, "https://")) << endpoints;
+
+  std::unique_ptr<EtcdClient> good = MustClient({.endpoints = endpoints,
+                                                 .ca_file = pki->ca,
+                                                 .cert_file = pki->client_cert,
+                                                 .key_file = pki->client_key});
+  ASSERT_NE(good, nullptr);
+  ASSERT_TRUE(good->Put("/tls/k", "v").ok());
+  EXPECT_TRUE(WatchSeesAPut(*good, "/tls/watch/"));
+
+  // No client certificate: the member ends the handshake.
+  std::unique_ptr<EtcdClient> no_cert =
+      MustClient({.endpoints = endpoints, .call_timeout = absl::Seconds(1), .ca_file = pki->ca});
+  ASSERT_NE(no_cert, nullptr);
+  absl::StatusOr<EtcdRange> r = no_cert->Get("/tls/k");
+  EXPECT_FALSE(r.ok());
+  // Trusting another CA: the client refuses the member's certificate.
+  std::unique_ptr<EtcdClient> other_ca = MustClient({.endpoints = endpoints,
+                                                     .call_timeout = absl::Seconds(1),
+                                                     .ca_file = pki->other_ca,
+                                                     .cert_file = pki->client_cert,
+                                                     .key_file = pki->client_key});
+  ASSERT_NE(other_ca, nullptr);
+  r = other_ca->Get("/tls/k");
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "TLS handshake")) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "certificate verify failed")) << r.status();
+  // Certificates for a plain-http cluster, a key without its certificate, a CA file that
+  // does not exist: refused at once.
+  absl::StatusOr<std::unique_ptr<EtcdClient>> bad =
+      EtcdClient::Create({.endpoints = "http://127.0.0.1:2379", .ca_file = pki->ca});
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  bad = EtcdClient::Create({.endpoints = endpoints, .key_file = pki->client_key});
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  bad = EtcdClient::Create({.endpoints = endpoints, .ca_file = dir.path() + "/none.pem"});
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "none.pem")) << bad.status();
+
+  // Authentication over TLS.
+  const absl::Status enabled = (*etcd)->EnableAuth("tls-pw");
+  ASSERT_TRUE(enabled.ok()) << enabled;
+  EXPECT_FALSE(good->Put("/tls/k2", "v").ok());  // no user
+  std::unique_ptr<EtcdClient> both = MustClient({.endpoints = endpoints,
+                                                 .user = "root",
+                                                 .password = "tls-pw",
+                                                 .ca_file = pki->ca,
+                                                 .cert_file = pki->client_cert,
+                                                 .key_file = pki->client_key});
+  ASSERT_NE(both, nullptr);
+  absl::StatusOr<int64_t> put = both->Put("/tls/k2", "v");
+  EXPECT_TRUE(put.ok()) << put.status();
 }
 
 }  // namespace

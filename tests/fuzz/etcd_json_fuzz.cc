@@ -44,6 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (g.ok()) KVWIRE_FUZZ_CHECK(g->id > 0 && g->ttl > 0);
       absl::StatusOr<EtcdLease> k = ParseKeepAliveResponse(body);
       if (k.ok()) KVWIRE_FUZZ_CHECK(k->ttl >= 0);
+      absl::StatusOr<std::string> t = ParseAuthenticateResponse(body);  // the auth token
+      if (t.ok()) KVWIRE_FUZZ_CHECK(!t->empty() && t->size() <= 4096);
       break;
     }
     case 3: {

@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
@@ -61,8 +63,58 @@ void Reap(pid_t& pid, int sig) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members,
-                                                                absl::Duration timeout) {
+absl::StatusOr<TestPki> MakeTestPki(const std::string& dir) {
+  if (access("/usr/bin/openssl", X_OK) != 0) {
+    return absl::FailedPreconditionError(
+        "no /usr/bin/openssl: install Debian's openssl (scripts/install-deps.sh does)");
+  }
+  TestPki p;
+  p.ca = dir + "/ca.pem";
+  p.server_cert = dir + "/server.pem";
+  p.server_key = dir + "/server.key";
+  p.client_cert = dir + "/client.pem";
+  p.client_key = dir + "/client.key";
+  p.other_ca = dir + "/other-ca.pem";
+  {
+    std::ofstream ext(dir + "/server.ext");
+    // clientAuth too: with --client-cert-auth, etcd's HTTP gateway presents the server's
+    // certificate to its own gRPC port.
+    ext << "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n";
+    std::ofstream cext(dir + "/client.ext");
+    cext << "extendedKeyUsage=clientAuth\n";
+  }
+  // The client certificate has no CommonName: with authentication enabled etcd's HTTP
+  // gateway refuses a client certificate that names a user ("CommonName of client sending a
+  // request against gateway will be ignored"); the user comes from the password.
+  const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::vector<std::string> steps = {
+      absl::StrCat("openssl req -x509 ", key, " -keyout ", dir, "/ca.key -out ", p.ca,
+                   " -days 2 -subj /CN=kvwire-test-ca"),
+      absl::StrCat("openssl req -x509 ", key, " -keyout ", dir, "/other-ca.key -out ", p.other_ca,
+                   " -days 2 -subj /CN=kvwire-other-ca"),
+      absl::StrCat("openssl req ", key, " -keyout ", p.server_key, " -out ", dir,
+                   "/server.csr -subj /CN=127.0.0.1"),
+      absl::StrCat("openssl x509 -req -in ", dir, "/server.csr -CA ", p.ca, " -CAkey ", dir,
+                   "/ca.key -CAcreateserial -days 2 -out ", p.server_cert, " -extfile ", dir,
+                   "/server.ext"),
+      absl::StrCat("openssl req ", key, " -keyout ", p.client_key, " -out ", dir,
+                   "/client.csr -subj /O=kvwire-client"),
+      absl::StrCat("openssl x509 -req -in ", dir, "/client.csr -CA ", p.ca, " -CAkey ", dir,
+                   "/ca.key -CAcreateserial -days 2 -out ", p.client_cert, " -extfile ", dir,
+                   "/client.ext"),
+  };
+  for (const std::string& step : steps) {
+    const std::string cmd = absl::StrCat(step, " > ", dir, "/openssl.log 2>&1");
+    if (std::system(cmd.c_str()) != 0) {
+      return absl::InternalError(
+          absl::StrCat("'", step, "' failed:\n", Tail(dir + "/openssl.log")));
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, absl::Duration timeout,
+                                                                EtcdClusterOptions options) {
   if (access(kEtcd, X_OK) != 0) {
     return absl::FailedPreconditionError(
         "no /usr/bin/etcd: install Debian's etcd-server (scripts/install-deps.sh does)");
@@ -72,6 +124,7 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members,
   absl::Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {
     std::unique_ptr<EtcdCluster> c(new EtcdCluster());
+    c->options_ = options;
     char tmpl[] = "/tmp/kvwire-etcd-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
     c->dir_ = tmpl;
@@ -109,7 +162,8 @@ EtcdCluster::~EtcdCluster() {
 }
 
 std::string EtcdCluster::endpoint(int i) const {
-  return absl::StrCat("http://127.0.0.1:", members_.at(i).client_port);
+  return absl::StrCat(options_.server_cert.empty() ? "http" : "https",
+                      "://127.0.0.1:", members_.at(i).client_port);
 }
 
 std::string EtcdCluster::endpoints() const {
@@ -127,7 +181,8 @@ std::string EtcdCluster::InitialCluster() const {
 }
 
 absl::Status EtcdCluster::Launch(Member& m, bool existing) {
-  const std::string client = absl::StrCat("http://127.0.0.1:", m.client_port);
+  const std::string client =
+      absl::StrCat(options_.server_cert.empty() ? "http" : "https", "://127.0.0.1:", m.client_port);
   const std::string peer = absl::StrCat("http://127.0.0.1:", m.peer_port);
   std::vector<std::string> args = {kEtcd,
                                    "--name",
@@ -158,6 +213,14 @@ absl::Status EtcdCluster::Launch(Member& m, bool existing) {
                                    "stderr",
                                    "--log-level",
                                    "warn"};
+  if (!options_.server_cert.empty()) {
+    args.insert(args.end(),
+                {"--cert-file", options_.server_cert, "--key-file", options_.server_key});
+    if (!options_.client_ca.empty()) {
+      args.insert(args.end(), {"--trusted-ca-file", options_.client_ca, "--client-cert-auth"});
+    }
+  }
+  args.insert(args.end(), options_.extra_args.begin(), options_.extra_args.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -185,7 +248,7 @@ absl::Status EtcdCluster::Launch(Member& m, bool existing) {
 }
 
 absl::Status EtcdCluster::WaitReady(int i, absl::Time deadline) {
-  discovery::EtcdOptions o;
+  discovery::EtcdOptions o = options_.access;
   o.endpoints = endpoint(i);
   o.call_timeout = absl::Seconds(1);
   absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> c = discovery::EtcdClient::Create(o);
@@ -240,6 +303,35 @@ absl::Status EtcdCluster::Restart(int i, bool wipe, absl::Duration timeout) {
   // A member with data rejoins from it; a wiped single member starts a new cluster.
   if (absl::Status s = Launch(m, /*existing=*/false); !s.ok()) return s;
   return WaitReady(i, absl::Now() + timeout);
+}
+
+absl::Status EtcdCluster::EnableAuth(const std::string& root_password) {
+  // It goes through a shell command line.
+  if (root_password.empty() ||
+      root_password.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                      "0123456789._-") != std::string::npos) {
+    return absl::InvalidArgumentError("EnableAuth: use a password of letters, digits, . _ -");
+  }
+  std::string flags;
+  if (!options_.access.ca_file.empty())
+    absl::StrAppend(&flags, " --cacert ", options_.access.ca_file);
+  if (!options_.access.cert_file.empty()) {
+    absl::StrAppend(&flags, " --cert ", options_.access.cert_file, " --key ",
+                    options_.access.key_file);
+  }
+  for (const std::string& command :
+       {absl::StrCat("user add root:", root_password), std::string("user grant-role root root"),
+        std::string("auth enable")}) {
+    const std::string cmd = absl::StrCat("ETCDCTL_API=3 /usr/bin/etcdctl --endpoints ", endpoints(),
+                                         flags, " ", command, " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) return absl::InternalError("popen failed");
+    std::string out;
+    char buf[512];
+    while (fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+    if (pclose(p) != 0) return absl::InternalError(absl::StrCat("'", cmd, "' failed: ", out));
+  }
+  return absl::OkStatus();
 }
 
 std::string EtcdCluster::Logs() const {

@@ -50,6 +50,10 @@ class Call {
     req_.prepare_payload();
     parser_.emplace();
     parser_->body_limit(options_.body_limit);
+    // Beast reads as much as the buffer holds (at least 512 bytes): an empty buffer would
+    // stay about the size of the headers, and a relayed 250 MiB stream would take half a
+    // million reads and as many pieces (each a chunk and a write to the router's client).
+    buffer_.reserve(kReadBytes);
     const absl::Duration left = options_.deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError(absl::StrCat("HTTP call to ", address_, ": deadline"));
@@ -157,6 +161,8 @@ class Call {
     }
     Stop();
   }
+
+  static constexpr size_t kReadBytes = 64 << 10;
 
   const std::string address_;
   const HttpCallOptions& options_;

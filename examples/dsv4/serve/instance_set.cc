@@ -92,10 +92,17 @@ absl::StatusOr<std::unique_ptr<InstanceSet>> InstanceSet::Start(InstanceSetOptio
           "--etcd discovers the instances: give it without --prefill/--decode");
     }
     if (absl::Status s = discovery::CheckName("--cluster", o.cluster); !s.ok()) return s;
-    discovery::EtcdOptions eo;
+    discovery::EtcdOptions eo = o.etcd_access;
     eo.endpoints = o.etcd;
+    eo.call_timeout = discovery::EtcdOptions().call_timeout;
     absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> etcd = discovery::EtcdClient::Create(eo);
     if (!etcd.ok()) return etcd.status();
+    // etcd that answers and refuses the credentials is a configuration error, reported at
+    // start; etcd unreachable is not (the router follows it once it comes).
+    if (absl::Status a = (*etcd)->Authenticate();
+        !a.ok() && !absl::IsUnavailable(a) && !absl::IsDeadlineExceeded(a) && !absl::IsAborted(a)) {
+      return a;
+    }
     absl::StatusOr<std::unique_ptr<discovery::PrefixWatcher>> w = discovery::PrefixWatcher::Start(
         std::move(*etcd), discovery::ClusterPrefix(o.cluster),
         [p = set.get()](const discovery::PrefixWatcher::Snapshot& keys) { p->OnChange(keys); });

@@ -43,6 +43,9 @@ struct InstanceSetOptions {
   std::vector<std::string> prefill, decode;  // host:port (without etcd)
   std::string etcd;                          // etcd endpoints; empty: the fixed lists
   std::string cluster;
+  // etcd's own authentication and TLS (user, password, CA, client certificate); its
+  // endpoints and call timeout are not used.
+  kvwire::discovery::EtcdOptions etcd_access;
   std::string
       policy;  // round_robin | least_loaded; empty: least_loaded with etcd, else round_robin
   absl::Duration poll = absl::Milliseconds(250);  // reported load

@@ -37,6 +37,7 @@
 #include "examples/dsv4/serve/planted_defect.h"
 #include "examples/dsv4/serve/process.h"
 #include "examples/dsv4/serve/router.h"
+#include "src/discovery/etcd_client.h"
 #include "src/util/secret_file.h"
 
 namespace dsv4::serve {
@@ -64,6 +65,9 @@ int Usage() {
                "           neither: KVWIRE_SECRET)\n"
                "           [--etcd http://H:P[,...] --cluster NAME [--etcd-lease-s 10]]\n"
                "           (register in etcd under /kvwire/NAME/instances/<engine id>)\n"
+               "           [--etcd-user U --etcd-password-file F | --etcd-password P]\n"
+               "           [--etcd-cacert CA.pem] [--etcd-cert C.pem --etcd-key K.pem]\n"
+               "           (etcd's own auth and TLS: https://H:P endpoints; docs/SECURITY.md)\n"
                "  router   --prefill H:P[,H:P] --decode H:P[,H:P] --mode read|write [--port 0]\n"
                "           [--timeout-s 300] [--ready-file F] [--policy round_robin|least_loaded]\n"
                "           [--max-connections-per-source 64] (HTTP, per client address)\n"
@@ -73,6 +77,8 @@ int Usage() {
                "           [--secret-file F | --secret S] (the servers' shared secret: every\n"
                "           instance must prove it holds it; neither: KVWIRE_SECRET; none: etcd\n"
                "           records are trusted) (instances discovered and followed through etcd)\n"
+               "           [--etcd-user U --etcd-password-file F] [--etcd-cacert CA.pem]\n"
+               "           [--etcd-cert C.pem --etcd-key K.pem] (as for serve)\n"
                "  demo     [--config C.json] [--weights W] [--work-dir D] [--secret-file F]\n"
                "           (make demo)\n");
   return 2;
@@ -115,6 +121,42 @@ absl::StatusOr<std::optional<std::string>> SecretFromFlags(const Flags& f) {
     return std::optional<std::string>(f.Get("secret"));
   }
   return std::optional<std::string>();
+}
+
+// etcd's own authentication and TLS: --etcd-user with --etcd-password-file (or
+// --etcd-password), --etcd-cacert, --etcd-cert and --etcd-key. Only with --etcd.
+absl::StatusOr<kvwire::discovery::EtcdOptions> EtcdAccessFromFlags(const Flags& f) {
+  kvwire::discovery::EtcdOptions o;
+  const bool any = f.Has("etcd-user") || f.Has("etcd-password") || f.Has("etcd-password-file") ||
+                   f.Has("etcd-cacert") || f.Has("etcd-cert") || f.Has("etcd-key");
+  if (any && !f.Has("etcd")) {
+    return absl::InvalidArgumentError(
+        "--etcd-user/--etcd-password*/--etcd-cacert/--etcd-cert/"
+        "--etcd-key need --etcd");
+  }
+  if (f.Has("etcd-password") && f.Has("etcd-password-file")) {
+    return absl::InvalidArgumentError(
+        "--etcd-password and --etcd-password-file exclude each other");
+  }
+  if ((f.Has("etcd-password") || f.Has("etcd-password-file")) != f.Has("etcd-user")) {
+    return absl::InvalidArgumentError("--etcd-user and --etcd-password(-file) go together");
+  }
+  o.user = f.Get("etcd-user");
+  if (f.Has("etcd-password-file")) {
+    absl::StatusOr<std::string> p =
+        kvwire::discovery::ReadPasswordFile(f.Get("etcd-password-file"));
+    if (!p.ok()) return p.status();
+    o.password = *std::move(p);
+  } else if (f.Has("etcd-password")) {
+    std::fprintf(stderr,
+                 "kvwire-dsv4: warning: --etcd-password is visible to every local user (ps, "
+                 "/proc/<pid>/cmdline); prefer --etcd-password-file\n");
+    o.password = f.Get("etcd-password");
+  }
+  o.ca_file = f.Get("etcd-cacert");
+  o.cert_file = f.Get("etcd-cert");
+  o.key_file = f.Get("etcd-key");
+  return o;
 }
 
 int Weights(const Flags& f) {
@@ -189,6 +231,19 @@ int Serve(const Flags& f) {
   if (o.etcd.empty() != o.cluster.empty()) {
     return Fail(absl::InvalidArgumentError("--etcd and --cluster go together"));
   }
+  // The connector makes its own etcd client and its options have no fields for these: it
+  // takes them from the environment (KVWIRE_ETCD_*, src/discovery/etcd_client.h), set here
+  // before any thread starts.
+  absl::StatusOr<kvwire::discovery::EtcdOptions> etcd_access = EtcdAccessFromFlags(f);
+  if (!etcd_access.ok()) return Fail(etcd_access.status());
+  for (const auto& [name, value] :
+       {std::pair<const char*, const std::string*>{"KVWIRE_ETCD_USER", &etcd_access->user},
+        {"KVWIRE_ETCD_PASSWORD", &etcd_access->password},
+        {"KVWIRE_ETCD_CACERT", &etcd_access->ca_file},
+        {"KVWIRE_ETCD_CERT", &etcd_access->cert_file},
+        {"KVWIRE_ETCD_KEY", &etcd_access->key_file}}) {
+    if (!value->empty()) setenv(name, value->c_str(), 1);
+  }
   o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
   absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
   if (!secret.ok()) return Fail(secret.status());
@@ -252,6 +307,9 @@ int RouterMain(const Flags& f) {
   }
   RouterOptions o;
   o.etcd = f.Get("etcd");
+  absl::StatusOr<kvwire::discovery::EtcdOptions> etcd_access = EtcdAccessFromFlags(f);
+  if (!etcd_access.ok()) return Fail(etcd_access.status());
+  o.etcd_access = *std::move(etcd_access);
   o.cluster = f.Get("cluster");
   o.policy = f.Get("policy");
   for (const std::string& v : f.GetAll("prefill")) {
@@ -343,14 +401,38 @@ int Main(int argc, char** argv) {
                "etcd",
                "cluster",
                "etcd-lease-s",
+               "etcd-user",
+               "etcd-password",
+               "etcd-password-file",
+               "etcd-cacert",
+               "etcd-cert",
+               "etcd-key",
                "max-connections-per-source",
                "max-logprobs"},
               {"corrupt-kv-page"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
-    f = parse({"prefill", "decode", "mode", "host", "port", "timeout-s", "ready-file", "etcd",
-               "cluster", "policy", "max-connections-per-source", "max-upstream-body-mib", "secret",
-               "secret-file", "forget-instance-s"});
+    f = parse({"prefill",
+               "decode",
+               "mode",
+               "host",
+               "port",
+               "timeout-s",
+               "ready-file",
+               "etcd",
+               "cluster",
+               "policy",
+               "max-connections-per-source",
+               "max-upstream-body-mib",
+               "secret",
+               "secret-file",
+               "forget-instance-s",
+               "etcd-user",
+               "etcd-password",
+               "etcd-password-file",
+               "etcd-cacert",
+               "etcd-cert",
+               "etcd-key"});
     if (f.ok()) return RouterMain(*f);
   } else if (cmd == "demo") {
     f = parse(

@@ -118,6 +118,7 @@ class Router::Impl {
     io.decode = options_.decode;
     io.etcd = options_.etcd;
     io.cluster = options_.cluster;
+    io.etcd_access = options_.etcd_access;
     io.policy = options_.policy;
     io.secret = options_.secret;
     io.forget_after = options_.forget_instance_after;

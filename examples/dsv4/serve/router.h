@@ -18,6 +18,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "src/discovery/etcd_client.h"
+
 namespace dsv4::serve {
 
 struct RouterOptions {
@@ -25,6 +27,8 @@ struct RouterOptions {
   std::vector<std::string> decode;
   // Discovery instead of the lists: etcd endpoints and cluster (see instance_set.h).
   std::string etcd, cluster;
+  // etcd's authentication and TLS (user and password, CA, client certificate).
+  kvwire::discovery::EtcdOptions etcd_access;
   // The deployment's shared secret: instances discovered through etcd are routed to only
   // once they prove they hold it (instance_set.h). Empty: etcd records are trusted.
   std::string secret;

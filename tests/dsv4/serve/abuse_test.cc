@@ -12,7 +12,9 @@
 //     generation, and the decode frees its blocks, within a second;
 //   - etcd is a directory, not an authority: a forged decode record (whose /health claims a
 //     billion free blocks) and a forged prefill record pointing at the router itself get no
-//     request; a removed instance's routing series is pruned.
+//     request; a removed instance's routing series is pruned; etcd's own authentication and
+//     TLS (--etcd-user, --etcd-password-file, --etcd-cacert/--etcd-cert/--etcd-key) work end
+//     to end, and a wrong password stops a router or a server at start, saying why.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
@@ -22,6 +24,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -926,6 +929,100 @@ TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
       },
       absl::Seconds(10)))
       << MetricsOf(*router);
+}
+
+// etcd's own authentication and TLS, end to end: an etcd that serves https:// only, requires
+// client certificates (--client-cert-auth) and has authentication enabled. Prefill, decode
+// and router given --etcd-user, --etcd-password-file, --etcd-cacert, --etcd-cert and
+// --etcd-key register, find each other and serve a completion; a router or a server given
+// a wrong password does not start, and says why.
+TEST(Abuse, EtcdWithAuthenticationAndTls) {
+  char tmpl[] = "/tmp/kvwire-abuse-pki-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{dir};
+  absl::StatusOr<kvwire::testing::TestPki> pki = kvwire::testing::MakeTestPki(dir);
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  kvwire::testing::EtcdClusterOptions eo;
+  eo.server_cert = pki->server_cert;
+  eo.server_key = pki->server_key;
+  eo.client_ca = pki->ca;
+  eo.access.ca_file = pki->ca;
+  eo.access.cert_file = pki->client_cert;
+  eo.access.key_file = pki->client_key;
+  absl::StatusOr<std::unique_ptr<kvwire::testing::EtcdCluster>> etcd =
+      kvwire::testing::EtcdCluster::Start(1, absl::Seconds(30), eo);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const absl::Status enabled = (*etcd)->EnableAuth("deployment-etcd-pw");
+  ASSERT_TRUE(enabled.ok()) << enabled;
+  const std::string endpoints = (*etcd)->endpoints();
+  ASSERT_TRUE(absl::StartsWith(endpoints, "https://")) << endpoints;
+  std::ofstream(dir + "/password") << "deployment-etcd-pw\n";
+  std::ofstream(dir + "/wrong") << "a guess\n";
+  auto with = [&](std::vector<std::string> args, const std::string& password_file) {
+    for (const std::string& a : {std::string("--etcd-user"), std::string("root"),
+                                 std::string("--etcd-password-file"), dir + "/" + password_file,
+                                 std::string("--etcd-cacert"), pki->ca, std::string("--etcd-cert"),
+                                 pki->client_cert, std::string("--etcd-key"), pki->client_key}) {
+      args.push_back(a);
+    }
+    return args;
+  };
+  auto registered = [&](const std::string& name, const std::string& password_file) {
+    return with({"--etcd", endpoints, "--cluster", "authd", "--name", name, "--mode", "read"},
+                password_file);
+  };
+  ServeCluster c;
+  ASSERT_TRUE(c.MakeWeights().ok());
+  absl::StatusOr<std::string> prefill =
+      c.Serve("prefill", "prefill", "tcp", registered("auth-prefill", "password"));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::string> decode =
+      c.Serve("decode", "decode", "tcp", registered("auth-decode", "password"));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::string> router =
+      c.Start("router", with({"router", "--etcd", endpoints, "--cluster", "authd", "--mode", "read",
+                              "--timeout-s", "60"},
+                             "password"));
+  ASSERT_TRUE(router.ok()) << router.status();
+  json h;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<json> got = GetJson(*router, "/health");
+        if (!got.ok()) return false;
+        h = *got;
+        return h["prefill"].size() == 1 && h["decode"].size() == 1;
+      },
+      absl::Seconds(30)))
+      << h.dump() << "\n"
+      << c.Logs();
+  absl::StatusOr<CompletionResult> r =
+      Complete(*router, {{"prompt", "Who may write?"}, {"max_tokens", 4}}, absl::Seconds(60));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, 200) << r->error << "\n" << c.Logs();
+  EXPECT_EQ(r->tokens.size(), 4u);
+
+  // A wrong password: the router does not start, and its error names the cause.
+  absl::StatusOr<std::string> wrong = c.Start(
+      "wrong-router",
+      with({"router", "--etcd", endpoints, "--cluster", "authd", "--mode", "read"}, "wrong"));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_TRUE(absl::StrContains(wrong.status().message(), "etcd authentication as 'root' failed"))
+      << wrong.status();
+  EXPECT_TRUE(absl::StrContains(wrong.status().message(), "invalid user ID or password"))
+      << wrong.status();
+  // Nor does a server (its registration is refused the same way).
+  absl::StatusOr<std::string> wrong_server =
+      c.Serve("wrong-decode", "decode", "tcp", registered("wrong-decode", "wrong"));
+  ASSERT_FALSE(wrong_server.ok());
+  EXPECT_TRUE(absl::StrContains(wrong_server.status().message(), "invalid user ID or password"))
+      << wrong_server.status();
 }
 
 }  // namespace
