@@ -29,7 +29,9 @@ void Check(const std::string& body, dsv4::serve::Endpoint endpoint) {
   KVWIRE_FUZZ_CHECK(request->endpoint == endpoint);
   KVWIRE_FUZZ_CHECK(request->max_tokens >= 1);
   const dsv4::serve::SamplingParams& p = request->sampling;
-  KVWIRE_FUZZ_CHECK(p.temperature >= 0.0 && std::isfinite(p.temperature));
+  KVWIRE_FUZZ_CHECK(p.temperature == 0.0 ||
+                    (p.temperature >= dsv4::serve::kMinSamplingTemperature &&
+                     p.temperature <= dsv4::serve::kMaxTemperature));
   KVWIRE_FUZZ_CHECK(p.top_p > 0.0 && p.top_p <= 1.0);
   KVWIRE_FUZZ_CHECK(p.top_k >= 0);
   KVWIRE_FUZZ_CHECK(p.min_p >= 0.0 && p.min_p <= 1.0);
@@ -38,7 +40,8 @@ void Check(const std::string& body, dsv4::serve::Endpoint endpoint) {
   KVWIRE_FUZZ_CHECK(p.repetition_penalty > 0.0 && std::isfinite(p.repetition_penalty));
   KVWIRE_FUZZ_CHECK(p.min_tokens >= 0 && p.min_tokens <= request->max_tokens);
   KVWIRE_FUZZ_CHECK(!p.logprobs || *p.logprobs >= -1);
-  KVWIRE_FUZZ_CHECK(p.n >= 1 && p.n <= dsv4::serve::kMaxChoices);
+  KVWIRE_FUZZ_CHECK(p.n >= 1 && p.n <= dsv4::serve::kMaxChoices && (p.n == 1 || !p.greedy()));
+  KVWIRE_FUZZ_CHECK(!p.seed || *p.seed != ~uint64_t{0});  // -1: no seed
   KVWIRE_FUZZ_CHECK(!p.echo || (endpoint == dsv4::serve::Endpoint::kCompletions && !p.logprobs));
   if (request->prompt_ids) {
     KVWIRE_FUZZ_CHECK(endpoint == dsv4::serve::Endpoint::kCompletions);

@@ -461,10 +461,11 @@ void Dsv4() {
       R"([{"type":"text","text":"Hi"}]}],"max_completion_tokens":4,"stop":"x","model":"dsv4-tiny"})");
   Write("completion_request", "unsupported", R"({"prompt":"a","n":2,"logit_bias":{"1":2}})");
   // vLLM's sampling parameters, each set.
-  Write("completion_request", "sampling",
-        R"({"prompt":"a","max_tokens":8,"temperature":0.9,"top_p":0.95,"top_k":50,"min_p":0.01,)"
-        R"("seed":-7,"presence_penalty":0.5,"frequency_penalty":-0.5,"repetition_penalty":1.2,)"
-        R"("ignore_eos":true,"min_tokens":4,"logprobs":5,"n":3,"return_tokens_as_token_ids":true})");
+  Write(
+      "completion_request", "sampling",
+      R"({"prompt":"a","max_tokens":8,"temperature":0.9,"top_p":0.95,"top_k":50,"min_p":0.01,)"
+      R"("seed":-7,"presence_penalty":0.5,"frequency_penalty":-0.5,"repetition_penalty":1.2,)"
+      R"("ignore_eos":true,"min_tokens":4,"logprobs":5,"n":3,"return_tokens_as_token_ids":true})");
   Write("completion_request", "chat-logprobs",
         R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":-1,)"
         R"("max_tokens":2,"max_completion_tokens":3})");

@@ -31,7 +31,10 @@ int64_t ParseTopK(JsonFields& f) {
 void ParseSamplingParams(JsonFields& f, const json& body, Endpoint endpoint, int max_tokens,
                          bool remote_decode, SamplingParams* out) {
   SamplingParams& p = *out;
-  p.temperature = f.OptNumber("temperature", 0, kHuge, p.temperature);
+  p.temperature = f.OptNumber("temperature", 0, kMaxTemperature, p.temperature);
+  if (p.temperature > 0 && p.temperature < kMinSamplingTemperature) {
+    p.temperature = kMinSamplingTemperature;  // vLLM: smaller ones overflow
+  }
   p.top_p = f.OptNumber("top_p", 0, 1, p.top_p);
   if (f.ok() && f.Has("top_p") && !(p.top_p > 0)) {
     f.Fail("top_p", "must be in (0, 1]", body.at("top_p"));
@@ -44,7 +47,10 @@ void ParseSamplingParams(JsonFields& f, const json& body, Endpoint endpoint, int
   if (f.ok() && f.Has("repetition_penalty") && !(p.repetition_penalty > 0)) {
     f.Fail("repetition_penalty", "must be greater than zero", body.at("repetition_penalty"));
   }
-  if (f.Has("seed")) p.seed = static_cast<uint64_t>(f.Int("seed", kInt64Min, kInt64Max));
+  if (f.Has("seed")) {
+    const int64_t seed = f.Int("seed", kInt64Min, kInt64Max);
+    if (seed != -1) p.seed = static_cast<uint64_t>(seed);  // vLLM: -1 is no seed
+  }
   p.ignore_eos = f.OptBool("ignore_eos", p.ignore_eos);
   p.min_tokens = static_cast<int>(f.OptInt("min_tokens", 0, 1000000, p.min_tokens));
   if (f.ok() && p.min_tokens > max_tokens) {
@@ -56,6 +62,10 @@ void ParseSamplingParams(JsonFields& f, const json& body, Endpoint endpoint, int
     }
   }
   p.n = static_cast<int>(f.OptInt("n", 1, kMaxChoices, p.n));
+  if (f.ok() && p.n > 1 && p.greedy()) {
+    f.Fail("n", "must be 1 when sampling is greedy (temperature 0, the default here)",
+           body.at("n"));
+  }
   p.tokens_as_ids = f.OptBool("return_tokens_as_token_ids", p.tokens_as_ids);
   if (endpoint == Endpoint::kChat) {
     const bool logprobs = f.OptBool("logprobs", false);

@@ -1,11 +1,13 @@
 // The sampling parameters of an OpenAI/vLLM completion or chat request, with vLLM's semantics
 // and bounds (vllm/sampling_params.py and vllm/entrypoints/openai/protocol.py):
 //
-//   temperature >= 0 (below 1e-5: greedy; top_p, top_k and min_p then do nothing)
+//   temperature in [0, 2]: 0 is greedy (top_p, top_k and min_p then do nothing), one in
+//     (0, 0.01) is raised to 0.01. Unset: greedy, these servers' default (vLLM's is the model's
+//     generation config, else 1.0).
 //   top_p in (0, 1]; top_k -1 or 0 (off) or >= 1; min_p in [0, 1]
 //   presence_penalty and frequency_penalty in [-2, 2] (over the generated tokens);
 //   repetition_penalty > 0 (over the prompt and the generated tokens; 1: off)
-//   seed: any 64-bit signed integer; none: a random one per request (two runs differ).
+//   seed: any 64-bit signed integer; none (or -1): a random one per request (two runs differ).
 //     Choice i of n samples with seed + i (vLLM's parallel sampling).
 //   min_tokens >= 0 and <= max_tokens: EOS cannot be sampled and stop strings do not end the
 //     output before min_tokens tokens. ignore_eos: EOS does not end the output.
@@ -13,8 +15,8 @@
 //     sampled one; chat: logprobs (bool) and top_logprobs (-1 or >= 0, needs logprobs).
 //     The values are the model's own distribution (vLLM's default raw_logprobs), before
 //     temperature, penalties and filters. The server bounds the count (--max-logprobs, 20).
-//   n in [1, kMaxChoices] choices (choices.h); echo (completions): the prompt is prepended to
-//   the text.
+//   n in [1, kMaxChoices] choices (choices.h), more than one only when sampling (not greedy);
+//   echo (completions): the prompt is prepended to the text.
 //
 // A prefill of a disaggregated request (kv_transfer_params.do_remote_decode) computes one
 // token that the client never sees: the relations that only bind the generation (min_tokens <=
@@ -33,6 +35,9 @@ namespace dsv4::serve {
 
 // Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 inline constexpr double kGreedyTemperature = 1e-5;
+// A temperature above 0 and below this is raised to it (vLLM's _MAX_TEMP); 2 is the most.
+inline constexpr double kMinSamplingTemperature = 1e-2;
+inline constexpr double kMaxTemperature = 2.0;
 // vLLM's default --max-logprobs.
 inline constexpr int kDefaultMaxLogprobs = 20;
 // The most choices one request may ask for (each costs a whole generation).

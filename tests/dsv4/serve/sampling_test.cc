@@ -65,6 +65,10 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
   EXPECT_FALSE(d.sampling.logprobs.has_value());
   EXPECT_EQ(d.sampling.top_k, 0);
   EXPECT_EQ(Parse(R"({"prompt":"a","logprobs":-1})").sampling.logprobs, -1);
+  // vLLM: seed -1 is none; a temperature below 0.01 is raised to it; n > 1 when sampling.
+  EXPECT_FALSE(Parse(R"({"prompt":"a","seed":-1})").sampling.seed.has_value());
+  EXPECT_DOUBLE_EQ(Parse(R"({"prompt":"a","temperature":0.001})").sampling.temperature, 0.01);
+  EXPECT_EQ(Parse(R"({"prompt":"a","n":16,"temperature":2})").sampling.n, 16);
   // Chat: logprobs is a switch, top_logprobs the count; max_completion_tokens wins (vLLM).
   CompletionRequest c = Parse(
       R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":4,
@@ -84,6 +88,7 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
 TEST(SamplingParams, OutOfBoundsIsRefusedByName) {
   const std::pair<const char*, const char*> bad[] = {
       {R"({"prompt":"a","temperature":-0.1})", "temperature"},
+      {R"({"prompt":"a","temperature":2.5})", "temperature"},
       {R"({"prompt":"a","top_p":0})", "top_p"},
       {R"({"prompt":"a","top_p":1.01})", "top_p"},
       {R"({"prompt":"a","top_k":-2})", "top_k"},
@@ -101,7 +106,8 @@ TEST(SamplingParams, OutOfBoundsIsRefusedByName) {
       {R"({"prompt":"a","logprobs":true})", "logprobs"},
       {R"({"prompt":"a","echo":true,"logprobs":1})", "echo"},
       {R"({"prompt":"a","n":0})", "n"},
-      {R"({"prompt":"a","n":17})", "n"},
+      {R"({"prompt":"a","n":17,"temperature":1})", "n"},
+      {R"({"prompt":"a","n":2})", "n"},  // greedy (the default): every choice the same
       {R"({"prompt":"a","best_of":2})", "best_of"},
       {R"({"prompt":"a","prompt_logprobs":1})", "prompt_logprobs"},
   };
