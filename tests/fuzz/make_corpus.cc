@@ -159,7 +159,7 @@ void Tcp() {
   wire::EncodeRequest(r, buf);
   target += bytes(buf, wire::kRequestBytes);
   Write("tcp_wire", "target-ops", target);
-  // READs of the grant-guarded region 3: inside grant 1 (served), then with no grant (refused).
+  // READs of the grant-guarded region 3: inside grant 1 (served), then refused ones.
   std::string guarded = Byte(0x00);
   wire::EncodeHello(hello, buf);
   guarded += bytes(buf, wire::kHelloBytes) + token;
@@ -173,7 +173,13 @@ void Tcp() {
   wire::EncodeRequest(g, buf);
   guarded += bytes(buf, wire::kRequestBytes);
   Write("tcp_wire", "target-granted-read", guarded);
+  std::string outside = guarded;  // then a READ under grant 1 outside its range
   g.sequence = 1;
+  g.offset = 0;
+  wire::EncodeRequest(g, buf);
+  outside += bytes(buf, wire::kRequestBytes);
+  Write("tcp_wire", "target-outside-grant-read", outside);
+  g.offset = 4096;  // then a READ inside the range presenting no grant
   g.grant = 0;
   wire::EncodeRequest(g, buf);
   guarded += bytes(buf, wire::kRequestBytes);

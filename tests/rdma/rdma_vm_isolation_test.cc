@@ -369,8 +369,6 @@ TEST_F(RdmaIsolationTest, WithdrawnExportIsUnreachableWithItsOldRkey) {
   ExpectLegitByteExact("exported again", true);
 }
 
-// Whether the kernel's rxe offers type-2 memory windows (the alternative design; see
-// rdma_transport.h). Printed for the record; nothing depends on it.
 // Read grants over rdma (docs/SECURITY.md, "Read grants"): the per-peer MR of a grant-guarded
 // region has no remote-read access, so even the peer it is exported to, with its own real
 // rkey and a live grant, cannot READ it over rdma: the NIC refuses. Under the grant its READ
@@ -427,6 +425,8 @@ TEST_F(RdmaIsolationTest, GrantGuardedRegionIsNotReadableOverRdma) {
   ExpectLegitByteExact("after the rdma READ", true);
 }
 
+// Whether the kernel's rxe offers type-2 memory windows (the alternative design; see
+// rdma_transport.h). Printed for the record; nothing depends on it.
 TEST(RdmaIsolationFacts, MemoryWindowSupportOfRxe) {
   int n = 0;
   ibv_device** list = ibv_get_device_list(&n);

@@ -1,0 +1,111 @@
+// GrantTable and CheckIncoming, without an engine: which ranges a grant covers (merged, never
+// across a gap), of which region, for which peer, and the access check that applies them.
+#include "src/core/grant_table.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace kvwire::core {
+namespace {
+
+constexpr PeerId kPeer = 5;
+constexpr RegionId kA = 1;
+constexpr RegionId kB = 2;
+
+bool Covers(const GrantTable& t, PeerId peer, GrantId g, RegionId region, uint64_t offset,
+            uint64_t length) {
+  return t.Check(peer, g, region, offset, length).ok();
+}
+
+TEST(GrantTableTest, CoversItsRangesAndNothingBetweenThem) {
+  GrantTable t;
+  const GrantRange ranges[] = {{kA, 0, 10}, {kA, 20, 10}};
+  const GrantId g = t.Add(kPeer, ranges);
+  EXPECT_TRUE(Covers(t, kPeer, g, kA, 0, 10));
+  EXPECT_TRUE(Covers(t, kPeer, g, kA, 22, 8));
+  EXPECT_FALSE(Covers(t, kPeer, g, kA, 10, 10)) << "the gap";
+  EXPECT_FALSE(Covers(t, kPeer, g, kA, 5, 20)) << "straddles the gap";
+  EXPECT_FALSE(Covers(t, kPeer, g, kA, 25, 10)) << "runs past the end";
+  // The same offsets of another region, another peer, another grant id.
+  EXPECT_FALSE(Covers(t, kPeer, g, kB, 0, 10));
+  EXPECT_FALSE(Covers(t, kPeer + 1, g, kA, 0, 10));
+  EXPECT_FALSE(Covers(t, kPeer, g + 1, kA, 0, 10));
+  EXPECT_FALSE(Covers(t, kPeer, 0, kA, 0, 10)) << "no grant presented";
+}
+
+TEST(GrantTableTest, TouchingAndOverlappingRangesMerge) {
+  GrantTable t;
+  const GrantRange ranges[] = {{kA, 10, 10}, {kA, 0, 10}, {kA, 15, 10}, {kB, 100, 1}};
+  const GrantId g = t.Add(kPeer, ranges);
+  EXPECT_TRUE(Covers(t, kPeer, g, kA, 0, 25)) << "[0,10) [10,20) [15,25) are one range";
+  EXPECT_FALSE(Covers(t, kPeer, g, kA, 0, 26));
+  EXPECT_TRUE(Covers(t, kPeer, g, kB, 100, 1));
+  EXPECT_FALSE(Covers(t, kPeer, g, kB, 99, 2));
+}
+
+TEST(GrantTableTest, RemovedAndForgottenGrantsCoverNothing) {
+  GrantTable t;
+  const GrantRange ranges[] = {{kA, 0, 64}};
+  const GrantId g1 = t.Add(kPeer, ranges);
+  const GrantId g2 = t.Add(kPeer, ranges);
+  const GrantId other = t.Add(kPeer + 1, ranges);
+  EXPECT_NE(g1, g2);
+  EXPECT_EQ(t.live(), 3u);
+  EXPECT_EQ(t.Remove(kPeer + 1, g1).code(), absl::StatusCode::kNotFound) << "not its grant";
+  ASSERT_TRUE(t.Remove(kPeer, g1).ok());
+  EXPECT_FALSE(Covers(t, kPeer, g1, kA, 0, 64));
+  EXPECT_TRUE(Covers(t, kPeer, g2, kA, 0, 64));
+  EXPECT_EQ(t.Remove(kPeer, g1).code(), absl::StatusCode::kNotFound) << "twice";
+  t.ForgetPeer(kPeer);
+  EXPECT_FALSE(Covers(t, kPeer, g2, kA, 0, 64));
+  EXPECT_TRUE(Covers(t, kPeer + 1, other, kA, 0, 64)) << "another peer's grants stay";
+  EXPECT_EQ(t.live(), 1u);
+}
+
+// The access check: bounds and permission first, then the grant, only for READs of guarded
+// regions; *grant_refused tells which refused.
+TEST(CheckIncomingTest, GrantsApplyToReadsOfGuardedRegionsOnly) {
+  std::vector<std::byte> guarded_mem(4096), open_mem(4096);
+  RegionRegistry regions;
+  transport::LocalRegion guarded;
+  guarded.base = guarded_mem.data();
+  guarded.length = guarded_mem.size();
+  guarded.access = kRemoteReadWrite;
+  guarded.reads_need_grant = true;
+  transport::LocalRegion open = guarded;
+  open.base = open_mem.data();
+  open.reads_need_grant = false;
+  const RegionId g_id = regions.Add(guarded, /*export_to_all=*/true);
+  const RegionId o_id = regions.Add(open, /*export_to_all=*/true);
+  GrantTable grants;
+  const GrantRange ranges[] = {{g_id, 1024, 1024}};
+  const GrantId g = grants.Add(kPeer, ranges);
+
+  bool grant_refused = true;
+  auto r = CheckIncoming(regions, grants, kPeer, g_id, 1024, 512, OpKind::kRead, g, &grant_refused);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(grant_refused);
+  EXPECT_EQ(r->data, guarded_mem.data() + 1024);
+
+  r = CheckIncoming(regions, grants, kPeer, g_id, 0, 512, OpKind::kRead, g, &grant_refused);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(grant_refused);
+  r = CheckIncoming(regions, grants, kPeer, g_id, 1024, 512, OpKind::kRead, 0, &grant_refused);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(grant_refused);
+
+  // Out of bounds is the registry's refusal, not the grant's.
+  r = CheckIncoming(regions, grants, kPeer, g_id, 4000, 512, OpKind::kRead, g, &grant_refused);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_FALSE(grant_refused);
+  // WRITEs and unguarded regions need no grant.
+  EXPECT_TRUE(
+      CheckIncoming(regions, grants, kPeer, g_id, 0, 512, OpKind::kWrite, 0, &grant_refused).ok());
+  EXPECT_TRUE(
+      CheckIncoming(regions, grants, kPeer, o_id, 0, 512, OpKind::kRead, 0, &grant_refused).ok());
+  EXPECT_FALSE(grant_refused);
+}
+
+}  // namespace
+}  // namespace kvwire::core
