@@ -172,13 +172,16 @@ void Tcp() {
   g.grant = 1;
   wire::EncodeRequest(g, buf);
   guarded += bytes(buf, wire::kRequestBytes);
-  Write("tcp_wire", "target-granted-read", guarded);
+  // A malformed header after the READs: the target refuses it, which first sends the READs'
+  // queued responses (at the end of the stream alone it would drop them unsent).
+  const std::string malformed(wire::kRequestBytes, '\0');
+  Write("tcp_wire", "target-granted-read", guarded + malformed);
   std::string outside = guarded;  // then a READ under grant 1 outside its range
   g.sequence = 1;
   g.offset = 0;
   wire::EncodeRequest(g, buf);
   outside += bytes(buf, wire::kRequestBytes);
-  Write("tcp_wire", "target-outside-grant-read", outside);
+  Write("tcp_wire", "target-outside-grant-read", outside + malformed);
   g.offset = 4096;  // then a READ inside the range presenting no grant
   g.grant = 0;
   wire::EncodeRequest(g, buf);
