@@ -248,8 +248,16 @@ TEST(Sampler, PenaltiesAsVllm) {
   p = Sampling(0);
   p.presence_penalty = 0.2;
   EXPECT_EQ(greedy(p, {}, {0, 0, 0}), 1);
+  // Once, not per occurrence: 2.0 - 0.06 > 1.9 however often token 0 came out.
+  p.presence_penalty = 0.06;
+  EXPECT_EQ(greedy(p, {}, {0, 0}), 0) << "presence applied per occurrence";
   p.presence_penalty = -1.5;
   EXPECT_EQ(greedy(p, {}, {3}), 3);
+  // repetition_penalty multiplies negative logits (vLLM): -1.0 * 1.5 = -1.5 < -1.2.
+  const std::vector<float> negative = {-1.0f, -1.2f};
+  p = Sampling(0);
+  p.repetition_penalty = 1.5;
+  EXPECT_EQ(Sampler(p, 0, {0}, -1).Next(negative, {}).token, 1) << "negative logit divided";
 }
 
 TEST(Sampler, MinTokensMasksEosUntilThenOnly) {
