@@ -64,6 +64,23 @@ RELEASE_DEADLINE_S = 30.0
 SHORT_LEASE_S = 10
 
 
+def run_loads(p, d, rids, what="loads"):
+    """Steps both engines until every decode request of `rids` has its first token, checking
+    each one's KV byte for byte when it is first seen so: it leaves the scheduler a step or two
+    later, maybe before the others load."""
+    seen = set()
+
+    def done():
+        for rid in rids:
+            if rid not in seen and rid in d.sched.requests and \
+                    d.sched.requests[rid].num_output_tokens >= 1:
+                seen.add(rid)
+                assert d.verify(rid) == [], rid
+        return len(seen) == len(rids)
+
+    run_until([p, d], done, what)
+
+
 def check_clean(*engines_):
     """Every block free, and no worker's kvwire.Connector tracks a request any more."""
     for e in engines_:
@@ -133,7 +150,7 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
                 shared_memory=shm, policy="fail")
     lengths = HAND_OFF_LENGTHS
     # Four output tokens: a request stays in the decode's scheduler for a few steps after its
-    # first token, for loaded() to see it there and verify its blocks.
+    # first token, for run_loads() to see it there and verify its blocks.
     if mode == "read":
         for i, n in enumerate(lengths):
             out = prefill_one(p, f"p{i}", prompt(i, n))
@@ -147,18 +164,7 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
                                              "transfer_id": tid})
         d.step()
         d.step()
-    running = set()
-
-    def loaded():
-        for i in range(len(lengths)):
-            rid = f"d{i}"
-            if rid not in running and rid in d.sched.requests and \
-                    d.sched.requests[rid].num_output_tokens >= 1:
-                running.add(rid)
-                assert d.verify(rid) == [], rid
-        return len(running) == len(lengths)
-
-    run_until([p, d], loaded, "loads")
+    run_loads(p, d, [f"d{i}" for i in range(len(lengths))])
     # Each prompt longer than one token was loaded by kvwire (a one-token prompt loads
     # nothing: vLLM computes the last prompt token itself), and no load failed.
     assert worker_counter(d, "completed") == sum(n > 1 for n in lengths), d.worker_stats()
@@ -424,11 +430,7 @@ def test_prefill_tp2_decode_tp1(engines, kind):
         out = prefill_one(p, f"t{i}", prompt(20 + i, n))
         assert len(out.kv_transfer_params.get("tp_sources", [])) == 1
         d.add(f"dt{i}", prompt(20 + i, n), 2, decode_params(out))
-    run_until([p, d], lambda: all(f"dt{i}" in d.sched.requests and
-                                  d.sched.requests[f"dt{i}"].num_output_tokens >= 1
-                                  for i in range(2)), "loads")
-    for i in range(2):
-        assert d.verify(f"dt{i}") == []
+    run_loads(p, d, ["dt0", "dt1"])
     assert worker_counter(d, "completed") == 2
     wait_free([p, d], "all blocks", DEADLINE_S)
 
