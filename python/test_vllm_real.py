@@ -136,14 +136,11 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     """Prompts of 1, 15, 16, 17, 40 and 100 tokens on a two-group model (full attention NHD,
     sliding window HND): the decode's KV equals its prefill's byte for byte, the bytes moved
     over the transport asked for, and both sides end with every block free."""
-    # Write mode: the one-token prompt's decode loads nothing and tells the prefill so
-    # ("fail", unread) before the prefill has seen that request; the prefill does not keep
-    # such an early message, so it holds those blocks until its lease (request_timeout_s)
-    # ends. A short lease keeps that wait short (kvwire bug, reported; the blocks do come back).
-    extra = {"transport": transport, "mode": mode}
-    if mode == "write":
-        extra["request_timeout_s"] = SHORT_LEASE_S
-    p = engines("prefill", extra, kind="hybrid", shared_memory=shm)
+    # A lease far longer than the deadlines: the one-token prompt's decode loads nothing and
+    # tells the prefill so (in write mode before the prefill has even seen that request),
+    # which frees those blocks at once, never at the lease.
+    p = engines("prefill", {"transport": transport, "mode": mode,
+                            "request_timeout_s": LONG_LEASE_S}, kind="hybrid", shared_memory=shm)
     # policy "fail": a load that fails ends its request in an error instead of being
     # recomputed into the very bytes verify() expects.
     d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
@@ -174,6 +171,8 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     else:
         check_transport(p, transport, "bytes_written")
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    assert worker_counter(p, "released") == sum(n == 1 for n in lengths), p.worker_stats()
+    assert worker_counter(p, "lease_expired") == 0, p.worker_stats()
     check_clean(p, d)
 
 
