@@ -78,7 +78,8 @@ test: build
 # installed into it on every run with `pip install .` (its wheel build in build-wheel/ is
 # incremental, its objects ccache hits of $(BUILD_DIR)'s), which registers the plugin's entry
 # point. The tests import kvwire from the build tree first, so they run this checkout's code;
-# test_install.py checks the installed copy.
+# test_install.py checks the installed copy. VLLM_VENV=/some/dir keeps the environment outside
+# the build folder (.ci/run keeps it in ~/.cache/kvwire, so that a fresh clone reuses it).
 VLLM_VENV := $(BUILD_DIR)/venv-vllm
 test-vllm: deps
 	@scripts/configure.sh $(BUILD_DIR)
@@ -87,9 +88,9 @@ test-vllm: deps
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-index \
 	  --no-build-isolation --no-deps .
 	rc=0; for t in test_vllm_plugin.py test_vllm_real.py test_install.py; do \
-	  (cd python && PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python:$(CURDIR)/python \
-	    PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) \
-	    $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -v -p no:cacheprovider --durations=5 $$t) \
+	  (cd python && PYTHONPATH=$(abspath $(BUILD_DIR))/python:$(CURDIR)/python \
+	    PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(abspath $(VLLM_VENV)) \
+	    $(abspath $(VLLM_VENV))/bin/python -m pytest -v -p no:cacheprovider --durations=5 $$t) \
 	    || rc=1; \
 	done; exit $$rc
 # One pytest process per file: test_vllm_real.py's workers are forked from the pytest process,

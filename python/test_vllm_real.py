@@ -64,6 +64,23 @@ RELEASE_DEADLINE_S = 30.0
 SHORT_LEASE_S = 10
 
 
+def run_loads(p, d, rids, what="loads"):
+    """Steps both engines until every decode request of `rids` has its first token, checking
+    each one's KV byte for byte when it is first seen so: it leaves the scheduler a step or two
+    later, maybe before the others load."""
+    seen = set()
+
+    def done():
+        for rid in rids:
+            if rid not in seen and rid in d.sched.requests and \
+                    d.sched.requests[rid].num_output_tokens >= 1:
+                seen.add(rid)
+                assert d.verify(rid) == [], rid
+        return len(seen) == len(rids)
+
+    run_until([p, d], done, what)
+
+
 def check_clean(*engines_):
     """Every block free, and no worker's kvwire.Connector tracks a request any more."""
     for e in engines_:
@@ -119,15 +136,18 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     """Prompts of 1, 15, 16, 17, 40 and 100 tokens on a two-group model (full attention NHD,
     sliding window HND): the decode's KV equals its prefill's byte for byte, the bytes moved
     over the transport asked for, and both sides end with every block free."""
-    p = engines("prefill", {"transport": transport, "mode": mode}, kind="hybrid",
-                shared_memory=shm)
+    # A lease far longer than the deadlines: the one-token prompt's decode loads nothing and
+    # tells the prefill so (in write mode before the prefill has even seen that request),
+    # which frees those blocks at once, never at the lease.
+    p = engines("prefill", {"transport": transport, "mode": mode,
+                            "request_timeout_s": LONG_LEASE_S}, kind="hybrid", shared_memory=shm)
     # policy "fail": a load that fails ends its request in an error instead of being
     # recomputed into the very bytes verify() expects.
     d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
                 shared_memory=shm, policy="fail")
     lengths = HAND_OFF_LENGTHS
     # Four output tokens: a request stays in the decode's scheduler for a few steps after its
-    # first token, for loaded() to see it there and verify its blocks.
+    # first token, for run_loads() to see it there and verify its blocks.
     if mode == "read":
         for i, n in enumerate(lengths):
             out = prefill_one(p, f"p{i}", prompt(i, n))
@@ -141,18 +161,7 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
                                              "transfer_id": tid})
         d.step()
         d.step()
-    running = set()
-
-    def loaded():
-        for i in range(len(lengths)):
-            rid = f"d{i}"
-            if rid not in running and rid in d.sched.requests and \
-                    d.sched.requests[rid].num_output_tokens >= 1:
-                running.add(rid)
-                assert d.verify(rid) == [], rid
-        return len(running) == len(lengths)
-
-    run_until([p, d], loaded, "loads")
+    run_loads(p, d, [f"d{i}" for i in range(len(lengths))])
     # Each prompt longer than one token was loaded by kvwire (a one-token prompt loads
     # nothing: vLLM computes the last prompt token itself), and no load failed.
     assert worker_counter(d, "completed") == sum(n > 1 for n in lengths), d.worker_stats()
@@ -162,6 +171,8 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     else:
         check_transport(p, transport, "bytes_written")
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    assert worker_counter(p, "released") == sum(n == 1 for n in lengths), p.worker_stats()
+    assert worker_counter(p, "lease_expired") == 0, p.worker_stats()
     check_clean(p, d)
 
 
@@ -418,11 +429,7 @@ def test_prefill_tp2_decode_tp1(engines, kind):
         out = prefill_one(p, f"t{i}", prompt(20 + i, n))
         assert len(out.kv_transfer_params.get("tp_sources", [])) == 1
         d.add(f"dt{i}", prompt(20 + i, n), 2, decode_params(out))
-    run_until([p, d], lambda: all(f"dt{i}" in d.sched.requests and
-                                  d.sched.requests[f"dt{i}"].num_output_tokens >= 1
-                                  for i in range(2)), "loads")
-    for i in range(2):
-        assert d.verify(f"dt{i}") == []
+    run_loads(p, d, ["dt0", "dt1"])
     assert worker_counter(d, "completed") == 2
     wait_free([p, d], "all blocks", DEADLINE_S)
 

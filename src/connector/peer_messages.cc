@@ -584,6 +584,21 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
       return;
     }
     bound_elsewhere = true;
+  } else if (m.unread) {
+    // Write mode: decode will not load (its prefix cache holds the prompt, or it has one token)
+    // and says so before this prefill has seen the request. Kept with the early releases
+    // (bounded, the oldest dropped), so that the request ends as soon as it is saved here
+    // (MaybeSendLayersLocked) instead of holding its blocks until request_timeout.
+    if (table_.early_releases
+            .emplace(tid, EarlyRelease{n.peer, false, true, m.reason.substr(0, 256)})
+            .second) {
+      table_.early_release_order.push_back(tid);
+      if (table_.early_release_order.size() > connector_internal::kMaxEarlyReleases) {
+        table_.early_releases.erase(table_.early_release_order.front());
+        table_.early_release_order.pop_front();
+      }
+    }
+    return;
   }
   if (bound_elsewhere) RefuseBoundElsewhere(n, m);
   // Else: a transfer that ended here already (or never was): nothing to do.

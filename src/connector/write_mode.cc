@@ -83,7 +83,17 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
   CpuTimer cpu(&cpu_us);
   if (!r.have_remote) {
     auto e = pushes_.early_writes.find(r.params.transfer_id);
-    if (e == pushes_.early_writes.end()) return;
+    if (e == pushes_.early_writes.end()) {
+      // Decode said it will not load before this request was seen here (OnFail, unread).
+      auto u = table_.early_releases.find(r.params.transfer_id);
+      if (!r.decode && u != table_.early_releases.end() && u->second.unread) {
+        const PeerId reader = u->second.peer;
+        const std::string reason = u->second.reason;
+        table_.early_releases.erase(u);
+        ReleaseUnreadLocked(r, reader, reason);  // `r` dies here
+      }
+      return;
+    }
     EarlyWrite ew = std::move(e->second);
     pushes_.early_writes.erase(e);
     r.peer = ew.peer;

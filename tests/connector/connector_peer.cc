@@ -250,7 +250,10 @@ int main(int argc, char** argv) {
         in.transfer_id = w[4];
         const std::string params = in.ToJson();
         if (w[3] != "write") {
-          auto done = c.RequestFinished(id, *blocks, tokens, params);
+          // Read mode: "-" lets the connector draw the transfer id; any other word is the id
+          // (a vLLM scheduler gives every tensor-parallel rank of a hand-off the same one).
+          auto done = c.RequestFinished(id, *blocks, tokens, params, /*aborted=*/false,
+                                        w[4] == "-" ? std::string() : w[4]);
           if (!done.ok()) {
             kv.Release(id);
             Say("ERROR " + id + " " + std::string(done.status().message()));

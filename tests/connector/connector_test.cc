@@ -762,7 +762,9 @@ TEST_P(ConnectorTest, DecodeKilledMidWriteFreesPrefillBlocksAtOnce) {
 
 // Tensor-parallel MHA: prefill on two ranks (4 of the 8 KV heads each), decode on one rank
 // (all 8): decode reads each half of every page from the rank that holds it, byte for byte,
-// in both page shapes (tokens outside heads, and heads outside tokens).
+// in both page shapes (tokens outside heads, and heads outside tokens). Every other hand-off
+// gives both ranks the same transfer id, as vLLM's scheduler-side connector does (each rank's
+// read grant is then told apart by its peer).
 TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
   int n = 0;
   for (const std::string kind : {"mha-tp", "mha-hnd-tp"}) {
@@ -771,8 +773,9 @@ TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
     auto p0 = Prefill(s, "auto", 60000, kind + ":2:0", "prefill-r0");
     auto p1 = Prefill(s, "auto", 60000, kind + ":2:1", "prefill-r1");
     Decode d(transport(), s, KvMode::kAuto);
-    auto handoff = [&](Child& p, const std::string& id, uint64_t tokens) {
-      p.Send(absl::StrCat("req ", id, " ", tokens, " read - all"));
+    auto handoff = [&](Child& p, const std::string& id, uint64_t tokens,
+                       const std::string& tid = "-") {
+      p.Send(absl::StrCat("req ", id, " ", tokens, " read ", tid, " all"));
       auto line = p.Expect("PARAMS " + id + " ");
       EXPECT_TRUE(line.ok()) << line.status();
       auto params = KvTransferParams::FromJson(line.ok() ? line->substr(8 + id.size()) : "");
@@ -783,8 +786,9 @@ TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
          std::vector<std::pair<uint64_t, uint64_t>>{{1, 0}, {17, 0}, {300, 0}, {700, 129}}) {
       const std::string id = absl::StrCat("tp", ++n);
       SCOPED_TRACE(absl::StrCat(id, " tokens=", tokens, " cached=", cached));
-      KvTransferParams merged = handoff(*p0, id, tokens);
-      merged.AddTpSource(handoff(*p1, id, tokens));
+      const std::string tid = n % 2 == 0 ? absl::StrCat("shared-", kind, "-", id) : "-";
+      KvTransferParams merged = handoff(*p0, id, tokens, tid);
+      merged.AddTpSource(handoff(*p1, id, tokens, tid));
       // Through JSON, as a router would pass it on.
       auto r = d.Load(id, merged.ToJson(), tokens, cached);
       ASSERT_TRUE(r.ok()) << r.status();
