@@ -121,6 +121,10 @@ class PluginUnitTest(unittest.TestCase):
             Settings.from_extra({"transport": "carrier-pigeon"})
         with self.assertRaisesRegex(ValueError, r"groups\[0\]"):
             Settings.from_extra({"groups": [{"nmae": "x"}]})
+        self.assertTrue(Settings.from_extra({}).read_grants)
+        self.assertFalse(Settings.from_extra({"read_grants": "false"}).read_grants)
+        with self.assertRaisesRegex(ValueError, "read_grants"):
+            Settings.from_extra({"read_grants": "sometimes"})
 
     def test_layouts_from_tensors(self):
         conn = KvwireConnector(vllm_config("unit-w", {"transport": "tcp"}),

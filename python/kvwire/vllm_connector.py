@@ -113,6 +113,8 @@ EXTRA_CONFIG_KEYS = {
     "secret_file": "file holding the shared secret (mode 600)",
     "metrics_address": "host:port of GET /metrics and /stats.json per worker (port 0 free)",
     "request_timeout_s": "a transfer's deadline, and the lease on blocks held for a reader",
+    "read_grants": "true (default): a peer READs only the blocks handed to it, over tcp; "
+                   "false: zero-copy shm/rdma READs of the whole KV by any peer with the secret",
     "groups": "per vLLM KV cache group: {name, tokens_per_entry, window_tokens, "
               "per_request_state} overriding what the cache spec says",
 }
@@ -168,6 +170,7 @@ class Settings:
     secret: Any = None
     metrics_address: str = ""
     request_timeout_s: float = 60.0
+    read_grants: bool = True
     groups: list = dataclasses.field(default_factory=list)
 
     @staticmethod
@@ -211,6 +214,8 @@ class Settings:
         if not 0 < s.request_timeout_s <= 86400:
             raise ValueError("kv_connector_extra_config: 'request_timeout_s' must be in "
                              f"(0, 86400], got {s.request_timeout_s}")
+        if extra.get("read_grants") is not None:
+            s.read_grants = _flag(extra["read_grants"], "read_grants")
         groups = extra.get("groups") or []
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("kv_connector_extra_config: 'groups' must be a list of objects, "
@@ -843,7 +848,8 @@ class _WorkerSide:
         self.native = _kvwire.Connector(
             name=f"{conn.engine_id}/tp{self.tp_rank}", mode=s.mode, transport=s.transport,
             request_timeout_s=s.request_timeout_s, secret=s.secret,
-            listen_address=s.listen_address, metrics_address=s.metrics_address)
+            listen_address=s.listen_address, metrics_address=s.metrics_address,
+            read_grants=s.read_grants)
         self.layout = None
         self.layer_of: dict = {}  # vLLM layer name -> model layer index
         self.names_of_layer: dict = {}  # model layer index -> its layer names
