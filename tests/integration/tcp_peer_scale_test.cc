@@ -37,6 +37,22 @@
 
 extern char** environ;
 
+// Under ASan, freed memory waits in the allocator's quarantine (256 MiB by default) and reads
+// as resident: the cycles' RSS bound would measure ASan, not the engine. A small quarantine
+// keeps the bound meaningful there too (ASAN_OPTIONS from the environment still win).
+#if defined(__SANITIZE_ADDRESS__)
+#define KVWIRE_SCALE_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVWIRE_SCALE_TEST_ASAN 1
+#endif
+#endif
+#ifdef KVWIRE_SCALE_TEST_ASAN
+extern "C" const char* __asan_default_options() {
+  return "quarantine_size_mb=4:thread_local_quarantine_size_kb=64";
+}
+#endif
+
 namespace kvwire {
 namespace {
 
@@ -401,7 +417,14 @@ TEST(TcpPeerScaleTest, ConnectDisconnectCyclesLeaveNothingBehind) {
   EXPECT_EQ(Descriptors(), fds);
   // Memory: allocator slack is fine, growth with the cycles is not (1000 leaked connections
   // of even 16 KiB each would be 16 MiB).
-  EXPECT_LT(rss_after, rss + (8 << 20)) << rss << " -> " << rss_after;
+  // Under ASan the allocator keeps more per cycle (measured: 6.5 MiB over 200 cycles, 8.9
+  // over 600, 0 without ASan); LeakSanitizer checks for real leaks at exit there.
+#ifdef KVWIRE_SCALE_TEST_ASAN
+  constexpr uint64_t kSlack = 16 << 20;
+#else
+  constexpr uint64_t kSlack = 8 << 20;
+#endif
+  EXPECT_LT(rss_after, rss + kSlack) << rss << " -> " << rss_after;
 }
 
 }  // namespace
