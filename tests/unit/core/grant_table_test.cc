@@ -2,9 +2,9 @@
 // across a gap), of which region, for which peer, and the access check that applies them.
 #include "src/core/grant_table.h"
 
-#include <gtest/gtest.h>
-
 #include <vector>
+
+#include <gtest/gtest.h>
 
 namespace kvwire::core {
 namespace {
