@@ -17,6 +17,19 @@ namespace connector_internal {
 
 namespace {
 
+// Keeps an early release of `tid` (the first one wins), dropping the oldest beyond
+// kMaxEarlyReleases. A template so that it names no private type of Connector::Impl.
+template <typename Release>
+void RememberEarlyRelease(std::map<std::string, Release>& releases, std::deque<std::string>& order,
+                          const std::string& tid, Release release) {
+  if (!releases.emplace(tid, std::move(release)).second) return;
+  order.push_back(tid);
+  if (order.size() > connector_internal::kMaxEarlyReleases) {
+    releases.erase(order.front());
+    order.pop_front();
+  }
+}
+
 // hello, hello_ack: the sender's engine, mode, layout and regions.
 void ParseHello(JsonFields& f, PeerMessage& m) {
   m.engine_id = f.String("engine_id", 256);
@@ -463,15 +476,9 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
   if (r == nullptr) {
     // Ended here already, or not held yet (see table_.early_releases): kept for a while.
     // The reason is cut short: thousands of these may wait.
-    if (table_.early_releases
-            .emplace(tid, EarlyRelease{n.peer, m.ok, m.unread, m.reason.substr(0, 256)})
-            .second) {
-      table_.early_release_order.push_back(tid);
-      if (table_.early_release_order.size() > connector_internal::kMaxEarlyReleases) {
-        table_.early_releases.erase(table_.early_release_order.front());
-        table_.early_release_order.pop_front();
-      }
-    }
+    connector_internal::RememberEarlyRelease(
+        table_.early_releases, table_.early_release_order, tid,
+        EarlyRelease{n.peer, m.ok, m.unread, m.reason.substr(0, 256)});
     return;
   }
   if (r->mode != KvMode::kRead) {
@@ -589,15 +596,9 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
     // and says so before this prefill has seen the request. Kept with the early releases
     // (bounded, the oldest dropped), so that the request ends as soon as it is saved here
     // (MaybeSendLayersLocked) instead of holding its blocks until request_timeout.
-    if (table_.early_releases
-            .emplace(tid, EarlyRelease{n.peer, false, true, m.reason.substr(0, 256)})
-            .second) {
-      table_.early_release_order.push_back(tid);
-      if (table_.early_release_order.size() > connector_internal::kMaxEarlyReleases) {
-        table_.early_releases.erase(table_.early_release_order.front());
-        table_.early_release_order.pop_front();
-      }
-    }
+    connector_internal::RememberEarlyRelease(
+        table_.early_releases, table_.early_release_order, tid,
+        EarlyRelease{n.peer, false, true, m.reason.substr(0, 256)});
     return;
   }
   if (bound_elsewhere) RefuseBoundElsewhere(n, m);
