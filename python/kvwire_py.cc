@@ -513,7 +513,10 @@ PYBIND11_MODULE(_kvwire, m) {
                  const std::string& metrics_address, const std::string& role,
                  double handshake_timeout_s, const std::string& etcd_endpoints,
                  const std::string& cluster, double etcd_call_timeout_s, int64_t etcd_lease_seconds,
-                 const std::optional<kvwire::EngineOptions>& engine_options, bool read_grants) {
+                 const std::optional<kvwire::EngineOptions>& engine_options, bool read_grants,
+                 const std::string& etcd_user, const std::string& etcd_password,
+                 const std::string& etcd_ca_file, const std::string& etcd_cert_file,
+                 const std::string& etcd_key_file) {
                 kvwire::ConnectorOptions o;
                 // Without engine_options: the environment, then the keyword defaults (as before).
                 // With them: exactly those, then only the engine keywords given.
@@ -542,6 +545,11 @@ PYBIND11_MODULE(_kvwire, m) {
                 o.etcd_lease_seconds =
                     InRange<int64_t>("etcd_lease_seconds", etcd_lease_seconds, 1, 86400);
                 o.read_grants = read_grants;
+                o.etcd_user = etcd_user;
+                o.etcd_password = etcd_password;
+                o.etcd_ca_file = etcd_ca_file;
+                o.etcd_cert_file = etcd_cert_file;
+                o.etcd_key_file = etcd_key_file;
                 return Take(kvwire::Connector::Create(o));
               }),
           py::arg("name") = py::none(), py::arg("mode") = "auto", py::arg("transport") = py::none(),
@@ -551,12 +559,16 @@ PYBIND11_MODULE(_kvwire, m) {
           py::arg("etcd_endpoints") = "", py::arg("cluster") = "",
           py::arg("etcd_call_timeout_s") = 2.0, py::arg("etcd_lease_seconds") = 10,
           py::arg("engine_options") = py::none(), py::arg("read_grants") = true,
+          py::arg("etcd_user") = "", py::arg("etcd_password") = "", py::arg("etcd_ca_file") = "",
+          py::arg("etcd_cert_file") = "", py::arg("etcd_key_file") = "",
           "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
           "given (no environment); without it the KVWIRE_* environment, then transport 'auto' "
           "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
           "secret (str or bytes); None: KVWIRE_SECRET. metrics_address: host:port of "
           "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
-          "through etcd (see announce()). read_grants: READs of the KV need the "
+          "through etcd (see announce()); etcd_user/etcd_password: etcd's own "
+          "authentication; etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// "
+          "endpoints (empty fields: KVWIRE_ETCD_*). read_grants: READs of the KV need the "
           "request's grant (tcp only); False: zero-copy shm/rdma READs of the whole KV by any "
           "peer with the secret.")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)

@@ -232,6 +232,9 @@ class ConnectorOptionsTest(unittest.TestCase):
                                 ({"handshake_timeout_s": -1}, "handshake_timeout_s"),
                                 ({"etcd_call_timeout_s": 601}, "etcd_call_timeout_s"),
                                 ({"etcd_lease_seconds": 0}, "etcd_lease_seconds"),
+                                ({"etcd_user": "root", "etcd_password": "pw"},
+                                 "etcd credentials .* without etcd_endpoints"),
+                                ({"etcd_ca_file": "/ca.pem"}, "without etcd_endpoints"),
                                 ({"mode": "sideways"}, "mode")):
             with self.subTest(kwargs=kwargs):
                 with self.assertRaisesRegex(ValueError, message):

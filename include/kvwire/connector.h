@@ -114,6 +114,18 @@ struct ConnectorOptions {
   std::string cluster;
   absl::Duration etcd_call_timeout = absl::Seconds(2);  // every etcd call
   int64_t etcd_lease_seconds = 10;                      // how long a dead instance stays registered
+  // etcd's own authentication (`etcdctl auth enable`): a user and its password. TLS
+  // (https:// endpoints): the CA that signed the members' certificates (PEM; empty: the
+  // system's CAs), and a client certificate and key (PEM files) for members started with
+  // --client-cert-auth. A field left empty is taken from the environment, as etcdctl reads
+  // ETCDCTL_*: KVWIRE_ETCD_USER, KVWIRE_ETCD_PASSWORD (or KVWIRE_ETCD_PASSWORD_FILE),
+  // KVWIRE_ETCD_CACERT, KVWIRE_ETCD_CERT, KVWIRE_ETCD_KEY. Connector::Create checks them: a
+  // password without a user, a certificate without its key, or a refused login is an error.
+  std::string etcd_user;
+  std::string etcd_password;
+  std::string etcd_ca_file;
+  std::string etcd_cert_file;
+  std::string etcd_key_file;
   // READs of this instance's KV need the request's grant (docs/SECURITY.md, "Read grants"): a
   // peer reads only the blocks of a request handed to it, and none after their release. The
   // price: those READs go over tcp, where the target checks each op (shm never maps the KV,

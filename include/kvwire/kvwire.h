@@ -159,6 +159,14 @@ int kvw_options_set_etcd_call_timeout(kvw_options_t* options, int64_t ms, char**
 /* Lease of the registration: how long a dead instance stays registered (1 .. 86400 s; etcd
  * itself may raise it to its minimum TTL). */
 int kvw_options_set_etcd_lease_seconds(kvw_options_t* options, int64_t seconds, char** errptr);
+/* etcd's own authentication: a user and its password (both, or both NULL/"": none). TLS for
+ * https:// endpoints: the CA's PEM file (NULL/"": the system's CAs) and a client certificate
+ * and its key (both, or neither). Empty fields are taken from KVWIRE_ETCD_* (ConnectorOptions
+ * in kvwire/connector.h). */
+int kvw_options_set_etcd_auth(kvw_options_t* options, const char* user, const char* password,
+                              char** errptr);
+int kvw_options_set_etcd_tls(kvw_options_t* options, const char* ca_file, const char* cert_file,
+                             const char* key_file, char** errptr);
 void kvw_options_destroy(kvw_options_t* options);
 
 /* --- connector --- */

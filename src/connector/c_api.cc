@@ -251,6 +251,37 @@ int kvw_options_set_etcd_lease_seconds(kvw_options_t* o, int64_t seconds, char**
     return absl::OkStatus();
   });
 }
+int kvw_options_set_etcd_auth(kvw_options_t* o, const char* user, const char* password,
+                              char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    constexpr char kCall[] = "kvw_options_set_etcd_auth";
+    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
+    std::string u = Str(user), p = Str(password);
+    if (u.empty() != p.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kCall, ": a user and a password go together (both, or neither)"));
+    }
+    o->rep.etcd_user = std::move(u);
+    o->rep.etcd_password = std::move(p);
+    return absl::OkStatus();
+  });
+}
+int kvw_options_set_etcd_tls(kvw_options_t* o, const char* ca_file, const char* cert_file,
+                             const char* key_file, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    constexpr char kCall[] = "kvw_options_set_etcd_tls";
+    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
+    std::string cert = Str(cert_file), key = Str(key_file);
+    if (cert.empty() != key.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kCall, ": a client certificate and its key go together (both, or neither)"));
+    }
+    o->rep.etcd_ca_file = Str(ca_file);
+    o->rep.etcd_cert_file = std::move(cert);
+    o->rep.etcd_key_file = std::move(key);
+    return absl::OkStatus();
+  });
+}
 void kvw_options_destroy(kvw_options_t* o) { delete o; }
 
 kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {

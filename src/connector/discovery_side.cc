@@ -13,6 +13,13 @@
 namespace kvwire {
 
 absl::Status Connector::Impl::InitDiscovery() {
+  const bool credentials = !options_.etcd_user.empty() || !options_.etcd_password.empty() ||
+                           !options_.etcd_ca_file.empty() || !options_.etcd_cert_file.empty() ||
+                           !options_.etcd_key_file.empty();
+  if (options_.etcd_endpoints.empty() && credentials) {
+    return absl::InvalidArgumentError(
+        "etcd credentials (etcd_user/password/ca_file/cert_file/key_file) without etcd_endpoints");
+  }
   if (options_.etcd_endpoints.empty() && options_.cluster.empty()) return absl::OkStatus();
   if (options_.etcd_endpoints.empty() || options_.cluster.empty()) {
     return absl::InvalidArgumentError("discovery needs both the etcd endpoints and a cluster name");
@@ -25,10 +32,15 @@ absl::Status Connector::Impl::InitDiscovery() {
   discovery::EtcdOptions o;
   o.endpoints = options_.etcd_endpoints;
   o.call_timeout = options_.etcd_call_timeout;
+  o.user = options_.etcd_user;
+  o.password = options_.etcd_password;
+  o.ca_file = options_.etcd_ca_file;
+  o.cert_file = options_.etcd_cert_file;
+  o.key_file = options_.etcd_key_file;
   absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> c = discovery::EtcdClient::Create(o);
   if (!c.ok()) return c.status();
-  // etcd's credentials (KVWIRE_ETCD_*): etcd that answers and refuses them is a configuration
-  // error, reported now; etcd unreachable is not (registration retries until it returns).
+  // etcd's credentials (the options, else KVWIRE_ETCD_*): etcd that answers and refuses them
+  // is a configuration error, reported now; etcd unreachable is not (registration retries until it returns).
   if (absl::Status a = (*c)->Authenticate();
       !a.ok() && !absl::IsUnavailable(a) && !absl::IsDeadlineExceeded(a) && !absl::IsAborted(a)) {
     return a;

@@ -50,8 +50,8 @@ struct EtcdOptions {
 // Fills the fields of `options` that are empty from the environment, as etcdctl reads
 // ETCDCTL_*: KVWIRE_ETCD_USER, KVWIRE_ETCD_PASSWORD (or KVWIRE_ETCD_PASSWORD_FILE, whose
 // first line is the password), KVWIRE_ETCD_CACERT, KVWIRE_ETCD_CERT, KVWIRE_ETCD_KEY.
-// EtcdClient::Create does this, so an engine's connector (whose options have no fields for
-// them) authenticates too. Errors: a password file that cannot be read.
+// EtcdClient::Create does this, so a program that cannot set ConnectorOptions' etcd fields
+// (e.g. a vLLM worker) authenticates too. Errors: a password file that cannot be read.
 absl::Status FillEtcdOptionsFromEnvironment(EtcdOptions* options);
 
 // The first line of `path` (a password file, as etcd's and most tools' take it).

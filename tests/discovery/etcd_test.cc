@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "kvwire/connector.h"
 #include "src/discovery/etcd_client.h"
 #include "src/discovery/prefix_watcher.h"
 #include "src/discovery/registration.h"
@@ -405,6 +406,57 @@ TEST(EtcdAuth, UserAndPassword) {
   unsetenv("KVWIRE_ETCD_USER");
   unsetenv("KVWIRE_ETCD_PASSWORD_FILE");
   EXPECT_FALSE(EtcdClient::Create({.endpoints = endpoints, .password = "alone"}).ok());
+}
+
+// A connector given etcd's credentials in its options (no KVWIRE_ETCD_* in the environment)
+// registers under authentication; a wrong password is an error at Create that says why, and
+// credentials without endpoints are refused rather than ignored.
+TEST(EtcdAuth, ConnectorTakesCredentialsFromItsOptions) {
+  ASSERT_EQ(std::getenv("KVWIRE_ETCD_USER"), nullptr);
+  ASSERT_EQ(std::getenv("KVWIRE_ETCD_PASSWORD"), nullptr);
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> etcd = EtcdCluster::Start(1, absl::Seconds(30));
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoints();
+  const absl::Status enabled = (*etcd)->EnableAuth("opt-pw");
+  ASSERT_TRUE(enabled.ok()) << enabled;
+  auto options = [&](const std::string& password) {
+    ConnectorOptions o;
+    o.engine.name = "auth-by-options";
+    o.engine.transport = TransportKind::kTcp;
+    o.engine.listen_address = "127.0.0.1:0";
+    o.role = "prefill";
+    o.etcd_endpoints = endpoints;
+    o.cluster = "authopts";
+    o.etcd_user = "root";
+    o.etcd_password = password;
+    return o;
+  };
+
+  absl::StatusOr<std::unique_ptr<Connector>> wrong = Connector::Create(options("a guess"));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_TRUE(absl::StrContains(wrong.status().message(), "etcd authentication as 'root' failed"))
+      << wrong.status();
+
+  ConnectorOptions alone = options("opt-pw");
+  alone.etcd_endpoints.clear();
+  alone.cluster.clear();
+  absl::StatusOr<std::unique_ptr<Connector>> no_endpoints = Connector::Create(alone);
+  ASSERT_FALSE(no_endpoints.ok());
+  EXPECT_TRUE(absl::StrContains(no_endpoints.status().message(), "without etcd_endpoints"))
+      << no_endpoints.status();
+
+  absl::StatusOr<std::unique_ptr<Connector>> c = Connector::Create(options("opt-pw"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::Status announced = (*c)->Announce("127.0.0.1:1");
+  ASSERT_TRUE(announced.ok()) << announced;
+  EXPECT_TRUE(WaitFor([&] { return (*c)->Announced(); }, absl::Seconds(10)));
+  std::unique_ptr<EtcdClient> reader =
+      MustClient({.endpoints = endpoints, .user = "root", .password = "opt-pw"});
+  ASSERT_NE(reader, nullptr);
+  absl::StatusOr<EtcdRange> got = reader->GetPrefix("/kvwire/authopts/instances/");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->kvs.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(got->kvs[0].key, "auth-by-options")) << got->kvs[0].key;
 }
 
 // A member that serves https:// and requires a client certificate (--client-cert-auth):

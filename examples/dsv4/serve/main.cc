@@ -231,19 +231,13 @@ int Serve(const Flags& f) {
   if (o.etcd.empty() != o.cluster.empty()) {
     return Fail(absl::InvalidArgumentError("--etcd and --cluster go together"));
   }
-  // The connector makes its own etcd client and its options have no fields for these: it
-  // takes them from the environment (KVWIRE_ETCD_*, src/discovery/etcd_client.h), set here
-  // before any thread starts.
   absl::StatusOr<kvwire::discovery::EtcdOptions> etcd_access = EtcdAccessFromFlags(f);
   if (!etcd_access.ok()) return Fail(etcd_access.status());
-  for (const auto& [name, value] :
-       {std::pair<const char*, const std::string*>{"KVWIRE_ETCD_USER", &etcd_access->user},
-        {"KVWIRE_ETCD_PASSWORD", &etcd_access->password},
-        {"KVWIRE_ETCD_CACERT", &etcd_access->ca_file},
-        {"KVWIRE_ETCD_CERT", &etcd_access->cert_file},
-        {"KVWIRE_ETCD_KEY", &etcd_access->key_file}}) {
-    if (!value->empty()) setenv(name, value->c_str(), 1);
-  }
+  o.etcd_user = etcd_access->user;
+  o.etcd_password = etcd_access->password;
+  o.etcd_ca_file = etcd_access->ca_file;
+  o.etcd_cert_file = etcd_access->cert_file;
+  o.etcd_key_file = etcd_access->key_file;
   o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
   absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
   if (!secret.ok()) return Fail(secret.status());

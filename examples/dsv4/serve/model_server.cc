@@ -156,6 +156,11 @@ class ModelServer::Impl {
     co.etcd_endpoints = options_.etcd;
     co.cluster = options_.cluster;
     co.etcd_lease_seconds = options_.etcd_lease_s;
+    co.etcd_user = options_.etcd_user;
+    co.etcd_password = options_.etcd_password;
+    co.etcd_ca_file = options_.etcd_ca_file;
+    co.etcd_cert_file = options_.etcd_cert_file;
+    co.etcd_key_file = options_.etcd_key_file;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> connector = kvwire::Connector::Create(co);
     if (!connector.ok()) return connector.status();
     connector_ = std::move(*connector);

@@ -73,6 +73,9 @@ struct ModelServerOptions {
   // Discovery: register in etcd (endpoints, cluster name) with a lease of etcd_lease_s.
   std::string etcd, cluster;
   int64_t etcd_lease_s = 10;
+  // etcd's own authentication and TLS (--etcd-user, --etcd-password(-file), --etcd-cacert,
+  // --etcd-cert, --etcd-key), handed to the connector's ConnectorOptions.
+  std::string etcd_user, etcd_password, etcd_ca_file, etcd_cert_file, etcd_key_file;
   // The deployment's shared secret for the connector's peers; unset: KVWIRE_SECRET (if any).
   std::optional<std::string> shared_secret;
 };
