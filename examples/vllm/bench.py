@@ -76,8 +76,18 @@ def one_request(url: str, prompt: list) -> dict:
                 ttft = (time.monotonic() - start) * 1e3
             tokens += 1
     conn.close()
+    if ttft is None:
+        raise RuntimeError("the stream carried no token (the decode's load failed?)")
     return {"ttft_ms": ttft, "prefill_ms": prefill_ms, "handoff_ms": ttft - prefill_ms,
             "tokens": tokens}
+
+
+def try_request(url: str, prompt: list) -> dict:
+    """one_request, with a failure as a result (counted in the row) rather than an abort."""
+    try:
+        return one_request(url, prompt)
+    except Exception as e:  # noqa: BLE001 - every failure is counted and its first one shown
+        return {"error": str(e)[:200]}
 
 
 def run_phase(url: str, concurrency: int, n: int, seed: int) -> dict:
@@ -86,11 +96,14 @@ def run_phase(url: str, concurrency: int, n: int, seed: int) -> dict:
                for _ in range(n)]
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(url, p), prompts))
+        results = list(pool.map(lambda p: try_request(url, p), prompts))
     wall = time.monotonic() - start
-    med = lambda k: statistics.median(r[k] for r in results)  # noqa: E731
+    ok = [r for r in results if "error" not in r]
+    failed = [r["error"] for r in results if "error" in r]
+    med = lambda k: statistics.median(r[k] for r in ok) if ok else float("nan")  # noqa: E731
     return {"ttft_ms": med("ttft_ms"), "handoff_ms": med("handoff_ms"),
-            "tok_s": sum(r["tokens"] for r in results) / wall, "n": n}
+            "tok_s": sum(r["tokens"] for r in ok) / wall, "n": n, "failed": len(failed),
+            "first_error": failed[0] if failed else ""}
 
 
 def bench_connector(name: str, model: str, logs: str, start_timeout_s: float) -> dict:
@@ -135,14 +148,23 @@ def main() -> None:
     for name in args.connectors.split(","):
         try:
             r = bench_connector(name, model, logs, args.start_timeout_s)
-            rows.append(f"| {name} | {r['c1']['ttft_ms']:.1f} | {r['c1']['handoff_ms']:.1f} | "
+            failed = r["c1"]["failed"] + r["c8"]["failed"]
+            note = "" if not failed else (
+                f" ({failed} of {r['c1']['n'] + r['c8']['n']} failed: "
+                f"{(r['c1']['first_error'] or r['c8']['first_error']).replace('|', '/')})")
+            rows.append(f"| {name}{note} | {r['c1']['ttft_ms']:.1f} | {r['c1']['handoff_ms']:.1f} | "
                         f"{r['c1']['tok_s']:.1f} | {r['c8']['ttft_ms']:.1f} | "
                         f"{r['c8']['handoff_ms']:.1f} | {r['c8']['tok_s']:.1f} |")
         except Exception as e:  # noqa: BLE001 - a connector that does not serve is a row too
             lines = str(e).strip().splitlines()
-            # The root cause: the last "...Error: ..." line of the server's log tail.
+            # The root cause: the first "...Error: ..." line of the server's log tail that is
+            # not a wrapper (later ones are often the shutdown's own).
+            # vLLM wraps a worker's error ("Engine core initialization failed", "Worker failed
+            # with error ..."): the first line that is neither is the cause.
+            wrappers = ("Engine core initialization failed", "Worker failed with error")
             errors = [ln.strip() for ln in lines if "Error:" in ln]
-            why = (errors[-1] if errors else lines[0] if lines else repr(e))[:300]
+            errors = [ln for ln in errors if not any(w in ln for w in wrappers)] or errors
+            why = (errors[0] if errors else lines[0] if lines else repr(e))[:300]
             rows.append(f"| {name} | did not serve: {why.replace('|', '/')} | | | | | |")
         print(rows[-1], flush=True)
     table = "\n".join([
