@@ -58,8 +58,23 @@ struct CacheGroup {
   // How AssignBacking lays out two components: true [blocks][2][page], false [2][blocks][page].
   bool block_major = true;
 
+  // Where a page keeps each of its rows (an entry; a token slot of a state group), so that
+  // the bytes a request did not fill can be told apart (a read grant covers whole pages: the
+  // connector clears the unfilled rows of a request's blocks before granting them). The page
+  // is sections laid one after another from offset 0; section i holds rows_per_block() rows
+  // of section_row_bytes[i] bytes each (row r at r * section_row_bytes[i] in the section);
+  // bytes after the last section are padding. E.g. DeepSeek-V4 KV {576, 8} (all data rows,
+  // then all scale rows), its indexer K {128, 4}, MLA {656} (token-major).
+  // Empty: derived where the group says it (PageSections): head-split groups from `heads`,
+  // state groups token-major; unknown for any other group.
+  std::vector<uint64_t> section_row_bytes;
+
   // Entries one block holds (tokens_per_block / tokens_per_entry).
   uint64_t entries_per_block() const { return tokens_per_block / tokens_per_entry; }
+  // Rows of each page section: token slots (tokens_per_block) for a state group, else entries.
+  uint64_t rows_per_block() const {
+    return per_request_state ? static_cast<uint64_t>(tokens_per_block) : entries_per_block();
+  }
   bool full_history() const { return window_tokens == 0 && !per_request_state; }
   uint64_t BlockAddress(size_t layer_index, uint64_t block, int component) const;
 };
@@ -166,6 +181,35 @@ absl::StatusOr<TransferPlan> PlanTransfer(const Layout& src, const BlockTable& s
 
 // Merges ranges contiguous on both sides (in order). Returns the merged list.
 std::vector<ByteRange> MergeRanges(const std::vector<ByteRange>& ranges);
+
+// --- rows a request did not fill --------------------------------------------------------
+
+// A byte range inside one page.
+struct PageSpan {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  bool operator==(const PageSpan&) const = default;
+};
+
+// The row bytes of each section of a page of `group` (see CacheGroup::section_row_bytes):
+// the explicit ones, else derived: head-split groups (heads.total_heads > 0) with tokens as
+// rows (outer == tokens_per_block, "NHD"): {local_heads * inner_bytes}; with heads outside
+// tokens (outer == 1, "HND"): one section of inner_bytes / tokens_per_block per local head;
+// state groups: {page_bytes / tokens_per_block}. FailedPrecondition naming the group when
+// the placement is neither given nor derivable (e.g. a replicated history group without it:
+// DeepSeek-V4's pages are not token-major, so none is assumed).
+absl::StatusOr<std::vector<uint64_t>> PageSections(const CacheGroup& group);
+
+// The byte ranges of one page of `logical_block` of `group` (every layer and component
+// alike) that a request of `num_tokens` tokens did not fill: the rows past its last
+// complete entry (compressed groups: num_tokens / tokens_per_entry entries; state groups:
+// the ring slots of tokens it never had, none once num_tokens >= tokens_per_block), in
+// every section, plus the page's padding. Empty for a full block; the whole page for a
+// block past the request's entries. Errors as PageSections, only when the block is not
+// full.
+absl::StatusOr<std::vector<PageSpan>> UnfilledPageSpans(const CacheGroup& group,
+                                                        uint64_t logical_block,
+                                                        uint64_t num_tokens);
 
 }  // namespace kvwire
 
