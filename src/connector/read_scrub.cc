@@ -70,6 +70,7 @@ absl::Status Connector::Impl::ScrubUnfilledLocked(Request& r) {
   }
   std::vector<uint8_t> zeros;          // source of GPU copies, alive until they synchronized
   std::map<int, gpu::Stream> streams;  // per device
+  absl::Status status;
   for (const auto& [addr, length] : zero) {
     const KvMemory* in = nullptr;
     for (const KvMemory& m : local_memory_) {
@@ -80,8 +81,9 @@ absl::Status Connector::Impl::ScrubUnfilledLocked(Request& r) {
       }
     }
     if (in == nullptr) {
-      return absl::InternalError(absl::StrCat("clearing unfilled rows: [", addr, ", +", length,
-                                              ") is in no registered KV memory"));
+      status = absl::InternalError(
+          absl::StrCat("[", addr, ", +", length, ") is in no registered KV memory"));
+      break;
     }
     if (in->kind != MemoryKind::kGpu) {
       std::memset(reinterpret_cast<void*>(addr), 0, length);
@@ -92,23 +94,23 @@ absl::Status Connector::Impl::ScrubUnfilledLocked(Request& r) {
     if (s == streams.end()) {
       absl::StatusOr<gpu::Stream> created = gpu::Stream::Create(*gpu_runtime_, in->gpu_device);
       if (!created.ok()) {
-        return absl::Status(created.status().code(),
-                            absl::StrCat("clearing unfilled rows on GPU ", in->gpu_device, ": ",
-                                         created.status().message()));
+        status = created.status();
+        break;
       }
       s = streams.emplace(in->gpu_device, std::move(*created)).first;
     }
-    if (absl::Status st = s->second.CopyAsync(reinterpret_cast<void*>(addr), zeros.data(), length);
-        !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("clearing unfilled rows on GPU ", in->gpu_device,
-                                                  ": ", st.message()));
-    }
+    status = s->second.CopyAsync(reinterpret_cast<void*>(addr), zeros.data(), length);
+    if (!status.ok()) break;
   }
-  for (auto& [device, stream] : streams) {
-    if (absl::Status st = stream.Synchronize(); !st.ok()) {
-      return absl::Status(
-          st.code(), absl::StrCat("clearing unfilled rows on GPU ", device, ": ", st.message()));
-    }
+  // Every copy queued ends before `zeros` goes, failed or not.
+  for (auto& entry : streams) {
+    if (absl::Status st = entry.second.Synchronize(); status.ok()) status = st;
+  }
+  if (!status.ok()) {
+    return absl::Status(status.code(),
+                        absl::StrCat("clearing the rows the request did not fill before the read "
+                                     "grant: ",
+                                     status.message()));
   }
   r.scrubbed = true;
   KVW_LOG(kDebug, kLog) << "cleared unfilled rows before the read grant" << Kv("request", r.id)
