@@ -107,6 +107,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     }
   }
   void TearDown() override {
+    inbox_.reset();
     reader_.reset();
     connector_.reset();
     device_ = gpu::DeviceBuffer();
