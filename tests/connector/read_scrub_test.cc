@@ -61,15 +61,19 @@ bool Filled(const CacheGroup& g, uint64_t lb, uint64_t r) {
   return (entry + 1) * static_cast<uint64_t>(g.tokens_per_entry) <= kTokens;
 }
 
-// A page of logical block `lb` after the request's compute: its rows kMine, the rest `rest`.
+// A page of logical block `lb` after the request's compute: its rows kMine (none when
+// `lb` is kNoRequest), the other rows `rest`; the padding after the rows (never written by
+// anyone) zero.
+constexpr uint64_t kNoRequest = ~uint64_t{0};
 std::vector<uint8_t> Page(const CacheGroup& g, uint64_t lb, uint8_t rest) {
-  std::vector<uint8_t> page(g.page_bytes, rest);
+  std::vector<uint8_t> page(g.page_bytes, 0);
   const uint64_t rows =
       g.per_request_state ? static_cast<uint64_t>(g.tokens_per_block) : g.entries_per_block();
   uint64_t at = 0;
   for (uint64_t row : Sections(g)) {
     for (uint64_t r = 0; r < rows; ++r) {
-      if (Filled(g, lb, r)) std::memset(page.data() + at + r * row, kMine, row);
+      const bool mine = lb != kNoRequest && Filled(g, lb, r);
+      std::memset(page.data() + at + r * row, mine ? kMine : rest, row);
     }
     at += rows * row;
   }
@@ -135,7 +139,19 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     base_ = reinterpret_cast<uint64_t>(base);
     AssignBacking(&layout_, base_, kBlocks, kStateBlocks);
     blocks_ = Blocks(layout_);
-    std::vector<uint8_t> image(bytes_, kOld);
+    // Every row of every page holds an earlier request's KV (the padding after the rows is
+    // zero, as the allocation left it: no request writes there).
+    std::vector<uint8_t> image(bytes_, 0);
+    for (const CacheGroup& g : layout_.groups) {
+      const std::vector<uint8_t> old = Page(g, kNoRequest, kOld);
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        for (int c = 0; c < g.components; ++c) {
+          for (uint64_t b = 0; b < g.num_blocks; ++b) {
+            std::memcpy(image.data() + (g.BlockAddress(l, b, c) - base_), old.data(), old.size());
+          }
+        }
+      }
+    }
     for (const CacheGroup& g : layout_.groups) {
       const std::vector<int64_t>& ids = blocks_.at(g.name);
       for (size_t lb = 0; lb < ids.size(); ++lb) {
