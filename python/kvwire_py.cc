@@ -157,6 +157,7 @@ PYBIND11_MODULE(_kvwire, m) {
       .def_readonly("window_tokens", &kvwire::CacheGroup::window_tokens)
       .def_readonly("per_request_state", &kvwire::CacheGroup::per_request_state)
       .def_readonly("components", &kvwire::CacheGroup::components)
+      .def_readonly("section_row_bytes", &kvwire::CacheGroup::section_row_bytes)
       .def_readonly("num_blocks", &kvwire::CacheGroup::num_blocks)
       .def("block_address", &kvwire::CacheGroup::BlockAddress, py::arg("layer_index"),
            py::arg("block"), py::arg("component") = 0);

@@ -121,6 +121,8 @@ class PluginUnitTest(unittest.TestCase):
             Settings.from_extra({"transport": "carrier-pigeon"})
         with self.assertRaisesRegex(ValueError, r"groups\[0\]"):
             Settings.from_extra({"groups": [{"nmae": "x"}]})
+        with self.assertRaisesRegex(ValueError, r"groups\[0\].section_row_bytes"):
+            Settings.from_extra({"groups": [{"name": "x", "section_row_bytes": [576, 0]}]})
         self.assertTrue(Settings.from_extra({}).read_grants)
         self.assertFalse(Settings.from_extra({"read_grants": "false"}).read_grants)
         with self.assertRaisesRegex(ValueError, "read_grants"):
@@ -135,6 +137,8 @@ class PluginUnitTest(unittest.TestCase):
             layout = conn._worker.layout
             full, swa = layout.groups
             self.assertEqual((full.name, swa.name), ("0", "1"))
+            # NHD and HND pages: placement derived from the head split.
+            self.assertEqual((full.section_row_bytes, swa.section_row_bytes), ([], []))
             self.assertEqual((full.layers, swa.layers), ([0, 2], [1, 3]))
             self.assertEqual(full.page_bytes, BS * HEADS * HEAD * 2)
             self.assertEqual((full.components, swa.window_tokens), (2, WINDOW))
@@ -176,8 +180,8 @@ class PluginUnitTest(unittest.TestCase):
                                                            page_bytes=g.page_bytes))
             for g in want])
         extra = {"transport": "tcp", "groups": [
-            {"name": "swa_kv", "window_tokens": 128},
-            {"name": "c4a_kv", "tokens_per_entry": 4},
+            {"name": "swa_kv", "window_tokens": 128, "section_row_bytes": [576, 8]},
+            {"name": "c4a_kv", "tokens_per_entry": 4, "section_row_bytes": [576, 8]},
             {"name": "c4a_compressor_state", "tokens_per_entry": 4, "window_tokens": 8,
              "per_request_state": True}]}
         c = KvwireConnector(vllm_config("unit-v4", extra), KVConnectorRole.WORKER, cfg)
@@ -188,9 +192,10 @@ class PluginUnitTest(unittest.TestCase):
             for got, w in zip(c._worker.layout.groups, want):
                 self.assertEqual(
                     (got.name, got.tokens_per_block, got.page_bytes, got.tokens_per_entry,
-                     got.window_tokens, got.per_request_state, got.layers),
+                     got.window_tokens, got.per_request_state, got.layers,
+                     got.section_row_bytes),
                     (w.name, w.tokens_per_block, w.page_bytes, w.tokens_per_entry,
-                     w.window_tokens, w.per_request_state, [2, 4]))
+                     w.window_tokens, w.per_request_state, [2, 4], w.section_row_bytes))
         finally:
             c.shutdown()
 
@@ -243,6 +248,7 @@ class PluginUnitTest(unittest.TestCase):
             g = c._worker.layout.groups[0]
             self.assertEqual((g.components, g.page_bytes), (1, BS * 576 * 2))
             self.assertEqual(g.block_address(0, 3, 0), t[3].data_ptr())
+            self.assertEqual(g.section_row_bytes, [576 * 2])  # one row a token
         finally:
             c.shutdown()
 

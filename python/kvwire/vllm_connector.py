@@ -116,7 +116,10 @@ EXTRA_CONFIG_KEYS = {
     "read_grants": "true (default): a peer READs only the blocks handed to it, over tcp; "
                    "false: zero-copy shm/rdma READs of the whole KV by any peer with the secret",
     "groups": "per vLLM KV cache group: {name, tokens_per_entry, window_tokens, "
-              "per_request_state} overriding what the cache spec says",
+              "per_request_state, section_row_bytes} overriding what the cache spec says "
+              "(section_row_bytes: where a page keeps each entry, e.g. [576, 8] for "
+              "DeepSeek-V4's KV pages; read grants need it for caches kvwire cannot read it "
+              "from)",
 }
 
 _LAYER_RE = re.compile(r"\d+")
@@ -220,12 +223,19 @@ class Settings:
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("kv_connector_extra_config: 'groups' must be a list of objects, "
                              "one per vLLM KV cache group")
-        allowed = {"name", "tokens_per_entry", "window_tokens", "per_request_state"}
+        allowed = {"name", "tokens_per_entry", "window_tokens", "per_request_state",
+                   "section_row_bytes"}
         for i, g in enumerate(groups):
             bad = sorted(set(g) - allowed)
             if bad:
                 raise ValueError(f"kv_connector_extra_config: groups[{i}] has unknown key(s) "
                                  f"{bad} (known: {sorted(allowed)})")
+            rows = g.get("section_row_bytes")
+            if rows is not None and (not isinstance(rows, list) or not rows or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in rows)):
+                raise ValueError(f"kv_connector_extra_config: groups[{i}].section_row_bytes "
+                                 "must be a list of positive integers (the row bytes of each "
+                                 "section of a page)")
         s.groups = groups
         return s
 

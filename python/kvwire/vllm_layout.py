@@ -70,6 +70,9 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
         heads = {"total": h * tp_size, "tp_size": tp_size, "tp_rank": tp_rank, "outer": 1,
                  "inner_bytes": 2 * block_size * d * es}
         bdim, comps, cstride, block_major = 0, 1, 0, True
+        # Per head: block_size K rows of head_size, then block_size V rows (not the token
+        # rows of 2 * head_size that the head split alone would suggest).
+        sections = [d * es] * (2 * h)
     elif kind == "mha":
         if len(shape) != 5:
             raise ValueError(f"{what}: an attention cache of shape {shape} (expected "
@@ -87,6 +90,7 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
         if strides[4] != 1:
             raise ValueError(f"{what}: head_size is not the innermost dim (stride {strides})")
         page_elems = _dense_inner(shape, strides, (2, 3, 4), what)
+        sections = None  # kvwire derives it from the head split (NHD or HND)
         hnd = strides[3] > strides[2]  # heads outside tokens inside a page
         heads = {"total": h * tp_size, "tp_size": tp_size, "tp_rank": tp_rank,
                  "outer": 1 if hnd else block_size,
@@ -99,14 +103,25 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
         bdim = 0
         page_elems = _dense_inner(shape, strides, tuple(range(1, len(shape))), what)
         comps, cstride, block_major = 1, 0, True
+        sections = None
+        # MLA, (blocks, block_size, [1,] head_size) with tokens outermost in a page: one row
+        # a token. Other caches (e.g. DeepSeek-V4's byte pages): unknown here; the extra
+        # config's groups[i].section_row_bytes says it (read grants refuse partly filled
+        # blocks without it).
+        if (kind == "mla" and len(shape) >= 3 and shape[1] == block_size
+                and strides[1] == max(strides[1:])):
+            sections = [page_elems * es // block_size]
     page_bytes = page_elems * es
     want = int(getattr(spec, "page_size_bytes", 0) or 0)
     if want and page_bytes * comps > want:
         raise ValueError(f"{what}: pages of {page_bytes * comps} bytes but the cache spec "
                          f"says {want}")
-    return {"page_bytes": page_bytes, "components": comps, "block_major": block_major,
-            "heads": heads, "num_blocks": shape[bdim], "block_stride": strides[bdim] * es,
-            "component_stride": cstride}, t.data_ptr()
+    fields = {"page_bytes": page_bytes, "components": comps, "block_major": block_major,
+              "heads": heads, "num_blocks": shape[bdim], "block_stride": strides[bdim] * es,
+              "component_stride": cstride}
+    if sections:
+        fields["section_row_bytes"] = sections
+    return fields, t.data_ptr()
 
 
 def _storage_span(t):
@@ -175,6 +190,8 @@ def build_layout(kv_caches, kv_cache_config, names, overrides, block_size, tp_ra
              "per_request_state": bool(o.get("per_request_state", False)),
              "layer_base": [bases[i] for i in order]}
         g.update(fields)
+        if o.get("section_row_bytes"):
+            g["section_row_bytes"] = [int(b) for b in o["section_row_bytes"]]
         out_groups.append(g)
     extra = sorted(set(kv_caches) - set(layer_of))
     if extra:

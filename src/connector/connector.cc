@@ -10,6 +10,7 @@
 
 #include "src/connector/connector_impl.h"
 #include "src/connector/metrics_http.h"
+#include "src/util/log.h"
 
 namespace kvwire {
 namespace connector_internal {
@@ -96,6 +97,15 @@ absl::Status Connector::Impl::Init() {
 absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
                                                const std::vector<KvMemory>& memory) {
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
+  for (const CacheGroup& g : layout.groups) {
+    // Read grants clear the rows a request did not fill (ScrubUnfilledLocked); where they are
+    // is unknown for this group, so a grant of a partly filled block of it is refused.
+    if (absl::StatusOr<std::vector<uint64_t>> sections = PageSections(g);
+        options_.read_grants && !sections.ok()) {
+      KVW_LOG(kWarning, kLog) << "read grants of partly filled blocks will be refused"
+                              << Kv("error", sections.status().message());
+    }
+  }
   std::vector<RegionSpan> spans;
   for (const KvMemory& m : memory) {
     RegionOptions ro;
@@ -129,6 +139,7 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
   MutexLock lock(&mu_);
   layout_ = layout;
   local_regions_ = std::move(spans);
+  local_memory_ = memory;
   registered_ = true;
   return absl::OkStatus();
 }

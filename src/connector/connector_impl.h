@@ -224,6 +224,9 @@ class Connector::Impl {
     // Prefill, read mode: the engine grant of the blocks to the reader (`peer`), given on its
     // read_start, revoked when the request retires.
     GrantId grant = 0;
+    // Prefill, read mode: the rows of its blocks it did not fill were zeroed (before the
+    // first grant; ScrubUnfilledLocked).
+    bool scrubbed = false;
     // Decode, read mode: what each prefill source moves, per layer, and the grant it gave
     // (read_ok); the READs start once every source granted.
     struct ReadSource {
@@ -363,6 +366,9 @@ class Connector::Impl {
   // Prefill, read mode: ends `r`'s grant (if any), then waits (bounded) for READs under it
   // that were being served, so that the blocks are not handed back while one copies them.
   void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode (read grants on): zeroes the rows of `r`'s blocks that the request did
+  // not fill (UnfilledPageSpans), once, before its blocks are first granted (read_scrub.cc).
+  absl::Status ScrubUnfilledLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, read mode: grants held `r`'s blocks to `peer` (once) and answers read_ok.
   void GrantReadLocked(Request& r, PeerId peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, read mode: tells `peer` that `tid` is not readable here, and counts it.
@@ -530,6 +536,7 @@ class Connector::Impl {
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   Layout layout_ ABSL_GUARDED_BY(mu_);
   std::vector<RegionSpan> local_regions_ ABSL_GUARDED_BY(mu_);
+  std::vector<KvMemory> local_memory_ ABSL_GUARDED_BY(mu_);  // as registered (kinds, devices)
 
   // Live requests and what is remembered of ended ones.
   struct RequestTable {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <set>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -48,6 +49,13 @@ Layout Dsv4Layout(std::string model, const std::vector<int>& window_only,
   layout.groups.push_back(Group("c4a_kv", c4a, 256, Dsv4PageBytes(64), 4, 0, false));
   layout.groups.push_back(Group("c128a_kv", c128a, 256, Dsv4PageBytes(2), 128, 0, false));
   layout.groups.push_back(Group("c4a_indexer_k", c4a, 256, Dsv4PageBytes(64, 132), 4, 0, false));
+  // Inside a page: all 576-byte data rows, then all 8-byte scale rows (indexer K: 128-byte
+  // fp8 rows, then 4-byte fp32 scales), then padding up to a multiple of 576. (The compressor
+  // states below are token-major rings, which PageSections derives.)
+  for (CacheGroup& g : layout.groups) {
+    g.section_row_bytes =
+        g.name == "c4a_indexer_k" ? std::vector<uint64_t>{128, 4} : std::vector<uint64_t>{576, 8};
+  }
   // Compressor states: one ring per request; c4a windows overlap (8 tokens, stride 4).
   layout.groups.push_back(
       Group("c4a_compressor_state", c4a, 8, 8 * 2048 * state_float, 4, 8, true));
@@ -115,6 +123,27 @@ absl::Status Layout::Validate() const {
                             local, " x head bytes ", h.inner_bytes));
       }
     }
+    if (!g.section_row_bytes.empty()) {
+      constexpr size_t kMaxSections = 4096;
+      if (g.section_row_bytes.size() > kMaxSections) {
+        return GroupError(g, absl::StrCat(g.section_row_bytes.size(), " page sections (at most ",
+                                          kMaxSections, ")"));
+      }
+      // Each term is at most page_bytes, and the sum stops past it: no overflow.
+      uint64_t row = 0;
+      for (uint64_t b : g.section_row_bytes) {
+        if (b == 0 || b > g.page_bytes) {
+          return GroupError(g, "section_row_bytes must be > 0 and at most page_bytes");
+        }
+        row += b;
+        if (row > g.page_bytes) break;
+      }
+      if (row > g.page_bytes || g.rows_per_block() > g.page_bytes / row) {
+        return GroupError(
+            g, absl::StrCat("page sections of ", row, " bytes per row x ", g.rows_per_block(),
+                            " rows exceed page_bytes ", g.page_bytes));
+      }
+    }
     if (!g.layer_base.empty() || g.num_blocks != 0) {
       if (g.layer_base.size() != g.layers.size()) {
         return GroupError(
@@ -166,9 +195,12 @@ Layout DeepSeekV3Layout(bool with_indexer, int tokens_per_block) {
   const uint64_t tpb = tokens_per_block;
   // 512 fp8 latent + 4 fp32 scales + 64 bf16 RoPE = 656 bytes per token.
   layout.groups.push_back(Group("mla_kv", Range(0, 61), tokens_per_block, 656 * tpb, 1, 0, false));
+  layout.groups.back().section_row_bytes = {656};  // token-major
   if (with_indexer) {
+    // As vLLM's DeepSeek-V3.2 indexer cache: all 128-byte fp8 keys, then their fp32 scales.
     layout.groups.push_back(
         Group("indexer_k", Range(0, 61), tokens_per_block, 132 * tpb, 1, 0, false));
+    layout.groups.back().section_row_bytes = {128, 4};
   }
   return layout;
 }
@@ -455,6 +487,69 @@ absl::StatusOr<TransferPlan> PlanTransfer(const Layout& src, const BlockTable& s
     plan.groups.push_back(std::move(gp));
   }
   return plan;
+}
+
+absl::StatusOr<std::vector<uint64_t>> PageSections(const CacheGroup& g) {
+  if (!g.section_row_bytes.empty()) return g.section_row_bytes;
+  const uint64_t tpb = static_cast<uint64_t>(std::max(g.tokens_per_block, 1));
+  const HeadSplit& h = g.heads;
+  if (g.per_request_state) {
+    if (g.page_bytes % tpb == 0) return std::vector<uint64_t>{g.page_bytes / tpb};
+  } else if (h.total_heads > 0 && h.tp_size > 0 && g.tokens_per_entry == 1) {
+    const uint64_t local = static_cast<uint64_t>(h.total_heads / h.tp_size);
+    if (h.outer == tpb && local * h.inner_bytes * tpb == g.page_bytes) {
+      return std::vector<uint64_t>{local * h.inner_bytes};  // NHD: a row is one token
+    }
+    if (h.outer == 1 && h.inner_bytes % tpb == 0 && local * h.inner_bytes == g.page_bytes) {
+      // HND: per local head, its tokens' rows.
+      return std::vector<uint64_t>(local, h.inner_bytes / tpb);
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cache group '", g.name,
+      "': where its pages keep each entry is unknown, so the slots a request did not fill "
+      "cannot be cleared before a read grant (give CacheGroup::section_row_bytes, JSON "
+      "\"section_row_bytes\": the row bytes of each section of a page)"));
+}
+
+absl::StatusOr<std::vector<PageSpan>> UnfilledPageSpans(const CacheGroup& g, uint64_t logical_block,
+                                                        uint64_t num_tokens) {
+  const uint64_t rows = g.rows_per_block();
+  uint64_t filled = 0;  // rows of this block the request wrote
+  if (g.per_request_state) {
+    // Token t goes to ring slot t % tokens_per_block: slots [0, num_tokens) are its own.
+    filled = std::min<uint64_t>(num_tokens, rows);
+  } else {
+    // Only complete entries are written (a compressed entry once its tokens are all there).
+    const uint64_t entries = num_tokens / static_cast<uint64_t>(g.tokens_per_entry);
+    const uint64_t first = logical_block * rows;
+    filled = entries <= first ? 0 : std::min<uint64_t>(entries - first, rows);
+  }
+  std::vector<PageSpan> out;
+  if (filled == rows) return out;
+  if (filled == 0) {
+    out.push_back({0, g.page_bytes});
+    return out;
+  }
+  absl::StatusOr<std::vector<uint64_t>> sections = PageSections(g);
+  if (!sections.ok()) return sections.status();
+  uint64_t row_bytes = 0;
+  for (uint64_t row : *sections) {
+    if (row == 0 || row > g.page_bytes - row_bytes)
+      return GroupError(g, "page sections overflow its page");
+    row_bytes += row;
+  }
+  if (row_bytes == 0 || rows > g.page_bytes / row_bytes) {
+    return GroupError(g, "page sections do not fit its page (Layout::Validate says why)");
+  }
+  uint64_t at = 0;
+  for (uint64_t row : *sections) {
+    out.push_back({at + filled * row, (rows - filled) * row});  // the section's tail
+    at += rows * row;
+  }
+  // The padding after the last section continues its tail.
+  out.back().length += g.page_bytes - at;
+  return out;
 }
 
 }  // namespace kvwire

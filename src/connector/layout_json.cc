@@ -33,6 +33,7 @@ json LayoutToJsonValue(const Layout& layout) {
                         {"tp_rank", g.heads.tp_rank},
                         {"outer", g.heads.outer},
                         {"inner_bytes", g.heads.inner_bytes}}},
+                      {"section_row_bytes", g.section_row_bytes},
                       {"layer_base", g.layer_base},
                       {"num_blocks", g.num_blocks},
                       {"block_stride", g.block_stride},
@@ -71,6 +72,7 @@ absl::StatusOr<Layout> LayoutFromJsonValue(const json& j) {
     g.heads.tp_rank = static_cast<int>(h.OptInt("tp_rank", 0, kMaxInt, 0));
     g.heads.outer = h.OptUint("outer", kMaxBytes, 1);
     g.heads.inner_bytes = h.OptUint("inner_bytes", kMaxBytes, 0);
+    g.section_row_bytes = jg.UintArray("section_row_bytes", /*required=*/false, kMaxBytes, 4096);
     g.layer_base = jg.UintArray("layer_base", /*required=*/false,
                                 std::numeric_limits<uint64_t>::max(), kMaxLayers);
     g.num_blocks = jg.OptUint("num_blocks", kMaxBytes, 0);

@@ -371,7 +371,9 @@ void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
 
 void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
   if (r.grant == 0) {
-    absl::StatusOr<std::vector<GrantRange>> ranges = GrantRangesLocked(r);
+    const absl::Status scrubbed = ScrubUnfilledLocked(r);
+    absl::StatusOr<std::vector<GrantRange>> ranges =
+        scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
     absl::StatusOr<GrantId> grant =
         ranges.ok() ? engine_->Grant(peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
     if (!grant.ok()) {

@@ -90,6 +90,10 @@ inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
       g.page_bytes = 8 * 64 * (1 + rng() % 4);
     }
     if (kind == 0 && rng() % 2 == 0) g.components = 2;
+    // Token-major rows (padding after them), so that read grants can clear the rows a
+    // request did not fill; a page holds at least one byte per row.
+    g.page_bytes = std::max<uint64_t>(g.page_bytes, g.rows_per_block());
+    g.section_row_bytes = {g.page_bytes / g.rows_per_block()};
     l.groups.push_back(std::move(g));
   }
   return l;
@@ -351,7 +355,16 @@ class KvCache {
                 spans.push_back({s * slot, (s + 1) * slot});
               }
             } else {
-              spans.push_back({0, g.page_bytes});
+              // The rows the request filled (with read grants the prefill clears the others
+              // before the reader may read them; ReadGrantsScrub* tests check that part).
+              absl::StatusOr<std::vector<PageSpan>> unfilled = UnfilledPageSpans(g, lb, tokens);
+              if (!unfilled.ok()) return std::string(unfilled.status().message());
+              uint64_t at = 0;
+              for (const PageSpan& u : *unfilled) {
+                if (u.offset > at) spans.push_back({at, u.offset});
+                at = u.offset + u.length;
+              }
+              if (at < g.page_bytes) spans.push_back({at, g.page_bytes});
             }
             for (const auto& [b, e] : spans) {
               for (uint64_t i = b; i < e; ++i) {

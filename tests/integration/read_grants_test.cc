@@ -100,6 +100,7 @@ class ReadGrantsTest : public ::testing::TestWithParam<std::tuple<std::string, b
     r->engine = std::move(*e);
     auto local = r->engine->RegisterMemory(r->local.data(), r->local.size());
     EXPECT_TRUE(local.ok()) << local.status();
+    if (!local.ok()) return nullptr;
     r->local_id = *local;
     auto peer = r->engine->Connect(target_->address());
     EXPECT_TRUE(peer.ok()) << peer.status();
@@ -108,8 +109,20 @@ class ReadGrantsTest : public ::testing::TestWithParam<std::tuple<std::string, b
     EXPECT_TRUE(r->engine->WaitForRemoteRegion(r->target, region_, kWait).ok());
     auto back = target_->WaitForPeer(name, kWait);
     EXPECT_TRUE(back.ok()) << back.status();
+    if (!back.ok()) return nullptr;
     r->as_target = *back;
     return r;
+  }
+
+  // Whether the target holds `peer` as a live peer, waiting up to kWait for it to be `want`.
+  bool WaitAlive(PeerId peer, bool want) const {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (true) {
+      bool alive = false;
+      for (const PeerInfo& p : target_->Peers()) alive = alive || (p.id == peer && p.alive);
+      if (alive == want || absl::Now() >= deadline) return alive;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
   }
 
   bool PageArrived(const Reader& r, uint64_t page) const {
@@ -174,6 +187,9 @@ TEST_P(ReadGrantsTest, ReadsOnlyInsideALiveGrantOfTheirOwn) {
     }
     EXPECT_GT(target_->Stats().grant_refused, refused);
     refused = target_->Stats().grant_refused;
+    // The refusal closed that peer, and only that one.
+    EXPECT_FALSE(WaitAlive(r->as_target, false)) << "the refused peer was not closed";
+    EXPECT_TRUE(WaitAlive(alice->as_target, true)) << "a refusal of another peer closed alice";
   }
   // Alice's own grant is untouched by the others' refusals.
   ASSERT_TRUE(alice->ReadPage(region_, 2, *grant).ok());

@@ -150,7 +150,10 @@ gpu::KvExecutor* KvCache::executor() const { return impl_->executor.get(); }
 
 std::vector<kvwire::KvMemory> KvCache::memory() const {
   if (impl_->options.device == KvDevice::kGpu) {
-    return {kvwire::KvMemory{impl_->device_buffer.data(), impl_->device_buffer.size()}};
+    // Registered as device memory: the engine reaches it through the GPU runtime only (and
+    // the connector clears rows in it with the runtime's copies, never with the CPU).
+    return {kvwire::KvMemory{impl_->device_buffer.data(), impl_->device_buffer.size(),
+                             kvwire::MemoryKind::kGpu, impl_->options.gpu_device}};
   }
   return {kvwire::KvMemory{impl_->buffer.data(), impl_->buffer.size()}};
 }

@@ -289,5 +289,157 @@ TEST(LayoutTest, RandomPlansStayInsideBacking) {
   }
 }
 
+// --- rows a request did not fill (read grants clear them) -------------------------------
+
+std::vector<PageSpan> Unfilled(const CacheGroup& g, uint64_t logical, uint64_t tokens) {
+  absl::StatusOr<std::vector<PageSpan>> spans = UnfilledPageSpans(g, logical, tokens);
+  EXPECT_TRUE(spans.ok()) << g.name << ": " << spans.status();
+  return spans.ok() ? *spans : std::vector<PageSpan>{{999, 999}};
+}
+
+// DeepSeek-V4 pages (DESIGN.md 7): all 576-byte data rows, then all 8-byte scale rows, then
+// padding up to a multiple of 576; the indexer K: 128-byte rows, then 4-byte scales.
+TEST(UnfilledRowsTest, DeepSeekV4DataRowsThenScaleRows) {
+  for (const Layout& l : {DeepSeekV4ProLayout(), DeepSeekV4FlashLayout()}) {
+    SCOPED_TRACE(l.model);
+    // 70 tokens: swa_kv block 1 holds 6 of 64 tokens.
+    const CacheGroup& swa = G(l, "swa_kv");
+    EXPECT_EQ(Unfilled(swa, 0, 70), std::vector<PageSpan>{});
+    EXPECT_EQ(Unfilled(swa, 1, 70),
+              (std::vector<PageSpan>{{6 * 576, 58 * 576}, {64 * 576 + 6 * 8, 58 * 8 + 64}}));
+    EXPECT_EQ(Unfilled(swa, 2, 70), (std::vector<PageSpan>{{0, 37440}}));
+    // c4a: 70 tokens are 17 complete entries (of 64 a block).
+    EXPECT_EQ(Unfilled(G(l, "c4a_kv"), 0, 70),
+              (std::vector<PageSpan>{{17 * 576, 47 * 576}, {64 * 576 + 17 * 8, 47 * 8 + 64}}));
+    EXPECT_EQ(Unfilled(G(l, "c4a_kv"), 0, 256 * 4), std::vector<PageSpan>{});
+    EXPECT_EQ(Unfilled(G(l, "c4a_indexer_k"), 0, 70),
+              (std::vector<PageSpan>{{17 * 128, 47 * 128}, {64 * 128 + 17 * 4, 47 * 4 + 192}}));
+    // c128a: 2 entries a block; 70 tokens complete none, 384 complete 3.
+    const CacheGroup& c128 = G(l, "c128a_kv");
+    EXPECT_EQ(Unfilled(c128, 0, 70), (std::vector<PageSpan>{{0, 1728}}));
+    EXPECT_EQ(Unfilled(c128, 0, 384), std::vector<PageSpan>{});
+    EXPECT_EQ(Unfilled(c128, 1, 384), (std::vector<PageSpan>{{576, 576}, {1152 + 8, 8 + 560}}));
+    // Compressor rings, token-major slots (slot = token % ring): the slots past the request's
+    // tokens, none once it had a whole ring.
+    const CacheGroup& ring = G(l, "c128a_compressor_state");
+    EXPECT_EQ(Unfilled(ring, 0, 70), (std::vector<PageSpan>{{70 * 4096, 58 * 4096}}));
+    EXPECT_EQ(Unfilled(ring, 0, 200), std::vector<PageSpan>{});
+    EXPECT_EQ(Unfilled(G(l, "c4a_compressor_state"), 0, 5),
+              (std::vector<PageSpan>{{5 * 8192, 3 * 8192}}));
+    EXPECT_EQ(Unfilled(G(l, "c4a_indexer_compressor_state"), 0, 70), std::vector<PageSpan>{});
+  }
+}
+
+TEST(UnfilledRowsTest, DeepSeekV3TokenMajorAndIndexerSections) {
+  Layout l = DeepSeekV3Layout(/*with_indexer=*/true);
+  ASSERT_TRUE(l.Validate().ok());
+  EXPECT_EQ(Unfilled(G(l, "mla_kv"), 1, 70), (std::vector<PageSpan>{{6 * 656, 58 * 656}}));
+  EXPECT_EQ(Unfilled(G(l, "mla_kv"), 0, 70), std::vector<PageSpan>{});
+  EXPECT_EQ(Unfilled(G(l, "indexer_k"), 1, 70),
+            (std::vector<PageSpan>{{6 * 128, 58 * 128}, {64 * 128 + 6 * 4, 58 * 4}}));
+}
+
+// MHA: derived from the head split. NHD: a row is one token of every local head; HND: each
+// local head's chunk holds its tokens' rows.
+TEST(UnfilledRowsTest, MhaPlacementFromTheHeadSplit) {
+  MhaOptions o;  // 8 heads of 128 x 2 bytes, 16 tokens a block
+  const CacheGroup nhd = MhaLayout(o).groups[0];
+  EXPECT_EQ(PageSections(nhd).value(), std::vector<uint64_t>{8 * 256});
+  EXPECT_EQ(Unfilled(nhd, 1, 20), (std::vector<PageSpan>{{4 * 2048, 12 * 2048}}));
+  EXPECT_EQ(Unfilled(nhd, 0, 20), std::vector<PageSpan>{});
+  o.tp_size = 2;
+  o.tp_rank = 1;
+  const CacheGroup nhd_tp = MhaLayout(o).groups[0];
+  EXPECT_EQ(Unfilled(nhd_tp, 1, 20), (std::vector<PageSpan>{{4 * 1024, 12 * 1024}}));
+  o.tp_size = 1;
+  o.tp_rank = 0;
+  o.heads_outer = true;
+  const CacheGroup hnd = MhaLayout(o).groups[0];
+  EXPECT_EQ(PageSections(hnd).value(), std::vector<uint64_t>(8, 256));
+  std::vector<PageSpan> want;
+  for (uint64_t h = 0; h < 8; ++h) want.push_back({h * 16 * 256 + 4 * 256, 12 * 256});
+  EXPECT_EQ(Unfilled(hnd, 1, 20), want);
+  EXPECT_EQ(Unfilled(hnd, 3, 20), (std::vector<PageSpan>{{0, 8 * 16 * 256}}));
+}
+
+// A replicated history group whose placement nobody gave is not guessed (a DeepSeek-V4 page
+// of 37,440 bytes divides by 64 rows, yet is not token-major): a partly filled block of it is
+// an error naming the group and the field; full and untouched blocks need no placement.
+TEST(UnfilledRowsTest, UnknownPlacementIsAnErrorNotAGuess) {
+  CacheGroup g = G(DeepSeekV4ProLayout(), "swa_kv");
+  g.section_row_bytes.clear();
+  absl::StatusOr<std::vector<PageSpan>> partly = UnfilledPageSpans(g, 1, 70);
+  ASSERT_FALSE(partly.ok());
+  EXPECT_EQ(partly.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(partly.status().message().find("'swa_kv'"), std::string::npos) << partly.status();
+  EXPECT_NE(partly.status().message().find("section_row_bytes"), std::string::npos);
+  EXPECT_EQ(Unfilled(g, 0, 70), std::vector<PageSpan>{});
+  EXPECT_EQ(Unfilled(g, 2, 70), (std::vector<PageSpan>{{0, g.page_bytes}}));
+}
+
+TEST(UnfilledRowsTest, ValidateChecksTheSections) {
+  Layout l = DeepSeekV4ProLayout();
+  l.groups[0].section_row_bytes = {585, 8};  // 64 x 593 > 37,440
+  EXPECT_FALSE(l.Validate().ok());
+  l.groups[0].section_row_bytes = {576, 0};
+  EXPECT_FALSE(l.Validate().ok());
+  l.groups[0].section_row_bytes = {576, 9};  // 64 x 585 = 37,440: fits exactly
+  EXPECT_TRUE(l.Validate().ok());
+  l.groups[0].section_row_bytes = std::vector<uint64_t>(4097, 1);
+  EXPECT_FALSE(l.Validate().ok());
+  // Carried by JSON.
+  l.groups[0].section_row_bytes = {576, 8};
+  absl::StatusOr<Layout> back = LayoutFromJson(LayoutToJson(l));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->groups[0].section_row_bytes, (std::vector<uint64_t>{576, 8}));
+  EXPECT_EQ(G(*back, "c4a_indexer_k").section_row_bytes, (std::vector<uint64_t>{128, 4}));
+}
+
+// Every preset, any request length and block: the unfilled spans and the rows the request
+// filled (by the DESIGN's placement, written out here per row) cover the page exactly once.
+TEST(UnfilledRowsTest, UnfilledAndFilledRowsPartitionEveryPage) {
+  std::mt19937_64 rng(7);
+  for (const char* name :
+       {"deepseek-v4-pro", "deepseek-v4-flash", "deepseek-v3", "deepseek-v3.2", "mha"}) {
+    Layout l = PresetLayout(name).value();
+    for (const CacheGroup& g : l.groups) {
+      absl::StatusOr<std::vector<uint64_t>> sections = PageSections(g);
+      ASSERT_TRUE(sections.ok()) << name << " " << g.name << ": " << sections.status();
+      for (int trial = 0; trial < 20; ++trial) {
+        const uint64_t tokens = 1 + rng() % 1000;
+        const uint64_t logical = g.per_request_state ? 0 : rng() % 5;
+        std::vector<int> cover(g.page_bytes, 0);
+        for (const PageSpan& s : Unfilled(g, logical, tokens)) {
+          ASSERT_LE(s.offset + s.length, g.page_bytes);
+          for (uint64_t i = s.offset; i < s.offset + s.length; ++i) ++cover[i];
+        }
+        const uint64_t rows = g.rows_per_block();
+        bool full = true;
+        uint64_t section_at = 0;
+        for (uint64_t row_bytes : *sections) {
+          for (uint64_t r = 0; r < rows; ++r) {
+            // Row r holds token slot r (state), or entry logical * rows + r.
+            const bool filled =
+                g.per_request_state
+                    ? r < tokens
+                    : (logical * rows + r + 1) * static_cast<uint64_t>(g.tokens_per_entry) <=
+                          tokens;
+            full = full && filled;
+            if (!filled) continue;
+            for (uint64_t i = 0; i < row_bytes; ++i) ++cover[section_at + r * row_bytes + i];
+          }
+          section_at += rows * row_bytes;
+        }
+        // The padding after the sections is cleared with the rows of a partly filled block.
+        for (uint64_t i = section_at; i < g.page_bytes; ++i) cover[i] += full ? 1 : 0;
+        for (uint64_t i = 0; i < g.page_bytes; ++i) {
+          ASSERT_EQ(cover[i], 1) << name << " " << g.name << " byte " << i << " of block "
+                                 << logical << ", " << tokens << " tokens";
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvwire
