@@ -88,12 +88,15 @@ def check_clean(*engines_):
         assert e.live() == 0, e.name
 
 
-def check_transport(engine, transport, field):
-    """The peers of `engine` moved bytes over `transport` (never a silent fallback)."""
-    moved = [p for p in engine.peers() if int(p[field]) > 0]
-    assert moved, (engine.name, engine.peers())
-    for p in moved:
-        assert p["transport"].split()[0] == transport, p
+def check_transport(engine, transport, direction):
+    """Every byte `engine` moved in `direction` ("read" or "written") went over `transport`:
+    counted by the engine per completed transfer, by the transport that carried it (a peer's
+    first choice says nothing about a region that its transport cannot reach)."""
+    moved = engine.moved()
+    assert moved.get(f"{transport}_{direction}", 0) > 0, (engine.name, moved)
+    others = {k: n for k, n in moved.items()
+              if k.endswith(f"_{direction}") and k != f"{transport}_{direction}" and n > 0}
+    assert not others, (engine.name, transport, moved)
 
 
 def wait_free(engines_, what, timeout, check=None):
@@ -129,22 +132,32 @@ def write_mode_params(p, tid):
             "remote_port": int(port), "transfer_id": tid, "remote_engine_id": p.name}
 
 
-@pytest.mark.parametrize("mode,transport,shm", [("read", "tcp", False), ("read", "shm", True),
-                                                ("write", "tcp", False),
-                                                ("write", "shm", True)])
-def test_hand_off_byte_exact(engines, mode, transport, shm):
+# (mode, transport asked for, KV in shareable memory, read_grants, the transport that moves
+# the KV). With read grants (the default) the KV regions are readable only under a grant and
+# never mapped by a peer, so over "shm" their READs and WRITEs go over tcp (the transport that
+# checks grants); without them shm maps the KV and moves it itself.
+@pytest.mark.parametrize("mode,transport,shm,grants,moved_over", [
+    ("read", "tcp", False, True, "tcp"),
+    ("read", "shm", True, True, "tcp"),
+    ("read", "shm", True, False, "shm"),
+    ("write", "tcp", False, True, "tcp"),
+    ("write", "shm", True, True, "tcp"),
+    ("write", "shm", True, False, "shm"),
+])
+def test_hand_off_byte_exact(engines, mode, transport, shm, grants, moved_over):
     """Prompts of 1, 15, 16, 17, 40 and 100 tokens on a two-group model (full attention NHD,
-    sliding window HND): the decode's KV equals its prefill's byte for byte, the bytes moved
-    over the transport asked for, and both sides end with every block free."""
+    sliding window HND): the decode's KV equals its prefill's byte for byte, every byte moved
+    over the transport that can carry it (counted per transport), and both sides end with every
+    block free."""
     # A lease far longer than the deadlines: the one-token prompt's decode loads nothing and
     # tells the prefill so (in write mode before the prefill has even seen that request),
     # which frees those blocks at once, never at the lease.
-    p = engines("prefill", {"transport": transport, "mode": mode,
+    p = engines("prefill", {"transport": transport, "mode": mode, "read_grants": grants,
                             "request_timeout_s": LONG_LEASE_S}, kind="hybrid", shared_memory=shm)
     # policy "fail": a load that fails ends its request in an error instead of being
     # recomputed into the very bytes verify() expects.
-    d = engines("decode", {"transport": transport, "mode": mode}, kind="hybrid",
-                shared_memory=shm, policy="fail")
+    d = engines("decode", {"transport": transport, "mode": mode, "read_grants": grants},
+                kind="hybrid", shared_memory=shm, policy="fail")
     lengths = HAND_OFF_LENGTHS
     # Four output tokens: a request stays in the decode's scheduler for a few steps after its
     # first token, for run_loads() to see it there and verify its blocks.
@@ -167,9 +180,9 @@ def test_hand_off_byte_exact(engines, mode, transport, shm):
     assert worker_counter(d, "completed") == sum(n > 1 for n in lengths), d.worker_stats()
     assert worker_counter(d, "failed") == 0, d.worker_stats()
     if mode == "read":
-        check_transport(d, transport, "bytes_read")
+        check_transport(d, moved_over, "read")
     else:
-        check_transport(p, transport, "bytes_written")
+        check_transport(p, moved_over, "written")
     run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
     assert worker_counter(p, "released") == sum(n == 1 for n in lengths), p.worker_stats()
     assert worker_counter(p, "lease_expired") == 0, p.worker_stats()
@@ -435,17 +448,56 @@ def test_prefill_tp2_decode_tp1(engines, kind):
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_decode_tp2_computes_locally_and_frees_the_prefill(engines, kind):
-    """Decode TP 2 (more ranks than the prefill) loads nothing yet: vLLM computes the prompt
-    on the decode, and the prefill frees its blocks at once."""
+def test_prefill_tp1_decode_tp2(engines, kind):
+    """Prefill TP 1 -> decode TP 2: each decode rank reads its half of the heads (MHA), or the
+    whole replicated latent cache (MLA), from the one prefill rank, byte-exact against the
+    prefill's heads. The prefill's hand-off has two readers (one per decode rank, each with its
+    own read grant) and frees its blocks once both released it: completed, never released
+    unread, failed or at the lease. The first hand-off's read_starts reach the prefill before
+    its worker holds the blocks: both wait for the hold."""
+    p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S}, kind=kind,
+                tp=1)
+    d = engines("decode", {"transport": "tcp"}, kind=kind, tp=2, policy="fail")
+    rids = []
+    for i, n in enumerate([17, 40, 100]):
+        out = prefill_one(p, f"t{i}", prompt(30 + i, n))
+        assert "tp_sources" not in out.kv_transfer_params
+        rid = f"dt{i}"
+        d.add(rid, prompt(30 + i, n), 4, decode_params(out))
+        rids.append(rid)
+        if i == 0:
+            assert p.live() == 0  # the hold goes to the worker with the prefill's next step
+            for _ in range(3):  # both ranks' read_starts reach a prefill with no hold yet
+                d.step()
+            assert d.sched.requests[rid].status.name == "WAITING_FOR_REMOTE_KVS"
+    run_loads(p, d, rids)
+    # Both ranks loaded every request (each rank's worker counts its own load).
+    assert worker_counter(d, "completed") == 2 * len(rids), d.worker_stats()
+    assert worker_counter(d, "failed") == 0, d.worker_stats()
+    run_until([p, d], lambda: p.all_free() and d.all_free(), "all blocks free")
+    assert worker_counter(p, "completed") == len(rids), p.worker_stats()
+    for counter in ("released", "failed", "lease_expired"):
+        assert worker_counter(p, counter) == 0, (counter, p.worker_stats())
+    check_clean(p, d)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_decode_tp2_with_the_prompt_in_its_prefix_cache_frees_the_prefill(engines, kind):
+    """Decode TP 2 that needs nothing from the prefill (all but the last token are in its
+    prefix cache): its rank 0 tells the prefill, which frees the blocks at once (released
+    unread), not after waiting for the other rank, nor at the lease."""
     p = engines("prefill", {"transport": "tcp", "request_timeout_s": LONG_LEASE_S}, kind=kind,
                 tp=1)
     d = engines("decode", {"transport": "tcp"}, kind=kind, tp=2)
-    out = prefill_one(p, "t", prompt(30, 40))
+    tokens = prompt(31, 2 * BS + 1)
+    d.add("warm", tokens, 1)
+    run_until([d], lambda: d.finished("warm") is not None, "the decode's own prefill")
+    params = decode_params(prefill_one(p, "h", tokens))
     p.step()
-    d.add("dt", prompt(30, 40), 2, decode_params(out))
-    wait_free([p, d], "prefill blocks", RELEASE_DEADLINE_S, check=[p])
+    assert not p.all_free()
+    d.add("dh", tokens, 2, params)
+    wait_free([p, d], "prefix-cache hit", RELEASE_DEADLINE_S, check=[p])
     assert worker_counter(p, "released") == 1
     assert worker_counter(p, "lease_expired") == 0
-    run_until([p, d], lambda: d.finished("dt") is not None, "the decode request")
+    run_until([d], lambda: d.finished("dh") is not None, "the decode request")
     assert worker_counter(d, "completed") == 0

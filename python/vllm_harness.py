@@ -215,6 +215,8 @@ def worker_main(pipe, cfg, kind, tp_rank, tp, port, shared_memory):
                 pipe.send(("ok", conn.native.live_requests()))
             elif cmd == "peers":  # per peer: transport, bytes_read, bytes_written
                 pipe.send(("ok", json.loads(conn.native.engine_stats_json())["peers"]))
+            elif cmd == "moved":  # bytes of completed transfers by the transport that moved them
+                pipe.send(("ok", json.loads(conn.native.engine_stats_json())["bytes_by_transport"]))
             elif cmd == "stop":
                 conn.shutdown()
                 pipe.send(("ok", None))
@@ -422,6 +424,14 @@ class Engine:
 
     def peers(self):
         return [p for w in self.workers for p in w.call("peers")]
+
+    def moved(self):
+        """{"<transport>_read" | "<transport>_written": bytes} over every worker's engine."""
+        out = {}
+        for w in self.workers:
+            for key, n in w.call("moved").items():
+                out[key] = out.get(key, 0) + int(n)
+        return out
 
     def stop(self):
         for w in self.workers:

@@ -27,6 +27,13 @@ blocks and releases them. Write mode (MoRIIO's default; kvwire "mode": "write"):
 allocates first and sends its block ids; prefill WRITEs each layer as save_kv_layer reports it
 final.
 
+Tensor parallelism may differ on the two sides. A prefill with more ranks than the decode
+names its other ranks in tp_sources, and each decode rank reads its heads from every rank
+that holds some. A decode with more ranks than the prefill reads with each of its ranks: each
+one its slice of the heads (MHA) or the whole replicated latent page (MLA). Each prefill rank's
+hand-off then has one reader per decode rank, each with its own read grant, and its blocks are
+freed once all of them released.
+
 When vLLM is not importable the module still imports (with stand-in bases), so that kvwire's
 plain Python API keeps working without it.
 """
@@ -528,7 +535,6 @@ class _SchedulerSide:
         self.pending_saves: dict = {}  # prefill write mode, not sent yet: id -> (req, entry)
         self.saving: dict = {}  # prefill write mode, sent: id -> entry
         self.holding: set = set()  # prefill read mode, blocks held for a reader
-        self.warned_tp = False
 
     # handshake ---------------------------------------------------------------------------
     def set_workers(self, metadata) -> None:
@@ -607,17 +613,6 @@ class _SchedulerSide:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         if request.request_id in self.load_started:
-            return 0, False
-        if self.c._tp_size > 1:
-            # Not yet: several decode ranks reading one prefill rank's blocks (each its slice
-            # of the heads, or the replicated latent cache) would need the prefill to wait for
-            # every reader. vLLM computes the prompt here instead, and the prefill is told to
-            # free its blocks at once (update_state_after_alloc).
-            if not self.warned_tp:
-                self.warned_tp = True
-                logger.warning("kvwire connector: decode with tensor_parallel_size=%d loads no "
-                               "KV (not supported yet); prompts are computed here",
-                               self.c._tp_size)
             return 0, False
         count = _prompt_len(request) - int(num_computed_tokens)
         if count > 1:

@@ -55,7 +55,10 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
     """One layer's tensor -> its group fields and base address."""
     shape, strides, es = tuple(t.shape), tuple(t.stride()), t.element_size()
     what = f"kvwire connector: layer {name!r}"
-    heads = {"total": 0, "tp_size": 1, "tp_rank": 0, "outer": 1, "inner_bytes": 0}
+    # A replicated page (MLA, one latent vector; no heads split) still names this worker's
+    # tensor-parallel place: a prefill expects one reader per decode rank (the largest
+    # tp_size of the decode's layout) and gives each rank one place.
+    heads = {"total": 0, "tp_size": tp_size, "tp_rank": tp_rank, "outer": 1, "inner_bytes": 0}
     block_size = int(spec.block_size)
     if kind == "mha" and len(shape) == 4:
         # vLLM's CPU attention (cpu_attn.py): (blocks, heads, block_size, 2 * head_size), each

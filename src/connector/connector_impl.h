@@ -27,8 +27,10 @@
 //
 // Peers are not trusted with each other's requests: every message is parsed into a
 // PeerMessage (typed, bounded) before use; a transfer is bound to the engine peer that first
-// claims it (read_start or release in read mode, write_req in write mode; decode binds its
-// loads to the prefill it dialed), and a message about it from any other peer, a malformed or
+// claims it (write_req in write mode; decode binds its loads to the prefill it dialed) or, in
+// read mode, to the engines that claim it by read_start or release, one per rank of the
+// decode's tensor parallelism (its layout's; Request::Reader), each with its own grant and
+// able to end only its own read. A message about it from any other peer, a malformed or
 // unknown message, or a message before the connector handshake closes that peer alone, with
 // the reason in its Goodbye. Read-mode transfer ids are 128 random bits.
 #ifndef KVWIRE_CONNECTOR_CONNECTOR_IMPL_H_
@@ -99,8 +101,11 @@ inline constexpr size_t kMaxRegions = 4096;
 // in all. Beyond them a write request is answered with "fail" at once.
 inline constexpr size_t kMaxEarlyWritesPerPeer = 1024;
 inline constexpr size_t kMaxEarlyWrites = 8192;
-// Releases of read-mode transfers not held yet that a prefill remembers.
+// Releases of read-mode transfers not held yet that a prefill remembers (transfer ids).
 inline constexpr size_t kMaxEarlyReleases = 8192;
+// Engines that may read one prefill rank's hand-off: the decode's tensor-parallel size, from
+// its layout, is refused beyond this (each reader holds an engine grant of every page).
+inline constexpr int kMaxReaders = 64;
 
 // One connector message from a peer, with every field checked (type, range, size) before any
 // of it is used.
@@ -221,12 +226,34 @@ class Connector::Impl {
     // Decode: layers not yet in place (WaitForLayerLoad waits on them).
     std::set<int> layers_pending;
     std::optional<TransferPlan> plan;
-    // Prefill, read mode: the engine grant of the blocks to the reader (`peer`), given on its
-    // read_start, revoked when the request retires.
-    GrantId grant = 0;
     // Prefill, read mode: the rows of its blocks it did not fill were zeroed (before the
     // first grant; ScrubUnfilledLocked).
     bool scrubbed = false;
+    // Prefill, read mode: the engines reading the held blocks, one per decode rank: a decode
+    // with tensor parallelism N reads (or releases) each prefill rank's hand-off from all N
+    // of its engines, each its own slice of the heads or the whole replicated page. Each
+    // reader is bound by its first read_start or release and gets an engine grant of its
+    // own (read_start), revoked when the request retires. How many come is the decode's
+    // tensor-parallel size, from the first reader's layout (readers_expected); the blocks go
+    // back once each of them released or died, once one said that the decode will not read
+    // and none is reading, or at the lease.
+    struct Reader {
+      PeerId peer = 0;
+      int rank = 0;  // its tensor-parallel rank (its layout's)
+      GrantId grant = 0;
+      bool done = false;  // released, or died
+    };
+    std::vector<Reader> readers;
+    int readers_expected = 0;    // 0: no reader yet
+    bool unread = false;         // a reader said the decode will not read
+    bool read = false;           // a reader released after reading
+    std::string reader_failure;  // the first reader's failure (a failed release, its death)
+    Reader* FindReader(PeerId p) {
+      for (Reader& x : readers) {
+        if (x.peer == p) return &x;
+      }
+      return nullptr;
+    }
     // Decode, read mode: what each prefill source moves, per layer, and the grant it gave
     // (read_ok); the READs start once every source granted.
     struct ReadSource {
@@ -363,14 +390,32 @@ class Connector::Impl {
   // ranges of the local regions, for Engine::Grant.
   absl::StatusOr<std::vector<GrantRange>> GrantRangesLocked(const Request& r)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Prefill, read mode: ends `r`'s grant (if any), then waits (bounded) for READs under it
-  // that were being served, so that the blocks are not handed back while one copies them.
+  // Prefill, read mode: ends the grants of `r`'s readers (if any), then waits (bounded) for
+  // READs under them that were being served, so that the blocks are not handed back while
+  // one copies them.
   void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, read mode (read grants on): zeroes the rows of `r`'s blocks that the request did
   // not fill (UnfilledPageSpans), once, before its blocks are first granted (read_scrub.cc).
   absl::Status ScrubUnfilledLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Prefill, read mode: grants held `r`'s blocks to `peer` (once) and answers read_ok.
+  // Prefill, read mode: grants held `r`'s blocks to its reader `peer` (once) and answers
+  // read_ok.
   void GrantReadLocked(Request& r, PeerId peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: the reader `peer` of held `r`, bound now if a decode rank's place is
+  // free (see Request::Reader); nullptr, with the sender closed, when `r` is bound to other
+  // readers (every place taken, or this peer's rank is) or the peer's layout disagrees.
+  // `place`: the peer's (ReaderPlaceLocked), `message` the one that claims ("read_start",
+  // "release").
+  Request::Reader* ClaimReaderLocked(Request& r, PeerId peer, const std::string& name,
+                                     const char* message, std::pair<int, int> place)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A decode engine's place among the readers of a hand-off, {tensor-parallel size, rank},
+  // from the layout of its connector handshake ({1, 0} without one).
+  std::pair<int, int> ReaderPlaceLocked(PeerId peer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: `reader` of `r` is done (read, will not read, or failed with
+  // `reason`); ends the hold when no reader is left to wait for (`r` may die here).
+  enum class ReadEnd { kRead, kUnread, kFailed };
+  void ReaderDoneLocked(Request& r, PeerId reader, ReadEnd how, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, read mode: tells `peer` that `tid` is not readable here, and counts it.
   void RefuseReadLocked(PeerId peer, const std::string& tid, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -492,10 +537,13 @@ class Connector::Impl {
   // the id out before its worker holds the blocks (RequestFinished with a given id).
   struct EarlyRead {
     PeerId peer = 0;
+    std::string name;                 // the peer's
+    std::pair<int, int> place{1, 0};  // ReaderPlaceLocked when it asked
     absl::Time expires;
   };
   struct EarlyRelease {
     PeerId peer = 0;
+    std::pair<int, int> place{1, 0};  // read mode: ReaderPlaceLocked when it released
     bool ok = true;
     bool unread = false;
     std::string reason;
@@ -546,12 +594,13 @@ class Connector::Impl {
     std::map<TransferId, std::string> transfer_owner;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
-    // with a given id), so a fast reader's release can come first. Bounded, oldest dropped.
-    std::map<std::string, EarlyRelease> early_releases;
-    // Read mode, read_starts of transfer ids not held (yet): granted when the hold comes,
-    // refused (fail, counted in reads_refused) after handshake_timeout. Bounded like
-    // early_releases (the oldest is refused at once).
-    std::map<std::string, EarlyRead> early_reads;
+    // with a given id), so a fast reader's release can come first. One per reader of a
+    // transfer id (a decode with tensor parallelism has several); bounded, oldest id dropped.
+    std::multimap<std::string, EarlyRelease> early_releases;
+    // Read mode, read_starts of transfer ids not held (yet), one per reader: granted when the
+    // hold comes, refused (fail, counted in reads_refused) after handshake_timeout. Bounded
+    // like early_releases (the oldest id's are refused at once).
+    std::multimap<std::string, EarlyRead> early_reads;
     std::deque<std::string> early_read_order;
     std::deque<std::string> early_release_order;
     std::set<std::string> retired_early;

@@ -17,17 +17,36 @@ namespace connector_internal {
 
 namespace {
 
-// Keeps an early release of `tid` (the first one wins), dropping the oldest beyond
-// kMaxEarlyReleases. A template so that it names no private type of Connector::Impl.
+// Keeps an early release of `tid` by its peer (each reader's first one; at most kMaxReaders
+// of one transfer id), dropping the oldest transfer id's beyond kMaxEarlyReleases. A template
+// so that it names no private type of Connector::Impl.
 template <typename Release>
-void RememberEarlyRelease(std::map<std::string, Release>& releases, std::deque<std::string>& order,
-                          const std::string& tid, Release release) {
-  if (!releases.emplace(tid, std::move(release)).second) return;
+void RememberEarlyRelease(std::multimap<std::string, Release>& releases,
+                          std::deque<std::string>& order, const std::string& tid, Release release) {
+  auto [it, end] = releases.equal_range(tid);
+  const bool known = it != end;
+  size_t readers = 0;
+  for (; it != end; ++it, ++readers) {
+    if (it->second.peer == release.peer) return;
+  }
+  if (readers >= static_cast<size_t>(kMaxReaders)) return;
+  releases.emplace(tid, std::move(release));
+  if (known) return;  // its id is in `order` already
   order.push_back(tid);
   if (order.size() > connector_internal::kMaxEarlyReleases) {
     releases.erase(order.front());
     order.pop_front();
   }
+}
+
+// A decode engine's place among the readers of a hand-off: the tensor-parallel size and rank
+// of its layout (the group split over the most ranks; replicated groups may carry them too).
+std::pair<int, int> ReaderPlace(const Layout& layout) {
+  std::pair<int, int> place{1, 0};
+  for (const CacheGroup& g : layout.groups) {
+    if (g.heads.tp_size > place.first) place = {g.heads.tp_size, g.heads.tp_rank};
+  }
+  return place;
 }
 
 // hello, hello_ack: the sender's engine, mode, layout and regions.
@@ -329,10 +348,11 @@ void Connector::Impl::OnHelloAnswer(const InboxEvent& n, PeerMessage& m) {
   cv_.SignalAll();
 }
 
-// read_start: decode is about to READ. The held blocks are bound to it, so that its death
-// frees them at once rather than at the end of the lease, and nobody else can release them;
-// they are granted to it alone in the engine (the only way anyone reads them), and read_ok
-// hands it the grant. An id not held here gets "fail" and no grant.
+// read_start: a decode engine is about to READ. The held blocks are bound to it as one of
+// their readers (Request::Reader: one per decode rank), so that its death counts at once
+// rather than at the end of the lease, and no other peer can release or fail its read; they
+// are granted to it in the engine (the only way anyone reads them), and read_ok hands it its
+// grant. An id not held here gets "fail" and no grant.
 void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
   const std::string& tid = m.transfer_id;
   Request* r = FindByTransfer(tid);
@@ -343,16 +363,29 @@ void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
       return;
     }
     // Not held (yet): granted if the hold comes within handshake_timeout, else refused.
-    if (table_.early_reads.contains(tid)) return;  // asked already
-    table_.early_reads[tid] = EarlyRead{n.peer, absl::Now() + options_.handshake_timeout};
+    auto [it, end] = table_.early_reads.equal_range(tid);
+    int asked = 0;
+    for (; it != end; ++it, ++asked) {
+      if (it->second.peer == n.peer) return;  // asked already
+    }
+    if (asked >= connector_internal::kMaxReaders) {
+      RefuseReadLocked(n.peer, tid,
+                       absl::StrCat("more than ", connector_internal::kMaxReaders,
+                                    " readers asked for it before it was held"));
+      return;
+    }
+    table_.early_reads.emplace(tid, EarlyRead{n.peer, n.peer_name, ReaderPlaceLocked(n.peer),
+                                              absl::Now() + options_.handshake_timeout});
+    if (asked > 0) return;  // its id is in the order already
     table_.early_read_order.push_back(tid);
     if (table_.early_read_order.size() > connector_internal::kMaxEarlyReleases) {
       const std::string oldest = std::move(table_.early_read_order.front());
       table_.early_read_order.pop_front();
-      auto e = table_.early_reads.find(oldest);
-      if (e != table_.early_reads.end()) {
-        const PeerId peer = e->second.peer;
-        table_.early_reads.erase(e);
+      auto [e, e_end] = table_.early_reads.equal_range(oldest);
+      std::vector<PeerId> refused;
+      for (auto x = e; x != e_end; ++x) refused.push_back(x->second.peer);
+      table_.early_reads.erase(e, e_end);
+      for (PeerId peer : refused) {
         RefuseReadLocked(peer, oldest, "too many read_starts for transfers not held here");
       }
     }
@@ -365,12 +398,81 @@ void Connector::Impl::OnReadStart(const InboxEvent& n, PeerMessage& m) {
                                                    tid, ", which is not a read-mode hand-off")));
     return;
   }
-  if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
+  Request::Reader* reader =
+      ClaimReaderLocked(*r, n.peer, n.peer_name, "read_start", ReaderPlaceLocked(n.peer));
+  if (reader == nullptr) return;
+  if (reader->done) {
+    RefuseReadLocked(n.peer, tid, "this reader released it already");
+    return;
+  }
   GrantReadLocked(*r, n.peer);
 }
 
+std::pair<int, int> Connector::Impl::ReaderPlaceLocked(PeerId peer) const {
+  auto pit = sessions_.peers.find(peer);
+  if (pit == sessions_.peers.end()) return {1, 0};
+  return connector_internal::ReaderPlace(pit->second.layout);
+}
+
+Connector::Impl::Request::Reader* Connector::Impl::ClaimReaderLocked(Request& r, PeerId peer,
+                                                                     const std::string& name,
+                                                                     const char* message,
+                                                                     std::pair<int, int> place) {
+  if (Request::Reader* known = r.FindReader(peer); known != nullptr) return known;
+  const int size = place.first, rank = place.second;
+  const int expected = r.readers_expected != 0 ? r.readers_expected : size;
+  absl::Status refused;
+  if (size > connector_internal::kMaxReaders || rank >= size) {
+    refused = absl::InvalidArgumentError(
+        absl::StrCat("its layout makes it decode rank ", rank, " of ", size, " (at most ",
+                     connector_internal::kMaxReaders, " may read one hand-off)"));
+  } else if (size != expected) {
+    refused = absl::FailedPreconditionError(absl::StrCat(
+        "its layout says ", size, " decode ranks read it, its first reader's ", expected));
+  } else if (static_cast<int>(r.readers.size()) >= expected ||
+             std::any_of(r.readers.begin(), r.readers.end(),
+                         [&](const Request::Reader& x) { return x.rank == rank; })) {
+    refused = absl::PermissionDeniedError("which is bound to another peer");
+  }
+  if (!refused.ok()) {
+    ClosePeerLocked(
+        peer, name,
+        absl::Status(refused.code(), absl::StrCat("connector message '", message, "' for transfer ",
+                                                  r.params.transfer_id, ", ", refused.message())));
+    return nullptr;
+  }
+  r.readers_expected = expected;
+  r.readers.push_back(Request::Reader{peer, rank, 0, false});
+  return &r.readers.back();
+}
+
+void Connector::Impl::ReaderDoneLocked(Request& r, PeerId peer, ReadEnd how,
+                                       const std::string& reason) {
+  Request::Reader* reader = r.FindReader(peer);
+  if (reader == nullptr || reader->done) return;  // a reader's first word on its read counts
+  reader->done = true;
+  if (how == ReadEnd::kRead) r.read = true;
+  if (how == ReadEnd::kUnread) r.unread = true;
+  if (how == ReadEnd::kFailed && r.reader_failure.empty()) r.reader_failure = reason;
+  // The blocks stay while a reader may read them and, unless the decode will not read them,
+  // until every one of its ranks has been heard from.
+  for (const Request::Reader& x : r.readers) {
+    if (!x.done) return;
+  }
+  if (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected) return;
+  if (!r.reader_failure.empty()) {
+    FailLocked(r, r.reader_failure);
+  } else if (r.read) {
+    CompleteLocked(r);
+  } else {
+    ReleaseUnreadLocked(r, peer, reason);
+  }
+}
+
 void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
-  if (r.grant == 0) {
+  Request::Reader* reader = r.FindReader(peer);
+  if (reader == nullptr) return;  // ClaimReaderLocked binds it first
+  if (reader->grant == 0) {
     const absl::Status scrubbed = ScrubUnfilledLocked(r);
     absl::StatusOr<std::vector<GrantRange>> ranges =
         scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
@@ -383,10 +485,11 @@ void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
       FailLocked(r, reason);
       return;
     }
-    r.grant = *grant;
+    reader->grant = *grant;
   }
   (void)SendMessage(
-      peer, json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", r.grant}});
+      peer,
+      json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", reader->grant}});
 }
 
 void Connector::Impl::RefuseReadLocked(PeerId peer, const std::string& tid,
@@ -429,18 +532,27 @@ absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const
 }
 
 void Connector::Impl::RevokeGrantLocked(Request& r) {
-  if (r.decode || r.grant == 0 || !r.peer) return;
-  const GrantId grant = std::exchange(r.grant, 0);
-  // NotFound: the peer closed, and the engine dropped its grants with it.
-  if (!engine_->Revoke(*r.peer, grant).ok()) return;
-  // A READ that began under the grant before the revocation may still be copying: the
-  // blocks go back to the scheduler only once it ended. The reader's release was preceded
-  // by WaitForServedOps already, so this returns at once unless the peer kept reading after
-  // its own release; bounded for a peer that keeps an op stalled.
+  if (r.decode) return;
+  std::vector<PeerId> revoked;
+  for (Request::Reader& reader : r.readers) {
+    const GrantId grant = std::exchange(reader.grant, 0);
+    // NotFound: the peer closed, and the engine dropped its grants with it.
+    if (grant != 0 && engine_->Revoke(reader.peer, grant).ok()) revoked.push_back(reader.peer);
+  }
+  // A READ that began under a grant before the revocation may still be copying: the blocks
+  // go back to the scheduler only once it ended. A reader's release was preceded by
+  // WaitForServedOps already, so this returns at once unless a peer kept reading after its
+  // own release; bounded (once for all readers) for peers that keep an op stalled.
   constexpr absl::Duration kRevokeWait = absl::Milliseconds(250);
-  if (absl::Status s = engine_->WaitForServedOps(*r.peer, kRevokeWait); !s.ok()) {
-    KVW_LOG(kWarning, kLog) << "a READ under a revoked grant is still served" << Kv("request", r.id)
-                            << Kv("peer", *r.peer) << Kv("error", s.message());
+  const absl::Time deadline = absl::Now() + kRevokeWait;
+  for (PeerId peer : revoked) {
+    if (absl::Status s =
+            engine_->WaitForServedOps(peer, std::max(absl::ZeroDuration(), deadline - absl::Now()));
+        !s.ok()) {
+      KVW_LOG(kWarning, kLog) << "a READ under a revoked grant is still served"
+                              << Kv("request", r.id) << Kv("peer", peer)
+                              << Kv("error", s.message());
+    }
   }
 }
 
@@ -480,7 +592,7 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
     // The reason is cut short: thousands of these may wait.
     connector_internal::RememberEarlyRelease(
         table_.early_releases, table_.early_release_order, tid,
-        EarlyRelease{n.peer, m.ok, m.unread, m.reason.substr(0, 256)});
+        EarlyRelease{n.peer, ReaderPlaceLocked(n.peer), m.ok, m.unread, m.reason.substr(0, 256)});
     return;
   }
   if (r->mode != KvMode::kRead) {
@@ -490,13 +602,15 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
                                                    ", which is not a read-mode hand-off")));
     return;
   }
-  if (!CheckBinding(*r, n.peer, n.peer_name, m, /*bind=*/true)) return;
+  if (ClaimReaderLocked(*r, n.peer, n.peer_name, "release", ReaderPlaceLocked(n.peer)) == nullptr) {
+    return;
+  }
   if (m.unread) {
-    ReleaseUnreadLocked(*r, n.peer, m.reason);
+    ReaderDoneLocked(*r, n.peer, ReadEnd::kUnread, m.reason);
   } else if (m.ok) {
-    CompleteLocked(*r);
+    ReaderDoneLocked(*r, n.peer, ReadEnd::kRead, "");
   } else {
-    FailLocked(*r, absl::StrCat("reader failed: ", m.reason));
+    ReaderDoneLocked(*r, n.peer, ReadEnd::kFailed, absl::StrCat("reader failed: ", m.reason));
   }
 }
 
@@ -571,6 +685,12 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
   bool bound_elsewhere = load == LoadResult::kBoundElsewhere;
   const std::string& tid = m.transfer_id;
   if (Request* r = FindByTransfer(tid); r != nullptr) {
+    if (!r->decode && r->mode == KvMode::kRead) {
+      // A read-mode hold: its readers release (a "fail" of theirs changes nothing); anyone
+      // else is refused once it has readers.
+      if (r->FindReader(n.peer) == nullptr && !r->readers.empty()) RefuseBoundElsewhere(n, m);
+      return;
+    }
     std::optional<PeerId> bound = r->peer;
     if (!bound) {
       auto e = pushes_.early_writes.find(tid);
@@ -600,7 +720,7 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
     // (MaybeSendLayersLocked) instead of holding its blocks until request_timeout.
     connector_internal::RememberEarlyRelease(
         table_.early_releases, table_.early_release_order, tid,
-        EarlyRelease{n.peer, false, true, m.reason.substr(0, 256)});
+        EarlyRelease{n.peer, {1, 0}, false, true, m.reason.substr(0, 256)});
     return;
   }
   if (bound_elsewhere) RefuseBoundElsewhere(n, m);
@@ -803,8 +923,12 @@ void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const st
                      [&](const PendingHello& h) { return h.peer == peer; }),
       sessions_.pending_hellos.end());
   cv_.SignalAll();
-  std::vector<std::string> ids;
+  std::vector<std::string> ids, read_holds;
   for (auto& [id, r] : table_.requests) {
+    if (!r.decode && r.mode == KvMode::kRead) {
+      if (r.FindReader(peer) != nullptr) read_holds.push_back(id);
+      continue;
+    }
     bool bound = r.peer == peer;
     for (const auto& [source, tid] : r.tp_sources) bound = bound || source == peer;
     if (bound) ids.push_back(id);
@@ -816,6 +940,14 @@ void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const st
     // Not marked abort_sent: other sources of a multi-rank read still get their release
     // (TellPeer skips dead peers).
     FailLocked(r, absl::StrCat("peer ", name, " died: ", reason));
+  }
+  // A held hand-off's other readers may still be reading: this one is done, failed. (Its
+  // grant is revoked with the others': a peer closed here is disconnected only later.)
+  for (const std::string& id : read_holds) {
+    auto it = table_.requests.find(id);
+    if (it == table_.requests.end()) continue;
+    ReaderDoneLocked(it->second, peer, ReadEnd::kFailed,
+                     absl::StrCat("peer ", name, " died: ", reason));
   }
 }
 

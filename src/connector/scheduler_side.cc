@@ -243,32 +243,39 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   engine_->PublishMemory();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
-  if (auto e = table_.early_reads.find(p.transfer_id); e != table_.early_reads.end()) {
-    // The reader asked before this hold: bound to it and granted now.
-    const PeerId reader = e->second.peer;
-    table_.early_reads.erase(e);
-    Request& held = table_.requests[req_id];
-    if (PeerAlive(reader)) {
-      held.peer = reader;
-      GrantReadLocked(held, reader);
+  // Readers that asked before this hold (a decode with tensor parallelism: several): bound
+  // to it and granted now, in turn. A failed grant ends the hold (the rest find it gone).
+  std::vector<EarlyRead> asked;
+  for (auto [e, end] = table_.early_reads.equal_range(p.transfer_id); e != end; ++e) {
+    asked.push_back(std::move(e->second));
+  }
+  table_.early_reads.erase(p.transfer_id);
+  for (const EarlyRead& e : asked) {
+    auto held = table_.requests.find(req_id);
+    if (held == table_.requests.end()) break;
+    if (!PeerAlive(e.peer)) continue;
+    if (ClaimReaderLocked(held->second, e.peer, e.name, "read_start", e.place) != nullptr) {
+      GrantReadLocked(held->second, e.peer);
     }
   }
-  if (auto e = table_.early_releases.find(p.transfer_id); e != table_.early_releases.end()) {
-    // The reader was done before this hold: it is bound to that reader and ends now
-    // (GetFinished reports it as sent).
-    Request& held = table_.requests[req_id];
-    held.peer = e->second.peer;
-    const bool ok = e->second.ok;
-    const bool unread = e->second.unread;
-    const PeerId reader = e->second.peer;
-    const std::string reason = e->second.reason;
-    table_.early_releases.erase(e);
-    if (unread) {
-      ReleaseUnreadLocked(held, reader, reason);
-    } else if (ok) {
-      CompleteLocked(held);
+  // Readers that were done before this hold: bound to it and done now; the hold ends when
+  // that leaves no reader to wait for (GetFinished reports it as sent).
+  std::vector<EarlyRelease> released;
+  for (auto [e, end] = table_.early_releases.equal_range(p.transfer_id); e != end; ++e) {
+    released.push_back(std::move(e->second));
+  }
+  table_.early_releases.erase(p.transfer_id);
+  for (const EarlyRelease& e : released) {
+    auto held = table_.requests.find(req_id);
+    if (held == table_.requests.end()) break;
+    Request& h = held->second;
+    if (ClaimReaderLocked(h, e.peer, "", "release", e.place) == nullptr) continue;
+    if (e.unread) {
+      ReaderDoneLocked(h, e.peer, ReadEnd::kUnread, e.reason);
+    } else if (e.ok) {
+      ReaderDoneLocked(h, e.peer, ReadEnd::kRead, "");
     } else {
-      FailLocked(held, absl::StrCat("reader failed: ", reason));
+      ReaderDoneLocked(h, e.peer, ReadEnd::kFailed, absl::StrCat("reader failed: ", e.reason));
     }
   }
   KVW_LOG(kDebug, kLog) << "holding blocks for reader" << Kv("request", req_id)

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <boost/asio/executor_work_guard.hpp>
@@ -211,6 +212,11 @@ class Engine::Impl final : public transport::TargetHooks {
 
   mutable Mutex stats_mu_;
   EngineStats stats_ ABSL_GUARDED_BY(stats_mu_);
+  // Bytes of completed transfers by the transport that moved them ({READ, WRITE} per
+  // transport name): a peer's ops may take another transport than its first choice (a
+  // grant-guarded region goes over one that checks grants). Stats(): "bytes_by_transport".
+  std::map<std::string, std::pair<uint64_t, uint64_t>> bytes_by_transport_
+      ABSL_GUARDED_BY(stats_mu_);
 
   std::atomic<bool> stopping_{false};
   std::thread reaper_;

@@ -45,6 +45,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // Remote side: exported to us, permission, bounds; and the route (src/core/route.h).
   std::shared_ptr<transport::Channel> channel;
   const transport::Capabilities* caps = nullptr;
+  size_t route_index = 0;
   uint32_t lanes = 1;
   bool remote_gpu = false;
   {
@@ -92,6 +93,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
         core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
     if (!route.ok()) return route.status();
     channel = peer->channels[*route];
+    route_index = *route;
     caps = caps_[*route];
     lanes = peer->lanes[*route];
   }
@@ -117,6 +119,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   info.count_arrivals = kind == OpKind::kWrite && options.notification && caps->counts_arrivals;
   info.start = absl::Now();
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
+  info.transport = static_cast<int>(route_index);
   std::vector<std::shared_ptr<const void>> pin_list;
   for (auto& [region, pin] : pins) {
     info.local_regions.push_back(region);
@@ -194,6 +197,10 @@ void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status&
     if (status.ok()) {
       ++stats_.transfers_succeeded;
       (info.kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) += info.bytes;
+      if (info.transport >= 0 && static_cast<size_t>(info.transport) < caps_.size()) {
+        std::pair<uint64_t, uint64_t>& moved = bytes_by_transport_[caps_[info.transport]->name];
+        (info.kind == OpKind::kRead ? moved.first : moved.second) += info.bytes;
+      }
       stats_.transfer_latency.Add(us);
     } else {
       ++stats_.transfers_failed;

@@ -39,6 +39,7 @@ struct TransferInfo {
   bool count_arrivals = false;
   absl::Time start;
   absl::Time deadline;
+  int transport = -1;  // the index in Engine::Impl::transports_ it was routed over
 };
 
 // What happened when a transfer's last lane finished.

@@ -812,6 +812,117 @@ TEST_P(ConnectorTest, DecodeReadsHeadsFromTwoPrefillRanks) {
   }
 }
 
+// Tensor parallelism the other way: prefill on one rank (all 8 KV heads), decode on two
+// (4 each, or the whole replicated page of an MLA-style cache on each): both decode engines
+// read their part of the one prefill rank's hand-off, byte for byte against the source heads.
+// The hand-off has two readers (the decode's tensor-parallel size, from its layout), each with
+// its own grant: the blocks stay until both released, a third engine that knows the transfer
+// id and claims a rank already bound is refused (closed), and a reader's failure ends its own
+// read only.
+TEST_P(ConnectorTest, TwoDecodeRanksReadOnePrefillRank) {
+  int n = 0;
+  for (const std::string kind : {"mha-tp", "mha-hnd-tp", "deepseek-v3@tp"}) {
+    SCOPED_TRACE(kind);
+    const bool mla = kind == "deepseek-v3@tp";
+    const uint64_t blocks = mla ? 16 : 48;
+    const SimSetup s{kind + ":1:0", blocks, 2};
+    auto p = Prefill(s, "auto", 60000, "", "prefill-tp1");
+    Decode d0(transport(), SimSetup{kind + ":2:0", blocks, 2}, KvMode::kAuto, absl::Seconds(60),
+              "decode", "decode-r0");
+    Decode d1(transport(), SimSetup{kind + ":2:1", blocks, 2}, KvMode::kAuto, absl::Seconds(60),
+              "decode", "decode-r1");
+    const uint64_t max = MaxTokens(d0.cache->layout(), blocks);
+    auto handoff = [&](const std::string& id, uint64_t tokens) {
+      p->Send(absl::StrCat("req ", id, " ", tokens, " read - all"));
+      auto line = p->Expect("PARAMS " + id + " ");
+      EXPECT_TRUE(line.ok()) << line.status();
+      return line.ok() ? line->substr(8 + id.size()) : std::string();
+    };
+    auto verify = [&](Decode& d, const std::string& id, uint64_t tokens, uint64_t cached) {
+      EXPECT_EQ(d.cache->Verify(id, d.cache->live().at(id), tokens, cached), "");
+      d.cache->Release(id);
+    };
+    for (auto [tokens, cached] :
+         std::vector<std::pair<uint64_t, uint64_t>>{{1, 0}, {17, 0}, {300, 0}, {700, 129}}) {
+      tokens = std::min(tokens, max);
+      cached = std::min(cached, tokens - 1);
+      const std::string id = absl::StrCat("tp", ++n);
+      SCOPED_TRACE(absl::StrCat(id, " tokens=", tokens, " cached=", cached));
+      const std::string params = handoff(id, tokens);
+      if (n % 2 == 1) {
+        // One rank after the other: the first one's release leaves the blocks held.
+        auto r0 = d0.Load(id, params, tokens, cached);
+        ASSERT_TRUE(r0.ok()) << r0.status();
+        ASSERT_EQ(*r0, "");
+        verify(d0, id, tokens, cached);
+        auto early = p->Expect("FREED " + id, absl::Milliseconds(500));
+        EXPECT_FALSE(early.ok()) << "freed with one of its two readers still to read";
+        auto r1 = d1.Load(id, params, tokens, cached);
+        ASSERT_TRUE(r1.ok()) << r1.status();
+        ASSERT_EQ(*r1, "");
+        verify(d1, id, tokens, cached);
+      } else {
+        // Both at once.
+        ASSERT_TRUE(d1.Start(id, params, tokens, cached).ok());
+        ASSERT_TRUE(d0.Start(id, params, tokens, cached).ok());
+        for (Decode* d : {&d0, &d1}) {
+          auto r = d->WaitDone(id);
+          ASSERT_TRUE(r.ok()) << r.status();
+          ASSERT_EQ(*r, "");
+          verify(*d, id, tokens, cached);
+        }
+      }
+      ASSERT_TRUE(p->Expect("FREED " + id).ok());
+    }
+    {
+      // A third engine with the transfer id, claiming rank 0 while rank 0 reads: closed, its
+      // load fails, and the two readers load byte-exact.
+      const std::string id = absl::StrCat("tp", ++n);
+      const uint64_t tokens = std::min<uint64_t>(300, max);
+      const std::string params = handoff(id, tokens);
+      ASSERT_TRUE(d0.Start(id, params, tokens, 0).ok());
+      Decode intruder(transport(), SimSetup{kind + ":2:0", blocks, 2}, KvMode::kAuto,
+                      absl::Seconds(60), "decode", "intruder");
+      auto ri = intruder.Load(id, params, tokens, 0);
+      ASSERT_TRUE(ri.ok()) << ri.status();
+      EXPECT_NE(ri->find("bound to another peer"), std::string::npos) << *ri;
+      auto r0 = d0.WaitDone(id);
+      ASSERT_TRUE(r0.ok()) << r0.status();
+      ASSERT_EQ(*r0, "");
+      verify(d0, id, tokens, 0);
+      auto r1 = d1.Load(id, params, tokens, 0);
+      ASSERT_TRUE(r1.ok()) << r1.status();
+      ASSERT_EQ(*r1, "");
+      verify(d1, id, tokens, 0);
+      ASSERT_TRUE(p->Expect("FREED " + id).ok());
+    }
+    {
+      // Rank 1 fails before it reads (its copy of the params lacks the last block, so it
+      // cannot plan, and its release says so): rank 0 still reads byte-exact, and the
+      // hand-off ends once both were heard from.
+      const std::string id = absl::StrCat("tp", ++n);
+      const uint64_t tokens = std::min<uint64_t>(300, max);
+      const std::string params = handoff(id, tokens);
+      auto bad = KvTransferParams::FromJson(params);
+      ASSERT_TRUE(bad.ok()) << bad.status();
+      for (auto& [group, ids] : bad->block_ids) ids.pop_back();
+      auto r1 = d1.Load(id, bad->ToJson(), tokens, 0);
+      ASSERT_TRUE(r1.ok()) << r1.status();
+      EXPECT_NE(r1->find("lacks logical block"), std::string::npos) << *r1;
+      auto early = p->Expect("FREED " + id, absl::Milliseconds(500));
+      EXPECT_FALSE(early.ok()) << "freed by one reader's failure while the other reads";
+      auto r0 = d0.Load(id, params, tokens, 0);
+      ASSERT_TRUE(r0.ok()) << r0.status();
+      ASSERT_EQ(*r0, "");
+      verify(d0, id, tokens, 0);
+      ASSERT_TRUE(p->Expect("FREED " + id).ok());
+    }
+    d0.ExpectClean();
+    d1.ExpectClean();
+    ExpectPrefillClean(*p);
+  }
+}
+
 // Role "both" (the default): one instance is prefill for one request and decode for the next,
 // in both directions between two such instances, byte for byte, and both end clean.
 TEST_P(ConnectorTest, RoleBothServesAsPrefillAndAsDecode) {

@@ -41,8 +41,25 @@ inline uint64_t HashStr(const std::string& s) {
 
 // "random:<seed>" gives a random layout of 1-4 groups over 1-6 layers; "mha-tp:<size>:<rank>"
 // (or "mha-hnd-tp:...", heads outside tokens in a page) a small MHA layout of one
-// tensor-parallel rank; else a preset name.
+// tensor-parallel rank; "<preset>@tp:<size>:<rank>" a preset whose (replicated) groups name
+// that tensor-parallel place; else a preset name.
 inline absl::StatusOr<Layout> MakeLayout(const std::string& spec) {
+  if (const size_t at = spec.find("@tp:"); at != std::string::npos) {
+    absl::StatusOr<Layout> l = PresetLayout(spec.substr(0, at));
+    if (!l.ok()) return l.status();
+    const std::string rest = spec.substr(at + 4);
+    const size_t colon = rest.find(':');
+    int size = 0, rank = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(rest.substr(0, colon), &size) ||
+        !absl::SimpleAtoi(rest.substr(colon + 1), &rank)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad layout spec ", spec));
+    }
+    for (CacheGroup& g : l->groups) {
+      g.heads.tp_size = size;
+      g.heads.tp_rank = rank;
+    }
+    return l;
+  }
   for (const char* prefix : {"mha-tp:", "mha-hnd-tp:"}) {
     if (spec.rfind(prefix, 0) != 0) continue;
     const std::string rest = spec.substr(std::string(prefix).size());

@@ -118,7 +118,13 @@ TEST_F(EngineStatsOutputTest, JsonCarriesEveryPinnedField) {
   const nlohmann::json j = nlohmann::json::parse(b_->Stats().ToJson());
   std::map<std::string, nlohmann::json> leaves;
   Flatten(j, "", &leaves);
-  const std::set<std::string> expected = {"bytes_read",
+  const std::set<std::string> expected = {"bytes_by_transport.rdma_read",
+                                          "bytes_by_transport.rdma_written",
+                                          "bytes_by_transport.shm_read",
+                                          "bytes_by_transport.shm_written",
+                                          "bytes_by_transport.tcp_read",
+                                          "bytes_by_transport.tcp_written",
+                                          "bytes_read",
                                           "bytes_written",
                                           "control.connections",
                                           "control.handshakes_failed",
@@ -181,6 +187,11 @@ TEST_F(EngineStatsOutputTest, JsonCarriesEveryPinnedField) {
   // The values travel: what this test moved, and zeros for what it did not use.
   EXPECT_EQ(leaves["bytes_written"], kBytes);
   EXPECT_EQ(leaves["bytes_read"], kBytes);
+  // ... and over which transport they moved.
+  EXPECT_EQ(leaves["bytes_by_transport.tcp_read"], kBytes);
+  EXPECT_EQ(leaves["bytes_by_transport.tcp_written"], kBytes);
+  EXPECT_EQ(leaves["bytes_by_transport.shm_read"], 0);
+  EXPECT_EQ(leaves["bytes_by_transport.rdma_written"], 0);
   EXPECT_EQ(leaves["transfers_succeeded"], 2);
   EXPECT_EQ(leaves["rdma.work_requests"], 0);
   EXPECT_EQ(leaves["gpu.tcp_staged_bytes"], 0);
@@ -220,6 +231,8 @@ TEST_F(EngineStatsOutputTest, PrometheusCarriesEveryPinnedMetric) {
       {"kvwire_ops_submitted_total", "counter"},
       {"kvwire_peer_info", "gauge"},
       {"kvwire_rdma_async_events_total", "counter"},
+      {"kvwire_rdma_bytes_read_total", "counter"},
+      {"kvwire_rdma_bytes_written_total", "counter"},
       {"kvwire_rdma_completion_errors_total", "counter"},
       {"kvwire_rdma_inline_total", "counter"},
       {"kvwire_rdma_post_calls_total", "counter"},
@@ -227,6 +240,10 @@ TEST_F(EngineStatsOutputTest, PrometheusCarriesEveryPinnedMetric) {
       {"kvwire_rdma_queued_total", "counter"},
       {"kvwire_rdma_signalled_total", "counter"},
       {"kvwire_rdma_work_requests_total", "counter"},
+      {"kvwire_shm_bytes_read_total", "counter"},
+      {"kvwire_shm_bytes_written_total", "counter"},
+      {"kvwire_tcp_bytes_read_total", "counter"},
+      {"kvwire_tcp_bytes_written_total", "counter"},
       {"kvwire_tcp_data_connections", "gauge"},
       {"kvwire_tcp_hello_refused_total", "counter"},
       {"kvwire_tcp_hello_timeouts_total", "counter"},
@@ -239,6 +256,9 @@ TEST_F(EngineStatsOutputTest, PrometheusCarriesEveryPinnedMetric) {
   };
   EXPECT_EQ(e.types, expected);
   EXPECT_EQ(e.values.at("kvwire_bytes_written_total"), kBytes);
+  EXPECT_EQ(e.values.at("kvwire_tcp_bytes_written_total"), kBytes);
+  EXPECT_EQ(e.values.at("kvwire_tcp_bytes_read_total"), kBytes);
+  EXPECT_EQ(e.values.at("kvwire_shm_bytes_written_total"), 0);
   EXPECT_EQ(e.values.at("kvwire_rdma_work_requests_total"), 0);
   EXPECT_EQ(e.values.at("kvwire_gpu_tcp_staged_bytes_total"), 0);
   EXPECT_EQ(e.values.at("kvwire_transfer_latency_seconds_count"), 2);
