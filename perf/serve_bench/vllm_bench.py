@@ -135,7 +135,7 @@ def vllm_command(args, base: str, model: str, conc: int, num: int, result_dir: s
             "--num-prompts", str(num), "--max-concurrency", str(conc), "--request-rate", "inf",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--seed", str(args.seed), "--label", label, "--disable-tqdm", "--save-result",
-            "--result-dir", result_dir, "--result-filename", result_file]
+            "--save-detailed", "--result-dir", result_dir, "--result-filename", result_file]
 
 
 def run_vllm(args, base: str, model: str, conc: int, num: int, tag: str, log) -> dict:
@@ -150,7 +150,18 @@ def run_vllm(args, base: str, model: str, conc: int, num: int, tag: str, log) ->
     if p.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited {p.returncode} (see {log.name})")
     with open(os.path.join(args.out, result_file)) as f:
-        return json.load(f)
+        r = json.load(f)
+    # --save-detailed for the errors; the per-request lists stay in that file only.
+    causes: dict[str, int] = {}
+    for e in r.get("errors") or []:
+        if e:
+            c = bench_serve.error_cause(e.strip().splitlines()[-1] if e.strip() else e)
+            causes[c] = causes.get(c, 0) + 1
+    for k in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+              "queue_times", "generated_texts", "errors"):
+        r.pop(k, None)
+    r["errors_by_cause"] = causes
+    return r
 
 
 def settle(instances: list[str], timeout_s: float) -> list[dict]:
@@ -205,6 +216,8 @@ def run_config(name: str, args, weights: str, model: str) -> list[dict]:
                          input_len=args.input_len, output_len=args.output_len,
                          threads_total=args.threads_total, num_blocks=blocks,
                          max_requests=max_req, wall_s=time.monotonic() - t0)
+                for cause, count in r["errors_by_cause"].items():
+                    print(f"  {count} x {cause}", flush=True)
                 print(f"{label}: vllm bench serve: {r['completed']} ok, {r['failed']} failed, "
                       f"{r['output_throughput']:.1f} tok/s, TTFT {r['median_ttft_ms']:.0f} ms, "
                       f"TPOT {r['median_tpot_ms']:.1f} ms, blocks in use after "
@@ -299,6 +312,10 @@ def write_doc(path: str, png_rel: str, args, command: str, before: str, after: s
               vllm_version: str) -> None:
     failed = sum(r["failed"] for r in results)
     leaked = sum(r["leaked_blocks"] for r in results)
+    errors: dict[str, int] = {}
+    for r in results:
+        for c, n in r.get("errors_by_cause", {}).items():
+            errors[c] = errors.get(c, 0) + n
     cfg = os.path.basename(args.config)
     scale = (f"`{cfg}` with `max_seq_len` raised to {args.max_seq_len} to hold "
              f"{args.input_len} + {args.output_len} tokens (nothing else changed)"
@@ -339,7 +356,7 @@ pinned in constraints.txt). Regenerate with (`make serve-bench-vllm`, `VLLM_BENC
 {"".join(f"- Note: {n}{chr(10)}" for n in notes)}
 ## Results
 
-{sum(r['completed'] + r['failed'] for r in results)} requests, {failed} failed, {leaked} KV
+{sum(r['completed'] + r['failed'] for r in results)} requests, {failed} failed{"" if not errors else " (" + "; ".join(f"{n} x {c}" for c, n in errors.items()) + ")"}, {leaked} KV
 blocks still in use on the instances after the runs (each run waits up to
 {args.settle_timeout:g} s for every instance to return to zero).
 
