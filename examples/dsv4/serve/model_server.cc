@@ -25,6 +25,7 @@
 #include "examples/dsv4/serve/http_server.h"
 #include "examples/dsv4/serve/request_check.h"
 #include "examples/dsv4/serve/sampler.h"
+#include "examples/dsv4/serve/transfer_report.h"
 #include "kvwire/connector.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
@@ -940,28 +941,17 @@ class ModelServer::Impl {
     const absl::Time waited_from = std::max(a.claimed, a.load_start);
     const double wait_ms = a.load_end > waited_from ? Ms(a.load_end - waited_from) : 0.0;
     load_wait_us_ += static_cast<uint64_t>(wait_ms * 1000);
-    a.transfer = TransferStats(a);
+    a.transfer = TransferJson(*connector_, a.id, a.transfer_id, a.peer);
     a.transfer["load_wait_ms"] = wait_ms;
     if (a.transfer.value("mode", "") == "write") {
-      // The plan lives on the prefill side; both layouts are the same, so the bytes and pages
-      // follow from this side's. The transfer overlaps prefill's compute: what counts is the
-      // tail after prefill's last layer.
-      absl::StatusOr<kvwire::TransferPlan> plan = kvwire::PlanTransfer(
-          cache_->layout(), a.blocks, cache_->layout(), a.blocks, KvTokens(a.prompt.size()));
-      if (plan.ok()) {
-        a.transfer["bytes"] = plan->bytes;
-        a.transfer["pages"] = plan->ops_before_merge;
-        a.transfer.erase("ops");
-        a.transfer.erase("gbps");
-      }
-      if (a.req.prefill_computed_unix_us) {
-        const absl::Time computed = absl::FromUnixMicros(*a.req.prefill_computed_unix_us);
-        // Negative: the last layer had landed before prefill's Forward returned (the final
-        // norm and the logits come after it).
-        a.transfer["tail_ms"] = Ms(a.load_end - computed);
-      }
+      // The transfer overlaps prefill's compute: what counts is the tail after its last layer.
+      AddWriteModeTransfer(cache_->layout(), a.blocks, KvTokens(a.prompt.size()),
+                           a.req.prefill_computed_unix_us, a.load_end, a.transfer);
     }
-    if (options_.corrupt_kv_page) a.corrupted = CorruptOnePage(a);
+    if (options_.corrupt_kv_page) {
+      // The last page that moved (the last prompt token's may not have).
+      a.corrupted = CorruptLastMovedSwaPage(*cache_, a.blocks, KvTokens(a.prompt.size()), a.id);
+    }
     a.decode_start = absl::Now();
     // The last prompt token again, over the KV that moved: its logits give the first token.
     const uint64_t last = a.prompt.size() - 1;
@@ -973,55 +963,6 @@ class ModelServer::Impl {
       return Finish(a);
     }
     Emit(a, a.sampler->Next(*logits, a.out));
-  }
-
-  json TransferStats(const Active& a) const {
-    json out = {{"request_id", a.id}, {"transfer_id", a.transfer_id}, {"peer", a.peer}};
-    json stats = json::parse(connector_->StatsJson(), nullptr, false);
-    if (!stats.is_discarded() && stats.contains("requests")) {
-      for (const json& r : stats["requests"]) {
-        if (r.value("request_id", "") != a.id) continue;
-        uint64_t bytes = 0, pages = 0, ops = 0;
-        for (const auto& [g, c] : r["groups"].items()) {
-          bytes += c.value("bytes", uint64_t{0});
-          pages += c.value("ops_before_merge", uint64_t{0});
-          ops += c.value("ops", uint64_t{0});
-        }
-        const double first = r.value("first_byte_us", -1.0), last = r.value("last_byte_us", -1.0);
-        const double ms = first >= 0 && last >= first ? (last - first) / 1e3 : 0.0;
-        out["mode"] = r.value("mode", "");
-        out["bytes"] = bytes;
-        out["pages"] = pages;
-        out["ops"] = ops;
-        out["transfer_ms"] = ms;
-        out["gbps"] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0.0;
-      }
-    }
-    for (const kvwire::PeerInfo& p : connector_->engine().Peers()) {
-      if ((p.address == a.peer || p.name == a.peer) && p.alive) out["transport"] = p.transport;
-    }
-    return out;
-  }
-
-  // Fault injection: flips the sign of every fp8 NoPE value of the most recent SWA page of
-  // the first layer (in the window, so the next token attends to it).
-  bool CorruptOnePage(const Active& a) {
-    const kvwire::CacheGroup* g = cache_->layout().FindGroup("swa_kv");
-    if (g == nullptr || g->layers.empty()) return false;
-    const auto it = a.blocks.find("swa_kv");
-    // The last page that moved (the last prompt token's may not have).
-    const uint64_t logical = (KvTokens(a.prompt.size()) - 1) / g->tokens_per_block;
-    if (it == a.blocks.end() || logical >= it->second.size()) return false;
-    uint8_t* page = cache_->Page("swa_kv", g->layers[0], it->second[logical]);
-    if (page == nullptr) return false;
-    const uint64_t entries = g->entries_per_block();
-    for (uint64_t e = 0; e < entries; ++e) {
-      for (uint64_t b = 0; b < 448; ++b) page[e * 576 + b] ^= 0x80;
-    }
-    KVW_LOG(kWarning, kLog) << "fault injection: corrupted a received KV page"
-                            << Kv("request", a.id) << Kv("layer", g->layers[0])
-                            << Kv("block", it->second[logical]);
-    return true;
   }
 
   // --- local generation ---------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <list>
 #include <map>
 #include <optional>
+#include <random>
 #include <system_error>
 #include <thread>
 
@@ -101,6 +102,16 @@ absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
   return a;
 }
 
+// The query of a choice's request to the router itself: kChoiceQuery and the token.
+constexpr char kChoiceQuery[] = "kvwire_choice=";
+
+std::string RandomToken() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
+  return out;
+}
+
 }  // namespace
 
 class Router::Impl {
@@ -186,6 +197,7 @@ class Router::Impl {
     }
     // Upstream calls block: each request gets a thread.
     std::function<void()> work;
+    int cost = 1;  // requests in flight it counts as (a request with n choices: n)
     if (r.method == "GET" && path == "/v1/models") {
       work = [this, resp] { Models(resp); };
     } else {
@@ -208,14 +220,24 @@ class Router::Impl {
         return;
       }
       if (req->sampling.n > 1) {
-        // choices.h: one whole hand-off per choice, through this router.
-        work = [this, body = *std::move(body), n = req->sampling.n, stream = req->stream, path,
-                resp] {
-          RunChoices(absl::StrCat(options_.host, ":", port_.load()), path, body, n, stream, *resp,
+        // choices.h: one whole hand-off per choice, through this router. The n choices are
+        // the request's cost against --max-inflight, reserved here; their requests to this
+        // router carry the choice token and count no more.
+        const int n = req->sampling.n;
+        if (n > options_.max_inflight) {
+          resp->Error(400, absl::StrCat("'n' (", n, ") is more than this router's requests in ",
+                                        "flight (--max-inflight ", options_.max_inflight, ")"));
+          return;
+        }
+        cost = n;
+        work = [this, body = *std::move(body), n, stream = req->stream,
+                target = absl::StrCat(path, "?", kChoiceQuery, choice_token_), resp] {
+          RunChoices(absl::StrCat(options_.host, ":", port_.load()), target, body, n, stream, *resp,
                      absl::Now() + options_.timeout,
                      [this, resp] { return Stopping() || resp->closed(); });
         };
       } else {
+        if (IsChoiceOfThisRouter(r.target)) cost = 0;  // reserved by its parent request
         work = [this, body = *std::move(body), stream = req->stream, endpoint, resp]() mutable {
           ProxyGuarded(std::move(body), stream, endpoint, resp);
         };
@@ -226,7 +248,7 @@ class Router::Impl {
       resp->Error(503, "router is shutting down");
       return;
     }
-    if (inflight_.load() >= options_.max_inflight) {
+    if (cost > 0 && inflight_.load() + cost > options_.max_inflight) {
       resp->ErrorRetryAfter(
           503, absl::StrCat("too many requests in flight (", options_.max_inflight, ")"),
           absl::Seconds(1));
@@ -240,19 +262,19 @@ class Router::Impl {
         ++it;
       }
     }
-    ++inflight_;
+    inflight_ += cost;
     auto done = std::make_shared<std::atomic<bool>>(false);
     try {
-      workers_.push_back({std::thread([this, work = std::move(work), resp, done]() mutable {
+      workers_.push_back({std::thread([this, work = std::move(work), resp, done, cost]() mutable {
                             work();
                             work = nullptr;
                             resp.reset();  // the answer is queued before the thread counts as done
-                            --inflight_;
+                            inflight_ -= cost;
                             done->store(true);
                           }),
                           done});
     } catch (const std::system_error& e) {
-      --inflight_;
+      inflight_ -= cost;
       resp->Error(503, absl::StrCat("cannot start a request thread: ", e.what()));
     }
   }
@@ -272,6 +294,14 @@ class Router::Impl {
         resp->Error(500, absl::StrCat("internal error: ", e.what()));
       }
     }
+  }
+
+  // A choice's request that this router sent itself (RunChoices): its target's query is
+  // this process's choice token, which no client can know.
+  bool IsChoiceOfThisRouter(const std::string& target) const {
+    const size_t q = target.find('?');
+    return q != std::string::npos &&
+           target.compare(q + 1, std::string::npos, absl::StrCat(kChoiceQuery, choice_token_)) == 0;
   }
 
   bool Stopping() {
@@ -629,6 +659,8 @@ class Router::Impl {
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_address_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> inflight_{0};
+  // Marks the choices' requests to this router (IsChoiceOfThisRouter): 128 random bits.
+  const std::string choice_token_ = RandomToken();
   std::atomic<uint64_t> ok_{0}, errors_{0}, client_gone_{0}, too_large_{0};
   std::unique_ptr<InstanceSet> instances_;  // outlives the request threads (joined first)
 };

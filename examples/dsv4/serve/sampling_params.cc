@@ -63,8 +63,7 @@ void ParseSamplingParams(JsonFields& f, const json& body, Endpoint endpoint, int
   }
   p.n = static_cast<int>(f.OptInt("n", 1, kMaxChoices, p.n));
   if (f.ok() && p.n > 1 && p.greedy()) {
-    f.Fail("n", "must be 1 when sampling is greedy (temperature 0, the default here)",
-           body.at("n"));
+    f.Fail("n", "must be 1 when sampling is greedy (temperature 0)", body.at("n"));
   }
   p.tokens_as_ids = f.OptBool("return_tokens_as_token_ids", p.tokens_as_ids);
   if (endpoint == Endpoint::kChat) {

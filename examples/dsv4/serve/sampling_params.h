@@ -2,8 +2,9 @@
 // and bounds (vllm/sampling_params.py and vllm/entrypoints/openai/protocol.py):
 //
 //   temperature in [0, 2]: 0 is greedy (top_p, top_k and min_p then do nothing), one in
-//     (0, 0.01) is raised to 0.01. Unset: greedy, these servers' default (vLLM's is the model's
-//     generation config, else 1.0).
+//     (0, 0.01) is raised to 0.01. Unset (or null): 1.0, as vLLM's OpenAI server when the
+//     model's generation config names none (the reference engine's configs name none), so a
+//     client that wants greedy output says "temperature": 0.
 //   top_p in (0, 1]; top_k -1 or 0 (off) or >= 1; min_p in [0, 1]
 //   presence_penalty and frequency_penalty in [-2, 2] (over the generated tokens);
 //   repetition_penalty > 0 (over the prompt and the generated tokens; 1: off)
@@ -16,6 +17,7 @@
 //     The values are the model's own distribution (vLLM's default raw_logprobs), before
 //     temperature, penalties and filters. The server bounds the count (--max-logprobs, 20).
 //   n in [1, kMaxChoices] choices (choices.h), more than one only when sampling (not greedy);
+//     a router counts a request with n choices as n requests in flight;
 //   echo (completions): the prompt is prepended to the text.
 //
 // A prefill of a disaggregated request (kv_transfer_params.do_remote_decode) computes one
@@ -38,13 +40,16 @@ inline constexpr double kGreedyTemperature = 1e-5;
 // A temperature above 0 and below this is raised to it (vLLM's _MAX_TEMP); 2 is the most.
 inline constexpr double kMinSamplingTemperature = 1e-2;
 inline constexpr double kMaxTemperature = 2.0;
+// The temperature of a request that names none (vLLM's OpenAI default).
+inline constexpr double kDefaultTemperature = 1.0;
 // vLLM's default --max-logprobs.
 inline constexpr int kDefaultMaxLogprobs = 20;
 // The most choices one request may ask for (each costs a whole generation).
 inline constexpr int kMaxChoices = 16;
 
 struct SamplingParams {
-  double temperature = 0.0;  // the servers' default: greedy
+  // vLLM's default (its _DEFAULT_SAMPLING_PARAMS) when the model names none.
+  double temperature = kDefaultTemperature;
   double top_p = 1.0;
   int64_t top_k = 0;  // 0 or -1: off
   double min_p = 0.0;

@@ -327,8 +327,9 @@ TEST(Abuse, TokenIdPromptsCountForAdmission) {
 
   absl::StatusOr<CompletionResult> stream = absl::UnknownError("not run");
   std::thread streamer([&] {
-    stream = Complete(*router, {{"prompt", "Hello"}, {"max_tokens", 1200}, {"stream", true}},
-                      absl::Seconds(240));
+    stream = Complete(
+        *router, {{"prompt", "Hello"}, {"max_tokens", 1200}, {"temperature", 0}, {"stream", true}},
+        absl::Seconds(240));
   });
   // The stream is admitted and generating (its blocks are taken on the decode).
   bool admitted = false;
@@ -345,9 +346,9 @@ TEST(Abuse, TokenIdPromptsCountForAdmission) {
   std::vector<std::thread> others;
   std::vector<absl::StatusOr<CompletionResult>> results(3, absl::UnknownError("not run"));
   const std::vector<json> bodies = {
-      {{"prompt", TokenIds(950)}, {"max_tokens", 1}},
-      {{"prompt", TokenIds(700)}, {"max_tokens", 200}},
-      {{"prompt", std::string(600, 'x')}, {"max_tokens", 300}},
+      {{"prompt", TokenIds(950)}, {"max_tokens", 1}, {"temperature", 0}},
+      {{"prompt", TokenIds(700)}, {"max_tokens", 200}, {"temperature", 0}},
+      {{"prompt", std::string(600, 'x')}, {"max_tokens", 300}, {"temperature", 0}},
   };
   for (size_t i = 0; i < bodies.size(); ++i) {
     others.emplace_back([&, i] { results[i] = Complete(*router, bodies[i], absl::Seconds(240)); });
@@ -371,7 +372,8 @@ TEST(Abuse, TokenIdPromptsCountForAdmission) {
   // With the stream's blocks back, the 950 token ids fit and are served: the 503s above were
   // the stream's blocks being taken, not a refusal of any token-id prompt.
   absl::StatusOr<CompletionResult> after =
-      Complete(*router, {{"prompt", TokenIds(950)}, {"max_tokens", 1}}, absl::Seconds(120));
+      Complete(*router, {{"prompt", TokenIds(950)}, {"max_tokens", 1}, {"temperature", 0}},
+               absl::Seconds(120));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->status, 200) << after->error;
   // Nothing admitted, queued or refused above keeps a block on either side.
@@ -428,7 +430,7 @@ TEST(Abuse, SlowLorisFromOneAddressLeavesOtherClientsServed) {
   ASSERT_TRUE(decode.ok()) << decode.status();
   absl::StatusOr<std::string> router = c.Router("router", *prefill, *decode, "read");
   ASSERT_TRUE(router.ok()) << router.status();
-  const json request = {{"prompt", "The slow loris"}, {"max_tokens", 8}};
+  const json request = {{"prompt", "The slow loris"}, {"max_tokens", 8}, {"temperature", 0}};
   absl::StatusOr<CompletionResult> before = Complete(*router, request, absl::Seconds(60));
   ASSERT_TRUE(before.ok() && before->status == 200) << before.status();
 
@@ -781,7 +783,8 @@ TEST(Abuse, ClientThatLeavesNonStreamedRequestStopsTheDecode) {
 
   const int fd = ConnectFrom("127.0.0.1", PortOf(*router));
   ASSERT_GE(fd, 0);
-  const std::string body = json{{"prompt", "Go on and on"}, {"max_tokens", 1500}}.dump();
+  const std::string body =
+      json{{"prompt", "Go on and on"}, {"max_tokens", 1500}, {"temperature", 0}}.dump();
   ASSERT_TRUE(SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                        "Content-Type: application/json\r\nContent-Length: ",
                                        body.size(), "\r\n\r\n", body)));
@@ -901,7 +904,8 @@ TEST(Abuse, ForgedEtcdRecordsGetNoRequests) {
   std::vector<int32_t> first;
   for (int i = 0; i < 6; ++i) {
     absl::StatusOr<CompletionResult> r =
-        Complete(*router, {{"prompt", "Whose directory?"}, {"max_tokens", 6}}, absl::Seconds(60));
+        Complete(*router, {{"prompt", "Whose directory?"}, {"max_tokens", 6}, {"temperature", 0}},
+                 absl::Seconds(60));
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->status, 200) << r->error << "\n" << c.Logs();
     EXPECT_NE(r->text, "FORGED");
@@ -1003,7 +1007,8 @@ TEST(Abuse, EtcdWithAuthenticationAndTls) {
       << h.dump() << "\n"
       << c.Logs();
   absl::StatusOr<CompletionResult> r =
-      Complete(*router, {{"prompt", "Who may write?"}, {"max_tokens", 4}}, absl::Seconds(60));
+      Complete(*router, {{"prompt", "Who may write?"}, {"max_tokens", 4}, {"temperature", 0}},
+               absl::Seconds(60));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status, 200) << r->error << "\n" << c.Logs();
   EXPECT_EQ(r->tokens.size(), 4u);

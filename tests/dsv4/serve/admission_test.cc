@@ -355,5 +355,104 @@ TEST(RetryAfter, TheRoutersInflightLimitIsA503WithRetryAfter) {
   EXPECT_EQ(first->status, 502) << first->body;
 }
 
+// A request with n choices counts as n requests in flight against the router's limit (its
+// choices, sent to the router itself, count no more): with a limit of 2, n = 2 runs both
+// choices; n = 2 beside one request in flight is refused at once; n above the limit is a
+// 400; and a client cannot pass for a choice to slip past the limit.
+TEST(RetryAfter, RequestsWithNChoicesCountNAgainstTheRoutersLimit) {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Responder>> held;
+  std::atomic<int> arrived{0};
+  HttpServerOptions o;
+  absl::StatusOr<std::unique_ptr<HttpServer>> upstream =
+      HttpServer::Start(o, [&](const HttpRequest&, std::shared_ptr<Responder> r) {
+        std::lock_guard<std::mutex> lock(mu);
+        held.push_back(std::move(r));
+        ++arrived;
+      });
+  ASSERT_TRUE(upstream.ok()) << upstream.status();
+  absl::StatusOr<std::unique_ptr<HttpServer>> decode =
+      HttpServer::Start(o, [](const HttpRequest&, std::shared_ptr<Responder> r) {
+        r->Error(500, "decode is not reached in this test");
+      });
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  RouterOptions ro;
+  ro.prefill = {absl::StrCat("127.0.0.1:", (*upstream)->port())};
+  ro.decode = {absl::StrCat("127.0.0.1:", (*decode)->port())};
+  ro.max_inflight = 2;
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(ro);
+  ASSERT_TRUE(router.ok()) << router.status();
+  const std::string addr = absl::StrCat("127.0.0.1:", (*router)->port());
+  // No temperature: vLLM's default (1) samples, so n > 1 is allowed.
+  const std::string one = json{{"prompt", "hello"}, {"max_tokens", 2}}.dump();
+  const std::string two = json{{"prompt", "hello"}, {"max_tokens", 2}, {"n", 2}}.dump();
+  const std::string three = json{{"prompt", "hello"}, {"max_tokens", 2}, {"n", 3}}.dump();
+  auto wait_arrived = [&](int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (arrived.load() < n && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+    return arrived.load();
+  };
+  auto release = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const std::shared_ptr<Responder>& r : held) r->Error(500, "released by the test");
+    held.clear();
+  };
+  auto inflight = [&] {
+    absl::StatusOr<HttpResponse> h = HttpCall(addr, "GET", "/health", "");
+    if (!h.ok()) return -1;
+    const json j = json::parse(h->body, nullptr, false);
+    return j.is_object() ? j.value("inflight", -1) : -1;
+  };
+  auto wait_idle = [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (inflight() != 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+    return inflight();
+  };
+
+  // One request in flight: n = 2 does not fit beside it.
+  absl::StatusOr<HttpResponse> first = absl::UnknownError("not run");
+  std::thread t1([&] { first = HttpCall(addr, "POST", "/v1/completions", one); });
+  ASSERT_EQ(wait_arrived(1), 1) << "the first request never reached the upstream";
+  absl::StatusOr<HttpResponse> refused = HttpCall(addr, "POST", "/v1/completions", two);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->status, 503) << refused->body;
+  EXPECT_EQ(refused->retry_after, "1");
+  EXPECT_NE(refused->body.find("too many requests in flight (2)"), std::string::npos)
+      << refused->body;
+  EXPECT_EQ(arrived.load(), 1) << "a choice of the refused request reached the upstream";
+  release();
+  t1.join();
+  ASSERT_EQ(wait_idle(), 0);
+
+  // Alone, n = 2 fills the limit exactly: both choices reach the upstream.
+  absl::StatusOr<HttpResponse> pair = absl::UnknownError("not run");
+  std::thread t2([&] { pair = HttpCall(addr, "POST", "/v1/completions", two); });
+  EXPECT_EQ(wait_arrived(3), 3) << "a choice was refused by the router's own limit";
+  EXPECT_EQ(inflight(), 2);
+  // The choices' marker, forged by a client, counts like any request: refused while full.
+  for (const char* target :
+       {"/v1/completions?kvwire_choice=", "/v1/completions?kvwire_choice=0123456789abcdef"}) {
+    absl::StatusOr<HttpResponse> forged = HttpCall(addr, "POST", target, one);
+    ASSERT_TRUE(forged.ok()) << forged.status();
+    EXPECT_EQ(forged->status, 503) << target << ": " << forged->body;
+  }
+  EXPECT_EQ(arrived.load(), 3);
+  release();
+  t2.join();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  EXPECT_EQ(pair->status, 502) << pair->body;  // the upstream's error, not the router's limit
+  EXPECT_EQ(pair->body.find("too many requests in flight"), std::string::npos) << pair->body;
+  EXPECT_EQ(wait_idle(), 0);
+
+  // More choices than the limit can ever hold: a 400 that names both.
+  absl::StatusOr<HttpResponse> big = HttpCall(addr, "POST", "/v1/completions", three);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->status, 400) << big->body;
+  EXPECT_NE(big->body.find("'n' (3)"), std::string::npos) << big->body;
+  EXPECT_NE(big->body.find("--max-inflight 2"), std::string::npos) << big->body;
+  EXPECT_EQ(arrived.load(), 3);
+  ASSERT_TRUE(first.ok()) << first.status();
+}
+
 }  // namespace
 }  // namespace dsv4::serve

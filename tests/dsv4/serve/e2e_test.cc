@@ -209,8 +209,9 @@ bool WaitHealth(const std::string& address, const std::function<bool(const json&
   return false;
 }
 
+// Greedy (the servers default to vLLM's temperature 1): every configuration the same tokens.
 json Request(const std::string& prompt, bool stream, int max_tokens = kMaxTokens) {
-  return {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", stream}};
+  return {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", stream}, {"temperature", 0}};
 }
 
 class DisaggregatedTest : public ::testing::TestWithParam<std::string> {};

@@ -188,7 +188,8 @@ class HostileHttpTest : public ::testing::Test {
 
   // A legitimate request through the router (both P/D halves) gets the reference tokens.
   static void ExpectServedExactly(bool stream) {
-    json req = {{"prompt", kPrompt}, {"max_tokens", kMaxTokens}, {"stream", stream}};
+    json req = {
+        {"prompt", kPrompt}, {"max_tokens", kMaxTokens}, {"stream", stream}, {"temperature", 0}};
     absl::StatusOr<CompletionResult> r =
         Complete(servers_->address("router"), req, absl::Seconds(60));
     ASSERT_TRUE(r.ok()) << r.status() << servers_->Logs();
@@ -418,12 +419,29 @@ TEST_F(HostileHttpTest, NullOptionalFieldsMeanDefaults) {
                     {"return_tokens_as_token_ids", nullptr}};
   for (const char* target : {"router", "decode"}) {
     SCOPED_TRACE(target);
+    // Every other null is its default: greedy, the reference tokens.
+    json greedy = req;
+    greedy["temperature"] = 0;
     absl::StatusOr<CompletionResult> r =
-        Complete(servers_->address(target), req, absl::Seconds(60));
+        Complete(servers_->address(target), greedy, absl::Seconds(60));
     ASSERT_TRUE(AllRunning(absl::StrCat(target, " got nulls")));
     ASSERT_TRUE(r.ok()) << r.status() << servers_->Logs();
     ASSERT_EQ(r->status, 200) << r->error;
     EXPECT_EQ(r->tokens, servers_->reference());
+    // A null temperature is vLLM's default, 1: under one seed, the tokens of 1 given.
+    json seeded = req;
+    seeded["seed"] = 11;
+    json one = seeded;
+    one["temperature"] = 1.0;
+    absl::StatusOr<CompletionResult> a =
+        Complete(servers_->address(target), seeded, absl::Seconds(60));
+    absl::StatusOr<CompletionResult> b =
+        Complete(servers_->address(target), one, absl::Seconds(60));
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    ASSERT_EQ(a->status, 200) << a->error;
+    ASSERT_EQ(b->status, 200) << b->error;
+    EXPECT_EQ(a->tokens, b->tokens);
+    EXPECT_NE(a->tokens, servers_->reference()) << "a null temperature sampled greedily";
   }
   ExpectServedExactly(/*stream=*/false);
 }
@@ -444,7 +462,7 @@ TEST_F(HostileHttpTest, ServersAuthenticateTheirKvPeersWithTheSecret) {
 
   absl::StatusOr<std::string> p = servers_->Serve("prefill-s", "prefill", {"--secret-file", right});
   ASSERT_TRUE(p.ok()) << p.status();
-  const json req = {{"prompt", kPrompt}, {"max_tokens", kMaxTokens}};
+  const json req = {{"prompt", kPrompt}, {"max_tokens", kMaxTokens}, {"temperature", 0}};
   struct Decode {
     std::string name;
     std::vector<std::string> flags;

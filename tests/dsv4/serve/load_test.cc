@@ -88,7 +88,10 @@ TEST(Admission, RequestsThatDoNotFitWaitInsteadOfFailing) {
   std::vector<json> bodies;
   for (int i = 0; i < 16; ++i) {
     prompts.push_back(PromptOfTokens(6 + (i * 37) % 595));
-    bodies.push_back({{"prompt", prompts.back()}, {"max_tokens", 8}, {"stream", i % 2 == 0}});
+    bodies.push_back({{"prompt", prompts.back()},
+                      {"max_tokens", 8},
+                      {"temperature", 0},
+                      {"stream", i % 2 == 0}});
   }
   absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts, 8);
   ASSERT_TRUE(want.ok()) << want.status();
@@ -137,7 +140,8 @@ TEST(Admission, DecodeReservesItsWholeGenerationBeforeItStarts) {
   ASSERT_TRUE(r.ok()) << r.status();
   std::vector<json> bodies;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    bodies.push_back({{"prompt", prompts[i]}, {"max_tokens", 150}, {"stream", i == 0}});
+    bodies.push_back(
+        {{"prompt", prompts[i]}, {"max_tokens", 150}, {"temperature", 0}, {"stream", i == 0}});
   }
   std::vector<absl::StatusOr<CompletionResult>> res = AllAtOnce(*r, bodies);
   for (size_t i = 0; i < res.size(); ++i) {
@@ -173,13 +177,14 @@ TEST(Admission, OverloadIsA503WithRetryAfterThatNamesTheReason) {
                                           {"--max-requests", "1", "--max-queue", "1",
                                            "--max-queue-wait-s", "1", "--inject-delay-ms", "100"});
   ASSERT_TRUE(s.ok()) << s.status();
-  const json first = {{"prompt", "the first request holds the only slot"}, {"max_tokens", 40}};
+  const json first = {
+      {"prompt", "the first request holds the only slot"}, {"max_tokens", 40}, {"temperature", 0}};
   absl::StatusOr<CompletionResult> a = absl::UnknownError("not run");
   std::thread ta([&] { a = Complete(*s, first, absl::Seconds(120)); });
   EXPECT_EQ(WaitHealth(*s, [](const json& h) { return h["active_requests"] == 1; })
                 .value("active_requests", 0),
             1);
-  const std::string body = json{{"prompt", "later"}, {"max_tokens", 4}}.dump();
+  const std::string body = json{{"prompt", "later"}, {"max_tokens", 4}, {"temperature", 0}}.dump();
   absl::StatusOr<HttpResponse> b = absl::UnknownError("not run");
   std::thread tb([&] { b = HttpCall(*s, "POST", "/v1/completions", body); });
   EXPECT_EQ(WaitHealth(*s, [](const json& h) { return h["admission"]["queue_length"] == 1; })

@@ -200,7 +200,10 @@ TEST(Surface, MinTokensSuppressesStopStringsBeforeIt) {
   std::string stop;
   size_t at = 0;
   for (int len = 3; len < 40 && stop.empty(); ++len) {
-    json req = {{"prompt", PromptOfTokens(len)}, {"max_tokens", kMax}, {"ignore_eos", true}};
+    json req = {{"prompt", PromptOfTokens(len)},
+                {"max_tokens", kMax},
+                {"temperature", 0},
+                {"ignore_eos", true}};
     base = Tokens(Post(*s, "/v1/completions", req));
     ASSERT_EQ(base.size(), static_cast<size_t>(kMax));
     // min_tokens masks EOS: a greedy output with an early EOS would change under it.
@@ -294,16 +297,22 @@ TEST(Surface, LogprobsSumToOneAndEcho) {
   EXPECT_EQ(over.status, 400);
   EXPECT_TRUE(absl::StrContains(over.raw, "'logprobs'")) << over.raw;
   // echo: the prompt, then the completion (its tokens alone in token_ids).
-  const Answer plain = Post(*s, "/v1/completions", {{"prompt", "Hello"}, {"max_tokens", 3}});
+  const Answer plain =
+      Post(*s, "/v1/completions", {{"prompt", "Hello"}, {"max_tokens", 3}, {"temperature", 0}});
   const Answer echo =
-      Post(*s, "/v1/completions", {{"prompt", "Hello"}, {"max_tokens", 3}, {"echo", true}});
+      Post(*s, "/v1/completions",
+           {{"prompt", "Hello"}, {"max_tokens", 3}, {"temperature", 0}, {"echo", true}});
   ASSERT_EQ(echo.status, 200) << echo.raw;
   EXPECT_EQ(echo.body["choices"][0]["text"].get<std::string>(),
             "Hello" + plain.body["choices"][0]["text"].get<std::string>());
   EXPECT_EQ(Tokens(echo), Tokens(plain));
-  absl::StatusOr<CompletionResult> streamed =
-      Complete(*s, {{"prompt", "Hello"}, {"max_tokens", 3}, {"echo", true}, {"stream", true}},
-               absl::Seconds(60));
+  absl::StatusOr<CompletionResult> streamed = Complete(*s,
+                                                       {{"prompt", "Hello"},
+                                                        {"max_tokens", 3},
+                                                        {"temperature", 0},
+                                                        {"echo", true},
+                                                        {"stream", true}},
+                                                       absl::Seconds(60));
   ASSERT_TRUE(streamed.ok()) << streamed.status();
   EXPECT_EQ(streamed->text, echo.body["choices"][0]["text"].get<std::string>());
 }

@@ -58,9 +58,15 @@ TEST(SamplingParams, AcceptedWithVllmBounds) {
   EXPECT_EQ(p.logprobs, 3);
   EXPECT_TRUE(Parse(R"({"prompt":"a","echo":true})").sampling.echo);
   EXPECT_TRUE(p.tokens_as_ids);
-  // Defaults: greedy, no seed (a random one per request), no logprobs; -1 turns top_k off.
-  CompletionRequest d = Parse(R"({"prompt":"a","top_k":-1,"logprobs":null,"seed":null})");
-  EXPECT_TRUE(d.sampling.greedy());
+  // Defaults: vLLM's temperature 1 (not greedy), no seed (a random one per request), no
+  // logprobs; -1 turns top_k off; a null temperature is the default too.
+  CompletionRequest d =
+      Parse(R"({"prompt":"a","top_k":-1,"logprobs":null,"seed":null,"temperature":null})");
+  EXPECT_FALSE(d.sampling.greedy());
+  EXPECT_DOUBLE_EQ(d.sampling.temperature, 1.0);
+  EXPECT_TRUE(Parse(R"({"prompt":"a","temperature":0})").sampling.greedy());
+  // n > 1 needs sampling, which is the default.
+  EXPECT_EQ(Parse(R"({"prompt":"a","n":2})").sampling.n, 2);
   EXPECT_FALSE(d.sampling.seed.has_value());
   EXPECT_FALSE(d.sampling.logprobs.has_value());
   EXPECT_EQ(d.sampling.top_k, 0);
@@ -107,7 +113,7 @@ TEST(SamplingParams, OutOfBoundsIsRefusedByName) {
       {R"({"prompt":"a","echo":true,"logprobs":1})", "echo"},
       {R"({"prompt":"a","n":0})", "n"},
       {R"({"prompt":"a","n":17,"temperature":1})", "n"},
-      {R"({"prompt":"a","n":2})", "n"},  // greedy (the default): every choice the same
+      {R"({"prompt":"a","n":2,"temperature":0})", "n"},  // greedy: every choice the same
       {R"({"prompt":"a","best_of":2})", "best_of"},
       {R"({"prompt":"a","prompt_logprobs":1})", "prompt_logprobs"},
   };

@@ -178,9 +178,9 @@ TEST_P(SoakTest, EveryRequestCompletesExactlyOrFailsForAnInjectedReason) {
     std::vector<std::string> errors(prompts.size());
     for (size_t i = 0; i < prompts.size(); ++i) {
       ts.emplace_back([&, i] {
-        absl::StatusOr<CompletionResult> r =
-            Complete(*both, {{"prompt", prompts[i]}, {"max_tokens", kMaxTokens}},
-                     absl::Seconds(120 * test_support::kServerDeadlineScale));
+        absl::StatusOr<CompletionResult> r = Complete(
+            *both, {{"prompt", prompts[i]}, {"max_tokens", kMaxTokens}, {"temperature", 0}},
+            absl::Seconds(120 * test_support::kServerDeadlineScale));
         if (!r.ok() || r->status != 200 || r->tokens.size() != kMaxTokens) {
           errors[i] = r.ok() ? absl::StrCat(r->status, " ", r->error) : r.status().ToString();
         } else {

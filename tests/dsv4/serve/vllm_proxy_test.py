@@ -286,7 +286,7 @@ def main():
         answers = {}
         for n in LENGTHS:
             body = {"model": "dsv4-tiny", "prompt": prompt_of_tokens(n),
-                    "max_tokens": MAX_TOKENS, "stream": True}
+                    "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
             want = stream(whole, "/v1/completions", body)
             got = stream(via, "/v1/completions", body)
             check(len(want[0]) == MAX_TOKENS, f"{n} tokens: aggregated gave {want[0]}")
@@ -308,7 +308,7 @@ def main():
               f"seeded: proxy {got[0]} != aggregated {want[0]}")
 
         # Chat, streamed with include_usage: the role first, the usage chunk last.
-        chat = {"model": "dsv4-tiny", "stream": True,
+        chat = {"model": "dsv4-tiny", "stream": True, "temperature": 0,
                 "stream_options": {"include_usage": True}, "max_completion_tokens": MAX_TOKENS,
                 "messages": [{"role": "system", "content": "Be brief."},
                              {"role": "user", "content": prompt_of_tokens(130)}]}
@@ -343,6 +343,7 @@ def main():
             first = bytes(toks).find(stop.encode())
             status, cut = post(via, "/v1/completions", {"prompt": prompt_of_tokens(n),
                                                         "max_tokens": MAX_TOKENS,
+                                                        "temperature": 0,
                                                         "stop": [stop, "never-seen"]})
             check(status == 200, f"stop via proxy: {status} {cut}")
             choice = cut["choices"][0]
@@ -354,9 +355,10 @@ def main():
         # A prompt given as token ids runs as given (the same tokens as its text with BOS).
         ids = [256] + [ord(c) for c in prompt_of_tokens(128)]
         want = stream(whole, "/v1/completions",
-                      {"prompt": prompt_of_tokens(128), "max_tokens": MAX_TOKENS, "stream": True})
+                      {"prompt": prompt_of_tokens(128), "max_tokens": MAX_TOKENS, "stream": True,
+                       "temperature": 0})
         got = stream(via, "/v1/completions",
-                     {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True})
+                     {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0})
         check(got[0] == want[0], f"token-id prompt: {got[0]} != {want[0]}")
         answers_ids = want[0]
 
@@ -370,7 +372,8 @@ def main():
             check(got[3][-2]["usage"]["completion_tokens"] == MAX_TOKENS,
                   f"{mode} router: no usage chunk: {got[3][-2:]}")
             got = stream(router, "/v1/completions",
-                         {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True})
+                         {"prompt": ids, "max_tokens": MAX_TOKENS, "stream": True,
+                          "temperature": 0})
             check(got[0] == answers_ids, f"token ids via {mode} router: {got[0]}")
             r = httpx.get(f"http://{router}/v1/models", timeout=10)
             check(r.status_code == 200 and r.json()["data"][0]["id"] == "dsv4-tiny",

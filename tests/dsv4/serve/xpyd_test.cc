@@ -151,8 +151,9 @@ class Deployment {
   std::set<std::string> killed_;
 };
 
+// Greedy (the servers default to vLLM's temperature 1): every configuration the same tokens.
 json Request(const std::string& prompt, bool stream) {
-  return {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"stream", stream}};
+  return {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"stream", stream}, {"temperature", 0}};
 }
 
 // The router's instances of `kind` (its /health).
