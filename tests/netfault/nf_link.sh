@@ -1,0 +1,55 @@
+#!/bin/sh
+# nf_link.sh: the link of the network fault matrix, inside the test VM (tests/netfault/).
+# A veth pair joins network namespace nfa (end nfa, 10.9.0.1) and nfb (end nfb, 10.9.0.2);
+# faults are netem qdiscs on the egress of BOTH ends, so both directions see them (a delay of
+# 10 ms is 10 ms each way, a loss of 1% is 1% of the packets each way).
+#   nf_link.sh up                  create the namespaces and the pair (once, at the start)
+#   nf_link.sh set <netem args>    replace the fault, e.g. `set loss 1%`, `set loss 100%`
+#   nf_link.sh clear               remove the fault
+#   nf_link.sh show                netem's counters on both ends (sent, dropped, ...)
+# Exits non-zero when a command fails (the driver then fails the scenario).
+TC=/usr/sbin/tc
+in_ns() { ns=$1; shift; nsenter --net=/run/netns/$ns "$@"; }
+cmd=$1
+[ $# -gt 0 ] && shift
+rc=0
+case $cmd in
+  up)
+    mkdir -p /run/netns
+    ip netns add nfa && ip netns add nfb || exit 1
+    # One packet per skb (no TSO/GSO super-packets): netem then drops, delays, duplicates and
+    # corrupts wire-sized packets, as a switch would.
+    ip link add nfa gso_max_segs 1 type veth peer name nfb gso_max_segs 1 ||
+      { echo "nf_link: veth with gso_max_segs 1 refused; default offloads" >&2
+        ip link add nfa type veth peer name nfb || exit 1; }
+    ip link set nfa netns nfa && ip link set nfb netns nfb || exit 1
+    in_ns nfa ip addr add 10.9.0.1/24 dev nfa && in_ns nfa ip link set nfa up &&
+      in_ns nfa ip link set lo up || exit 1
+    in_ns nfb ip addr add 10.9.0.2/24 dev nfb && in_ns nfb ip link set nfb up &&
+      in_ns nfb ip link set lo up || exit 1
+    in_ns nfa ip -d link show nfa | grep -o 'gso_max_segs [0-9]*' | head -1
+    ;;
+  set)
+    for end in nfa nfb; do
+      # limit: netem's queue (1000 packets by default) must not add tail drops of its own.
+      in_ns $end $TC qdisc replace dev $end root netem limit 100000 "$@" || rc=1
+    done
+    ;;
+  clear)
+    for end in nfa nfb; do
+      if in_ns $end $TC qdisc show dev $end | grep -q netem; then
+        in_ns $end $TC qdisc del dev $end root || rc=1
+      fi
+    done
+    ;;
+  show)
+    for end in nfa nfb; do
+      echo "nf_link: $end: $(in_ns $end $TC -s qdisc show dev $end | tr '\n' ' ')"
+    done
+    ;;
+  *)
+    echo "usage: nf_link.sh up | set <netem args> | clear | show" >&2
+    exit 2
+    ;;
+esac
+exit $rc
