@@ -224,7 +224,17 @@ class Server {
 
   // begin <scenario> <slots> <slot_bytes> <seed>
   std::string Begin(const std::vector<std::string>& w) {
-    if (current_) return absl::StrCat("error scenario ", current_->name, " still open");
+    if (current_) {  // the client gave up on it (its row failed): let it go
+      std::printf("KVWIRE_NF_SERVER scenario %s was never ended; dropping it\n",
+                  current_->name.c_str());
+      const bool ok = engine_->DeregisterMemory(current_->source_id).ok() &
+                      engine_->DeregisterMemory(current_->target_id).ok();
+      if (ok) {
+        current_.reset();
+      } else {
+        graveyard_.push_back(std::move(current_));
+      }
+    }
     auto s = std::make_unique<ServedScenario>();
     s->name = w[1];
     uint64_t slots = 0;
