@@ -65,20 +65,21 @@ def main():
     out.append(
         "| fault | netem (each end) | ok / transfers | errors | hung | bytes compared | "
         "differing bytes in successes | notifications lost | peer after the fault | "
-        "after the fault | p50 ms (× clean) | max ms | fault phase s | verdict |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "after the fault | p50 ms (× clean) | max ms | slowest error ms | fault phase s | verdict |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p50 = float(r["p50_ms"])
         ratio = f" ({p50 / clean_ms:.1f}×)" if clean_ms and p50 > 0 else ""
         peer = "lost, reconnected" if r["reconnected"] == "1" else (
             "lost" if r["peer_lost"] == "1" else "kept")
-        verdict = r["verdict"] if r["verdict"] == "PASS" else f"**FAIL**: {r['problems']}"
+        verdict = r["verdict"] if r["verdict"] == "PASS" else "**FAIL**: " + r["problems"].replace("|", "\\|")
         out.append(
             f"| {r['scenario']} — {DESCRIPTION.get(r['scenario'], '')} | `{r['netem'] or '-'}` | "
             f"{r['ok']} / {r['transfers']} | {r['errors']} | {r['hung']} | "
             f"{int(r['compared_bytes']):,} | {r['mismatched_bytes']} | "
             f"{r['missing_notifications']} | {peer} | {r['after']} | "
-            f"{p50 if p50 > 0 else '-'}{ratio} | {r['max_ms']} | {r['phase_s']} | {verdict} |")
+            f"{p50 if p50 > 0 else '-'}{ratio} | {r['max_ms']} | "
+            f"{r['error_max_ms'] if r['failed'] != '0' else '-'} | {r['phase_s']} | {verdict} |")
     out.append("")
     out.append(
         "Times are of the emulated VM (qemu TCG on a shared build machine): they compare the "

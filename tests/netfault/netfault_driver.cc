@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -417,6 +418,7 @@ struct Row {
   int missing_notifications = 0;
   std::map<std::string, int> errors;  // status code name -> count
   std::vector<double> ok_ms;
+  double error_max_ms = 0;  // the latest end of a transfer that failed (against its deadline)
   double phase_s = 0;
   bool peer_lost = false;  // the fault closed the peer (seen here after the fault)
   bool reconnected = false;
@@ -592,6 +594,7 @@ class Client {
       } else {
         ++row->failed;
         ++row->errors[absl::StatusCodeToString(r.status.code())];
+        row->error_max_ms = std::max(row->error_max_ms, ms);
       }
     }
     std::string why(r.status.message().substr(0, 160));
@@ -864,17 +867,19 @@ class Client {
     }
     double max_ms = 0;
     for (double ms : row.ok_ms) max_ms = std::max(max_ms, ms);
-    std::printf(
-        "KVWIRE_NF_ROW scenario=%s netem=\"%s\" transfers=%d ok=%d failed=%d hung=%d "
-        "errors=%s compared_bytes=%lu mismatched_bytes=%lu missing_notifications=%d "
-        "p50_ms=%.1f max_ms=%.1f phase_s=%.2f peer_lost=%d reconnected=%d after=%d/%d "
-        "verdict=%s problems=\"%s\"\n",
-        row.scenario.c_str(), row.netem.c_str(), row.transfers, row.ok, row.failed, row.hung,
-        errors.empty() ? "-" : absl::StrJoin(errors, ",").c_str(),
-        static_cast<unsigned long>(row.compared_bytes),
-        static_cast<unsigned long>(row.mismatched_bytes), row.missing_notifications, row.MedianMs(),
-        max_ms, row.phase_s, row.peer_lost, row.reconnected, row.after_ok, row.after_total,
-        row.problems.empty() ? "PASS" : "FAIL", problems.c_str());
+    const std::string line = absl::StrCat(
+        "KVWIRE_NF_ROW scenario=", row.scenario, " netem=\"", row.netem,
+        "\" transfers=", row.transfers, " ok=", row.ok, " failed=", row.failed, " hung=", row.hung,
+        " errors=", errors.empty() ? "-" : absl::StrJoin(errors, ","),
+        " compared_bytes=", row.compared_bytes, " mismatched_bytes=", row.mismatched_bytes,
+        " missing_notifications=", row.missing_notifications,
+        " p50_ms=", absl::StrFormat("%.1f", row.MedianMs()),
+        " max_ms=", absl::StrFormat("%.1f", max_ms),
+        " error_max_ms=", absl::StrFormat("%.1f", row.error_max_ms),
+        " phase_s=", absl::StrFormat("%.2f", row.phase_s), " peer_lost=", row.peer_lost ? 1 : 0,
+        " reconnected=", row.reconnected ? 1 : 0, " after=", row.after_ok, "/", row.after_total,
+        " verdict=", row.problems.empty() ? "PASS" : "FAIL", " problems=\"", problems, "\"");
+    std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   }
 

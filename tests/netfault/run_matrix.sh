@@ -35,6 +35,6 @@ KVWIRE_VM_TIMEOUT=$timeout "$here/../rdma/vm/run_vm_tests.sh" --stage netfault \
 rc=$?
 grep -a '^KVWIRE_NF_ROW' "$work/vm.log" 2>/dev/null
 if [[ -n "$table" ]]; then
-  python3 "$here/make_table.py" "$work/vm.log" "$table" --args "$args" || rc=1
+  python3 "$here/make_table.py" "$work/vm.log" "$table" --args="$args" || rc=1
 fi
 exit $rc
