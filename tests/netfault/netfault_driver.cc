@@ -574,7 +574,7 @@ class Client {
     if (r.status.ok()) {
       if (r.kind == OpKind::kRead) {
         for (uint64_t k = 0; k < config_.ops; ++k) {
-          bad += CountMismatched(read_buf_.get() + LocalOffset(r.slot, k), seed_, kReadPattern,
+          bad += CountMismatched(read_buf_ + LocalOffset(r.slot, k), seed_, kReadPattern,
                                  RemoteOffset(r.slot, k), config_.op_bytes);
         }
         row->compared_bytes += SlotBytes();
@@ -614,29 +614,46 @@ class Client {
   }
 
   // Runs `count` transfers from slot `first`, `window` at a time. With `partition_after`
-  // >= 0, starts the partition once that many have ended.
+  // >= 0, starts the partition once that many have ended, and submits nothing more until it
+  // is in place: the rest go into the partitioned link (and are in flight when it heals).
   void RunPhase(const char* phase, uint64_t first, int count, Row* row, int partition_after,
                 const Scenario& sc, std::thread* partition) {
     const bool after = std::string(phase) == "after";
+    {
+      absl::MutexLock lock(&mu_);
+      partition_applied_ = false;
+    }
     std::vector<Record*> inflight;
     int next = 0, ended = 0;
+    bool applied = false;
     while (next < count || !inflight.empty()) {
-      while (next < count && static_cast<int>(inflight.size()) < config_.window) {
+      const bool hold = partition->joinable() && !applied;  // started, not in place yet
+      while (!hold && next < count && static_cast<int>(inflight.size()) < config_.window) {
         inflight.push_back(
             Submit(first + next, next % 2 == 0 ? OpKind::kRead : OpKind::kWrite, phase));
         ++next;
       }
-      absl::Time hang_at = absl::InfiniteFuture();
+      absl::Time hang_at = absl::Now() + config_.deadline + config_.grace;  // when holding
       for (const Record* r : inflight) {
         hang_at = std::min(hang_at, r->submitted + config_.deadline + config_.grace);
       }
       std::vector<Record*> finished;
       {
         absl::MutexLock lock(&mu_);
-        auto any_done = [&] {
-          return std::any_of(inflight.begin(), inflight.end(), [](Record* r) { return r->done; });
+        auto wake = [&] {
+          return (hold && partition_applied_) ||
+                 std::any_of(inflight.begin(), inflight.end(), [](Record* r) { return r->done; });
         };
-        while (!any_done() && absl::Now() < hang_at) cv_.WaitWithDeadline(&mu_, hang_at);
+        while (!wake() && absl::Now() < hang_at) cv_.WaitWithDeadline(&mu_, hang_at);
+        if (hold && partition_applied_) {
+          applied = true;
+          int pending = 0;
+          for (const Record* r : inflight) pending += !r->done;
+          std::printf(
+              "KVWIRE_NF_NOTE %s: partition in place with %d transfers in flight, %d "
+              "more to submit into it\n",
+              scenario_.c_str(), pending, count - next);
+        }
         for (auto it = inflight.begin(); it != inflight.end();) {
           if ((*it)->done) {
             finished.push_back(*it);
@@ -655,6 +672,10 @@ class Client {
           }
         }
       }
+      if (hold && !applied && inflight.empty() && absl::Now() >= hang_at) {
+        row->problems.push_back("the partition was not in place within deadline+grace");
+        applied = true;  // submit the rest anyway
+      }
       for (Record* r : finished) {
         Finish(*r, row, after);
         ++ended;
@@ -662,7 +683,13 @@ class Client {
       if (partition_after >= 0 && ended >= partition_after && !partition->joinable()) {
         const bool heals = sc.kind == Scenario::kPartitionHeals;
         *partition = std::thread([this, sc, heals] {
-          Link(absl::StrCat("set ", sc.netem));
+          const int rc = Link(absl::StrCat("set ", sc.netem));
+          {
+            absl::MutexLock lock(&mu_);
+            partition_applied_ = true;
+            partition_failed_ = rc != 0;
+            cv_.SignalAll();
+          }
           if (heals) {
             absl::SleepFor(config_.partition);
             Link("clear");
@@ -744,6 +771,15 @@ class Client {
     if (partitioned) partition.join();  // a healing partition has healed
     if (sc.kind != Scenario::kSteady && !partitioned) {
       row.problems.push_back("the partition never started");
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (partitioned && partition_failed_) row.problems.push_back("the partition failed");
+    }
+    // A partition that never heals must end the peer (lease) and fail what went into it; if
+    // not, the fault was not there.
+    if (sc.kind == Scenario::kPartitionForever && (PeerAlive() || row.failed == 0)) {
+      row.problems.push_back("the peer and its transfers survived a partition that never heals");
     }
     Link("show");
     if (Link("clear") != 0) row.problems.push_back("could not clear the link");
@@ -899,6 +935,8 @@ class Client {
   RegionId local_read_ = 0, local_write_ = 0;
   std::byte* read_buf_ = nullptr;
   std::vector<uint64_t> written_slots_;
+  bool partition_applied_ ABSL_GUARDED_BY(mu_) = false;
+  bool partition_failed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& listen, int lanes) {
