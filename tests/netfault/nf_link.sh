@@ -8,7 +8,9 @@
 #   nf_link.sh clear               remove the fault
 #   nf_link.sh show                netem's counters on both ends (sent, dropped, ...)
 # Exits non-zero when a command fails (the driver then fails the scenario).
+# Absolute paths: busybox (the VM's nsenter and shell) prefers its own applets of these names.
 TC=/usr/sbin/tc
+IP=/usr/bin/ip
 in_ns() { ns=$1; shift; nsenter --net=/run/netns/$ns "$@"; }
 cmd=$1
 [ $# -gt 0 ] && shift
@@ -16,18 +18,18 @@ rc=0
 case $cmd in
   up)
     mkdir -p /run/netns
-    ip netns add nfa && ip netns add nfb || exit 1
+    $IP netns add nfa && $IP netns add nfb || exit 1
     # One packet per skb (no TSO/GSO super-packets): netem then drops, delays, duplicates and
     # corrupts wire-sized packets, as a switch would.
-    ip link add nfa gso_max_segs 1 type veth peer name nfb gso_max_segs 1 ||
+    $IP link add nfa gso_max_segs 1 type veth peer name nfb gso_max_segs 1 ||
       { echo "nf_link: veth with gso_max_segs 1 refused; default offloads" >&2
-        ip link add nfa type veth peer name nfb || exit 1; }
-    ip link set nfa netns nfa && ip link set nfb netns nfb || exit 1
-    in_ns nfa ip addr add 10.9.0.1/24 dev nfa && in_ns nfa ip link set nfa up &&
-      in_ns nfa ip link set lo up || exit 1
-    in_ns nfb ip addr add 10.9.0.2/24 dev nfb && in_ns nfb ip link set nfb up &&
-      in_ns nfb ip link set lo up || exit 1
-    in_ns nfa ip -d link show nfa | grep -o 'gso_max_segs [0-9]*' | head -1
+        $IP link add nfa type veth peer name nfb || exit 1; }
+    $IP link set nfa netns nfa && $IP link set nfb netns nfb || exit 1
+    in_ns nfa $IP addr add 10.9.0.1/24 dev nfa && in_ns nfa $IP link set nfa up &&
+      in_ns nfa $IP link set lo up || exit 1
+    in_ns nfb $IP addr add 10.9.0.2/24 dev nfb && in_ns nfb $IP link set nfb up &&
+      in_ns nfb $IP link set lo up || exit 1
+    in_ns nfa $IP -d link show nfa | grep -o 'gso_max_segs [0-9]*' | head -1
     ;;
   set)
     for end in nfa nfb; do

@@ -16,12 +16,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 case $mode in
   ci)
     scenarios=clean,delay10,loss1,partition3
-    args="--transfers=12 --after=4 --window=4 --ops=8 --op_bytes=32768"
+    args="--transfers=32 --after=4 --window=4 --ops=8 --op_bytes=65536"
     timeout=${KVWIRE_VM_TIMEOUT:-330}
     ;;
   full)
     scenarios=clean,delay10,delay50,loss1,loss10,reorder25,duplicate1,corrupt0.1,partition3,partition-forever
-    args="--transfers=16 --after=4 --window=4 --ops=8 --op_bytes=65536"
+    args="--transfers=64 --after=8 --window=4 --ops=8 --op_bytes=65536"
     timeout=${KVWIRE_VM_TIMEOUT:-1800}
     ;;
   *) echo "run_matrix.sh: mode must be ci or full" >&2; exit 2 ;;
