@@ -65,8 +65,9 @@ def main():
     out.append(
         "| fault | netem (each end) | ok / transfers | errors | hung | bytes compared | "
         "differing bytes in successes | notifications lost | peer after the fault | "
-        "after the fault | p50 ms (× clean) | max ms | slowest error ms | fault phase s | verdict |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "after the fault | p50 ms (× clean) | max ms | slowest error ms | fault phase s | "
+        "kernel: TCP retransmits / bad TCP checksums / bad IP headers | verdict |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p50 = float(r["p50_ms"])
         ratio = f" ({p50 / clean_ms:.1f}×)" if clean_ms and p50 > 0 else ""
@@ -79,7 +80,9 @@ def main():
             f"{int(r['compared_bytes']):,} | {r['mismatched_bytes']} | "
             f"{r['missing_notifications']} | {peer} | {r['after']} | "
             f"{p50 if p50 > 0 else '-'}{ratio} | {r['max_ms']} | "
-            f"{r['error_max_ms'] if r['failed'] != '0' else '-'} | {r['phase_s']} | {verdict} |")
+            f"{r['error_max_ms'] if r['failed'] != '0' else '-'} | {r['phase_s']} | "
+            f"{r.get('tcp_retrans', '?')} / {r.get('tcp_csum_errors', '?')} / "
+            f"{r.get('ip_hdr_errors', '?')} | {verdict} |")
     out.append("")
     out.append(
         "Times are of the emulated VM (qemu TCG on a shared build machine): they compare the "

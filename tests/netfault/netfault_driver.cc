@@ -42,6 +42,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -425,6 +426,10 @@ struct Row {
   bool peer_lost = false;  // the fault closed the peer (seen here after the fault)
   bool reconnected = false;
   int after_ok = 0, after_total = 0;
+  // The kernel's counters of both namespaces over the fault phase (nf_link.sh tcpstats): TCP
+  // segments retransmitted, segments TCP dropped for a bad checksum, packets IP dropped for a
+  // bad header. They show the fault was there (and what TCP caught of a corruption).
+  std::map<std::string, int64_t> kernel;
   std::vector<std::string> problems;  // why the row fails
 
   double MedianMs() const {
@@ -523,6 +528,23 @@ class Client {
     if (rc != 0) std::printf("KVWIRE_NF_LINK failed rc=%d: %s\n", rc, cmd.c_str());
     std::fflush(stdout);
     return rc;
+  }
+
+  // nf_link.sh tcpstats, parsed ("retrans=N csum_errors=N ip_hdr_errors=N").
+  std::map<std::string, int64_t> KernelCounters() {
+    std::map<std::string, int64_t> out;
+    const std::string cmd = absl::StrCat(config_.link, " tcpstats");
+    FILE* f = popen(cmd.c_str(), "r");
+    if (f == nullptr) return out;
+    char buf[256] = {};
+    const bool got = std::fgets(buf, sizeof(buf), f) != nullptr;
+    pclose(f);
+    if (!got) return out;
+    for (const auto& [k, v] : ParseReply(absl::StrCat("counters ", buf))) {
+      int64_t n = 0;
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &n)) out[k] = n;
+    }
+    return out;
   }
 
   uint64_t SlotBytes() const { return config_.ops * config_.op_bytes; }
@@ -765,6 +787,7 @@ class Client {
     local_write_ = *lw;
 
     // The fault.
+    const std::map<std::string, int64_t> kernel_before = KernelCounters();
     if (sc.kind == Scenario::kSteady && *sc.netem != '\0' &&
         Link(absl::StrCat("set ", sc.netem)) != 0) {
       row.problems.push_back("the fault could not be applied");
@@ -788,6 +811,10 @@ class Client {
     // not, the fault was not there.
     if (sc.kind == Scenario::kPartitionForever && (PeerAlive() || row.failed == 0)) {
       row.problems.push_back("the peer and its transfers survived a partition that never heals");
+    }
+    for (const auto& [k, v] : KernelCounters()) {
+      auto it = kernel_before.find(k);
+      row.kernel[k] = v - (it == kernel_before.end() ? 0 : it->second);
     }
     Link("show");
     if (Link("clear") != 0) row.problems.push_back("could not clear the link");
@@ -902,6 +929,11 @@ class Client {
     return true;
   }
 
+  static std::string Counter(const Row& row, const std::string& key) {
+    auto it = row.kernel.find(key);
+    return it == row.kernel.end() ? "?" : absl::StrCat(it->second);
+  }
+
   void PrintRow(const Row& row) {
     std::vector<std::string> errors;
     for (const auto& [code, n] : row.errors) errors.push_back(absl::StrCat(code, ":", n));
@@ -922,6 +954,8 @@ class Client {
         " error_max_ms=", absl::StrFormat("%.1f", row.error_max_ms),
         " phase_s=", absl::StrFormat("%.2f", row.phase_s), " peer_lost=", row.peer_lost ? 1 : 0,
         " reconnected=", row.reconnected ? 1 : 0, " after=", row.after_ok, "/", row.after_total,
+        " tcp_retrans=", Counter(row, "retrans"), " tcp_csum_errors=", Counter(row, "csum_errors"),
+        " ip_hdr_errors=", Counter(row, "ip_hdr_errors"),
         " verdict=", row.problems.empty() ? "PASS" : "FAIL", " problems=\"", problems, "\"");
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);

@@ -7,6 +7,10 @@
 #   nf_link.sh set <netem args>    replace the fault, e.g. `set loss 1%`, `set loss 100%`
 #   nf_link.sh clear               remove the fault
 #   nf_link.sh show                netem's counters on both ends (sent, dropped, ...)
+#   nf_link.sh tcpstats            the kernel's counters of both namespaces, summed:
+#                                  "retrans=N csum_errors=N ip_hdr_errors=N" (TCP segments
+#                                  retransmitted; segments TCP dropped for a bad checksum;
+#                                  packets IP dropped for a bad header)
 # Exits non-zero when a command fails (the driver then fails the scenario).
 # Absolute paths: busybox (the VM's nsenter and shell) prefers its own applets of these names.
 TC=/usr/sbin/tc
@@ -49,8 +53,20 @@ case $cmd in
       echo "nf_link: $end: $(in_ns $end $TC -s qdisc show dev $end | tr '\n' ' ')"
     done
     ;;
+  tcpstats)
+    for end in nfa nfb; do
+      # /proc/net is the reading process's namespace.
+      in_ns $end cat /proc/net/snmp
+    done | awk '
+      $1 == "Tcp:" || $1 == "Ip:" {
+        if ($2 ~ /^[A-Za-z]/) { for (i = 2; i <= NF; i++) col[$1 $i] = i; next }
+        if ($1 == "Tcp:") { r += $col["Tcp:RetransSegs"]; c += $col["Tcp:InCsumErrors"] }
+        else { h += $col["Ip:InHdrErrors"] }
+      }
+      END { printf "retrans=%d csum_errors=%d ip_hdr_errors=%d\n", r, c, h }'
+    ;;
   *)
-    echo "usage: nf_link.sh up | set <netem args> | clear | show" >&2
+    echo "usage: nf_link.sh up | set <netem args> | clear | show | tcpstats" >&2
     exit 2
     ;;
 esac
