@@ -6,6 +6,8 @@
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make tcp-scale     tcp with 1000 peers (4 processes) and 1000 connect/disconnect cycles
+#   make netfault      tcp under netem faults (delay, loss, reorder, duplicate, corrupt, partitions)
+#                      in network namespaces inside the test VM; writes docs/NETFAULT.md
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
@@ -62,7 +64,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer tcp-scale soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale netfault soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -119,6 +121,16 @@ demo-transfer: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire-demo
 	$(BUILD_DIR)/perf/kvwire-demo $(DEMO_ARGS)
+
+# The full network fault matrix over tcp (tests/netfault/README.md; `make test` runs its CI
+# subset as the ctest test netfault_vm): every scenario in two network namespaces joined by a
+# netem-degraded veth pair inside the test VM of tests/rdma/vm/ (tens of minutes under TCG);
+# regenerates docs/NETFAULT.md, and fails if any row does.
+netfault: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire_netfault
+	tests/netfault/run_matrix.sh $(BUILD_DIR) $(BUILD_DIR)/tests/netfault/kvwire_netfault full \
+	  docs/NETFAULT.md
 
 # The long form of tests/dsv4/serve/soak_test.cc (CI runs a short one): SOAK_REQUESTS per
 # transport (tcp, then shm) at SOAK_CONCURRENCY, half through a read-mode router and half

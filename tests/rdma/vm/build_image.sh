@@ -83,7 +83,8 @@ for m in net/ipv4/udp_tunnel net/ipv6/ip6_udp_tunnel crypto/crc32_generic \
          drivers/infiniband/core/ib_core drivers/infiniband/core/ib_uverbs \
          drivers/infiniband/core/ib_cm drivers/infiniband/core/iw_cm \
          drivers/infiniband/core/rdma_cm drivers/infiniband/core/rdma_ucm \
-         drivers/infiniband/sw/rxe/rdma_rxe drivers/net/dummy; do
+         drivers/infiniband/sw/rxe/rdma_rxe drivers/net/dummy drivers/net/veth \
+         net/sched/sch_netem; do
   name=$(basename "$m")
   if [[ -f "$msrc/$m.ko" ]]; then
     cp "$msrc/$m.ko" "$r/mods/$name.ko"
@@ -96,15 +97,21 @@ for m in net/ipv4/udp_tunnel net/ipv6/ip6_udp_tunnel crypto/crc32_generic \
   fi
 done
 
-# rdma-core userspace at its host paths, and iproute2's ip and rdma.
+# rdma-core userspace at its host paths, and iproute2's ip, rdma and tc (with netem's delay
+# distribution table, for the network fault matrix of tests/netfault/).
 provider=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)
 [[ -f /etc/libibverbs.d/rxe.driver && -n "$provider" ]] ||
   { echo "build_image: rxe provider missing (install ibverbs-providers)" >&2; exit 1; }
-bins=(/usr/bin/ibv_devinfo /usr/bin/ibv_devices /usr/bin/rdma /usr/bin/ip "$provider")
+tc_dist=/usr/lib/x86_64-linux-gnu/tc/normal.dist
+bins=(/usr/bin/ibv_devinfo /usr/bin/ibv_devices /usr/bin/rdma /usr/bin/ip /usr/sbin/tc "$provider")
 [[ -x /usr/bin/rdma ]] || { echo "build_image: /usr/bin/rdma missing (install iproute2)" >&2; exit 1; }
+[[ -x /usr/sbin/tc && -f $tc_dist ]] ||
+  { echo "build_image: /usr/sbin/tc or $tc_dist missing (install iproute2)" >&2; exit 1; }
 mkdir -p "$r/etc/libibverbs.d" "$r/usr/lib/x86_64-linux-gnu/libibverbs"
 cp /etc/libibverbs.d/rxe.driver "$r/etc/libibverbs.d/"
 "$here/copy_with_libs.sh" "$r" "${bins[@]}"
+mkdir -p "$r$(dirname "$tc_dist")"
+cp "$tc_dist" "$r$tc_dist"
 rm -f "$r/bin/ip" "$r/sbin/ip"
 echo 'root:x:0:0:root:/root:/bin/sh' > "$r/etc/passwd"
 echo 'root:x:0:' > "$r/etc/group"
