@@ -46,7 +46,10 @@ constexpr absl::Duration kWait = absl::Seconds(60);
 // decode whose every step the test controls.
 class RawPeer {
  public:
-  RawPeer(const std::string& name, const std::string& transport, const std::string& secret = "")
+  // `layout`: a kv_sim spec (its tensor-parallel place, "<preset>@tp:<size>:<rank>", is the
+  // decode rank this peer claims when it reads).
+  RawPeer(const std::string& name, const std::string& transport, const std::string& secret = "",
+          const std::string& layout = kLayout)
       : name_(name) {
     EngineOptions o;
     o.name = name;
@@ -60,7 +63,7 @@ class RawPeer {
     auto inbox = engine_->OpenInbox(kTopic);
     EXPECT_TRUE(inbox.ok()) << inbox.status();
     inbox_ = std::move(*inbox);
-    auto kv = KvCache::Create(kLayout, kBlocks + 8, kStateBlocks + 1, 99);
+    auto kv = KvCache::Create(layout, kBlocks + 8, kStateBlocks + 1, 99);
     EXPECT_TRUE(kv.ok()) << kv.status();
     cache_ = std::move(*kv);
     for (const KvMemory& m : cache_->memory()) {
@@ -729,6 +732,66 @@ TEST_P(HostileConnectorTest, DuplicateTransferIdIsRefused) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, "");
   EXPECT_EQ(d.cache->Verify("a", d.cache->live().at("a"), kTokens, 0), "");
+  ExpectPrefillClean(*prefill);
+}
+
+// A decode with tensor parallelism reads a hand-off from each of its ranks: the prefill takes
+// one reader per rank, as many as the first reader's layout says (at most 64, the same for
+// every reader), each with a grant of its own, and frees the blocks only once every one of them
+// released. A layout claiming too many ranks, a size other than the first reader's, or a rank
+// already bound is closed, and the readers still read byte-exact.
+TEST_P(HostileConnectorTest, ReadersOfAHandOffAreTheDecodesRanks) {
+  auto prefill = Prefill();
+  auto params = Handoff(*prefill, "m1");
+  ASSERT_TRUE(params.ok()) << params.status();
+  const std::string tid = params->transfer_id;
+  const auto peer = [&](const std::string& name, const std::string& layout) {
+    auto p = std::make_unique<RawPeer>(name, transport(), "", layout);
+    EXPECT_TRUE(p->Connect(address_).ok());
+    absl::Status s = p->Hello();
+    EXPECT_TRUE(s.ok()) << s;
+    return p;
+  };
+  const auto expect_closed = [&](RawPeer& p, const std::string& says) {
+    ASSERT_TRUE(p.Send(json{{"t", "read_start"}, {"transfer_id", tid}}).ok());
+    auto why = p.WaitClosed();
+    ASSERT_TRUE(why.ok()) << why.status();
+    EXPECT_TRUE(absl::StrContains(*why, says)) << *why;
+  };
+  auto huge = peer("huge", std::string(kLayout) + "@tp:65:0");
+  expect_closed(*huge, "at most 64");
+  auto r0 = peer("rank0", std::string(kLayout) + "@tp:2:0");
+  absl::StatusOr<GrantId> g0 = r0->ReadStart(tid);
+  ASSERT_TRUE(g0.ok()) << g0.status();
+  auto odd = peer("odd", std::string(kLayout) + "@tp:3:1");
+  expect_closed(*odd, "its first reader's 2");
+  auto twin = peer("twin", std::string(kLayout) + "@tp:2:0");
+  expect_closed(*twin, "bound to another peer");
+
+  // Rank 0 reads and releases: the blocks stay for rank 1, which reads under its own grant.
+  auto mine0 = r0->cache().Allocate("m1", kTokens);
+  ASSERT_TRUE(mine0.ok()) << mine0.status();
+  ASSERT_TRUE(r0->ReadLayers(*params, *mine0, r0->Layers(), *g0).ok());
+  EXPECT_EQ(r0->cache().Verify("m1", *mine0, kTokens, 0), "");
+  ASSERT_TRUE(
+      r0->Send(json{{"t", "release"}, {"transfer_id", tid}, {"ok", true}, {"reason", ""}}).ok());
+  auto early = prefill->Expect("FREED m1", absl::Seconds(1));
+  EXPECT_FALSE(early.ok()) << "freed while rank 1 has not read";
+  auto r1 = peer("rank1", std::string(kLayout) + "@tp:2:1");
+  absl::StatusOr<GrantId> g1 = r1->ReadStart(tid);
+  ASSERT_TRUE(g1.ok()) << g1.status();
+  EXPECT_NE(*g1, *g0);
+  auto mine1 = r1->cache().Allocate("m1", kTokens);
+  ASSERT_TRUE(mine1.ok()) << mine1.status();
+  ASSERT_TRUE(r1->ReadLayers(*params, *mine1, r1->Layers(), *g1).ok());
+  EXPECT_EQ(r1->cache().Verify("m1", *mine1, kTokens, 0), "");
+  ASSERT_TRUE(
+      r1->Send(json{{"t", "release"}, {"transfer_id", tid}, {"ok", true}, {"reason", ""}}).ok());
+  EXPECT_TRUE(prefill->Expect("FREED m1").ok());
+  prefill->Send("engine_stats");
+  auto estats = prefill->Expect("ESTATS ");
+  ASSERT_TRUE(estats.ok()) << estats.status();
+  EXPECT_EQ(json::parse(estats->substr(7))["grants_live"].get<int>(), 0) << *estats;
   ExpectPrefillClean(*prefill);
 }
 
