@@ -522,7 +522,10 @@ class Client {
 
   int Link(const std::string& args) {
     const std::string cmd = absl::StrCat(config_.link, " ", args);
-    std::printf("KVWIRE_NF_LINK %s\n", args.c_str());
+    // Wall-clock time, as the engine's log lines show it.
+    std::printf("KVWIRE_NF_LINK %s %s\n",
+                absl::FormatTime("%H:%M:%E6S", absl::Now(), absl::UTCTimeZone()).c_str(),
+                args.c_str());
     std::fflush(stdout);
     const int rc = std::system(cmd.c_str());
     if (rc != 0) std::printf("KVWIRE_NF_LINK failed rc=%d: %s\n", rc, cmd.c_str());
