@@ -84,9 +84,12 @@ class NativeHalf:
 LAYOUT = json.dumps({
     "model": "toy",
     "groups": [
-        {"name": "full", "layers": [0, 1, 2, 3], "tokens_per_block": 16, "page_bytes": 512},
+        # section_row_bytes: token-major pages (one row a token), so that read grants can
+        # clear the rows of a partly filled block that the request did not fill.
+        {"name": "full", "layers": [0, 1, 2, 3], "tokens_per_block": 16, "page_bytes": 512,
+         "section_row_bytes": [32]},
         {"name": "swa", "layers": [0, 1, 2, 3], "tokens_per_block": 16, "page_bytes": 256,
-         "window_tokens": 32},
+         "window_tokens": 32, "section_row_bytes": [16]},
     ],
 })
 BLOCKS = 32
@@ -169,12 +172,16 @@ def fill(inst, request_id, table):
 
 
 def verify(inst, request_id, table, tokens):
+    """The request's tokens' rows (token-major pages): the rest of a partly filled block is
+    not the request's (read mode clears it on the prefill before granting it)."""
     for gi, g in enumerate(inst.layout.groups):
         logical_blocks, _, _ = kvwire.select_blocks(g, tokens)
+        row = g.page_bytes // g.tokens_per_block
         for li, layer in enumerate(g.layers):
             for logical in logical_blocks:
-                got = bytes(inst.page(g.name, li, table[gi][logical]))
-                if got != pattern(request_id, g.name, layer, logical, g.page_bytes):
+                n = min(g.tokens_per_block, tokens - logical * g.tokens_per_block) * row
+                got = bytes(inst.page(g.name, li, table[gi][logical]))[:n]
+                if got != pattern(request_id, g.name, layer, logical, g.page_bytes)[:n]:
                     return f"{request_id} group {g.name} layer {layer} block {logical} differs"
     return ""
 

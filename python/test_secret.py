@@ -13,7 +13,8 @@ import kvwire
 from kvwire.vllm_connector import Settings
 
 LAYOUT = json.dumps({"model": "toy", "groups": [
-    {"name": "full", "layers": [0, 1], "tokens_per_block": 16, "page_bytes": 256}]})
+    {"name": "full", "layers": [0, 1], "tokens_per_block": 16, "page_bytes": 256,
+     "section_row_bytes": [16]}]})
 BLOCKS = 8
 TOKENS = 40
 

@@ -83,13 +83,19 @@ static void FillPrefill(Side* p, int round) {
   }
 }
 
+/* The bytes of the request's tokens: MLA pages are token-major (656 bytes a token), and the
+ * last block is only partly the request's (in read mode the prefill clears the rest before
+ * the decode may read it, so that nothing of an earlier request comes along). */
 static int VerifyDecode(Side* d, int round) {
   uint64_t page = kvw_layout_group_page_bytes(d->layout, 0);
+  uint64_t tpb = (uint64_t)kvw_layout_group_tokens_per_block(d->layout, 0);
   for (size_t l = 0; l < kvw_layout_group_num_layers(d->layout, 0); ++l) {
     for (size_t b = 0; b < kUsed; ++b) {
       const uint8_t* src = (const uint8_t*)(uintptr_t)kvw_layout_block_address(
           d->layout, 0, l, (uint64_t)kDecodeIds[round - 1][b]);
-      for (size_t i = 0; i < page; ++i) {
+      uint64_t tokens = (uint64_t)kTokens - b * tpb;
+      uint64_t filled = tokens >= tpb ? page : tokens * (page / tpb);
+      for (size_t i = 0; i < filled; ++i) {
         if (src[i] != Pattern(l, b, i, round)) {
           fprintf(stderr, "embed: mismatch layer %zu block %zu byte %zu\n", l, b, i);
           return 0;

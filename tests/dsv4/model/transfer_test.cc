@@ -3,6 +3,7 @@
 // compression windows of the state rings) computes bit-identically to the instance that ran
 // the prompt. Everything else in the receiving cache is poisoned (NaN fp8 codes, huge
 // floats), so a read outside the contract shows up in the logits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -92,6 +93,40 @@ TEST(TransferContractTest, DecodeAfterTransferIsBitIdentical) {
         uint8_t* page = b->Page("swa_kv", layer, tb->at("swa_kv")[tok / 64]);
         std::memset(page + (tok % 64) * 576, 0x7F, 576);
         std::memset(page + 64 * 576 + (tok % 64) * 8, 0x7F, 8);
+      }
+    }
+    // The rows kvwire clears before a read grant (UnfilledPageSpans: what a prompt of `stop`
+    // tokens did not fill) are rows the prompt never wrote (A's are still poison) and rows the
+    // decode never reads before writing them (poisoned in B, the logits stay bit-identical).
+    for (const kvwire::CacheGroup& g : b->layout().groups) {
+      absl::StatusOr<std::vector<uint64_t>> sections = kvwire::PageSections(g);
+      ASSERT_TRUE(sections.ok()) << sections.status();
+      const uint64_t rows = g.rows_per_block();
+      for (size_t lb = 0; lb < tb->at(g.name).size() && lb < ta->at(g.name).size(); ++lb) {
+        absl::StatusOr<std::vector<kvwire::PageSpan>> spans =
+            kvwire::UnfilledPageSpans(g, lb, stop);
+        ASSERT_TRUE(spans.ok()) << spans.status();
+        std::vector<bool> unfilled(g.page_bytes, false);
+        for (const kvwire::PageSpan& s : *spans) {
+          std::fill(unfilled.begin() + s.offset, unfilled.begin() + s.offset + s.length, true);
+        }
+        for (int layer : g.layers) {
+          const uint8_t* pa = a->Page(g.name, layer, ta->at(g.name)[lb]);
+          uint64_t at = 0;
+          for (uint64_t row : *sections) {
+            for (uint64_t r = 0; r < rows; ++r, at += row) {
+              if (unfilled[at]) continue;
+              // A filled row: written by the prompt, so not all poison.
+              const bool poison =
+                  std::all_of(pa + at, pa + at + row, [](uint8_t x) { return x == 0x7F; });
+              EXPECT_FALSE(poison)
+                  << g.name << " layer " << layer << " logical block " << lb << " row " << r
+                  << ": counted as filled by " << stop << " tokens, never written";
+            }
+          }
+          uint8_t* pb = b->Page(g.name, layer, tb->at(g.name)[lb]);
+          for (const kvwire::PageSpan& s : *spans) std::memset(pb + s.offset, 0x7F, s.length);
+        }
       }
     }
     for (int k = 0; k < kDecodeSteps; ++k) {

@@ -146,9 +146,10 @@ TEST(CApiNullArguments, EveryErrptrCallReportsInsteadOfCrashing) {
 
 // --- the shared secret ---------------------------------------------------------------------
 
+// Token-major pages (section_row_bytes): read grants clear what a request did not fill.
 constexpr char kLayout[] =
     R"({"model":"toy","groups":[{"name":"full","layers":[0,1],"tokens_per_block":16,)"
-    R"("page_bytes":256}]})";
+    R"("page_bytes":256,"section_row_bytes":[16]}]})";
 constexpr uint64_t kBlocks = 8;
 constexpr uint64_t kTokens = 40;  // three blocks
 
