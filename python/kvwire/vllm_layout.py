@@ -13,11 +13,15 @@ Logical shapes vLLM's attention backends use (strides may permute the last three
   MHA/GQA, K and V apart:  (2, num_blocks, block_size, heads, head_size)   flash-attn
                            (num_blocks, 2, block_size, heads, head_size)   flashinfer and others
   MHA/GQA on vLLM's CPU:   (num_blocks, heads, block_size, 2 * head_size)  cpu_attn: per head
-                           its block's K rows, then its V rows; one dense page a block
+                           its block's K (transposed by its kernels), then its V rows; one
+                           dense page a block
   MLA (one latent vector): (num_blocks, block_size, head_size) or with a heads dim of 1
   other specs (e.g. DeepSeek-V4's compressed caches): (num_blocks, ...) one dense page a block
 """
 import json
+import logging
+
+logger = logging.getLogger("kvwire.vllm")
 
 
 def _spec_kind(spec) -> str:
@@ -51,6 +55,45 @@ def _dense_inner(shape, strides, dims, what):
     return span
 
 
+def _cpu_attn_sections(dtype, block_size, d, es, heads):
+    """section_row_bytes of vLLM's CPU attention pages, or None when unknown.
+
+    The page of one head is (2 * block_size, head_size) as the backend views it, K then V,
+    but its kernels (ISA "vec" on x86 without AMX) keep K transposed, element e of slot s at
+    e * block_size + s, and V token-major. That is checked here, not assumed: one token is
+    written with the backend's own cpu_attn_reshape_and_cache into a one-head cache at the
+    first and the last slot, and the bytes it touched must be exactly those rows. Anything
+    else (another ISA's packing, an op that moved) gives None: kvwire then refuses to grant a
+    partly filled block rather than clear the wrong bytes.
+    """
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        isa = _get_attn_isa(dtype, block_size, d)
+        for slot in (0, block_size - 1):
+            cache = torch.zeros((1, 1, block_size, 2 * d), dtype=dtype)
+            k_cache, v_cache = cache.view((1, 1, 2 * block_size, d)).chunk(2, dim=2)
+            one = torch.ones((1, 1, d), dtype=dtype)
+            ops.cpu_attn_reshape_and_cache(one, one, k_cache, v_cache,
+                                           torch.tensor([slot], dtype=torch.long), isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+            touched = set((cache.flatten() != 0).nonzero().flatten().tolist())
+            expect = ({e * block_size + slot for e in range(d)}
+                      | {block_size * d + slot * d + e for e in range(d)})
+            if touched != expect:
+                logger.warning("kvwire: vLLM CPU attention (ISA %s) keeps a token's K/V in "
+                               "a way kvwire does not know; read grants refuse partly filled "
+                               "blocks", isa)
+                return None
+    except Exception as e:  # noqa: BLE001 - unknown placement is refused later, not guessed
+        logger.warning("kvwire: cannot check vLLM CPU attention's K/V placement (%s)", e)
+        return None
+    # Per head: head_size sections of one element a slot (K, transposed), then one section of
+    # head_size elements a slot (V).
+    return ([es] * d + [d * es]) * heads
+
+
 def _analyze(name, t, spec, kind, tp_rank, tp_size):
     """One layer's tensor -> its group fields and base address."""
     shape, strides, es = tuple(t.shape), tuple(t.stride()), t.element_size()
@@ -73,9 +116,9 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
         heads = {"total": h * tp_size, "tp_size": tp_size, "tp_rank": tp_rank, "outer": 1,
                  "inner_bytes": 2 * block_size * d * es}
         bdim, comps, cstride, block_major = 0, 1, 0, True
-        # Per head: block_size K rows of head_size, then block_size V rows (not the token
-        # rows of 2 * head_size that the head split alone would suggest).
-        sections = [d * es] * (2 * h)
+        # Where a token's K and V lie inside a head's part of the page is the attention
+        # kernel's business (its ISA's): found by writing a token with vLLM's own op.
+        sections = _cpu_attn_sections(t.dtype, block_size, d, es, h)
     elif kind == "mha":
         if len(shape) != 5:
             raise ValueError(f"{what}: an attention cache of shape {shape} (expected "

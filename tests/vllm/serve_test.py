@@ -137,7 +137,10 @@ class VllmServeTest(unittest.TestCase):
         proxy = self.proxies[(transport, mode)]
         p, d, _ = self.pairs[transport]
         lengths = [random.Random(i).choice(LENGTHS + (40, 100)) for i in range(N_LOAD)]
-        prompts = [prompt_of(n, 100 + i) for i, n in enumerate(lengths)]
+        # Prompts of their own per mode: read and write share one prefill/decode pair, and the
+        # decode's prefix cache would otherwise serve the second mode's prompts itself.
+        prompts = [prompt_of(n, (100 if mode == "read" else 200) + i)
+                   for i, n in enumerate(lengths)]
         before = self.transferred(d)
         with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
             got = list(pool.map(lambda pr: serving.output_tokens(
