@@ -160,7 +160,20 @@ PYBIND11_MODULE(_kvwire, m) {
       .def_readonly("section_row_bytes", &kvwire::CacheGroup::section_row_bytes)
       .def_readonly("num_blocks", &kvwire::CacheGroup::num_blocks)
       .def("block_address", &kvwire::CacheGroup::BlockAddress, py::arg("layer_index"),
-           py::arg("block"), py::arg("component") = 0);
+           py::arg("block"), py::arg("component") = 0)
+      .def(
+          "unfilled_page_spans",
+          [](const kvwire::CacheGroup& g, uint64_t logical_block, uint64_t num_tokens) {
+            std::vector<std::pair<uint64_t, uint64_t>> out;
+            for (const kvwire::PageSpan& s :
+                 Take(kvwire::UnfilledPageSpans(g, logical_block, num_tokens))) {
+              out.emplace_back(s.offset, s.length);
+            }
+            return out;
+          },
+          py::arg("logical_block"), py::arg("num_tokens"),
+          "(offset, length) of the bytes of a page of this logical block that a request of "
+          "num_tokens tokens did not fill: what a read grant clears first");
 
   py::class_<kvwire::Layout>(m, "Layout")
       .def_static("preset", [](const std::string& n) { return Take(kvwire::PresetLayout(n)); })
@@ -506,72 +519,71 @@ PYBIND11_MODULE(_kvwire, m) {
       .def("stats_json", [](const kvwire::Engine& e) { return e.Stats().ToJson(); });
 
   py::class_<kvwire::Connector>(m, "Connector")
-      .def(
-          py::init(
-              [](const std::optional<std::string>& name, const std::string& mode,
-                 const std::optional<std::string>& transport, double request_timeout_s,
-                 const py::object& secret, const std::optional<std::string>& listen_address,
-                 const std::string& metrics_address, const std::string& role,
-                 double handshake_timeout_s, const std::string& etcd_endpoints,
-                 const std::string& cluster, double etcd_call_timeout_s, int64_t etcd_lease_seconds,
-                 const std::optional<kvwire::EngineOptions>& engine_options, bool read_grants,
-                 const std::string& etcd_user, const std::string& etcd_password,
-                 const std::string& etcd_ca_file, const std::string& etcd_cert_file,
-                 const std::string& etcd_key_file) {
-                kvwire::ConnectorOptions o;
-                // Without engine_options: the environment, then the keyword defaults (as before).
-                // With them: exactly those, then only the engine keywords given.
-                o.engine = engine_options ? *engine_options : EngineOptionsFor(secret);
-                if (engine_options && !secret.is_none())
-                  o.engine.shared_secret = SecretFrom(secret);
-                if (name || !engine_options) o.engine.name = name.value_or("");
-                if (transport || !engine_options) {
-                  o.engine.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
-                }
-                if (listen_address || !engine_options) {
-                  o.engine.listen_address = listen_address.value_or("127.0.0.1:0");
-                }
-                o.role = role;
-                o.mode = Take(kvwire::ParseKvMode(mode));
-                o.request_timeout = FromSeconds("request_timeout_s", request_timeout_s);
-                o.handshake_timeout = FromSeconds("handshake_timeout_s", handshake_timeout_s);
-                o.metrics_address = metrics_address;
-                o.etcd_endpoints = etcd_endpoints;
-                o.cluster = cluster;
-                if (!(etcd_call_timeout_s > 0 && etcd_call_timeout_s <= 600)) {
-                  throw py::value_error(absl::StrCat("etcd_call_timeout_s: ", etcd_call_timeout_s,
-                                                     " s is out of range (0 < s <= 600)"));
-                }
-                o.etcd_call_timeout = absl::Seconds(etcd_call_timeout_s);
-                o.etcd_lease_seconds =
-                    InRange<int64_t>("etcd_lease_seconds", etcd_lease_seconds, 1, 86400);
-                o.read_grants = read_grants;
-                o.etcd_user = etcd_user;
-                o.etcd_password = etcd_password;
-                o.etcd_ca_file = etcd_ca_file;
-                o.etcd_cert_file = etcd_cert_file;
-                o.etcd_key_file = etcd_key_file;
-                return Take(kvwire::Connector::Create(o));
-              }),
-          py::arg("name") = py::none(), py::arg("mode") = "auto", py::arg("transport") = py::none(),
-          py::arg("request_timeout_s") = 60.0, py::arg("secret") = py::none(),
-          py::arg("listen_address") = py::none(), py::arg("metrics_address") = "",
-          py::arg("role") = "both", py::arg("handshake_timeout_s") = 10.0,
-          py::arg("etcd_endpoints") = "", py::arg("cluster") = "",
-          py::arg("etcd_call_timeout_s") = 2.0, py::arg("etcd_lease_seconds") = 10,
-          py::arg("engine_options") = py::none(), py::arg("read_grants") = true,
-          py::arg("etcd_user") = "", py::arg("etcd_password") = "", py::arg("etcd_ca_file") = "",
-          py::arg("etcd_cert_file") = "", py::arg("etcd_key_file") = "",
-          "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
-          "given (no environment); without it the KVWIRE_* environment, then transport 'auto' "
-          "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
-          "secret (str or bytes); None: KVWIRE_SECRET. metrics_address: host:port of "
-          "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
-          "through etcd (see announce()); etcd_user/etcd_password: etcd's own "
-          "authentication; etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// "
-          "endpoints (empty fields: KVWIRE_ETCD_*). read_grants: READs of the KV need the "
-          "request's grant (tcp only); False: zero-copy shm/rdma READs of the whole KV by any "
-          "peer with the secret.")
+      .def(py::init([](const std::optional<std::string>& name, const std::string& mode,
+                       const std::optional<std::string>& transport, double request_timeout_s,
+                       const py::object& secret, const std::optional<std::string>& listen_address,
+                       const std::string& metrics_address, const std::string& role,
+                       double handshake_timeout_s, const std::string& etcd_endpoints,
+                       const std::string& cluster, double etcd_call_timeout_s,
+                       int64_t etcd_lease_seconds,
+                       const std::optional<kvwire::EngineOptions>& engine_options, bool read_grants,
+                       const std::string& etcd_user, const std::string& etcd_password,
+                       const std::string& etcd_ca_file, const std::string& etcd_cert_file,
+                       const std::string& etcd_key_file) {
+             kvwire::ConnectorOptions o;
+             // Without engine_options: the environment, then the keyword defaults (as before).
+             // With them: exactly those, then only the engine keywords given.
+             o.engine = engine_options ? *engine_options : EngineOptionsFor(secret);
+             if (engine_options && !secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
+             if (name || !engine_options) o.engine.name = name.value_or("");
+             if (transport || !engine_options) {
+               o.engine.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
+             }
+             if (listen_address || !engine_options) {
+               o.engine.listen_address = listen_address.value_or("127.0.0.1:0");
+             }
+             o.role = role;
+             o.mode = Take(kvwire::ParseKvMode(mode));
+             o.request_timeout = FromSeconds("request_timeout_s", request_timeout_s);
+             o.handshake_timeout = FromSeconds("handshake_timeout_s", handshake_timeout_s);
+             o.metrics_address = metrics_address;
+             o.etcd_endpoints = etcd_endpoints;
+             o.cluster = cluster;
+             if (!(etcd_call_timeout_s > 0 && etcd_call_timeout_s <= 600)) {
+               throw py::value_error(absl::StrCat("etcd_call_timeout_s: ", etcd_call_timeout_s,
+                                                  " s is out of range (0 < s <= 600)"));
+             }
+             o.etcd_call_timeout = absl::Seconds(etcd_call_timeout_s);
+             o.etcd_lease_seconds =
+                 InRange<int64_t>("etcd_lease_seconds", etcd_lease_seconds, 1, 86400);
+             o.read_grants = read_grants;
+             o.etcd_user = etcd_user;
+             o.etcd_password = etcd_password;
+             o.etcd_ca_file = etcd_ca_file;
+             o.etcd_cert_file = etcd_cert_file;
+             o.etcd_key_file = etcd_key_file;
+             return Take(kvwire::Connector::Create(o));
+           }),
+           py::arg("name") = py::none(), py::arg("mode") = "auto",
+           py::arg("transport") = py::none(), py::arg("request_timeout_s") = 60.0,
+           py::arg("secret") = py::none(), py::arg("listen_address") = py::none(),
+           py::arg("metrics_address") = "", py::arg("role") = "both",
+           py::arg("handshake_timeout_s") = 10.0, py::arg("etcd_endpoints") = "",
+           py::arg("cluster") = "", py::arg("etcd_call_timeout_s") = 2.0,
+           py::arg("etcd_lease_seconds") = 10, py::arg("engine_options") = py::none(),
+           py::arg("read_grants") = true, py::arg("etcd_user") = "", py::arg("etcd_password") = "",
+           py::arg("etcd_ca_file") = "", py::arg("etcd_cert_file") = "",
+           py::arg("etcd_key_file") = "",
+           "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
+           "given (no environment); without it the KVWIRE_* environment, then transport 'auto' "
+           "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
+           "secret (str or bytes); None: KVWIRE_SECRET. metrics_address: host:port of "
+           "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
+           "through etcd (see announce()); etcd_user/etcd_password: etcd's own "
+           "authentication; etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// "
+           "endpoints (empty fields: KVWIRE_ETCD_*). read_grants: READs of the KV need the "
+           "request's grant (tcp only); False: zero-copy shm/rdma READs of the whole KV by any "
+           "peer with the secret.")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
       .def_property_readonly("metrics_address", &kvwire::Connector::metrics_address)

@@ -4,6 +4,7 @@ vLLM's Scheduler, KVConnectorFactory, Request, KVOutputAggregator and
 Scheduler.update_from_output decide everything here; kvwire's scheduler-side connector runs in
 vLLM's Scheduler, its worker-side connectors in worker processes over host memory.
 """
+import json
 import socket
 import time
 
@@ -501,3 +502,53 @@ def test_decode_tp2_with_the_prompt_in_its_prefix_cache_frees_the_prefill(engine
     assert worker_counter(p, "lease_expired") == 0
     run_until([d], lambda: d.finished("dh") is not None, "the decode request")
     assert worker_counter(d, "completed") == 0
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cpu_attention_rows_cleared_are_exactly_those_the_kernel_did_not_write(dtype_name):
+    """Read grants clear the rows of a request's last block that it did not fill. Where a
+    token's K and V lie in a page of vLLM's CPU attention is its kernels' choice (K is kept
+    transposed for ISA vec): for every token count, the bytes kvwire clears must be exactly the
+    bytes vLLM's own cpu_attn_reshape_and_cache did not write. A packing the plugin does not
+    know must give no placement at all (grants then refuse), never a guess."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    import kvwire
+    from kvwire import vllm_layout
+
+    bs, heads, d = 32, 2, 32
+    dtype = getattr(torch, dtype_name)
+    es = torch.tensor([], dtype=dtype).element_size()
+    sections = vllm_layout._cpu_attn_sections(dtype, bs, d, es, heads)
+    isa = _get_attn_isa(dtype, bs, d)
+    if sections is None:
+        # Unknown packing: no placement, so a grant of a partly filled block is refused.
+        assert isa != "vec", "ISA vec's packing is known and must be found"
+        return
+    page = heads * bs * 2 * d * es
+    group = {"name": "kv", "layers": [0], "tokens_per_block": bs, "tokens_per_entry": 1,
+             "window_tokens": 0, "per_request_state": False, "layer_base": [1 << 20],
+             "page_bytes": page, "components": 1, "block_major": True,
+             "heads": {"total": heads, "tp_size": 1, "tp_rank": 0, "outer": 1,
+                       "inner_bytes": 2 * bs * d * es},
+             "num_blocks": 1, "block_stride": page, "component_stride": 0,
+             "section_row_bytes": sections}
+    g = kvwire.Layout.from_json(json.dumps({"model": "cpu-attn", "groups": [group]})).groups[0]
+    for n in (1, 5, bs - 1, bs):
+        cache = torch.zeros((1, heads, bs, 2 * d), dtype=dtype)
+        k_cache, v_cache = cache.view((1, heads, 2 * bs, d)).chunk(2, dim=2)
+        kv = torch.ones((n, heads, d), dtype=dtype)
+        ops.cpu_attn_reshape_and_cache(kv, kv, k_cache, v_cache,
+                                       torch.arange(n, dtype=torch.long), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        written = set()
+        for e in (cache.flatten() != 0).nonzero().flatten().tolist():
+            written.update(range(e * es, (e + 1) * es))
+        cleared = set()
+        for off, length in g.unfilled_page_spans(0, n):
+            cleared.update(range(off, off + length))
+        assert not (cleared & written), f"{n} tokens: kvwire would clear bytes vLLM wrote"
+        assert cleared | written == set(range(page)), \
+            f"{n} tokens: bytes neither written nor cleared (an earlier request's would stay)"
