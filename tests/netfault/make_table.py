@@ -90,7 +90,8 @@ def main():
         if r["reconnected"] == "1" and r["scenario"] != "partition-forever":
             notes.append(
                 f"- {r['scenario']}: the fault cost the peer ({r['errors']} of {r['transfers']} "
-                "transfers failed, every one before its deadline); the same engines reconnected and "
+                "transfers failed, every one before its deadline; the peer closed with "
+                f"\"{r.get('close_reason', '?')}\"); the same engines reconnected and "
                 f"{r['after']} transfers after the fault succeeded byte-exact.")
         if r["scenario"].startswith("corrupt"):
             notes.append(
@@ -111,6 +112,12 @@ def main():
         "it does depends on where the partition falls in that backoff, so the partition3 row "
         "changes from run to run (peer kept and every transfer late, or peer lost and the "
         "transfers in flight failed). Both outcomes keep every promise checked here.\n")
+    out.append(
+        "Loss alone can cost the peer too: a data connection that makes no progress inside one "
+        "op for the tcp I/O timeout (5 s) is cut and its peer dropped (\"stalled … receiving a "
+        "WRITE payload (io_timeout 5s)\"), and at 10% loss TCP's backoff on repeated losses of "
+        "one segment sometimes stalls a connection that long; the loss10 row changes from run "
+        "to run for it.\n")
     out.append(
         "Times are of the emulated VM (qemu TCG on a shared build machine): they compare the "
         "faults with each other and with the clean row of the same run, never with real "

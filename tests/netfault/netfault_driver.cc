@@ -425,6 +425,7 @@ struct Row {
   double phase_s = 0;
   bool peer_lost = false;  // the fault closed the peer (seen here after the fault)
   bool reconnected = false;
+  std::string close_reason;  // why the lost peer closed (PeerInfo::close_reason)
   int after_ok = 0, after_total = 0;
   // The kernel's counters of both namespaces over the fault phase (nf_link.sh tcpstats): TCP
   // segments retransmitted, segments TCP dropped for a bad checksum, packets IP dropped for a
@@ -838,6 +839,9 @@ class Client {
       }
     }
     if (row.peer_lost) {
+      for (const auto& info : engine_->Peers()) {
+        if (info.id == peer_) row.close_reason = info.close_reason;
+      }
       if (absl::Status s = Reconnect(absl::Seconds(30)); !s.ok()) {
         row.problems.push_back(absl::StrCat("reconnect failed: ", s.ToString()));
       } else {
@@ -941,8 +945,11 @@ class Client {
     std::vector<std::string> errors;
     for (const auto& [code, n] : row.errors) errors.push_back(absl::StrCat(code, ":", n));
     std::string problems = absl::StrJoin(row.problems, "; ");
-    for (char& c : problems) {
-      if (c == '"') c = '\'';
+    std::string close_reason = row.close_reason.substr(0, 300);
+    for (std::string* text : {&problems, &close_reason}) {
+      for (char& c : *text) {
+        if (c == '"') c = '\'';
+      }
     }
     double max_ms = 0;
     for (double ms : row.ok_ms) max_ms = std::max(max_ms, ms);
@@ -958,8 +965,8 @@ class Client {
         " phase_s=", absl::StrFormat("%.2f", row.phase_s), " peer_lost=", row.peer_lost ? 1 : 0,
         " reconnected=", row.reconnected ? 1 : 0, " after=", row.after_ok, "/", row.after_total,
         " tcp_retrans=", Counter(row, "retrans"), " tcp_csum_errors=", Counter(row, "csum_errors"),
-        " ip_hdr_errors=", Counter(row, "ip_hdr_errors"),
-        " verdict=", row.problems.empty() ? "PASS" : "FAIL", " problems=\"", problems, "\"");
+        " ip_hdr_errors=", Counter(row, "ip_hdr_errors"), " close_reason=\"", close_reason,
+        "\" verdict=", row.problems.empty() ? "PASS" : "FAIL", " problems=\"", problems, "\"");
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   }
