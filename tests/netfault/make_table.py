@@ -93,6 +93,15 @@ def main():
                 "transfers failed, every one before its deadline; the peer closed with "
                 f"\"{r.get('close_reason', '?')}\"); the same engines reconnected and "
                 f"{r['after']} transfers after the fault succeeded byte-exact.")
+        if r["missing_notifications"] != "0":
+            notes.append(
+                f"- {r['scenario']}: {r['missing_notifications']} WRITE(s) succeeded at the "
+                "initiator but their notification never reached the target: the data was "
+                "acknowledged, the notification queued on the control connection, and the fault "
+                "killed that connection before it went out. The engine's contract allows it (a "
+                "notification is never delivered before its data; success does not wait for its "
+                "delivery); a target that waits for it must have its own deadline. The row fails "
+                "on this only when the peer survived.")
         if r["scenario"].startswith("corrupt"):
             notes.append(
                 f"- {r['scenario']}: the kernel dropped {r.get('tcp_csum_errors', '?')} segments "
