@@ -400,8 +400,9 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=sys.executable,
                    help="python of the vLLM environment (default: this one)")
     p.add_argument("--config", default=os.path.join(ROOT, "examples/dsv4/configs/tiny.json"))
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="aggregated,1P1D read",
+                   help="comma-separated subset of: " + ", ".join(CONFIGS)
+                   + " (default: the seeds' comparison)")
     p.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
