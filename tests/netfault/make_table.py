@@ -90,8 +90,18 @@ def main():
         if r["reconnected"] == "1" and r["scenario"] != "partition-forever":
             notes.append(
                 f"- {r['scenario']}: the fault cost the peer ({r['errors']} of {r['transfers']} "
-                "transfers failed, every one before its deadline); the same engines reconnected and "
+                "transfers failed, every one before its deadline; the peer closed with "
+                f"\"{r.get('close_reason', '?')}\"); the same engines reconnected and "
                 f"{r['after']} transfers after the fault succeeded byte-exact.")
+        if r["missing_notifications"] != "0":
+            notes.append(
+                f"- {r['scenario']}: {r['missing_notifications']} WRITE(s) succeeded at the "
+                "initiator but their notification never reached the target: the data was "
+                "acknowledged, the notification queued on the control connection, and the fault "
+                "killed that connection before it went out. The engine's contract allows it (a "
+                "notification is never delivered before its data; success does not wait for its "
+                "delivery); a target that waits for it must have its own deadline. The row fails "
+                "on this only when the peer survived.")
         if r["scenario"].startswith("corrupt"):
             notes.append(
                 f"- {r['scenario']}: the kernel dropped {r.get('tcp_csum_errors', '?')} segments "
@@ -111,6 +121,12 @@ def main():
         "it does depends on where the partition falls in that backoff, so the partition3 row "
         "changes from run to run (peer kept and every transfer late, or peer lost and the "
         "transfers in flight failed). Both outcomes keep every promise checked here.\n")
+    out.append(
+        "Loss alone can cost the peer too: a data connection that makes no progress inside one "
+        "op for the tcp I/O timeout (5 s) is cut and its peer dropped (\"stalled … receiving a "
+        "WRITE payload (io_timeout 5s)\"), and at 10% loss TCP's backoff on repeated losses of "
+        "one segment sometimes stalls a connection that long; the loss10 row changes from run "
+        "to run for it.\n")
     out.append(
         "Times are of the emulated VM (qemu TCG on a shared build machine): they compare the "
         "faults with each other and with the clean row of the same run, never with real "

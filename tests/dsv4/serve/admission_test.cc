@@ -365,7 +365,11 @@ TEST(RetryAfter, RequestsWithNChoicesCountNAgainstTheRoutersLimit) {
   std::atomic<int> arrived{0};
   HttpServerOptions o;
   absl::StatusOr<std::unique_ptr<HttpServer>> upstream =
-      HttpServer::Start(o, [&](const HttpRequest&, std::shared_ptr<Responder> r) {
+      HttpServer::Start(o, [&](const HttpRequest& req, std::shared_ptr<Responder> r) {
+        if (req.method != "POST") {  // the router's instance polls are not requests
+          r->Error(404, "not a completion");
+          return;
+        }
         std::lock_guard<std::mutex> lock(mu);
         held.push_back(std::move(r));
         ++arrived;

@@ -245,6 +245,7 @@ TEST(Surface, LogprobsSumToOneAndEcho) {
   const Answer a = Post(*s, "/v1/completions",
                         {{"prompt", "Hello"},
                          {"max_tokens", 4},
+                         {"temperature", 0},
                          {"logprobs", -1},
                          {"return_tokens_as_token_ids", true}});
   ASSERT_EQ(a.status, 200) << a.raw;
@@ -272,6 +273,7 @@ TEST(Surface, LogprobsSumToOneAndEcho) {
   const Answer chat = Post(*s, "/v1/chat/completions",
                            {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
                             {"max_completion_tokens", 3},
+                            {"temperature", 0},
                             {"logprobs", true},
                             {"top_logprobs", -1}});
   ASSERT_EQ(chat.status, 200) << chat.raw;
