@@ -118,6 +118,16 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     r.plan = std::move(*plan);
     Account(r, *r.plan);
   }
+  // The plan WRITEs whole pages (a group's last page too): before the first of them, the rows
+  // of the request's blocks that it does not fill are zeroed, or the decode would get whatever
+  // an earlier request left there (read_scrub.cc). Layers may still be being computed (the
+  // layer-wise push starts with the first final layer, or before any when decode asked first):
+  // the scrub touches only rows this request never writes, so it is disjoint from the
+  // compute's writes, whichever comes first.
+  if (absl::Status scrubbed = ScrubUnfilledLocked(r); !scrubbed.ok()) {
+    FailLocked(r, std::string(scrubbed.message()));
+    return;
+  }
   for (int layer : r.layers_final) {
     if (r.layers_sent.count(layer) != 0) continue;
     r.layers_sent.insert(layer);
