@@ -118,16 +118,6 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     r.plan = std::move(*plan);
     Account(r, *r.plan);
   }
-  // The plan WRITEs whole pages (a group's last page too): before the first of them, the rows
-  // of the request's blocks that it does not fill are zeroed, or the decode would get whatever
-  // an earlier request left there (read_scrub.cc). Layers may still be being computed (the
-  // layer-wise push starts with the first final layer, or before any when decode asked first):
-  // the scrub touches only rows this request never writes, so it is disjoint from the
-  // compute's writes, whichever comes first.
-  if (absl::Status scrubbed = ScrubUnfilledLocked(r); !scrubbed.ok()) {
-    FailLocked(r, std::string(scrubbed.message()));
-    return;
-  }
   for (int layer : r.layers_final) {
     if (r.layers_sent.count(layer) != 0) continue;
     r.layers_sent.insert(layer);
@@ -139,6 +129,18 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     absl::StatusOr<std::vector<Op>> ops = ToOps(ranges, p, /*local_is_src=*/true);
     if (!ops.ok()) {
       FailLocked(r, std::string(ops.status().message()));
+      return;
+    }
+    // The plan WRITEs whole pages (a group's last page too): before the first of them, the
+    // rows of the request's blocks that it does not fill are zeroed, every layer's at once, or
+    // the decode would get whatever an earlier request left there (read_scrub.cc; once per
+    // request). Here, at the first WRITE rather than when the plan is made, the first final
+    // layer is done (with event-gated saves its event completed, so the engine's stream is past
+    // whatever it still had to write into these blocks before). Later layers may still be
+    // being computed: the clear touches only rows this request never writes, so it is disjoint
+    // from the compute's writes, whichever comes first.
+    if (absl::Status scrubbed = ScrubUnfilledLocked(r); !scrubbed.ok()) {
+      FailLocked(r, std::string(scrubbed.message()));
       return;
     }
     cpu.Pause();
