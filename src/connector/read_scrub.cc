@@ -5,7 +5,13 @@
 // - write mode: before the first WRITE of the request's pages into the decode's blocks (the
 //   plan moves whole pages too), so that the decode receives nothing of an earlier request
 //   (MaybeSendLayersLocked). Layers may still be being computed then; the rows cleared are
-//   ones the request never writes, so the clear and the compute never touch the same bytes.
+//   past the request's num_tokens (GetNumNewMatchedTokens), which the compute never writes
+//   when that is the count it computes (the vLLM plugin passes the prompt), so the clear and
+//   the compute never touch the same bytes. An engine that hands off fewer tokens than it
+//   computes (the dsv4 example hands off n - 1 of n: the decode recomputes the last) gets the
+//   extra tokens' rows cleared as well, before or after they are written: the request's own
+//   KV, which the decode recomputes; such an engine must not read those rows after the first
+//   WRITE (a later layer's attention racing the clear, a prefix cache keeping the block).
 // (The file keeps its first name; it serves both modes.)
 //
 // A block comes back to the engine's free list with the KV of the request that last used it;
