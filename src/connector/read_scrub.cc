@@ -26,7 +26,7 @@
 // e.g. DeepSeek-V4-Pro with 8,192 prompt tokens (a multiple of every block size, and its rings
 // full) clears nothing; with 8,100 tokens the tails of one page per history group and layer,
 // 62 x 16,416 + 30 x 13,496 + 31 x 1,144 + 30 x 3,228 bytes = 1.55 MB, on the read_start
-// path (read mode) or where the write plan is made (write mode), under the connector lock
+// path (read mode) or at the first WRITE (write mode), under the connector lock
 // (host: memset; GPU: one copy per range, then one wait).
 #include <algorithm>
 #include <cstring>
