@@ -98,11 +98,13 @@ absl::Status Connector::Impl::RegisterKvCaches(const Layout& layout,
                                                const std::vector<KvMemory>& memory) {
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
   for (const CacheGroup& g : layout.groups) {
-    // Read grants clear the rows a request did not fill (ScrubUnfilledLocked); where they are
-    // is unknown for this group, so a grant of a partly filled block of it is refused.
+    // With read grants, the rows a request did not fill are cleared before its pages go out
+    // whole (ScrubUnfilledLocked: a read grant, or write mode's push); where they are is
+    // unknown for this group, so a hand-off of a partly filled block of it fails.
     if (absl::StatusOr<std::vector<uint64_t>> sections = PageSections(g);
         options_.read_grants && !sections.ok()) {
-      KVW_LOG(kWarning, kLog) << "read grants of partly filled blocks will be refused"
+      KVW_LOG(kWarning, kLog) << "hand-offs of partly filled blocks will fail (read grants and "
+                                 "write-mode pushes)"
                               << Kv("error", sections.status().message());
     }
   }

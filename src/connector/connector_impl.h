@@ -226,8 +226,8 @@ class Connector::Impl {
     // Decode: layers not yet in place (WaitForLayerLoad waits on them).
     std::set<int> layers_pending;
     std::optional<TransferPlan> plan;
-    // Prefill, read mode: the rows of its blocks it did not fill were zeroed (before the
-    // first grant; ScrubUnfilledLocked).
+    // Prefill: the rows of its blocks it did not fill were zeroed (before the first grant,
+    // or the first WRITE in write mode; ScrubUnfilledLocked).
     bool scrubbed = false;
     // Prefill, read mode: the engines reading the held blocks, one per decode rank: a decode
     // with tensor parallelism N reads (or releases) each prefill rank's hand-off from all N
@@ -394,8 +394,9 @@ class Connector::Impl {
   // READs under them that were being served, so that the blocks are not handed back while
   // one copies them.
   void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Prefill, read mode (read grants on): zeroes the rows of `r`'s blocks that the request did
-  // not fill (UnfilledPageSpans), once, before its blocks are first granted (read_scrub.cc).
+  // Prefill (read grants on): zeroes the rows of `r`'s blocks that the request did not fill
+  // (UnfilledPageSpans), once, before its pages first go out whole: read mode before the first
+  // grant, write mode before the first WRITE (read_scrub.cc).
   absl::Status ScrubUnfilledLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, read mode: grants held `r`'s blocks to its reader `peer` (once) and answers
   // read_ok.

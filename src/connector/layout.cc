@@ -508,8 +508,9 @@ absl::StatusOr<std::vector<uint64_t>> PageSections(const CacheGroup& g) {
   return absl::FailedPreconditionError(absl::StrCat(
       "cache group '", g.name,
       "': where its pages keep each entry is unknown, so the slots a request did not fill "
-      "cannot be cleared before a read grant (give CacheGroup::section_row_bytes, JSON "
-      "\"section_row_bytes\": the row bytes of each section of a page)"));
+      "cannot be cleared before a read grant or a write-mode push (give "
+      "CacheGroup::section_row_bytes, JSON \"section_row_bytes\": the row bytes of each "
+      "section of a page)"));
 }
 
 absl::StatusOr<std::vector<PageSpan>> UnfilledPageSpans(const CacheGroup& g, uint64_t logical_block,

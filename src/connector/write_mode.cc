@@ -131,6 +131,21 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
       FailLocked(r, std::string(ops.status().message()));
       return;
     }
+    // The plan WRITEs whole pages (a group's last page too): before the first of them, the
+    // rows of the request's blocks that it does not fill are zeroed, every layer's at once, or
+    // the decode would get whatever an earlier request left there (read_scrub.cc; once per
+    // request). Here, at the first WRITE rather than when the plan is made, the first final
+    // layer is done (with event-gated saves its event completed, so the engine's stream is past
+    // whatever it still had to write into these blocks before). Later layers may still be
+    // being computed: the clear touches only rows past the request's num_tokens
+    // (GetNumNewMatchedTokens), which the compute never writes when that is the count it
+    // computes (the vLLM plugin passes the prompt), so the two are disjoint, whichever comes
+    // first. (An engine that hands off fewer tokens than it computes gets its extra tokens'
+    // rows cleared too: its own KV, which the decode recomputes; see read_scrub.cc.)
+    if (absl::Status scrubbed = ScrubUnfilledLocked(r); !scrubbed.ok()) {
+      FailLocked(r, std::string(scrubbed.message()));
+      return;
+    }
     cpu.Pause();
     absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, *ops, layer);
     cpu.Resume();

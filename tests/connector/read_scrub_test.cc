@@ -9,9 +9,16 @@
 // CPU access and whose copies are slowed, so an unsynchronized clear reads as a failure).
 // Also: a layout whose page placement is unknown, and a hold that does not say its token
 // count, get a clear "fail" instead of a grant.
+//
+// Write mode pushes whole pages the other way: ReadScrubTest.AWriteModeDecode* hands the same
+// request off to a real decode connector in write mode (its KV host memory, every byte a
+// third value first), the prefill computing it layer by layer while the push is under way:
+// the decode's received pages hold the request's rows and zeros elsewhere, and nothing of the
+// marker lands anywhere in the decode's memory.
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -37,7 +44,7 @@ using nlohmann::json;
 constexpr char kTopic[] = "kvwire.connector";
 constexpr uint64_t kTokens = 70;
 constexpr uint64_t kBlocks = 4, kStateBlocks = 2;
-constexpr uint8_t kOld = 0xA5, kMine = 0x3C;
+constexpr uint8_t kOld = 0xA5, kMine = 0x3C, kDecodeInit = 0x77;
 constexpr absl::Duration kWait = absl::Seconds(60);
 
 // A DeepSeek-V4-shaped model of three layers: window only, c4a, c128a (every group of V4).
@@ -111,6 +118,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     }
   }
   void TearDown() override {
+    decode_.reset();
     inbox_.reset();
     reader_.reset();
     connector_.reset();
@@ -120,8 +128,9 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
   }
 
   // The prefill: `layout` backed by host or device memory in which every byte is kOld (every
-  // block was used and freed by earlier requests), then the request's rows written.
-  void StartPrefill(Layout layout) {
+  // block was used and freed by earlier requests), then the request's rows written (unless
+  // not `computed`: ComputeLayer writes them later).
+  void StartPrefill(Layout layout, bool computed = true) {
     layout_ = std::move(layout);
     bytes_ = AssignBacking(&layout_, 0, kBlocks, kStateBlocks);
     void* base = nullptr;
@@ -154,7 +163,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     }
     for (const CacheGroup& g : layout_.groups) {
       const std::vector<int64_t>& ids = blocks_.at(g.name);
-      for (size_t lb = 0; lb < ids.size(); ++lb) {
+      for (size_t lb = 0; computed && lb < ids.size(); ++lb) {
         const std::vector<uint8_t> page = Page(g, lb, kOld);
         for (size_t l = 0; l < g.layers.size(); ++l) {
           for (int c = 0; c < g.components; ++c) {
@@ -328,6 +337,167 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     EXPECT_EQ(connector_->LiveRequests(), 0u) << "the prefill never let go of the request";
   }
 
+  // The engine's compute of model layer `layer`: the request's rows of it, and nothing else
+  // (each section's filled rows are its first ones: one write per section of a page).
+  void ComputeLayer(int layer) {
+    for (const CacheGroup& g : layout_.groups) {
+      const uint64_t rows =
+          g.per_request_state ? static_cast<uint64_t>(g.tokens_per_block) : g.entries_per_block();
+      const std::vector<int64_t>& ids = blocks_.at(g.name);
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        if (g.layers[l] != layer) continue;
+        for (size_t lb = 0; lb < ids.size(); ++lb) {
+          uint64_t filled = 0;
+          while (filled < rows && Filled(g, lb, filled)) ++filled;
+          for (int c = 0; c < g.components; ++c) {
+            uint64_t at = g.BlockAddress(l, ids[lb], c);
+            for (uint64_t row : Sections(g)) {
+              const std::vector<uint8_t> mine(filled * row, kMine);
+              if (!mine.empty()) {
+                if (gpu_) {
+                  ASSERT_TRUE(
+                      gpu_->WriteDevice(reinterpret_cast<void*>(at), mine.data(), mine.size())
+                          .ok());
+                } else {
+                  std::memcpy(reinterpret_cast<void*>(at), mine.data(), mine.size());
+                }
+              }
+              at += rows * row;
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // A decode connector in write mode, its KV in host memory (the prefill's layout and blocks,
+  // its own memory), every byte kDecodeInit.
+  void StartDecode() {
+    auto buf = ShareableBuffer::Create(bytes_, "scrub-decode");
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    decode_kv_.emplace(std::move(*buf));
+    std::memset(decode_kv_->data(), kDecodeInit, bytes_);
+    decode_layout_ = layout_;
+    AssignBacking(&decode_layout_, reinterpret_cast<uint64_t>(decode_kv_->data()), kBlocks,
+                  kStateBlocks);
+    ConnectorOptions o;
+    o.role = "decode";
+    o.mode = KvMode::kWrite;
+    o.engine.name = absl::StrCat("scrub-decode-", getpid());
+    o.engine.transport = *ParseTransportKind(GetParam().transport);
+    o.engine.peer_lease = absl::Seconds(3);
+    o.engine.heartbeat_interval = absl::Milliseconds(200);
+    o.request_timeout = kWait;
+    o.handshake_timeout = absl::Seconds(20);
+    auto c = Connector::Create(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    decode_ = std::move(*c);
+    absl::Status s =
+        decode_->RegisterKvCaches(decode_layout_, {KvMemory{decode_kv_->data(), bytes_}});
+    ASSERT_TRUE(s.ok()) << s;
+  }
+
+  // A write-mode hand-off of kTokens tokens, the prefill's compute layer by layer (each layer
+  // saved as it is done) after both sides scheduled the request: "" when the decode loaded it,
+  // else the decode's reason.
+  std::string WriteHandOff() {
+    const std::string tid = absl::StrCat("scrub-write-", getpid());
+    KvTransferParams in;
+    in.do_remote_decode = true;
+    in.mode = KvMode::kWrite;
+    in.transfer_id = tid;
+    const std::string prefill_params = in.ToJson();
+    if (auto m = connector_->GetNumNewMatchedTokens("p", kTokens, 0, prefill_params); !m.ok()) {
+      return absl::StrCat("prefill match: ", m.status().message());
+    }
+    if (absl::Status s = connector_->UpdateStateAfterAlloc("p", blocks_, 0); !s.ok()) {
+      return absl::StrCat("prefill alloc: ", s.message());
+    }
+    if (absl::Status s = connector_->BindConnectorMeta(connector_->BuildConnectorMeta()); !s.ok()) {
+      return absl::StrCat("prefill bind: ", s.message());
+    }
+    KvTransferParams out;
+    const std::string address = connector_->engine().address();
+    const size_t colon = address.rfind(':');
+    out.host = address.substr(0, colon);
+    out.port = std::stoi(address.substr(colon + 1));
+    out.transfer_id = tid;
+    out.mode = KvMode::kWrite;
+    out.num_tokens = kTokens;
+    out.do_remote_prefill = true;
+    auto match = decode_->GetNumNewMatchedTokens("d", kTokens, 0, out.ToJson());
+    if (!match.ok()) return absl::StrCat("decode match: ", match.status().message());
+    if (absl::Status s = decode_->UpdateStateAfterAlloc("d", blocks_, match->num_external_tokens);
+        !s.ok()) {
+      return absl::StrCat("decode alloc: ", s.message());
+    }
+    if (absl::Status s = decode_->BindConnectorMeta(decode_->BuildConnectorMeta()); !s.ok()) {
+      return absl::StrCat("decode bind: ", s.message());
+    }
+    if (absl::Status s = decode_->StartLoadKv(); !s.ok()) {
+      return absl::StrCat("decode start: ", s.message());
+    }
+    std::set<int> layers;
+    for (const CacheGroup& g : layout_.groups) layers.insert(g.layers.begin(), g.layers.end());
+    for (int layer : layers) {
+      ComputeLayer(layer);
+      if (::testing::Test::HasFatalFailure()) return "compute failed";
+      if (absl::Status s = connector_->SaveKvLayer(layer); !s.ok()) {
+        return absl::StrCat("save layer ", layer, ": ", s.message());
+      }
+    }
+    auto done = connector_->RequestFinished("p", blocks_, kTokens, prefill_params);
+    if (!done.ok()) return absl::StrCat("prefill finished: ", done.status().message());
+    std::optional<std::string> result;
+    bool sent = !done->delay_free;
+    const absl::Time deadline = absl::Now() + kWait;
+    while ((!result || !sent) && absl::Now() < deadline) {
+      FinishedRequests d = decode_->GetFinished();
+      for (const std::string& r : d.finished_recving) {
+        if (r == "d") result = "";
+      }
+      for (const FailedLoad& f : d.failed_loads) {
+        if (f.request_id == "d") result = f.reason;
+      }
+      for (const std::string& r : connector_->GetFinished().finished_sending) {
+        if (r == "p") sent = true;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    if (!result) return "the decode never finished loading";
+    EXPECT_TRUE(sent) << "the prefill never let go of the request";
+    return *result;
+  }
+
+  // "" when every page the decode received (the history blocks the request moves: the
+  // selection of its tokens) holds the request's rows and zeros elsewhere, and no byte of the
+  // decode's memory holds the marker.
+  std::string CheckDecode() {
+    for (const CacheGroup& g : decode_layout_.groups) {
+      if (g.per_request_state) continue;  // ring slots of the request's tokens only
+      const std::vector<int64_t>& ids = blocks_.at(g.name);
+      for (uint64_t lb : SelectBlocks(g, kTokens, 0).logical_blocks) {
+        const std::vector<uint8_t> want = Page(g, lb, 0);
+        for (size_t l = 0; l < g.layers.size(); ++l) {
+          for (int c = 0; c < g.components; ++c) {
+            const auto* p = reinterpret_cast<const uint8_t*>(g.BlockAddress(l, ids[lb], c));
+            for (uint64_t i = 0; i < g.page_bytes; ++i) {
+              if (p[i] == want[i]) continue;
+              return absl::StrCat("group ", g.name, " layer ", g.layers[l], " logical block ", lb,
+                                  " byte ", i, ": got ", p[i], " want ", want[i],
+                                  p[i] == kOld ? " (another request's KV)" : "");
+            }
+          }
+        }
+      }
+    }
+    const auto* all = reinterpret_cast<const uint8_t*>(decode_kv_->data());
+    for (uint64_t i = 0; i < bytes_; ++i) {
+      if (all[i] == kOld) return absl::StrCat("decode KV byte ", i, " holds the marker");
+    }
+    return "";
+  }
+
   struct Span {
     uint64_t base, length;
     RegionId id;
@@ -345,6 +515,9 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
   RegionId into_region_ = 0;
   PeerId peer_ = 0;
   std::vector<Span> remote_;
+  std::optional<ShareableBuffer> decode_kv_;
+  Layout decode_layout_;
+  std::unique_ptr<Connector> decode_;
 };
 
 TEST_P(ReadScrubTest, AReaderFindsNothingOfAnEarlierRequestInItsGrantedPages) {
@@ -389,6 +562,36 @@ TEST_P(ReadScrubTest, AHoldWithoutItsTokenCountIsRefused) {
   absl::StatusOr<GrantId> grant = ReadStart(tid);
   ASSERT_FALSE(grant.ok());
   EXPECT_TRUE(absl::StrContains(grant.status().message(), "num_tokens 0")) << grant.status();
+}
+
+// Write mode: the prefill WRITEs whole pages into the decode's blocks; the rows the request
+// did not fill arrive zeroed, not as an earlier request's KV.
+TEST_P(ReadScrubTest, AWriteModeDecodeReceivesNothingOfAnEarlierRequest) {
+  ASSERT_NO_FATAL_FAILURE(StartPrefill(TestLayout(), /*computed=*/false));
+  ASSERT_NO_FATAL_FAILURE(StartDecode());
+  EXPECT_EQ(WriteHandOff(), "");
+  EXPECT_EQ(CheckDecode(), "");
+  EXPECT_EQ(decode_->LiveRequests(), 0u);
+  EXPECT_EQ(connector_->LiveRequests(), 0u);
+}
+
+// Write mode, placement unknown for a group whose request ends part way into a block: the
+// hand-off fails with a reason naming the group and the field; nothing of the group's last
+// page was pushed.
+TEST_P(ReadScrubTest, AWriteModeDecodeOfAnUnknownPlacementFailsClearly) {
+  Layout l = TestLayout();
+  for (CacheGroup& g : l.groups) {
+    if (g.name == "swa_kv") g.section_row_bytes.clear();
+  }
+  ASSERT_NO_FATAL_FAILURE(StartPrefill(l, /*computed=*/false));
+  ASSERT_NO_FATAL_FAILURE(StartDecode());
+  const std::string reason = WriteHandOff();
+  EXPECT_TRUE(absl::StrContains(reason, "'swa_kv'")) << reason;
+  EXPECT_TRUE(absl::StrContains(reason, "section_row_bytes")) << reason;
+  const auto* all = reinterpret_cast<const uint8_t*>(decode_kv_->data());
+  for (uint64_t i = 0; i < bytes_; ++i) {
+    ASSERT_NE(all[i], kOld) << "decode KV byte " << i << " holds the marker";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, ReadScrubTest,
