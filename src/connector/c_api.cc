@@ -273,8 +273,8 @@ int kvw_options_set_etcd_tls(kvw_options_t* o, const char* ca_file, const char* 
     if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
     std::string cert = Str(cert_file), key = Str(key_file);
     if (cert.empty() != key.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          kCall, ": a client certificate and its key go together (both, or neither)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(kCall, ": a client certificate and its key go together (both, or neither)"));
     }
     o->rep.etcd_ca_file = Str(ca_file);
     o->rep.etcd_cert_file = std::move(cert);

@@ -40,7 +40,8 @@ absl::Status Connector::Impl::InitDiscovery() {
   absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> c = discovery::EtcdClient::Create(o);
   if (!c.ok()) return c.status();
   // etcd's credentials (the options, else KVWIRE_ETCD_*): etcd that answers and refuses them
-  // is a configuration error, reported now; etcd unreachable is not (registration retries until it returns).
+  // is a configuration error, reported now; etcd unreachable is not (registration retries until it
+  // returns).
   if (absl::Status a = (*c)->Authenticate();
       !a.ok() && !absl::IsUnavailable(a) && !absl::IsDeadlineExceeded(a) && !absl::IsAborted(a)) {
     return a;
