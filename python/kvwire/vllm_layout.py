@@ -18,6 +18,7 @@ Logical shapes vLLM's attention backends use (strides may permute the last three
   MLA (one latent vector): (num_blocks, block_size, head_size) or with a heads dim of 1
   other specs (e.g. DeepSeek-V4's compressed caches): (num_blocks, ...) one dense page a block
 """
+import functools
 import json
 import logging
 
@@ -55,6 +56,7 @@ def _dense_inner(shape, strides, dims, what):
     return span
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_attn_sections(dtype, block_size, d, es, heads):
     """section_row_bytes of vLLM's CPU attention pages, or None when unknown.
 
@@ -91,7 +93,7 @@ def _cpu_attn_sections(dtype, block_size, d, es, heads):
         return None
     # Per head: head_size sections of one element a slot (K, transposed), then one section of
     # head_size elements a slot (V).
-    return ([es] * d + [d * es]) * heads
+    return tuple(([es] * d + [d * es]) * heads)
 
 
 def _analyze(name, t, spec, kind, tp_rank, tp_size):
@@ -118,7 +120,9 @@ def _analyze(name, t, spec, kind, tp_rank, tp_size):
         bdim, comps, cstride, block_major = 0, 1, 0, True
         # Where a token's K and V lie inside a head's part of the page is the attention
         # kernel's business (its ISA's): found by writing a token with vLLM's own op.
+        # Probed once per shape (lru_cache), not once per layer.
         sections = _cpu_attn_sections(t.dtype, block_size, d, es, h)
+        sections = list(sections) if sections is not None else None
     elif kind == "mha":
         if len(shape) != 5:
             raise ValueError(f"{what}: an attention cache of shape {shape} (expected "

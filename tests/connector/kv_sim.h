@@ -373,7 +373,7 @@ class KvCache {
               }
             } else {
               // The rows the request filled (with read grants the prefill clears the others
-              // before the reader may read them; ReadGrantsScrub* tests check that part).
+              // before the reader may read them; ReadScrubTest checks that part).
               absl::StatusOr<std::vector<PageSpan>> unfilled = UnfilledPageSpans(g, lb, tokens);
               if (!unfilled.ok()) return std::string(unfilled.status().message());
               uint64_t at = 0;
