@@ -16,7 +16,6 @@ namespace kvwire {
 namespace connector_internal {
 namespace {
 
-
 // A decode engine's place among the readers of a hand-off: the tensor-parallel size and rank
 // of its layout (the group split over the most ranks; replicated groups may carry them too).
 std::pair<int, int> ReaderPlace(const Layout& layout) {

@@ -68,8 +68,7 @@ absl::Status ModelServer::Impl::Init() {
   co.engine.name =
       options_.name.empty() ? absl::StrCat("dsv4-", role, "-", getpid()) : options_.name;
   co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
-  absl::StatusOr<kvwire::TransportKind> transport =
-      kvwire::ParseTransportKind(options_.transport);
+  absl::StatusOr<kvwire::TransportKind> transport = kvwire::ParseTransportKind(options_.transport);
   if (!transport.ok()) return transport.status();
   co.engine.transport = *transport;
   co.engine.peer_lease = options_.peer_lease;
@@ -86,8 +85,7 @@ absl::Status ModelServer::Impl::Init() {
   absl::StatusOr<std::unique_ptr<kvwire::Connector>> connector = kvwire::Connector::Create(co);
   if (!connector.ok()) return connector.status();
   connector_ = std::move(*connector);
-  if (absl::Status s = connector_->RegisterKvCaches(cache_->layout(), cache_->memory());
-      !s.ok()) {
+  if (absl::Status s = connector_->RegisterKvCaches(cache_->layout(), cache_->memory()); !s.ok()) {
     return s;
   }
   // Before the worker and the HTTP threads start: they read it without a lock.
@@ -207,7 +205,8 @@ void ModelServer::Impl::PollConnector() {
   }
 }
 
-void ModelServer::Impl::Fail(const std::shared_ptr<Responder>& resp, int status, const std::string& message) {
+void ModelServer::Impl::Fail(const std::shared_ptr<Responder>& resp, int status,
+                             const std::string& message) {
   ++requests_error_;
   KVW_LOG(kInfo, kLog) << "request failed" << Kv("status", status) << Kv("error", message);
   if (!resp) return;

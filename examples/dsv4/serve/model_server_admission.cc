@@ -74,8 +74,7 @@ std::optional<uint64_t> ModelServer::Impl::TokensToHold(const Job& job) const {
 void ModelServer::Impl::PumpAdmission() {
   admission_->Pump(
       absl::Now(), [this] { return Available(); },
-      [](const Job& j) { return j.resp && j.resp->closed(); },
-      [this](Job& j) { AdmitGuarded(j); },
+      [](const Job& j) { return j.resp && j.resp->closed(); }, [this](Job& j) { AdmitGuarded(j); },
       [this](Job& j, Rejection why, const std::string& message) {
         ReleaseHandOff(j.req, message);
         if (why == Rejection::kClientGone) return Fail(j.resp, 499, message);
@@ -106,7 +105,8 @@ uint64_t ModelServer::Impl::HeldBlocks() const {
 }
 
 // 503 with Retry-After: the client should come back later.
-void ModelServer::Impl::Overloaded(const std::shared_ptr<Responder>& resp, const std::string& message) {
+void ModelServer::Impl::Overloaded(const std::shared_ptr<Responder>& resp,
+                                   const std::string& message) {
   ++requests_error_;
   KVW_LOG(kInfo, kLog) << "request refused" << Kv("status", 503) << Kv("error", message);
   if (resp) resp->ErrorRetryAfter(503, message, absl::Seconds(1));

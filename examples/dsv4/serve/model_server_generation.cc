@@ -83,8 +83,8 @@ void ModelServer::Impl::Emit(Active& a, const Sampled& sampled) {
   if (a.req.stream && (!step.tokens.empty() || !step.text.empty())) {
     const bool first = !a.resp->streaming();
     if (first) a.resp->StartEvents();
-    a.resp->Event(Dump(ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name,
-                                    step.text, step.tokens, nullptr, step.logprobs)));
+    a.resp->Event(Dump(ResponseJson(endpoint, /*chunk=*/true, first, a.id, config_.name, step.text,
+                                    step.tokens, nullptr, step.logprobs)));
   }
   if (!step.done) return;
   const double decode_ms = Ms(absl::Now() - a.decode_start);

@@ -10,6 +10,7 @@
 #include "examples/dsv4/serve/handoff_release.h"
 #include "examples/dsv4/serve/model_server_impl.h"
 #include "src/util/json_fields.h"
+#include "src/util/prometheus_text.h"
 
 namespace dsv4::serve {
 
@@ -107,16 +108,15 @@ void ModelServer::Impl::Handle(const HttpRequest& r, std::shared_ptr<Responder> 
 }
 
 // choices.h: n one-choice requests to this server itself, answered as one.
-void ModelServer::Impl::StartChoices(const std::string& path, const HttpRequest& r, int n, bool stream,
-                  const std::shared_ptr<Responder>& resp) {
+void ModelServer::Impl::StartChoices(const std::string& path, const HttpRequest& r, int n,
+                                     bool stream, const std::shared_ptr<Responder>& resp) {
   absl::StatusOr<json> body = kvwire::ParseJsonObject(r.body, "request body", kHttpJsonLimits);
   if (!body.ok()) return resp->Error(400, std::string(body.status().message()));
   const std::string self = absl::StrCat(options_.host, ":", http_port_.load());
   const absl::Time deadline =
       absl::Now() + options_.request_timeout + options_.max_queue_wait + absl::Seconds(10);
   if (!choices_->Start([self, path, body = *std::move(body), n, stream, resp, deadline] {
-        RunChoices(self, path, body, n, stream, *resp, deadline,
-                   [resp] { return resp->closed(); });
+        RunChoices(self, path, body, n, stream, *resp, deadline, [resp] { return resp->closed(); });
       })) {
     resp->Error(503, "cannot start a thread for the choices");
   }
@@ -163,7 +163,7 @@ void ModelServer::Impl::Attest(const std::string& target, Responder& resp) const
 
 // A completion or chat request; prepare takes either (chat when it has messages).
 absl::StatusOr<CompletionRequest> ModelServer::Impl::ParseRequest(const std::string& path,
-                                               const std::string& body) const {
+                                                                  const std::string& body) const {
   if (path == "/v1/chat/completions") {
     return ParseCompletionRequest(body, config_.vocab_size, Endpoint::kChat);
   }
@@ -177,20 +177,41 @@ absl::StatusOr<CompletionRequest> ModelServer::Impl::ParseRequest(const std::str
 std::string ModelServer::Impl::Metrics() const {
   std::string m = connector_->StatsPrometheus();
   const std::string e = connector_->engine_id();
-  auto line = [&](const char* name, const char* type, const std::string& labels, double v) {
-    absl::StrAppend(&m, "# TYPE ", name, " ", type, "\n", name, "{engine=\"", e, "\"", labels,
-                    "} ", v, "\n");
+  const std::string label = kvwire::PrometheusLabelValue(e);
+  // One family: its HELP and TYPE lines, then its sample.
+  auto family = [&](const char* name, const char* type, const char* help, double v) {
+    absl::StrAppend(&m, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", name,
+                    "{engine=\"", label, "\"} ", v, "\n");
   };
-  line("kvwire_dsv4_requests_ok_total", "counter", "", requests_ok_.load());
-  line("kvwire_dsv4_requests_error_total", "counter", "", requests_error_.load());
-  line("kvwire_dsv4_prompt_tokens_total", "counter", "", prompt_tokens_.load());
-  line("kvwire_dsv4_generated_tokens_total", "counter", "", generated_tokens_.load());
-  line("kvwire_dsv4_prefill_seconds_total", "counter", "", prefill_us_.load() / 1e6);
-  line("kvwire_dsv4_decode_seconds_total", "counter", "", decode_us_.load() / 1e6);
-  line("kvwire_dsv4_kv_load_wait_seconds_total", "counter", "", load_wait_us_.load() / 1e6);
-  line("kvwire_dsv4_used_blocks", "gauge", "", static_cast<double>(cache_->UsedBlocks()));
-  line("kvwire_dsv4_active_requests", "gauge", "", active_count_.load());
-  line("kvwire_dsv4_held_blocks", "gauge", "", static_cast<double>(held_blocks_.load()));
+  family("kvwire_dsv4_requests_ok_total", "counter",
+         "Requests answered successfully (prefill hand-offs, decodes, local generations).",
+         requests_ok_.load());
+  family("kvwire_dsv4_requests_error_total", "counter",
+         "Requests answered with an error, refused or cancelled.", requests_error_.load());
+  family("kvwire_dsv4_prompt_tokens_total", "counter",
+         "Prompt tokens computed here (prefill and local generation; a decode's loaded prompt "
+         "is not counted).",
+         prompt_tokens_.load());
+  family("kvwire_dsv4_generated_tokens_total", "counter",
+         "Tokens sampled here (a prefill's first token included).", generated_tokens_.load());
+  family("kvwire_dsv4_prefill_seconds_total", "counter",
+         "Seconds spent computing prompts (prefill and local generation).",
+         prefill_us_.load() / 1e6);
+  family("kvwire_dsv4_decode_seconds_total", "counter",
+         "Seconds from a request's first decode step to its answer, over answered requests.",
+         decode_us_.load() / 1e6);
+  family("kvwire_dsv4_kv_load_wait_seconds_total", "counter",
+         "Seconds decode requests waited for their KV to arrive from prefill.",
+         load_wait_us_.load() / 1e6);
+  family("kvwire_dsv4_used_blocks", "gauge", "KV cache blocks allocated now (all paged groups).",
+         static_cast<double>(cache_->UsedBlocks()));
+  family("kvwire_dsv4_active_requests", "gauge",
+         "Requests holding KV blocks on the worker now (decodes, local generations, prepared "
+         "write-mode loads).",
+         active_count_.load());
+  family("kvwire_dsv4_held_blocks", "gauge",
+         "KV cache blocks a prefill holds for its readers (read-mode hand-offs not yet released).",
+         static_cast<double>(held_blocks_.load()));
   absl::StrAppend(&m, admission_->stats().Prometheus(e),
                   connector_->engine().Stats().ToPrometheus(e));
   return m;

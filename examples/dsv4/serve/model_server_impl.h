@@ -15,8 +15,6 @@
 #ifndef KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_IMPL_H_
 #define KVWIRE_EXAMPLES_DSV4_SERVE_MODEL_SERVER_IMPL_H_
 
-#include <unistd.h>
-
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -26,6 +24,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <nlohmann/json.hpp>

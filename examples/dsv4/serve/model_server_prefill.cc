@@ -114,7 +114,7 @@ void ModelServer::Impl::RunPrefill(Job& job) {
 // A failed prefill request: tells the connector and gives the blocks back (now, or when
 // the connector reports that nothing touches them any more).
 void ModelServer::Impl::Release(const std::string& id, kvwire::BlockTable& blocks, uint64_t n,
-             const std::string& params, bool aborted) {
+                                const std::string& params, bool aborted) {
   absl::StatusOr<kvwire::RequestFinishedResult> rf =
       connector_->RequestFinished(id, blocks, n, params, aborted);
   if (rf.ok() && rf->delay_free) {

@@ -41,26 +41,26 @@ constexpr char kChoiceQuery[] = "kvwire_choice=";
 }  // namespace
 
 int Router::Impl::StatusFor(const absl::Status& s) {
-if (absl::IsDeadlineExceeded(s)) return 504;
-if (absl::IsUnavailable(s)) return 503;
-return 502;
+  if (absl::IsDeadlineExceeded(s)) return 504;
+  if (absl::IsUnavailable(s)) return 503;
+  return 502;
 }
 
 std::string Router::Impl::UpstreamMessage(const HttpResponse& r) {
-absl::StatusOr<json> j = kvwire::ParseJsonObject(r.body, "upstream error", kHttpJsonLimits);
-if (j.ok()) {
-  JsonFields f(*j, "upstream error");
-  std::string message = f.Nested("error", /*required=*/true).String("message");
-  if (f.ok() && !message.empty()) return message;
-}
-return r.body.substr(0, 300);
+  absl::StatusOr<json> j = kvwire::ParseJsonObject(r.body, "upstream error", kHttpJsonLimits);
+  if (j.ok()) {
+    JsonFields f(*j, "upstream error");
+    std::string message = f.Nested("error", /*required=*/true).String("message");
+    if (f.ok() && !message.empty()) return message;
+  }
+  return r.body.substr(0, 300);
 }
 
 std::string Router::Impl::RandomToken() {
-std::random_device rd;
-std::string out;
-for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
-return out;
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
+  return out;
 }
 
 absl::Status Router::Impl::Start() {
@@ -120,13 +120,19 @@ void Router::Impl::Handle(const HttpRequest& r, std::shared_ptr<Responder> resp)
     return;
   }
   if (r.method == "GET" && path == "/metrics") {
-    std::string m = "# TYPE kvwire_dsv4_router_requests_total counter\n";
+    std::string m =
+        "# HELP kvwire_dsv4_router_requests_total Requests the router finished, by outcome.\n"
+        "# TYPE kvwire_dsv4_router_requests_total counter\n";
     absl::StrAppend(&m, "kvwire_dsv4_router_requests_total{outcome=\"ok\"} ", ok_.load(), "\n",
                     "kvwire_dsv4_router_requests_total{outcome=\"error\"} ", errors_.load(), "\n",
                     "kvwire_dsv4_router_requests_total{outcome=\"client_gone\"} ",
                     client_gone_.load(), "\n",
+                    "# HELP kvwire_dsv4_router_upstream_too_large_total Upstream answers larger "
+                    "than the router's limit (--max-upstream-body-mib).\n",
                     "# TYPE kvwire_dsv4_router_upstream_too_large_total counter\n",
                     "kvwire_dsv4_router_upstream_too_large_total ", too_large_.load(), "\n",
+                    "# HELP kvwire_dsv4_router_inflight Requests in flight through the router "
+                    "(a request with n choices counts n).\n",
                     "# TYPE kvwire_dsv4_router_inflight gauge\n", "kvwire_dsv4_router_inflight ",
                     inflight_.load(), "\n", instances_->Metrics());
     resp->Respond(200, m, "text/plain; version=0.0.4");
@@ -186,9 +192,9 @@ void Router::Impl::Handle(const HttpRequest& r, std::shared_ptr<Responder> resp)
     return;
   }
   if (cost > 0 && inflight_.load() + cost > options_.max_inflight) {
-    resp->ErrorRetryAfter(
-        503, absl::StrCat("too many requests in flight (", options_.max_inflight, ")"),
-        absl::Seconds(1));
+    resp->ErrorRetryAfter(503,
+                          absl::StrCat("too many requests in flight (", options_.max_inflight, ")"),
+                          absl::Seconds(1));
     return;
   }
   for (auto it = workers_.begin(); it != workers_.end();) {
@@ -219,7 +225,7 @@ void Router::Impl::Handle(const HttpRequest& r, std::shared_ptr<Responder> resp)
 // Requests and upstream answers are type-checked; this is the backstop that keeps a bug in
 // their handling from ending the process with every other request in it.
 void Router::Impl::ProxyGuarded(json body, bool stream, Endpoint endpoint,
-                  const std::shared_ptr<Responder>& resp) {
+                                const std::shared_ptr<Responder>& resp) {
   try {
     Proxy(std::move(body), stream, endpoint, resp);
   } catch (const std::exception& e) {
@@ -247,7 +253,8 @@ bool Router::Impl::Stopping() {
 }
 
 // The prefill server's connector address (its /health), cached.
-absl::StatusOr<std::string> Router::Impl::KvAddress(const std::string& server, absl::Time deadline) {
+absl::StatusOr<std::string> Router::Impl::KvAddress(const std::string& server,
+                                                    absl::Time deadline) {
   {
     kvwire::MutexLock lock(&mu_);
     auto it = kv_address_.find(server);

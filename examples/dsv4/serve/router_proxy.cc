@@ -76,7 +76,8 @@ absl::StatusOr<PrefillAnswer> ParsePrefillAnswer(const std::string& body) {
 
 // The vLLM P/D protocol: the prompt to prefill (do_remote_decode, max_tokens 1, not
 // streamed), then the original request with prefill's kv_transfer_params to decode.
-void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint, const std::shared_ptr<Responder>& resp) {
+void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint,
+                         const std::shared_ptr<Responder>& resp) {
   const std::string api = EndpointPath(endpoint);
   const absl::Time deadline = absl::Now() + options_.timeout;
   const bool write = options_.mode == "write";
@@ -121,8 +122,8 @@ void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint, const std::s
       return;
     }
     if (r->status != 200) {
-      failure = UpstreamFailure(
-          *r, absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r)));
+      failure =
+          UpstreamFailure(*r, absl::StrCat("prefill ", prefill_server, ": ", UpstreamMessage(*r)));
       return;
     }
     absl::StatusOr<PrefillAnswer> answer = ParsePrefillAnswer(r->body);
@@ -135,8 +136,8 @@ void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint, const std::s
     if (!write) {
       const json& kvp = prefill_answer.kv_transfer_params;
       if (!kvp.is_object()) {
-        failure = Failure{502, absl::StrCat("prefill ", prefill_server,
-                                            " answered without kv_transfer_params")};
+        failure = Failure{
+            502, absl::StrCat("prefill ", prefill_server, " answered without kv_transfer_params")};
       } else if (!kvp.contains("do_remote_prefill") || kvp["do_remote_prefill"] != true) {
         // Decode would run the whole prompt again: a prefill that is not one is an error.
         failure = Failure{502, absl::StrCat("prefill ", prefill_server,
@@ -166,8 +167,8 @@ void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint, const std::s
       // the prefill is named by the kv address it reports, as for a static list.
       const std::string engine_id =
           instances_->directory_reachable() ? instances_->EngineId(prefill_server) : "";
-      absl::StatusOr<std::string> kv = engine_id.empty() ? KvAddress(prefill_server, deadline)
-                                                         : absl::StatusOr<std::string>("");
+      absl::StatusOr<std::string> kv =
+          engine_id.empty() ? KvAddress(prefill_server, deadline) : absl::StatusOr<std::string>("");
       if (!kv.ok()) {
         failure = Failure{StatusFor(kv.status()), absl::StrCat("prefill server ", prefill_server,
                                                                ": ", kv.status().message())};
@@ -227,8 +228,7 @@ void Router::Impl::Proxy(json body, bool stream, Endpoint endpoint, const std::s
         // Let decode give its blocks back now rather than at its deadline.
         HttpCallOptions o;
         o.deadline = absl::Now() + absl::Seconds(5);
-        (void)HttpCall(decode_server, "POST", "/v1/kv/abort", json{{"transfer_id", tid}}.dump(),
-                       o);
+        (void)HttpCall(decode_server, "POST", "/v1/kv/abort", json{{"transfer_id", tid}}.dump(), o);
         if (!r.ok()) ForgetKvAddress(prefill_server);
         if (!r.ok() && absl::IsUnavailable(r.status())) continue;  // gone: try the next
       }
