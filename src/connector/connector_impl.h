@@ -1,16 +1,24 @@
 // Connector::Impl, shared by the files that implement it, one job each:
 //   connector.cc          the public facade, start-up, KV cache registration, address mapping
+//   discovery_side.cc     etcd registration and announce, resolving a prefill by engine id
 //   scheduler_side.cc     scheduler half (match, alloc, metadata, request finished)
 //   worker_side.cc        worker half (bind metadata, start loads, layer waits and saves, abort)
 //   decode_load.cc        decode: mode choice and the start of a load (READ, or write request)
 //   write_mode.cc         prefill, write mode: layer-wise WRITEs, "layer" and "done"
 //   event_saves.cc        prefill, write mode: layer saves gated on a GPU event, waited for on
 //                         a waiter thread of their own
-//   peer_messages.cc      connector handshake, the message handlers (one per type, through a
-//                         table), peer deaths, the progress thread
+//   read_scrub.cc         prefill: zeroing the rows of a request's blocks it did not fill
+//   peer_sessions.cc      connector handshake (hello, pending hellos), protocol closes, peer
+//                         deaths
+//   read_grants.cc        prefill, read mode: readers of a held hand-off, their grants and
+//                         read_ok; decode's side of read_ok
+//   peer_messages.cc      the other message handlers (one per type, through a table), transfer
+//                         binding checks, the progress thread
 //   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
 //                         transfer submission and ends, deadlines and leases
 //   connector_stats.cc    per-request and per-group accounting, JSON and Prometheus
+// with the records it keeps in connector_request.h (Request, Peer) and the typed peer messages
+// in peer_message.h (parsed in peer_message_parse.cc);
 // and its components, each with a job of its own: the request table, peer sessions, write-mode
 // pushes and event-save queue (state under mu_, see the lock order at the fields),
 // ConnectorMetrics (connector_metrics.h, own lock) and ProgressSignal (progress_signal.h, own
@@ -59,7 +67,9 @@
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
 #include "src/connector/connector_metrics.h"
+#include "src/connector/connector_request.h"
 #include "src/connector/metrics_http.h"
+#include "src/connector/peer_message.h"
 #include "src/connector/progress_signal.h"
 #include "src/discovery/etcd_client.h"
 #include "src/discovery/registration.h"
@@ -78,13 +88,6 @@ inline constexpr char kLog[] = "connector";
 nlohmann::json LayoutToJsonValue(const Layout& layout);
 absl::StatusOr<Layout> LayoutFromJsonValue(const nlohmann::json& j);
 
-// A registered memory range (local, or a peer's from its hello).
-struct RegionSpan {
-  uint64_t base = 0;
-  uint64_t length = 0;
-  RegionId id = 0;
-};
-
 // The region holding [addr, addr+length) and the offset in it.
 absl::StatusOr<std::pair<RegionId, uint64_t>> FindRegion(const std::vector<RegionSpan>& regions,
                                                          uint64_t addr, uint64_t length,
@@ -93,62 +96,6 @@ nlohmann::json BlocksToJson(const BlockTable& t);
 // The block table in object field `field` of `f` ({group: [block id, ...]}), typed and bounded.
 BlockTable BlocksFromJson(JsonFields& f, absl::string_view field, bool required);
 
-// Bounds on what a peer's connector message may hold.
-inline constexpr size_t kMaxTransferIdBytes = 256;
-inline constexpr size_t kMaxReasonBytes = 4096;
-inline constexpr size_t kMaxRegions = 4096;
-// Write requests a prefill keeps for requests its scheduler has not seen yet: per peer, and
-// in all. Beyond them a write request is answered with "fail" at once.
-inline constexpr size_t kMaxEarlyWritesPerPeer = 1024;
-inline constexpr size_t kMaxEarlyWrites = 8192;
-// Releases of read-mode transfers not held yet that a prefill remembers (transfer ids).
-inline constexpr size_t kMaxEarlyReleases = 8192;
-// Engines that may read one prefill rank's hand-off: the decode's tensor-parallel size, from
-// its layout, is refused beyond this (each reader holds an engine grant of every page).
-inline constexpr int kMaxReaders = 64;
-
-// One connector message from a peer, with every field checked (type, range, size) before any
-// of it is used.
-struct PeerMessage {
-  enum class Type {
-    kHello,
-    kHelloAck,
-    kHelloErr,
-    kReadStart,
-    kRelease,
-    kWriteReq,
-    kLayer,
-    kDone,
-    kFail,
-    kReadOk
-  };
-  Type type = Type::kHello;
-  std::string name;  // the type as sent ("hello", "release", ...)
-  std::string transfer_id;
-  // hello, hello_ack
-  std::string engine_id;
-  KvMode mode = KvMode::kAuto;
-  Layout layout;
-  std::vector<RegionSpan> regions;
-  // release
-  bool ok = true;
-  // release, fail: the reader will not read this transfer at all (it found the KV in its own
-  // prefix cache, or its request ended first): the holder frees the blocks at once and counts
-  // the request as released, not failed.
-  bool unread = false;
-  // release, fail; hello_err's error
-  std::string reason;
-  // write_req
-  BlockTable blocks;
-  uint64_t num_cached = 0;
-  // layer
-  int layer = 0;
-  // read_ok: the engine grant the reader presents with its READs (TransferOptions::grant)
-  uint64_t grant = 0;
-};
-// Errors name the message type and the field ("connector message 'release': 'transfer_id'
-// must be a string, got 5").
-absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload);
 double ThreadCpuUs();
 // Microseconds from a to b; -1 when either is unset.
 double Us(absl::Time a, absl::Time b);
@@ -189,106 +136,12 @@ class Connector::Impl {
   using CpuTimer = connector_internal::CpuTimer;
   static constexpr const char* kLog = connector_internal::kLog;
 
-  enum class State {
-    kMatched,   // scheduler knows it; blocks not yet allocated
-    kPending,   // blocks allocated, waiting for the worker (decode load / prefill save)
-    kLoading,   // decode: READ in flight, or waiting for prefill's WRITEs
-    kSaving,    // prefill write mode: layers going out
-    kHeld,      // prefill read mode: blocks held for the reader (lease)
-    kDraining,  // aborted or failed: waiting for transfers touching the blocks to end
-  };
-  static const char* StateName(State s) {
-    static const char* names[] = {"matched", "pending", "loading", "saving", "held", "draining"};
-    return names[static_cast<int>(s)];
-  }
-
+  // The request and peer records (connector_request.h).
+  using State = connector_internal::RequestState;
+  static const char* StateName(State s) { return connector_internal::RequestStateName(s); }
   using GroupCounters = connector_internal::GroupCounters;
-
-  struct Request {
-    std::string id;
-    bool decode = false;  // role of this side for the request
-    State state = State::kMatched;
-    KvTransferParams params;
-    KvMode mode = KvMode::kAuto;
-    BlockTable blocks;
-    uint64_t num_tokens = 0;
-    uint64_t num_cached = 0;  // decode: tokens already present locally
-    absl::Time deadline = absl::InfiniteFuture();
-    absl::Time t_queued = absl::InfinitePast(), t_first = absl::InfinitePast(),
-               t_last = absl::InfinitePast();
-    std::optional<PeerId> peer;
-    // Decode read mode: further prefill ranks read from (peer, their transfer id).
-    std::vector<std::pair<PeerId, std::string>> tp_sources;
-    std::set<TransferId> transfers;  // in flight, touching the blocks
-    // The layer each transfer moves (layer-wise progress), and transfers left per layer.
-    std::map<TransferId, int> transfer_layer;
-    std::map<int, int> layer_transfers_left;
-    // Decode: layers not yet in place (WaitForLayerLoad waits on them).
-    std::set<int> layers_pending;
-    std::optional<TransferPlan> plan;
-    // Prefill: the rows of its blocks it did not fill were zeroed (before the first grant,
-    // or the first WRITE in write mode; ScrubUnfilledLocked).
-    bool scrubbed = false;
-    // Prefill, read mode: the engines reading the held blocks, one per decode rank: a decode
-    // with tensor parallelism N reads (or releases) each prefill rank's hand-off from all N
-    // of its engines, each its own slice of the heads or the whole replicated page. Each
-    // reader is bound by its first read_start or release and gets an engine grant of its
-    // own (read_start), revoked when the request retires. How many come is the decode's
-    // tensor-parallel size, from the first reader's layout (readers_expected); the blocks go
-    // back once each of them released or died, once one said that the decode will not read
-    // and none is reading, or at the lease.
-    struct Reader {
-      PeerId peer = 0;
-      int rank = 0;  // its tensor-parallel rank (its layout's)
-      GrantId grant = 0;
-      bool done = false;  // released, or died
-    };
-    std::vector<Reader> readers;
-    int readers_expected = 0;    // 0: no reader yet
-    bool unread = false;         // a reader said the decode will not read
-    bool read = false;           // a reader released after reading
-    std::string reader_failure;  // the first reader's failure (a failed release, its death)
-    Reader* FindReader(PeerId p) {
-      for (Reader& x : readers) {
-        if (x.peer == p) return &x;
-      }
-      return nullptr;
-    }
-    // Decode, read mode: what each prefill source moves, per layer, and the grant it gave
-    // (read_ok); the READs start once every source granted.
-    struct ReadSource {
-      PeerId peer = 0;
-      std::string transfer_id;
-      std::map<int, std::vector<Op>> layer_ops;
-      std::optional<GrantId> grant;
-    };
-    std::vector<ReadSource> read_sources;
-    // Prefill, write mode.
-    bool have_remote = false;
-    BlockTable remote_blocks;
-    uint64_t remote_cached = 0;
-    std::set<int> layers_final, layers_sent;
-    bool finished_by_scheduler = false;  // RequestFinished was called
-    // Decode write mode: abort sent, waiting for prefill to stop.
-    bool abort_sent = false;
-    // Decode: not a load, only the news that this engine will not read the prefill's blocks
-    // (ReleaseUnread); StartLoad connects, tells the prefill ranks and forgets it.
-    bool release_only = false;
-    std::string fail_reason;  // set once a request fails
-    std::map<std::string, GroupCounters> groups;
-    double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
-  };
-
-  struct Peer {
-    PeerId id = 0;
-    std::string engine_id;
-    std::string address;
-    Layout layout;
-    std::vector<RegionSpan> regions;
-    KvMode prefill_mode = KvMode::kAuto, decode_mode = KvMode::kAuto;
-    bool ready = false;
-    std::string error;
-  };
+  using Request = connector_internal::Request;
+  using Peer = connector_internal::Peer;
 
   explicit Impl(ConnectorOptions options) : options_(std::move(options)) {}
   ~Impl() {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "src/util/prometheus_text.h"
+
 namespace dsv4::serve {
 
 using nlohmann::json;
@@ -118,11 +120,17 @@ size_t AdmissionStats::queue_length() const {
 
 std::string AdmissionStats::Prometheus(const std::string& engine) const {
   kvwire::MutexLock lock(&mu_);
-  const std::string e = absl::StrCat("engine=\"", engine, "\"");
+  const std::string e = absl::StrCat("engine=\"", kvwire::PrometheusLabelValue(engine), "\"");
   std::string m;
-  absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_queue_length gauge\n",
+  absl::StrAppend(&m,
+                  "# HELP kvwire_dsv4_admission_queue_length Requests waiting in the admission "
+                  "queue for KV blocks.\n",
+                  "# TYPE kvwire_dsv4_admission_queue_length gauge\n",
                   "kvwire_dsv4_admission_queue_length{", e, "} ", length_, "\n");
-  absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_wait_seconds histogram\n");
+  absl::StrAppend(&m,
+                  "# HELP kvwire_dsv4_admission_wait_seconds Seconds admitted requests waited "
+                  "for KV blocks.\n",
+                  "# TYPE kvwire_dsv4_admission_wait_seconds histogram\n");
   uint64_t cumulative = 0;
   for (size_t i = 0; i < kBounds.size(); ++i) {
     cumulative += buckets_[i];
@@ -133,9 +141,15 @@ std::string AdmissionStats::Prometheus(const std::string& engine) const {
   absl::StrAppend(&m, "kvwire_dsv4_admission_wait_seconds_bucket{", e, ",le=\"+Inf\"} ", cumulative,
                   "\n", "kvwire_dsv4_admission_wait_seconds_sum{", e, "} ", wait_sum_s_, "\n",
                   "kvwire_dsv4_admission_wait_seconds_count{", e, "} ", admitted_, "\n");
-  absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_waited_total counter\n",
+  absl::StrAppend(&m,
+                  "# HELP kvwire_dsv4_admission_waited_total Requests admitted after waiting "
+                  "for KV blocks.\n",
+                  "# TYPE kvwire_dsv4_admission_waited_total counter\n",
                   "kvwire_dsv4_admission_waited_total{", e, "} ", waited_, "\n");
-  absl::StrAppend(&m, "# TYPE kvwire_dsv4_admission_rejected_total counter\n");
+  absl::StrAppend(&m,
+                  "# HELP kvwire_dsv4_admission_rejected_total Requests refused by admission, "
+                  "by reason.\n",
+                  "# TYPE kvwire_dsv4_admission_rejected_total counter\n");
   for (int i = 0; i < kNumRejections; ++i) {
     absl::StrAppend(&m, "kvwire_dsv4_admission_rejected_total{", e, ",reason=\"",
                     RejectionName(static_cast<Rejection>(i)), "\"} ", rejected_[i], "\n");

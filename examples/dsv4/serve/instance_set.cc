@@ -14,6 +14,7 @@
 #include "src/discovery/instance.h"
 #include "src/util/json_fields.h"
 #include "src/util/log.h"
+#include "src/util/prometheus_text.h"
 
 namespace dsv4::serve {
 
@@ -358,39 +359,61 @@ json InstanceSet::Health() {
 
 std::string InstanceSet::Metrics() {
   kvwire::MutexLock lock(&mu_);
-  std::string m = "# TYPE kvwire_dsv4_router_routed_total counter\n";
+  std::string m =
+      "# HELP kvwire_dsv4_router_routed_total Requests routed to an instance, by kind, instance "
+      "and policy.\n"
+      "# TYPE kvwire_dsv4_router_routed_total counter\n";
   for (const auto& [key, n] : routed_) {
     absl::StrAppend(&m, "kvwire_dsv4_router_routed_total{kind=\"",
                     InstanceKindName(static_cast<InstanceKind>(std::get<0>(key))), "\",instance=\"",
-                    std::get<1>(key), "\",policy=\"", policy_, "\"} ", n, "\n");
+                    kvwire::PrometheusLabelValue(std::get<1>(key)), "\",policy=\"", policy_, "\"} ",
+                    n, "\n");
   }
-  absl::StrAppend(&m, "# TYPE kvwire_dsv4_router_instance_outstanding gauge\n");
-  std::string reported = "# TYPE kvwire_dsv4_router_instance_reported_active gauge\n";
-  std::string free_blocks = "# TYPE kvwire_dsv4_router_instance_free_blocks gauge\n";
+  absl::StrAppend(&m,
+                  "# HELP kvwire_dsv4_router_instance_outstanding Requests the router has "
+                  "outstanding on an instance now.\n",
+                  "# TYPE kvwire_dsv4_router_instance_outstanding gauge\n");
+  std::string reported =
+      "# HELP kvwire_dsv4_router_instance_reported_active Active requests an instance last "
+      "reported (its /health; -1: not yet polled).\n"
+      "# TYPE kvwire_dsv4_router_instance_reported_active gauge\n";
+  std::string free_blocks =
+      "# HELP kvwire_dsv4_router_instance_free_blocks Free KV blocks an instance last reported "
+      "(its /health; -1: unknown).\n"
+      "# TYPE kvwire_dsv4_router_instance_free_blocks gauge\n";
   int count[2] = {0, 0};
   for (const auto& [a, in] : instances_) {
     if (!in.verified) continue;  // not routed to: no series (a forged record makes none)
     ++count[static_cast<int>(in.kind)];
-    const std::string labels =
-        absl::StrCat("{kind=\"", InstanceKindName(in.kind), "\",instance=\"", in.name, "\"} ");
+    const std::string labels = absl::StrCat("{kind=\"", InstanceKindName(in.kind), "\",instance=\"",
+                                            kvwire::PrometheusLabelValue(in.name), "\"} ");
     absl::StrAppend(&m, "kvwire_dsv4_router_instance_outstanding", labels, in.outstanding, "\n");
     absl::StrAppend(&reported, "kvwire_dsv4_router_instance_reported_active", labels,
                     in.reported_active, "\n");
     absl::StrAppend(&free_blocks, "kvwire_dsv4_router_instance_free_blocks", labels, in.free_blocks,
                     "\n");
   }
-  absl::StrAppend(&m, reported, free_blocks, "# TYPE kvwire_dsv4_router_instances gauge\n",
-                  "kvwire_dsv4_router_instances{kind=\"prefill\"} ", count[0], "\n",
-                  "kvwire_dsv4_router_instances{kind=\"decode\"} ", count[1], "\n",
-                  "# TYPE kvwire_dsv4_router_instance_changes_total counter\n",
-                  "kvwire_dsv4_router_instance_changes_total{change=\"added\"} ", added_, "\n",
-                  "kvwire_dsv4_router_instance_changes_total{change=\"removed\"} ", removed_, "\n",
-                  "# TYPE kvwire_dsv4_router_instance_proofs_total counter\n",
-                  "kvwire_dsv4_router_instance_proofs_total{outcome=\"verified\"} ", verified_,
-                  "\n", "kvwire_dsv4_router_instance_proofs_total{outcome=\"refused\"} ", refused_,
-                  "\n");
+  absl::StrAppend(
+      &m, reported, free_blocks,
+      "# HELP kvwire_dsv4_router_instances Verified instances the router routes to, by kind.\n",
+      "# TYPE kvwire_dsv4_router_instances gauge\n",
+      "kvwire_dsv4_router_instances{kind=\"prefill\"} ", count[0], "\n",
+      "kvwire_dsv4_router_instances{kind=\"decode\"} ", count[1], "\n",
+      "# HELP kvwire_dsv4_router_instance_changes_total Instances added to or removed from "
+      "the router's set.\n",
+      "# TYPE kvwire_dsv4_router_instance_changes_total counter\n",
+      "kvwire_dsv4_router_instance_changes_total{change=\"added\"} ", added_, "\n",
+      "kvwire_dsv4_router_instance_changes_total{change=\"removed\"} ", removed_, "\n",
+      "# HELP kvwire_dsv4_router_instance_proofs_total Instance membership proofs checked, by "
+      "outcome.\n",
+      "# TYPE kvwire_dsv4_router_instance_proofs_total counter\n",
+      "kvwire_dsv4_router_instance_proofs_total{outcome=\"verified\"} ", verified_, "\n",
+      "kvwire_dsv4_router_instance_proofs_total{outcome=\"refused\"} ", refused_, "\n");
   if (watcher_) {
-    absl::StrAppend(&m, "# TYPE kvwire_dsv4_router_etcd_connected gauge\n",
+    absl::StrAppend(&m,
+                    "# HELP kvwire_dsv4_router_etcd_connected 1 while the router's etcd watch is "
+                    "connected, else 0.\n",
+                    "# TYPE kvwire_dsv4_router_etcd_connected gauge\n",
                     "kvwire_dsv4_router_etcd_connected ", watcher_->connected() ? 1 : 0, "\n");
   }
   return m;

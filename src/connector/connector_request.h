@@ -1,0 +1,127 @@
+// The connector's request and peer records (Connector::Impl's request table and peer sessions
+// hold them; every field is guarded by Connector::Impl::mu_).
+#ifndef KVWIRE_CONNECTOR_CONNECTOR_REQUEST_H_
+#define KVWIRE_CONNECTOR_CONNECTOR_REQUEST_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+
+#include "kvwire/connector.h"
+#include "kvwire/engine.h"
+#include "kvwire/layout.h"
+#include "src/connector/connector_metrics.h"
+#include "src/connector/peer_message.h"
+
+namespace kvwire {
+namespace connector_internal {
+
+enum class RequestState {
+  kMatched,   // scheduler knows it; blocks not yet allocated
+  kPending,   // blocks allocated, waiting for the worker (decode load / prefill save)
+  kLoading,   // decode: READ in flight, or waiting for prefill's WRITEs
+  kSaving,    // prefill write mode: layers going out
+  kHeld,      // prefill read mode: blocks held for the reader (lease)
+  kDraining,  // aborted or failed: waiting for transfers touching the blocks to end
+};
+inline const char* RequestStateName(RequestState s) {
+  static const char* names[] = {"matched", "pending", "loading", "saving", "held", "draining"};
+  return names[static_cast<int>(s)];
+}
+
+struct Request {
+  std::string id;
+  bool decode = false;  // role of this side for the request
+  RequestState state = RequestState::kMatched;
+  KvTransferParams params;
+  KvMode mode = KvMode::kAuto;
+  BlockTable blocks;
+  uint64_t num_tokens = 0;
+  uint64_t num_cached = 0;  // decode: tokens already present locally
+  absl::Time deadline = absl::InfiniteFuture();
+  absl::Time t_queued = absl::InfinitePast(), t_first = absl::InfinitePast(),
+             t_last = absl::InfinitePast();
+  std::optional<PeerId> peer;
+  // Decode read mode: further prefill ranks read from (peer, their transfer id).
+  std::vector<std::pair<PeerId, std::string>> tp_sources;
+  std::set<TransferId> transfers;  // in flight, touching the blocks
+  // The layer each transfer moves (layer-wise progress), and transfers left per layer.
+  std::map<TransferId, int> transfer_layer;
+  std::map<int, int> layer_transfers_left;
+  // Decode: layers not yet in place (WaitForLayerLoad waits on them).
+  std::set<int> layers_pending;
+  std::optional<TransferPlan> plan;
+  // Prefill: the rows of its blocks it did not fill were zeroed (before the first grant,
+  // or the first WRITE in write mode; ScrubUnfilledLocked).
+  bool scrubbed = false;
+  // Prefill, read mode: the engines reading the held blocks, one per decode rank: a decode
+  // with tensor parallelism N reads (or releases) each prefill rank's hand-off from all N
+  // of its engines, each its own slice of the heads or the whole replicated page. Each
+  // reader is bound by its first read_start or release and gets an engine grant of its
+  // own (read_start), revoked when the request retires. How many come is the decode's
+  // tensor-parallel size, from the first reader's layout (readers_expected); the blocks go
+  // back once each of them released or died, once one said that the decode will not read
+  // and none is reading, or at the lease.
+  struct Reader {
+    PeerId peer = 0;
+    int rank = 0;  // its tensor-parallel rank (its layout's)
+    GrantId grant = 0;
+    bool done = false;  // released, or died
+  };
+  std::vector<Reader> readers;
+  int readers_expected = 0;    // 0: no reader yet
+  bool unread = false;         // a reader said the decode will not read
+  bool read = false;           // a reader released after reading
+  std::string reader_failure;  // the first reader's failure (a failed release, its death)
+  Reader* FindReader(PeerId p) {
+    for (Reader& x : readers) {
+      if (x.peer == p) return &x;
+    }
+    return nullptr;
+  }
+  // Decode, read mode: what each prefill source moves, per layer, and the grant it gave
+  // (read_ok); the READs start once every source granted.
+  struct ReadSource {
+    PeerId peer = 0;
+    std::string transfer_id;
+    std::map<int, std::vector<Op>> layer_ops;
+    std::optional<GrantId> grant;
+  };
+  std::vector<ReadSource> read_sources;
+  // Prefill, write mode.
+  bool have_remote = false;
+  BlockTable remote_blocks;
+  uint64_t remote_cached = 0;
+  std::set<int> layers_final, layers_sent;
+  bool finished_by_scheduler = false;  // RequestFinished was called
+  // Decode write mode: abort sent, waiting for prefill to stop.
+  bool abort_sent = false;
+  // Decode: not a load, only the news that this engine will not read the prefill's blocks
+  // (ReleaseUnread); StartLoad connects, tells the prefill ranks and forgets it.
+  bool release_only = false;
+  std::string fail_reason;  // set once a request fails
+  std::map<std::string, GroupCounters> groups;
+  double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
+};
+
+struct Peer {
+  PeerId id = 0;
+  std::string engine_id;
+  std::string address;
+  Layout layout;
+  std::vector<RegionSpan> regions;
+  KvMode prefill_mode = KvMode::kAuto, decode_mode = KvMode::kAuto;
+  bool ready = false;
+  std::string error;
+};
+
+}  // namespace connector_internal
+}  // namespace kvwire
+
+#endif  // KVWIRE_CONNECTOR_CONNECTOR_REQUEST_H_

@@ -1,0 +1,88 @@
+// Connector-to-connector messages as a peer sends them, parsed into a typed, bounded
+// PeerMessage before any of it is used (peer_message_parse.cc), and the bounds on what one may
+// hold.
+#ifndef KVWIRE_CONNECTOR_PEER_MESSAGE_H_
+#define KVWIRE_CONNECTOR_PEER_MESSAGE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "kvwire/connector.h"
+#include "kvwire/engine.h"
+#include "kvwire/layout.h"
+
+namespace kvwire {
+namespace connector_internal {
+
+// A registered memory range (local, or a peer's from its hello).
+struct RegionSpan {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  RegionId id = 0;
+};
+
+// Bounds on what a peer's connector message may hold.
+inline constexpr size_t kMaxTransferIdBytes = 256;
+inline constexpr size_t kMaxReasonBytes = 4096;
+inline constexpr size_t kMaxRegions = 4096;
+// Write requests a prefill keeps for requests its scheduler has not seen yet: per peer, and
+// in all. Beyond them a write request is answered with "fail" at once.
+inline constexpr size_t kMaxEarlyWritesPerPeer = 1024;
+inline constexpr size_t kMaxEarlyWrites = 8192;
+// Releases of read-mode transfers not held yet that a prefill remembers (transfer ids).
+inline constexpr size_t kMaxEarlyReleases = 8192;
+// Engines that may read one prefill rank's hand-off: the decode's tensor-parallel size, from
+// its layout, is refused beyond this (each reader holds an engine grant of every page).
+inline constexpr int kMaxReaders = 64;
+
+// One connector message from a peer, with every field checked (type, range, size) before any
+// of it is used.
+struct PeerMessage {
+  enum class Type {
+    kHello,
+    kHelloAck,
+    kHelloErr,
+    kReadStart,
+    kRelease,
+    kWriteReq,
+    kLayer,
+    kDone,
+    kFail,
+    kReadOk
+  };
+  Type type = Type::kHello;
+  std::string name;  // the type as sent ("hello", "release", ...)
+  std::string transfer_id;
+  // hello, hello_ack
+  std::string engine_id;
+  KvMode mode = KvMode::kAuto;
+  Layout layout;
+  std::vector<RegionSpan> regions;
+  // release
+  bool ok = true;
+  // release, fail: the reader will not read this transfer at all (it found the KV in its own
+  // prefix cache, or its request ended first): the holder frees the blocks at once and counts
+  // the request as released, not failed.
+  bool unread = false;
+  // release, fail; hello_err's error
+  std::string reason;
+  // write_req
+  BlockTable blocks;
+  uint64_t num_cached = 0;
+  // layer
+  int layer = 0;
+  // read_ok: the engine grant the reader presents with its READs (TransferOptions::grant)
+  uint64_t grant = 0;
+};
+// Errors name the message type and the field ("connector message 'release': 'transfer_id'
+// must be a string, got 5").
+absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload);
+
+}  // namespace connector_internal
+}  // namespace kvwire
+
+#endif  // KVWIRE_CONNECTOR_PEER_MESSAGE_H_
