@@ -13,6 +13,7 @@
 #include "examples/dsv4/serve/model_server_impl.h"
 #include "examples/dsv4/serve/transfer_report.h"
 #include "src/util/json_fields.h"
+#include "src/util/log.h"
 
 namespace dsv4::serve {
 

@@ -10,6 +10,7 @@
 #include "examples/dsv4/serve/handoff_release.h"
 #include "examples/dsv4/serve/model_server_impl.h"
 #include "src/util/json_fields.h"
+#include "src/util/log.h"
 #include "src/util/prometheus_text.h"
 
 namespace dsv4::serve {

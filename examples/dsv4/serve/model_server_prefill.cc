@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 
 #include "examples/dsv4/serve/model_server_impl.h"
+#include "src/util/log.h"
 
 namespace dsv4::serve {
 
