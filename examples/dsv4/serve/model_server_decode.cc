@@ -130,14 +130,7 @@ void ModelServer::Impl::StartDecode(Job& job) {
     a.deadline = a.claimed + options_.request_timeout;
     return;
   }
-  Active a;
-  a.id = NewId();
-  a.req = job.req;
-  a.resp = job.resp;
-  a.prompt = PromptTokens(job.req);
-  InitSampling(a);
-  a.arrived = a.claimed = job.arrived;
-  a.deadline = absl::Now() + options_.request_timeout;
+  Active a = ActiveFrom(job);
   if (!StartLoad(a, a.resp)) return;
   const std::string id = a.id;
   active_.emplace(id, std::move(a));

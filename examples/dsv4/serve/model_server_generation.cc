@@ -17,7 +17,7 @@ namespace dsv4::serve {
 using kvwire::Kv;
 using nlohmann::json;
 
-void ModelServer::Impl::StartLocal(Job& job) {
+ModelServer::Impl::Active ModelServer::Impl::ActiveFrom(const Job& job) {
   Active a;
   a.id = NewId();
   a.req = job.req;
@@ -26,6 +26,11 @@ void ModelServer::Impl::StartLocal(Job& job) {
   InitSampling(a);
   a.arrived = a.claimed = job.arrived;
   a.deadline = absl::Now() + options_.request_timeout;
+  return a;
+}
+
+void ModelServer::Impl::StartLocal(Job& job) {
+  Active a = ActiveFrom(job);
   absl::StatusOr<kvwire::BlockTable> blocks = cache_->Allocate(a.prompt.size());
   if (!blocks.ok()) {
     return Fail(job.resp, 503, absl::StrCat("out of KV blocks: ", blocks.status().message()));

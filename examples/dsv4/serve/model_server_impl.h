@@ -163,6 +163,8 @@ class ModelServer::Impl {
 
   // --- generation (model_server_generation.cc) ------------------------------------------------
   void StartLocal(Job& job);
+  // A request that starts now: its id, prompt, sampling state, arrival and deadline.
+  Active ActiveFrom(const Job& job);
   void Step(Active& a);
   static void InitSampling(Active& a);
   void Emit(Active& a, const Sampled& sampled);
