@@ -487,6 +487,11 @@ void Perf() {
             "HELLO kvwire-perf/1 op=write size=4096 threads=1\nRUN 4096 10\nDONE 4096 10\n"
             "RUN 65536 0\nDONE 65536 3\nBYE\n");
   Write("perf_side_channel", "pool", Byte(0x03) + "RUN 1024 0\nDONE 1024 5,5\nBYE\n");
+  // Hundreds of refused lines, each answered with an ERROR line: the answers outgrow the
+  // socket buffer (stop 34's fuzz-ci timeout, when nothing read them).
+  std::string refused = Byte(0x00);
+  for (int i = 0; i < 2000; ++i) refused += "x\n";
+  Write("perf_side_channel", "many-refusals", refused + "BYE\n");
 }
 
 }  // namespace

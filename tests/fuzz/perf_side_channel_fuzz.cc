@@ -13,9 +13,11 @@
 // agree with the options as RunTarget requires); the rest is the stream of lines.
 #include <sys/socket.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -30,7 +32,9 @@
 namespace {
 
 constexpr size_t kBufferBytes = 64 << 10;
-// Lines and answers both stay in the socketpair's buffers (nothing reads the answers).
+// The lines stay in the socketpair's buffer; the answers are drained by a thread, because
+// every refused line is answered and a few hundred answers (each a socket buffer entry of
+// about 1 KiB) would fill the buffer and hold the target's send for its 60 s deadline.
 constexpr size_t kMaxStreamBytes = 16 << 10;
 
 }  // namespace
@@ -58,7 +62,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   KVWIRE_FUZZ_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0);
   KVWIRE_FUZZ_CHECK(::send(fds[1], stream.data(), stream.size(), MSG_NOSIGNAL) ==
                     static_cast<ssize_t>(stream.size()));
-  ::shutdown(fds[1], SHUT_WR);  // the stream ends after the input; answers still fit
+  ::shutdown(fds[1], SHUT_WR);  // the stream ends after the input
+  std::thread drain([fd = fds[1]] {
+    char sink[4096];
+    while (true) {
+      const ssize_t n = ::read(fd, sink, sizeof(sink));
+      if (n == 0 || (n < 0 && errno != EINTR)) return;  // EOF once fds[0] is closed
+    }
+  });
   {
     LineSocket sock(fds[0]);
     // As RunTarget: a HELLO in the protocol whose settings agree, then RUN lines until BYE.
@@ -66,7 +77,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (theirs.ok() && CheckAgreement(AgreedSettings(o), *theirs, "initiator").ok()) {
       (void)ServeInitiator(o, sock, buffer.data(), buffer.size(), /*kv=*/nullptr);
     }
-  }  // closes fds[0]
+  }  // closes fds[0], which ends the drain
+  drain.join();
   ::close(fds[1]);
   return 0;
 }
