@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -131,6 +132,11 @@ struct WireOp {
   RegionId local_region = 0;
 };
 
+// A lane's ops and a transfer's pins. Inline storage for the common small transfer (one op,
+// one or two local regions), so that posting one does not allocate.
+using WireOps = absl::InlinedVector<WireOp, 1>;
+using Pins = absl::InlinedVector<std::shared_ptr<const void>, 2>;
+
 // One lane's share of a transfer.
 struct PostRequest {
   TransferId transfer_id = 0;
@@ -140,12 +146,12 @@ struct PostRequest {
   bool count_arrivals = false;
   // TransferOptions::grant, presented with every op (checks_grants transports carry it).
   GrantId grant = 0;
-  std::vector<WireOp> ops;
+  WireOps ops;
   // Set by the engine when the transfer has already ended (deadline, deregistration, peer
   // death): a transport must not write into local memory for it any more (drain instead).
   std::shared_ptr<std::atomic<bool>> cancelled;
   // Keeps the local regions of the ops alive; released when the request is destroyed.
-  std::vector<std::shared_ptr<const void>> pins;
+  Pins pins;
 };
 
 // Runs exactly once per Post, on any thread, when all ops of the request completed (OK) or

@@ -330,7 +330,10 @@ EngineStats Engine::Impl::Stats() const {
   {
     MutexLock lock(&stats_mu_);
     out = stats_;
-    bytes_by_transport = bytes_by_transport_;
+    for (size_t i = 0; i < caps_.size(); ++i) {
+      const MovedBytes& moved = bytes_by_transport_[i];
+      if (moved.used) bytes_by_transport[caps_[i]->name] = {moved.read, moved.written};
+    }
   }
   out.regions = regions_.size();
   out.registered_bytes = regions_.bytes();

@@ -1,6 +1,9 @@
 // The transfer path (validate, route, plan, post, complete) and the target-side hooks the
 // transports call for incoming data.
+#include <algorithm>
+
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -27,8 +30,10 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   const char* verb = kind == OpKind::kRead ? "READ" : "WRITE";
 
   // Local side: every op inside a registered region, each region pinned for the transfer.
-  absl::flat_hash_map<RegionId, std::shared_ptr<const void>> pins;
-  std::vector<transport::WireOp> wire;
+  // Inline storage: a transfer of a few ops over a few regions allocates nothing here.
+  absl::InlinedVector<RegionId, 2> local_regions;
+  transport::Pins pins;
+  absl::InlinedVector<transport::WireOp, 4> wire;
   core::TransferNeeds needs;
   needs.kind = kind;
   wire.reserve(ops.size());
@@ -36,7 +41,14 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     const Op& op = ops[i];
     auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
     if (!local.ok()) return OpError(i, local.status());
-    pins.try_emplace(op.local_region, std::move(local->pin));
+    // Ops mostly come grouped by region: the last one pinned is checked first.
+    if (local_regions.empty() || local_regions.back() != op.local_region) {
+      if (std::find(local_regions.begin(), local_regions.end(), op.local_region) ==
+          local_regions.end()) {
+        local_regions.push_back(op.local_region);
+        pins.push_back(std::move(local->pin));
+      }
+    }
     wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length,
                                      local->gpu_device, op.local_region});
     (local->gpu_device >= 0 ? needs.local_gpu : needs.local_host) = true;
@@ -107,7 +119,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   }
   limits.lanes = std::min<uint32_t>(lanes, caps->max_lanes);
   limits.stripe_min_bytes = options_.stripe_min_bytes;
-  core::Plan plan = core::PlanOps(std::move(wire), limits);
+  core::Plan plan = core::PlanOps(absl::MakeSpan(wire), limits);
 
   core::TransferInfo info;
   info.id = next_transfer_id_++;
@@ -120,11 +132,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   info.start = absl::Now();
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
   info.transport = static_cast<int>(route_index);
-  std::vector<std::shared_ptr<const void>> pin_list;
-  for (auto& [region, pin] : pins) {
-    info.local_regions.push_back(region);
-    pin_list.push_back(std::move(pin));
-  }
+  info.local_regions = std::move(local_regions);
   {
     MutexLock lock(&stats_mu_);
     ++stats_.transfers_started;
@@ -136,26 +144,35 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
                             << Kv("ops", ops.size()) << Kv("pieces", plan.pieces)
                             << Kv("lanes", plan.lanes.size()) << Kv("via", caps->name);
 
-  auto cancelled =
-      transfers_.Start(info, static_cast<uint32_t>(plan.lanes.size()), options.on_complete);
   const TransferId id = info.id;
-  for (size_t lane = 0; lane < plan.lanes.size(); ++lane) {
+  const bool count_arrivals = info.count_arrivals;
+  const size_t lanes_planned = plan.lanes.size();
+  auto cancelled =
+      transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned), options.on_complete);
+  for (size_t lane = 0; lane < lanes_planned; ++lane) {
     transport::PostRequest request;
     request.transfer_id = id;
     request.kind = kind;
     request.lane = static_cast<uint32_t>(lane);
-    request.count_arrivals = info.count_arrivals;
+    request.count_arrivals = count_arrivals;
     request.grant = options.grant;
     request.ops = std::move(plan.lanes[lane]);
-    request.cancelled = cancelled;
-    request.pins = pin_list;
+    // The last lane takes the flag and the pins, the others copy them.
+    if (lane + 1 == lanes_planned) {
+      request.cancelled = std::move(cancelled);
+      request.pins = std::move(pins);
+    } else {
+      request.cancelled = cancelled;
+      request.pins = pins;
+    }
     channel->Post(std::move(request), [this, id](absl::Status s) { OnLaneDone(id, std::move(s)); });
   }
   return id;
 }
 
 void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
-  std::optional<core::LanesDone> done = transfers_.LaneDone(id, std::move(status));
+  std::optional<core::LanesDone> done =
+      transfers_.LaneDone(id, std::move(status), /*claim_unless_notifying=*/true);
   if (!done) return;
   const core::TransferInfo& info = done->info;
   absl::Status result = done->status;
@@ -184,7 +201,7 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
                                                  ": ", result.message()));
   }
   // Counted before the waiter wakes: a caller whose Wait returned sees this transfer in Stats().
-  if (transfers_.ClaimEnd(id)) {
+  if (done->claimed || transfers_.ClaimEnd(id)) {
     RecordEnd(info, result);
     transfers_.CompleteEnd(id, std::move(result));
   }
@@ -198,8 +215,9 @@ void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status&
       ++stats_.transfers_succeeded;
       (info.kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) += info.bytes;
       if (info.transport >= 0 && static_cast<size_t>(info.transport) < caps_.size()) {
-        std::pair<uint64_t, uint64_t>& moved = bytes_by_transport_[caps_[info.transport]->name];
-        (info.kind == OpKind::kRead ? moved.first : moved.second) += info.bytes;
+        MovedBytes& moved = bytes_by_transport_[info.transport];
+        moved.used = true;
+        (info.kind == OpKind::kRead ? moved.read : moved.written) += info.bytes;
       }
       stats_.transfer_latency.Add(us);
     } else {

@@ -5,33 +5,33 @@
 namespace kvwire::core {
 namespace {
 
-std::vector<transport::WireOp> Merge(std::vector<transport::WireOp> ops) {
+// Sorts `ops` and merges contiguous ones in place; returns how many remain at the front.
+size_t Merge(absl::Span<transport::WireOp> ops) {
+  if (ops.size() < 2) return ops.size();
   std::sort(ops.begin(), ops.end(), [](const transport::WireOp& a, const transport::WireOp& b) {
     if (a.remote_region != b.remote_region) return a.remote_region < b.remote_region;
     return a.remote_offset < b.remote_offset;
   });
-  std::vector<transport::WireOp> merged;
-  merged.reserve(ops.size());
-  for (const transport::WireOp& op : ops) {
-    if (!merged.empty()) {
-      transport::WireOp& last = merged.back();
-      if (last.remote_region == op.remote_region && last.local_region == op.local_region &&
-          last.remote_offset + last.length == op.remote_offset &&
-          last.local + last.length == op.local && last.local_gpu_device == op.local_gpu_device) {
-        last.length += op.length;
-        continue;
-      }
+  size_t kept = 1;
+  for (size_t i = 1; i < ops.size(); ++i) {
+    const transport::WireOp& op = ops[i];
+    transport::WireOp& last = ops[kept - 1];
+    if (last.remote_region == op.remote_region && last.local_region == op.local_region &&
+        last.remote_offset + last.length == op.remote_offset &&
+        last.local + last.length == op.local && last.local_gpu_device == op.local_gpu_device) {
+      last.length += op.length;
+      continue;
     }
-    merged.push_back(op);
+    ops[kept++] = op;
   }
-  return merged;
+  return kept;
 }
 
 }  // namespace
 
-Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits) {
+Plan PlanOps(absl::Span<transport::WireOp> ops, const PlanLimits& limits) {
   Plan plan;
-  std::vector<transport::WireOp> merged = Merge(std::move(ops));
+  const absl::Span<const transport::WireOp> merged = ops.first(Merge(ops));
   plan.merged_ops = merged.size();
   for (const transport::WireOp& op : merged) plan.total_bytes += op.length;
   if (merged.empty()) return plan;

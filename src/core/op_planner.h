@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
+#include "absl/types/span.h"
+
 #include "transport/transport.h"
 
 namespace kvwire::core {
@@ -19,7 +22,7 @@ struct PlanLimits {
 };
 
 struct Plan {
-  std::vector<std::vector<transport::WireOp>> lanes;  // non-empty lanes only
+  absl::InlinedVector<transport::WireOps, 1> lanes;  // non-empty lanes only
   uint64_t total_bytes = 0;
   uint64_t merged_ops = 0;  // after merging, before splitting
   uint64_t pieces = 0;      // after splitting (what goes on the wire)
@@ -27,7 +30,12 @@ struct Plan {
 
 // Ops are merged when one continues the other both locally and in the same remote region;
 // order between ops of one transfer carries no meaning (they must not overlap).
-Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits);
+// `ops` is reordered (sorted for merging) in place; a one-op transfer is planned without
+// allocating.
+Plan PlanOps(absl::Span<transport::WireOp> ops, const PlanLimits& limits);
+inline Plan PlanOps(std::vector<transport::WireOp> ops, const PlanLimits& limits) {
+  return PlanOps(absl::MakeSpan(ops), limits);
+}
 
 }  // namespace kvwire::core
 

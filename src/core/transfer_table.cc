@@ -7,28 +7,61 @@
 
 namespace kvwire::core {
 
-std::shared_ptr<std::atomic<bool>> TransferTable::Start(const TransferInfo& info, uint32_t lanes,
+std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint32_t lanes,
                                                         EndCallback on_end) {
+  const TransferId id = info.id;
+  const absl::Time deadline = info.deadline;
   MutexLock lock(&mu_);
-  Record record;
-  record.info = info;
+  Record& record = records_.try_emplace(id).first->second;  // built in place
+  record.info = std::move(info);
   record.lanes_left = lanes;
-  record.cancelled = std::make_shared<std::atomic<bool>>(false);
+  if (spare_flags_.empty()) {
+    record.cancelled = std::make_shared<std::atomic<bool>>(false);
+  } else {
+    record.cancelled = std::move(spare_flags_.back());
+    spare_flags_.pop_back();
+  }
   record.on_end = std::move(on_end);
   auto cancelled = record.cancelled;
-  records_.emplace(info.id, std::move(record));
   // The deadline thread sleeps until the earliest deadline (or its own limit): only a deadline
   // before the time it will wake anyway wakes it. (Waking it on every Start into an empty
   // table cost a thread switch per transfer: ~6 us per 64 KiB shm transfer on two cores.)
-  deadlines_.emplace(info.deadline, info.id);
-  if (info.deadline < deadline_wake_at_) deadline_cv_.SignalAll();
+  if (spare_deadlines_.empty()) {
+    deadlines_.emplace(deadline, id);
+  } else {
+    Deadlines::node_type node = std::move(spare_deadlines_.back());
+    spare_deadlines_.pop_back();
+    node.value() = {deadline, id};
+    deadlines_.insert(std::move(node));
+  }
+  if (deadline < deadline_wake_at_) deadline_cv_.SignalAll();
   return cancelled;
+}
+
+void TransferTable::EraseDeadlineLocked(const TransferInfo& info) {
+  Deadlines::node_type node = deadlines_.extract({info.deadline, info.id});
+  if (!node.empty() && spare_deadlines_.size() < kSpares) {
+    spare_deadlines_.push_back(std::move(node));
+  }
+}
+
+void TransferTable::Forget(Record& record) {
+  // Only this table holds the flag once no transport does (the lanes' requests are
+  // destroyed): nobody can read it any more, so it can serve the next transfer. The fence
+  // orders the transports' last reads before the reset (their release of the reference is
+  // what use_count observed).
+  if (record.cancelled != nullptr && record.cancelled.use_count() == 1 &&
+      spare_flags_.size() < kSpares) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    record.cancelled->store(false, std::memory_order_relaxed);
+    spare_flags_.push_back(std::move(record.cancelled));
+  }
 }
 
 bool TransferTable::EndLocked(Record& record, absl::Status status) {
   if (record.ended) return false;
   record.ended = true;
-  deadlines_.erase({record.info.deadline, record.info.id});
+  EraseDeadlineLocked(record.info);
   record.cancelled->store(true, std::memory_order_release);
   if (record.on_end) {
     ends_.push_back(PendingEnd{std::move(record.on_end), record.info.id, std::move(status)});
@@ -40,7 +73,8 @@ bool TransferTable::EndLocked(Record& record, absl::Status status) {
   return true;
 }
 
-std::optional<LanesDone> TransferTable::LaneDone(TransferId id, absl::Status status) {
+std::optional<LanesDone> TransferTable::LaneDone(TransferId id, absl::Status status,
+                                                 bool claim_unless_notifying) {
   MutexLock lock(&mu_);
   auto it = records_.find(id);
   if (it == records_.end()) {
@@ -53,7 +87,13 @@ std::optional<LanesDone> TransferTable::LaneDone(TransferId id, absl::Status sta
   if (!status.ok() && record.lane_error.ok()) record.lane_error = std::move(status);
   if (record.lanes_left > 0) --record.lanes_left;
   if (record.lanes_left > 0 || record.ended) return std::nullopt;
-  return LanesDone{record.info, record.lane_error};
+  const bool claim = claim_unless_notifying && !record.claimed &&
+                     (!record.lane_error.ok() || !record.info.notification.has_value());
+  if (claim) {
+    record.claimed = true;
+    EraseDeadlineLocked(record.info);  // only CompleteEnd ends it now
+  }
+  return LanesDone{record.info, record.lane_error, claim};
 }
 
 bool TransferTable::Finish(TransferId id, absl::Status status) {
@@ -71,7 +111,7 @@ bool TransferTable::ClaimEnd(TransferId id) {
   auto it = records_.find(id);
   if (it == records_.end() || it->second.ended || it->second.claimed) return false;
   it->second.claimed = true;
-  deadlines_.erase({it->second.info.deadline, id});  // only CompleteEnd ends it now
+  EraseDeadlineLocked(it->second.info);  // only CompleteEnd ends it now
   return true;
 }
 
@@ -171,6 +211,7 @@ void TransferTable::MaybeForgetLocked(TransferId id) {
   auto it = records_.find(id);
   if (it == records_.end()) return;
   if (it->second.lanes_left > 0) draining_[id] = it->second.lanes_left;
+  Forget(it->second);
   records_.erase(it);
 }
 
@@ -191,7 +232,9 @@ TransferState TransferTable::Poll(TransferId id, absl::Status* status) {
 }
 
 absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  // The clock is read only when the transfer has not ended yet (a shm transfer has usually
+  // ended by the time its caller waits).
+  std::optional<absl::Time> deadline;
   MutexLock lock(&mu_);
   while (true) {
     auto it = records_.find(id);
@@ -201,7 +244,8 @@ absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout) {
       MaybeForgetLocked(id);
       return final_status;
     }
-    if (!ended_cv_.WaitUntil(&mu_, deadline) && absl::Now() >= deadline) {
+    if (!deadline.has_value()) deadline = absl::Now() + timeout;
+    if (!ended_cv_.WaitUntil(&mu_, *deadline) && absl::Now() >= *deadline) {
       return absl::DeadlineExceededError(absl::StrCat("wait for transfer ", id, " timed out after ",
                                                       absl::FormatDuration(timeout),
                                                       " (the transfer is still pending)"));

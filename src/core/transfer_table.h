@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 
@@ -34,7 +35,7 @@ struct TransferInfo {
   OpKind kind = OpKind::kWrite;
   uint64_t bytes = 0;
   uint64_t pieces = 0;
-  std::vector<RegionId> local_regions;
+  absl::InlinedVector<RegionId, 2> local_regions;  // inline: no allocation per transfer
   std::optional<std::string> notification;
   bool count_arrivals = false;
   absl::Time start;
@@ -46,6 +47,9 @@ struct TransferInfo {
 struct LanesDone {
   TransferInfo info;
   absl::Status status;  // first error of the lanes, or OK
+  // LaneDone claimed the end for the caller (see LaneDone): it calls CompleteEnd, not
+  // ClaimEnd.
+  bool claimed = false;
 };
 
 // Called once with a transfer's final status (see TransferOptions::on_complete).
@@ -55,11 +59,15 @@ class TransferTable {
  public:
   // Registers a transfer with `lanes` lanes to complete; returns its cancellation flag.
   // `on_end` (may be empty) receives the final status from RunEndCallbacks.
-  std::shared_ptr<std::atomic<bool>> Start(const TransferInfo& info, uint32_t lanes,
+  std::shared_ptr<std::atomic<bool>> Start(TransferInfo info, uint32_t lanes,
                                            EndCallback on_end = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // One lane finished. When it was the last and the transfer is still pending, returns the
-  // transfer for the caller to finish (send its notification, then Finish).
-  std::optional<LanesDone> LaneDone(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // transfer for the caller to finish (send its notification, then Finish). With
+  // `claim_unless_notifying`, a transfer that failed or carries no notification (nothing left
+  // to do but account for it) is claimed in the same step (LanesDone::claimed, as ClaimEnd),
+  // which saves the caller a second trip through the table's lock.
+  std::optional<LanesDone> LaneDone(TransferId id, absl::Status status,
+                                    bool claim_unless_notifying = false) ABSL_LOCKS_EXCLUDED(mu_);
   // Sets the final status (first error wins: a transfer already failed stays failed).
   // Returns false when it had already ended.
   bool Finish(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
@@ -112,6 +120,11 @@ class TransferTable {
   // iteration over records_.
   bool EndLocked(Record& record, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeForgetLocked(TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Steady state allocates nothing per transfer: deadline set nodes and cancellation flags
+  // of forgotten transfers are kept for the next ones (at most kSpares of each).
+  void EraseDeadlineLocked(const TransferInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Forget(Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr size_t kSpares = 64;
 
   mutable Mutex mu_;
   CondVar ended_cv_;     // Wait
@@ -122,7 +135,11 @@ class TransferTable {
   CondVar ends_cv_;  // RunEndCallbacks: a callback queued, or the stop
   absl::flat_hash_map<TransferId, Record> records_ ABSL_GUARDED_BY(mu_);
   // Deadlines of transfers that may still expire (not ended, not claimed), earliest first.
-  std::set<std::pair<absl::Time, TransferId>> deadlines_ ABSL_GUARDED_BY(mu_);
+  using Deadlines = std::set<std::pair<absl::Time, TransferId>>;
+  Deadlines deadlines_ ABSL_GUARDED_BY(mu_);
+  std::vector<Deadlines::node_type> spare_deadlines_ ABSL_GUARDED_BY(mu_);
+  // Flags no transport holds any more (use_count 1), reset to false.
+  std::vector<std::shared_ptr<std::atomic<bool>>> spare_flags_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingEnd> ends_ ABSL_GUARDED_BY(mu_);
   bool deadline_waits_stopped_ ABSL_GUARDED_BY(mu_) = false;
   bool end_callbacks_stopped_ ABSL_GUARDED_BY(mu_) = false;

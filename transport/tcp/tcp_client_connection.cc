@@ -277,7 +277,7 @@ bool ClientConnection::TakeBatch() {
       batch.next_op = 0;
     }
     batch.holds.push_back(batch.current);
-    const std::vector<WireOp>& ops = batch.current->request.ops;
+    const WireOps& ops = batch.current->request.ops;
     const bool write = batch.current->request.kind == OpKind::kWrite;
     while (batch.next_op < ops.size() && batch.slots.size() < kMaxBatchOps &&
            batch_bytes < kMaxBatchBytes) {
