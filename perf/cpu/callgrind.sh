@@ -16,7 +16,11 @@ driver=$build/perf/kvwire-transfer-driver-plain
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is not installed" >&2; exit 2; }
 args=("$@")
 n=2000
-for ((i = 0; i < ${#args[@]}; i++)); do [[ ${args[i]} == --n ]] && n=${args[i+1]}; done
+warmup=200  # the driver's default
+for ((i = 0; i < ${#args[@]}; i++)); do
+  [[ ${args[i]} == --n ]] && n=${args[i+1]}
+  [[ ${args[i]} == --warmup ]] && warmup=${args[i+1]}
+done
 [[ " ${args[*]} " == *" --n "* ]] || args+=(--n "$n")
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -26,9 +30,10 @@ valgrind --tool=callgrind --collect-atstart=no --toggle-collect=kvwire_cpu_measu
 head -1 "$out/driver.txt"
 callgrind_annotate --auto=no --inclusive=yes --threshold=100 "$out/cg.out" >"$out/incl.txt"
 callgrind_annotate --auto=no --inclusive=no --threshold=100 "$out/cg.out" >"$out/self.txt"
-python3 - "$n" "$out/incl.txt" "$out/self.txt" <<'PY'
+# The warm-up runs through the same loop function, so callgrind counts n + warmup transfers.
+python3 - "$n" "$warmup" "$out/incl.txt" "$out/self.txt" <<'PY'
 import re, sys
-n = int(sys.argv[1])
+n = int(sys.argv[1]) + int(sys.argv[2])
 row = re.compile(r'^\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*)$')
 
 def rows(path):
@@ -47,7 +52,7 @@ def short(name):
     name = name.replace('absl::debian3::', 'absl::')
     return name[:100]
 
-incl, self_ = rows(sys.argv[2]), rows(sys.argv[3])
+incl, self_ = rows(sys.argv[3]), rows(sys.argv[4])
 total = sum(c for c, _ in self_)
 copy = sum(c for c, f in self_ if re.search(r'__mem(cpy|move)|:memcpy|:memmove', f))
 print(f"instructions per transfer: {total / n:,.0f} in all, {copy / n:,.0f} in memcpy/memmove, "

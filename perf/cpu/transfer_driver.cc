@@ -12,7 +12,12 @@
 // counts exactly the measured transfers (perf/cpu/callgrind.sh does this).
 //
 //   kvwire-transfer-driver [--n 2000] [--warmup 200] [--size 4096] [--transport shm|tcp]
-//                          [--op write|read] [--pool-mib M [--rounds 9]]
+//                          [--op write|read] [--pool-mib M [--rounds 9]] [--first-touch N]
+//
+// --first-touch N: the first N transfers after connect (no warm-up), each timed alone, over
+// the same --size bytes at offset 0 of both regions: what the first requests through a new
+// mapping of the peer's region cost against later ones (issue 24: first within 1.5x of the
+// tenth). Prints each transfer's wall time and first/last. Timings: quote with the load.
 //
 // --pool-mib M: the pool pattern of kvwire-perf/make compare instead (blocks of --size in the
 // random order of perf/buffer_plan over an M MiB pool on each side), three ways interleaved in
@@ -61,6 +66,7 @@ struct Args {
   uint64_t pool_mib = 0;  // > 0: the pool comparison
   uint64_t rounds = 9;
   bool same_blocks = false;  // every arm and round reuses the same blocks
+  uint64_t first_touch = 0;  // > 0: time the first N transfers after connect, no warm-up
 };
 
 struct Loop {
@@ -110,6 +116,8 @@ Args Parse(int argc, char** argv) {
     } else if (k == "--same-blocks") {
       ok = v == "0" || v == "1";
       a.same_blocks = v == "1";
+    } else if (k == "--first-touch") {
+      ok = absl::SimpleAtoi(v, &a.first_touch) && a.first_touch <= 1000;
     } else if (k == "--rounds") {
       ok = absl::SimpleAtoi(v, &a.rounds) && a.rounds > 0;
     } else if (k == "--op") {
@@ -231,6 +239,29 @@ int PoolComparison(const Args& a, kvwire::Engine& engine, kvwire::PeerId peer,
   return 0;
 }
 
+int FirstTouch(const Args& a, kvwire::Engine& engine, kvwire::PeerId peer,
+               const kvwire::RegionId regions[2]) {
+  const kvwire::Op op{regions[0], 0, regions[1], 0, a.size};
+  std::vector<double> us;
+  for (uint64_t i = 0; i < a.first_touch; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<kvwire::TransferId> id = engine.Transfer(peer, a.op, {&op, 1});
+    if (!id.ok()) Die(absl::StrCat("transfer: ", id.status().message()));
+    if (absl::Status s = engine.Wait(*id, absl::Seconds(60)); !s.ok()) {
+      Die(absl::StrCat("transfer: ", s.message()));
+    }
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::printf("# first-touch: the first %llu %s transfers of %llu bytes after connect (us):",
+              static_cast<unsigned long long>(a.first_touch),
+              a.op == kvwire::OpKind::kWrite ? "WRITE" : "READ",
+              static_cast<unsigned long long>(a.size));
+  for (double u : us) std::printf(" %.0f", u);
+  std::printf("\nfirst/last %.2f\n", us.front() / us.back());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,6 +300,7 @@ int main(int argc, char** argv) {
   }
 
   if (a.pool_mib > 0) return PoolComparison(a, *engines[0], *peer, regions, buffers);
+  if (a.first_touch > 0) return FirstTouch(a, *engines[0], *peer, regions);
 
   Loop loop{
       engines[0].get(), *peer,           a.op, kvwire::Op{regions[0], 0, regions[1], 0, a.size},

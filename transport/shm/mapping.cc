@@ -2,7 +2,9 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
@@ -33,12 +35,25 @@ absl::StatusOr<Mapping> Mapping::Create(int fd, uint64_t offset, uint64_t length
     return ErrnoStatus(absl::StatusCode::kInternal, errno,
                        absl::StrCat("mmap of ", map_length, " bytes at offset ", aligned_offset));
   }
+  if (populate) Prefault(static_cast<std::byte*>(base), map_length, (prot & PROT_WRITE) != 0);
   Mapping mapping;
   mapping.map_base_ = base;
   mapping.map_length_ = map_length;
   mapping.data_ = static_cast<std::byte*>(base) + slack;
   mapping.length_ = length;
   return mapping;
+}
+
+void Prefault(std::byte* base, size_t length, bool writable) {
+  const size_t page = PageSize();
+  for (size_t at = 0; at < length; at += page) {
+    auto* word = reinterpret_cast<uint64_t*>(base + at);
+    if (writable) {
+      std::atomic_ref<uint64_t>(*word).fetch_or(0, std::memory_order_relaxed);
+    } else {
+      (void)std::atomic_ref<uint64_t>(*word).load(std::memory_order_relaxed);
+    }
+  }
 }
 
 Mapping& Mapping::operator=(Mapping&& other) noexcept {

@@ -14,7 +14,8 @@ class Mapping {
  public:
   // Maps `length` bytes of `fd` starting at byte `offset` (any alignment: the mapping starts
   // at the page boundary below it) with MAP_SHARED and `prot`. `populate` prefaults the page
-  // tables now, so that the first copy into the range does not pay one fault per page.
+  // tables now (MAP_POPULATE) and then touches every page once through the new mapping (see
+  // Prefault), so that the first copies through it cost what later ones do.
   static absl::StatusOr<Mapping> Create(int fd, uint64_t offset, uint64_t length, int prot,
                                         bool populate);
 
@@ -36,6 +37,14 @@ class Mapping {
   std::byte* data_ = nullptr;
   uint64_t length_ = 0;
 };
+
+// Touches one word of every page of [base, base + length) (`base` page-aligned, the range
+// inside the mapped file): a read, or with `writable` an atomic OR of zero, which writes the
+// value it read back and so changes nothing even while the owner writes the page. Why: on
+// some VMs (a PVM guest: perf/cpu/README.md) the first access to each page through a second
+// mapping of a memfd costs ~10x a 4 KiB copy even after MAP_POPULATE, with no fault the guest
+// sees; paid here, at map time, it is not paid by the first requests.
+void Prefault(std::byte* base, size_t length, bool writable);
 
 // The system page size (cached).
 size_t PageSize();
