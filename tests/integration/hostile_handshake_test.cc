@@ -40,6 +40,7 @@
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvwire::testing {
@@ -202,22 +203,6 @@ std::string TcpEndpointOf(const pb::Hello& hello) { return TransportEndpointOf(h
 
 // --- presenting a token on a tcp data port ---------------------------------------------
 
-class NoTargetHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override {
-    return absl::UnauthenticatedError("the thief serves nothing");
-  }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::NotFoundError("the thief serves nothing");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::NotFoundError("the thief serves nothing");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-};
-
 // A tcp data connection held open with one token, for READs at chosen moments.
 class HeldDataConnection {
  public:
@@ -272,7 +257,7 @@ class HeldDataConnection {
   }
 
  private:
-  NoTargetHooks hooks_;
+  FakeTargetHooks hooks_;  // the thief serves nothing
   std::unique_ptr<transport::Transport> tcp_;
   std::unique_ptr<transport::Channel> channel_;
   absl::Status open_;
@@ -916,17 +901,12 @@ TEST(HostileHandshakeTest, WithoutACsprngTheEngineRefusesToStartAndIssuesNoToken
 
 // --- after the handshake: unknown or malformed messages ------------------------------------
 
-// Serves the target's data connections (accepts any token) but exports nothing.
-class AcceptingHooks : public NoTargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
-};
-
 // A hostile engine that completed a real handshake (it knows the secret) and then sends raw
 // envelopes on its control connection. It offers a tcp data port, so the target's data path
 // to it comes up like to any peer.
 struct HandshakenHostile {
-  AcceptingHooks hooks;
+  // Serves the target's data connections (accepts any token) but exports nothing.
+  FakeTargetHooks hooks{AnyToken(1)};
   std::unique_ptr<transport::Transport> tcp;
   boost::asio::io_context io;
   std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work{
