@@ -8,7 +8,7 @@
 #include "kvwire/kvwire.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"
-#include "src/connector/c_api_internal.h"
+#include "src/capi/c_api_internal.h"
 
 namespace {
 
@@ -292,7 +292,6 @@ kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
     } else {
       options.engine = kvwire::EngineOptions::FromEnvironment(std::move(options.engine));
     }
-    if (absl::Status s = kvwire::capi::CheckConsistent(options.engine); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
         kvwire::Connector::Create(std::move(options));
     if (!c.ok()) return c.status();
