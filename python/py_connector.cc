@@ -22,7 +22,7 @@ void BindConnector(py::module_& m) {
                        const std::string& etcd_ca_file, const std::string& etcd_cert_file,
                        const std::string& etcd_key_file) {
              kvwire::ConnectorOptions o;
-             // Without engine_options: the environment, then the keyword defaults (as before).
+             // Without engine_options: the C++ defaults, then the keyword defaults.
              // With them: exactly those, then only the engine keywords given.
              o.engine = engine_options ? *engine_options : EngineOptionsFor(secret);
              if (engine_options && !secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
@@ -66,9 +66,10 @@ void BindConnector(py::module_& m) {
            py::arg("etcd_ca_file") = "", py::arg("etcd_cert_file") = "",
            py::arg("etcd_key_file") = "",
            "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
-           "given (no environment); without it the KVWIRE_* environment, then transport 'auto' "
-           "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
-           "secret (str or bytes); None: KVWIRE_SECRET. metrics_address: host:port of "
+           "given (EngineOptions.from_environment() for the KVWIRE_* environment); without it "
+           "the C++ defaults, then transport 'auto' and listen_address '127.0.0.1:0' unless "
+           "given. secret: the deployment's shared secret (str or bytes); None: "
+           "engine_options' secret (none without them). metrics_address: host:port of "
            "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
            "through etcd (see announce()); etcd_user/etcd_password: etcd's own "
            "authentication; etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// "

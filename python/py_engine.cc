@@ -41,7 +41,7 @@ void BindEngine(py::module_& m) {
                        const std::optional<std::string>& transport,
                        const std::optional<std::string>& listen, const py::object& secret,
                        const std::optional<kvwire::EngineOptions>& options) {
-             // Without options: the environment, then the keyword defaults (as before).
+             // Without options: the C++ defaults, then the keyword defaults.
              // With options: exactly those, then only the keywords given.
              kvwire::EngineOptions o = options ? *options : EngineOptionsFor(secret);
              if (options && !secret.is_none()) o.shared_secret = SecretFrom(secret);
@@ -55,9 +55,10 @@ void BindEngine(py::module_& m) {
            py::arg("name") = py::none(), py::arg("transport") = py::none(),
            py::arg("listen_address") = py::none(), py::arg("secret") = py::none(),
            py::arg("options") = py::none(),
-           "options: a kvwire.EngineOptions (used as given: no environment); without it the "
-           "KVWIRE_* environment, then transport 'auto' and listen_address '127.0.0.1:0' unless "
-           "given. secret: the deployment's shared secret (str or bytes); None: KVWIRE_SECRET")
+           "options: a kvwire.EngineOptions used as given (EngineOptions.from_environment() "
+           "for the KVWIRE_* environment); without it the C++ defaults, then transport 'auto' "
+           "and listen_address '127.0.0.1:0' unless given. secret: the deployment's shared "
+           "secret (str or bytes); None: options' secret (none without options)")
       .def_property_readonly("name", &kvwire::Engine::name)
       .def_property_readonly("address", &kvwire::Engine::address)
       .def(

@@ -53,9 +53,9 @@ inline kvwire::KvMemory ToKvMemory(const py::handle& h) {
   throw py::type_error("register_kv_caches: expected kvwire.Buffer or kvwire.KvMemory items");
 }
 
-// The engine options of a Python-made engine or connector: the KVWIRE_* environment first
-// (EngineOptions::FromEnvironment, the one place it is read), then `secret` when given (str,
-// UTF-8, or bytes; "" / b"" means none).
+// The engine options of a Python-made engine or connector given no options: the C++ defaults
+// (the environment is read only by EngineOptions.from_environment, called by whoever wants
+// it), then `secret` when given (str, UTF-8, or bytes; "" / b"" means none).
 inline std::string SecretFrom(const py::object& secret) {
   if (!py::isinstance<py::bytes>(secret) && !py::isinstance<py::str>(secret)) {
     throw py::type_error("secret must be str, bytes or None");
@@ -63,7 +63,7 @@ inline std::string SecretFrom(const py::object& secret) {
   return secret.cast<std::string>();
 }
 inline kvwire::EngineOptions EngineOptionsFor(const py::object& secret) {
-  kvwire::EngineOptions o = kvwire::EngineOptions::FromEnvironment({});
+  kvwire::EngineOptions o;
   if (!secret.is_none()) o.shared_secret = SecretFrom(secret);
   return o;
 }

@@ -1,7 +1,8 @@
 """The Python binding's options and the engine surface: kvwire.EngineOptions (every field of
-kvwire::EngineOptions, range-checked), EngineOptions.from_environment's precedence, two
-engines moving bytes over tcp with the new engine calls, every ConnectorOptions field, and
-Connector.announce() against a real etcd-server started by the test."""
+kvwire::EngineOptions, checked by Engine() as C++ and C check them),
+EngineOptions.from_environment's precedence, two engines moving bytes over tcp with the new
+engine calls, every ConnectorOptions field, and Connector.announce() against a real
+etcd-server started by the test."""
 import base64
 import json
 import os

@@ -122,9 +122,14 @@ void kvw_block_table_set(kvw_block_table_t* table, const char* group, const int6
 void kvw_block_table_destroy(kvw_block_table_t* table);
 
 /* --- connector options (fields of kvwire::ConnectorOptions) --- */
-/* Starts from the KVWIRE_* environment (KVWIRE_SECRET, KVWIRE_LISTEN, ...; see
- * EngineOptions::FromEnvironment); the setters below override it. */
+/* The C++ defaults; the environment is NOT read (see kvw_options_from_environment). NULL
+ * only when out of memory. */
 kvw_options_t* kvw_options_create(void);
+/* EngineOptions::FromEnvironment on the connector's engine options, as
+ * kvw_engine_options_from_environment: each KVWIRE_* variable that is set, non-empty and valid
+ * (KVWIRE_SECRET, KVWIRE_LISTEN, ...) replaces the current value; setters called after it
+ * override it. Returns non-zero only for a NULL options. */
+int kvw_options_from_environment(kvw_options_t* options, char** errptr);
 void kvw_options_set_role(kvw_options_t* options, const char* role);
 void kvw_options_set_mode(kvw_options_t* options, int mode);
 void kvw_options_set_name(kvw_options_t* options, const char* name);
@@ -174,7 +179,7 @@ int kvw_options_set_etcd_tls(kvw_options_t* options, const char* ca_file, const 
 void kvw_options_destroy(kvw_options_t* options);
 
 /* --- connector --- */
-/* options NULL: the defaults and the KVWIRE_* environment, as kvw_options_create. */
+/* options NULL: the defaults, as kvw_options_create (the environment is not read). */
 kvw_connector_t* kvw_connector_create(const kvw_options_t* options, char** errptr);
 void kvw_connector_destroy(kvw_connector_t* connector);
 const char* kvw_connector_engine_id(const kvw_connector_t* connector);
