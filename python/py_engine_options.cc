@@ -1,6 +1,6 @@
 // Python binding of kvwire::EngineOptions.
 #include "python/py_support.h"
-#include "src/core/options_check.h"
+#include "src/util/option_range.h"
 
 namespace kvwire_py {
 namespace {

@@ -16,7 +16,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/kvwire.h"
 #include "src/capi/c_api_internal.h"
-#include "src/core/options_check.h"
+#include "src/util/option_range.h"
 
 namespace kvwire::capi {
 

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
+#include "src/util/option_range.h"
+
 namespace kvwire {
 namespace {
 

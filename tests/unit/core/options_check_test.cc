@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 
 #include "kvwire/engine.h"
+#include "src/util/option_range.h"
 
 namespace kvwire {
 namespace {
