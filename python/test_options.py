@@ -1,7 +1,8 @@
 """The Python binding's options and the engine surface: kvwire.EngineOptions (every field of
-kvwire::EngineOptions, range-checked), EngineOptions.from_environment's precedence, two
-engines moving bytes over tcp with the new engine calls, every ConnectorOptions field, and
-Connector.announce() against a real etcd-server started by the test."""
+kvwire::EngineOptions, checked by Engine() as C++ and C check them),
+EngineOptions.from_environment's precedence, two engines moving bytes over tcp with the new
+engine calls, every ConnectorOptions field, and Connector.announce() against a real
+etcd-server started by the test."""
 import base64
 import json
 import os
@@ -37,13 +38,21 @@ class EngineOptionsTest(unittest.TestCase):
         self.assertEqual(o.shared_secret, b"")
         self.assertFalse(o.shm_cma)
 
+    def refused(self, name, value, pattern):
+        """Sets one option; the setter (when the field's type cannot hold the value) or
+        Engine() (Engine::Create's one validator) refuses it with ValueError matching pattern."""
+        o = kvwire.EngineOptions()
+        with self.assertRaisesRegex(ValueError, pattern):
+            setattr(o, name, value)
+            kvwire.Engine(options=o)
+
     def test_every_numeric_field_takes_its_range_and_refuses_beyond(self):
         ranges = {
             "tcp_connections": (1, 64), "max_op_bytes": (1, 64 << 20),
             "stripe_min_bytes": (0, 1 << 40), "max_frame_bytes": (4096, 1 << 30),
             "io_threads": (1, 64), "max_message_bytes": (1, 1 << 30),
             "rdma_gid_index": (-1, 1023), "rdma_qps_per_peer": (1, 64),
-            "rdma_send_queue_depth": (1, 32768), "rdma_qp_timeout": (0, 31),
+            "rdma_send_queue_depth": (16, 16384), "rdma_qp_timeout": (0, 31),
             "rdma_retry_count": (0, 7), "rdma_rnr_retry": (0, 7),
             "tcp_max_data_connections": (1, 1 << 20),
             "tcp_max_data_connections_per_peer": (1, 1 << 16),
@@ -62,19 +71,40 @@ class EngineOptionsTest(unittest.TestCase):
                 self.assertEqual(getattr(o, name), lo)
                 setattr(o, name, hi)
                 self.assertEqual(getattr(o, name), hi)
-                with self.assertRaisesRegex(ValueError, f"{name}: {hi + 1} is out of range"):
-                    setattr(o, name, hi + 1)
-                with self.assertRaisesRegex(ValueError, f"{name}: {lo - 1} is out of range"):
-                    setattr(o, name, lo - 1)
-                self.assertEqual(getattr(o, name), hi)  # a refused value changes nothing
+                self.refused(name, hi + 1, f"{name}: {hi + 1} is out of range")
+                self.refused(name, lo - 1, f"{name}: {lo - 1} is out of range")
         for name in ("heartbeat_interval_s", "peer_lease_s", "connect_timeout_s",
                      "transfer_timeout_s", "tcp_hello_timeout_s", "tcp_io_timeout_s"):
             with self.subTest(name=name):
                 setattr(o, name, 1.5)
                 self.assertAlmostEqual(getattr(o, name), 1.5)
                 for bad in (0, -1, float("nan"), 1e9):
-                    with self.assertRaisesRegex(ValueError, name):
-                        setattr(o, name, bad)
+                    self.refused(name, bad, name[:-2])
+
+    def test_shared_table_of_bad_values(self):
+        """tests/support/bad_engine_options.tsv: the same message as C++ and C give."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                            "support", "bad_engine_options.tsv")
+        rows = 0
+        with open(path) as f:
+            for line in f:
+                if line.startswith("#") or not line.strip():
+                    continue
+                option, kind, value, want = line.rstrip("\n").split("\t")
+                rows += 1
+                with self.subTest(option=option, value=value):
+                    o = kvwire.EngineOptions()
+                    if kind == "ms":
+                        setattr(o, option + "_s", int(value) / 1000)
+                    else:
+                        setattr(o, option, int(value))
+                    with self.assertRaises(ValueError) as raised:
+                        kvwire.Engine(options=o)
+                    self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
+        self.assertGreaterEqual(rows, 10)
+
+    def test_other_fields(self):
+        o = kvwire.EngineOptions()
         o.transport = "tcp"
         self.assertEqual(o.transport, "tcp")
         with self.assertRaisesRegex(ValueError, "unknown transport"):

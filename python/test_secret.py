@@ -20,9 +20,12 @@ TOKENS = 40
 
 
 class Peer:
-    def __init__(self, name, secret=None, connector=None):
+    def __init__(self, name, secret=None, connector=None, environment=False):
+        # environment: the KVWIRE_* environment first (read only when asked for).
+        options = kvwire.EngineOptions.from_environment() if environment else None
         self.connector = connector or kvwire.Connector(
-            name=name, transport="tcp", request_timeout_s=10.0, secret=secret)
+            name=name, transport="tcp", request_timeout_s=10.0, secret=secret,
+            engine_options=options)
         self.layout = kvwire.Layout.from_json(LAYOUT)
         self.buffer = kvwire.Buffer(self.layout.assign_backing(0, BLOCKS))
         self.view = memoryview(self.buffer)
@@ -81,13 +84,16 @@ class SecretTest(unittest.TestCase):
     def test_environment_secret(self):
         os.environ["KVWIRE_SECRET"] = "from-the-environment"
         try:
-            by_env = Peer("py-env-decode")
-            overridden = Peer("py-env-override", secret="not-it")
+            by_env = Peer("py-env-decode", environment=True)
+            overridden = Peer("py-env-override", secret="not-it", environment=True)
+            # Without from_environment the variable is not read: no secret.
+            unread = Peer("py-env-unread")
         finally:
             os.environ.pop("KVWIRE_SECRET", None)
         prefill = Peer("py-env-prefill", secret="from-the-environment")
         self.assertEqual(transfer(prefill, by_env, "e1"), "")
         self.assertIn("secret", transfer(prefill, overridden, "e2"))
+        self.assertIn("secret", transfer(prefill, unread, "e3"))
 
     def test_vllm_config_secret_file(self):
         with tempfile.TemporaryDirectory() as d:

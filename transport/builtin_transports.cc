@@ -1,7 +1,5 @@
 #include "transport/builtin_transports.h"
 
-#include <algorithm>
-
 #include "src/util/log.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/shm/shm_transport.h"
@@ -20,14 +18,15 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcp(const TransportContext& con
   tcp.listen_host = context.listen_host;
   tcp.max_op_bytes = kMaxTcpOpBytes;
   tcp.gpu_runtime = context.gpu_runtime;
-  tcp.connections_per_peer = static_cast<uint32_t>(std::max(1, options.tcp_connections));
-  tcp.io_threads = static_cast<uint32_t>(std::clamp(options.tcp_io_threads, 0, 64));
-  tcp.max_data_connections = static_cast<uint32_t>(std::max(1, options.tcp_max_data_connections));
+  // The ranges were checked by Engine::Create (src/core/options_check.cc): no clamping here.
+  tcp.connections_per_peer = static_cast<uint32_t>(options.tcp_connections);
+  tcp.io_threads = static_cast<uint32_t>(options.tcp_io_threads);
+  tcp.max_data_connections = static_cast<uint32_t>(options.tcp_max_data_connections);
   tcp.max_data_connections_per_peer =
-      static_cast<uint32_t>(std::max(1, options.tcp_max_data_connections_per_peer));
-  tcp.max_pending_hellos = static_cast<uint32_t>(std::max(1, options.tcp_max_pending_hellos));
+      static_cast<uint32_t>(options.tcp_max_data_connections_per_peer);
+  tcp.max_pending_hellos = static_cast<uint32_t>(options.tcp_max_pending_hellos);
   tcp.max_pending_hellos_per_address =
-      static_cast<uint32_t>(std::max(1, options.tcp_max_pending_hellos_per_address));
+      static_cast<uint32_t>(options.tcp_max_pending_hellos_per_address);
   tcp.hello_timeout = options.tcp_hello_timeout;
   tcp.io_timeout = options.tcp_io_timeout;
   // tcp reaches every peer: an engine without it does not start.
@@ -55,12 +54,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateRdma(const TransportContext& co
   rdma.devices = options.rdma_devices;
   rdma.gpu_runtime = context.gpu_runtime;
   rdma.gid_index = options.rdma_gid_index;
-  rdma.qps_per_device = static_cast<uint32_t>(std::clamp(options.rdma_qps_per_peer, 1, 64));
-  rdma.send_queue_depth =
-      static_cast<uint32_t>(std::clamp(options.rdma_send_queue_depth, 16, 16384));
-  rdma.qp_timeout = static_cast<uint8_t>(std::clamp(options.rdma_qp_timeout, 0, 31));
-  rdma.retry_count = static_cast<uint8_t>(std::clamp(options.rdma_retry_count, 0, 7));
-  rdma.rnr_retry = static_cast<uint8_t>(std::clamp(options.rdma_rnr_retry, 0, 7));
+  // In range (checked by Engine::Create), so the narrowing casts keep every value.
+  rdma.qps_per_device = static_cast<uint32_t>(options.rdma_qps_per_peer);
+  rdma.send_queue_depth = static_cast<uint32_t>(options.rdma_send_queue_depth);
+  rdma.qp_timeout = static_cast<uint8_t>(options.rdma_qp_timeout);
+  rdma.retry_count = static_cast<uint8_t>(options.rdma_retry_count);
+  rdma.rnr_retry = static_cast<uint8_t>(options.rdma_rnr_retry);
   auto created = CreateRdmaTransport(rdma, context.hooks);
   if (!created.ok()) {
     // The usual case on machines without RDMA NICs: a warning only when rdma was asked for.

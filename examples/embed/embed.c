@@ -30,6 +30,8 @@ static Side MakeSide(const char* name, const char* transport, uint64_t seed) {
   Side s;
   char* err = NULL;
   kvw_options_t* o = kvw_options_create();
+  /* The KVWIRE_* environment (KVWIRE_SECRET, ...), then this program's own settings. */
+  if (kvw_options_from_environment(o, &err) != 0) Fail("environment", err);
   kvw_options_set_name(o, name);
   if (kvw_options_set_transport(o, transport, &err) != 0) Fail("transport", err);
   kvw_options_set_request_timeout_ms(o, 30000);

@@ -203,10 +203,10 @@ struct EngineOptions {
   //   KVWIRE_LOG_LEVEL        not an option: sets the process-wide log level at once
   // A bad value (unknown transport, a number that does not parse or is out of range, an
   // unknown log level) is ignored with a warning in the log, and base's value stays; nothing
-  // fails. Every other field is base's. Engine::Create does not call this: it is the only
-  // place the library reads the environment, and the C API's kvw_options_create /
-  // kvw_engine_options_from_environment and Python's EngineOptions.from_environment (and
-  // Engine/Connector without explicit options) call it.
+  // fails. Every other field is base's. It is the only place the library reads the
+  // environment, and only a caller's call reads it: Engine::Create, the C API's
+  // kvw_options_create and Python's Engine()/Connector() never do; C's *_from_environment
+  // and Python's EngineOptions.from_environment call it (the tools call it for their users).
   static EngineOptions FromEnvironment(EngineOptions base);
 };
 

@@ -16,9 +16,13 @@
  *    without errptr take a NULL handle too: getters return 0 / NULL, setters and destroys do
  *    nothing (kvw_block_table_set also ignores NULL ids with a non-zero count).
  *  - Block tables are passed as kvw_block_table_t (group name -> block ids, -1 = none).
- *  - Option setters that take errptr check the value's range before storing it: an
- *    out-of-range value is refused (code 3, the message names the setter, the value and the
- *    accepted range) and the options keep their previous value. Durations are milliseconds.
+ *  - Engine option setters store what they are given (refusing only a value the option's C++
+ *    type cannot hold); kvw_engine_create and kvw_connector_create hand the options to
+ *    Engine::Create, the one place every engine option is checked, which refuses a value out
+ *    of range with code 3 and "<option>: <value> is out of range (<lo>..<hi>)", the same
+ *    message C++ and Python give. Other setters that take errptr check the value's range
+ *    before storing it (code 3, the message names the setter, the value and the accepted
+ *    range). Durations are milliseconds.
  *  - Transports are named by strings ("auto", "tcp", "shm", "rdma"), so a C caller does not
  *    depend on how the C++ API numbers them.
  *  - Statistics and peer lists come out as JSON text (freed with kvw_free): fields may be
@@ -118,9 +122,14 @@ void kvw_block_table_set(kvw_block_table_t* table, const char* group, const int6
 void kvw_block_table_destroy(kvw_block_table_t* table);
 
 /* --- connector options (fields of kvwire::ConnectorOptions) --- */
-/* Starts from the KVWIRE_* environment (KVWIRE_SECRET, KVWIRE_LISTEN, ...; see
- * EngineOptions::FromEnvironment); the setters below override it. */
+/* The C++ defaults; the environment is NOT read (see kvw_options_from_environment). NULL
+ * only when out of memory. */
 kvw_options_t* kvw_options_create(void);
+/* EngineOptions::FromEnvironment on the connector's engine options, as
+ * kvw_engine_options_from_environment: each KVWIRE_* variable that is set, non-empty and valid
+ * (KVWIRE_SECRET, KVWIRE_LISTEN, ...) replaces the current value; setters called after it
+ * override it. Returns non-zero only for a NULL options. */
+int kvw_options_from_environment(kvw_options_t* options, char** errptr);
 void kvw_options_set_role(kvw_options_t* options, const char* role);
 void kvw_options_set_mode(kvw_options_t* options, int mode);
 void kvw_options_set_name(kvw_options_t* options, const char* name);
@@ -170,7 +179,7 @@ int kvw_options_set_etcd_tls(kvw_options_t* options, const char* ca_file, const 
 void kvw_options_destroy(kvw_options_t* options);
 
 /* --- connector --- */
-/* options NULL: the defaults and the KVWIRE_* environment, as kvw_options_create. */
+/* options NULL: the defaults, as kvw_options_create (the environment is not read). */
 kvw_connector_t* kvw_connector_create(const kvw_options_t* options, char** errptr);
 void kvw_connector_destroy(kvw_connector_t* connector);
 const char* kvw_connector_engine_id(const kvw_connector_t* connector);
@@ -274,7 +283,7 @@ int kvw_engine_options_set_secret(kvw_engine_options_t* options, const char* sec
 /* Comma-separated rdma device allow-list ("mlx5_0,mlx5_1:1"); "": every active device. */
 int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* options, const char* devices,
                                         char** errptr);
-/* Numbers, with the range each setter accepts: */
+/* Numbers, with the range kvw_engine_create accepts (Engine::Create checks them): */
 int kvw_engine_options_set_tcp_connections(kvw_engine_options_t* o, int64_t v,
                                            char** e); /* 1..64 */
 int kvw_engine_options_set_max_op_bytes(kvw_engine_options_t* o, int64_t v,
@@ -300,7 +309,7 @@ int kvw_engine_options_set_rdma_gid_index(kvw_engine_options_t* o, int64_t v,
 int kvw_engine_options_set_rdma_qps_per_peer(kvw_engine_options_t* o, int64_t v,
                                              char** e); /* 1..64 */
 int kvw_engine_options_set_rdma_send_queue_depth(kvw_engine_options_t* o, int64_t v,
-                                                 char** e); /* 1..32768 */
+                                                 char** e); /* 16..16384 */
 int kvw_engine_options_set_rdma_qp_timeout(kvw_engine_options_t* o, int64_t v,
                                            char** e); /* 0..31 */
 int kvw_engine_options_set_rdma_retry_count(kvw_engine_options_t* o, int64_t v,
@@ -335,9 +344,9 @@ int kvw_engine_options_set_closed_peers_kept(kvw_engine_options_t* o, int64_t v,
                                              char** e); /* 0..65536 */
 
 /* --- engine --- */
-/* options NULL: the C++ defaults. Options that contradict each other are refused here
- * (code 3): max_message_bytes >= max_frame_bytes, max_control_send_queue_bytes <
- * max_frame_bytes + 4, shm_cma together with shm_deny_ptrace. */
+/* options NULL: the C++ defaults. Options out of range, or that contradict each other, are
+ * refused here (code 3, by Engine::Create): max_message_bytes >= max_frame_bytes,
+ * max_control_send_queue_bytes < max_frame_bytes + 4, shm_cma together with shm_deny_ptrace. */
 kvw_engine_t* kvw_engine_create(const kvw_engine_options_t* options, char** errptr);
 void kvw_engine_destroy(kvw_engine_t* engine);
 /* Owned by the engine (NULL for a NULL engine). */

@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 
 #include "src/core/engine_impl.h"
+#include "src/core/options_check.h"
 #include "src/util/log.h"
 #include "transport/builtin_transports.h"
 #include "transport/shm/shareable_registry.h"
@@ -73,12 +74,6 @@ absl::Status Engine::Impl::Init() {
   handshake_.max_pending_handshakes_per_source = options_.max_pending_handshakes_per_source;
   handshake_.max_connections = options_.max_control_connections;
   handshake_.max_send_queue_bytes = options_.max_control_send_queue_bytes;
-  if (options_.max_undrained_notifications == 0 || options_.closed_peers_kept < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("max_undrained_notifications (",
-                                                   options_.max_undrained_notifications,
-                                                   ") must be at least 1 and closed_peers_kept (",
-                                                   options_.closed_peers_kept, ") not negative"));
-  }
 
   std::string host = "127.0.0.1";
   uint16_t port = 0;
@@ -122,7 +117,7 @@ absl::Status Engine::Impl::Init() {
   work_ =
       std::make_unique<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>>(
           io_.get_executor());
-  for (int i = 0; i < std::max(1, options_.io_threads); ++i) {
+  for (int i = 0; i < options_.io_threads; ++i) {
     io_threads_.emplace_back([this] { io_.run(); });
   }
   worker_ = std::make_unique<TaskRunner>();
@@ -390,6 +385,8 @@ EngineStats Engine::Impl::Stats() const {
 // --- public API ---------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
+  // Every option is checked here, once, before anything starts (src/core/options_check.h).
+  if (absl::Status s = ValidateEngineOptions(options); !s.ok()) return s;
   auto impl = std::make_unique<Impl>(std::move(options));
   if (absl::Status s = impl->Init(); !s.ok()) return s;
   return std::make_unique<Engine>(ConstructionKey(), std::move(impl));

@@ -1,8 +1,9 @@
 // The C ABI against hostile or careless callers, and its shared secret. Every call that takes
 // errptr gets NULL for each pointer it needs: it returns an error naming the argument (also
 // when errptr itself is NULL) instead of crashing. The secret set through
-// kvw_options_set_secret, or KVWIRE_SECRET through kvw_options_create, really authenticates:
-// two connectors (real sockets) move a request's KV only when their secrets match.
+// kvw_options_set_secret, or KVWIRE_SECRET through kvw_options_from_environment, really
+// authenticates: two connectors (real sockets) move a request's KV only when their secrets
+// match.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -175,6 +176,13 @@ struct Peer {
     kvw_layout_assign_backing(layout, reinterpret_cast<uint64_t>(kvw_buffer_data(buffer)), kBlocks,
                               0);
     kvw_options_t* o = kvw_options_create();
+    // The environment only where the caller asks for it (KVWIRE_SECRET in
+    // EnvironmentSecretAuthenticates).
+    if (kvw_options_from_environment(o, &err) != 0) {
+      error = Take(&err);
+      kvw_options_destroy(o);
+      return;
+    }
     kvw_options_set_name(o, name);
     kvw_options_set_listen_address(o, "127.0.0.1:0");
     kvw_options_set_request_timeout_ms(o, 10000);
@@ -298,7 +306,8 @@ TEST(CApiSecret, WrongSecretIsRefusedRightSecretMovesTheBytes) {
   EXPECT_EQ(Transfer(prefill, decode, "right-1"), "");
 }
 
-// KVWIRE_SECRET fills the options kvw_options_create makes (kvw_options_set_secret overrides).
+// KVWIRE_SECRET fills the options kvw_options_from_environment is given (kvw_options_set_secret
+// overrides).
 TEST(CApiSecret, EnvironmentSecretAuthenticates) {
   const std::string right = "from-the-environment";
   setenv("KVWIRE_SECRET", right.c_str(), 1);

@@ -8,7 +8,7 @@
 #include "kvwire/kvwire.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"
-#include "src/connector/c_api_internal.h"
+#include "src/capi/c_api_internal.h"
 
 namespace {
 
@@ -145,14 +145,16 @@ void kvw_block_table_set(kvw_block_table_t* t, const char* group, const int64_t*
 void kvw_block_table_destroy(kvw_block_table_t* t) { delete t; }
 
 kvw_options_t* kvw_options_create(void) {
-  try {
-    auto o = std::make_unique<kvw_options_t>();
-    // The one place the library turns the environment into options; setters override it.
+  return NoThrow<kvw_options_t*>(nullptr, [] { return new kvw_options_t(); });
+}
+int kvw_options_from_environment(kvw_options_t* o, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s = Require("kvw_options_from_environment", {{"options", o}}); !s.ok()) {
+      return s;
+    }
     o->rep.engine = kvwire::EngineOptions::FromEnvironment(std::move(o->rep.engine));
-    return o.release();
-  } catch (...) {
-    return nullptr;
-  }
+    return absl::OkStatus();
+  });
 }
 void kvw_options_set_role(kvw_options_t* o, const char* role) {
   if (o != nullptr) o->rep.role = Str(role);
@@ -286,13 +288,7 @@ void kvw_options_destroy(kvw_options_t* o) { delete o; }
 
 kvw_connector_t* kvw_connector_create(const kvw_options_t* o, char** errptr) {
   return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_connector_t>> {
-    kvwire::ConnectorOptions options;
-    if (o != nullptr) {
-      options = o->rep;
-    } else {
-      options.engine = kvwire::EngineOptions::FromEnvironment(std::move(options.engine));
-    }
-    if (absl::Status s = kvwire::capi::CheckConsistent(options.engine); !s.ok()) return s;
+    kvwire::ConnectorOptions options = o == nullptr ? kvwire::ConnectorOptions() : o->rep;
     absl::StatusOr<std::unique_ptr<kvwire::Connector>> c =
         kvwire::Connector::Create(std::move(options));
     if (!c.ok()) return c.status();

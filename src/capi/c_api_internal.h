@@ -1,8 +1,9 @@
 // What the C API's translation units (c_api.cc: connector and layouts; c_api_engine.cc: the
-// engine) share: the opaque types' definitions and the helpers that keep every entry point
-// from throwing, dereferencing a caller's NULL, or storing an out-of-range value.
-#ifndef KVWIRE_SRC_CONNECTOR_C_API_INTERNAL_H_
-#define KVWIRE_SRC_CONNECTOR_C_API_INTERNAL_H_
+// engine; c_api_engine_options.cc: its options) share: the opaque types' definitions and the
+// helpers that keep every entry point from throwing, dereferencing a caller's NULL, or storing an
+// out-of-range value.
+#ifndef KVWIRE_SRC_CAPI_C_API_INTERNAL_H_
+#define KVWIRE_SRC_CAPI_C_API_INTERNAL_H_
 
 #include <cstdint>
 #include <cstdlib>
@@ -164,12 +165,8 @@ absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const 
 // most 64 KiB (a length past that is a caller's mistake, not a secret).
 absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out);
 
-// Engine options C++ accepts but the engine cannot work with (kvw_engine_create and
-// kvw_connector_create refuse them before anything starts).
-absl::Status CheckConsistent(const kvwire::EngineOptions& o);
-
 inline std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
 }  // namespace kvwire::capi
 
-#endif  // KVWIRE_SRC_CONNECTOR_C_API_INTERNAL_H_
+#endif  // KVWIRE_SRC_CAPI_C_API_INTERNAL_H_

@@ -1,6 +1,6 @@
-// The C API (include/kvwire/kvwire.h) over kvwire::Engine: options with range-checked setters,
-// memory registration, peers, transfers, notifications, messages and stats. Every entry point
-// catches; every pointer and length a caller passes is checked before it is used.
+// The C API (include/kvwire/kvwire.h) over kvwire::Engine: the engine, memory registration,
+// peers, transfers, notifications, messages and stats (its options: c_api_engine_options.cc). Every
+// entry point catches; every pointer and length a caller passes is checked before it is used.
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -16,7 +16,7 @@
 
 #include "kvwire/engine.h"
 #include "kvwire/kvwire.h"
-#include "src/connector/c_api_internal.h"
+#include "src/capi/c_api_internal.h"
 #include "src/util/json_escape.h"
 
 struct kvw_region_options_t {
@@ -38,48 +38,6 @@ struct kvw_inbox_events_t {
   std::vector<kvwire::InboxEvent> rep;
 };
 
-namespace kvwire::capi {
-
-absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const char* name) {
-  if (name == nullptr) return absl::InvalidArgumentError(absl::StrCat(call, ": transport is NULL"));
-  absl::StatusOr<kvwire::TransportKind> kind = kvwire::ParseTransportKind(name);
-  if (!kind.ok())
-    return absl::InvalidArgumentError(absl::StrCat(call, ": ", kind.status().message()));
-  return kind;
-}
-
-// Options C++ accepts but the engine cannot work with: refused before anything starts.
-absl::Status CheckConsistent(const kvwire::EngineOptions& o) {
-  if (o.max_message_bytes >= o.max_frame_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("engine options: max_message_bytes (", o.max_message_bytes,
-                     ") must stay below max_frame_bytes (", o.max_frame_bytes, ")"));
-  }
-  if (o.max_control_send_queue_bytes < uint64_t{o.max_frame_bytes} + 4) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "engine options: max_control_send_queue_bytes (", o.max_control_send_queue_bytes,
-        ") must be at least max_frame_bytes + 4 (", uint64_t{o.max_frame_bytes} + 4, ")"));
-  }
-  if (o.shm_cma && o.shm_deny_ptrace) {
-    return absl::InvalidArgumentError(
-        "engine options: shm_cma and shm_deny_ptrace cannot be combined");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out) {
-  if (absl::Status s = RequireArray(call, "secret", secret, length); !s.ok()) return s;
-  constexpr size_t kMaxSecretBytes = 64 * 1024;
-  if (length > kMaxSecretBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        call, ": a ", length, "-byte secret is over the ", kMaxSecretBytes, "-byte limit"));
-  }
-  out->assign(length == 0 ? "" : secret, length);
-  return absl::OkStatus();
-}
-
-}  // namespace kvwire::capi
-
 namespace {
 
 using kvwire::capi::CopyString;
@@ -91,26 +49,9 @@ using kvwire::capi::RequireArray;
 using kvwire::capi::RequireRange;
 using kvwire::capi::Str;
 
-constexpr int64_t kKiB = 1024;
-constexpr int64_t kMiB = kKiB * 1024;
-constexpr int64_t kGiB = kMiB * 1024;
-constexpr int64_t kTiB = kGiB * 1024;
-constexpr int64_t kMsPerHour = int64_t{3600} * 1000;
-constexpr int64_t kMsPerDay = 24 * kMsPerHour;
+constexpr int64_t kGiB = int64_t{1} << 30;
+constexpr int64_t kMsPerDay = int64_t{24} * 3600 * 1000;
 constexpr size_t kMaxOpsPerTransfer = size_t{1} << 20;
-
-// A numeric engine option within [lo, hi], stored by `store` (which converts to the field's
-// type: the range is checked first, so the conversion never narrows).
-template <typename Store>
-int SetEngineNumber(const char* call, kvw_engine_options_t* o, int64_t value, int64_t lo,
-                    int64_t hi, char** errptr, Store&& store) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s = Require(call, {{"options", o}}); !s.ok()) return s;
-    if (absl::Status s = RequireRange(call, value, lo, hi); !s.ok()) return s;
-    store(o->rep, value);
-    return absl::OkStatus();
-  });
-}
 
 // A timeout the caller waits for: 0 .. 24 h.
 absl::Status WaitTimeout(const char* call, int64_t ms, absl::Duration* out) {
@@ -154,142 +95,11 @@ std::string PeersJson(const std::vector<kvwire::PeerInfo>& peers) {
 }  // namespace
 
 extern "C" {
-
-// --- engine options ---
-
-kvw_engine_options_t* kvw_engine_options_create(void) {
-  return NoThrow<kvw_engine_options_t*>(nullptr, [] { return new kvw_engine_options_t(); });
-}
-int kvw_engine_options_from_environment(kvw_engine_options_t* o, char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s = Require("kvw_engine_options_from_environment", {{"options", o}});
-        !s.ok()) {
-      return s;
-    }
-    o->rep = kvwire::EngineOptions::FromEnvironment(std::move(o->rep));
-    return absl::OkStatus();
-  });
-}
-void kvw_engine_options_destroy(kvw_engine_options_t* o) { delete o; }
-
-int kvw_engine_options_set_name(kvw_engine_options_t* o, const char* name, char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s = Require("kvw_engine_options_set_name", {{"options", o}, {"name", name}});
-        !s.ok()) {
-      return s;
-    }
-    o->rep.name = name;
-    return absl::OkStatus();
-  });
-}
-int kvw_engine_options_set_listen_address(kvw_engine_options_t* o, const char* address,
-                                          char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s = Require("kvw_engine_options_set_listen_address",
-                                 {{"options", o}, {"address", address}});
-        !s.ok()) {
-      return s;
-    }
-    o->rep.listen_address = address;
-    return absl::OkStatus();
-  });
-}
-int kvw_engine_options_set_transport(kvw_engine_options_t* o, const char* transport,
-                                     char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    constexpr char kCall[] = "kvw_engine_options_set_transport";
-    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    absl::StatusOr<kvwire::TransportKind> t = kvwire::capi::TransportFromName(kCall, transport);
-    if (!t.ok()) return t.status();
-    o->rep.transport = *t;
-    return absl::OkStatus();
-  });
-}
-int kvw_engine_options_set_secret(kvw_engine_options_t* o, const char* secret, size_t length,
-                                  char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    constexpr char kCall[] = "kvw_engine_options_set_secret";
-    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    return kvwire::capi::SetSecret(kCall, secret, length, &o->rep.shared_secret);
-  });
-}
-int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* o, const char* devices,
-                                        char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s =
-            Require("kvw_engine_options_set_rdma_devices", {{"options", o}, {"devices", devices}});
-        !s.ok()) {
-      return s;
-    }
-    o->rep.rdma_devices = absl::StrSplit(devices, ',', absl::SkipEmpty());
-    return absl::OkStatus();
-  });
-}
-
-// Numeric options: one line each, the range in the header next to the declaration.
-#define KVW_ENGINE_INT(field, lo, hi)                                                              \
-  int kvw_engine_options_set_##field(kvw_engine_options_t* o, int64_t v, char** errptr) {          \
-    return SetEngineNumber(                                                                        \
-        "kvw_engine_options_set_" #field, o, v, lo, hi, errptr,                                    \
-        [](kvwire::EngineOptions& r, int64_t x) { r.field = static_cast<decltype(r.field)>(x); }); \
-  }
-#define KVW_ENGINE_MS(field, lo, hi)                                                      \
-  int kvw_engine_options_set_##field(kvw_engine_options_t* o, int64_t v, char** errptr) { \
-    return SetEngineNumber(                                                               \
-        "kvw_engine_options_set_" #field, o, v, lo, hi, errptr,                           \
-        [](kvwire::EngineOptions& r, int64_t x) { r.field = absl::Milliseconds(x); });    \
-  }
-
-KVW_ENGINE_INT(tcp_connections, 1, 64)
-KVW_ENGINE_INT(max_op_bytes, 1, 64 * kMiB)
-KVW_ENGINE_INT(stripe_min_bytes, 0, kTiB)
-KVW_ENGINE_INT(max_frame_bytes, 4 * kKiB, kGiB)
-KVW_ENGINE_MS(heartbeat_interval, 1, kMsPerHour)
-KVW_ENGINE_MS(peer_lease, 1, kMsPerDay)
-KVW_ENGINE_MS(connect_timeout, 1, kMsPerHour)
-KVW_ENGINE_MS(transfer_timeout, 1, kMsPerDay)
-KVW_ENGINE_INT(io_threads, 1, 64)
-KVW_ENGINE_INT(max_message_bytes, 1, kGiB)
-KVW_ENGINE_INT(rdma_gid_index, -1, 1023)
-KVW_ENGINE_INT(rdma_qps_per_peer, 1, 64)
-KVW_ENGINE_INT(rdma_send_queue_depth, 1, 32768)
-KVW_ENGINE_INT(rdma_qp_timeout, 0, 31)
-KVW_ENGINE_INT(rdma_retry_count, 0, 7)
-KVW_ENGINE_INT(rdma_rnr_retry, 0, 7)
-KVW_ENGINE_INT(shm_cma, 0, 1)
-KVW_ENGINE_INT(shm_deny_ptrace, 0, 1)
-KVW_ENGINE_INT(tcp_max_data_connections, 1, 1 << 20)
-KVW_ENGINE_INT(tcp_max_data_connections_per_peer, 1, 1 << 16)
-KVW_ENGINE_INT(tcp_max_pending_hellos, 1, 1 << 16)
-KVW_ENGINE_INT(tcp_max_pending_hellos_per_address, 1, 1 << 16)
-KVW_ENGINE_MS(tcp_hello_timeout, 1, kMsPerHour)
-KVW_ENGINE_MS(tcp_io_timeout, 1, kMsPerHour)
-KVW_ENGINE_INT(max_pending_handshakes, 1, 1 << 16)
-KVW_ENGINE_INT(max_pending_handshakes_per_source, 1, 1 << 16)
-KVW_ENGINE_INT(max_control_connections, 1, 1 << 20)
-KVW_ENGINE_INT(max_control_send_queue_bytes, 4 * kKiB, kTiB)
-KVW_ENGINE_INT(max_undrained_notifications, 1, int64_t{1} << 32)
-KVW_ENGINE_INT(closed_peers_kept, 0, 1 << 16)
-
-#undef KVW_ENGINE_INT
-#undef KVW_ENGINE_MS
-
-int kvw_engine_options_set_compat_salt(kvw_engine_options_t* o, uint64_t v, char** errptr) {
-  return Guard(errptr, [&]() -> absl::Status {
-    if (absl::Status s = Require("kvw_engine_options_set_compat_salt", {{"options", o}}); !s.ok()) {
-      return s;
-    }
-    o->rep.compat_salt = v;
-    return absl::OkStatus();
-  });
-}
-
 // --- engine ---
 
 kvw_engine_t* kvw_engine_create(const kvw_engine_options_t* o, char** errptr) {
   return GuardMake(errptr, [&]() -> absl::StatusOr<std::unique_ptr<kvw_engine_t>> {
     kvwire::EngineOptions options = o == nullptr ? kvwire::EngineOptions() : o->rep;
-    if (absl::Status s = kvwire::capi::CheckConsistent(options); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<kvwire::Engine>> e = kvwire::Engine::Create(std::move(options));
     if (!e.ok()) return e.status();
     auto handle = std::make_unique<kvw_engine_t>();
