@@ -22,6 +22,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcp(const TransportContext& con
   tcp.gpu_runtime = context.gpu_runtime;
   tcp.connections_per_peer = static_cast<uint32_t>(std::max(1, options.tcp_connections));
   tcp.io_threads = static_cast<uint32_t>(std::clamp(options.tcp_io_threads, 0, 64));
+  tcp.io_poll = options.tcp_io_poll;
   tcp.max_data_connections = static_cast<uint32_t>(std::max(1, options.tcp_max_data_connections));
   tcp.max_data_connections_per_peer =
       static_cast<uint32_t>(std::max(1, options.tcp_max_data_connections_per_peer));
