@@ -34,7 +34,7 @@ struct TcpTransportOptions {
   // How long an I/O thread keeps polling its sockets after its last event before it sleeps
   // (EngineOptions::tcp_io_poll; tcp_io_pool.h says why); zero: it sleeps at once. Costs CPU
   // only while data moves, never on an idle transport.
-  absl::Duration io_poll = absl::Microseconds(50);
+  absl::Duration io_poll = absl::Microseconds(20);
   // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
   // max_lanes): EngineOptions::tcp_connections.
   uint32_t connections_per_peer = 4;
