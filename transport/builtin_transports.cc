@@ -21,6 +21,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcp(const TransportContext& con
   // The ranges were checked by Engine::Create (src/core/options_check.cc): no clamping here.
   tcp.connections_per_peer = static_cast<uint32_t>(options.tcp_connections);
   tcp.io_threads = static_cast<uint32_t>(options.tcp_io_threads);
+  tcp.io_poll = options.tcp_io_poll;
   tcp.max_data_connections = static_cast<uint32_t>(options.tcp_max_data_connections);
   tcp.max_data_connections_per_peer =
       static_cast<uint32_t>(options.tcp_max_data_connections_per_peer);

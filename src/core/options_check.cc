@@ -45,6 +45,7 @@ absl::Status ValidateEngineOptions(const EngineOptions& o) {
   const absl::Status checks[] = {
       Check("tcp_connections", o.tcp_connections, 1, 64),
       Check("tcp_io_threads", o.tcp_io_threads, 0, 64),
+      Check("tcp_io_poll", o.tcp_io_poll, absl::ZeroDuration(), absl::Milliseconds(10)),
       Check("max_op_bytes", o.max_op_bytes, 1, 64 * kMiB),
       Check("stripe_min_bytes", o.stripe_min_bytes, 0, kTiB),
       Check("max_frame_bytes", o.max_frame_bytes, 4 * kKiB, kGiB),

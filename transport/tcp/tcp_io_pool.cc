@@ -9,6 +9,7 @@
 #include <exception>
 #include <pthread.h>
 #include <system_error>
+#include <time.h>
 #include <unistd.h>
 #include <utility>
 
@@ -23,6 +24,12 @@ namespace {
 // epoll_data of the eventfd; descriptors are >= 0.
 constexpr uint64_t kWakeTag = ~uint64_t{0};
 
+int64_t MonotonicNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
 }  // namespace
 
 IoLoop::~IoLoop() {
@@ -36,7 +43,8 @@ IoLoop::~IoLoop() {
   if (eventfd_ >= 0) ::close(eventfd_);
 }
 
-absl::Status IoLoop::Start(const std::string& name) {
+absl::Status IoLoop::Start(const std::string& name, absl::Duration poll) {
+  poll_ns_ = std::max<int64_t>(0, absl::ToInt64Nanoseconds(poll));
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
   if (epfd_ < 0) return absl::InternalError(absl::StrCat("epoll_create1: ", ErrnoText(errno)));
   eventfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -74,14 +82,17 @@ void IoLoop::Stop() {
 }
 
 bool IoLoop::Run(std::function<void()> task) {
-  bool wake = false;
+  bool first = false;
   {
     MutexLock lock(&mu_);
     if (stopped_) return false;
-    wake = tasks_.empty();
+    first = tasks_.empty();
     tasks_.push_back(std::move(task));
   }
-  if (wake) {
+  // Pairs with PrepareToSleep: either the loop sees this task before it sleeps, or it set
+  // sleeping_ before this load (both are sequentially consistent) and the write wakes it.
+  // Later tasks of the same batch find the queue non-empty: the first one's write will do.
+  if (first && sleeping_.load()) {
     const uint64_t one = 1;
     // EAGAIN only when the counter is about to overflow: the loop is awake anyway.
     (void)!::write(eventfd_, &one, sizeof(one));
@@ -129,10 +140,33 @@ void IoLoop::RunTasks() {
   }
 }
 
+bool IoLoop::PrepareToSleep() {
+  sleeping_.store(true);
+  MutexLock lock(&mu_);
+  if (tasks_.empty() && !stopping_) return true;
+  sleeping_.store(false);
+  return false;
+}
+
 void IoLoop::Loop() {
   std::array<epoll_event, 64> events;
+  const int capacity = static_cast<int>(events.size());
+  // Until then the loop polls instead of sleeping (CLOCK_MONOTONIC: a vDSO call, no syscall).
+  int64_t poll_until = 0;
   while (true) {
-    const int n = ::epoll_wait(epfd_, events.data(), static_cast<int>(events.size()), -1);
+    int n = 0;
+    if (poll_ns_ > 0 && MonotonicNs() < poll_until) {
+      n = ::epoll_wait(epfd_, events.data(), capacity, 0);
+      if (n == 0) {
+        // Tasks are seen without a wake-up while polling (Run skips the eventfd).
+        MutexLock lock(&mu_);
+        if (tasks_.empty() && !stopping_) continue;
+      }
+    } else if (PrepareToSleep()) {
+      n = ::epoll_wait(epfd_, events.data(), capacity, -1);
+      sleeping_.store(false);
+    }
+    if (poll_ns_ > 0) poll_until = MonotonicNs() + poll_ns_;
     if (n < 0) {
       if (errno == EINTR) continue;
       KVW_LOG(kError, "tcp") << "epoll_wait failed; I/O thread ends"
@@ -172,12 +206,12 @@ void IoLoop::Loop() {
   stopped_ = true;
 }
 
-absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads) {
+absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads, absl::Duration poll) {
   auto pool = std::make_shared<IoPool>();
   threads = std::max<uint32_t>(1, threads);
   for (uint32_t i = 0; i < threads; ++i) {
     auto loop = std::make_unique<IoLoop>();
-    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i)); !s.ok()) {
+    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i), poll); !s.ok()) {
       pool->Stop();
       return s;
     }

@@ -6,6 +6,11 @@
 // eventfd). Nothing on these threads blocks on a peer in the host-memory paths: sockets are
 // non-blocking and a connection that cannot make progress returns to epoll_wait, so a slow
 // peer never holds up another one. The loop has no timers: an idle transport does not wake.
+// After it handled events or tasks, a loop polls epoll without sleeping for a short while
+// (`poll`, TcpTransportOptions::io_poll) before it sleeps: a busy connection's next bytes
+// usually arrive within microseconds, and a sleeping receiver costs its sender a wake-up
+// (an inter-processor interrupt, a VM exit under a hypervisor) for every segment that arrives;
+// the poll ends as soon as the connections go quiet, so idle still means no CPU.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
 
@@ -21,6 +26,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "src/util/mutex.h"
 
@@ -40,8 +46,9 @@ class IoLoop {
   IoLoop(const IoLoop&) = delete;
   IoLoop& operator=(const IoLoop&) = delete;
 
-  // Creates the epoll instance and the eventfd and starts the thread named `name`.
-  absl::Status Start(const std::string& name);
+  // Creates the epoll instance and the eventfd and starts the thread named `name`, which
+  // polls for `poll` after its last event before it sleeps (zero: sleeps at once).
+  absl::Status Start(const std::string& name, absl::Duration poll = absl::ZeroDuration());
   // Runs the queued tasks, drops every registered handler and joins the thread. Idempotent;
   // not on the loop thread (then it only asks the thread to stop).
   void Stop();
@@ -59,9 +66,15 @@ class IoLoop {
  private:
   void Loop();
   void RunTasks();
+  // True (and the loop marked sleeping) when the loop may sleep: no task is queued.
+  bool PrepareToSleep();
 
   int epfd_ = -1;
   int eventfd_ = -1;
+  int64_t poll_ns_ = 0;
+  // The loop sleeps (or is about to) in epoll_wait: Run must wake it through the eventfd.
+  // While it polls, a queued task is seen without the write (a system call per Post saved).
+  std::atomic<bool> sleeping_{false};
   Mutex join_mu_;  // std::thread::join must not run twice at once
   std::thread thread_;
   std::atomic<std::thread::id> thread_id_{};
@@ -75,8 +88,10 @@ class IoLoop {
 
 class IoPool {
  public:
-  // `threads` loops (at least 1) named kvw-tcp-io<i>.
-  static absl::StatusOr<std::shared_ptr<IoPool>> Create(uint32_t threads);
+  // `threads` loops (at least 1) named kvw-tcp-io<i>, each polling for `poll` after its
+  // last event before it sleeps (IoLoop::Start).
+  static absl::StatusOr<std::shared_ptr<IoPool>> Create(uint32_t threads,
+                                                        absl::Duration poll = absl::ZeroDuration());
   // The default size: a small number tied to the cores (1 per 8 cores, 1..4).
   static uint32_t DefaultThreads();
   ~IoPool() { Stop(); }

@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   staging.runtime = options.gpu_runtime;
   staging.staged_bytes = std::make_shared<std::atomic<uint64_t>>(0);
   const uint32_t threads = options.io_threads > 0 ? options.io_threads : IoPool::DefaultThreads();
-  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(threads);
+  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(threads, options.io_poll);
   if (!pool.ok()) return pool.status();
   absl::StatusOr<std::unique_ptr<TcpServer>> server =
       TcpServer::Start(options, hooks, staging, *pool);

@@ -31,6 +31,10 @@ struct TcpTransportOptions {
   // I/O threads that run every data connection, both directions (EngineOptions::
   // tcp_io_threads); 0 = IoPool::DefaultThreads() (1 per 8 cores, 1..4).
   uint32_t io_threads = 0;
+  // How long an I/O thread keeps polling its sockets after its last event before it sleeps
+  // (EngineOptions::tcp_io_poll; tcp_io_pool.h says why); zero: it sleeps at once. Costs CPU
+  // only while data moves, never on an idle transport.
+  absl::Duration io_poll = absl::Microseconds(20);
   // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
   // max_lanes): EngineOptions::tcp_connections.
   uint32_t connections_per_peer = 4;
