@@ -20,6 +20,7 @@
 #include "src/control/connection.h"
 #include "src/control/frame.h"
 #include "src/control/handshake.h"
+#include "src/util/admission.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 
@@ -107,7 +108,12 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
         responder_(std::move(responder)),
         on_accept_(std::move(on_accept)),
         acceptor_(io),
-        retry_timer_(io) {}
+        retry_timer_(io),
+        admission_(Admission::Limits{
+            .max_pending = static_cast<size_t>(std::max(config_.max_pending_handshakes, 0)),
+            .max_pending_per_source =
+                static_cast<size_t>(std::max(config_.max_pending_handshakes_per_source, 1)),
+            .max_open = static_cast<size_t>(std::max(config_.max_connections, 0))}) {}
 
   absl::StatusOr<uint16_t> Open(const std::string& host, uint16_t port);
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -143,10 +149,10 @@ class ListenerState : public std::enable_shared_from_this<ListenerState> {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<const InboundHandshake*, std::shared_ptr<InboundHandshake>> pending_
       ABSL_GUARDED_BY(mu_);
-  // The source address of each pending handshake, and how many each source has in flight:
-  // one host cannot take every unauthenticated slot (max_pending_handshakes_per_source).
+  // The source address of each pending handshake, counted by `admission_` (its limits:
+  // max_pending_handshakes, max_pending_handshakes_per_source, max_connections).
   absl::flat_hash_map<const InboundHandshake*, std::string> pending_source_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int> pending_per_source_ ABSL_GUARDED_BY(mu_);
+  Admission admission_ ABSL_GUARDED_BY(mu_);
   int callbacks_running_ ABSL_GUARDED_BY(mu_) = 0;
   // Inbound sockets open (handshaking or handed over), and refusals still lingering.
   const std::shared_ptr<std::atomic<uint64_t>> open_connections_ =
@@ -558,35 +564,34 @@ void ListenerState::OnAccept(const error_code& error, tcp::socket socket) {
       return;
     }
     AcceptLocked();
-    if (pending_.size() >= static_cast<size_t>(std::max(config_.max_pending_handshakes, 0))) {
-      RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
-                                          "too many control handshakes in flight (limit ",
-                                          config_.max_pending_handshakes, "); try again later")));
-      return;
-    }
     error_code endpoint_error;
     const tcp::endpoint remote = socket.remote_endpoint(endpoint_error);
     const std::string source = endpoint_error ? std::string() : remote.address().to_string();
-    if (pending_per_source_[source] >= std::max(config_.max_pending_handshakes_per_source, 1)) {
-      if (pending_per_source_[source] == 0) pending_per_source_.erase(source);
-      RefuseLocked(std::move(socket),
-                   absl::ResourceExhaustedError(absl::StrCat(
-                       "too many control handshakes in flight from ", source, " (limit ",
-                       config_.max_pending_handshakes_per_source, "); try again later")));
-      return;
-    }
-    if (open_connections_->load() >= static_cast<uint64_t>(std::max(config_.max_connections, 0))) {
-      if (pending_per_source_[source] == 0) pending_per_source_.erase(source);
-      RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
-                                          "too many control connections (limit ",
-                                          config_.max_connections, "); try again later")));
-      return;
+    switch (admission_.Check(source, open_connections_->load())) {
+      case Admission::Refusal::kNone:
+        break;
+      case Admission::Refusal::kPending:
+        RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
+                                            "too many control handshakes in flight (limit ",
+                                            config_.max_pending_handshakes, "); try again later")));
+        return;
+      case Admission::Refusal::kPendingFromSource:
+        RefuseLocked(std::move(socket),
+                     absl::ResourceExhaustedError(absl::StrCat(
+                         "too many control handshakes in flight from ", source, " (limit ",
+                         config_.max_pending_handshakes_per_source, "); try again later")));
+        return;
+      case Admission::Refusal::kOpen:
+        RefuseLocked(std::move(socket), absl::ResourceExhaustedError(absl::StrCat(
+                                            "too many control connections (limit ",
+                                            config_.max_connections, "); try again later")));
+        return;
     }
     handshake = std::make_shared<InboundHandshake>(shared_from_this(), std::move(socket),
                                                    TakeConnectionSlot());
     pending_.emplace(handshake.get(), handshake);
     pending_source_.emplace(handshake.get(), source);
-    ++pending_per_source_[source];
+    admission_.BeginPending(source);
   }
   handshake->Start();
 }
@@ -632,7 +637,7 @@ bool ListenerState::BeginCallback(const InboundHandshake* handshake) {
   MutexLock lock(&mu_);
   pending_.erase(handshake);
   if (auto it = pending_source_.find(handshake); it != pending_source_.end()) {
-    if (--pending_per_source_[it->second] <= 0) pending_per_source_.erase(it->second);
+    admission_.EndPending(it->second);
     pending_source_.erase(it);
   }
   if (stopped_) return false;
@@ -683,7 +688,7 @@ void ListenerState::Stop() {
       for (auto& [key, handshake] : pending_) pending.push_back(std::move(handshake));
       pending_.clear();
       pending_source_.clear();
-      pending_per_source_.clear();
+      admission_.Clear();
     }
     if (t_in_callback != this) {
       while (callbacks_running_ > 0) callbacks_done_.Wait(&mu_);

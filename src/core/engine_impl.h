@@ -79,6 +79,7 @@ class Engine::Impl final : public transport::TargetHooks {
 
   const std::string& name() const { return name_; }
   std::string address() const { return address_; }
+  uint64_t compatibility_hash() const { return handshake_.compat_hash; }
 
   absl::StatusOr<RegionId> RegisterMemory(void* ptr, size_t length, RegionOptions options);
   absl::Status DeregisterMemory(RegionId region);

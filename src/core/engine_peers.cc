@@ -47,7 +47,6 @@ pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
   d.set_access(region.access);
   d.set_memory_kind(static_cast<uint32_t>(region.kind));
   d.set_address(reinterpret_cast<uint64_t>(region.base));
-  d.set_shareable(region.memfd >= 0);
   d.set_reads_need_grant(region.reads_need_grant);
   return d;
 }
@@ -473,7 +472,6 @@ void Engine::Impl::OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelo
           state.desc.access = d.access();
           state.desc.kind = static_cast<MemoryKind>(d.memory_kind());
           state.desc.address = d.address();
-          state.desc.shareable = d.shareable();
           state.desc.reads_need_grant = d.reads_need_grant();
           state.transport_keys.insert(d.transport_keys().begin(), d.transport_keys().end());
           peer->remote[d.id()] = state;

@@ -22,6 +22,7 @@
 #include "src/control/control.h"
 #include "src/control/frame.h"
 #include "src/control/handshake.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_plan.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/gpu_region_key.h"

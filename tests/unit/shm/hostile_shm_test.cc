@@ -39,6 +39,7 @@
 #include "tests/support/child_end.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
+#include "transport/shm/host_region_key.h"
 #include "transport/shm/seqpacket.h"
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_endpoint.h"
@@ -176,10 +177,6 @@ LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t a
   region.base = base;
   region.length = length;
   region.access = access;
-  if (std::optional<ShareableBacking> backing = FindShareable(base, length)) {
-    region.memfd = backing->fd;
-    region.memfd_offset = backing->offset;
-  }
   return region;
 }
 
@@ -190,7 +187,8 @@ RemoteRegionDesc Describe(const LocalRegion& region) {
   desc.access = region.access;
   desc.kind = region.kind;
   desc.address = reinterpret_cast<uintptr_t>(region.base);
-  desc.shareable = region.memfd >= 0;
+  // The key the target's RegionKey gives a host region (the engine forwards it as is).
+  desc.SetKey(shm::EncodeHostRegionKey(FindShareable(region.base, region.length).has_value()));
   return desc;
 }
 
