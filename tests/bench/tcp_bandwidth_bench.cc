@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 
 #include "src/util/mutex.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvwire::transport {
@@ -39,30 +40,6 @@ uint64_t EnvOr(const char* name, uint64_t fallback) {
   uint64_t out = 0;
   return v != nullptr && absl::SimpleAtoi(v, &out) ? out : fallback;
 }
-
-// One region, every access allowed: only the transport's cost is measured.
-class OpenHooks final : public TargetHooks {
- public:
-  explicit OpenHooks(uint64_t bytes) : memory_(bytes), bytes_(bytes) {}
-  std::byte* data() { return memory_.data(); }
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t offset, uint64_t length,
-                                                 OpKind) override {
-    if (offset > bytes_ || length > bytes_ - offset) return absl::OutOfRangeError("bounds");
-    return IncomingAccess{memory_.data() + offset, /*gpu_device=*/-1, nullptr};
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::UnimplementedError("unused");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status& error) override {
-    std::fprintf(stderr, "peer error: %s\n", std::string(error.message()).c_str());
-  }
-
- private:
-  std::vector<std::byte> memory_;
-  const uint64_t bytes_;
-};
 
 // Keeps `window` Posts in flight per lane until `total` bytes moved; returns GB/s.
 double MeasureGbps(Channel& channel, OpKind kind, std::byte* local, uint64_t span,
@@ -112,13 +89,16 @@ TEST(TcpBandwidth, LoopbackWriteAndRead) {
   TcpTransportOptions options;
   options.socket_buffer_bytes =
       static_cast<int>(EnvOr("KVWIRE_BENCH_SOCKBUF", options.socket_buffer_bytes));
-  OpenHooks target_hooks(span);
-  OpenHooks initiator_hooks(0);
+  // One region (id 1), every access allowed, every peer let in: only the transport's cost is
+  // measured.
+  kvwire::testing::FakeTargetHooks target_hooks(kvwire::testing::AnyToken(1));
+  kvwire::testing::FakeTargetHooks initiator_hooks(kvwire::testing::AnyToken(1));
+  const RegionId region = target_hooks.AllocateRegion(span, kRemoteReadWrite);  // MeasureGbps's 1
   auto target = CreateTcpTransport(options, &target_hooks);
   auto initiator = CreateTcpTransport(options, &initiator_hooks);
   ASSERT_TRUE(target.ok() && initiator.ok());
   std::vector<std::byte> local(span, std::byte{1});
-  std::memset(target_hooks.data(), 2, span);
+  std::memset(target_hooks.data(region), 2, span);
 
   std::printf("tcp loopback, %.2f GiB per run, span %llu MiB, sockbuf %d, median of %llu\n",
               static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(span >> 20),
@@ -149,6 +129,9 @@ TEST(TcpBandwidth, LoopbackWriteAndRead) {
         std::fflush(stdout);
       }
     }
+  }
+  for (const auto& [peer, error] : target_hooks.peer_errors()) {
+    std::fprintf(stderr, "peer error: %s\n", std::string(error.message()).c_str());
   }
 }
 

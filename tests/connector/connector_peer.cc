@@ -47,6 +47,7 @@
 #include "src/gpu/runtime.h"
 #include "tests/connector/kv_sim.h"
 #include "tests/support/emulated_gpu.h"
+#include "tests/support/flags.h"
 
 namespace {
 
@@ -67,45 +68,23 @@ struct Args {
   bool read_grants = true;
 };
 
-bool ParseArgs(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
-    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
-    const std::string k = kv[0].substr(2), v = kv[1];
-    bool ok = true;
-    if (k == "layout")
-      a->layout = v;
-    else if (k == "transport")
-      a->transport = v;
-    else if (k == "mode")
-      a->mode = v;
-    else if (k == "blocks")
-      ok = absl::SimpleAtoi(v, &a->blocks);
-    else if (k == "state_blocks")
-      ok = absl::SimpleAtoi(v, &a->state_blocks);
-    else if (k == "seed")
-      ok = absl::SimpleAtoi(v, &a->seed);
-    else if (k == "timeout_ms")
-      ok = absl::SimpleAtoi(v, &a->timeout_ms);
-    else if (k == "name")
-      a->name = v;
-    else if (k == "role")
-      a->role = v;
-    else if (k == "metrics")
-      a->metrics = v;
-    else if (k == "secret")
-      a->secret = v;
-    else if (k == "handshake_ms")
-      ok = absl::SimpleAtoi(v, &a->handshake_ms);
-    else if (k == "read_grants")
-      ok = absl::SimpleAtob(v, &a->read_grants);
-    else if (k == "gpu")
-      ok = (a->gpu = v) == "emulated";
-    else
-      ok = false;
-    if (!ok) return false;
-  }
-  return true;
+absl::Status ParseArgs(int argc, char** argv, Args* a) {
+  return kvwire::testing::FlagParser()
+      .String("layout", &a->layout)
+      .String("transport", &a->transport)
+      .String("mode", &a->mode)
+      .Int("blocks", &a->blocks)
+      .Int("state_blocks", &a->state_blocks)
+      .Int("seed", &a->seed)
+      .Int("timeout_ms", &a->timeout_ms)
+      .String("name", &a->name)
+      .String("role", &a->role)
+      .String("metrics", &a->metrics)
+      .String("secret", &a->secret)
+      .Int("handshake_ms", &a->handshake_ms)
+      .Bool("read_grants", &a->read_grants)
+      .Custom("gpu", [a](const std::string& v) { return (a->gpu = v) == "emulated"; })
+      .Parse(argc, argv);
 }
 
 void Say(const std::string& line) {
@@ -124,8 +103,8 @@ struct Pending {
 
 int main(int argc, char** argv) {
   Args args;
-  if (!ParseArgs(argc, argv, &args)) {
-    std::fprintf(stderr, "connector_peer: bad arguments\n");
+  if (absl::Status parsed = ParseArgs(argc, argv, &args); !parsed.ok()) {
+    std::fprintf(stderr, "connector_peer: bad arguments: %s\n", parsed.ToString().c_str());
     return 2;
   }
   kvwire::ConnectorOptions options;

@@ -34,6 +34,7 @@
 #include "src/core/grant_table.h"
 #include "src/core/region_registry.h"
 #include "tests/fuzz/fuzz_util.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_client_connection.h"
 #include "transport/tcp/tcp_io_pool.h"
 #include "transport/tcp/tcp_server_connection.h"
@@ -57,37 +58,6 @@ constexpr size_t kMaxStreamBytes = 96 << 10;
 // Waits for a connection the input drives to let go; the stream is finite, so this ends
 // unless the connection hangs (a finding).
 constexpr auto kConnectionDeadline = std::chrono::seconds(20);
-
-// The engine's side of the target: its region registry and grant table, through the engine's
-// own access check.
-class RegistryHooks : public TargetHooks {
- public:
-  RegistryHooks(core::RegionRegistry& regions, core::GrantTable& grants)
-      : regions_(regions), grants_(grants) {}
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return kPeer; }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
-                                                 uint64_t length, OpKind kind) override {
-    return ResolveIncoming(peer, region, offset, length, kind, /*grant=*/0);
-  }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
-                                                 uint64_t length, OpKind kind,
-                                                 GrantId grant) override {
-    bool grant_refused = false;
-    absl::StatusOr<core::ResolvedRange> r = core::CheckIncoming(
-        regions_, grants_, peer, region, offset, length, kind, grant, &grant_refused);
-    if (!r.ok()) return r.status();
-    return IncomingAccess{r->data, r->gpu_device, std::move(r->pin)};
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
-    return regions_.ExportedRegion(peer, region);
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-
- private:
-  core::RegionRegistry& regions_;
-  core::GrantTable& grants_;
-};
 
 // The target side: the hello as TcpServer reads it, then the real ServerConnection.
 void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<std::byte>& ro,
@@ -119,7 +89,17 @@ void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<st
   core::GrantTable grants;
   const GrantRange granted[] = {{3, kGrantBegin, kGrantEnd - kGrantBegin}};
   KVWIRE_FUZZ_CHECK(grants.Add(kPeer, granted) == 1);
-  RegistryHooks hooks(regions, grants);
+  // The engine's side of the target: its region registry and grant table, through the engine's
+  // own access check.
+  kvwire::testing::FakeTargetHooks hooks(kvwire::testing::AnyToken(kPeer));
+  hooks.SetResolver([&](PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind,
+                        GrantId grant) -> absl::StatusOr<IncomingAccess> {
+    bool grant_refused = false;
+    absl::StatusOr<core::ResolvedRange> r = core::CheckIncoming(
+        regions, grants, peer, region, offset, length, kind, grant, &grant_refused);
+    if (!r.ok()) return r.status();
+    return IncomingAccess{r->data, r->gpu_device, std::move(r->pin)};
+  });
   // The guarded region's bytes outside the grant: a READ served from them is an ASan report
   // (use-after-poison in sendmsg), not a response the drain thread drops unseen.
   ASAN_POISON_MEMORY_REGION(guarded.data(), kGrantBegin);

@@ -40,6 +40,7 @@
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvwire::testing {
@@ -202,22 +203,6 @@ std::string TcpEndpointOf(const pb::Hello& hello) { return TransportEndpointOf(h
 
 // --- presenting a token on a tcp data port ---------------------------------------------
 
-class NoTargetHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override {
-    return absl::UnauthenticatedError("the thief serves nothing");
-  }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::NotFoundError("the thief serves nothing");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::NotFoundError("the thief serves nothing");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-};
-
 // A tcp data connection held open with one token, for READs at chosen moments.
 class HeldDataConnection {
  public:
@@ -272,7 +257,7 @@ class HeldDataConnection {
   }
 
  private:
-  NoTargetHooks hooks_;
+  FakeTargetHooks hooks_;  // the thief serves nothing
   std::unique_ptr<transport::Transport> tcp_;
   std::unique_ptr<transport::Channel> channel_;
   absl::Status open_;
@@ -355,63 +340,6 @@ TEST(HostileHandshakeTest, UnprovenDialerGetsNoLiveTokenAndReadsNothing) {
   target->Stop();
 }
 
-// The mirror image: an engine dials a listener that knows no secret. Before the fix the
-// engine's token was live before it had checked the listener's proof, and its Hello carried
-// it, so the hostile listener could READ the dialer's exported regions.
-TEST(HostileHandshakeTest, UnprovenListenerGetsNoLiveTokenAndReadsNothing) {
-  EngineOptions options;
-  options.name = "victim-dialer";
-  options.shared_secret = "s3cret";
-  options.transport = TransportKind::kTcp;
-  options.connect_timeout = absl::Seconds(5);
-  std::vector<std::byte> memory(kRegionBytes);
-  auto victim = Engine::Create(options);
-  ASSERT_TRUE(victim.ok()) << victim.status();
-  FillPattern(memory.data(), memory.size(), 21, 0);
-  RegionOptions exported;
-  exported.export_to_all_peers = true;
-  auto region = (*victim)->RegisterMemory(memory.data(), memory.size(), exported);
-  ASSERT_TRUE(region.ok()) << region.status();
-
-  RawAcceptor hostile;
-  std::optional<absl::StatusOr<PeerId>> connected;
-  std::thread dialer([&] { connected = (*victim)->Connect(hostile.address()); });
-  absl::Status read = absl::UnknownError("not tried");
-  std::string token = "<none>";
-  {
-    auto socket = hostile.Accept();
-    ASSERT_TRUE(socket.ok()) << socket.status();
-    absl::StatusOr<pb::Envelope> hello = socket->Read();
-    ASSERT_TRUE(hello.ok()) << hello.status();
-    ASSERT_TRUE(hello->has_hello());
-    token = hello->hello().session_token();
-    std::vector<std::byte> stolen(kRegionBytes);
-    // The dialer is blocked waiting for HelloAck: its side of the handshake is in progress.
-    read =
-        ReadWithToken(TcpEndpointOf(hello->hello()), token, *region, kRegionBytes, stolen.data());
-    // Answer with a proof it cannot compute.
-    pb::Envelope ack;
-    *ack.mutable_hello_ack()->mutable_hello() = ForgedHello("hostile-listener", true).hello();
-    ack.mutable_hello_ack()->set_auth_proof(std::string(32, 'x'));
-    EXPECT_TRUE(socket->Send(ack));
-    EXPECT_TRUE(socket->WaitForEof(kWait));
-  }
-  dialer.join();
-  EXPECT_EQ(token, "") << "the dialer's Hello carries its session token before the listener "
-                          "proved the secret";
-  EXPECT_FALSE(read.ok()) << "READ with the dialer's token before the listener proved anything "
-                             "succeeded";
-  ASSERT_TRUE(connected.has_value());
-  ASSERT_FALSE(connected->ok());
-  EXPECT_EQ(connected->status().code(), absl::StatusCode::kPermissionDenied) << connected->status();
-  EXPECT_THAT(connected->status().message(), HasSubstr("shared secret mismatch"));
-  EXPECT_TRUE((*victim)->Peers().empty());
-  EXPECT_EQ((*victim)->Stats().control.session_tokens, 0u);
-
-  // The victim still serves a legitimate peer byte-exact (it listens too).
-  ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 21, 0);
-}
-
 // --- in-process targets: what a failed handshake leaves behind -------------------------
 
 // An engine listening on loopback with one region of pattern `seed` exported to all peers.
@@ -472,36 +400,92 @@ EngineOptions ShortDeadlines(const std::string& secret) {
   return options;
 }
 
+// A victim engine (a Target that knows the secret) dialing a raw hostile listener or relay
+// from a thread of its own: the test plays the other side, then Join()s and judges
+// `connected`.
+struct DialingVictim {
+  static std::unique_ptr<DialingVictim> Start(const std::string& name, uint64_t seed) {
+    EngineOptions options;
+    options.name = name;
+    options.shared_secret = "s3cret";
+    options.connect_timeout = absl::Seconds(5);
+    auto victim = std::make_unique<DialingVictim>();
+    victim->target = Target::Start(options, seed);
+    if (victim->target == nullptr) return nullptr;
+    victim->dialer = std::thread(
+        [v = victim.get()] { v->connected = v->target->engine->Connect(v->hostile.address()); });
+    return victim;
+  }
+  ~DialingVictim() { Join(); }
+  void Join() {
+    if (dialer.joinable()) dialer.join();
+  }
+  Engine& engine() { return *target->engine; }
+
+  std::unique_ptr<Target> target;
+  RawAcceptor hostile;
+  std::optional<absl::StatusOr<PeerId>> connected;
+  std::thread dialer;
+};
+
+// The mirror image: an engine dials a listener that knows no secret. Before the fix the
+// engine's token was live before it had checked the listener's proof, and its Hello carried
+// it, so the hostile listener could READ the dialer's exported regions.
+TEST(HostileHandshakeTest, UnprovenListenerGetsNoLiveTokenAndReadsNothing) {
+  std::unique_ptr<DialingVictim> victim = DialingVictim::Start("victim-dialer", 21);
+  ASSERT_NE(victim, nullptr);
+  absl::Status read = absl::UnknownError("not tried");
+  std::string token = "<none>";
+  {
+    auto socket = victim->hostile.Accept();
+    ASSERT_TRUE(socket.ok()) << socket.status();
+    absl::StatusOr<pb::Envelope> hello = socket->Read();
+    ASSERT_TRUE(hello.ok()) << hello.status();
+    ASSERT_TRUE(hello->has_hello());
+    token = hello->hello().session_token();
+    std::vector<std::byte> stolen(kRegionBytes);
+    // The dialer is blocked waiting for HelloAck: its side of the handshake is in progress.
+    read = ReadWithToken(TcpEndpointOf(hello->hello()), token, victim->target->region, kRegionBytes,
+                         stolen.data());
+    // Answer with a proof it cannot compute.
+    pb::Envelope ack;
+    *ack.mutable_hello_ack()->mutable_hello() = ForgedHello("hostile-listener", true).hello();
+    ack.mutable_hello_ack()->set_auth_proof(std::string(32, 'x'));
+    EXPECT_TRUE(socket->Send(ack));
+    EXPECT_TRUE(socket->WaitForEof(kWait));
+  }
+  victim->Join();
+  EXPECT_EQ(token, "") << "the dialer's Hello carries its session token before the listener "
+                          "proved the secret";
+  EXPECT_FALSE(read.ok()) << "READ with the dialer's token before the listener proved anything "
+                             "succeeded";
+  ASSERT_TRUE(victim->connected.has_value());
+  ASSERT_FALSE(victim->connected->ok());
+  EXPECT_EQ(victim->connected->status().code(), absl::StatusCode::kPermissionDenied)
+      << victim->connected->status();
+  EXPECT_THAT(victim->connected->status().message(), HasSubstr("shared secret mismatch"));
+  EXPECT_TRUE(victim->engine().Peers().empty());
+  EXPECT_EQ(victim->engine().Stats().control.session_tokens, 0u);
+
+  // The victim still serves a legitimate peer byte-exact (it listens too).
+  victim->target->ExpectServesLegitimatePeer("s3cret");
+}
+
 // A relay that the victim was made to dial (e.g. a forged remote_host) plays the victim's own
 // Hello back to the victim's listener and shuttles the proofs between the victim's two halves:
 // without the secret, it would end up holding the listener's live token (reflection). The
 // listener refuses a Hello carrying a nonce this process issued.
 TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
-  EngineOptions options;
-  options.name = "victim";
-  options.shared_secret = "s3cret";
-  options.transport = TransportKind::kTcp;
-  options.connect_timeout = absl::Seconds(5);
-  std::vector<std::byte> memory(kRegionBytes);
-  auto victim = Engine::Create(options);
-  ASSERT_TRUE(victim.ok()) << victim.status();
-  FillPattern(memory.data(), memory.size(), 23, 0);
-  RegionOptions exported;
-  exported.export_to_all_peers = true;
-  auto region = (*victim)->RegisterMemory(memory.data(), memory.size(), exported);
-  ASSERT_TRUE(region.ok()) << region.status();
-
-  RawAcceptor relay;
-  std::optional<absl::StatusOr<PeerId>> connected;
-  std::thread dialer([&] { connected = (*victim)->Connect(relay.address()); });
+  std::unique_ptr<DialingVictim> victim = DialingVictim::Start("victim", 23);
+  ASSERT_NE(victim, nullptr);
   std::string stolen_token;
   absl::Status read = absl::UnknownError("no token to try");
   {
-    auto from_victim = relay.Accept();
+    auto from_victim = victim->hostile.Accept();
     ASSERT_TRUE(from_victim.ok()) << from_victim.status();
     absl::StatusOr<pb::Envelope> hello = from_victim->Read();
     ASSERT_TRUE(hello.ok() && hello->has_hello()) << hello.status();
-    auto to_victim = RawSocket::Dial((*victim)->address());
+    auto to_victim = RawSocket::Dial(victim->engine().address());
     ASSERT_TRUE(to_victim.ok()) << to_victim.status();
     ASSERT_TRUE(to_victim->Send(*hello));  // the victim's own Hello, played back
     absl::StatusOr<pb::Envelope> ack = to_victim->Read();
@@ -516,8 +500,8 @@ TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
         if (welcome.ok() && welcome->has_welcome()) {
           stolen_token = welcome->welcome().session_token();
           std::vector<std::byte> stolen(kRegionBytes);
-          read = ReadWithToken(TcpEndpointOf(listener_hello), stolen_token, *region, kRegionBytes,
-                               stolen.data());
+          read = ReadWithToken(TcpEndpointOf(listener_hello), stolen_token, victim->target->region,
+                               kRegionBytes, stolen.data());
         }
       }
     } else {
@@ -526,40 +510,25 @@ TEST(HostileHandshakeTest, ReflectedHelloIsRefusedAndTheRelayGetsNoToken) {
       EXPECT_THAT(ack->reject().reason(), HasSubstr("reflection"));
     }
   }  // the relay hangs up on both
-  dialer.join();
+  victim->Join();
   EXPECT_EQ(stolen_token, "") << "the relay holds a live token of the victim's listener";
   EXPECT_FALSE(read.ok()) << "the relay READ the victim's region without the secret";
-  ASSERT_TRUE(connected.has_value());
-  EXPECT_FALSE(connected->ok());
-  EXPECT_TRUE(Eventually([&] { return (*victim)->Stats().control.session_tokens == 0; }));
-  ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 23, 0);
+  ASSERT_TRUE(victim->connected.has_value());
+  EXPECT_FALSE(victim->connected->ok());
+  EXPECT_TRUE(Eventually([&] { return victim->engine().Stats().control.session_tokens == 0; }));
+  victim->target->ExpectServesLegitimatePeer("s3cret");
 }
 
 // A listener that knows the secret gets the dialer's token in AuthProof (the dialer verified
 // its proof), opens a data connection with it, then Rejects the handshake. The dialer's
 // Connect fails, so the connection must not outlive it: no peer was ever published.
 TEST(HostileHandshakeTest, RejectedDialLeavesNoDataConnectionBehind) {
-  EngineOptions options;
-  options.name = "victim-dialer";
-  options.shared_secret = "s3cret";
-  options.transport = TransportKind::kTcp;
-  options.connect_timeout = absl::Seconds(5);
-  std::vector<std::byte> memory(kRegionBytes);
-  auto victim = Engine::Create(options);
-  ASSERT_TRUE(victim.ok()) << victim.status();
-  FillPattern(memory.data(), memory.size(), 25, 0);
-  RegionOptions exported;
-  exported.export_to_all_peers = true;
-  auto region = (*victim)->RegisterMemory(memory.data(), memory.size(), exported);
-  ASSERT_TRUE(region.ok()) << region.status();
-
-  RawAcceptor hostile;
-  std::optional<absl::StatusOr<PeerId>> connected;
-  std::thread dialer([&] { connected = (*victim)->Connect(hostile.address()); });
+  std::unique_ptr<DialingVictim> victim = DialingVictim::Start("victim-dialer", 25);
+  ASSERT_NE(victim, nullptr);
   std::unique_ptr<HeldDataConnection> held;
   absl::Status before_reject = absl::UnknownError("not tried");
   {
-    auto socket = hostile.Accept();
+    auto socket = victim->hostile.Accept();
     ASSERT_TRUE(socket.ok()) << socket.status();
     absl::StatusOr<pb::Envelope> hello = socket->Read();
     ASSERT_TRUE(hello.ok() && hello->has_hello()) << hello.status();
@@ -575,16 +544,16 @@ TEST(HostileHandshakeTest, RejectedDialLeavesNoDataConnectionBehind) {
     ASSERT_FALSE(token.empty());
     held = std::make_unique<HeldDataConnection>(TcpEndpointOf(hello->hello()), token);
     std::vector<std::byte> scratch(4096);
-    before_reject = held->Read(*region, scratch.size(), scratch.data());
+    before_reject = held->Read(victim->target->region, scratch.size(), scratch.data());
     pb::Envelope reject = control::MakeReject(absl::PermissionDeniedError("changed my mind"));
     EXPECT_TRUE(socket->Send(reject));
     EXPECT_TRUE(socket->WaitForEof(kWait));
   }
-  dialer.join();
-  ASSERT_TRUE(connected.has_value());
-  EXPECT_FALSE(connected->ok());
-  EXPECT_TRUE((*victim)->Peers().empty());
-  EXPECT_EQ((*victim)->Stats().control.session_tokens, 0u);
+  victim->Join();
+  ASSERT_TRUE(victim->connected.has_value());
+  EXPECT_FALSE(victim->connected->ok());
+  EXPECT_TRUE(victim->engine().Peers().empty());
+  EXPECT_EQ(victim->engine().Stats().control.session_tokens, 0u);
   // The dialer's token was live while its handshake ran (the listener had proven the secret):
   // a READ then is what a deployment peer may do. After the Reject it must not be.
   EXPECT_TRUE(before_reject.ok()) << before_reject;
@@ -592,13 +561,13 @@ TEST(HostileHandshakeTest, RejectedDialLeavesNoDataConnectionBehind) {
   bool still_served = true;
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   while (still_served && absl::Now() < deadline) {
-    still_served = held->Read(*region, kRegionBytes, stolen.data()).ok();
+    still_served = held->Read(victim->target->region, kRegionBytes, stolen.data()).ok();
     if (still_served) absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_FALSE(still_served)
       << "a data connection opened with the token of a rejected dial still reads the region";
   held.reset();
-  ExpectLegitimateReadIsExact((*victim)->address(), "s3cret", *region, 25, 0);
+  victim->target->ExpectServesLegitimatePeer("s3cret");
 }
 
 TEST(HostileHandshakeTest, AbandonedAndFailedHandshakesLeaveNoTokenPendingEntryOrThread) {
@@ -916,17 +885,12 @@ TEST(HostileHandshakeTest, WithoutACsprngTheEngineRefusesToStartAndIssuesNoToken
 
 // --- after the handshake: unknown or malformed messages ------------------------------------
 
-// Serves the target's data connections (accepts any token) but exports nothing.
-class AcceptingHooks : public NoTargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
-};
-
 // A hostile engine that completed a real handshake (it knows the secret) and then sends raw
 // envelopes on its control connection. It offers a tcp data port, so the target's data path
 // to it comes up like to any peer.
 struct HandshakenHostile {
-  AcceptingHooks hooks;
+  // Serves the target's data connections (accepts any token) but exports nothing.
+  FakeTargetHooks hooks{AnyToken(1)};
   std::unique_ptr<transport::Transport> tcp;
   boost::asio::io_context io;
   std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work{

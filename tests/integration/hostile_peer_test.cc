@@ -16,6 +16,7 @@
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -24,26 +25,11 @@ namespace {
 
 constexpr uint64_t kRegionBytes = 1 << 20;
 
-// Serves nothing: the hostile side only initiates.
-class NoTargetHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::NotFoundError("hostile side exports nothing");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::NotFoundError("hostile side exports nothing");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-};
-
 struct Hostile {
   boost::asio::io_context io;
   std::unique_ptr<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work;
   std::thread io_thread;
-  NoTargetHooks hooks;
+  FakeTargetHooks hooks{AnyToken(1)};  // serves nothing: it only initiates
   std::unique_ptr<transport::Transport> tcp;
   std::shared_ptr<control::Connection> conn;
   std::unique_ptr<transport::Channel> channel;

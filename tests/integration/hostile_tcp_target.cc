@@ -32,6 +32,7 @@
 
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/flags.h"
 
 namespace {
 
@@ -48,39 +49,19 @@ struct Args {
   int io_ms = 5000;
 };
 
-bool ParseArgs(int argc, char** argv, Args* args) {
-  for (int i = 1; i < argc; ++i) {
-    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
-    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
-    const std::string key = kv[0].substr(2);
-    const std::string& v = kv[1];
-    bool ok = true;
-    if (key == "regions") {
-      ok = absl::SimpleAtoi(v, &args->regions);
-    } else if (key == "region_bytes") {
-      ok = absl::SimpleAtoi(v, &args->region_bytes);
-    } else if (key == "seed") {
-      ok = absl::SimpleAtoi(v, &args->seed);
-    } else if (key == "secret") {
-      args->secret = v;
-    } else if (key == "max_connections") {
-      ok = absl::SimpleAtoi(v, &args->max_connections);
-    } else if (key == "max_per_peer") {
-      ok = absl::SimpleAtoi(v, &args->max_per_peer);
-    } else if (key == "max_pending") {
-      ok = absl::SimpleAtoi(v, &args->max_pending);
-    } else if (key == "max_pending_per_address") {
-      ok = absl::SimpleAtoi(v, &args->max_pending_per_address);
-    } else if (key == "hello_ms") {
-      ok = absl::SimpleAtoi(v, &args->hello_ms);
-    } else if (key == "io_ms") {
-      ok = absl::SimpleAtoi(v, &args->io_ms);
-    } else {
-      ok = false;
-    }
-    if (!ok) return false;
-  }
-  return true;
+absl::Status ParseArgs(int argc, char** argv, Args* args) {
+  return kvwire::testing::FlagParser()
+      .Int("regions", &args->regions)
+      .Int("region_bytes", &args->region_bytes)
+      .Int("seed", &args->seed)
+      .String("secret", &args->secret)
+      .Int("max_connections", &args->max_connections)
+      .Int("max_per_peer", &args->max_per_peer)
+      .Int("max_pending", &args->max_pending)
+      .Int("max_pending_per_address", &args->max_pending_per_address)
+      .Int("hello_ms", &args->hello_ms)
+      .Int("io_ms", &args->io_ms)
+      .Parse(argc, argv);
 }
 
 // Thread creation fails with EAGAIN once the real uid's task count is at RLIMIT_NPROC. Root
@@ -108,8 +89,8 @@ std::string LimitThreads(bool limit) {
 
 int main(int argc, char** argv) {
   Args args;
-  if (!ParseArgs(argc, argv, &args)) {
-    std::fprintf(stderr, "hostile_tcp_target: bad arguments\n");
+  if (absl::Status parsed = ParseArgs(argc, argv, &args); !parsed.ok()) {
+    std::fprintf(stderr, "hostile_tcp_target: bad arguments: %s\n", parsed.ToString().c_str());
     return 2;
   }
   kvwire::EngineOptions options;

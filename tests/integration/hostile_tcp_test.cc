@@ -34,6 +34,7 @@
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/tcp/tcp_wire.h"
@@ -192,21 +193,6 @@ class RawConn {
   int fd_ = -1;
 };
 
-// Serves nothing: the target dials this side back for its own channel, and is let in.
-class AcceptAllHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override { return 1; }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::NotFoundError("this side exports nothing");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::NotFoundError("this side exports nothing");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-};
-
 // The legitimate way to a session token: a real control handshake with the right secret.
 // What the test then does with the token is up to it (raw data connections).
 class Dialer {
@@ -272,7 +258,8 @@ class Dialer {
   boost::asio::io_context io_;
   std::unique_ptr<Work> work_;
   std::thread io_thread_;
-  AcceptAllHooks hooks_;
+  // Serves nothing: the target dials this side back for its own channel, and is let in.
+  FakeTargetHooks hooks_{AnyToken(1)};
   std::unique_ptr<transport::Transport> tcp_;
   std::shared_ptr<control::Connection> conn_;
   std::string token_;

@@ -32,6 +32,7 @@
 #include "tests/integration/shm_gpu_layout.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/support/emulated_gpu.h"
+#include "tests/support/flags.h"
 
 namespace kvwire::testing {
 namespace {
@@ -52,17 +53,12 @@ int Run(int argc, char** argv) {
   int64_t copy_delay_us = 0;
   uint64_t seed = 1;
   std::string name = "gpu-peer";
-  for (int i = 1; i < argc; ++i) {
-    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
-    if (kv.size() != 2) return Fail(absl::StrCat("bad argument ", argv[i]));
-    if (kv[0] == "--copy_delay_us" && absl::SimpleAtoi(kv[1], &copy_delay_us)) continue;
-    if (kv[0] == "--seed" && absl::SimpleAtoi(kv[1], &seed)) continue;
-    if (kv[0] == "--name") {
-      name = kv[1];
-      continue;
-    }
-    return Fail(absl::StrCat("bad argument ", argv[i]));
-  }
+  absl::Status parsed = FlagParser()
+                            .Int("copy_delay_us", &copy_delay_us)
+                            .Int("seed", &seed)
+                            .String("name", &name)
+                            .Parse(argc, argv);
+  if (!parsed.ok()) return Fail(std::string(parsed.message()));
   EmulatedGpu emulated({.devices = 1, .copy_delay = absl::Microseconds(copy_delay_us)});
   gpu::SetDefaultRuntime(&emulated.runtime());
   EngineOptions options;

@@ -24,6 +24,7 @@
 
 #include "kvwire/engine.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/flags.h"
 #include "tests/support/sanitizer_build.h"
 #include "tests/transport/pipe/pipe_transport.h"
 
@@ -68,44 +69,22 @@ struct Args {
   bool sanitizer_report = false;
 };
 
-bool ParseArgs(int argc, char** argv, Args* args) {
-  for (int i = 1; i < argc; ++i) {
-    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
-    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
-    const std::string key = kv[0].substr(2);
-    const std::string& v = kv[1];
-    bool ok = true;
-    if (key == "transport")
-      args->transport = v;
-    else if (key == "regions")
-      ok = absl::SimpleAtoi(v, &args->regions);
-    else if (key == "region_bytes")
-      ok = absl::SimpleAtoi(v, &args->region_bytes);
-    else if (key == "shareable")
-      args->shareable = v == "1";
-    else if (key == "seed")
-      ok = absl::SimpleAtoi(v, &args->seed);
-    else if (key == "secret")
-      args->secret = v;
-    else if (key == "salt")
-      ok = absl::SimpleAtoi(v, &args->salt);
-    else if (key == "name")
-      args->name = v;
-    else if (key == "lease_ms")
-      ok = absl::SimpleAtoi(v, &args->lease_ms);
-    else if (key == "shm_cma")
-      args->shm_cma = v == "1";
-    else if (key == "exit_code")
-      ok = absl::SimpleAtoi(v, &args->exit_code);
-    else if (key == "linger_s")
-      ok = absl::SimpleAtoi(v, &args->linger_s);
-    else if (key == "sanitizer_report")
-      args->sanitizer_report = v == "1";
-    else
-      ok = false;
-    if (!ok) return false;
-  }
-  return true;
+absl::Status ParseArgs(int argc, char** argv, Args* args) {
+  return kvwire::testing::FlagParser()
+      .String("transport", &args->transport)
+      .Int("regions", &args->regions)
+      .Int("region_bytes", &args->region_bytes)
+      .Bool("shareable", &args->shareable)
+      .Int("seed", &args->seed)
+      .String("secret", &args->secret)
+      .Int("salt", &args->salt)
+      .String("name", &args->name)
+      .Int("lease_ms", &args->lease_ms)
+      .Bool("shm_cma", &args->shm_cma)
+      .Int("exit_code", &args->exit_code)
+      .Int("linger_s", &args->linger_s)
+      .Bool("sanitizer_report", &args->sanitizer_report)
+      .Parse(argc, argv);
 }
 
 bool StdinClosed() {
@@ -119,8 +98,8 @@ bool StdinClosed() {
 
 int main(int argc, char** argv) {
   Args args;
-  if (!ParseArgs(argc, argv, &args)) {
-    std::fprintf(stderr, "test_peer: bad arguments\n");
+  if (absl::Status parsed = ParseArgs(argc, argv, &args); !parsed.ok()) {
+    std::fprintf(stderr, "test_peer: bad arguments: %s\n", parsed.ToString().c_str());
     return 2;
   }
   kvwire::EngineOptions options;

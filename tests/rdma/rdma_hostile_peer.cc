@@ -25,6 +25,7 @@
 #include "proto/kvwire.pb.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/rdma/control_proxy.h"
+#include "tests/support/flags.h"
 
 namespace kvwire::testing {
 namespace {
@@ -39,32 +40,20 @@ struct Args {
   uint64_t legit_length = 0;
 };
 
-bool ParseArgs(int argc, char** argv, Args* args) {
-  for (int i = 1; i < argc; ++i) {
-    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
-    if (kv.size() != 2 || kv[0].rfind("--", 0) != 0) return false;
-    const std::string key = kv[0].substr(2);
-    const std::string& v = kv[1];
-    bool ok = true;
-    if (key == "target")
-      args->target = v;
-    else if (key == "region")
-      ok = absl::SimpleAtoi(v, &args->region);
-    else if (key == "address")
-      ok = absl::SimpleHexAtoi(v, &args->address);
-    else if (key == "length")
-      ok = absl::SimpleAtoi(v, &args->length);
-    else if (key == "rdma_key")
-      args->rdma_key = v;
-    else if (key == "legit_region")
-      ok = absl::SimpleAtoi(v, &args->legit_region);
-    else if (key == "legit_length")
-      ok = absl::SimpleAtoi(v, &args->legit_length);
-    else
-      ok = false;
-    if (!ok) return false;
+absl::Status ParseArgs(int argc, char** argv, Args* args) {
+  absl::Status parsed = FlagParser()
+                            .String("target", &args->target)
+                            .Int("region", &args->region)
+                            .HexInt("address", &args->address)
+                            .Int("length", &args->length)
+                            .String("rdma_key", &args->rdma_key)
+                            .Int("legit_region", &args->legit_region)
+                            .Int("legit_length", &args->legit_length)
+                            .Parse(argc, argv);
+  if (parsed.ok() && (args->target.empty() || args->length == 0)) {
+    return absl::InvalidArgumentError("--target and --length are required");
   }
-  return !args->target.empty() && args->length > 0;
+  return parsed;
 }
 
 void Report(const char* step, const absl::Status& s, const std::string& extra) {
@@ -155,8 +144,8 @@ int Run(const Args& args) {
 
 int main(int argc, char** argv) {
   kvwire::testing::Args args;
-  if (!kvwire::testing::ParseArgs(argc, argv, &args)) {
-    std::fprintf(stderr, "hostile_peer: bad arguments\n");
+  if (absl::Status parsed = kvwire::testing::ParseArgs(argc, argv, &args); !parsed.ok()) {
+    std::fprintf(stderr, "hostile_peer: bad arguments: %s\n", parsed.ToString().c_str());
     return 2;
   }
   return kvwire::testing::Run(args);

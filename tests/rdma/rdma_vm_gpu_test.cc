@@ -21,6 +21,7 @@
 #include "src/util/log.h"
 #include "tests/rdma/rdma_stats.h"
 #include "tests/support/emulated_gpu.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/rdma/rdma_transport.h"
 
 namespace kvwire::testing {
@@ -262,22 +263,6 @@ TEST_F(RdmaGpuTest, UnreachableGpuMemoryFailsNamingBothPathsAndLeaksNothing) {
 
 // --- leak check (valgrind, see run_in_vm.sh): both registration outcomes at the transport ---
 
-class NoHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string&) override {
-    return absl::UnauthenticatedError("none");
-  }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::UnimplementedError("none");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::UnimplementedError("none");
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-};
-
 absl::StatusOr<transport::LocalRegion> GpuLocalRegion(gpu::Runtime& rt, void* base,
                                                       uint64_t length) {
   auto info = rt.QueryPointer(base);
@@ -297,7 +282,7 @@ absl::StatusOr<transport::LocalRegion> GpuLocalRegion(gpu::Runtime& rt, void* ba
 TEST(RdmaLeakCheck, GpuRegistrationBothOutcomes) {
   for (bool reachable : {true, false}) {
     EmulatedGpu emulated({.devices = 1, .host_accessible = reachable});
-    NoHooks hooks;
+    FakeTargetHooks hooks;  // lets no peer in
     transport::RdmaTransportOptions options;
     options.devices = {"rxe0"};
     options.gpu_runtime = &emulated.runtime();

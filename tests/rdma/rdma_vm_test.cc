@@ -26,6 +26,7 @@
 #include "tests/integration/random_ops.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/rdma/rdma_stats.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/rdma/rdma_transport.h"
 
 namespace kvwire::testing {
@@ -546,32 +547,6 @@ TEST(RdmaLeakCheck, ConnectTransferDisconnectCycle) {
 
 // --- transport level: a remote range beyond the peer's registration ---------------------------
 
-class FakeHooks : public transport::TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    if (token != "tok") return absl::UnauthenticatedError("bad token");
-    return 7;
-  }
-  absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                            OpKind) override {
-    return absl::UnimplementedError("one-sided");
-  }
-  absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId, RegionId) override {
-    return absl::UnimplementedError("one-sided");
-  }
-  void OnWriteArrived(PeerId peer, TransferId id) override {
-    MutexLock lock(&mu);
-    ++arrivals[id];
-  }
-  void OnPeerError(PeerId, const absl::Status&) override {}
-  int Arrivals(TransferId id) {
-    MutexLock lock(&mu);
-    return arrivals[id];
-  }
-  Mutex mu;
-  absl::flat_hash_map<TransferId, int> arrivals ABSL_GUARDED_BY(mu);
-};
-
 // Two transports in one process; their "control channel" is a direct call, as the engine's
 // is a TransportControl envelope (opaque payload) on its TCP connection. The target knows the
 // initiator as peer 7.
@@ -602,7 +577,9 @@ absl::Status PostAndWait(transport::Channel& channel, transport::PostRequest req
 }
 
 TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
-  FakeHooks target_hooks, initiator_hooks;
+  // The target knows the initiator as peer 7, by its token "tok"; RDMA ops are one-sided.
+  FakeTargetHooks target_hooks(OnePeer("tok", 7, /*pid=*/0));
+  FakeTargetHooks initiator_hooks(OnePeer("tok", 7, /*pid=*/0));
   transport::RdmaTransportOptions options;
   options.devices = {"rxe0"};
   options.qps_per_device = 1;
@@ -670,10 +647,10 @@ TEST(RdmaTransportTest, RemoteRangeBeyondRegistrationFailsAndTheQpRecovers) {
   s = PostAndWait(**channel, std::move(good));
   ASSERT_TRUE(s.ok()) << s;
   const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (target_hooks.Arrivals((1ull << 40) + 5) < 16 && absl::Now() < until) {
+  while (target_hooks.arrivals((1ull << 40) + 5) < 16 && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_EQ(target_hooks.Arrivals((1ull << 40) + 5), 16);
+  EXPECT_EQ(target_hooks.arrivals((1ull << 40) + 5), 16);
   EXPECT_EQ(remote[0], std::byte{0x5A});
   EXPECT_EQ(remote[(64 << 10) - 1], std::byte{0x5A});
 

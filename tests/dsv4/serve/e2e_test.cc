@@ -47,138 +47,19 @@ const std::vector<int>& Lengths() {
   return v;
 }
 
-class Cluster {
- public:
-  Cluster() {
-    char tmpl[] = "/tmp/kvwire-dsv4-e2e-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    weights_ = dir_ + "/tiny.safetensors";
-  }
-  ~Cluster() {
-    for (auto& [name, p] : procs_) StopAndJudge(name, *p);
-    procs_.clear();
-    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
-  }
+using test_support::ServeCluster;
+using test_support::ServeClusterOptions;
 
-  // A server still running stops cleanly on SIGTERM, and one that ended before ended cleanly
-  // or by the test's own SIGKILL (sanitizer reports, leaks included, make the exit code
-  // non-zero): anything else fails the test.
-  static void StopAndJudge(const std::string& name, Process& p) {
-    if (p.Running()) p.Stop(SIGTERM, absl::Seconds(30));
-    EXPECT_EQ(p.EndProblem(), "") << name << " did not end cleanly:\n" << p.LogTail();
-  }
-
-  const std::string& dir() const { return dir_; }
-
-  // Runs a kvwire-dsv4 command to completion; returns its output.
-  absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args,
-                                  absl::Duration timeout = absl::Seconds(120)) {
-    const std::string log = dir_ + "/" + name + ".log";
-    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(KVWIRE_DSV4_BIN, args, log);
-    if (!p.ok()) return p.status();
-    absl::StatusOr<int> code = (*p)->Wait(timeout);
-    if (!code.ok()) return code.status();
-    if (*code != 0) {
-      return absl::InternalError(absl::StrCat(name, " exited ", *code, ":\n", (*p)->LogTail()));
-    }
-    std::ifstream in(log);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-
-  absl::Status MakeWeights() {
-    return Run("weights", {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_}).status();
-  }
-
-  // Token ids `generate` produces for each prompt, in one process.
-  absl::StatusOr<std::vector<std::vector<int32_t>>> Reference(
-      const std::vector<std::string>& prompts) {
-    std::vector<std::string> args = {
-        "generate", "--config",     KVWIRE_DSV4_CONFIG,      "--weights",
-        weights_,   "--max-tokens", absl::StrCat(kMaxTokens)};
-    for (const std::string& p : prompts) {
-      args.push_back("--prompt");
-      args.push_back(p);
-    }
-    absl::StatusOr<std::string> out = Run("generate", args);
-    if (!out.ok()) return out.status();
-    std::vector<std::vector<int32_t>> tokens;
-    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
-      if (line.empty() || line[0] != '{') continue;
-      json j = json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("tokens")) continue;
-      tokens.push_back(j["tokens"].get<std::vector<int32_t>>());
-    }
-    if (tokens.size() != prompts.size()) {
-      return absl::InternalError(absl::StrCat("generate printed ", tokens.size(), " results for ",
-                                              prompts.size(), " prompts:\n", *out));
-    }
-    return tokens;
-  }
-
-  // Starts a model server; returns its HTTP address.
-  absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
-                                    const std::string& transport,
-                                    std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"serve",
-                                     "--role",
-                                     role,
-                                     "--config",
-                                     KVWIRE_DSV4_CONFIG,
-                                     "--weights",
-                                     weights_,
-                                     "--transport",
-                                     transport,
-                                     "--mode",
-                                     "auto",
-                                     "--threads",
-                                     "2",
-                                     "--request-timeout-s",
-                                     absl::StrCat(20 * test_support::kServerDeadlineScale),
-                                     "--peer-lease-ms",
-                                     absl::StrCat(2000 * test_support::kServerDeadlineScale)};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return Launch(name, args);
-  }
-
-  absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
-                                     const std::string& decode, const std::string& mode) {
-    return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", mode,
-                         "--timeout-s", absl::StrCat(60 * test_support::kServerDeadlineScale)});
-  }
-
-  Process& process(const std::string& name) { return *procs_.at(name); }
-  // Hands a server over to the test, which then judges its end itself.
-  std::unique_ptr<Process> Take(const std::string& name) {
-    std::unique_ptr<Process> p = std::move(procs_.at(name));
-    procs_.erase(name);
-    return p;
-  }
-
-  std::string Logs() const {
-    std::string all;
-    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
-    return all;
-  }
-
- private:
-  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
-    const std::string ready = dir_ + "/" + name + ".ready";
-    args.push_back("--ready-file");
-    args.push_back(ready);
-    absl::StatusOr<std::unique_ptr<Process>> p =
-        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
-    if (!p.ok()) return p.status();
-    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
-    if (!j.ok()) return j.status();
-    procs_[name] = std::move(*p);
-    return (*j)["address"].get<std::string>();
-  }
-
-  std::string dir_, weights_;
-  std::map<std::string, std::unique_ptr<Process>> procs_;
-};
+// Two threads a server; deadlines scaled in sanitizer builds; servers the tests kill on purpose
+// pass at the end.
+ServeClusterOptions E2eOptions() {
+  return {.dir_tag = "e2e",
+          .threads = 2,
+          .peer_lease_ms = 2000 * test_support::kServerDeadlineScale,
+          .request_timeout_s = 20 * test_support::kServerDeadlineScale,
+          .router_timeout_s = 60 * test_support::kServerDeadlineScale,
+          .servers_may_end_early = true};
+}
 
 // Waits until the server holds no blocks and no connector requests.
 void ExpectDrained(const std::string& address, const std::string& what) {
@@ -218,11 +99,11 @@ class DisaggregatedTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DisaggregatedTest, ReadAndWriteModesMatchGenerate) {
   const std::string transport = GetParam();
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   std::vector<std::string> prompts;
   for (int n : Lengths()) prompts.push_back(PromptOfTokens(n));
-  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts, kMaxTokens);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", transport);
   ASSERT_TRUE(p.ok()) << p.status();
@@ -258,7 +139,7 @@ TEST_P(DisaggregatedTest, ReadAndWriteModesMatchGenerate) {
 
 TEST_P(DisaggregatedTest, BadRequestsAreClear400sAndPlainRequestsServedWhole) {
   const std::string transport = GetParam();
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", transport);
   ASSERT_TRUE(p.ok()) << p.status();
@@ -291,7 +172,7 @@ TEST_P(DisaggregatedTest, BadRequestsAreClear400sAndPlainRequestsServedWhole) {
   }
   // A plain request (no kv_transfer_params) is served whole by the server it reaches.
   const std::string prompt = PromptOfTokens(129);
-  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt}, kMaxTokens);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<CompletionResult> local = Complete(*d, Request(prompt, true), absl::Seconds(60));
   ASSERT_TRUE(local.ok()) << local.status();
@@ -306,13 +187,13 @@ INSTANTIATE_TEST_SUITE_P(Transports, DisaggregatedTest, ::testing::Values("tcp",
 
 // The comparison is sensitive: one corrupted received page changes the tokens.
 TEST(FaultInjection, CorruptedKvPageMakesTheComparisonFail) {
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   const std::vector<std::string> prompts = {
       "The decode server reads the KV cache of this prompt from the prefill server, one page "
       "of which is corrupted on arrival; the tokens that follow must show it.",
       PromptOfTokens(300)};
-  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference(prompts, kMaxTokens);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
   ASSERT_TRUE(p.ok()) << p.status();
@@ -339,10 +220,10 @@ TEST(FaultInjection, CorruptedKvPageMakesTheComparisonFail) {
 // Decode dies mid-request (SIGKILL while it generates): the client gets 502 with a JSON
 // message; the other decode and the prefill keep serving and hold no blocks afterwards.
 TEST(Failures, DecodeKilledMidRequest) {
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   const std::string prompt = PromptOfTokens(140);
-  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt}, kMaxTokens);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
   ASSERT_TRUE(p.ok()) << p.status();
@@ -377,10 +258,10 @@ TEST(Failures, DecodeKilledMidRequest) {
 // Prefill dies while it computes a write-mode request (decode has prepared its blocks): the
 // client gets an HTTP error; decode gives the prepared blocks back; the other prefill serves.
 TEST(Failures, PrefillKilledMidRequest) {
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   const std::string prompt = PromptOfTokens(260);
-  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt});
+  absl::StatusOr<std::vector<std::vector<int32_t>>> want = c.Reference({prompt}, kMaxTokens);
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p1 =
       c.Serve("prefill1", "prefill", "shm", {"--inject-delay-ms", "300"});
@@ -417,7 +298,7 @@ TEST(Failures, PrefillKilledMidRequest) {
 // non-zero, and the check every test runs on its servers' ends fails. Only in sanitizer
 // builds: elsewhere there is no report to plant.
 TEST(ServerEnd, SanitizerReportInAServerFailsTheTest) {
-  Cluster c;
+  ServeCluster c(E2eOptions());
   ASSERT_TRUE(c.MakeWeights().ok());
   ASSERT_EQ(setenv("KVWIRE_DSV4_PLANT_SANITIZER_REPORT", "1", 1), 0);
   absl::StatusOr<std::string> p = c.Serve("planted", "prefill", "tcp");
@@ -427,7 +308,7 @@ TEST(ServerEnd, SanitizerReportInAServerFailsTheTest) {
   absl::StatusOr<json> h = GetJson(*p, "/health");
   ASSERT_TRUE(h.ok()) << h.status();
   std::unique_ptr<Process> planted = c.Take("planted");
-  EXPECT_NONFATAL_FAILURE(Cluster::StopAndJudge("planted", *planted), "exited with status");
+  EXPECT_NONFATAL_FAILURE(ServeCluster::StopAndJudge("planted", *planted), "exited with status");
   const std::string log = planted->LogTail(20000);
   EXPECT_TRUE(log.find(KVWIRE_TEST_TSAN
                            ? "ThreadSanitizer: data race"

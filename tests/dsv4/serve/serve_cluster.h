@@ -1,7 +1,7 @@
-// kvwire-dsv4 processes for the load tests (load_test.cc, soak_test.cc): weights generated
-// into a temporary folder, servers and routers started with a ready file on loopback ports,
-// restartable on their port, and stopped with SIGTERM at the end (each must exit cleanly).
-// KVWIRE_DSV4_BIN and KVWIRE_DSV4_CONFIG come from CMake.
+// kvwire-dsv4 processes for the serving tests (e2e, load, soak, abuse, metrics, sampling):
+// weights generated into a temporary folder, servers and routers started with a ready file on
+// loopback ports, restartable on their port, and stopped with SIGTERM at the end (each must
+// exit cleanly). KVWIRE_DSV4_BIN and KVWIRE_DSV4_CONFIG come from CMake.
 #ifndef KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
 #define KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
 
@@ -13,6 +13,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -41,15 +42,34 @@ inline constexpr int kServerDeadlineScale = 1;
 inline constexpr int kServerDeadlineScale = 1;
 #endif
 
+// The flags every server and router of a cluster gets, and how their ends are judged.
+struct ServeClusterOptions {
+  std::string dir_tag = "load";  // the folder: /tmp/kvwire-dsv4-<dir_tag>-XXXXXX
+  int threads = 1;
+  // The peer lease is the servers' default: 2 s declared live peers dead on a loaded 2-core
+  // machine (heartbeats late), failing their write-mode transfers.
+  int peer_lease_ms = 5000;
+  int request_timeout_s = 0;  // 0: the server's own default
+  int router_timeout_s = 120;
+  // False: a process that is no longer running at the end fails the test ("exited by
+  // itself"). True: it passes when it ended cleanly or by the test's own SIGKILL
+  // (StopAndJudge), for tests that kill servers on purpose.
+  bool servers_may_end_early = false;
+};
+
 class ServeCluster {
  public:
-  ServeCluster() {
-    char tmpl[] = "/tmp/kvwire-dsv4-load-XXXXXX";
-    dir_ = mkdtemp(tmpl);
+  explicit ServeCluster(ServeClusterOptions options = {}) : options_(std::move(options)) {
+    std::string tmpl = "/tmp/kvwire-dsv4-" + options_.dir_tag + "-XXXXXX";
+    dir_ = mkdtemp(tmpl.data());
     weights_ = dir_ + "/tiny.safetensors";
   }
   ~ServeCluster() {
     for (auto& [name, p] : procs_) {
+      if (options_.servers_may_end_early) {
+        StopAndJudge(name, *p);
+        continue;
+      }
       if (!p->Running()) {
         ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n" << p->LogTail();
         continue;
@@ -62,6 +82,16 @@ class ServeCluster {
   }
   ServeCluster(const ServeCluster&) = delete;
   ServeCluster& operator=(const ServeCluster&) = delete;
+
+  // A server still running stops cleanly on SIGTERM, and one that ended before ended cleanly
+  // or by the test's own SIGKILL (sanitizer reports, leaks included, make the exit code
+  // non-zero): anything else fails the test.
+  static void StopAndJudge(const std::string& name, Process& p) {
+    if (p.Running()) p.Stop(SIGTERM, absl::Seconds(30));
+    EXPECT_EQ(p.EndProblem(), "") << name << " did not end cleanly:\n" << p.LogTail();
+  }
+
+  const std::string& dir() const { return dir_; }
 
   // Runs a kvwire-dsv4 command to completion; returns its output.
   absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args,
@@ -110,16 +140,30 @@ class ServeCluster {
     return tokens;
   }
 
-  // A model server with the common flags and `extra` (not repeating them). Returns its address.
-  // The peer lease is the servers' default: 2 s declared live peers dead on a loaded 2-core
-  // machine (heartbeats late), failing their write-mode transfers.
+  // A model server with the common flags (ServeClusterOptions) and `extra` (not repeating
+  // them). Returns its address.
   absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
                                     const std::string& transport,
                                     const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> args = {
-        "serve",     "--role",    role,          "--config",        KVWIRE_DSV4_CONFIG,
-        "--weights", weights_,    "--transport", transport,         "--mode",
-        "auto",      "--threads", "1",           "--peer-lease-ms", "5000"};
+    std::vector<std::string> args = {"serve",
+                                     "--role",
+                                     role,
+                                     "--config",
+                                     KVWIRE_DSV4_CONFIG,
+                                     "--weights",
+                                     weights_,
+                                     "--transport",
+                                     transport,
+                                     "--mode",
+                                     "auto",
+                                     "--threads",
+                                     absl::StrCat(options_.threads)};
+    if (options_.request_timeout_s > 0) {
+      args.push_back("--request-timeout-s");
+      args.push_back(absl::StrCat(options_.request_timeout_s));
+    }
+    args.push_back("--peer-lease-ms");
+    args.push_back(absl::StrCat(options_.peer_lease_ms));
     args.insert(args.end(), extra.begin(), extra.end());
     return Launch(name, args);
   }
@@ -127,7 +171,15 @@ class ServeCluster {
   absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
                                      const std::string& decode, const std::string& mode) {
     return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", mode,
-                         "--timeout-s", "120"});
+                         "--timeout-s", absl::StrCat(options_.router_timeout_s)});
+  }
+
+  Process& process(const std::string& name) { return *procs_.at(name); }
+  // Hands a server over to the test, which then judges its end itself.
+  std::unique_ptr<Process> Take(const std::string& name) {
+    std::unique_ptr<Process> p = std::move(procs_.at(name));
+    procs_.erase(name);
+    return p;
   }
 
   // SIGKILL, then the same command again on the same HTTP port. Call it from the thread that
@@ -185,6 +237,7 @@ class ServeCluster {
     return (*j)["address"].get<std::string>();
   }
 
+  const ServeClusterOptions options_;
   std::string dir_, weights_;
   std::map<std::string, std::unique_ptr<Process>> procs_;
   std::map<std::string, std::vector<std::string>> args_;

@@ -19,6 +19,7 @@
 #include "src/gpu/runtime.h"
 #include "src/util/mutex.h"
 #include "tests/support/emulated_gpu.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/shm/gpu_region_key.h"
 #include "transport/shm/shm_transport.h"
 
@@ -27,31 +28,14 @@ namespace {
 
 using kvwire::testing::EmulatedGpu;
 using kvwire::testing::EmulatedGpuOptions;
+using ::kvwire::testing::FakeTargetHooks;
+using ::kvwire::testing::OnePeer;
 using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 3;
 constexpr char kToken[] = "token-of-peer-3";
 constexpr uint64_t kRegionBytes = 1 << 20;
 constexpr uint64_t kRegionOffset = 8192;
-
-class FakeHooks : public TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    if (token == kToken) return kPeer;
-    return absl::UnauthenticatedError("unknown token");
-  }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                 OpKind) override {
-    return absl::UnimplementedError("shm never asks the target to move data");
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId, RegionId region) override {
-    return absl::NotFoundError(absl::StrCat("no memfd region ", region));
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-  // Both ends of these tests are this process.
-  uint32_t PeerProcessId(PeerId) override { return static_cast<uint32_t>(getpid()); }
-};
 
 uint8_t Byte(uint64_t i, uint32_t seed) { return static_cast<uint8_t>((i ^ (i >> 9)) * 37 + seed); }
 
@@ -167,7 +151,7 @@ class GpuShmChannelTest : public ::testing::Test {
     }
   }
 
-  FakeHooks hooks_;
+  FakeTargetHooks hooks_{OnePeer(kToken, kPeer)};
   std::unique_ptr<EmulatedGpu> emulated_;
   std::unique_ptr<Transport> target_, initiator_;
   std::unique_ptr<Channel> channel_;
@@ -362,7 +346,7 @@ TEST_F(GpuShmChannelTest, CloseReportsRequestsWithQueuedCopiesBeforeItReturns) {
 // it registered with its other transports, and the empty key routes peers to them.
 TEST(GpuShmDeclineTest, MemoryWithoutAnIpcHandleIsDeclined) {
   kvwire::testing::EmulatedGpu emulated({.ipc = false});
-  FakeHooks hooks;
+  FakeTargetHooks hooks{OnePeer(kToken, kPeer)};
   ShmTransportOptions options;
   options.engine_name = "no-ipc";
   options.gpu_runtime = &emulated.runtime();
@@ -386,7 +370,7 @@ TEST(GpuShmDeclineTest, MemoryWithoutAnIpcHandleIsDeclined) {
 }
 
 TEST(GpuShmNoRuntimeTest, WithoutARuntimeGpuMemoryIsRefused) {
-  FakeHooks hooks;
+  FakeTargetHooks hooks{OnePeer(kToken, kPeer)};
   ShmTransportOptions options;
   options.engine_name = "no-gpu";
   auto transport = CreateShmTransport(options, &hooks);

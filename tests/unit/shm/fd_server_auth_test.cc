@@ -29,6 +29,8 @@
 #include "absl/time/clock.h"
 
 #include "kvwire/memory.h"
+#include "tests/support/fake_target_hooks.h"
+#include "tests/support/socket_io.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/seqpacket.h"
@@ -39,6 +41,9 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::ClosedBy;
+using ::kvwire::testing::FakeTargetHooks;
+using ::kvwire::testing::OnePeer;
 using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 7;
@@ -46,48 +51,10 @@ constexpr char kToken[] = "session-token-of-peer-7";
 constexpr RegionId kRegion = 1;
 constexpr uid_t kOtherUid = 65533;  // the squatter's uid when the test runs as root
 
-class Hooks : public TargetHooks {
- public:
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    if (token == kToken) return kPeer;
-    return absl::UnauthenticatedError("unknown session token");
-  }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                 OpKind) override {
-    return absl::UnimplementedError("shm never asks the target to move data");
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId, RegionId region) override {
-    if (region != kRegion) return absl::NotFoundError(absl::StrCat("no region ", region));
-    return exported;
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-  uint32_t PeerProcessId(PeerId) override { return handshake_pid.load(); }
-
-  LocalRegion exported;
-  // The peer "handshook" from this process; 0: the handshake has not published it yet.
-  std::atomic<uint32_t> handshake_pid{static_cast<uint32_t>(getpid())};
-};
-
 std::string SocketName(const std::string& endpoint_text) {
   absl::StatusOr<shm::ShmEndpoint> endpoint = shm::ParseEndpoint(endpoint_text);
   EXPECT_TRUE(endpoint.ok()) << endpoint.status();
   return endpoint.ok() ? endpoint->socket_name : std::string();
-}
-
-// True once the server has closed `socket` (EOF or reset), false if it is still open at
-// `deadline`.
-bool ClosedBy(int socket, absl::Time deadline) {
-  while (true) {
-    pollfd entry{socket, POLLIN, 0};
-    const int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
-    const int n = poll(&entry, 1, static_cast<int>(ms));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    char byte;
-    const ssize_t got = recv(socket, &byte, 1, MSG_DONTWAIT);
-    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return true;
-  }
 }
 
 class FdServerAuthTest : public ::testing::Test {
@@ -100,12 +67,13 @@ class FdServerAuthTest : public ::testing::Test {
     for (size_t i = 0; i < buffer_.size(); ++i) {
       buffer_.data()[i] = static_cast<std::byte>(i * 7 + 3);
     }
-    LocalRegion& region = hooks_.exported;
+    LocalRegion region;
     region.id = kRegion;
     region.base = buffer_.data();
     region.length = buffer_.size();
     region.access = kRemoteReadWrite;
     ASSERT_TRUE(FindShareable(buffer_.data(), buffer_.size()).has_value());
+    hooks_.AddRegion(region);
 
     ShmTransportOptions options;
     options.engine_name = "fd-auth";
@@ -156,7 +124,8 @@ class FdServerAuthTest : public ::testing::Test {
     munmap(map, response->reply.memfd_offset + response->reply.length);
   }
 
-  Hooks hooks_;
+  // The peer "handshook" from this process (set_peer_pid(0): not published yet).
+  FakeTargetHooks hooks_{OnePeer(kToken, kPeer)};
   ShareableBuffer buffer_;
   std::unique_ptr<Transport> transport_;
   std::string socket_name_;
@@ -242,7 +211,7 @@ TEST_F(FdServerAuthTest, OneUidCannotTakeEverySlot) {
 // the deadline with an error that says so, never served unchecked.
 TEST_F(FdServerAuthTest, TokenIsNotServedWhileThePeerPidIsUnknown) {
   StartTransport(16, 16, absl::Seconds(1));
-  hooks_.handshake_pid = 0;
+  hooks_.set_peer_pid(0);
   shm::UniqueFd socket = Connect();
   ASSERT_TRUE(socket.valid());
   absl::StatusOr<shm::FdResponse> response = Call(socket.get(), shm::FdRequestKind::kFetch);
@@ -257,12 +226,12 @@ TEST_F(FdServerAuthTest, TokenIsNotServedWhileThePeerPidIsUnknown) {
 // and is served once the pid is known.
 TEST_F(FdServerAuthTest, RequestWaitsForThePeerToBePublished) {
   StartTransport(16, 16, absl::Seconds(10));
-  hooks_.handshake_pid = 0;
+  hooks_.set_peer_pid(0);
   shm::UniqueFd socket = Connect();
   ASSERT_TRUE(socket.valid());
   std::thread publish([this] {
     absl::SleepFor(absl::Milliseconds(200));
-    hooks_.handshake_pid = static_cast<uint32_t>(getpid());
+    hooks_.set_peer_pid(static_cast<uint32_t>(getpid()));
   });
   absl::StatusOr<shm::FdResponse> response = Call(socket.get(), shm::FdRequestKind::kHello);
   publish.join();

@@ -37,6 +37,8 @@
 #include "kvwire/memory.h"
 #include "src/util/mutex.h"
 #include "tests/support/child_end.h"
+#include "tests/support/fake_target_hooks.h"
+#include "tests/support/socket_io.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/host_region_key.h"
@@ -48,7 +50,14 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::FakeTargetHooks;
+using ::kvwire::testing::FakeTargetHooksOptions;
+using ::kvwire::testing::ReadAll;
+using ::kvwire::testing::ReadString;
 using ::kvwire::testing::ReapAndJudge;
+using ::kvwire::testing::WaitReady;
+using ::kvwire::testing::WriteAll;
+using ::kvwire::testing::WriteString;
 using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 7;
@@ -63,55 +72,6 @@ constexpr uid_t kOtherUid = 65533;   // an attacker under another uid
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
 
-bool WaitReady(int fd, short events, absl::Time deadline) {
-  while (true) {
-    pollfd entry{fd, events, 0};
-    const int ms =
-        static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
-    const int n = poll(&entry, 1, ms);
-    if (n > 0) return true;
-    if (n == 0 || errno != EINTR) return false;
-  }
-}
-
-bool WriteAll(int fd, const void* data, size_t size, absl::Time deadline) {
-  const char* at = static_cast<const char*>(data);
-  while (size > 0) {
-    if (!WaitReady(fd, POLLOUT, deadline)) return false;
-    const ssize_t n = send(fd, at, size, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    at += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, void* data, size_t size, absl::Time deadline) {
-  char* at = static_cast<char*>(data);
-  while (size > 0) {
-    if (!WaitReady(fd, POLLIN, deadline)) return false;
-    const ssize_t n = read(fd, at, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    at += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteString(int fd, const std::string& s, absl::Time deadline = Soon()) {
-  const uint64_t size = s.size();
-  return WriteAll(fd, &size, sizeof(size), deadline) && WriteAll(fd, s.data(), size, deadline);
-}
-
-bool ReadString(int fd, std::string* s, absl::Time deadline = Soon()) {
-  uint64_t size = 0;
-  if (!ReadAll(fd, &size, sizeof(size), deadline) || size > (64 << 20)) return false;
-  s->resize(size);
-  return ReadAll(fd, s->data(), size, deadline);
-}
-
 size_t Page() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 
 // In a forked child running as root: become an ordinary process of `uid` (no capabilities),
@@ -125,51 +85,13 @@ bool BecomeUser(uid_t uid) {
   return prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) == 0;
 }
 
-// The engine's side of the target, reduced to a region table.
-class FakeHooks : public TargetHooks {
- public:
-  void AddRegion(const LocalRegion& region, bool exported) {
-    MutexLock lock(&mu_);
-    regions_[region.id] = Entry{region, exported};
-  }
-  void SetExported(RegionId id, bool exported) {
-    MutexLock lock(&mu_);
-    regions_[id].exported = exported;
-  }
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    if (token == kToken) return kPeer;
-    if (token == kLegitToken) return kLegitPeer;
-    return absl::UnauthenticatedError("unknown session token");
-  }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                 OpKind) override {
-    return absl::UnimplementedError("shm never asks the target to move data");
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
-    MutexLock lock(&mu_);
-    auto it = regions_.find(region);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("no region ", region));
-    if (!it->second.exported) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("region ", region, " is not exported to peer ", peer));
-    }
-    return it->second.region;
-  }
-  void OnWriteArrived(PeerId, TransferId) override {}
-  void OnPeerError(PeerId, const absl::Status&) override {}
-  uint32_t PeerProcessId(PeerId) override { return handshake_pid.load(); }
-
-  // Where both peers "handshook" from (0: not published yet, so not served).
-  std::atomic<uint32_t> handshake_pid{0};
-
- private:
-  struct Entry {
-    LocalRegion region;
-    bool exported = false;
-  };
-  Mutex mu_;
-  std::map<RegionId, Entry> regions_ ABSL_GUARDED_BY(mu_);
-};
+// The engine's side of the target: both peers' tokens; where they "handshook" from is set
+// once known (0: not published yet, so not served).
+FakeTargetHooksOptions BothPeers() {
+  FakeTargetHooksOptions options;
+  options.tokens = {{kToken, kPeer}, {kLegitToken, kLegitPeer}};
+  return options;
+}
 
 LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t access) {
   LocalRegion region;
@@ -228,9 +150,9 @@ struct TargetInfo {
 [[noreturn]] void RunTarget(int control, const TargetConfig& config) {
   const pid_t test_process = getppid();
   if (config.drop_privileges && !BecomeUser(kTargetUid)) _exit(9);
-  FakeHooks hooks;
+  FakeTargetHooks hooks(BothPeers());
   // The peers handshook from the test process; their tokens are bound to it.
-  hooks.handshake_pid = static_cast<uint32_t>(test_process);
+  hooks.set_peer_pid(static_cast<uint32_t>(test_process));
   ShmTransportOptions options;
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
@@ -264,8 +186,9 @@ struct TargetInfo {
     const RemoteRegionDesc desc = Describe(region);
     descs.append(reinterpret_cast<const char*>(&desc), sizeof(desc));
   }
-  if (!WriteString(control, (*transport)->Endpoint()) || !WriteString(control, descs) ||
-      !WriteString(control, absl::StrCat(ro->fd()))) {
+  if (!WriteString(control, (*transport)->Endpoint(), Soon()) ||
+      !WriteString(control, descs, Soon()) ||
+      !WriteString(control, absl::StrCat(ro->fd()), Soon())) {
     _exit(13);
   }
   std::optional<ShareableBuffer> fresh;
@@ -296,7 +219,7 @@ struct TargetInfo {
       if (!fresh.has_value()) _exit(18);
       reply.assign(reinterpret_cast<const char*>(fresh->data()), fresh->size());
     }
-    if (!WriteString(control, reply)) _exit(19);
+    if (!WriteString(control, reply, Soon())) _exit(19);
   }
   (*transport)->Shutdown();
   _exit(0);
@@ -321,8 +244,8 @@ class Target {
     close(fds[1]);
     control_ = fds[0];
     std::string descs, memfd;
-    if (!ReadString(control_, &info_.endpoint) || !ReadString(control_, &descs) ||
-        !ReadString(control_, &memfd)) {
+    if (!ReadString(control_, &info_.endpoint, Soon()) || !ReadString(control_, &descs, Soon()) ||
+        !ReadString(control_, &memfd, Soon())) {
       return ::testing::AssertionFailure() << "the target process did not start";
     }
     info_.pid = pid_;
@@ -336,7 +259,8 @@ class Target {
     CommandMessage message{command, region};
     std::string reply;
     EXPECT_TRUE(WriteAll(control_, &message, sizeof(message), Soon()));
-    EXPECT_TRUE(ReadString(control_, &reply)) << "target did not answer command " << command;
+    EXPECT_TRUE(ReadString(control_, &reply, Soon()))
+        << "target did not answer command " << command;
     return reply;
   }
 
@@ -465,7 +389,7 @@ void LegitimatePeerMovesExactBytes(Transport& initiator, const TargetInfo& info,
 }
 
 std::unique_ptr<Transport> MakeInitiator(bool allow_cma) {
-  static FakeHooks hooks;
+  static FakeTargetHooks hooks(BothPeers());
   ShmTransportOptions options;
   options.engine_name = "legit-initiator";
   options.allow_cma = allow_cma;
@@ -912,7 +836,7 @@ TEST(HostileShmTest, DenyPtraceShutsOutSameUidProcessesTheKernelWouldLetIn) {
 }
 
 TEST(HostileShmTest, DenyPtraceWithCmaIsRefused) {
-  FakeHooks hooks;
+  FakeTargetHooks hooks(BothPeers());
   ShmTransportOptions options;
   options.allow_cma = true;
   options.deny_ptrace = true;

@@ -31,6 +31,8 @@
 #include "kvwire/memory.h"
 #include "src/util/mutex.h"
 #include "tests/support/cma.h"
+#include "tests/support/fake_target_hooks.h"
+#include "tests/support/socket_io.h"
 #include "transport/shm/host_region_key.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/shareable_registry.h"
@@ -38,59 +40,17 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::FakeTargetHooks;
+using ::kvwire::testing::OnePeer;
+using ::kvwire::testing::ReadAll;
+using ::kvwire::testing::ReadString;
+using ::kvwire::testing::WriteAll;
+using ::kvwire::testing::WriteString;
 using ::testing::HasSubstr;
 
 constexpr PeerId kPeer = 7;
 constexpr char kToken[] = "session-token-of-peer-7";
 constexpr uint64_t kRegionBytes = 1 << 20;
-
-// The engine's side of the target, reduced to a region table.
-class FakeHooks : public TargetHooks {
- public:
-  void AddRegion(const LocalRegion& region, bool exported) {
-    MutexLock lock(&mu_);
-    regions_[region.id] = Entry{region, exported};
-  }
-  void SetExported(RegionId id, bool exported) {
-    MutexLock lock(&mu_);
-    regions_[id].exported = exported;
-  }
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    if (token == kToken) return kPeer;
-    return absl::UnauthenticatedError(absl::StrCat("unknown session token \"", token, "\""));
-  }
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId, RegionId, uint64_t, uint64_t,
-                                                 OpKind) override {
-    return absl::UnimplementedError("shm never asks the target to move data");
-  }
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
-    MutexLock lock(&mu_);
-    auto it = regions_.find(region);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("no region ", region));
-    if (!it->second.exported) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("region ", region, " is not exported to peer ", peer));
-    }
-    return it->second.region;
-  }
-  void OnWriteArrived(PeerId, TransferId) override { ++arrivals; }
-  void OnPeerError(PeerId, const absl::Status&) override { ++peer_errors; }
-  uint32_t PeerProcessId(PeerId) override { return peer_pid.load(); }
-
-  // Where the peer "handshook" from: this process, except in the forked target.
-  std::atomic<uint32_t> peer_pid{static_cast<uint32_t>(getpid())};
-
-  std::atomic<int> arrivals{0};
-  std::atomic<int> peer_errors{0};
-
- private:
-  struct Entry {
-    LocalRegion region;
-    bool exported = false;
-  };
-  Mutex mu_;
-  std::map<RegionId, Entry> regions_ ABSL_GUARDED_BY(mu_);
-};
 
 std::unique_ptr<Transport> MakeTransport(const std::string& name, TargetHooks* hooks,
                                          bool allow_cma = true) {
@@ -253,8 +213,8 @@ class ShmPairTest : public ::testing::Test {
     return channel.ok() ? *std::move(channel) : nullptr;
   }
 
-  FakeHooks target_hooks_;
-  FakeHooks initiator_hooks_;
+  FakeTargetHooks target_hooks_{OnePeer(kToken, kPeer)};
+  FakeTargetHooks initiator_hooks_{OnePeer(kToken, kPeer)};
   std::unique_ptr<Transport> target_;
   std::unique_ptr<Transport> initiator_;
 };
@@ -540,7 +500,7 @@ TEST_F(ShmPairTest, CmaRefusedBySeccompIsReportedAndHeapRegionsAreRefused) {
 }
 
 TEST_F(ShmPairTest, CmaDisabledGivesAClearErrorNotAFallback) {
-  FakeHooks hooks;
+  FakeTargetHooks hooks{OnePeer(kToken, kPeer)};
   std::unique_ptr<Transport> no_cma = MakeTransport("no-cma", &hooks, /*allow_cma=*/false);
   ASSERT_NE(no_cma, nullptr);
   std::vector<std::byte> heap(4096);
@@ -757,62 +717,12 @@ struct CommandMessage {
   uint64_t argument = 0;
 };
 
-bool WaitReady(int fd, short events, absl::Time deadline) {
-  while (true) {
-    pollfd entry{fd, events, 0};
-    const int ms =
-        static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
-    const int n = poll(&entry, 1, ms);
-    if (n > 0) return true;
-    if (n == 0 || errno != EINTR) return false;
-  }
-}
-
-bool WriteAll(int fd, const void* data, size_t size, absl::Time deadline) {
-  const char* at = static_cast<const char*>(data);
-  while (size > 0) {
-    if (!WaitReady(fd, POLLOUT, deadline)) return false;
-    const ssize_t n = send(fd, at, size, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    at += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, void* data, size_t size, absl::Time deadline) {
-  char* at = static_cast<char*>(data);
-  while (size > 0) {
-    if (!WaitReady(fd, POLLIN, deadline)) return false;
-    const ssize_t n = read(fd, at, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    at += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteString(int fd, const std::string& s, absl::Time deadline) {
-  const uint64_t size = s.size();
-  return WriteAll(fd, &size, sizeof(size), deadline) && WriteAll(fd, s.data(), size, deadline);
-}
-
-bool ReadString(int fd, std::string* s, absl::Time deadline) {
-  uint64_t size = 0;
-  if (!ReadAll(fd, &size, sizeof(size), deadline) || size > (64 << 20)) return false;
-  s->resize(size);
-  return ReadAll(fd, s->data(), size, deadline);
-}
-
 absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
 
 // The target process. Regions: 0 memfd whole buffer, 1 another whole memfd buffer,
 // 2 heap (CMA), 3 heap not exported, 4 memfd read-only.
 [[noreturn]] void RunChild(int control) {
-  FakeHooks hooks;
-  hooks.peer_pid = static_cast<uint32_t>(getppid());
+  FakeTargetHooks hooks(OnePeer(kToken, kPeer, static_cast<uint32_t>(getppid())));
   std::unique_ptr<Transport> transport = MakeTransport("forked-target", &hooks);
   if (transport == nullptr) _exit(10);
   absl::StatusOr<ShareableBuffer> whole = ShareableBuffer::Create(kRegionBytes);
@@ -945,7 +855,7 @@ class ShmTwoProcessTest : public ::testing::Test {
   int control_ = -1;
   std::string endpoint_;
   std::vector<RemoteRegionDesc> descs_;
-  FakeHooks hooks_;
+  FakeTargetHooks hooks_{OnePeer(kToken, kPeer)};
   std::unique_ptr<Transport> initiator_;
 };
 

@@ -1,5 +1,5 @@
 // The tcp transport end to end over loopback: two (or three) Transport instances in one
-// process, the target backed by a fake engine (FakeHooks) with a small region table.
+// process, the target backed by a fake engine (FakeTargetHooks) with a small region table.
 #include "transport/tcp/tcp_transport.h"
 
 #include <netinet/in.h>
@@ -29,6 +29,7 @@
 #include "absl/time/clock.h"
 
 #include "src/util/mutex.h"
+#include "tests/support/fake_target_hooks.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
@@ -36,157 +37,13 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::FakeTargetHooks;
+
 namespace wire = tcp_wire;
 
 constexpr std::byte kPoison{0xA5};
 // Generous: this runs on small, noisy machines and under sanitizers.
 constexpr absl::Duration kWait = absl::Seconds(60);
-
-// The engine's side of the target, reduced to a region table, a token table and counters.
-class FakeHooks final : public TargetHooks {
- public:
-  struct Region {
-    std::unique_ptr<std::byte[]> data;
-    uint64_t length = 0;
-    uint32_t access = kAccessNone;
-    bool exported = true;
-  };
-
-  RegionId AddRegion(uint64_t length, uint32_t access, bool exported = true) {
-    MutexLock lock(&mu_);
-    const RegionId id = next_region_++;
-    Region& r = regions_[id];
-    r.data = std::make_unique<std::byte[]>(length);
-    r.length = length;
-    r.access = access;
-    r.exported = exported;
-    return id;
-  }
-  std::byte* data(RegionId id) {
-    MutexLock lock(&mu_);
-    return regions_.at(id).data.get();
-  }
-  void AddToken(const std::string& token, PeerId peer) {
-    MutexLock lock(&mu_);
-    tokens_[token] = peer;
-  }
-  // While closed, ResolveIncoming waits (lets tests hold ops on the target).
-  void SetGate(bool open) {
-    MutexLock lock(&mu_);
-    gate_open_ = open;
-    cv_.SignalAll();
-  }
-  void SetResolveDelay(absl::Duration delay) {
-    MutexLock lock(&mu_);
-    resolve_delay_ = delay;
-  }
-  int arrivals(PeerId peer, TransferId transfer) {
-    MutexLock lock(&mu_);
-    auto it = arrivals_.find({peer, transfer});
-    return it == arrivals_.end() ? 0 : it->second;
-  }
-  std::vector<std::pair<PeerId, absl::Status>> peer_errors() {
-    MutexLock lock(&mu_);
-    return peer_errors_;
-  }
-  // Waits until at least `n` peer errors were reported.
-  bool WaitPeerErrors(size_t n, absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    MutexLock lock(&mu_);
-    while (peer_errors_.size() < n) {
-      if (!cv_.WaitUntil(&mu_, deadline) && peer_errors_.size() < n) return false;
-    }
-    return true;
-  }
-  int pins_alive() const { return pins_alive_->load(); }
-  // The transport releases a pin when it no longer touches that memory; a test (like an
-  // engine) waits for that before it reuses target memory. False on timeout.
-  bool WaitPinsReleased(absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (pins_alive_->load() != 0) {
-      if (absl::Now() > deadline) return false;
-      absl::SleepFor(absl::Microseconds(200));
-    }
-    return true;
-  }
-
-  absl::StatusOr<PeerId> PeerForToken(const std::string& token) override {
-    MutexLock lock(&mu_);
-    auto it = tokens_.find(token);
-    if (it == tokens_.end()) return absl::UnauthenticatedError("unknown session token");
-    return it->second;
-  }
-
-  absl::StatusOr<IncomingAccess> ResolveIncoming(PeerId peer, RegionId region, uint64_t offset,
-                                                 uint64_t length, OpKind kind) override {
-    absl::Duration delay;
-    {
-      MutexLock lock(&mu_);
-      while (!gate_open_) cv_.Wait(&mu_);
-      delay = resolve_delay_;
-    }
-    if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
-    MutexLock lock(&mu_);
-    auto it = regions_.find(region);
-    if (it == regions_.end() || !it->second.exported) {
-      return absl::NotFoundError(
-          absl::StrCat("remote region ", region, " is not exported to peer ", peer));
-    }
-    const Region& r = it->second;
-    if (offset > r.length || length > r.length - offset) {
-      return absl::OutOfRangeError(absl::StrCat("remote region ", region, " offset ", offset,
-                                                " length ", length, " exceeds region length ",
-                                                r.length));
-    }
-    const uint32_t need = kind == OpKind::kWrite ? kRemoteWrite : kRemoteRead;
-    if ((r.access & need) == 0) {
-      return absl::PermissionDeniedError(absl::StrCat("remote region ", region,
-                                                      " does not allow remote ",
-                                                      kind == OpKind::kWrite ? "WRITE" : "READ"));
-    }
-    pins_alive_->fetch_add(1);
-    auto counter = pins_alive_;
-    IncomingAccess access;
-    access.data = r.data.get() + offset;
-    access.pin = std::shared_ptr<const void>(nullptr, [counter](const void*) { --*counter; });
-    return access;
-  }
-
-  absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) override {
-    MutexLock lock(&mu_);
-    auto it = regions_.find(region);
-    if (it == regions_.end()) return absl::NotFoundError("no such region");
-    LocalRegion out;
-    out.id = region;
-    out.base = it->second.data.get();
-    out.length = it->second.length;
-    out.access = it->second.access;
-    return out;
-  }
-
-  void OnWriteArrived(PeerId peer, TransferId transfer_id) override {
-    MutexLock lock(&mu_);
-    ++arrivals_[{peer, transfer_id}];
-  }
-
-  void OnPeerError(PeerId peer, const absl::Status& error) override {
-    MutexLock lock(&mu_);
-    peer_errors_.emplace_back(peer, error);
-    cv_.SignalAll();
-  }
-
- private:
-  Mutex mu_;
-  CondVar cv_;
-  RegionId next_region_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<RegionId, Region> regions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, PeerId> tokens_ ABSL_GUARDED_BY(mu_);
-  std::map<std::pair<PeerId, TransferId>, int> arrivals_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
-  bool gate_open_ ABSL_GUARDED_BY(mu_) = true;
-  absl::Duration resolve_delay_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<std::atomic<int>> pins_alive_ = std::make_shared<std::atomic<int>>(0);
-};
 
 // Records the done() calls of many Posts: how often each ran and with what.
 class DoneTracker {
@@ -238,7 +95,7 @@ class DoneTracker {
 };
 
 struct Node {
-  FakeHooks hooks;
+  FakeTargetHooks hooks;
   std::unique_ptr<Transport> transport;
 };
 
@@ -422,7 +279,7 @@ TEST_F(TcpTransportTest, RegisterRegionRejectsDuplicates) {
 
 TEST_F(TcpTransportTest, RandomWritesAndReadsAreExact) {
   constexpr uint64_t kSpan = 48 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kSpan, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kSpan, kRemoteReadWrite);
   std::byte* remote_data = target_->hooks.data(remote);
   std::vector<std::byte> local(kSpan);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 4);
@@ -461,7 +318,7 @@ TEST_F(TcpTransportTest, RandomWritesAndReadsAreExact) {
 }
 
 TEST_F(TcpTransportTest, ZeroLengthOpsAndEmptyPostsComplete) {
-  const RegionId remote = target_->hooks.AddRegion(4096, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(4096, kRemoteReadWrite);
   std::vector<std::byte> local(4096);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 1);
   ASSERT_NE(channel, nullptr);
@@ -480,7 +337,7 @@ TEST_F(TcpTransportTest, ZeroLengthOpsAndEmptyPostsComplete) {
 
 TEST_F(TcpTransportTest, ManyPostsInFlightOnSeveralLanes) {
   constexpr uint64_t kSpan = 16 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kSpan, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kSpan, kRemoteReadWrite);
   std::byte* remote_data = target_->hooks.data(remote);
   std::vector<std::byte> local(kSpan);
   FillRandom(local.data(), kSpan, 1);
@@ -515,7 +372,7 @@ TEST_F(TcpTransportTest, ManyPostsInFlightOnSeveralLanes) {
 
 TEST_F(TcpTransportTest, CountsEachFlaggedWriteArrivalOnce) {
   constexpr uint64_t kSpan = 8 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kSpan, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kSpan, kRemoteReadWrite);
   std::vector<std::byte> local(kSpan);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 4);
   ASSERT_NE(channel, nullptr);
@@ -553,8 +410,8 @@ class TcpInvalidOpTest : public TcpTransportTest,
 TEST_P(TcpInvalidOpTest, FailsThePostAndDropsOnlyThatConnection) {
   const InvalidCase& c = GetParam();
   constexpr uint64_t kRegionBytes = 1 << 20;
-  const RegionId good = target_->hooks.AddRegion(kRegionBytes, kRemoteReadWrite);
-  const RegionId bad = target_->hooks.AddRegion(kRegionBytes, c.access, c.exported);
+  const RegionId good = target_->hooks.AllocateRegion(kRegionBytes, kRemoteReadWrite);
+  const RegionId bad = target_->hooks.AllocateRegion(kRegionBytes, c.access, c.exported);
   const RegionId target_region = c.unknown_region ? 999 : bad;
   std::vector<std::byte> local(2 << 20);
   FillRandom(local.data(), local.size(), 9);
@@ -688,7 +545,7 @@ TEST_F(TcpTransportTest, ConnectErrorsNameTheEndpoint) {
 
 TEST_F(TcpTransportTest, CloseFailsEveryPendingPostExactlyOnce) {
   constexpr uint64_t kSpan = 8 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kSpan, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kSpan, kRemoteReadWrite);
   std::vector<std::byte> local(kSpan);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 4);
   ASSERT_NE(channel, nullptr);
@@ -737,7 +594,7 @@ TEST_F(TcpTransportTest, CloseFailsEveryPendingPostExactlyOnce) {
 }
 
 TEST_F(TcpTransportTest, CloseRacingPostsStillCallsEveryDone) {
-  const RegionId remote = target_->hooks.AddRegion(4 << 20, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(4 << 20, kRemoteReadWrite);
   std::vector<std::byte> local(4 << 20);
   for (int round = 0; round < 20; ++round) {
     auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 2);
@@ -764,7 +621,7 @@ TEST_F(TcpTransportTest, CloseRacingPostsStillCallsEveryDone) {
 
 TEST_F(TcpTransportTest, PeerShutdownMidTransferFailsPendingPosts) {
   constexpr uint64_t kSpan = 32 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kSpan, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kSpan, kRemoteReadWrite);
   std::vector<std::byte> local(kSpan);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 4);
   ASSERT_NE(channel, nullptr);
@@ -808,7 +665,7 @@ TEST_F(TcpTransportTest, PeerShutdownMidTransferFailsPendingPosts) {
 
 TEST_F(TcpTransportTest, CancelledReadDoesNotWriteLocalMemory) {
   constexpr uint64_t kBytes = 2 << 20;
-  const RegionId remote = target_->hooks.AddRegion(kBytes, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(kBytes, kRemoteReadWrite);
   FillRandom(target_->hooks.data(remote), kBytes, 3);
   std::vector<std::byte> local(kBytes, kPoison);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 1);
@@ -923,7 +780,7 @@ class RawClient {
 };
 
 TEST_F(TcpTransportTest, MalformedOpHeaderIsAProtocolError) {
-  const RegionId remote = target_->hooks.AddRegion(1 << 20, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(1 << 20, kRemoteReadWrite);
   std::vector<std::byte> local(1 << 20);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 1);
   ASSERT_NE(channel, nullptr);
@@ -980,7 +837,7 @@ TEST_F(TcpTransportTest, MalformedOpHeaderIsAProtocolError) {
 }
 
 TEST_F(TcpTransportTest, DropPeerClosesOnlyThatPeersConnections) {
-  const RegionId remote = target_->hooks.AddRegion(1 << 20, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(1 << 20, kRemoteReadWrite);
   std::vector<std::byte> local(1 << 20);
   auto a = ConnectOrDie(*initiator_, *target_, "token-a", 2);
   std::unique_ptr<Node> other = MakeNode();
@@ -1008,7 +865,7 @@ TEST_F(TcpTransportTest, DropPeerClosesOnlyThatPeersConnections) {
 }
 
 TEST_F(TcpTransportTest, ChannelDestroyedInsideDoneCallback) {
-  const RegionId remote = target_->hooks.AddRegion(1 << 20, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(1 << 20, kRemoteReadWrite);
   std::vector<std::byte> local(1 << 20);
   std::unique_ptr<Channel> channel = ConnectOrDie(*initiator_, *target_, "token-a", 2);
   ASSERT_NE(channel, nullptr);
@@ -1043,7 +900,7 @@ TEST_F(TcpTransportTest, ChannelDestroyedInsideDoneCallback) {
 }
 
 TEST_F(TcpTransportTest, ShutdownWithOpenChannels) {
-  const RegionId remote = target_->hooks.AddRegion(1 << 20, kRemoteReadWrite);
+  const RegionId remote = target_->hooks.AllocateRegion(1 << 20, kRemoteReadWrite);
   std::vector<std::byte> local(1 << 20);
   auto channel = ConnectOrDie(*initiator_, *target_, "token-a", 4);
   ASSERT_NE(channel, nullptr);
