@@ -16,8 +16,9 @@ namespace kvwire::perf {
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
                                                    const std::string& listen_address) {
   if (o.transport == TransportKind::kRdma) {
-    // Passed through the environment, which EngineOptions::FromEnvironment reads (the one
-    // place the library does), so this tool builds with or without the rdma transport.
+    // Passed through the environment, which EngineOptions::FromEnvironment reads below: the
+    // flags get the library's parsing and ranges of KVWIRE_RDMA_* (a comma-separated device
+    // list, -1..1023, 1..64), and a value out of range is logged and ignored as for any program.
     if (!o.device.empty()) setenv("KVWIRE_RDMA_DEVICES", o.device.c_str(), 1);
     if (o.gid_index >= 0) setenv("KVWIRE_RDMA_GID_INDEX", absl::StrCat(o.gid_index).c_str(), 1);
     if (o.connections > 0) setenv("KVWIRE_RDMA_QPS", absl::StrCat(o.connections).c_str(), 1);

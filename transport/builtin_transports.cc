@@ -1,9 +1,10 @@
-#include "transport/builtin_transports.h"
+// The built-in transports (declared in transport/transport.h).
 
 #include "src/util/log.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
+#include "transport/transport.h"
 
 namespace kvwire::transport {
 namespace {

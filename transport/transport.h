@@ -85,8 +85,6 @@ struct LocalRegion {
   // (TargetHooks::ResolveIncoming). A transport whose target cannot check one per op never
   // lets a peer read the region (shm: no mapping, no key; rdma: no remote-read access).
   bool reads_need_grant = false;
-  int memfd = -1;             // >= 0 when backed by a ShareableBuffer (not owned here)
-  uint64_t memfd_offset = 0;  // offset of `base` within the memfd
   // kGpu: the device, and the runtime allocation around [base, base + length) (IPC handles
   // and dma-bufs cover whole allocations; a region may be any part of one).
   int gpu_device = -1;
@@ -100,13 +98,13 @@ struct RemoteRegionDesc {
   uint64_t length = 0;
   uint32_t access = kAccessNone;
   MemoryKind kind = MemoryKind::kHost;
-  uint64_t address = 0;    // base address in the peer's process
-  bool shareable = false;  // memfd-backed on the peer
+  uint64_t address = 0;  // base address in the peer's process
   // The peer serves READs of it only under a grant (LocalRegion::reads_need_grant): they are
   // routed only to transports with Capabilities::checks_grants.
   bool reads_need_grant = false;
   // The peer's Transport::RegionKey for the transport this desc is handed to (rdma: its
-  // rkeys), opaque. A fixed array: the struct stays trivially copyable.
+  // rkeys; shm: whether a memfd backs the region), opaque. A fixed array: the struct stays
+  // trivially copyable.
   static constexpr size_t kMaxKeyBytes = 120;
   uint32_t key_length = 0;
   char key[kMaxKeyBytes] = {};
@@ -312,6 +310,21 @@ inline void SetStatText(std::vector<TransportStat>* stats, std::string_view grou
                         std::string_view name, std::string text) {
   StatOf(stats, group, name).text = std::move(text);
 }
+
+// The transports every engine tries to create: the one list a new built-in transport is
+// added to. Adding one is a folder (transport/<name>/: a Transport subclass declaring its
+// Capabilities, and a factory) and one line in BuiltinTransports() (plus its folder's
+// kvwire_component line in CMakeLists.txt); the core routes it from its Capabilities and never
+// names it. Both are defined in transport/builtin_transports.cc, the one file that includes the
+// concrete transports (it is linked into libkvwire; the core includes only this header). A
+// transport from outside the library registers with one line instead:
+// EngineOptions::extra_transports (tests/transport/pipe is one).
+std::vector<TransportFactory> BuiltinTransports();
+
+// The statistics every built-in transport declares, at zero: an engine lists them also for a
+// transport that is not running on this machine (rdma without a device), so its stats keep
+// their shape.
+std::vector<TransportStat> BuiltinTransportStats();
 
 }  // namespace kvwire::transport
 

@@ -75,7 +75,7 @@ struct EngineOptions {
 
   // Transports added to the built-in ones (transport/builtin_transports.cc): Create calls each
   // factory once, and a transport it returns is routed like the others, from its
-  // Capabilities (e.g. tests/support/pipe_transport, which lives in tests/ only).
+  // Capabilities (e.g. tests/transport/pipe/pipe_transport.h, which lives in tests/ only).
   std::vector<TransportFactory> extra_transports;
 
   // Parallel tcp data connections per peer; a transfer is striped over them.
@@ -354,6 +354,9 @@ class Engine {
   const std::string& name() const;
   // Control-channel address peers dial, "host:port" (empty when not listening).
   std::string address() const;
+  // The compatibility hash a peer's handshake must match: of the control channel's schema and
+  // version, and EngineOptions::compat_salt (e.g. for a discovery record).
+  uint64_t compatibility_hash() const;
 
   // Registers [ptr, ptr+length) with every enabled transport. Memory from ShareableBuffer is
   // recognised and mapped by shm peers; other host memory goes through cross-memory attach

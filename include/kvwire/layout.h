@@ -213,9 +213,4 @@ absl::StatusOr<std::vector<PageSpan>> UnfilledPageSpans(const CacheGroup& group,
 
 }  // namespace kvwire
 
-// Deprecated: the DeepSeek presets moved to kvwire/deepseek.h; layout.h still includes it for
-// this release so that code which only includes layout.h keeps building. Include
-// kvwire/deepseek.h directly; the next release drops this include.
-#include "kvwire/deepseek.h"  // IWYU pragma: export
-
 #endif  // KVWIRE_LAYOUT_H_

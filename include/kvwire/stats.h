@@ -82,7 +82,10 @@ struct EngineStats {
   uint64_t transfers_failed = 0;
   uint64_t notifications_sent = 0;
   uint64_t notifications_delivered = 0;
-  uint64_t incoming_ops = 0;  // ops served as a target (tcp)
+  // Ops served as a target and refused by its validation: ops of a transport whose target
+  // validates each op through the engine (TargetHooks::ResolveIncoming: tcp among the built-in
+  // ones). shm and rdma ops are one-sided: they never reach the target engine.
+  uint64_t incoming_ops = 0;
   uint64_t incoming_rejected = 0;
   // READs of grant-guarded regions (RegionOptions::reads_need_grant) refused for want of a
   // live grant covering them (no grant, unknown or revoked grant, range outside it); also in

@@ -3,26 +3,31 @@
 //   discovery_side.cc     etcd registration and announce, resolving a prefill by engine id
 //   scheduler_side.cc     scheduler half (match, alloc, metadata, request finished)
 //   worker_side.cc        worker half (bind metadata, start loads, layer waits and saves, abort)
-//   decode_load.cc        decode: mode choice and the start of a load (READ, or write request)
+//   decode_load.cc        decode: mode choice and the start of a load (READ, or write
+//                         request); releasing the blocks of a load it will not read
 //   write_mode.cc         prefill, write mode: layer-wise WRITEs, "layer" and "done"
 //   event_saves.cc        prefill, write mode: layer saves gated on a GPU event, waited for on
-//                         a waiter thread of their own
+//                         a waiter thread of their own; WaitForSave
 //   read_scrub.cc         prefill: zeroing the rows of a request's blocks it did not fill
 //   peer_sessions.cc      connector handshake (hello, pending hellos), protocol closes, peer
 //                         deaths
 //   read_grants.cc        prefill, read mode: readers of a held hand-off, their grants and
 //                         read_ok; decode's side of read_ok
 //   peer_messages.cc      the other message handlers (one per type, through a table), transfer
-//                         binding checks, the progress thread
+//                         binding checks, the progress thread and its wake-ups
 //   request_lifecycle.cc  the request state machine's endings: complete, fail, abort,
 //                         transfer submission and ends, deadlines and leases
 //   connector_stats.cc    per-request and per-group accounting, JSON and Prometheus
+//   progress_signal.cc    ProgressSignal (below)
 // with the records it keeps in connector_request.h (Request, Peer) and the typed peer messages
 // in peer_message.h (parsed in peer_message_parse.cc);
 // and its components, each with a job of its own: the request table, peer sessions, write-mode
 // pushes and event-save queue (state under mu_, see the lock order at the fields),
 // ConnectorMetrics (connector_metrics.h, own lock) and ProgressSignal (progress_signal.h, own
 // lock: what wakes the progress thread; transfer ends are pushed by the engine, not polled).
+// The folder's other files are not Connector::Impl: layout.cc and layout_json.cc
+// (kvwire/layout.h), kv_params.cc (kv_transfer_params), metrics_http.cc (the /metrics
+// endpoint, metrics_http.h); the C ABI over the public API is src/capi/ (its own layer).
 //
 // Connector-to-connector messages (hello, read start, write requests, releases, aborts,
 // done) are engine messages of topic kTopic over the control channel, in order per peer.

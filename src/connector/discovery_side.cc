@@ -6,7 +6,6 @@
 #include "absl/strings/str_format.h"
 
 #include "src/connector/connector_impl.h"
-#include "src/control/control.h"
 #include "src/discovery/instance.h"
 #include "src/util/log.h"
 
@@ -61,7 +60,7 @@ absl::Status Connector::Impl::Announce(const std::string& http_address) {
   r.kv_address = engine_->address();
   r.http_address = http_address;
   r.mode = KvModeName(options_.mode);
-  r.compat_hash = absl::StrFormat("%016x", control::CompatibilityHash(options_.engine.compat_salt));
+  r.compat_hash = absl::StrFormat("%016x", engine_->compatibility_hash());
   r.pid = getpid();
   switch (options_.engine.transport) {
     case TransportKind::kAuto:

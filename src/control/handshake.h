@@ -1,5 +1,5 @@
 // The pure half of the control-channel handshake: building and checking Hellos, HMAC proofs,
-// and Reject messages. The socket work lives in dialer.cc and listener.cc.
+// and Reject messages. The socket work lives in dialer.cc and inbound_handshake.cc.
 //
 // Exchange (D = dialer, L = listener; Td, Tl = session tokens, see HandshakeConfig):
 //   without a secret:

@@ -14,8 +14,6 @@
 #include "src/core/engine_impl.h"
 #include "src/core/options_check.h"
 #include "src/util/log.h"
-#include "transport/builtin_transports.h"
-#include "transport/shm/shareable_registry.h"
 
 namespace kvwire {
 namespace {
@@ -218,9 +216,6 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
   region.reads_need_grant = options.reads_need_grant;
   if (options.kind == MemoryKind::kGpu) {
     if (absl::Status s = DescribeGpuMemory(options, &region); !s.ok()) return s;
-  } else if (auto backing = transport::FindShareable(ptr, length)) {
-    region.memfd = backing->fd;
-    region.memfd_offset = backing->offset;
   }
   const absl::Time start = absl::Now();
   const RegionId id = regions_.Add(region, options.export_to_all_peers);
@@ -257,8 +252,7 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
     stats_.registration_us_total += us;
   }
   KVW_LOG(kInfo, "engine") << "registered region" << Kv("engine", name_) << Kv("region", id)
-                           << Kv("length", length) << Kv("shareable", region.memfd >= 0)
-                           << Kv("gpu_device", region.gpu_device)
+                           << Kv("length", length) << Kv("gpu_device", region.gpu_device)
                            << Kv("export_all", options.export_to_all_peers) << Kv("us", us);
   if (options.export_to_all_peers) {
     std::vector<std::shared_ptr<Peer>> peers;
@@ -396,6 +390,7 @@ Engine::Engine(ConstructionKey, std::unique_ptr<Impl> impl) : impl_(std::move(im
 Engine::~Engine() = default;
 const std::string& Engine::name() const { return impl_->name(); }
 std::string Engine::address() const { return impl_->address(); }
+uint64_t Engine::compatibility_hash() const { return impl_->compatibility_hash(); }
 absl::StatusOr<RegionId> Engine::RegisterMemory(void* ptr, size_t length, RegionOptions options) {
   return impl_->RegisterMemory(ptr, length, options);
 }

@@ -1,6 +1,9 @@
 // Engine::Impl: owns the control channel, the transports, the region registry, peers and
-// transfers. Split across engine.cc (lifecycle, memory), engine_peers.cc (handshake, peer
-// lifecycle, channels) and engine_transfers.cc (the transfer path, target hooks).
+// transfers. One file per job: engine.cc (lifecycle, memory registration), engine_handshake.cc
+// (handshake both ways, session tokens), engine_peers.cc (a live peer's messages, closing,
+// finding peers), engine_exports.cc (exports both ways), engine_channels.cc (a peer's data
+// path), engine_transfers.cc (the transfer path, target hooks, grants), engine_messages.cc
+// (engine messages and inboxes), stats.cc (Stats), options.cc (EngineOptions).
 #ifndef KVWIRE_CORE_ENGINE_IMPL_H_
 #define KVWIRE_CORE_ENGINE_IMPL_H_
 
@@ -80,6 +83,7 @@ class Engine::Impl final : public transport::TargetHooks {
 
   const std::string& name() const { return name_; }
   std::string address() const { return address_; }
+  uint64_t compatibility_hash() const { return handshake_.compat_hash; }
 
   absl::StatusOr<RegionId> RegisterMemory(void* ptr, size_t length, RegionOptions options);
   absl::Status DeregisterMemory(RegionId region);
@@ -126,14 +130,37 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::Status Revoke(PeerId peer, GrantId grant);
 
  private:
-  // engine_peers.cc
-  // The handshake adds the session token (HandshakeConfig::issue_token).
+  // engine_handshake.cc. The handshake adds the session token (HandshakeConfig::issue_token).
   pb::Hello LocalHello(TransportKind preference) const;
   absl::StatusOr<pb::Hello> RespondToHello(const pb::Hello& remote);
   void OnAccepted(control::Accepted accepted);
   std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
                                 TransportKind preference);
+  // HandshakeConfig::issue_token/revoke_token: a token becomes live (PeerForToken finds it)
+  // for a new peer id only once the handshake has authenticated the peer it goes to.
+  absl::StatusOr<std::string> IssueToken();
+  void RevokeToken(const std::string& token);
+  // The peer id a live token was issued for; 0 if it is not live (revoked: engine stopping).
+  PeerId TokenPeer(const std::string& token) const;
+
+  // engine_peers.cc
+  void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
+  void ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
+  // Drops a peer from a malformed or unexpected control message: Goodbye says why.
+  void ClosePeerForProtocol(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
+  std::shared_ptr<Peer> GetPeer(PeerId id) const;
+
+  // engine_exports.cc
   absl::Status SendExports(Peer& peer, const std::vector<transport::LocalRegion>& regions);
+  // What a peer exported to this engine, or withdrew.
+  void OnExportRegions(const std::shared_ptr<Peer>& peer, const pb::ExportRegions& message);
+  void OnRevokeRegions(const std::shared_ptr<Peer>& peer, const pb::RevokeRegions& message);
+
+  // engine_channels.cc
+  // The endpoint of transport `kind` the peer offered in `hello`; null if none.
+  static const pb::TransportEndpoint* FindEndpoint(const pb::Hello& hello, const std::string& kind);
+  // The transport name a settled preference forces; empty for kAuto.
+  static std::string ForcedName(TransportKind preference);
   // Opens transports_[index]'s channel to `peer`; the reason when it is not usable.
   absl::StatusOr<std::unique_ptr<transport::Channel>> ConnectChannel(
       const std::shared_ptr<Peer>& peer, size_t index, transport::PeerLink link);
@@ -141,24 +168,14 @@ class Engine::Impl final : public transport::TargetHooks {
   transport::ControlSender ControlSenderFor(size_t index,
                                             std::shared_ptr<control::Connection> conn) const;
   void OnTransportControl(const std::shared_ptr<Peer>& peer, const pb::TransportControl& message);
-  // The transport name a settled preference forces; empty for kAuto.
-  static std::string ForcedName(TransportKind preference);
-  void OnMessage(const std::shared_ptr<Peer>& peer, const pb::Envelope& message);
-  void OnEngineMessage(const std::shared_ptr<Peer>& peer, const pb::EngineMessage& message);
   absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
   void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
-  void ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
-  std::shared_ptr<Peer> GetPeer(PeerId id) const;
-  // 16 bytes from the CSPRNG, hex; an error (never predictable bytes) if it fails.
+
+  // engine_messages.cc
+  void OnEngineMessage(const std::shared_ptr<Peer>& peer, const pb::EngineMessage& message);
+
+  // engine.cc: 16 bytes from the CSPRNG, hex; an error (never predictable bytes) if it fails.
   absl::StatusOr<std::string> NewToken();
-  // HandshakeConfig::issue_token/revoke_token: a token becomes live (PeerForToken finds it)
-  // for a new peer id only once the handshake has authenticated the peer it goes to.
-  absl::StatusOr<std::string> IssueToken();
-  void RevokeToken(const std::string& token);
-  // The peer id a live token was issued for; 0 if it is not live (revoked: engine stopping).
-  PeerId TokenPeer(const std::string& token) const;
-  // Drops a peer from a malformed or unexpected control message: Goodbye says why.
-  void ClosePeerForProtocol(const std::shared_ptr<Peer>& peer, const absl::Status& reason);
 
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);

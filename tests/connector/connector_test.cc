@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
+#include "kvwire/deepseek.h"
 #include "tests/connector/child.h"
 #include "tests/connector/kv_sim.h"
 #include "tests/support/promtool.h"

@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "kvwire/connector.h"
+#include "kvwire/deepseek.h"
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"

@@ -1,6 +1,6 @@
 // The control-channel handshake (src/control/handshake.cc) as the listener
-// (listener.cc InboundHandshake) and the dialer (dialer.cc DialBlocking) run it, without the
-// sockets: the input is what the peer sends, decoded by the real FrameDecoder, and each
+// (inbound_handshake.cc InboundHandshake) and the dialer (dialer.cc DialBlocking) run it, without
+// the sockets: the input is what the peer sends, decoded by the real FrameDecoder, and each
 // envelope goes through the same checks, in the same order, as the socket code calls them.
 //
 // Input: byte 0 picks the side and its config (bit 0: dialer instead of listener; bit 1: a

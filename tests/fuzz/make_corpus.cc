@@ -22,9 +22,11 @@
 #include "src/control/control.h"
 #include "src/control/frame.h"
 #include "src/control/handshake.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_plan.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/gpu_region_key.h"
+#include "transport/shm/host_region_key.h"
 #include "transport/shm/shm_endpoint.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -90,7 +92,8 @@ void Control() {
   region->set_length(1 << 20);
   region->set_access(3);
   region->set_address(0x7f0000000000);
-  region->set_shareable(true);
+  // shm's key of a memfd-backed host region (was RegionDescriptor.shareable).
+  (*region->mutable_transport_keys())["shm"] = transport::shm::EncodeHostRegionKey(true);
   (*region->mutable_transport_keys())["rdma"] = "4660,4661";
   pb::Envelope revoke;
   revoke.mutable_revoke_regions()->add_ids(3);

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "proto/kvwire.pb.h"
 #include "tests/fuzz/fuzz_util.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_plan.h"
 

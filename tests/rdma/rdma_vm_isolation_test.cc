@@ -33,6 +33,7 @@
 #include "src/util/mutex.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/rdma/control_proxy.h"
+#include "transport/rdma/rdma.pb.h"
 
 namespace kvwire::testing {
 namespace {

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 
-#include "proto/kvwire.pb.h"
+#include "transport/rdma/rdma.pb.h"
 
 namespace kvwire::transport::rdma {
 

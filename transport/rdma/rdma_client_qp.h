@@ -12,8 +12,8 @@
 
 #include "absl/status/statusor.h"
 
-#include "proto/kvwire.pb.h"
 #include "src/util/mutex.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_device_loop.h"
 #include "transport/rdma/rdma_plan.h"

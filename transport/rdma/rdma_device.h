@@ -12,8 +12,8 @@
 
 #include "absl/status/statusor.h"
 
-#include "proto/kvwire.pb.h"
 #include "src/util/mutex.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/rdma/verbs.h"

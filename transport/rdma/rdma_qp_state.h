@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 
-#include "proto/kvwire.pb.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/rdma/verbs.h"

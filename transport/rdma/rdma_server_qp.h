@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 
-#include "proto/kvwire.pb.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_plan.h"
 #include "transport/rdma/rdma_regions.h"

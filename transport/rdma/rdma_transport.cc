@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-#include "proto/kvwire.pb.h"
 #include "src/util/log.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_address.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_transport_impl.h"

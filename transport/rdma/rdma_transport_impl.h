@@ -16,9 +16,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-#include "proto/kvwire.pb.h"
 #include "src/util/mutex.h"
 #include "src/util/task_runner.h"
+#include "transport/rdma/rdma.pb.h"
 #include "transport/rdma/rdma_client_qp.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_device_loop.h"

@@ -16,14 +16,14 @@ namespace {
 
 // OK when `fd` (size `file_size`) may be handed to peers of `region`; seals it for that
 // first if no seals were fixed yet. See LocalRegionTable::Add.
-absl::Status SealForPeers(int fd, const LocalRegion& region, uint64_t file_size) {
+absl::Status SealForPeers(int fd, const LocalRegion& region, uint64_t memfd_offset,
+                          uint64_t file_size) {
   const std::string who = absl::StrCat("shm: region ", region.id);
-  if (region.memfd_offset != 0 || region.length != file_size) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(who, " is part of its memfd (offset ", region.memfd_offset, ", ",
-                     region.length, " of ", file_size,
-                     " bytes): the descriptor would give peers the rest of the memfd too; "
-                     "register a whole ShareableBuffer (data(), size()) to share it over shm"));
+  if (memfd_offset != 0 || region.length != file_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " is part of its memfd (offset ", memfd_offset, ", ", region.length, " of ", file_size,
+        " bytes): the descriptor would give peers the rest of the memfd too; "
+        "register a whole ShareableBuffer (data(), size()) to share it over shm"));
   }
   const bool read_only = (region.access & kRemoteWrite) == 0;
   int seals = ::fcntl(fd, F_GET_SEALS);
@@ -60,18 +60,20 @@ absl::Status SealForPeers(int fd, const LocalRegion& region, uint64_t file_size)
 
 }  // namespace
 
-absl::Status LocalRegionTable::Add(const LocalRegion& region) {
+absl::Status LocalRegionTable::Add(const LocalRegion& region,
+                                   std::optional<ShareableBacking> backing) {
   auto entry = std::make_shared<LocalRegionEntry>();
   entry->id = region.id;
   entry->length = region.length;
   entry->access = region.access;
-  entry->memfd_offset = region.memfd_offset;
-  if (region.memfd >= 0) {
-    entry->memfd.Reset(::fcntl(region.memfd, F_DUPFD_CLOEXEC, 0));
+  entry->memfd_backed = backing.has_value();
+  if (backing.has_value()) {
+    entry->memfd_offset = backing->offset;
+    entry->memfd.Reset(::fcntl(backing->fd, F_DUPFD_CLOEXEC, 0));
     if (!entry->memfd.valid()) {
       return ErrnoStatus(
           absl::StatusCode::kInvalidArgument, errno,
-          absl::StrCat("shm: region ", region.id, ": duplicating memfd ", region.memfd));
+          absl::StrCat("shm: region ", region.id, ": duplicating memfd ", backing->fd));
     }
     struct stat info;
     if (::fstat(entry->memfd.get(), &info) != 0) {
@@ -79,19 +81,20 @@ absl::Status LocalRegionTable::Add(const LocalRegion& region) {
                          absl::StrCat("shm: region ", region.id, ": fstat of memfd"));
     }
     const uint64_t file_size = static_cast<uint64_t>(info.st_size);
-    if (region.memfd_offset > file_size || region.length > file_size - region.memfd_offset) {
+    if (backing->offset > file_size || region.length > file_size - backing->offset) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "shm: region ", region.id, " (offset ", region.memfd_offset, ", length ", region.length,
+          "shm: region ", region.id, " (offset ", backing->offset, ", length ", region.length,
           ") extends past the end of its memfd (", file_size, " bytes)"));
     }
     const int seals = ::fcntl(entry->memfd.get(), F_GET_SEALS);
     if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "shm: region ", region.id, ": memfd ", region.memfd,
+          "shm: region ", region.id, ": memfd ", backing->fd,
           " is not sealed against shrinking (a peer's mapping could fault); allocate the "
           "memory with kvwire::ShareableBuffer"));
     }
-    if (absl::Status shared = SealForPeers(entry->memfd.get(), region, file_size); !shared.ok()) {
+    if (absl::Status shared = SealForPeers(entry->memfd.get(), region, backing->offset, file_size);
+        !shared.ok()) {
       entry->not_shared = std::string(shared.message());
       entry->memfd.Reset();
       KVW_LOG(kWarning, "shm") << "memfd not shared with peers; they will reach the region "

@@ -18,6 +18,7 @@
 #include "transport/shm/errno_text.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/gpu_region_key.h"
+#include "transport/shm/host_region_key.h"
 #include "transport/shm/seqpacket.h"
 
 namespace kvwire::transport::shm {
@@ -69,7 +70,7 @@ absl::Status CheckCma(const ShmChannel::Options& options, const ShmEndpoint& end
 
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
   return a.id == b.id && a.length == b.length && a.access == b.access && a.kind == b.kind &&
-         a.address == b.address && a.shareable == b.shareable && a.Key() == b.Key();
+         a.address == b.address && a.Key() == b.Key();
 }
 
 }  // namespace
@@ -319,7 +320,11 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddO
   if (desc.kind != MemoryKind::kHost) {
     return absl::UnimplementedError(absl::StrCat(who, " is of an unknown memory kind"));
   }
-  if (desc.shareable) return MapShareable(desc);
+  absl::StatusOr<bool> shareable = ParseHostRegionKey(desc.Key());
+  if (!shareable.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": ", shareable.status().message()));
+  }
+  if (*shareable) return MapShareable(desc);
   if (!cma_.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         who, " is not memfd-backed and cross-memory attach is refused: ", cma_.message()));

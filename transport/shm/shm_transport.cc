@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <optional>
 #include <unistd.h>
 #include <utility>
 
@@ -20,8 +21,10 @@
 #include "transport/shm/fd_server.h"
 #include "transport/shm/gpu_exports.h"
 #include "transport/shm/gpu_imports.h"
+#include "transport/shm/host_region_key.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_channel.h"
 #include "transport/shm/shm_endpoint.h"
 
@@ -111,7 +114,10 @@ class ShmTransport final : public Transport {
         return absl::OkStatus();
       }
     }
-    absl::Status added = regions_.Add(region);
+    // Host memory from a ShareableBuffer: shm alone knows its memfd (peers map it).
+    std::optional<ShareableBacking> backing;
+    if (region.kind == MemoryKind::kHost) backing = FindShareable(region.base, region.length);
+    absl::Status added = regions_.Add(region, backing);
     if (!added.ok() && region.kind == MemoryKind::kGpu) gpu_exports_.Remove(region.id);
     return added;
   }
@@ -119,7 +125,11 @@ class ShmTransport final : public Transport {
     regions_.Remove(id);
     gpu_exports_.Remove(id);
   }
-  std::string RegionKey(RegionId id) const override { return gpu_exports_.Key(id); }
+  std::string RegionKey(RegionId id) const override {
+    std::shared_ptr<const shm::LocalRegionEntry> host = regions_.Find(id);
+    if (host != nullptr && host->memfd_backed) return shm::EncodeHostRegionKey(true);
+    return gpu_exports_.Key(id);
+  }
 
   void AddStats(std::vector<TransportStat>* stats) const override {
     AddStat(stats, "gpu", "shm_ipc_opens",

@@ -113,7 +113,10 @@ TcpServer::TcpServer(const TcpTransportOptions& options, TargetHooks* hooks, Gpu
       pool_(std::move(pool)),
       acceptor_(io_),
       retry_timer_(io_),
-      watchdog_(io_) {}
+      watchdog_(io_),
+      admission_(Admission::Limits{.max_pending = options.max_pending_hellos,
+                                   .max_pending_per_source = options.max_pending_hellos_per_address,
+                                   .max_open = options.max_data_connections}) {}
 
 TcpServer::~TcpServer() { Shutdown(); }
 
@@ -169,33 +172,35 @@ void TcpServer::OnAccepted(tcp::socket socket) {
   const std::string address = ec ? std::string("unknown") : remote.address().to_string();
   const std::string remote_text = ec ? address : FormatEndpoint(address, remote.port());
 
-  absl::Status refused;
+  size_t open = 0;
   {
     MutexLock lock(&mu_);
     if (stopped_) return;  // `socket` closes
     Reap();
-    const size_t open = hellos_.size() + connections_.size();
-    if (open >= options_.max_data_connections) {
+    open = hellos_.size() + connections_.size();
+  }
+  absl::Status refused;
+  switch (admission_.Check(address, open)) {
+    case Admission::Refusal::kNone:
+      break;
+    case Admission::Refusal::kPending:
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("tcp data port ", endpoint_, ": ", admission_.pending(),
+                       " connections are in the hello stage, the limit (tcp_max_pending_hellos ",
+                       options_.max_pending_hellos, ") is reached"));
+      break;
+    case Admission::Refusal::kPendingFromSource:
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "tcp data port ", endpoint_, ": ", admission_.pending_from(address), " connections from ",
+          address, " are in the hello stage, the limit (tcp_max_pending_hellos_per_address ",
+          options_.max_pending_hellos_per_address, ") is reached"));
+      break;
+    case Admission::Refusal::kOpen:
       refused = absl::ResourceExhaustedError(
           absl::StrCat("tcp data port ", endpoint_, ": ", open,
                        " connections are open, the limit (tcp_max_data_connections ",
                        options_.max_data_connections, ") is reached"));
-    }
-  }
-  if (refused.ok() && hellos_.size() >= options_.max_pending_hellos) {
-    refused = absl::ResourceExhaustedError(
-        absl::StrCat("tcp data port ", endpoint_, ": ", hellos_.size(),
-                     " connections are in the hello stage, the limit (tcp_max_pending_hellos ",
-                     options_.max_pending_hellos, ") is reached"));
-  }
-  if (refused.ok()) {
-    auto it = hellos_by_address_.find(address);
-    if (it != hellos_by_address_.end() && it->second >= options_.max_pending_hellos_per_address) {
-      refused = absl::ResourceExhaustedError(
-          absl::StrCat("tcp data port ", endpoint_, ": ", it->second, " connections from ", address,
-                       " are in the hello stage, the limit (tcp_max_pending_hellos_per_address ",
-                       options_.max_pending_hellos_per_address, ") is reached"));
-    }
+      break;
   }
   if (!refused.ok()) {
     const uint64_t n = ++refused_over_limit_;
@@ -215,7 +220,7 @@ void TcpServer::OnAccepted(tcp::socket socket) {
 
   auto hello = std::make_shared<HelloStage>(io_, std::move(socket), remote_text, address);
   hellos_.insert(hello.get());
-  ++hellos_by_address_[address];
+  admission_.BeginPending(address);
   pending_.store(hellos_.size(), std::memory_order_relaxed);
   // Absolute: however slowly the bytes trickle in, the stage ends here.
   hello->deadline.expires_after(ToChrono(options_.hello_timeout));
@@ -354,8 +359,7 @@ void TcpServer::EndHelloStage(HelloStage& hello) {
   if (hello.ended) return;
   hello.ended = true;
   hellos_.erase(&hello);
-  auto it = hellos_by_address_.find(hello.address);
-  if (it != hellos_by_address_.end() && --it->second == 0) hellos_by_address_.erase(it);
+  admission_.EndPending(hello.address);
   pending_.store(hellos_.size(), std::memory_order_relaxed);
 }
 

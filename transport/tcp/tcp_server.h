@@ -22,12 +22,12 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include "kvwire/stats.h"
+#include "src/util/admission.h"
 #include "src/util/mutex.h"
 #include "src/util/recent_set.h"
 #include "transport/tcp/tcp_server_connection.h"
@@ -99,7 +99,7 @@ class TcpServer {
   boost::asio::steady_timer retry_timer_;
   boost::asio::steady_timer watchdog_;
   absl::flat_hash_set<HelloStage*> hellos_;
-  absl::flat_hash_map<std::string, uint32_t> hellos_by_address_;
+  Admission admission_;  // counts hellos_ by remote address, and refuses past the limits
   std::thread accept_thread_;
 
   // Counters (TcpListenerStats).

@@ -13,6 +13,7 @@
 #include "src/util/log.h"
 #include "transport/tcp/tcp_gather.h"
 #include "transport/tcp/tcp_reader.h"
+#include "transport/tcp/tcp_server_responses.h"
 #include "transport/tcp/tcp_wire.h"
 
 namespace kvwire::transport {
@@ -23,10 +24,6 @@ namespace wire = tcp_wire;
 // After an error response, input is discarded for at most this long / this many bytes.
 constexpr absl::Duration kLingerTime = absl::Seconds(2);
 constexpr uint64_t kLingerBytes = 256 << 20;
-// Responses are sent in batches of at most this many, or as soon as they stand for this many
-// bytes (acked WRITE data or READ payload), or when the input runs dry.
-constexpr size_t kMaxResponses = 64;
-constexpr uint64_t kFlushBytes = 1 << 20;
 
 // One turn of a connection on its I/O thread moves at most about this much before the thread
 // serves the other connections (and comes back to this one).
@@ -34,191 +31,7 @@ constexpr uint64_t kTurnBytes = 16 << 20;
 // How long Join waits for the I/O thread to let go of the connection.
 constexpr absl::Duration kJoinWait = absl::Seconds(60);
 
-int64_t SteadyNs(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
 }  // namespace
-
-class ServerConnection::BusyScope {
- public:
-  BusyScope(ServerConnection* c, const char* what)
-      : c_(c), outer_(c->busy_since_ns_.load(std::memory_order_relaxed) == 0) {
-    if (!outer_) return;
-    c_->busy_what_.store(what, std::memory_order_relaxed);
-    // At least 1: 0 means "not busy".
-    c_->busy_since_ns_.store(std::max<int64_t>(1, SteadyNs(std::chrono::steady_clock::now())),
-                             std::memory_order_release);
-  }
-  ~BusyScope() {
-    if (outer_) c_->busy_since_ns_.store(0, std::memory_order_release);
-  }
-  BusyScope(const BusyScope&) = delete;
-  BusyScope& operator=(const BusyScope&) = delete;
-
- private:
-  ServerConnection* const c_;
-  const bool outer_;
-};
-
-// Responses queued for one gather send: headers in one contiguous array (so that runs of
-// acks go out as one iovec), READ payloads referenced in place and pinned until sent. With
-// device memory: READ payloads are staged on the way out, and the acks of WRITEs received
-// through `staged_in` wait (like their arrival reports) until its copies ended.
-class ServerConnection::Responses final : public PendingOutput {
- public:
-  Responses(ServerConnection* owner, int fd, const GpuStaging& staging,
-            std::function<void(TransferId)> arrived)
-      : owner_(owner),
-        fd_(fd),
-        headers_(kMaxResponses),
-        payloads_(kMaxResponses),
-        pins_(kMaxResponses),
-        arrived_(std::move(arrived)),
-        staged_out_(staging),
-        staged_in_(staging) {
-    gather_.Reserve(2 * kMaxResponses);
-  }
-  // Copies still running may write memory that the pins hold.
-  ~Responses() { (void)Abandon(); }
-
-  StagedReceiver& staged_in() { return staged_in_; }
-
-  void AddAck(uint64_t sequence, uint64_t acked_bytes) {
-    Add(wire::kKindWrite, sequence, nullptr, 0, -1, nullptr);
-    bytes_ += acked_bytes;
-  }
-  // A WRITE received through staged_in(): `pin` holds the memory until the copies ended.
-  void AddStagedAck(uint64_t sequence, uint64_t acked_bytes, bool count, TransferId transfer_id,
-                    std::shared_ptr<const void> pin) {
-    Add(wire::kKindWrite, sequence, nullptr, 0, -1, std::move(pin));
-    if (count) staged_arrivals_.push_back(transfer_id);
-    staged_bytes_ += acked_bytes;
-  }
-  void AddRead(uint64_t sequence, const std::byte* data, uint64_t length, int device,
-               std::shared_ptr<const void> pin) {
-    Add(wire::kKindRead, sequence, data, length, device, std::move(pin));
-    (device >= 0 ? staged_bytes_ : bytes_) += length;
-  }
-  bool Full() const {
-    return count_ == kMaxResponses || bytes_ >= kFlushBytes || staged_bytes_ >= kStagedBatchBytes;
-  }
-  bool HasPending() const override { return count_ > 0; }
-
-  // The blocking flush (PendingOutput), for the paths that block the I/O thread anyway
-  // (device staging, error responses): returns once every response is sent.
-  absl::Status Flush() override {
-    if (count_ == 0) return absl::OkStatus();
-    // The peer must take what is sent (and READ payloads stay pinned) until this returns.
-    BusyScope busy(owner_, "sending responses");
-    if (absl::Status s = Prepare(); !s.ok()) return s;
-    // READ payloads on a device go through the staging buffers.
-    const absl::Status s = gather_.Send(fd_, staged_out_);
-    Finish();
-    return s;
-  }
-
-  // The non-blocking flush: sends what the socket takes now; true once everything is out
-  // (false: flushing() until ContinueFlush returns true). Device payloads are staged and
-  // sent at once (blocking).
-  absl::StatusOr<bool> StartFlush() {
-    if (count_ == 0) return true;
-    if (absl::Status s = Prepare(); !s.ok()) return s;
-    if (gather_.staged()) {
-      BusyScope busy(owner_, "sending responses");
-      const absl::Status s = gather_.Send(fd_, staged_out_);
-      Finish();
-      if (!s.ok()) return s;
-      return true;
-    }
-    flushing_ = true;
-    return ContinueFlush();
-  }
-  absl::StatusOr<bool> ContinueFlush() {
-    absl::StatusOr<bool> done = gather_.SendSome(fd_);
-    if (!done.ok() || *done) Finish();
-    return done;
-  }
-  bool flushing() const { return flushing_; }
-
- private:
-  // Encodes the queued responses into the gather list (after the staged WRITEs they ack
-  // reached the device).
-  absl::Status Prepare() {
-    if (staged_in_.has_work()) {
-      // Acks (and arrival reports) of staged WRITEs only once their bytes are on the device.
-      if (absl::Status s = staged_in_.Drain(); !s.ok()) return s;
-    }
-    for (TransferId id : staged_arrivals_) arrived_(id);
-    staged_arrivals_.clear();
-    uint16_t follow = 0;
-    for (size_t i = count_; i-- > 0;) {
-      wire::PatchFollow(headers_[i].data(), follow);
-      follow = payloads_[i].length > 0 ? 1 : static_cast<uint16_t>(follow + 1);
-    }
-    gather_.Clear();
-    for (size_t i = 0; i < count_; ++i) {
-      gather_.AddHeader(headers_[i].data(), wire::kResponseBytes);
-      const Payload& p = payloads_[i];
-      if (p.length > 0) gather_.AddPayload(p.data, p.length, p.device);
-    }
-    return absl::OkStatus();
-  }
-  // The responses are sent (or failed): the READ payloads are no longer read.
-  void Finish() {
-    for (size_t i = 0; i < count_; ++i) pins_[i].reset();
-    count_ = 0;
-    bytes_ = 0;
-    staged_bytes_ = 0;
-    flushing_ = false;
-  }
-
- public:
-  // The connection ends: waits for the copies of staged WRITEs, then releases every pin.
-  absl::Status Abandon() {
-    absl::Status s = staged_in_.Abandon();
-    for (size_t i = 0; i < count_; ++i) pins_[i].reset();
-    count_ = 0;
-    flushing_ = false;
-    staged_arrivals_.clear();
-    return s;
-  }
-
- private:
-  struct Payload {
-    const std::byte* data = nullptr;
-    uint64_t length = 0;
-    int device = -1;
-  };
-
-  void Add(uint8_t kind, uint64_t sequence, const std::byte* data, uint64_t length, int device,
-           std::shared_ptr<const void> pin) {
-    wire::ResponseHeader h;
-    h.kind = kind;
-    h.sequence = sequence;
-    h.payload_len = length;
-    wire::EncodeResponse(h, headers_[count_].data());
-    payloads_[count_] = {data, length, device};
-    pins_[count_] = std::move(pin);
-    ++count_;
-  }
-
-  ServerConnection* const owner_;
-  const int fd_;
-  std::vector<std::array<std::byte, wire::kResponseBytes>> headers_;
-  std::vector<Payload> payloads_;
-  std::vector<std::shared_ptr<const void>> pins_;
-  GatherList gather_;
-  size_t count_ = 0;
-  bool flushing_ = false;      // a non-blocking flush is under way (nothing may be added)
-  uint64_t bytes_ = 0;         // host payload and acked host bytes
-  uint64_t staged_bytes_ = 0;  // staged READ payload and staged acked bytes
-  std::vector<TransferId> staged_arrivals_;
-  const std::function<void(TransferId)> arrived_;
-  StagedSender staged_out_;
-  // Declared last: destroyed first, so its copies end before the pins are released.
-  StagedReceiver staged_in_;
-};
 
 ServerConnection::ServerConnection(std::unique_ptr<Socket> socket, std::string remote, PeerId peer,
                                    TargetHooks* hooks, uint64_t max_op_bytes, GpuStaging staging,
@@ -310,12 +123,12 @@ absl::Duration ServerConnection::BusyFor(std::chrono::steady_clock::time_point n
   const int64_t since = busy_since_ns_.load(std::memory_order_acquire);
   *what = busy_what_.load(std::memory_order_relaxed);
   if (since == 0) return absl::ZeroDuration();
-  return absl::Nanoseconds(std::max<int64_t>(0, SteadyNs(now) - since));
+  return absl::Nanoseconds(std::max<int64_t>(0, BusyScope::SteadyNs(now) - since));
 }
 
 bool ServerConnection::LingerOver(std::chrono::steady_clock::time_point now) const {
   const int64_t until = linger_until_ns_.load(std::memory_order_acquire);
-  return until != 0 && SteadyNs(now) >= until;
+  return until != 0 && BusyScope::SteadyNs(now) >= until;
 }
 
 void ServerConnection::UpdateBusy(const char* what) {
@@ -325,8 +138,9 @@ void ServerConnection::UpdateBusy(const char* what) {
   } else if (busy_since_ns_.load(std::memory_order_relaxed) == 0) {
     busy_what_.store(what, std::memory_order_relaxed);
     // At least 1: 0 means "not busy".
-    busy_since_ns_.store(std::max<int64_t>(1, SteadyNs(std::chrono::steady_clock::now())),
-                         std::memory_order_release);
+    busy_since_ns_.store(
+        std::max<int64_t>(1, BusyScope::SteadyNs(std::chrono::steady_clock::now())),
+        std::memory_order_release);
   }
 }
 
@@ -595,7 +409,7 @@ void ServerConnection::RefuseOp(uint64_t sequence, const absl::Status& error,
   socket_->ShutdownWrite();
   lingering_ = true;
   linger_until_ns_.store(
-      SteadyNs(std::chrono::steady_clock::now()) + absl::ToInt64Nanoseconds(kLingerTime),
+      BusyScope::SteadyNs(std::chrono::steady_clock::now()) + absl::ToInt64Nanoseconds(kLingerTime),
       std::memory_order_release);
 }
 

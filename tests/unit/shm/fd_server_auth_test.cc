@@ -72,10 +72,7 @@ class FdServerAuthTest : public ::testing::Test {
     region.base = buffer_.data();
     region.length = buffer_.size();
     region.access = kRemoteReadWrite;
-    std::optional<ShareableBacking> backing = FindShareable(buffer_.data(), buffer_.size());
-    ASSERT_TRUE(backing.has_value());
-    region.memfd = backing->fd;
-    region.memfd_offset = backing->offset;
+    ASSERT_TRUE(FindShareable(buffer_.data(), buffer_.size()).has_value());
     hooks_.AddRegion(region);
 
     ShmTransportOptions options;

@@ -41,6 +41,7 @@
 #include "tests/support/socket_io.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
+#include "transport/shm/host_region_key.h"
 #include "transport/shm/seqpacket.h"
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_endpoint.h"
@@ -98,10 +99,6 @@ LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t a
   region.base = base;
   region.length = length;
   region.access = access;
-  if (std::optional<ShareableBacking> backing = FindShareable(base, length)) {
-    region.memfd = backing->fd;
-    region.memfd_offset = backing->offset;
-  }
   return region;
 }
 
@@ -112,7 +109,8 @@ RemoteRegionDesc Describe(const LocalRegion& region) {
   desc.access = region.access;
   desc.kind = region.kind;
   desc.address = reinterpret_cast<uintptr_t>(region.base);
-  desc.shareable = region.memfd >= 0;
+  // The key the target's RegionKey gives a host region (the engine forwards it as is).
+  desc.SetKey(shm::EncodeHostRegionKey(FindShareable(region.base, region.length).has_value()));
   return desc;
 }
 

@@ -33,6 +33,8 @@
 #include "tests/support/cma.h"
 #include "tests/support/fake_target_hooks.h"
 #include "tests/support/socket_io.h"
+#include "transport/shm/host_region_key.h"
+#include "transport/shm/local_regions.h"
 #include "transport/shm/shareable_registry.h"
 
 namespace kvwire::transport {
@@ -67,11 +69,6 @@ LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t a
   region.base = base;
   region.length = length;
   region.access = access;
-  // As the engine does in RegisterMemory.
-  if (std::optional<ShareableBacking> backing = FindShareable(base, length)) {
-    region.memfd = backing->fd;
-    region.memfd_offset = backing->offset;
-  }
   return region;
 }
 
@@ -82,7 +79,8 @@ RemoteRegionDesc Describe(const LocalRegion& region) {
   desc.access = region.access;
   desc.kind = region.kind;
   desc.address = reinterpret_cast<uintptr_t>(region.base);
-  desc.shareable = region.memfd >= 0;
+  // The key the target's RegionKey gives a host region (the engine forwards it as is).
+  desc.SetKey(shm::EncodeHostRegionKey(FindShareable(region.base, region.length).has_value()));
   return desc;
 }
 
@@ -399,9 +397,9 @@ TEST_F(ShmPairTest, RandomOpsInProcess) {
   std::vector<std::byte> heap(kRegionBytes);
   // Only a whole memfd is shared (a part of one goes over tcp: hostile_shm_test).
   const LocalRegion mapped = Register(41, buffer->data(), kRegionBytes, kRemoteReadWrite);
-  ASSERT_EQ(mapped.memfd_offset, 0u);
+  ASSERT_EQ(FindShareable(mapped.base, mapped.length)->offset, 0u);
   const LocalRegion cma = Register(42, heap.data(), heap.size(), kRemoteReadWrite);
-  ASSERT_EQ(cma.memfd, -1);
+  ASSERT_FALSE(FindShareable(cma.base, cma.length).has_value());
   std::unique_ptr<Channel> channel = Connect();
   ASSERT_NE(channel, nullptr);
   ASSERT_THAT(channel->Describe(), HasSubstr("shm memfd"));
@@ -642,34 +640,35 @@ TEST_F(ShmPairTest, ShutdownWithAConnectedPeerDoesNotHang) {
   desc.id = 1;
   desc.length = 4096;
   desc.access = kRemoteReadWrite;
-  desc.shareable = true;
+  desc.SetKey(shm::EncodeHostRegionKey(true));
   EXPECT_FALSE(channel->AddRemoteRegions({desc}).ok());
 }
 
-TEST_F(ShmPairTest, RegisterRejectsUnsealedOrShortMemfds) {
+// The shm transport's table of its regions, given the memfd a region lies in (RegisterRegion
+// finds it with FindShareable, which only ever returns sealed ShareableBuffers).
+TEST(ShmLocalRegionTableTest, RejectsUnsealedOrShortMemfds) {
+  shm::LocalRegionTable table;
   const int raw = memfd_create("unsealed", MFD_CLOEXEC);
   ASSERT_GE(raw, 0);
   ASSERT_EQ(ftruncate(raw, 8192), 0);
   LocalRegion region;
   region.id = 81;
   region.length = 4096;
-  region.memfd = raw;
-  absl::Status status = target_->RegisterRegion(region);
+  absl::Status status = table.Add(region, ShareableBacking{raw, 0});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("sealed"));
   close(raw);
 
   absl::StatusOr<ShareableBuffer> buffer = ShareableBuffer::Create(4096);
   ASSERT_TRUE(buffer.ok());
-  region.memfd = buffer->fd();
-  region.memfd_offset = 4000;
+  const ShareableBacking tail{buffer->fd(), 4000};
   region.length = 97;
-  status = target_->RegisterRegion(region);
+  status = table.Add(region, tail);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("past the end"));
   region.length = 96;
-  EXPECT_TRUE(target_->RegisterRegion(region).ok());
-  EXPECT_EQ(target_->RegisterRegion(region).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(table.Add(region, tail).ok());
+  EXPECT_EQ(table.Add(region, tail).code(), absl::StatusCode::kAlreadyExists);
 }
 
 TEST_F(ShmPairTest, ConcurrentPostsRemoveAndClose) {
@@ -926,13 +925,13 @@ TEST_F(ShmTwoProcessTest, RefusalsAcrossProcesses) {
   // Not exported: the memfd is never handed out; as a CMA region it is the engine's check
   // (the region is not in the Hello), so here ask for it as if it were shareable.
   RemoteRegionDesc hidden = descs_[3];
-  hidden.shareable = true;
+  hidden.SetKey(shm::EncodeHostRegionKey(true));
   absl::Status added = channel->AddRemoteRegions({hidden});
   EXPECT_EQ(added.code(), absl::StatusCode::kPermissionDenied) << added;
   EXPECT_THAT(added.message(), HasSubstr("region 104"));
   // A heap region asked for as shareable: refused by the target.
   RemoteRegionDesc heap = descs_[2];
-  heap.shareable = true;
+  heap.SetKey(shm::EncodeHostRegionKey(true));
   added = channel->AddRemoteRegions({heap});
   EXPECT_EQ(added.code(), absl::StatusCode::kFailedPrecondition) << added;
   EXPECT_THAT(added.message(), HasSubstr("not memfd-backed"));
