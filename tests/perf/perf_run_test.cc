@@ -83,8 +83,12 @@ TEST_P(PerfRunTest, ChecksEveryByteAndPrintsTheTable) {
                                    "2",           "-T",         "2",    "--check"};
   Target target(test);
   ASSERT_GT(target.port(), 0);
-  const std::string json = testing::TempDir() + "/perf_run.json";
-  const std::string csv = testing::TempDir() + "/perf_run.csv";
+  // One pair of files per case and process: ctest runs the cases at once, and a shared name
+  // let one case truncate the file another was reading.
+  const std::string stem = absl::StrCat(testing::TempDir(), "/perf_run_", c.transport, "_", c.op,
+                                        "_", c.pattern, "_", ::getpid());
+  const std::string json = stem + ".json";
+  const std::string csv = stem + ".csv";
   std::vector<std::string> args = test;
   args.insert(args.end(),
               {"-p", absl::StrCat(target.port()), "--json", json, "--csv", csv, "127.0.0.1"});
@@ -105,6 +109,8 @@ TEST_P(PerfRunTest, ChecksEveryByteAndPrintsTheTable) {
   EXPECT_THAT(j.str(), HasSubstr("\"check\": \"ok\""));
   EXPECT_THAT(v.str(), HasSubstr("bw_avg_gbs"));
   EXPECT_THAT(v.str(), HasSubstr(",65536,"));
+  std::remove(json.c_str());
+  std::remove(csv.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PerfRunTest,
