@@ -85,7 +85,9 @@ int Fail(const absl::Status& s) {
 
 // Target: a pool exported read-write to every peer; serves until stdin closes.
 int Serve(const Args& args) {
-  auto engine = kvwire::Engine::Create(kvwire::EngineOptions::FromEnvironment({}));
+  auto from_env = kvwire::EngineOptions::FromEnvironment({});
+  if (!from_env.ok()) return Fail(from_env.status());
+  auto engine = kvwire::Engine::Create(*from_env);
   if (!engine.ok()) return Fail(engine.status());
   auto pool = kvwire::ShareableBuffer::Create(args.pool_mb << 20, "kvwire-demo-target");
   if (!pool.ok()) return Fail(pool.status());
@@ -223,10 +225,10 @@ int Run(const Args& args, const char* self) {
               "memcpy", "ratio", "path");
   int status = 0;
   for (const std::string& transport : args.transports) {
-    kvwire::EngineOptions options = kvwire::EngineOptions::FromEnvironment({});
-    auto kind = kvwire::ParseTransportKind(transport);
-    if (!kind.ok()) return Fail(kind.status());
-    options.transport = *kind;
+    auto from_env = kvwire::EngineOptions::FromEnvironment({});
+    if (!from_env.ok()) return Fail(from_env.status());
+    kvwire::EngineOptions options = *std::move(from_env);
+    options.transport = transport;  // checked by Engine::Create
     auto engine = kvwire::Engine::Create(options);
     if (!engine.ok()) return Fail(engine.status());
     auto local = (*engine)->RegisterMemory(local_pool->data(), local_pool->size());

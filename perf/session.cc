@@ -15,15 +15,18 @@ namespace kvwire::perf {
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
                                                    const std::string& listen_address) {
+  absl::StatusOr<EngineOptions> from_env = EngineOptions::FromEnvironment({});
+  if (!from_env.ok()) return from_env.status();
+  EngineOptions e = *std::move(from_env);
   if (o.transport == TransportKind::kRdma) {
-    // Passed through the environment, which EngineOptions::FromEnvironment reads below: the
-    // flags get the library's parsing and ranges of KVWIRE_RDMA_* (a comma-separated device
-    // list, -1..1023, 1..64), and a value out of range is logged and ignored as for any program.
-    if (!o.device.empty()) setenv("KVWIRE_RDMA_DEVICES", o.device.c_str(), 1);
-    if (o.gid_index >= 0) setenv("KVWIRE_RDMA_GID_INDEX", absl::StrCat(o.gid_index).c_str(), 1);
-    if (o.connections > 0) setenv("KVWIRE_RDMA_QPS", absl::StrCat(o.connections).c_str(), 1);
+    // By the rdma transport's own setter: the flags get the library's parsing (a
+    // comma-separated device list), and Engine::Create its ranges (-1..1023, 1..64).
+    if (!o.device.empty()) {
+      if (absl::Status s = e.transports.Set("rdma", "devices", o.device); !s.ok()) return s;
+    }
+    if (o.gid_index >= 0) e.rdma().gid_index = o.gid_index;
+    if (o.connections > 0) e.rdma().qps_per_peer = o.connections;
   }
-  EngineOptions e = EngineOptions::FromEnvironment({});
   if (!o.secret_file.empty()) {
     absl::StatusOr<std::string> secret = ReadSecretFile(o.secret_file);
     if (!secret.ok()) return secret.status();
@@ -33,8 +36,8 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
   }
   e.name = "";
   e.listen_address = listen_address;
-  e.transport = o.transport;
-  if (o.connections > 0) e.tcp_connections = o.connections;
+  e.transport = TransportKindName(o.transport);
+  if (o.connections > 0) e.tcp().connections = o.connections;
   e.transfer_timeout = absl::Seconds(120);
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(e);
   if (!engine.ok() && o.transport == TransportKind::kRdma) {

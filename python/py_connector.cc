@@ -28,7 +28,7 @@ void BindConnector(py::module_& m) {
              if (engine_options && !secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
              if (name || !engine_options) o.engine.name = name.value_or("");
              if (transport || !engine_options) {
-               o.engine.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
+               o.engine.transport = transport.value_or("auto");
              }
              if (listen_address || !engine_options) {
                o.engine.listen_address = listen_address.value_or("127.0.0.1:0");

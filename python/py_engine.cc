@@ -47,7 +47,7 @@ void BindEngine(py::module_& m) {
              if (options && !secret.is_none()) o.shared_secret = SecretFrom(secret);
              if (name || !options) o.name = name.value_or("");
              if (transport || !options) {
-               o.transport = Take(kvwire::ParseTransportKind(transport.value_or("auto")));
+               o.transport = transport.value_or("auto");
              }
              if (listen || !options) o.listen_address = listen.value_or("127.0.0.1:0");
              return Take(kvwire::Engine::Create(o));
@@ -98,7 +98,7 @@ void BindEngine(py::module_& m) {
              const std::optional<std::string>& transport) {
             kvwire::ConnectOptions co;
             co.exports = exports;
-            if (transport) co.transport = Take(kvwire::ParseTransportKind(*transport));
+            if (transport) co.transport = *transport;
             py::gil_scoped_release release;
             return Take(e.Connect(a, co));
           },

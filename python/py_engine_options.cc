@@ -1,4 +1,6 @@
 // Python binding of kvwire::EngineOptions.
+#include "absl/strings/str_join.h"
+
 #include "python/py_support.h"
 #include "src/util/option_range.h"
 
@@ -6,9 +8,11 @@ namespace kvwire_py {
 namespace {
 
 // Python's kvwire.EngineOptions: every field of kvwire::EngineOptions, durations as float
-// seconds (*_s), the transport as its name. An assignment refuses only what the field's type
-// cannot hold; every range is Engine::Create's (src/core/options_check.h), so Engine() and
-// Connector() raise ValueError naming the option and its range, as C++ and C do.
+// seconds (*_s), the transport as its name; each transport's options by name
+// (set_transport_option / transport_option: TransportOptions::Set/Get, whatever the transport,
+// built-in or outside). An assignment refuses only what the field's type cannot hold (or text
+// that does not parse); every range is Engine::Create's (src/core/options_check.h), so Engine()
+// and Connector() raise ValueError naming the option and its range, as C++ and C do.
 template <typename T>
 void IntField(py::class_<kvwire::EngineOptions>& c, const char* name,
               T kvwire::EngineOptions::*field) {
@@ -38,19 +42,62 @@ void BindEngineOptions(py::module_& m) {
       .def_static(
           "from_environment",
           [](const std::optional<kvwire::EngineOptions>& base) {
-            return kvwire::EngineOptions::FromEnvironment(base.value_or(kvwire::EngineOptions()));
+            return Take(
+                kvwire::EngineOptions::FromEnvironment(base.value_or(kvwire::EngineOptions())));
           },
           py::arg("base") = py::none(),
-          "EngineOptions::FromEnvironment: each KVWIRE_* variable that is set, non-empty and "
-          "valid replaces base's value; bad values are ignored (logged)")
+          "EngineOptions::FromEnvironment: each KVWIRE_* variable that is set and non-empty "
+          "replaces base's value; a bad value raises ValueError naming the variable")
+      .def(
+          "set_transport_option",
+          [](kvwire::EngineOptions& o, const std::string& transport, const std::string& key,
+             const py::object& value) {
+            // Text as TransportOptions::Set takes it: bools 1/0, lists comma-joined, numbers
+            // and duration strings ("20us") as written.
+            std::string text;
+            if (py::isinstance<py::bool_>(value)) {
+              text = value.cast<bool>() ? "1" : "0";
+            } else if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+              text = absl::StrJoin(value.cast<std::vector<std::string>>(), ",");
+            } else {
+              text = py::str(value).cast<std::string>();
+            }
+            Check(o.transports.Set(transport, key, text));
+          },
+          py::arg("transport"), py::arg("key"), py::arg("value"),
+          "TransportOptions::Set of the transport named `transport` (e.g. ('tcp', 'io_poll', "
+          "'50us')); the range is checked by Engine()/Connector()")
+      .def(
+          "transport_option",
+          [](const kvwire::EngineOptions& o, const std::string& transport, const std::string& key) {
+            const kvwire::TransportOptions* t = o.transports.Find(transport);
+            if (t == nullptr) {
+              throw py::value_error(absl::StrCat("unknown transport \"", transport, "\""));
+            }
+            std::string text;
+            Check(t->Get(key, &text));
+            return text;
+          },
+          py::arg("transport"), py::arg("key"),
+          "The option's value as text (TransportOptions::Get)")
+      .def(
+          "transport_option_keys",
+          [](const kvwire::EngineOptions& o, const std::string& transport) {
+            const kvwire::TransportOptions* t = o.transports.Find(transport);
+            if (t == nullptr) {
+              throw py::value_error(absl::StrCat("unknown transport \"", transport, "\""));
+            }
+            return t->Keys();
+          },
+          py::arg("transport"))
+      .def_property_readonly("transports",
+                             [](const kvwire::EngineOptions& o) { return o.transports.Names(); })
       .def_readwrite("name", &kvwire::EngineOptions::name)
       .def_readwrite("listen_address", &kvwire::EngineOptions::listen_address)
       .def_property(
-          "transport",
-          [](const kvwire::EngineOptions& o) { return kvwire::TransportKindName(o.transport); },
-          [](kvwire::EngineOptions& o, const std::string& t) {
-            o.transport = Take(kvwire::ParseTransportKind(t));
-          })
+          "transport", [](const kvwire::EngineOptions& o) { return o.transport; },
+          // Any name: Engine() checks it (an outside transport may carry it).
+          [](kvwire::EngineOptions& o, const std::string& t) { o.transport = t; })
       .def_property(
           "shared_secret",
           [](const kvwire::EngineOptions& o) { return py::bytes(o.shared_secret); },
@@ -61,14 +108,10 @@ void BindEngineOptions(py::module_& m) {
             o.shared_secret = secret.cast<std::string>();
           })
       .def_readwrite("compat_salt", &kvwire::EngineOptions::compat_salt)
-      .def_readwrite("rdma_devices", &kvwire::EngineOptions::rdma_devices)
-      .def_readwrite("shm_cma", &kvwire::EngineOptions::shm_cma)
-      .def_readwrite("shm_deny_ptrace", &kvwire::EngineOptions::shm_deny_ptrace)
       .def("__repr__", [](const kvwire::EngineOptions& o) {
         return absl::StrCat("EngineOptions(name='", o.name, "', listen_address='", o.listen_address,
-                            "', transport='", kvwire::TransportKindName(o.transport), "')");
+                            "', transport='", o.transport, "')");
       });
-  IntField(eo, "tcp_connections", &kvwire::EngineOptions::tcp_connections);
   IntField(eo, "max_op_bytes", &kvwire::EngineOptions::max_op_bytes);
   IntField(eo, "stripe_min_bytes", &kvwire::EngineOptions::stripe_min_bytes);
   IntField(eo, "max_frame_bytes", &kvwire::EngineOptions::max_frame_bytes);
@@ -78,20 +121,6 @@ void BindEngineOptions(py::module_& m) {
   DurationField(eo, "transfer_timeout_s", &kvwire::EngineOptions::transfer_timeout);
   IntField(eo, "io_threads", &kvwire::EngineOptions::io_threads);
   IntField(eo, "max_message_bytes", &kvwire::EngineOptions::max_message_bytes);
-  IntField(eo, "rdma_gid_index", &kvwire::EngineOptions::rdma_gid_index);
-  IntField(eo, "rdma_qps_per_peer", &kvwire::EngineOptions::rdma_qps_per_peer);
-  IntField(eo, "rdma_send_queue_depth", &kvwire::EngineOptions::rdma_send_queue_depth);
-  IntField(eo, "rdma_qp_timeout", &kvwire::EngineOptions::rdma_qp_timeout);
-  IntField(eo, "rdma_retry_count", &kvwire::EngineOptions::rdma_retry_count);
-  IntField(eo, "rdma_rnr_retry", &kvwire::EngineOptions::rdma_rnr_retry);
-  IntField(eo, "tcp_max_data_connections", &kvwire::EngineOptions::tcp_max_data_connections);
-  IntField(eo, "tcp_max_data_connections_per_peer",
-           &kvwire::EngineOptions::tcp_max_data_connections_per_peer);
-  IntField(eo, "tcp_max_pending_hellos", &kvwire::EngineOptions::tcp_max_pending_hellos);
-  IntField(eo, "tcp_max_pending_hellos_per_address",
-           &kvwire::EngineOptions::tcp_max_pending_hellos_per_address);
-  DurationField(eo, "tcp_hello_timeout_s", &kvwire::EngineOptions::tcp_hello_timeout);
-  DurationField(eo, "tcp_io_timeout_s", &kvwire::EngineOptions::tcp_io_timeout);
   IntField(eo, "max_pending_handshakes", &kvwire::EngineOptions::max_pending_handshakes);
   IntField(eo, "max_pending_handshakes_per_source",
            &kvwire::EngineOptions::max_pending_handshakes_per_source);

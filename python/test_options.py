@@ -30,13 +30,15 @@ class EngineOptionsTest(unittest.TestCase):
         o = kvwire.EngineOptions()
         self.assertEqual(o.listen_address, "127.0.0.1:0")
         self.assertEqual(o.transport, "auto")
-        self.assertEqual(o.tcp_connections, 4)
+        self.assertEqual(o.transport_option("tcp", "connections"), "4")
+        self.assertEqual(o.transport_option("tcp", "io_poll"), "20us")
         self.assertEqual(o.max_op_bytes, 1 << 20)
         self.assertEqual(o.peer_lease_s, 5.0)
         self.assertEqual(o.heartbeat_interval_s, 0.5)
-        self.assertEqual(o.rdma_gid_index, -1)
+        self.assertEqual(o.transport_option("rdma", "gid_index"), "-1")
         self.assertEqual(o.shared_secret, b"")
-        self.assertFalse(o.shm_cma)
+        self.assertEqual(o.transport_option("shm", "cma"), "0")
+        self.assertEqual(o.transports, ["rdma", "shm", "tcp"])
 
     def refused(self, name, value, pattern):
         """Sets one option; the setter (when the field's type cannot hold the value) or
@@ -48,16 +50,9 @@ class EngineOptionsTest(unittest.TestCase):
 
     def test_every_numeric_field_takes_its_range_and_refuses_beyond(self):
         ranges = {
-            "tcp_connections": (1, 64), "max_op_bytes": (1, 64 << 20),
+            "max_op_bytes": (1, 64 << 20),
             "stripe_min_bytes": (0, 1 << 40), "max_frame_bytes": (4096, 1 << 30),
             "io_threads": (1, 64), "max_message_bytes": (1, 1 << 30),
-            "rdma_gid_index": (-1, 1023), "rdma_qps_per_peer": (1, 64),
-            "rdma_send_queue_depth": (16, 16384), "rdma_qp_timeout": (0, 31),
-            "rdma_retry_count": (0, 7), "rdma_rnr_retry": (0, 7),
-            "tcp_max_data_connections": (1, 1 << 20),
-            "tcp_max_data_connections_per_peer": (1, 1 << 16),
-            "tcp_max_pending_hellos": (1, 1 << 16),
-            "tcp_max_pending_hellos_per_address": (1, 1 << 16),
             "max_pending_handshakes": (1, 1 << 16),
             "max_pending_handshakes_per_source": (1, 1 << 16),
             "max_control_connections": (1, 1 << 20),
@@ -74,7 +69,7 @@ class EngineOptionsTest(unittest.TestCase):
                 self.refused(name, hi + 1, f"{name}: {hi + 1} is out of range")
                 self.refused(name, lo - 1, f"{name}: {lo - 1} is out of range")
         for name in ("heartbeat_interval_s", "peer_lease_s", "connect_timeout_s",
-                     "transfer_timeout_s", "tcp_hello_timeout_s", "tcp_io_timeout_s"):
+                     "transfer_timeout_s"):
             with self.subTest(name=name):
                 setattr(o, name, 1.5)
                 self.assertAlmostEqual(getattr(o, name), 1.5)
@@ -94,11 +89,18 @@ class EngineOptionsTest(unittest.TestCase):
                 rows += 1
                 with self.subTest(option=option, value=value):
                     o = kvwire.EngineOptions()
-                    if kind == "ms":
-                        setattr(o, option + "_s", int(value) / 1000)
-                    else:
-                        setattr(o, option, int(value))
                     with self.assertRaises(ValueError) as raised:
+                        # The setter (text that does not parse, an unknown name) or
+                        # Engine() (Engine::Create's validator) refuses it.
+                        if kind == "ms":
+                            setattr(o, option + "_s", int(value) / 1000)
+                        elif kind == "text":
+                            transport, key = option.split(".", 1)
+                            o.set_transport_option(transport, key, value)
+                        elif kind == "name":
+                            o.transport = value
+                        else:
+                            setattr(o, option, int(value))
                         kvwire.Engine(options=o)
                     self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
         self.assertGreaterEqual(rows, 10)
@@ -107,38 +109,60 @@ class EngineOptionsTest(unittest.TestCase):
         o = kvwire.EngineOptions()
         o.transport = "tcp"
         self.assertEqual(o.transport, "tcp")
-        with self.assertRaisesRegex(ValueError, "unknown transport"):
-            o.transport = "pigeon"
+        o.transport = "pigeon"  # any name here; Engine() checks it
+        with self.assertRaisesRegex(ValueError, 'transport: unknown transport "pigeon"'):
+            kvwire.Engine(options=o)
+        o.transport = "tcp"
         o.shared_secret = b"\x00k"
         self.assertEqual(o.shared_secret, b"\x00k")
         with self.assertRaises(TypeError):
             o.shared_secret = 5
-        o.rdma_devices = ["mlx5_0", "mlx5_1:1"]
-        self.assertEqual(o.rdma_devices, ["mlx5_0", "mlx5_1:1"])
+        o.set_transport_option("rdma", "devices", ["mlx5_0", "mlx5_1:1"])
+        self.assertEqual(o.transport_option("rdma", "devices"), "mlx5_0,mlx5_1:1")
+        o.set_transport_option("tcp", "io_poll", "50us")
+        self.assertEqual(o.transport_option("tcp", "io_poll"), "50us")
+        o.set_transport_option("tcp", "io_threads", 2)
+        self.assertEqual(o.transport_option("tcp", "io_threads"), "2")
+        self.assertIn("io_poll", o.transport_option_keys("tcp"))
+        with self.assertRaisesRegex(ValueError, 'unknown option "speed" of transport tcp'):
+            o.set_transport_option("tcp", "speed", 1)
         o.compat_salt = (1 << 64) - 1
         self.assertEqual(o.compat_salt, (1 << 64) - 1)
-        o.shm_cma = True
-        o.shm_deny_ptrace = True
-        self.assertTrue(o.shm_cma and o.shm_deny_ptrace)
+        o.set_transport_option("shm", "cma", True)
+        o.set_transport_option("shm", "deny_ptrace", True)
+        self.assertEqual(o.transport_option("shm", "cma"), "1")
+        with self.assertRaisesRegex(ValueError, "shm.cma and shm.deny_ptrace cannot be combined"):
+            kvwire.Engine(options=o)
 
-    def test_from_environment_overrides_base_and_ignores_bad_values(self):
+    def test_from_environment_overrides_base_and_refuses_bad_values(self):
         saved = {k: os.environ.get(k) for k in ("KVWIRE_LISTEN", "KVWIRE_TRANSPORT",
-                                                "KVWIRE_TCP_CONNECTIONS", "KVWIRE_SHM_CMA")}
+                                                "KVWIRE_TCP_CONNECTIONS", "KVWIRE_SHM_CMA",
+                                                "KVWIRE_TCP_IO_POLL")}
         try:
             base = kvwire.EngineOptions()
             base.listen_address = "127.0.0.1:1111"
-            base.tcp_connections = 3
-            base.shm_cma = True
+            base.set_transport_option("tcp", "connections", 3)
             os.environ["KVWIRE_LISTEN"] = "127.0.0.1:2222"
-            os.environ["KVWIRE_TRANSPORT"] = "carrier-pigeon"
-            os.environ["KVWIRE_TCP_CONNECTIONS"] = "65"
-            os.environ["KVWIRE_SHM_CMA"] = "yes"
+            os.environ["KVWIRE_TRANSPORT"] = "tcp"
+            os.environ["KVWIRE_TCP_IO_POLL"] = "40us"
+            os.environ["KVWIRE_SHM_CMA"] = ""
             o = kvwire.EngineOptions.from_environment(base)
             self.assertEqual(o.listen_address, "127.0.0.1:2222")  # set: replaces base
-            self.assertEqual(o.transport, "auto")  # bad: ignored
-            self.assertEqual(o.tcp_connections, 3)  # out of range: ignored
-            self.assertFalse(o.shm_cma)  # anything but "1" turns it off
+            self.assertEqual(o.transport, "tcp")
+            self.assertEqual(o.transport_option("tcp", "io_poll"), "40us")
+            self.assertEqual(o.transport_option("tcp", "connections"), "3")  # unset: base's
+            self.assertEqual(o.transport_option("shm", "cma"), "0")  # empty: base's
             self.assertEqual(base.listen_address, "127.0.0.1:1111")  # base is a copy
+            # A bad value raises, naming the variable, as C++ and C report it.
+            os.environ["KVWIRE_TCP_CONNECTIONS"] = "65"
+            with self.assertRaisesRegex(
+                    ValueError,
+                    r"KVWIRE_TCP_CONNECTIONS=65: tcp.connections: 65 is out of range \(1..64\)"):
+                kvwire.EngineOptions.from_environment(base)
+            os.environ["KVWIRE_TCP_CONNECTIONS"] = ""
+            os.environ["KVWIRE_SHM_CMA"] = "yes"
+            with self.assertRaisesRegex(ValueError, 'KVWIRE_SHM_CMA=yes: shm.cma: "yes" is not'):
+                kvwire.EngineOptions.from_environment(base)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -151,7 +175,7 @@ class EngineTest(unittest.TestCase):
     def test_two_engines_over_tcp(self):
         opts = kvwire.EngineOptions()
         opts.transport = "tcp"
-        opts.tcp_connections = 2
+        opts.set_transport_option("tcp", "connections", 2)
         opts.transfer_timeout_s = 20
         opts.name = "py-opt-a"
         a = kvwire.Engine(options=opts)
@@ -274,7 +298,7 @@ class ConnectorOptionsTest(unittest.TestCase):
         opts = kvwire.EngineOptions()
         opts.name = "py-conn-opts"
         opts.transport = "tcp"
-        opts.tcp_connections = 1
+        opts.set_transport_option("tcp", "connections", 1)
         c = kvwire.Connector(engine_options=opts, role="prefill", handshake_timeout_s=3)
         self.assertEqual(c.engine_id, "py-conn-opts")
         self.assertEqual(c.engine.name, "py-conn-opts")

@@ -17,7 +17,11 @@
 #include "absl/types/span.h"
 
 #include "kvwire/memory.h"
+#include "kvwire/rdma_options.h"
+#include "kvwire/shm_options.h"
 #include "kvwire/stats.h"
+#include "kvwire/tcp_options.h"
+#include "kvwire/transport_options.h"
 
 namespace kvwire {
 
@@ -29,10 +33,10 @@ using GrantId = uint64_t;
 
 enum class OpKind : uint32_t { kRead = 0, kWrite = 1 };
 
-// The built-in transports, where an option names one (forced for every peer or one peer);
-// kAuto routes by what each transport declares. Strings ("auto", "tcp", "shm", "rdma", as in
-// KVWIRE_TRANSPORT) convert with ParseTransportKind, which names the accepted values when it
-// refuses one.
+// The built-in transports, for tools that take one from their users (perf). Options name a
+// transport by its name (EngineOptions::transport, ConnectOptions::transport: "auto", "tcp",
+// "shm", "rdma", or an outside transport's), so this enum only converts: TransportKindName
+// gives the name; ParseTransportKind names the accepted values when it refuses one.
 enum class TransportKind : uint32_t { kAuto = 0, kTcp = 1, kShm = 2, kRdma = 3 };
 const char* TransportKindName(TransportKind kind);
 absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name);
@@ -65,30 +69,33 @@ struct EngineOptions {
   // Empty: do not listen (the engine can still dial out).
   std::string listen_address = "127.0.0.1:0";
 
-  // Transport used for peers: kAuto picks, per peer and per transfer, the best-ranked
-  // transport (Capabilities::rank: shm on the same host when the regions allow it, else rdma
-  // when both sides have a device that reaches the other, else tcp) and reports why. A forced
-  // transport that cannot reach a peer fails Connect with the reason. A forced transport whose
-  // target cannot check read grants (shm, rdma) gets tcp too, used only for regions the peer
-  // guards with grants (RegionOptions::reads_need_grant).
-  TransportKind transport = TransportKind::kAuto;
+  // Transport used for peers, by name: "auto" picks, per peer and per transfer, the
+  // best-ranked transport (Capabilities::rank: shm on the same host when the regions allow it,
+  // else rdma when both sides have a device that reaches the other, else tcp) and reports why.
+  // Any other name forces that transport: a built-in ("tcp", "shm", "rdma") or an outside one
+  // (extra_transports) whose options are in `transports` (Engine::Create refuses a name
+  // without options, naming the known ones). A forced transport that cannot reach a peer
+  // fails Connect with the reason. A forced transport whose target cannot check read grants
+  // (shm, rdma) gets tcp too, used only for regions the peer guards with grants
+  // (RegionOptions::reads_need_grant).
+  std::string transport = "auto";
+
+  // Each transport's own options, by the transport's name (kvwire/transport_options.h): the
+  // built-ins' (tcp(), shm(), rdma() below) are there from the start; an outside transport
+  // puts its own (transports.Put, or transports.Get<ItsOptions>()). Engine::Create calls every
+  // one's Validate(); by name: transports.Set("tcp", "io_poll", "50us").
+  TransportOptionsMap transports;
+  TcpOptions& tcp() { return transports.Get<TcpOptions>(); }
+  const TcpOptions& tcp() const { return transports.Get<TcpOptions>(); }
+  ShmOptions& shm() { return transports.Get<ShmOptions>(); }
+  const ShmOptions& shm() const { return transports.Get<ShmOptions>(); }
+  RdmaOptions& rdma() { return transports.Get<RdmaOptions>(); }
+  const RdmaOptions& rdma() const { return transports.Get<RdmaOptions>(); }
 
   // Transports added to the built-in ones (transport/builtin_transports.cc): Create calls each
   // factory once, and a transport it returns is routed like the others, from its
   // Capabilities (e.g. tests/transport/pipe/pipe_transport.h, which lives in tests/ only).
   std::vector<TransportFactory> extra_transports;
-
-  // Parallel tcp data connections per peer; a transfer is striped over them.
-  int tcp_connections = 4;
-
-  // I/O threads that run every tcp data connection of the engine, whatever the number of
-  // peers (epoll; see docs/ARCHITECTURE.md). 0: one per 8 cores, 1..4.
-  int tcp_io_threads = 0;
-  // After its last event, a tcp I/O thread polls this long before it sleeps: a busy
-  // connection's next bytes come within microseconds, and waking a sleeping thread costs more
-  // than polling (loopback, 2-core VM, 1 MiB ops: 4.4 -> 7.2 GB/s). Spends CPU only while
-  // data moves; zero: always sleep at once. 0..10ms.
-  absl::Duration tcp_io_poll = absl::Microseconds(20);
 
   // Ops longer than this are split into pieces (striped across connections); at most 64 MiB.
   uint64_t max_op_bytes = 1 << 20;
@@ -125,49 +132,6 @@ struct EngineOptions {
   // one is closed with an error naming the size. Must stay below max_frame_bytes.
   uint32_t max_message_bytes = 1 << 20;
 
-  // --- rdma transport (used when a usable RDMA device exists; kAuto picks it for peers on
-  // other hosts that offer it too) ---
-  // Device allow-list, "mlx5_0" or "mlx5_0:1" entries (like perftest -d). Empty: every
-  // device with an ACTIVE port.
-  std::vector<std::string> rdma_devices;
-  // RoCE GID index; -1 picks the first IPv4-mapped RoCE v2 GID.
-  int rdma_gid_index = -1;
-  // RC queue pairs per peer and device; a transfer is striped over them.
-  int rdma_qps_per_peer = 4;
-  // Send-queue depth (work requests) of each QP; more is queued, never posted.
-  int rdma_send_queue_depth = 256;
-  // RC local ACK timeout exponent (4.096 us * 2^n; 14 = 67 ms), retry count (0..7) and RNR
-  // retry count (7 = retry forever).
-  int rdma_qp_timeout = 14;
-  int rdma_retry_count = 7;
-  int rdma_rnr_retry = 7;
-
-  // --- shm transport (peers on this host); see docs/SECURITY-shm.md ---
-  // Cross-memory attach for host memory that is not a whole ShareableBuffer, offered to and
-  // used on peers that opt in too (ShmTransportOptions::allow_cma). Off: such regions move
-  // over tcp, validated by the target, and the engine says so in its log and peer stats.
-  // On: any peer that opted in too can read and write ALL of this process's memory.
-  bool shm_cma = false;
-  // Makes the process non-dumpable so that other processes of the same uid cannot reach its
-  // memory through ptrace access (process_vm_*, /proc/<pid>/mem, /proc/<pid>/fd); see
-  // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with shm_cma.
-  bool shm_deny_ptrace = false;
-
-  // --- tcp data listener limits: what a dialer that has not (yet) shown a valid session
-  // token, or a peer that stops mid-op, can hold (details: transport/tcp/tcp_transport.h) ---
-  // Data connections open at once in every stage; per peer once authenticated.
-  int tcp_max_data_connections = 1024;
-  int tcp_max_data_connections_per_peer = 64;
-  // Data connections still in the hello stage, in total and per remote address.
-  int tcp_max_pending_hellos = 128;
-  int tcp_max_pending_hellos_per_address = 32;
-  // Absolute deadline for a data connection's hello (header and token).
-  absl::Duration tcp_hello_timeout = absl::Seconds(10);
-  // A data connection stuck this long inside one op (payload not arriving, responses not
-  // taken) is cut, its pins released, and its peer dropped. Keep it below 10 s, the time
-  // DeregisterMemory waits for ops in flight.
-  absl::Duration tcp_io_timeout = absl::Seconds(5);
-
   // --- bounds on what peers (authenticated or not) can make this engine hold ---
   // Every inbound control handshake, all stages together, must finish within connect_timeout
   // of its accept (an absolute deadline: trickling bytes does not extend it).
@@ -191,28 +155,27 @@ struct EngineOptions {
   // Closed peers kept for Peers()/Stats() (with their close reason); older ones are forgotten.
   int closed_peers_kept = 16;
 
-  // Returns `base` with the KVWIRE_* environment variables applied. A variable that is set
-  // and non-empty REPLACES base's value, whatever base held (the environment wins over base;
-  // callers that want their own value to win set it after this call). Unset or empty
+  // Returns `base` with the KVWIRE_* environment variables applied: the one place the library
+  // reads the environment, and only a caller's call reads it (Engine::Create, the C API's
+  // kvw_*_options_create and Python's Engine()/Connector() never do; C's
+  // kvw_*_options_from_environment and Python's EngineOptions.from_environment call this, and
+  // the tools call it for their users). A variable that is set and non-empty REPLACES base's
+  // value (callers that want their own value to win set it after this call); unset or empty
   // variables leave base's value. The variables:
-  //   KVWIRE_LISTEN           listen_address, taken as is
-  //   KVWIRE_TRANSPORT        transport: auto, tcp, shm or rdma
-  //   KVWIRE_TCP_CONNECTIONS  tcp_connections, 1..64
-  //   KVWIRE_TCP_IO_THREADS   tcp_io_threads, 0..64
-  //   KVWIRE_SECRET           shared_secret, taken as is
-  //   KVWIRE_SHM_CMA          shm_cma: "1" turns it on, ANY other value turns it off
-  //   KVWIRE_SHM_DENY_PTRACE  shm_deny_ptrace: likewise, "1" on, anything else off
-  //   KVWIRE_RDMA_DEVICES     rdma_devices, a comma list (empty entries dropped)
-  //   KVWIRE_RDMA_GID_INDEX   rdma_gid_index, -1..1023
-  //   KVWIRE_RDMA_QPS         rdma_qps_per_peer, 1..64
-  //   KVWIRE_LOG_LEVEL        not an option: sets the process-wide log level at once
-  // A bad value (unknown transport, a number that does not parse or is out of range, an
-  // unknown log level) is ignored with a warning in the log, and base's value stays; nothing
-  // fails. Every other field is base's. It is the only place the library reads the
-  // environment, and only a caller's call reads it: Engine::Create, the C API's
-  // kvw_options_create and Python's Engine()/Connector() never do; C's *_from_environment
-  // and Python's EngineOptions.from_environment call it (the tools call it for their users).
-  static EngineOptions FromEnvironment(EngineOptions base);
+  //   KVWIRE_LISTEN             listen_address, taken as is
+  //   KVWIRE_TRANSPORT          transport, a name (checked by Engine::Create)
+  //   KVWIRE_SECRET             shared_secret, taken as is
+  //   KVWIRE_<T>_<KEY>          option <key> of transport <t> (upper case), for every option of
+  //                             every transport in base.transports, as TransportOptions::Set
+  //                             takes it: KVWIRE_TCP_CONNECTIONS=8, KVWIRE_TCP_IO_POLL=50us,
+  //                             KVWIRE_SHM_CMA=1, KVWIRE_RDMA_DEVICES=mlx5_0,mlx5_1,
+  //                             KVWIRE_RDMA_GID_INDEX=3
+  //   KVWIRE_RDMA_QPS           rdma qps_per_peer (its older name)
+  //   KVWIRE_LOG_LEVEL          not an option: sets the process-wide log level at once
+  // A bad value fails the call with InvalidArgument naming the variable and, where it parsed
+  // but is out of range, the option and its range ("KVWIRE_TCP_CONNECTIONS=0:
+  // tcp.connections: 0 is out of range (1..64)").
+  static absl::StatusOr<EngineOptions> FromEnvironment(EngineOptions base);
 };
 
 // Defaults: a region may be read AND written by every peer it is exported to (access
@@ -248,8 +211,8 @@ struct GrantRange {
 struct ConnectOptions {
   // Regions exported to this peer during the handshake.
   std::vector<RegionId> exports;
-  // Overrides EngineOptions::transport for this peer.
-  std::optional<TransportKind> transport;
+  // Overrides EngineOptions::transport for this peer (a transport's name, or "auto").
+  std::optional<std::string> transport;
 };
 
 struct TransferOptions {

@@ -17,14 +17,16 @@
  *    nothing (kvw_block_table_set also ignores NULL ids with a non-zero count).
  *  - Block tables are passed as kvw_block_table_t (group name -> block ids, -1 = none).
  *  - Engine option setters store what they are given (refusing only a value the option's C++
- *    type cannot hold); kvw_engine_create and kvw_connector_create hand the options to
- *    Engine::Create, the one place every engine option is checked, which refuses a value out
- *    of range with code 3 and "<option>: <value> is out of range (<lo>..<hi>)", the same
- *    message C++ and Python give. Other setters that take errptr check the value's range
- *    before storing it (code 3, the message names the setter, the value and the accepted
- *    range). Durations are milliseconds.
- *  - Transports are named by strings ("auto", "tcp", "shm", "rdma"), so a C caller does not
- *    depend on how the C++ API numbers them.
+ *    type cannot hold, or text that does not parse); kvw_engine_create and
+ *    kvw_connector_create hand the options to Engine::Create, the one place every engine option
+ *    is checked, which refuses a value out of range with code 3 and "<option>: <value> is out
+ *    of range (<lo>..<hi>)", the same message C++ and Python give. Each transport's options
+ *    are set by name (kvw_engine_options_set_transport_option: "tcp", "io_poll", "50us"),
+ *    for a built-in transport or any other, and named "<transport>.<key>" in errors. Other setters
+ * that take errptr check the value's range before storing it (code 3, the message names the setter,
+ * the value and the accepted range). Durations are milliseconds.
+ *  - Transports are named by strings ("auto", "tcp", "shm", "rdma", or an outside transport's
+ *    name), checked by kvw_engine_create.
  *  - Statistics and peer lists come out as JSON text (freed with kvw_free): fields may be
  *    added without breaking a C caller.
  */
@@ -126,16 +128,19 @@ void kvw_block_table_destroy(kvw_block_table_t* table);
  * only when out of memory. */
 kvw_options_t* kvw_options_create(void);
 /* EngineOptions::FromEnvironment on the connector's engine options, as
- * kvw_engine_options_from_environment: each KVWIRE_* variable that is set, non-empty and valid
+ * kvw_engine_options_from_environment: each KVWIRE_* variable that is set and non-empty
  * (KVWIRE_SECRET, KVWIRE_LISTEN, ...) replaces the current value; setters called after it
- * override it. Returns non-zero only for a NULL options. */
+ * override it. A bad value: code 3, the message names the variable, and nothing changes. */
 int kvw_options_from_environment(kvw_options_t* options, char** errptr);
 void kvw_options_set_role(kvw_options_t* options, const char* role);
 void kvw_options_set_mode(kvw_options_t* options, int mode);
 void kvw_options_set_name(kvw_options_t* options, const char* name);
 void kvw_options_set_listen_address(kvw_options_t* options, const char* address);
-/* "auto", "tcp", "shm" or "rdma"; returns non-zero for an unknown name. */
+/* "auto", or the name of the transport to force; checked by kvw_connector_create. */
 int kvw_options_set_transport(kvw_options_t* options, const char* transport, char** errptr);
+/* kvw_engine_options_set_transport_option on the connector's engine options. */
+int kvw_options_set_transport_option(kvw_options_t* options, const char* transport, const char* key,
+                                     const char* value, char** errptr);
 void kvw_options_set_request_timeout_ms(kvw_options_t* options, int64_t ms);
 /* The deployment's shared secret: `length` bytes (any bytes; length 0 clears it, and then no
  * peer is asked to prove anything). With a secret, peers prove they know it (HMAC-SHA256
@@ -263,10 +268,11 @@ char* kvw_write_mode_params(const char* host, int port, const char* transfer_id,
 /* --- engine options (fields of kvwire::EngineOptions) --- */
 /* The C++ defaults; the environment is NOT read (see kvw_engine_options_from_environment). */
 kvw_engine_options_t* kvw_engine_options_create(void);
-/* EngineOptions::FromEnvironment: each KVWIRE_* variable that is set, non-empty and valid
- * replaces the option's current value (the environment wins over what was set before this
- * call; set options after it to override the environment). Bad values are ignored with a
- * warning in the log. Returns non-zero only for a NULL options. */
+/* EngineOptions::FromEnvironment (kvwire/engine.h lists the variables): each KVWIRE_* variable
+ * that is set and non-empty replaces the option's current value (the environment wins over
+ * what was set before this call; set options after it to override the environment). A bad
+ * value: code 3, the message names the variable ("KVWIRE_TCP_CONNECTIONS=0: tcp.connections:
+ * 0 is out of range (1..64)"), and the options are left as they were. */
 int kvw_engine_options_from_environment(kvw_engine_options_t* options, char** errptr);
 void kvw_engine_options_destroy(kvw_engine_options_t* options);
 /* Strings: NULL is refused (code 3); "" is a valid value where the C++ option allows it. */
@@ -274,18 +280,21 @@ int kvw_engine_options_set_name(kvw_engine_options_t* options, const char* name,
 /* "host:port" (port 0: a free one); "": do not listen. */
 int kvw_engine_options_set_listen_address(kvw_engine_options_t* options, const char* address,
                                           char** errptr);
-/* "auto", "tcp", "shm" or "rdma". */
+/* "auto", or the name of the transport to force ("tcp", "shm", "rdma", an outside one). */
 int kvw_engine_options_set_transport(kvw_engine_options_t* options, const char* transport,
                                      char** errptr);
 /* `length` bytes of any value; length 0 clears it (no peer is asked to prove anything). */
 int kvw_engine_options_set_secret(kvw_engine_options_t* options, const char* secret, size_t length,
                                   char** errptr);
-/* Comma-separated rdma device allow-list ("mlx5_0,mlx5_1:1"); "": every active device. */
-int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* options, const char* devices,
-                                        char** errptr);
+/* One option of one transport, by name, as text: TransportOptions::Set (kvwire/tcp_options.h,
+ * shm_options.h, rdma_options.h list them with their ranges). Integers in decimal, durations
+ * with a unit ("20us", "5s"), booleans 1/0/true/false, lists comma-separated, e.g.
+ * ("tcp", "io_poll", "50us"), ("rdma", "devices", "mlx5_0,mlx5_1:1"), ("shm", "cma", "1").
+ * An unknown transport or key, or text that does not parse: code 3 here; a value out of range:
+ * code 3 from kvw_engine_create. */
+int kvw_engine_options_set_transport_option(kvw_engine_options_t* options, const char* transport,
+                                            const char* key, const char* value, char** errptr);
 /* Numbers, with the range kvw_engine_create accepts (Engine::Create checks them): */
-int kvw_engine_options_set_tcp_connections(kvw_engine_options_t* o, int64_t v,
-                                           char** e); /* 1..64 */
 int kvw_engine_options_set_max_op_bytes(kvw_engine_options_t* o, int64_t v,
                                         char** e); /* 1..64 MiB */
 int kvw_engine_options_set_stripe_min_bytes(kvw_engine_options_t* o, int64_t v,
@@ -304,32 +313,6 @@ int kvw_engine_options_set_compat_salt(kvw_engine_options_t* o, uint64_t v, char
 int kvw_engine_options_set_io_threads(kvw_engine_options_t* o, int64_t v, char** e);   /* 1..64 */
 int kvw_engine_options_set_max_message_bytes(kvw_engine_options_t* o, int64_t v,
                                              char** e); /* 1..1 GiB */
-int kvw_engine_options_set_rdma_gid_index(kvw_engine_options_t* o, int64_t v,
-                                          char** e); /* -1..1023 */
-int kvw_engine_options_set_rdma_qps_per_peer(kvw_engine_options_t* o, int64_t v,
-                                             char** e); /* 1..64 */
-int kvw_engine_options_set_rdma_send_queue_depth(kvw_engine_options_t* o, int64_t v,
-                                                 char** e); /* 16..16384 */
-int kvw_engine_options_set_rdma_qp_timeout(kvw_engine_options_t* o, int64_t v,
-                                           char** e); /* 0..31 */
-int kvw_engine_options_set_rdma_retry_count(kvw_engine_options_t* o, int64_t v,
-                                            char** e);                                   /* 0..7 */
-int kvw_engine_options_set_rdma_rnr_retry(kvw_engine_options_t* o, int64_t v, char** e); /* 0..7 */
-int kvw_engine_options_set_shm_cma(kvw_engine_options_t* o, int64_t on, char** e); /* 0 or 1 */
-int kvw_engine_options_set_shm_deny_ptrace(kvw_engine_options_t* o, int64_t on,
-                                           char** e); /* 0 or 1 */
-int kvw_engine_options_set_tcp_max_data_connections(kvw_engine_options_t* o, int64_t v,
-                                                    char** e); /* 1..1048576 */
-int kvw_engine_options_set_tcp_max_data_connections_per_peer(kvw_engine_options_t* o, int64_t v,
-                                                             char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_max_pending_hellos(kvw_engine_options_t* o, int64_t v,
-                                                  char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_max_pending_hellos_per_address(kvw_engine_options_t* o, int64_t v,
-                                                              char** e); /* 1..65536 */
-int kvw_engine_options_set_tcp_hello_timeout(kvw_engine_options_t* o, int64_t ms,
-                                             char** e); /* 1 ms..1 h */
-int kvw_engine_options_set_tcp_io_timeout(kvw_engine_options_t* o, int64_t ms,
-                                          char** e); /* 1 ms..1 h */
 int kvw_engine_options_set_max_pending_handshakes(kvw_engine_options_t* o, int64_t v,
                                                   char** e); /* 1..65536 */
 int kvw_engine_options_set_max_pending_handshakes_per_source(kvw_engine_options_t* o, int64_t v,
@@ -346,7 +329,8 @@ int kvw_engine_options_set_closed_peers_kept(kvw_engine_options_t* o, int64_t v,
 /* --- engine --- */
 /* options NULL: the C++ defaults. Options out of range, or that contradict each other, are
  * refused here (code 3, by Engine::Create): max_message_bytes >= max_frame_bytes,
- * max_control_send_queue_bytes < max_frame_bytes + 4, shm_cma together with shm_deny_ptrace. */
+ * max_control_send_queue_bytes < max_frame_bytes + 4, shm.cma together with shm.deny_ptrace,
+ * a forced transport with no options of that name. */
 kvw_engine_t* kvw_engine_create(const kvw_engine_options_t* options, char** errptr);
 void kvw_engine_destroy(kvw_engine_t* engine);
 /* Owned by the engine (NULL for a NULL engine). */

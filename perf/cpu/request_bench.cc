@@ -229,7 +229,7 @@ std::unique_ptr<kvwire::Connector> MakeConnector(const Config& c, const std::str
   kvwire::ConnectorOptions o;
   o.role = name == "prefill" ? "prefill" : "decode";
   o.engine.name = absl::StrCat("req-bench-", name, "-", c.tag);
-  o.engine.transport = *kvwire::ParseTransportKind(c.transport);
+  o.engine.transport = c.transport;
   // A request that stalls fails (failed_loads, with the connector's reason) well before the
   // driver's own deadline below.
   o.request_timeout = absl::Seconds(20);
@@ -265,7 +265,7 @@ BareSide MakeBare(const Config& c, uint64_t bytes, const std::string& who) {
   BareSide b;
   kvwire::EngineOptions o;
   o.name = absl::StrCat("req-bench-bare-", who, "-", c.tag);
-  o.transport = *kvwire::ParseTransportKind(c.transport);
+  o.transport = c.transport;
   auto e = kvwire::Engine::Create(o);
   Check(e.status(), who, "bare engine");
   b.engine = *std::move(e);

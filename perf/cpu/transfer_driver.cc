@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 2; ++i) {
     kvwire::EngineOptions o;
     o.name = i == 0 ? "driver-initiator" : "driver-target";
-    o.transport = a.transport;
+    o.transport = kvwire::TransportKindName(a.transport);
     absl::StatusOr<std::unique_ptr<kvwire::Engine>> e = kvwire::Engine::Create(o);
     if (!e.ok()) Die(absl::StrCat("engine: ", e.status().message()));
     engines[i] = *std::move(e);

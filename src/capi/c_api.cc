@@ -152,7 +152,10 @@ int kvw_options_from_environment(kvw_options_t* o, char** errptr) {
     if (absl::Status s = Require("kvw_options_from_environment", {{"options", o}}); !s.ok()) {
       return s;
     }
-    o->rep.engine = kvwire::EngineOptions::FromEnvironment(std::move(o->rep.engine));
+    absl::StatusOr<kvwire::EngineOptions> from_env =
+        kvwire::EngineOptions::FromEnvironment(std::move(o->rep.engine));
+    if (!from_env.ok()) return from_env.status();
+    o->rep.engine = *std::move(from_env);
     return absl::OkStatus();
   });
 }
@@ -178,10 +181,8 @@ int kvw_options_set_transport(kvw_options_t* o, const char* transport, char** er
         !s.ok()) {
       return s;
     }
-    absl::StatusOr<kvwire::TransportKind> t =
-        kvwire::capi::TransportFromName("kvw_options_set_transport", transport);
-    if (!t.ok()) return t.status();
-    o->rep.engine.transport = *t;
+    // Any name: Engine::Create checks it (the one validator).
+    o->rep.engine.transport = transport;
     return absl::OkStatus();
   });
 }
@@ -205,6 +206,18 @@ int kvw_options_set_engine_options(kvw_options_t* o, const kvw_engine_options_t*
     }
     o->rep.engine = engine->rep;
     return absl::OkStatus();
+  });
+}
+int kvw_options_set_transport_option(kvw_options_t* o, const char* transport, const char* key,
+                                     const char* value, char** errptr) {
+  return Guard(errptr, [&]() -> absl::Status {
+    if (absl::Status s =
+            Require("kvw_options_set_transport_option",
+                    {{"options", o}, {"transport", transport}, {"key", key}, {"value", value}});
+        !s.ok()) {
+      return s;
+    }
+    return o->rep.engine.transports.Set(transport, key, value);
   });
 }
 int kvw_options_set_request_timeout(kvw_options_t* o, int64_t ms, char** errptr) {

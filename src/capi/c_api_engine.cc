@@ -211,10 +211,10 @@ int kvw_connect_options_set_transport(kvw_connect_options_t* o, const char* tran
                                       char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_connect_options_set_transport";
-    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    absl::StatusOr<kvwire::TransportKind> t = kvwire::capi::TransportFromName(kCall, transport);
-    if (!t.ok()) return t.status();
-    o->rep.transport = *t;
+    if (absl::Status s = Require(kCall, {{"options", o}, {"transport", transport}}); !s.ok()) {
+      return s;
+    }
+    o->rep.transport = std::string(transport);
     return absl::OkStatus();
   });
 }

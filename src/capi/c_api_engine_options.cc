@@ -10,7 +10,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 
 #include "kvwire/engine.h"
@@ -19,14 +18,6 @@
 #include "src/util/option_range.h"
 
 namespace kvwire::capi {
-
-absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const char* name) {
-  if (name == nullptr) return absl::InvalidArgumentError(absl::StrCat(call, ": transport is NULL"));
-  absl::StatusOr<kvwire::TransportKind> kind = kvwire::ParseTransportKind(name);
-  if (!kind.ok())
-    return absl::InvalidArgumentError(absl::StrCat(call, ": ", kind.status().message()));
-  return kind;
-}
 
 absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out) {
   if (absl::Status s = RequireArray(call, "secret", secret, length); !s.ok()) return s;
@@ -71,7 +62,10 @@ int kvw_engine_options_from_environment(kvw_engine_options_t* o, char** errptr) 
         !s.ok()) {
       return s;
     }
-    o->rep = kvwire::EngineOptions::FromEnvironment(std::move(o->rep));
+    absl::StatusOr<kvwire::EngineOptions> from_env =
+        kvwire::EngineOptions::FromEnvironment(std::move(o->rep));
+    if (!from_env.ok()) return from_env.status();
+    o->rep = *std::move(from_env);
     return absl::OkStatus();
   });
 }
@@ -103,10 +97,11 @@ int kvw_engine_options_set_transport(kvw_engine_options_t* o, const char* transp
                                      char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_engine_options_set_transport";
-    if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    absl::StatusOr<kvwire::TransportKind> t = kvwire::capi::TransportFromName(kCall, transport);
-    if (!t.ok()) return t.status();
-    o->rep.transport = *t;
+    if (absl::Status s = Require(kCall, {{"options", o}, {"transport", transport}}); !s.ok()) {
+      return s;
+    }
+    // Any name: Engine::Create checks it (the one validator).
+    o->rep.transport = transport;
     return absl::OkStatus();
   });
 }
@@ -118,16 +113,17 @@ int kvw_engine_options_set_secret(kvw_engine_options_t* o, const char* secret, s
     return kvwire::capi::SetSecret(kCall, secret, length, &o->rep.shared_secret);
   });
 }
-int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* o, const char* devices,
-                                        char** errptr) {
+int kvw_engine_options_set_transport_option(kvw_engine_options_t* o, const char* transport,
+                                            const char* key, const char* value, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     if (absl::Status s =
-            Require("kvw_engine_options_set_rdma_devices", {{"options", o}, {"devices", devices}});
+            Require("kvw_engine_options_set_transport_option",
+                    {{"options", o}, {"transport", transport}, {"key", key}, {"value", value}});
         !s.ok()) {
       return s;
     }
-    o->rep.rdma_devices = absl::StrSplit(devices, ',', absl::SkipEmpty());
-    return absl::OkStatus();
+    // The transport's own setter: it parses; its Validate (through Engine::Create) checks.
+    return o->rep.transports.Set(transport, key, value);
   });
 }
 
@@ -148,7 +144,6 @@ int kvw_engine_options_set_rdma_devices(kvw_engine_options_t* o, const char* dev
                            });                                                            \
   }
 
-KVW_ENGINE_INT(tcp_connections)
 KVW_ENGINE_INT(max_op_bytes)
 KVW_ENGINE_INT(stripe_min_bytes)
 KVW_ENGINE_INT(max_frame_bytes)
@@ -158,20 +153,6 @@ KVW_ENGINE_MS(connect_timeout)
 KVW_ENGINE_MS(transfer_timeout)
 KVW_ENGINE_INT(io_threads)
 KVW_ENGINE_INT(max_message_bytes)
-KVW_ENGINE_INT(rdma_gid_index)
-KVW_ENGINE_INT(rdma_qps_per_peer)
-KVW_ENGINE_INT(rdma_send_queue_depth)
-KVW_ENGINE_INT(rdma_qp_timeout)
-KVW_ENGINE_INT(rdma_retry_count)
-KVW_ENGINE_INT(rdma_rnr_retry)
-KVW_ENGINE_INT(shm_cma)
-KVW_ENGINE_INT(shm_deny_ptrace)
-KVW_ENGINE_INT(tcp_max_data_connections)
-KVW_ENGINE_INT(tcp_max_data_connections_per_peer)
-KVW_ENGINE_INT(tcp_max_pending_hellos)
-KVW_ENGINE_INT(tcp_max_pending_hellos_per_address)
-KVW_ENGINE_MS(tcp_hello_timeout)
-KVW_ENGINE_MS(tcp_io_timeout)
 KVW_ENGINE_INT(max_pending_handshakes)
 KVW_ENGINE_INT(max_pending_handshakes_per_source)
 KVW_ENGINE_INT(max_control_connections)

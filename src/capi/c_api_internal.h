@@ -157,10 +157,6 @@ inline absl::Status RequireRange(const char* call, int64_t value, int64_t lo, in
       absl::StrCat(call, ": ", value, " is out of range (", lo, "..", hi, ")"));
 }
 
-// The one place a C transport name becomes the C++ API's transport value: C callers keep
-// passing names whatever the C++ side's representation is.
-absl::StatusOr<kvwire::TransportKind> TransportFromName(const char* call, const char* name);
-
 // Stores a shared secret a C caller passes as (pointer, length): NULL only with length 0, at
 // most 64 KiB (a length past that is a caller's mistake, not a secret).
 absl::Status SetSecret(const char* call, const char* secret, size_t length, std::string* out);

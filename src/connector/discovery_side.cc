@@ -62,12 +62,10 @@ absl::Status Connector::Impl::Announce(const std::string& http_address) {
   r.mode = KvModeName(options_.mode);
   r.compat_hash = absl::StrFormat("%016x", engine_->compatibility_hash());
   r.pid = getpid();
-  switch (options_.engine.transport) {
-    case TransportKind::kAuto:
-      r.transports = {"shm", "tcp"};
-      break;
-    default:
-      r.transports = {TransportKindName(options_.engine.transport)};
+  if (options_.engine.transport == "auto") {
+    r.transports = {"shm", "tcp"};
+  } else {
+    r.transports = {options_.engine.transport};
   }
   {
     MutexLock lock(&mu_);

@@ -21,8 +21,8 @@ const pb::TransportEndpoint* Engine::Impl::FindEndpoint(const pb::Hello& hello,
   return nullptr;
 }
 
-std::string Engine::Impl::ForcedName(TransportKind preference) {
-  return preference == TransportKind::kAuto ? std::string() : TransportKindName(preference);
+std::string Engine::Impl::ForcedName(const std::string& preference) {
+  return preference == "auto" ? std::string() : preference;
 }
 
 transport::ControlSender Engine::Impl::ControlSenderFor(

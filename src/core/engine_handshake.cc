@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -14,30 +15,40 @@
 namespace kvwire {
 namespace {
 
-TransportKind PreferenceOf(const pb::Hello& hello) {
-  auto kind = ParseTransportKind(hello.transport_preference());
-  return kind.ok() ? *kind : TransportKind::kAuto;
+// The transport the peer forces, by name ("auto" when none or when the name is not one a
+// transport could have: the peer's bytes are not trusted to be short or printable).
+std::string PreferenceOf(const pb::Hello& hello) {
+  const std::string& name = hello.transport_preference();
+  constexpr size_t kMaxNameBytes = 64;
+  if (name.empty() || name.size() > kMaxNameBytes) return "auto";
+  for (char c : name) {
+    if (!(absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) {
+      return "auto";
+    }
+  }
+  return name;
 }
 
 // Both sides may force a transport; they must agree.
-absl::StatusOr<TransportKind> SettlePreference(TransportKind local, const std::string& local_name,
-                                               TransportKind remote,
-                                               const std::string& remote_name) {
-  if (local != TransportKind::kAuto && remote != TransportKind::kAuto && local != remote) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "transport conflict: engine ", local_name, " requires ", TransportKindName(local),
-        ", peer ", remote_name, " requires ", TransportKindName(remote)));
+absl::StatusOr<std::string> SettlePreference(const std::string& local,
+                                             const std::string& local_name,
+                                             const std::string& remote,
+                                             const std::string& remote_name) {
+  if (local != "auto" && remote != "auto" && local != remote) {
+    return absl::InvalidArgumentError(absl::StrCat("transport conflict: engine ", local_name,
+                                                   " requires ", local, ", peer ", remote_name,
+                                                   " requires ", remote));
   }
-  return local != TransportKind::kAuto ? local : remote;
+  return local != "auto" ? local : remote;
 }
 
 }  // namespace
 
-pb::Hello Engine::Impl::LocalHello(TransportKind preference) const {
+pb::Hello Engine::Impl::LocalHello(const std::string& preference) const {
   pb::Hello hello;
   hello.set_engine_name(name_);
   hello.set_pid(static_cast<uint32_t>(getpid()));
-  hello.set_transport_preference(TransportKindName(preference));
+  hello.set_transport_preference(preference);
   for (const auto& t : transports_) {
     pb::TransportEndpoint* endpoint = hello.add_transports();
     endpoint->set_kind(t->caps().name);
@@ -103,14 +114,14 @@ void Engine::Impl::OnAccepted(control::Accepted accepted) {
                                      accepted.remote_hello.engine_name());
   const std::string address = accepted.connection->remote_address();
   std::shared_ptr<Peer> peer =
-      AddPeer(id, address, std::move(accepted), preference.value_or(TransportKind::kAuto));
+      AddPeer(id, address, std::move(accepted), preference.value_or("auto"));
   worker_->Post([this, peer] {
     if (absl::Status s = SetupChannels(peer); !s.ok()) ClosePeer(peer, s);
   });
 }
 
 std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& address,
-                                            control::Accepted accepted, TransportKind preference) {
+                                            control::Accepted accepted, std::string preference) {
   auto peer = std::make_shared<Peer>();
   peer->id = id;
   peer->name = accepted.remote_hello.engine_name();
@@ -138,14 +149,14 @@ std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& addres
   (void)SendExports(*peer, regions_.ExportedToAll());
   KVW_LOG(kInfo, "engine") << "peer connected" << Kv("engine", name_) << Kv("peer", id)
                            << Kv("name", peer->name) << Kv("address", address)
-                           << Kv("preference", TransportKindName(preference));
+                           << Kv("preference", preference);
   return peer;
 }
 
 absl::StatusOr<PeerId> Engine::Impl::Connect(const std::string& address,
                                              const ConnectOptions& options) {
   if (stopping_) return absl::UnavailableError(absl::StrCat("engine ", name_, " is stopping"));
-  const TransportKind preference = options.transport.value_or(options_.transport);
+  const std::string preference = options.transport.value_or(options_.transport);
   // The handshake issues this side's token only once the listener is authenticated, and
   // revokes it itself if the handshake fails.
   auto accepted = control::Dial(io_, address, LocalHello(preference), handshake_);

@@ -53,7 +53,7 @@ struct Peer {
   std::string name;
   std::string address;
   pb::Hello hello;
-  TransportKind preference = TransportKind::kAuto;  // effective for this pair
+  std::string preference = "auto";  // effective for this pair: a transport name or "auto"
   std::shared_ptr<control::Connection> conn;
 
   Mutex mu;
@@ -131,11 +131,11 @@ class Engine::Impl final : public transport::TargetHooks {
 
  private:
   // engine_handshake.cc. The handshake adds the session token (HandshakeConfig::issue_token).
-  pb::Hello LocalHello(TransportKind preference) const;
+  pb::Hello LocalHello(const std::string& preference) const;
   absl::StatusOr<pb::Hello> RespondToHello(const pb::Hello& remote);
   void OnAccepted(control::Accepted accepted);
   std::shared_ptr<Peer> AddPeer(PeerId id, const std::string& address, control::Accepted accepted,
-                                TransportKind preference);
+                                std::string preference);
   // HandshakeConfig::issue_token/revoke_token: a token becomes live (PeerForToken finds it)
   // for a new peer id only once the handshake has authenticated the peer it goes to.
   absl::StatusOr<std::string> IssueToken();
@@ -159,8 +159,8 @@ class Engine::Impl final : public transport::TargetHooks {
   // engine_channels.cc
   // The endpoint of transport `kind` the peer offered in `hello`; null if none.
   static const pb::TransportEndpoint* FindEndpoint(const pb::Hello& hello, const std::string& kind);
-  // The transport name a settled preference forces; empty for kAuto.
-  static std::string ForcedName(TransportKind preference);
+  // The transport name a settled preference forces; empty for "auto".
+  static std::string ForcedName(const std::string& preference);
   // Opens transports_[index]'s channel to `peer`; the reason when it is not usable.
   absl::StatusOr<std::unique_ptr<transport::Channel>> ConnectChannel(
       const std::shared_ptr<Peer>& peer, size_t index, transport::PeerLink link);

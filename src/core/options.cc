@@ -1,9 +1,9 @@
 #include <cstdlib>
 #include <string>
+#include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 
 #include "kvwire/engine.h"
 #include "src/util/log.h"
@@ -33,64 +33,44 @@ absl::StatusOr<TransportKind> ParseTransportKind(const std::string& name) {
       absl::StrCat("unknown transport \"", name, "\" (expected auto, tcp, shm or rdma)"));
 }
 
-EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
-  auto env = [](const char* name) -> const char* {
-    const char* value = std::getenv(name);
+absl::StatusOr<EngineOptions> EngineOptions::FromEnvironment(EngineOptions base) {
+  auto env = [](const std::string& name) -> const char* {
+    const char* value = std::getenv(name.c_str());
     return value != nullptr && *value != '\0' ? value : nullptr;
   };
+  auto bad = [](const std::string& variable, const char* value, const absl::Status& why) {
+    return absl::InvalidArgumentError(absl::StrCat(variable, "=", value, ": ", why.message()));
+  };
   if (const char* v = env("KVWIRE_LISTEN")) base.listen_address = v;
-  if (const char* v = env("KVWIRE_TRANSPORT")) {
-    if (auto kind = ParseTransportKind(v); kind.ok()) {
-      base.transport = *kind;
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TRANSPORT: " << kind.status().message();
-    }
-  }
-  if (const char* v = env("KVWIRE_TCP_CONNECTIONS")) {
-    int n = 0;
-    if (absl::SimpleAtoi(v, &n) && n > 0 && n <= 64) {
-      base.tcp_connections = n;
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TCP_CONNECTIONS=" << v << " (1..64)";
-    }
-  }
-  if (const char* v = env("KVWIRE_TCP_IO_THREADS")) {
-    int n = 0;
-    if (absl::SimpleAtoi(v, &n) && n >= 0 && n <= 64) {
-      base.tcp_io_threads = n;
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TCP_IO_THREADS=" << v << " (0..64)";
-    }
-  }
+  if (const char* v = env("KVWIRE_TRANSPORT")) base.transport = v;
   if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
-  if (const char* v = env("KVWIRE_SHM_CMA")) base.shm_cma = std::string(v) == "1";
-  if (const char* v = env("KVWIRE_SHM_DENY_PTRACE")) base.shm_deny_ptrace = std::string(v) == "1";
-  if (const char* v = env("KVWIRE_RDMA_DEVICES")) {
-    base.rdma_devices = absl::StrSplit(v, ',', absl::SkipEmpty());
-  }
-  if (const char* v = env("KVWIRE_RDMA_GID_INDEX")) {
-    int n = 0;
-    if (absl::SimpleAtoi(v, &n) && n >= -1 && n < 1024) {
-      base.rdma_gid_index = n;
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_RDMA_GID_INDEX=" << v << " (-1..1023)";
+  // Every option of every transport, by name: KVWIRE_<TRANSPORT>_<KEY>. The older
+  // KVWIRE_RDMA_QPS comes first, so that the full name wins when both are set.
+  struct Variable {
+    std::string name, transport, key;
+  };
+  std::vector<Variable> variables = {{"KVWIRE_RDMA_QPS", "rdma", "qps_per_peer"}};
+  for (const std::string& transport : base.transports.Names()) {
+    for (const std::string& key : base.transports.Find(transport)->Keys()) {
+      variables.push_back(
+          {absl::AsciiStrToUpper(absl::StrCat("KVWIRE_", transport, "_", key)), transport, key});
     }
   }
-  if (const char* v = env("KVWIRE_RDMA_QPS")) {
-    int n = 0;
-    if (absl::SimpleAtoi(v, &n) && n > 0 && n <= 64) {
-      base.rdma_qps_per_peer = n;
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_RDMA_QPS=" << v << " (1..64)";
-    }
+  for (const Variable& var : variables) {
+    const char* v = env(var.name);
+    TransportOptions* options = base.transports.Find(var.transport);
+    if (v == nullptr || options == nullptr) continue;
+    if (absl::Status s = options->Set(var.key, v); !s.ok()) return bad(var.name, v, s);
+    // Range here too, so that the error names the variable that brought the value.
+    if (absl::Status s = options->Validate(); !s.ok()) return bad(var.name, v, s);
   }
   if (const char* v = env("KVWIRE_LOG_LEVEL")) {
     LogLevel level;
-    if (ParseLogLevel(v, &level)) {
-      SetLogLevel(level);
-    } else {
-      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_LOG_LEVEL=" << v;
+    if (!ParseLogLevel(v, &level)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "KVWIRE_LOG_LEVEL=", v, ": not a log level (debug, info, warning, error, off)"));
     }
+    SetLogLevel(level);
   }
   return base;
 }

@@ -57,7 +57,7 @@ Side MakeSide(const std::string& role, const std::string& transport, const std::
   ConnectorOptions o;
   o.role = role;
   o.engine.name = absl::StrCat(name.empty() ? role : name, "-", getpid());
-  o.engine.transport = *ParseTransportKind(transport);
+  o.engine.transport = transport;
   o.engine.peer_lease = absl::Seconds(3);
   o.engine.heartbeat_interval = absl::Milliseconds(200);
   o.request_timeout = timeout;
@@ -367,7 +367,7 @@ TEST_P(GpuConnectorTest, GpuKvMemoryIsRegisteredAsGpuMemory) {
   GpuScope scope({.devices = 2});
   ConnectorOptions o;
   o.engine.name = absl::StrCat("gpu-reg-", getpid());
-  o.engine.transport = *ParseTransportKind(transport());
+  o.engine.transport = transport();
   auto c = Connector::Create(o);
   ASSERT_TRUE(c.ok()) << c.status();
   auto kv = KvCache::Create("deepseek-v3", kBlocks, kStateBlocks, 1, &scope.runtime(), 1);

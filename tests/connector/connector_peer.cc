@@ -113,13 +113,12 @@ int main(int argc, char** argv) {
   options.request_timeout = absl::Milliseconds(args.timeout_ms);
   options.engine.peer_lease = absl::Seconds(3);
   options.engine.heartbeat_interval = absl::Milliseconds(200);
-  auto transport = kvwire::ParseTransportKind(args.transport);
   auto mode = kvwire::ParseKvMode(args.mode);
-  if (!transport.ok() || !mode.ok()) {
-    std::fprintf(stderr, "connector_peer: bad transport or mode\n");
+  if (!mode.ok()) {
+    std::fprintf(stderr, "connector_peer: bad mode\n");
     return 2;
   }
-  options.engine.transport = *transport;
+  options.engine.transport = args.transport;
   options.engine.shared_secret = args.secret;
   if (args.handshake_ms > 0) options.handshake_timeout = absl::Milliseconds(args.handshake_ms);
   options.mode = *mode;

@@ -56,7 +56,7 @@ class Decode {
     o.role = role;
     o.mode = mode;
     o.engine.name = name.empty() ? absl::StrCat("decode-", getpid()) : name;
-    o.engine.transport = *ParseTransportKind(transport);
+    o.engine.transport = transport;
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = timeout;
@@ -135,7 +135,7 @@ class PrefillHere {
     ConnectorOptions o;
     o.role = "prefill";
     o.engine.name = absl::StrCat("prefill-", getpid());
-    o.engine.transport = *ParseTransportKind(transport);
+    o.engine.transport = transport;
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = absl::Seconds(60);  // far beyond the lease: peer death must free first

@@ -54,7 +54,7 @@ class RawPeer {
     EngineOptions o;
     o.name = name;
     o.shared_secret = secret;
-    o.transport = *ParseTransportKind(transport);
+    o.transport = transport;
     o.peer_lease = absl::Seconds(3);
     o.heartbeat_interval = absl::Milliseconds(200);
     auto e = Engine::Create(o);
@@ -240,7 +240,7 @@ class Decode {
     o.engine.shared_secret = secret;
     o.role = "decode";
     o.engine.name = absl::StrCat("decode-", getpid());
-    o.engine.transport = *ParseTransportKind(transport);
+    o.engine.transport = transport;
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = kWait;

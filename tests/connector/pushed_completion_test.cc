@@ -35,7 +35,7 @@ Side MakeSide(const std::string& role, const std::string& transport, KvMode mode
   o.role = role;
   o.mode = mode;
   o.engine.name = absl::StrCat(role, "-", getpid());
-  o.engine.transport = *ParseTransportKind(transport);
+  o.engine.transport = transport;
   o.request_timeout = absl::Seconds(30);
   o.handshake_timeout = absl::Seconds(20);
   Side s;

@@ -182,7 +182,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     ConnectorOptions o;
     o.role = "prefill";
     o.engine.name = absl::StrCat("scrub-prefill-", getpid());
-    o.engine.transport = *ParseTransportKind(GetParam().transport);
+    o.engine.transport = GetParam().transport;
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = kWait;
@@ -214,7 +214,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
   void StartReader() {
     EngineOptions o;
     o.name = absl::StrCat("scrub-reader-", getpid());
-    o.transport = *ParseTransportKind(GetParam().transport);
+    o.transport = GetParam().transport;
     o.peer_lease = absl::Seconds(3);
     o.heartbeat_interval = absl::Milliseconds(200);
     auto e = Engine::Create(o);
@@ -385,7 +385,7 @@ class ReadScrubTest : public ::testing::TestWithParam<Param> {
     o.role = "decode";
     o.mode = KvMode::kWrite;
     o.engine.name = absl::StrCat("scrub-decode-", getpid());
-    o.engine.transport = *ParseTransportKind(GetParam().transport);
+    o.engine.transport = GetParam().transport;
     o.engine.peer_lease = absl::Seconds(3);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = kWait;

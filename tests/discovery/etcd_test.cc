@@ -422,7 +422,7 @@ TEST(EtcdAuth, ConnectorTakesCredentialsFromItsOptions) {
   auto options = [&](const std::string& password) {
     ConnectorOptions o;
     o.engine.name = "auth-by-options";
-    o.engine.transport = TransportKind::kTcp;
+    o.engine.transport = "tcp";
     o.engine.listen_address = "127.0.0.1:0";
     o.role = "prefill";
     o.etcd_endpoints = endpoints;

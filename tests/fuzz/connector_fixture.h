@@ -50,8 +50,8 @@ inline ConnectorFixture& Victim() {
     ConnectorOptions o;
     o.role = "both";
     o.engine.name = "victim";
-    o.engine.transport = TransportKind::kTcp;
-    o.engine.tcp_connections = 1;
+    o.engine.transport = "tcp";
+    o.engine.tcp().connections = 1;
     o.request_timeout = absl::Seconds(2);
     o.handshake_timeout = absl::Milliseconds(200);
     absl::StatusOr<std::unique_ptr<Connector>> c = Connector::Create(o);

@@ -42,8 +42,8 @@ Attacker& Peer() {
     EngineOptions o;
     o.name = "attacker";
     o.listen_address = "127.0.0.1:0";
-    o.transport = TransportKind::kTcp;
-    o.tcp_connections = 1;
+    o.transport = "tcp";
+    o.tcp().connections = 1;
     absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(o);
     KVWIRE_FUZZ_CHECK(engine.ok());
     a->engine = *std::move(engine);

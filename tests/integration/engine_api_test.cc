@@ -53,59 +53,105 @@ TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
   ScopedEnv env({{"KVWIRE_LISTEN", "127.0.0.1:4567"},
                  {"KVWIRE_TRANSPORT", "tcp"},
                  {"KVWIRE_TCP_CONNECTIONS", "7"},
+                 {"KVWIRE_TCP_IO_POLL", "50us"},
+                 {"KVWIRE_TCP_IO_THREADS", "2"},
                  {"KVWIRE_SECRET", "s3cret"},
                  {"KVWIRE_SHM_CMA", "1"},
-                 {"KVWIRE_SHM_DENY_PTRACE", "1"},
                  {"KVWIRE_RDMA_DEVICES", "mlx5_0,,mlx5_1"},
                  {"KVWIRE_RDMA_GID_INDEX", "3"},
-                 {"KVWIRE_RDMA_QPS", "9"}});
-  const EngineOptions o = EngineOptions::FromEnvironment(EngineOptions());
+                 {"KVWIRE_RDMA_QPS", "9"},
+                 {"KVWIRE_RDMA_SEND_QUEUE_DEPTH", "512"}});
+  absl::StatusOr<EngineOptions> got = EngineOptions::FromEnvironment(EngineOptions());
+  ASSERT_TRUE(got.ok()) << got.status();
+  const EngineOptions& o = *got;
   EXPECT_EQ(o.listen_address, "127.0.0.1:4567");
-  EXPECT_EQ(o.transport, TransportKind::kTcp);
-  EXPECT_EQ(o.tcp_connections, 7);
+  EXPECT_EQ(o.transport, "tcp");
+  EXPECT_EQ(o.tcp().connections, 7);
+  EXPECT_EQ(o.tcp().io_poll, absl::Microseconds(50));
+  EXPECT_EQ(o.tcp().io_threads, 2);
   EXPECT_EQ(o.shared_secret, "s3cret");
-  EXPECT_TRUE(o.shm_cma);
-  EXPECT_TRUE(o.shm_deny_ptrace);
-  EXPECT_EQ(o.rdma_devices, (std::vector<std::string>{"mlx5_0", "mlx5_1"}));
-  EXPECT_EQ(o.rdma_gid_index, 3);
-  EXPECT_EQ(o.rdma_qps_per_peer, 9);
+  EXPECT_TRUE(o.shm().cma);
+  EXPECT_FALSE(o.shm().deny_ptrace);
+  EXPECT_EQ(o.rdma().devices, (std::vector<std::string>{"mlx5_0", "mlx5_1"}));
+  EXPECT_EQ(o.rdma().gid_index, 3);
+  EXPECT_EQ(o.rdma().qps_per_peer, 9);
+  EXPECT_EQ(o.rdma().send_queue_depth, 512);
+  // The full name wins over the older KVWIRE_RDMA_QPS.
+  ScopedEnv full({{"KVWIRE_RDMA_QPS_PER_PEER", "5"}});
+  got = EngineOptions::FromEnvironment(EngineOptions());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->rdma().qps_per_peer, 5);
 }
 
-TEST(EngineOptionsTest, FromEnvironmentIgnoresBadAndEmptyValues) {
+TEST(EngineOptionsTest, FromEnvironmentLeavesUnsetAndEmptyVariables) {
   EngineOptions base;
   base.listen_address = "127.0.0.1:1111";
-  base.transport = TransportKind::kShm;
-  base.tcp_connections = 3;
+  base.transport = "shm";
+  base.tcp().connections = 3;
   base.shared_secret = "kept";
-  base.rdma_gid_index = 1;
-  base.rdma_qps_per_peer = 2;
+  base.rdma().gid_index = 1;
   ScopedEnv env({{"KVWIRE_LISTEN", ""},
-                 {"KVWIRE_TRANSPORT", "carrier-pigeon"},
-                 {"KVWIRE_TCP_CONNECTIONS", "65"},
+                 {"KVWIRE_TRANSPORT", ""},
+                 {"KVWIRE_TCP_CONNECTIONS", ""},
                  {"KVWIRE_SECRET", ""},
-                 {"KVWIRE_SHM_CMA", "yes"},
-                 {"KVWIRE_RDMA_GID_INDEX", "1024"},
-                 {"KVWIRE_RDMA_QPS", "0"}});
-  const EngineOptions o = EngineOptions::FromEnvironment(base);
-  EXPECT_EQ(o.listen_address, "127.0.0.1:1111");
-  EXPECT_EQ(o.transport, TransportKind::kShm);
-  EXPECT_EQ(o.tcp_connections, 3);
-  EXPECT_EQ(o.shared_secret, "kept");
-  EXPECT_FALSE(o.shm_cma);  // only "1" turns it on
-  EXPECT_EQ(o.rdma_gid_index, 1);
-  EXPECT_EQ(o.rdma_qps_per_peer, 2);
-  // Out-of-range numbers at the other end, and non-numbers.
-  ScopedEnv more({{"KVWIRE_TCP_CONNECTIONS", "0"},
-                  {"KVWIRE_RDMA_GID_INDEX", "-2"},
-                  {"KVWIRE_RDMA_QPS", "many"}});
-  const EngineOptions p = EngineOptions::FromEnvironment(base);
-  EXPECT_EQ(p.tcp_connections, 3);
-  EXPECT_EQ(p.rdma_gid_index, 1);
-  EXPECT_EQ(p.rdma_qps_per_peer, 2);
+                 {"KVWIRE_SHM_CMA", ""},
+                 {"KVWIRE_RDMA_GID_INDEX", ""}});
+  absl::StatusOr<EngineOptions> o = EngineOptions::FromEnvironment(base);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->listen_address, "127.0.0.1:1111");
+  EXPECT_EQ(o->transport, "shm");
+  EXPECT_EQ(o->tcp().connections, 3);
+  EXPECT_EQ(o->shared_secret, "kept");
+  EXPECT_FALSE(o->shm().cma);
+  EXPECT_EQ(o->rdma().gid_index, 1);
 }
 
-std::unique_ptr<Engine> MakeEngine(const std::string& name,
-                                   TransportKind transport = TransportKind::kAuto) {
+// A bad value fails the call, naming the variable (and, for a value out of range, the option
+// and its range, as Engine::Create would).
+TEST(EngineOptionsTest, FromEnvironmentRefusesBadValuesNamingTheVariable) {
+  const struct {
+    const char* name;
+    const char* value;
+    const char* error;
+  } cases[] = {
+      {"KVWIRE_TCP_CONNECTIONS", "65",
+       "KVWIRE_TCP_CONNECTIONS=65: tcp.connections: 65 is out of range (1..64)"},
+      {"KVWIRE_TCP_CONNECTIONS", "many",
+       "KVWIRE_TCP_CONNECTIONS=many: tcp.connections: \"many\" is not an integer"},
+      {"KVWIRE_TCP_IO_POLL", "1s",
+       "KVWIRE_TCP_IO_POLL=1s: tcp.io_poll: 1s is out of range (0..10ms)"},
+      {"KVWIRE_TCP_IO_POLL", "20", "KVWIRE_TCP_IO_POLL=20: tcp.io_poll: \"20\" is not a duration"},
+      {"KVWIRE_SHM_CMA", "yes", "KVWIRE_SHM_CMA=yes: shm.cma: \"yes\" is not a boolean"},
+      {"KVWIRE_RDMA_GID_INDEX", "1024",
+       "KVWIRE_RDMA_GID_INDEX=1024: rdma.gid_index: 1024 is out of range (-1..1023)"},
+      {"KVWIRE_RDMA_QPS", "0", "KVWIRE_RDMA_QPS=0: rdma.qps_per_peer: 0 is out of range (1..64)"},
+      {"KVWIRE_LOG_LEVEL", "loud", "KVWIRE_LOG_LEVEL=loud: not a log level"},
+  };
+  for (const auto& c : cases) {
+    ScopedEnv env({{c.name, c.value}});
+    absl::StatusOr<EngineOptions> o = EngineOptions::FromEnvironment(EngineOptions());
+    ASSERT_FALSE(o.ok()) << c.name << "=" << c.value;
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(o.status().message().substr(0, std::string_view(c.error).size()), c.error)
+        << o.status();
+  }
+  // Options of two variables that cannot be combined: the second one named.
+  ScopedEnv both({{"KVWIRE_SHM_CMA", "1"}, {"KVWIRE_SHM_DENY_PTRACE", "1"}});
+  absl::StatusOr<EngineOptions> o = EngineOptions::FromEnvironment(EngineOptions());
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().message(),
+            "KVWIRE_SHM_DENY_PTRACE=1: shm.cma and shm.deny_ptrace cannot be combined");
+  // A transport's name is Engine::Create's to check (an outside transport may have it).
+  ScopedEnv name({{"KVWIRE_SHM_CMA", ""},
+                  {"KVWIRE_SHM_DENY_PTRACE", ""},
+                  {"KVWIRE_TRANSPORT", "carrier-pigeon"}});
+  o = EngineOptions::FromEnvironment(EngineOptions());
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(Engine::Create(*o).status().message(),
+            "transport: unknown transport \"carrier-pigeon\" (expected auto, rdma, shm, tcp)");
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& transport = "auto") {
   EngineOptions options;
   options.name = name;
   options.transport = transport;
@@ -127,8 +173,8 @@ TEST(EngineApiTest, ConnectExportsOnlyTheListedRegionsAndExportAddsMore) {
   // joined, not the sockets that order their last access before the free.
   std::vector<std::byte> first(8192), second(8192);
   std::vector<std::byte> local(8192, std::byte{0xEE});
-  auto a = MakeEngine("api-a", TransportKind::kTcp);
-  auto b = MakeEngine("api-b", TransportKind::kTcp);
+  auto a = MakeEngine("api-a", "tcp");
+  auto b = MakeEngine("api-b", "tcp");
   ASSERT_TRUE(a && b);
   FillPattern(first.data(), first.size(), 21, 0);
   FillPattern(second.data(), second.size(), 21, 1);
@@ -174,7 +220,7 @@ TEST(EngineApiTest, ConnectTransportOverridesTheEngineDefault) {
   auto c = MakeEngine("api-shm-peer");
   ASSERT_TRUE(a && b && c);
   ConnectOptions tcp;
-  tcp.transport = TransportKind::kTcp;
+  tcp.transport = "tcp";
   auto to_b = a->Connect(b->address(), tcp);
   ASSERT_TRUE(to_b.ok()) << to_b.status();
   auto to_c = a->Connect(c->address());
@@ -214,7 +260,7 @@ TEST(EngineApiTest, PollReportsPendingThenTheFinalStateOnce) {
   auto peer = PeerProcess::Start(
       {"--transport=tcp", "--regions=1", "--region_bytes=1048576", "--seed=4", "--name=polled"});
   ASSERT_TRUE(peer.ok()) << peer.status();
-  auto engine = MakeEngine("poller", TransportKind::kTcp);
+  auto engine = MakeEngine("poller", "tcp");
   ASSERT_TRUE(engine);
   std::vector<std::byte> local(1 << 20, std::byte{0xEE});
   auto l = engine->RegisterMemory(local.data(), local.size());
@@ -265,8 +311,8 @@ TEST(EngineApiTest, TakeNotificationsDeliversEachOnceAfterItsData) {
   // Region memory outlives both engines (see above).
   std::vector<std::byte> target(1 << 20, std::byte{0});
   std::vector<std::byte> source(1 << 20);
-  auto a = MakeEngine("api-writer", TransportKind::kTcp);
-  auto b = MakeEngine("api-target", TransportKind::kTcp);
+  auto a = MakeEngine("api-writer", "tcp");
+  auto b = MakeEngine("api-target", "tcp");
   ASSERT_TRUE(a && b);
   RegionOptions exported;
   exported.export_to_all_peers = true;

@@ -1,6 +1,7 @@
 // Two real processes: this test's engine and kvwire_test_peer, over tcp, shm, and "pipe": a
 // transport that lives only in tests (tests/transport/pipe), registered by both sides through
-// EngineOptions::extra_transports and routed from its declared capabilities like the others.
+// EngineOptions::extra_transports (with its options in EngineOptions::transports) and forced by
+// its name here, like the built-ins.
 #include <algorithm>
 #include <random>
 #include <signal.h>
@@ -27,7 +28,7 @@ constexpr uint64_t kSeed = 7;
 constexpr std::byte kPoison{0xEE};
 
 struct Mode {
-  std::string transport;  // "tcp", "shm" (forced) or "pipe" (auto; the best-ranked here)
+  std::string transport;  // "tcp", "shm" or "pipe": forced by name (pipe ranks below tcp here)
   bool shareable;         // peer regions in memfd (shm maps them) or heap (cma / tcp)
 };
 
@@ -53,11 +54,13 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
     EngineOptions options;
     options.name = "tester";
     if (GetParam().transport == kPipeTransportName) {
-      options.extra_transports.push_back(PipeTransportFactory());
-    } else {
-      options.transport = *ParseTransportKind(GetParam().transport);
+      // An outside transport, forced by its name like a built-in: ranked below tcp here, so
+      // only the forcing picks it.
+      AddPipeTransport(&options);
+      options.transports.Get<PipeOptions>().rank = 100;
     }
-    options.shm_cma = !GetParam().shareable;
+    options.transport = GetParam().transport;
+    options.shm().cma = !GetParam().shareable;
     options.peer_lease = absl::Seconds(2);
     options.heartbeat_interval = absl::Milliseconds(200);
     auto engine = Engine::Create(options);
@@ -106,19 +109,17 @@ class EngineIntegrationTest : public ::testing::TestWithParam<Mode> {
 };
 
 // The reported path is the one the mode must take, exactly: the transport is forced (or, for
-// pipe, ranks first and reaches every region), so no other path exists, and a READ through it
+// pipe, reaches every region), so no other path exists, and a READ through it
 // must arrive (heap regions over shm: only CMA reaches them, so where the kernel allows CMA it
 // is required to work).
 TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
   EngineStats stats = engine_->Stats();
   ASSERT_EQ(stats.peers.size(), 1u);
   const PeerStats& peer = stats.peers[0];
+  EXPECT_EQ(peer.transport_reason, "forced by configuration");
   if (GetParam().transport == kPipeTransportName) {
-    EXPECT_EQ(peer.transport_reason, "same host");  // pipe ranks first; same-host only
     EXPECT_EQ(peer.transport.rfind("pipe kvwire-pipe-", 0), 0u) << peer.transport;
     EXPECT_EQ(peer.transport.find(';'), std::string::npos) << peer.transport;  // no fallback
-  } else {
-    EXPECT_EQ(peer.transport_reason, "forced by configuration");
   }
   if (GetParam().transport == "tcp") {
     EXPECT_EQ(peer.transport.rfind("tcp x4 ", 0), 0u) << peer.transport;
@@ -538,7 +539,7 @@ TEST(HandshakeIntegrationTest, TransportConflictIsNamed) {
   auto peer = PeerProcess::Start({"--transport=shm", "--regions=1"});
   ASSERT_TRUE(peer.ok()) << peer.status();
   EngineOptions options;
-  options.transport = TransportKind::kTcp;
+  options.transport = "tcp";
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok());
   auto r = (*engine)->Connect((*peer)->address());

@@ -28,7 +28,7 @@ constexpr uint64_t kBytes = 64 << 10;
 // a line feed, each of which must be escaped in the Prometheus output.
 constexpr char kNameA[] = "stats-a \"q\" \\b\nc";
 
-std::unique_ptr<Engine> MakeEngine(const std::string& name, TransportKind transport) {
+std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& transport) {
   EngineOptions options;
   options.name = name;
   options.transport = transport;
@@ -43,8 +43,8 @@ class EngineStatsOutputTest : public ::testing::Test {
  protected:
   void SetUp() override {
     FillPattern(source_.data(), source_.size(), 7, 0);
-    a_ = MakeEngine(kNameA, TransportKind::kTcp);
-    b_ = MakeEngine("stats-b", TransportKind::kTcp);
+    a_ = MakeEngine(kNameA, "tcp");
+    b_ = MakeEngine("stats-b", "tcp");
     ASSERT_TRUE(a_ && b_);
     auto remote = a_->RegisterMemory(target_.data(), target_.size());
     auto local = b_->RegisterMemory(source_.data(), source_.size());

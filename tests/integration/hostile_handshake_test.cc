@@ -280,7 +280,7 @@ void ExpectLegitimateReadIsExact(const std::string& address, const std::string& 
   EngineOptions options;
   options.name = "legit";
   options.shared_secret = secret;
-  options.transport = TransportKind::kTcp;
+  options.transport = "tcp";
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<std::byte> buf(kRegionBytes);
@@ -354,7 +354,7 @@ struct Target {
   static std::unique_ptr<Target> Start(EngineOptions options, uint64_t seed) {
     auto target = std::make_unique<Target>();
     target->seed = seed;
-    options.transport = TransportKind::kTcp;
+    options.transport = "tcp";
     auto engine = Engine::Create(options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return nullptr;
@@ -820,7 +820,7 @@ TEST(HostileHandshakeTest, ControlConnectionsBeyondTheCapAreRefusedUntilOneClose
   ASSERT_NE(target, nullptr);
   EngineOptions dialer_options;
   dialer_options.shared_secret = "s3cret";
-  dialer_options.transport = TransportKind::kTcp;
+  dialer_options.transport = "tcp";
   std::vector<std::unique_ptr<Engine>> dialers;
   for (int i = 0; i < 2; ++i) {
     auto dialer = Engine::Create(dialer_options);
@@ -1024,7 +1024,7 @@ TEST(HostileHandshakeTest, ClosedPeersAreReclaimed) {
   std::unique_ptr<Target> target = Target::Start(options, 91);
   ASSERT_NE(target, nullptr);
   EngineOptions dialer_options;
-  dialer_options.transport = TransportKind::kTcp;
+  dialer_options.transport = "tcp";
   for (int i = 0; i < 6; ++i) {
     auto dialer = Engine::Create(dialer_options);
     ASSERT_TRUE(dialer.ok());
@@ -1049,7 +1049,7 @@ TEST(HostileHandshakeTest, UndrainedNotificationsAreBoundedAndCounted) {
   std::unique_ptr<Target> target = Target::Start(options, 92);
   ASSERT_NE(target, nullptr);
   EngineOptions sender_options;
-  sender_options.transport = TransportKind::kTcp;
+  sender_options.transport = "tcp";
   auto sender = Engine::Create(sender_options);
   ASSERT_TRUE(sender.ok());
   std::vector<std::byte> buf(4096, std::byte{7});

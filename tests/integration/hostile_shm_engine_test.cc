@@ -40,7 +40,7 @@ TEST(HostileShmEngineTest, HeapRegionsOfADefaultPeerGoOverTcpAndTheStatsSaySo) {
   EngineOptions options;
   options.name = "tester";
   // This side would use cross-memory attach; the peer did not offer it.
-  options.shm_cma = true;
+  options.shm().cma = true;
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<std::byte> local(2 * kRegionBytes, std::byte{0xEE});

@@ -96,13 +96,13 @@ int main(int argc, char** argv) {
   kvwire::EngineOptions options;
   options.name = "hostile-tcp-target";
   options.shared_secret = args.secret;
-  options.transport = kvwire::TransportKind::kTcp;
-  options.tcp_max_data_connections = args.max_connections;
-  options.tcp_max_data_connections_per_peer = args.max_per_peer;
-  options.tcp_max_pending_hellos = args.max_pending;
-  options.tcp_max_pending_hellos_per_address = args.max_pending_per_address;
-  options.tcp_hello_timeout = absl::Milliseconds(args.hello_ms);
-  options.tcp_io_timeout = absl::Milliseconds(args.io_ms);
+  options.transport = "tcp";
+  options.tcp().max_data_connections = args.max_connections;
+  options.tcp().max_data_connections_per_peer = args.max_per_peer;
+  options.tcp().max_pending_hellos = args.max_pending;
+  options.tcp().max_pending_hellos_per_address = args.max_pending_per_address;
+  options.tcp().hello_timeout = absl::Milliseconds(args.hello_ms);
+  options.tcp().io_timeout = absl::Milliseconds(args.io_ms);
   // Declared before the engine so that it outlives it: the engine's destruction joins the
   // threads that served it (what ThreadSanitizer needs to see before the memory goes).
   std::vector<std::vector<std::byte>> memory(args.regions);

@@ -277,7 +277,7 @@ class GoodPeer {
     EngineOptions options;
     options.name = "good-peer";
     options.shared_secret = kSecret;
-    options.transport = TransportKind::kTcp;
+    options.transport = "tcp";
     auto engine = Engine::Create(options);
     if (!engine.ok()) return engine.status();
     engine_ = std::move(*engine);

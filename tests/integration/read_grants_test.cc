@@ -65,7 +65,7 @@ class ReadGrantsTest : public ::testing::TestWithParam<std::tuple<std::string, b
   void SetUp() override {
     EngineOptions o;
     o.name = "grant-target";
-    o.transport = *ParseTransportKind(transport());
+    o.transport = transport();
     if (secret()) o.shared_secret = "grants-test-secret";
     auto t = Engine::Create(o);
     ASSERT_TRUE(t.ok()) << t.status();
@@ -92,7 +92,7 @@ class ReadGrantsTest : public ::testing::TestWithParam<std::tuple<std::string, b
     auto r = std::make_unique<Reader>();
     EngineOptions o;
     o.name = name;
-    o.transport = *ParseTransportKind(transport());
+    o.transport = transport();
     if (secret()) o.shared_secret = "grants-test-secret";
     auto e = Engine::Create(o);
     EXPECT_TRUE(e.ok()) << e.status();

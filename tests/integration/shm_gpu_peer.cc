@@ -64,8 +64,8 @@ int Run(int argc, char** argv) {
   EngineOptions options;
   options.name = name;
   // Offers tcp too: a tester that cannot use the GPU regions over shm falls back to it.
-  options.transport = TransportKind::kAuto;
-  options.shm_cma = true;  // its heap region is reached by cross-memory attach (opted in)
+  options.transport = "auto";
+  options.shm().cma = true;  // its heap region is reached by cross-memory attach (opted in)
   options.peer_lease = absl::Seconds(5);
   options.heartbeat_interval = absl::Milliseconds(200);
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options);

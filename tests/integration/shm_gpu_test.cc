@@ -87,8 +87,8 @@ class ShmGpuTest : public ::testing::TestWithParam<int> {
     ASSERT_EQ(peer_->regions().size(), static_cast<size_t>(kPeerRegions));
     EngineOptions options;
     options.name = "gpu-tester";
-    options.transport = TransportKind::kShm;
-    options.shm_cma = true;  // the peer's heap region: staged cross-memory attach (opted in)
+    options.transport = "shm";
+    options.shm().cma = true;  // the peer's heap region: staged cross-memory attach (opted in)
     options.peer_lease = absl::Seconds(5);
     options.heartbeat_interval = absl::Milliseconds(200);
     auto engine = Engine::Create(options);
@@ -344,7 +344,7 @@ TEST(ShmGpuFallbackTest, GpuRegionOfAnotherRuntimeGoesOverTcp) {
   ASSERT_TRUE(peer.ok()) << peer.status();
   EngineOptions options;
   options.name = "no-gpu-tester";
-  options.transport = TransportKind::kAuto;  // shm, and tcp for what shm cannot reach
+  options.transport = "auto";  // shm, and tcp for what shm cannot reach
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<std::byte> host(1 << 20, kPoison);

@@ -120,8 +120,8 @@ class TcpGpuFixture : public ::testing::Test {
   std::unique_ptr<Engine> MakeEngine(const std::string& name, uint64_t max_op_bytes) {
     EngineOptions options;
     options.name = name;
-    options.transport = TransportKind::kTcp;
-    options.tcp_connections = 4;
+    options.transport = "tcp";
+    options.tcp().connections = 4;
     // Ops stay whole up to this (4 MiB: one op spans several staging chunks).
     options.max_op_bytes = max_op_bytes;
     auto engine = Engine::Create(options);

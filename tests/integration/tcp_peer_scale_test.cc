@@ -200,11 +200,11 @@ class PeerProcess {
 EngineOptions HubOptions(uint64_t peers) {
   EngineOptions options;
   options.name = "hub";
-  options.transport = TransportKind::kTcp;
-  options.tcp_connections = 1;
-  options.tcp_io_threads = 2;
+  options.transport = "tcp";
+  options.tcp().connections = 1;
+  options.tcp().io_threads = 2;
   const int connections = static_cast<int>(4 * peers + 64);
-  options.tcp_max_data_connections = connections;
+  options.tcp().max_data_connections = connections;
   options.max_control_connections = connections;
   // Heartbeats are the control channel's per-peer timer: slowed down so that the idle CPU
   // measured is the data path's.
@@ -362,7 +362,7 @@ TEST(TcpPeerScaleTest, ThreadsStayFixedFromOnePeerToMany) {
   const int64_t one = static_cast<int64_t>(counts[1].threads);
   for (size_t c = 2; c < counts.size(); ++c) {
     const int64_t all = static_cast<int64_t>(counts[c].threads);
-    EXPECT_LE(std::abs(all - one), options.tcp_io_threads)
+    EXPECT_LE(std::abs(all - one), options.tcp().io_threads)
         << "threads with 1 peer: " << one << ", with " << counts[c].peers << ": " << all
         << (c + 1 == counts.size() ? " (after the transfers)" : "");
   }
@@ -381,7 +381,7 @@ TEST(TcpPeerScaleTest, ConnectDisconnectCyclesLeaveNothingBehind) {
   ASSERT_TRUE(hub.ok()) << hub.status();
   EngineOptions peer_options = HubOptions(16);
   peer_options.name = "cycler";
-  peer_options.tcp_connections = 2;
+  peer_options.tcp().connections = 2;
   auto peer = Engine::Create(peer_options);
   ASSERT_TRUE(peer.ok()) << peer.status();
   std::vector<std::byte> remote(1 << 20), local(1 << 20);

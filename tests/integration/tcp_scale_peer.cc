@@ -64,9 +64,9 @@ int Run(int argc, char** argv) {
     const uint64_t slot = first + i;
     EngineOptions options;
     options.name = absl::StrCat("c", slot);
-    options.transport = TransportKind::kTcp;
-    options.tcp_connections = 1;
-    options.tcp_io_threads = 1;
+    options.transport = "tcp";
+    options.tcp().connections = 1;
+    options.tcp().io_threads = 1;
     // Heartbeats are the control channel's per-peer timer; the hub measures its idle CPU.
     options.heartbeat_interval = absl::Seconds(30);
     options.peer_lease = absl::Seconds(120);

@@ -59,7 +59,7 @@ struct Args {
   uint64_t salt = 0;
   std::string name = "test-peer";
   int lease_ms = 5000;
-  bool shm_cma = false;  // EngineOptions::shm_cma
+  bool shm_cma = false;  // ShmOptions::cma
   // Status to exit with once stdin closes: tests of the harness plant a failing peer with it.
   int exit_code = 0;
   // Seconds to keep running after stdin closes: plants a peer that hangs on exit.
@@ -109,18 +109,18 @@ int main(int argc, char** argv) {
   options.peer_lease = absl::Milliseconds(args.lease_ms);
   options.heartbeat_interval = absl::Milliseconds(std::max(50, args.lease_ms / 10));
   if (args.transport == kvwire::testing::kPipeTransportName) {
-    // A transport of tests/ only: registered, then chosen by rank (kAuto).
-    options.extra_transports.push_back(kvwire::testing::PipeTransportFactory());
+    // A transport of tests/ only: registered, then chosen by rank ("auto").
+    kvwire::testing::AddPipeTransport(&options);
   } else {
-    auto transport = kvwire::ParseTransportKind(args.transport);
-    if (!transport.ok()) {
-      std::fprintf(stderr, "test_peer: %s\n", transport.status().ToString().c_str());
-      return 2;
-    }
-    options.transport = *transport;
+    options.transport = args.transport;  // Engine::Create checks the name
   }
-  options.shm_cma = args.shm_cma;
-  options = kvwire::EngineOptions::FromEnvironment(options);
+  options.shm().cma = args.shm_cma;
+  auto from_env = kvwire::EngineOptions::FromEnvironment(options);
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "test_peer: %s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  options = *std::move(from_env);
   auto engine = kvwire::Engine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "test_peer: %s\n", engine.status().ToString().c_str());

@@ -1001,8 +1001,8 @@ std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& l
   o.name = name;
   o.listen_address = listen;
   // Both namespaces share one kernel: kAuto would take shm (or rdma, on the VM's rxe).
-  o.transport = kvwire::TransportKind::kTcp;
-  o.tcp_connections = lanes;
+  o.transport = "tcp";
+  o.tcp().connections = lanes;
   auto engine = Engine::Create(o);
   if (!engine.ok()) {
     std::fprintf(stderr, "engine %s: %s\n", name.c_str(), engine.status().ToString().c_str());

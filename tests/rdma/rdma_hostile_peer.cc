@@ -67,10 +67,15 @@ void Report(const char* step, const absl::Status& s, const std::string& extra) {
 int Run(const Args& args) {
   EngineOptions options;
   options.name = "rdma-hostile";
-  options.transport = TransportKind::kRdma;
+  options.transport = "rdma";
   options.connect_timeout = absl::Seconds(60);
   options.peer_lease = absl::Seconds(30);
-  options = EngineOptions::FromEnvironment(options);
+  absl::StatusOr<EngineOptions> from_env = EngineOptions::FromEnvironment(options);
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "rdma_hostile_peer: %s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  options = *std::move(from_env);
   auto engine = Engine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "hostile_peer: %s\n", engine.status().ToString().c_str());

@@ -107,9 +107,9 @@ class RdmaIsolationTest : public ::testing::Test {
   void SetUp() override {
     setenv("KVWIRE_RDMA_DEVICES", "rxe0", 1);  // the hostile peer's engine reads it too
     EngineOptions base;
-    base.transport = TransportKind::kRdma;
-    base.rdma_devices = {"rxe0"};
-    base.rdma_qps_per_peer = 2;
+    base.transport = "rdma";
+    base.rdma().devices = {"rxe0"};
+    base.rdma().qps_per_peer = 2;
     base.connect_timeout = absl::Seconds(60);
     base.peer_lease = absl::Seconds(30);
     EngineOptions t = base, l = base;

@@ -55,8 +55,8 @@ class RdmaEngineTest : public ::testing::Test {
     peer_ = std::move(*peer);
     EngineOptions options;
     options.name = "rdma-tester";
-    options.transport = TransportKind::kRdma;
-    options.rdma_devices = devices;
+    options.transport = "rdma";
+    options.rdma().devices = devices;
     options.peer_lease = absl::Seconds(3);
     options.heartbeat_interval = absl::Milliseconds(300);
     options.connect_timeout = absl::Seconds(30);
@@ -491,9 +491,9 @@ TEST_F(RdmaTwoDevicesTest, StripesOverBothDevices) {
 // plain run. Both engines live here so that initiator and target code are both checked.
 TEST(RdmaLeakCheck, ConnectTransferDisconnectCycle) {
   EngineOptions base;
-  base.transport = TransportKind::kRdma;
-  base.rdma_devices = {"rxe0"};
-  base.rdma_qps_per_peer = 1;
+  base.transport = "rdma";
+  base.rdma().devices = {"rxe0"};
+  base.rdma().qps_per_peer = 1;
   base.connect_timeout = absl::Seconds(120);
   base.peer_lease = absl::Seconds(120);  // valgrind under TCG is slow; no false deaths
   EngineOptions a_options = base, b_options = base;

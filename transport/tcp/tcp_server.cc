@@ -186,19 +186,19 @@ void TcpServer::OnAccepted(tcp::socket socket) {
     case Admission::Refusal::kPending:
       refused = absl::ResourceExhaustedError(
           absl::StrCat("tcp data port ", endpoint_, ": ", admission_.pending(),
-                       " connections are in the hello stage, the limit (tcp_max_pending_hellos ",
+                       " connections are in the hello stage, the limit (tcp.max_pending_hellos ",
                        options_.max_pending_hellos, ") is reached"));
       break;
     case Admission::Refusal::kPendingFromSource:
       refused = absl::ResourceExhaustedError(absl::StrCat(
           "tcp data port ", endpoint_, ": ", admission_.pending_from(address), " connections from ",
-          address, " are in the hello stage, the limit (tcp_max_pending_hellos_per_address ",
+          address, " are in the hello stage, the limit (tcp.max_pending_hellos_per_address ",
           options_.max_pending_hellos_per_address, ") is reached"));
       break;
     case Admission::Refusal::kOpen:
       refused = absl::ResourceExhaustedError(
           absl::StrCat("tcp data port ", endpoint_, ": ", open,
-                       " connections are open, the limit (tcp_max_data_connections ",
+                       " connections are open, the limit (tcp.max_data_connections ",
                        options_.max_data_connections, ") is reached"));
       break;
   }
@@ -327,7 +327,7 @@ void TcpServer::Authenticate(const std::shared_ptr<HelloStage>& hello) {
              open >= options_.max_data_connections_per_peer) {
     refused = absl::ResourceExhaustedError(
         absl::StrCat("peer ", *peer, " has ", open,
-                     " data connections open, the limit (tcp_max_data_connections_per_peer ",
+                     " data connections open, the limit (tcp.max_data_connections_per_peer ",
                      options_.max_data_connections_per_peer, ") is reached"));
     counter = &refused_over_limit_;
   } else {

@@ -28,15 +28,15 @@ struct TcpTransportOptions {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;
   uint32_t max_lanes = 16;
-  // I/O threads that run every data connection, both directions (EngineOptions::
-  // tcp_io_threads); 0 = IoPool::DefaultThreads() (1 per 8 cores, 1..4).
+  // I/O threads that run every data connection, both directions (TcpOptions::io_threads);
+  // 0 = IoPool::DefaultThreads() (1 per 8 cores, 1..4).
   uint32_t io_threads = 0;
   // How long an I/O thread keeps polling its sockets after its last event before it sleeps
-  // (EngineOptions::tcp_io_poll; tcp_io_pool.h says why); zero: it sleeps at once. Costs CPU
+  // (TcpOptions::io_poll; tcp_io_pool.h says why); zero: it sleeps at once. Costs CPU
   // only while data moves, never on an idle transport.
   absl::Duration io_poll = absl::Microseconds(20);
   // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
-  // max_lanes): EngineOptions::tcp_connections.
+  // max_lanes): TcpOptions::connections.
   uint32_t connections_per_peer = 4;
   uint64_t max_op_bytes = 1 << 20;
   // Socket buffer sizes (0 = kernel default).

@@ -62,15 +62,15 @@ absl::Status ModelServer::Impl::Init() {
   absl::StatusOr<kvwire::KvMode> mode = kvwire::ParseKvMode(options_.mode);
   if (!mode.ok()) return mode.status();
   co.mode = *mode;
-  co.engine = kvwire::EngineOptions::FromEnvironment({});
+  absl::StatusOr<kvwire::EngineOptions> from_env = kvwire::EngineOptions::FromEnvironment({});
+  if (!from_env.ok()) return from_env.status();
+  co.engine = *std::move(from_env);
   if (options_.shared_secret) co.engine.shared_secret = *options_.shared_secret;
   attest_secret_ = co.engine.shared_secret;
   co.engine.name =
       options_.name.empty() ? absl::StrCat("dsv4-", role, "-", getpid()) : options_.name;
   co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
-  absl::StatusOr<kvwire::TransportKind> transport = kvwire::ParseTransportKind(options_.transport);
-  if (!transport.ok()) return transport.status();
-  co.engine.transport = *transport;
+  co.engine.transport = options_.transport;  // checked by Engine::Create
   co.engine.peer_lease = options_.peer_lease;
   co.engine.heartbeat_interval = std::min(absl::Milliseconds(500), options_.peer_lease / 5);
   co.request_timeout = options_.request_timeout;

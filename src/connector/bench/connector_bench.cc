@@ -70,7 +70,7 @@ class Pair {
     for (int side = 0; side < 2; ++side) {
       kvwire::ConnectorOptions o;
       o.engine.name = side == 0 ? "bench-prefill" : "bench-decode";
-      o.engine.transport = *kvwire::ParseTransportKind(transport);
+      o.engine.transport = transport;
       auto c = kvwire::Connector::Create(o);
       Die(c.status(), "connector");
       const uint64_t blocks = 2 * (tokens / 64) + 8;

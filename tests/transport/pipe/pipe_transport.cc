@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "src/util/mutex.h"
+#include "src/util/option_range.h"
 #include "transport/transport.h"
 
 namespace kvwire::testing {
@@ -239,9 +240,9 @@ class PipeChannel final : public Channel {
 // Target side: a listener and one thread per incoming connection.
 class PipeTransport final : public Transport {
  public:
-  explicit PipeTransport(TargetHooks* hooks) : hooks_(hooks) {
+  PipeTransport(TargetHooks* hooks, const PipeOptions& options) : hooks_(hooks) {
     caps_.name = kPipeTransportName;
-    caps_.rank = 5;
+    caps_.rank = static_cast<uint32_t>(options.rank);
     caps_.same_host_only = true;
     caps_.reaches_every_region = true;
     caps_.counts_arrivals = true;
@@ -422,10 +423,28 @@ class PipeTransport final : public Transport {
 TransportFactory PipeTransportFactory() {
   return
       [](const transport::TransportContext& context) -> absl::StatusOr<std::unique_ptr<Transport>> {
-        auto pipe = std::make_unique<PipeTransport>(context.hooks);
+        auto pipe = std::make_unique<PipeTransport>(context.hooks,
+                                                    context.options->transports.Get<PipeOptions>());
         if (absl::Status s = pipe->Listen(); !s.ok()) return s;
         return std::unique_ptr<Transport>(std::move(pipe));
       };
 }
+
+void AddPipeTransport(EngineOptions* options) {
+  options->extra_transports.push_back(PipeTransportFactory());
+  options->transports.Get<PipeOptions>();
+}
+
+absl::Status PipeOptions::Validate() const { return CheckOptionRange("pipe.rank", rank, 1, 1000); }
+
+absl::Status PipeOptions::Set(absl::string_view key, absl::string_view value) {
+  return SetOptionByName(kName, key, value, [this](auto&& f) { f("rank", rank); });
+}
+
+absl::Status PipeOptions::Get(absl::string_view key, std::string* value) const {
+  return GetOptionByName(kName, key, value, [this](auto&& f) { f("rank", rank); });
+}
+
+std::vector<std::string> PipeOptions::Keys() const { return {"rank"}; }
 
 }  // namespace kvwire::testing

@@ -24,8 +24,8 @@ constexpr absl::Duration kWait = absl::Seconds(20);
 std::unique_ptr<Engine> MakeEngine(const std::string& name, uint32_t max_message_bytes = 1 << 20) {
   EngineOptions o;
   o.name = name;
-  o.transport = TransportKind::kTcp;
-  o.tcp_connections = 1;
+  o.transport = "tcp";
+  o.tcp().connections = 1;
   o.max_message_bytes = max_message_bytes;
   auto e = Engine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status();

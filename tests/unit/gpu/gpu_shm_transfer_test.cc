@@ -76,7 +76,7 @@ std::vector<uint8_t> Pattern(uint64_t n, uint32_t seed) {
 EngineOptions ShmEngine(const std::string& name) {
   EngineOptions options;
   options.name = name;
-  options.transport = TransportKind::kShm;
+  options.transport = "shm";
   // One runtime copy per op: splitting a device copy buys nothing (no wire to share).
   options.max_op_bytes = MaxBytes();
   options.transfer_timeout = absl::Seconds(60);

@@ -1,0 +1,31 @@
+// The shm transport's options (EngineOptions::transports["shm"], or EngineOptions::shm()),
+// checked by their own Validate() (transport/shm/shm_options.cc); see docs/SECURITY-shm.md.
+#ifndef KVWIRE_SHM_OPTIONS_H_
+#define KVWIRE_SHM_OPTIONS_H_
+
+#include "kvwire/transport_options.h"
+
+namespace kvwire {
+
+struct ShmOptions : TransportOptionsOf<ShmOptions> {
+  static constexpr char kName[] = "shm";
+
+  // Cross-memory attach for host memory that is not a whole ShareableBuffer, offered to and
+  // used on peers that opt in too (ShmTransportOptions::allow_cma). Off: such regions move
+  // over tcp, validated by the target, and the engine says so in its log and peer stats.
+  // On: any peer that opted in too can read and write ALL of this process's memory.
+  bool cma = false;
+  // Makes the process non-dumpable so that other processes of the same uid cannot reach its
+  // memory through ptrace access (process_vm_*, /proc/<pid>/mem, /proc/<pid>/fd); see
+  // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with cma.
+  bool deny_ptrace = false;
+
+  absl::Status Validate() const override;
+  absl::Status Set(absl::string_view key, absl::string_view value) override;
+  absl::Status Get(absl::string_view key, std::string* value) const override;
+  std::vector<std::string> Keys() const override;
+};
+
+}  // namespace kvwire
+
+#endif  // KVWIRE_SHM_OPTIONS_H_
