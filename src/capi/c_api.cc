@@ -153,7 +153,7 @@ int kvw_options_from_environment(kvw_options_t* o, char** errptr) {
       return s;
     }
     absl::StatusOr<kvwire::EngineOptions> from_env =
-        kvwire::EngineOptions::FromEnvironment(std::move(o->rep.engine));
+        kvwire::EngineOptions::FromEnvironment(o->rep.engine);
     if (!from_env.ok()) return from_env.status();
     o->rep.engine = *std::move(from_env);
     return absl::OkStatus();

@@ -62,8 +62,7 @@ int kvw_engine_options_from_environment(kvw_engine_options_t* o, char** errptr) 
         !s.ok()) {
       return s;
     }
-    absl::StatusOr<kvwire::EngineOptions> from_env =
-        kvwire::EngineOptions::FromEnvironment(std::move(o->rep));
+    absl::StatusOr<kvwire::EngineOptions> from_env = kvwire::EngineOptions::FromEnvironment(o->rep);
     if (!from_env.ok()) return from_env.status();
     o->rep = *std::move(from_env);
     return absl::OkStatus();

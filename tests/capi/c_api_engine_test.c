@@ -262,7 +262,8 @@ static void TestRegionAndOtherOptions(void) {
   EXPECT_ERROR(kvw_connect_options_set_exports(c, ids, (size_t)1 << 21, &err), 3, "out of range");
   EXPECT_ERROR(kvw_connect_options_set_exports(NULL, ids, 1, &err), 3, "options is NULL");
   EXPECT_OK(kvw_connect_options_set_transport(c, "shm", &err));
-  EXPECT_ERROR(kvw_connect_options_set_transport(c, "udp", &err), 3, "unknown transport");
+  /* Any name: kvw_engine_connect fails for one no transport of the engine has. */
+  EXPECT_OK(kvw_connect_options_set_transport(c, "udp", &err));
   EXPECT_ERROR(kvw_connect_options_set_transport(NULL, "tcp", &err), 3, "options is NULL");
   kvw_connect_options_destroy(c);
 

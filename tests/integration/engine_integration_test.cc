@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -119,7 +120,13 @@ TEST_P(EngineIntegrationTest, ChosenTransportIsReported) {
   EXPECT_EQ(peer.transport_reason, "forced by configuration");
   if (GetParam().transport == kPipeTransportName) {
     EXPECT_EQ(peer.transport.rfind("pipe kvwire-pipe-", 0), 0u) << peer.transport;
-    EXPECT_EQ(peer.transport.find(';'), std::string::npos) << peer.transport;  // no fallback
+    // Forced, and pipe checks no read grants: tcp too, for grant-guarded regions only (as for
+    // a forced shm or rdma).
+    const size_t semi = peer.transport.find(';');
+    ASSERT_NE(semi, std::string::npos) << peer.transport;
+    const std::string fallback = peer.transport.substr(semi);
+    EXPECT_EQ(fallback.rfind("; tcp x4 ", 0), 0u) << peer.transport;
+    EXPECT_TRUE(absl::EndsWith(fallback, " for grant-guarded regions only")) << peer.transport;
   }
   if (GetParam().transport == "tcp") {
     EXPECT_EQ(peer.transport.rfind("tcp x4 ", 0), 0u) << peer.transport;
