@@ -121,6 +121,16 @@ struct EngineOptions {
   // Threads running the control channel.
   int io_threads = 1;
 
+  // End-to-end checksums (docs/CHECKSUMS.md): each op's bytes are checked with CRC32C between
+  // the memory they were read from and the memory they landed in, so that a corruption the
+  // path's own checks miss (tcp's 16-bit checksum passes about one corrupted segment in
+  // 65,536) fails the transfer with DataLoss, naming the transfer, op and peer, instead of
+  // landing as a success. Used with a peer when either side sets it (the handshake says so).
+  // Covers host memory over tcp and shm (memfd mappings); not device memory, nor shm's
+  // cross-memory attach, nor rdma yet (docs/CHECKSUMS.md says why). Costs one CRC pass over
+  // the bytes on each side (hardware CRC32C where the CPU has it); figures in perf/RESULTS.md.
+  bool verify_checksums = false;
+
   // Largest payload of an engine message (SendMessage), both ways: a peer that sends a larger
   // one is closed with an error naming the size. Must stay below max_frame_bytes.
   uint32_t max_message_bytes = 1 << 20;
@@ -202,6 +212,7 @@ struct EngineOptions {
   //   KVWIRE_SECRET           shared_secret, taken as is
   //   KVWIRE_SHM_CMA          shm_cma: "1" turns it on, ANY other value turns it off
   //   KVWIRE_SHM_DENY_PTRACE  shm_deny_ptrace: likewise, "1" on, anything else off
+  //   KVWIRE_VERIFY_CHECKSUMS verify_checksums: likewise, "1" on, anything else off
   //   KVWIRE_RDMA_DEVICES     rdma_devices, a comma list (empty entries dropped)
   //   KVWIRE_RDMA_GID_INDEX   rdma_gid_index, -1..1023
   //   KVWIRE_RDMA_QPS         rdma_qps_per_peer, 1..64

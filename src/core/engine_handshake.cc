@@ -38,6 +38,7 @@ pb::Hello Engine::Impl::LocalHello(TransportKind preference) const {
   hello.set_engine_name(name_);
   hello.set_pid(static_cast<uint32_t>(getpid()));
   hello.set_transport_preference(TransportKindName(preference));
+  hello.set_verify_checksums(options_.verify_checksums);
   for (const auto& t : transports_) {
     pb::TransportEndpoint* endpoint = hello.add_transports();
     endpoint->set_kind(t->caps().name);

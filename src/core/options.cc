@@ -64,6 +64,9 @@ EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
   }
   if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
   if (const char* v = env("KVWIRE_SHM_CMA")) base.shm_cma = std::string(v) == "1";
+  if (const char* v = env("KVWIRE_VERIFY_CHECKSUMS")) {
+    base.verify_checksums = std::string(v) == "1";
+  }
   if (const char* v = env("KVWIRE_SHM_DENY_PTRACE")) base.shm_deny_ptrace = std::string(v) == "1";
   if (const char* v = env("KVWIRE_RDMA_DEVICES")) {
     base.rdma_devices = absl::StrSplit(v, ',', absl::SkipEmpty());

@@ -116,6 +116,17 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
   }
   PlanWrs(ops.data(), ops.size(), limits, &lane->plan);
   transport_->counters()->pieces.fetch_add(request.ops.size(), std::memory_order_relaxed);
+  if (core_->verify_checksums) {
+    // After the completion, the end-to-end check (rdma_checksums.cc) completes the lane.
+    done = [transport = transport_, core = core_, id = request.transfer_id, kind = request.kind,
+            ops = request.ops, done = std::move(done)](absl::Status s) mutable {
+      if (!s.ok()) {
+        done(std::move(s));
+        return;
+      }
+      transport->VerifyLane(*core, id, kind, std::move(ops), std::move(done));
+    };
+  }
   lane->request = std::move(request);
   lane->done = std::move(done);
   qp->Enqueue(std::move(lane));
