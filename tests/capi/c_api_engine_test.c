@@ -113,6 +113,7 @@ static const RangeCase kCases[] = {
     {"rdma_rnr_retry", kvw_engine_options_set_rdma_rnr_retry, 0, 7},
     {"shm_cma", kvw_engine_options_set_shm_cma, 0, 1},
     {"shm_deny_ptrace", kvw_engine_options_set_shm_deny_ptrace, 0, 1},
+    {"verify_checksums", kvw_engine_options_set_verify_checksums, 0, 1},
     {"tcp_max_data_connections", kvw_engine_options_set_tcp_max_data_connections, 1, 1 << 20},
     {"tcp_max_data_connections_per_peer", kvw_engine_options_set_tcp_max_data_connections_per_peer,
      1, 1 << 16},
