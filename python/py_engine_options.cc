@@ -64,6 +64,7 @@ void BindEngineOptions(py::module_& m) {
       .def_readwrite("rdma_devices", &kvwire::EngineOptions::rdma_devices)
       .def_readwrite("shm_cma", &kvwire::EngineOptions::shm_cma)
       .def_readwrite("shm_deny_ptrace", &kvwire::EngineOptions::shm_deny_ptrace)
+      .def_readwrite("verify_checksums", &kvwire::EngineOptions::verify_checksums)
       .def("__repr__", [](const kvwire::EngineOptions& o) {
         return absl::StrCat("EngineOptions(name='", o.name, "', listen_address='", o.listen_address,
                             "', transport='", kvwire::TransportKindName(o.transport), "')");

@@ -318,6 +318,9 @@ int kvw_engine_options_set_rdma_rnr_retry(kvw_engine_options_t* o, int64_t v, ch
 int kvw_engine_options_set_shm_cma(kvw_engine_options_t* o, int64_t on, char** e); /* 0 or 1 */
 int kvw_engine_options_set_shm_deny_ptrace(kvw_engine_options_t* o, int64_t on,
                                            char** e); /* 0 or 1 */
+/* End-to-end CRC32C of every op (EngineOptions::verify_checksums; docs/CHECKSUMS.md). */
+int kvw_engine_options_set_verify_checksums(kvw_engine_options_t* o, int64_t on,
+                                            char** e); /* 0 or 1 */
 int kvw_engine_options_set_tcp_max_data_connections(kvw_engine_options_t* o, int64_t v,
                                                     char** e); /* 1..1048576 */
 int kvw_engine_options_set_tcp_max_data_connections_per_peer(kvw_engine_options_t* o, int64_t v,
