@@ -126,9 +126,10 @@ struct EngineOptions {
   // path's own checks miss (tcp's 16-bit checksum passes about one corrupted segment in
   // 65,536) fails the transfer with DataLoss, naming the transfer, op and peer, instead of
   // landing as a success. Used with a peer when either side sets it (the handshake says so).
-  // Covers host memory over tcp and shm (memfd mappings); not device memory, nor shm's
-  // cross-memory attach, nor rdma yet (docs/CHECKSUMS.md says why). Costs one CRC pass over
-  // the bytes on each side (hardware CRC32C where the CPU has it); figures in perf/RESULTS.md.
+  // Covers host memory over tcp, shm (memfd mappings) and rdma (one control round trip per
+  // lane after its completion); not device memory, nor shm's cross-memory attach
+  // (docs/CHECKSUMS.md says why). Costs a CRC pass over the bytes on each side (hardware
+  // CRC32C where the CPU has it); figures in perf/RESULTS.md.
   bool verify_checksums = false;
 
   // Largest payload of an engine message (SendMessage), both ways: a peer that sends a larger
