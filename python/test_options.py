@@ -37,6 +37,7 @@ class EngineOptionsTest(unittest.TestCase):
         self.assertEqual(o.rdma_gid_index, -1)
         self.assertEqual(o.shared_secret, b"")
         self.assertFalse(o.shm_cma)
+        self.assertFalse(o.verify_checksums)
 
     def refused(self, name, value, pattern):
         """Sets one option; the setter (when the field's type cannot hold the value) or
