@@ -182,6 +182,8 @@ Both sides take the same test options; they are compared at connect time.
                                workload backs its layout with (default 1024)
       --check                  fill sources with a position-dependent pattern, clear the
                                destinations, and compare every byte moved after each size
+      --verify-checksums       both engines check every op end to end (CRC32C,
+                               EngineOptions::verify_checksums): measures its cost
       --layout NAME            kv: dsv4-pro|dsv4-flash|v3-mla|mha (default dsv4-pro)
       --prompt TOKENS          kv: prompt length (default 8192)
       --frag SHARE             kv: share of blocks not next to the previous one (default 0.5)
@@ -372,6 +374,12 @@ absl::StatusOr<PerfOptions> ParsePerfOptions(int argc, const char* const* argv) 
          o.check = true;
          return absl::OkStatus();
        }},
+      {{"--verify-checksums"},
+       false,
+       [&](const std::string&, const std::string&) {
+         o.verify_checksums = true;
+         return absl::OkStatus();
+       }},
       {{"--layout"},
        true,
        [&](const std::string& n, const std::string& v) {
@@ -549,6 +557,7 @@ std::map<std::string, std::string> AgreedSettings(const PerfOptions& o) {
   s["--memory"] = o.memory == MemoryKind::kGpu ? "gpu" : "host";
   s["--pattern"] = PatternName(o.pattern);
   s["--check"] = o.check ? "on" : "off";
+  s["--verify-checksums"] = o.verify_checksums ? "on" : "off";
   s["-l"] = absl::StrCat(o.batch);
   s["-b"] = o.bidirectional ? "on" : "off";
   s["-n"] = o.iterations == 0 ? "auto" : absl::StrCat(o.iterations);

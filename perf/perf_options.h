@@ -58,6 +58,7 @@ struct PerfOptions {
   Pattern pattern = Pattern::kHot;        // --pattern hot|pool
   uint64_t pool_mib = 1024;               // --pool-mib: pool per side for --pattern pool
   bool check = false;                     // --check: verify every byte moved
+  bool verify_checksums = false;          // --verify-checksums: EngineOptions::verify_checksums
 
   // kv workload.
   std::string layout = "dsv4-pro";  // --layout dsv4-pro|dsv4-flash|v3-mla|mha

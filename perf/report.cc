@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
+#include "src/util/crc32c.h"
 #include "src/util/json_escape.h"
 
 namespace kvwire::perf {
@@ -74,6 +75,10 @@ void PrintHeader(std::FILE* out, const PerfOptions& o, const RunInfo& info) {
                                                               o.pool_mib, " MiB per side (pool)"));
   }
   std::fprintf(out, " Memory            : %s\n", memory.c_str());
+  if (o.verify_checksums) {
+    std::fprintf(out, " Checksums         : CRC32C end to end on every op (%s)\n",
+                 Crc32cHardware() ? "crc32 instruction" : "table");
+  }
   if (o.workload == Workload::kRaw) {
     std::fprintf(out,
                  " Mode              : %s, %d op(s) per transfer, %d transfer(s) outstanding"

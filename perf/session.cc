@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const PerfOptions& o,
   e.transport = TransportKindName(o.transport);
   if (o.connections > 0) e.tcp().connections = o.connections;
   e.transfer_timeout = absl::Seconds(120);
+  e.verify_checksums = o.verify_checksums;
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(e);
   if (!engine.ok() && o.transport == TransportKind::kRdma) {
     return absl::Status(engine.status().code(),

@@ -108,6 +108,7 @@ void BindEngineOptions(py::module_& m) {
             o.shared_secret = secret.cast<std::string>();
           })
       .def_readwrite("compat_salt", &kvwire::EngineOptions::compat_salt)
+      .def_readwrite("verify_checksums", &kvwire::EngineOptions::verify_checksums)
       .def("__repr__", [](const kvwire::EngineOptions& o) {
         return absl::StrCat("EngineOptions(name='", o.name, "', listen_address='", o.listen_address,
                             "', transport='", o.transport, "')");

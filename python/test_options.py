@@ -39,6 +39,7 @@ class EngineOptionsTest(unittest.TestCase):
         self.assertEqual(o.shared_secret, b"")
         self.assertEqual(o.transport_option("shm", "cma"), "0")
         self.assertEqual(o.transports, ["rdma", "shm", "tcp"])
+        self.assertFalse(o.verify_checksums)
 
     def refused(self, name, value, pattern):
         """Sets one option; the setter (when the field's type cannot hold the value) or

@@ -205,6 +205,10 @@ struct PeerLink {
   std::string token;            // issued by the peer; presented on every data connection
   uint32_t remote_pid = 0;
   uint32_t lanes = 1;  // data connections to open (<= caps().max_lanes)
+  // EngineOptions::verify_checksums of either side: every op of this channel is checked end
+  // to end with CRC32C (src/util/crc32c.h) and a mismatch fails it with DataLoss. A transport
+  // that cannot check some op says so in its Describe() and docs (docs/CHECKSUMS.md).
+  bool verify_checksums = false;
   absl::Time deadline = absl::InfiniteFuture();
   ControlSender send_control;  // to this peer; valid while the channel lives
 };

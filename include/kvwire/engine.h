@@ -128,6 +128,17 @@ struct EngineOptions {
   // Threads running the control channel.
   int io_threads = 1;
 
+  // End-to-end checksums (docs/CHECKSUMS.md): each op's bytes are checked with CRC32C between
+  // the memory they were read from and the memory they landed in, so that a corruption the
+  // path's own checks miss (tcp's 16-bit checksum passes about one corrupted segment in
+  // 65,536) fails the transfer with DataLoss, naming the transfer, op and peer, instead of
+  // landing as a success. Used with a peer when either side sets it (the handshake says so).
+  // Covers host memory over tcp, shm (memfd mappings) and rdma (one control round trip per
+  // lane after its completion); not device memory, nor shm's cross-memory attach
+  // (docs/CHECKSUMS.md says why). Costs a CRC pass over the bytes on each side (hardware
+  // CRC32C where the CPU has it); figures in perf/RESULTS.md.
+  bool verify_checksums = false;
+
   // Largest payload of an engine message (SendMessage), both ways: a peer that sends a larger
   // one is closed with an error naming the size. Must stay below max_frame_bytes.
   uint32_t max_message_bytes = 1 << 20;
@@ -171,6 +182,7 @@ struct EngineOptions {
   //                             KVWIRE_SHM_CMA=1, KVWIRE_RDMA_DEVICES=mlx5_0,mlx5_1,
   //                             KVWIRE_RDMA_GID_INDEX=3
   //   KVWIRE_RDMA_QPS           rdma qps_per_peer (its older name)
+  //   KVWIRE_VERIFY_CHECKSUMS   verify_checksums: 1/0/true/false
   //   KVWIRE_LOG_LEVEL          not an option: sets the process-wide log level at once
   // A bad value fails the call with InvalidArgument naming the variable and, where it parsed
   // but is out of range, the option and its range ("KVWIRE_TCP_CONNECTIONS=0:

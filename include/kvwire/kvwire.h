@@ -313,6 +313,9 @@ int kvw_engine_options_set_compat_salt(kvw_engine_options_t* o, uint64_t v, char
 int kvw_engine_options_set_io_threads(kvw_engine_options_t* o, int64_t v, char** e);   /* 1..64 */
 int kvw_engine_options_set_max_message_bytes(kvw_engine_options_t* o, int64_t v,
                                              char** e); /* 1..1 GiB */
+/* End-to-end CRC32C of every op (EngineOptions::verify_checksums; docs/CHECKSUMS.md). */
+int kvw_engine_options_set_verify_checksums(kvw_engine_options_t* o, int64_t on,
+                                            char** e); /* 0 or 1 */
 int kvw_engine_options_set_max_pending_handshakes(kvw_engine_options_t* o, int64_t v,
                                                   char** e); /* 1..65536 */
 int kvw_engine_options_set_max_pending_handshakes_per_source(kvw_engine_options_t* o, int64_t v,

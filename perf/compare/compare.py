@@ -472,6 +472,9 @@ def machine():
             f"UCX {ucx.replace('Version ', '')}")
 
 
+KEPT_MARKER = "<!-- kept by make compare: what follows is not regenerated -->"
+
+
 def write_results(args, report):
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = f"""# kvwire-perf side by side
@@ -496,6 +499,15 @@ runs 2 s with -l set to the size (at most 1 MiB, its limit).
 
 ![bandwidth vs size]({os.path.basename(args.plot)})
 """
+    # Sections measured by other means (e.g. "End-to-end checksums") follow KEPT_MARKER and
+    # survive a regeneration.
+    try:
+        with open(args.results) as f:
+            old = f.read()
+        if KEPT_MARKER in old:
+            text += "\n" + old[old.index(KEPT_MARKER):]
+    except OSError:
+        pass
     with open(args.results, "w") as f:
         f.write(text)
 

@@ -18,6 +18,8 @@ EXTRA_CONFIG_KEYS = {
     "request_timeout_s": "a transfer's deadline, and the lease on blocks held for a reader",
     "read_grants": "true (default): a peer READs only the blocks handed to it, over tcp; "
                    "false: zero-copy shm/rdma READs of the whole KV by any peer with the secret",
+    "verify_checksums": "true: every KV op is checked end to end with CRC32C, a corrupted "
+                        "transfer fails instead of landing (docs/CHECKSUMS.md); default false",
     "groups": "per vLLM KV cache group: {name, tokens_per_entry, window_tokens, "
               "per_request_state, section_row_bytes} overriding what the cache spec says "
               "(section_row_bytes: where a page keeps each entry, e.g. [576, 8] for "
@@ -75,6 +77,7 @@ class Settings:
     metrics_address: str = ""
     request_timeout_s: float = 60.0
     read_grants: bool = True
+    verify_checksums: bool = False
     groups: list = dataclasses.field(default_factory=list)
 
     @staticmethod
@@ -120,6 +123,8 @@ class Settings:
                              f"(0, 86400], got {s.request_timeout_s}")
         if extra.get("read_grants") is not None:
             s.read_grants = _flag(extra["read_grants"], "read_grants")
+        if extra.get("verify_checksums") is not None:
+            s.verify_checksums = _flag(extra["verify_checksums"], "verify_checksums")
         groups = extra.get("groups") or []
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("kv_connector_extra_config: 'groups' must be a list of objects, "

@@ -22,12 +22,15 @@ class _WorkerSide:
             self.tp_rank = 0
         # The KVWIRE_* environment (KVWIRE_SECRET, KVWIRE_TCP_CONNECTIONS, ...), read where the
         # library asks its users to read it; the settings below win over it, as they always did.
+        engine_options = _kvwire.EngineOptions.from_environment()
+        if s.verify_checksums:
+            engine_options.verify_checksums = True
         self.native = _kvwire.Connector(
             name=f"{conn.engine_id}/tp{self.tp_rank}", mode=s.mode,
             transport=s.transport, request_timeout_s=s.request_timeout_s,
             secret=s.secret, listen_address=s.listen_address,
             metrics_address=s.metrics_address, read_grants=s.read_grants,
-            engine_options=_kvwire.EngineOptions.from_environment())
+            engine_options=engine_options)
         self.layout = None
         self.layer_of: dict = {}  # vLLM layer name -> model layer index
         self.names_of_layer: dict = {}  # model layer index -> its layer names

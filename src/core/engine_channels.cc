@@ -57,6 +57,9 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
   link.peer_name = peer->name;
   link.token = peer->hello.session_token();
   link.remote_pid = peer->hello.pid();
+  // Either side asking is enough: the side that wants its bytes checked gets it whatever
+  // the other set (docs/CHECKSUMS.md).
+  link.verify_checksums = options_.verify_checksums || peer->hello.verify_checksums();
   link.deadline = absl::Now() + options_.connect_timeout;
 
   // Which transports to open, from their declarations (src/core/route.h).

@@ -49,6 +49,7 @@ pb::Hello Engine::Impl::LocalHello(const std::string& preference) const {
   hello.set_engine_name(name_);
   hello.set_pid(static_cast<uint32_t>(getpid()));
   hello.set_transport_preference(preference);
+  hello.set_verify_checksums(options_.verify_checksums);
   for (const auto& t : transports_) {
     pb::TransportEndpoint* endpoint = hello.add_transports();
     endpoint->set_kind(t->caps().name);

@@ -7,6 +7,7 @@
 
 #include "kvwire/engine.h"
 #include "src/util/log.h"
+#include "src/util/option_range.h"
 
 namespace kvwire {
 
@@ -44,6 +45,11 @@ absl::StatusOr<EngineOptions> EngineOptions::FromEnvironment(EngineOptions base)
   if (const char* v = env("KVWIRE_LISTEN")) base.listen_address = v;
   if (const char* v = env("KVWIRE_TRANSPORT")) base.transport = v;
   if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
+  if (const char* v = env("KVWIRE_VERIFY_CHECKSUMS")) {
+    if (absl::Status s = ParseOptionText("verify_checksums", v, &base.verify_checksums); !s.ok()) {
+      return bad("KVWIRE_VERIFY_CHECKSUMS", v, s);
+    }
+  }
   // Every option of every transport, by name: KVWIRE_<TRANSPORT>_<KEY>. The older
   // KVWIRE_RDMA_QPS comes first, so that the full name wins when both are set.
   struct Variable {

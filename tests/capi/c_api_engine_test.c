@@ -104,6 +104,7 @@ static const RangeCase kCases[] = {
     {"transfer_timeout", kvw_engine_options_set_transfer_timeout, 1, 86400000},
     {"io_threads", kvw_engine_options_set_io_threads, 1, 64},
     {"max_message_bytes", kvw_engine_options_set_max_message_bytes, 1, (int64_t)1 << 30},
+    {"verify_checksums", kvw_engine_options_set_verify_checksums, 0, 1},
     {"max_pending_handshakes", kvw_engine_options_set_max_pending_handshakes, 1, 1 << 16},
     {"max_pending_handshakes_per_source", kvw_engine_options_set_max_pending_handshakes_per_source,
      1, 1 << 16},

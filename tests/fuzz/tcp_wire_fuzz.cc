@@ -11,7 +11,9 @@
 //   responses the input supplies.
 //
 // Input: byte 0 bit 0 picks the side (0: target reading a dialer's hello and requests,
-// 1: initiator reading hello reply and responses to READs it posted); the rest is the stream.
+// 1: initiator reading hello reply and responses to READs it posted); bit 1 has the initiator
+// verify checksums (the response's CRC fields are then read and checked); the rest is the
+// stream.
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -144,7 +146,7 @@ void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<st
 // The initiator side: the hello reply as tcp_channel.cc reads it, then the real
 // ClientConnection with one READ request posted (op i reads (i * 1031) % 4096 bytes of remote
 // region 5 into the region at i * 4096), completed by the responses in the input.
-void RunInitiator(int fd, std::vector<std::byte>& region) {
+void RunInitiator(int fd, std::vector<std::byte>& region, bool verify) {
   std::array<std::byte, wire::kHelloReplyBytes> raw;
   if (!RecvExact(fd, raw.data(), raw.size()).ok()) return;
   wire::HelloReply reply;
@@ -163,6 +165,7 @@ void RunInitiator(int fd, std::vector<std::byte>& region) {
   auto conn =
       std::make_shared<ClientConnection>(std::make_unique<Socket>(::dup(fd)), "fuzz",
                                          /*lane=*/0, reply.max_op_bytes, GpuStaging{}, *pool);
+  conn->SetVerifyChecksums(verify, "fuzz-peer");
   if (conn->Start().ok()) {
     PostRequest request;
     request.transfer_id = 77;
@@ -210,7 +213,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::vector<std::byte> guarded(kvwire::transport::kRegionBytes);
     kvwire::transport::ServeTarget(fds[0], fds[1], region, read_only, guarded);
   } else {
-    kvwire::transport::RunInitiator(fds[0], region);
+    kvwire::transport::RunInitiator(fds[0], region, (data[0] & 2) != 0);
   }
   ::close(fds[0]);
   ::close(fds[1]);

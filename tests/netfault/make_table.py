@@ -20,6 +20,8 @@ DESCRIPTION = {
     "reorder25": "25% of packets sent at once, the rest 10 ms later (reordering)",
     "duplicate1": "1% of packets duplicated, each way",
     "corrupt0.1": "0.1% of packets with one flipped bit, each way",
+    "corrupt0.1+verify": "the same, with end-to-end checksums on (verify_checksums: CRC32C "
+                         "of every op, docs/CHECKSUMS.md)",
     "partition3": "every packet dropped for 3 s mid-transfers, then healed",
     "partition-forever": "every packet dropped from mid-transfers on, never healed "
                          "(removed only after every transfer ended)",
@@ -103,12 +105,21 @@ def main():
                 "delivery); a target that waits for it must have its own deadline. The row fails "
                 "on this only when the peer survived.")
         if r["scenario"].startswith("corrupt"):
+            verify = r["scenario"].endswith("+verify")
+            data_loss = 0
+            for e in r.get("errors", "-").split(","):
+                name, _, count = e.partition(":")
+                if name.strip().lower() in ("data_loss", "dataloss", "data loss"):
+                    data_loss += int(count or 0)
             notes.append(
                 f"- {r['scenario']}: the kernel dropped {r.get('tcp_csum_errors', '?')} segments "
                 f"for a bad TCP checksum and {r.get('ip_hdr_errors', '?')} packets for a bad IP "
                 f"header; {r['mismatched_bytes']} bytes differed in transfers that succeeded "
-                "(TCP's 16-bit checksum misses about 1 corruption in 65,536: end-to-end "
-                "checksums are issue 26's next part).")
+                + (f"and {data_loss} transfer(s) failed with DataLoss on an end-to-end checksum "
+                   "mismatch (a corruption TCP let through, caught)." if verify else
+                   "(TCP's 16-bit checksum misses about 1 corruption in 65,536; the "
+                   "corrupt0.1+verify row runs the same fault with end-to-end checksums on, "
+                   "under which such an op fails instead of landing)."))
     if notes:
         out.append("What this run shows:\n")
         out.extend(notes)

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -370,6 +371,9 @@ struct Scenario {
   const char* name;
   const char* netem;  // netem arguments (both ends of the link); the partition's for those
   enum Kind { kSteady, kPartitionHeals, kPartitionForever } kind;
+  // The client's engine sets EngineOptions::verify_checksums (the pair then checks every op
+  // end to end, docs/CHECKSUMS.md): a corrupted op must fail, never land.
+  bool verify = false;
 };
 
 // Delays carry 20% jitter (normal distribution); reordering needs a delay to reorder against.
@@ -382,6 +386,7 @@ constexpr Scenario kScenarios[] = {
     {"reorder25", "delay 10ms reorder 25% 50%", Scenario::kSteady},
     {"duplicate1", "duplicate 1%", Scenario::kSteady},
     {"corrupt0.1", "corrupt 0.1%", Scenario::kSteady},
+    {"corrupt0.1+verify", "corrupt 0.1%", Scenario::kSteady, /*verify=*/true},
     {"partition3", "loss 100%", Scenario::kPartitionHeals},
     {"partition-forever", "loss 100%", Scenario::kPartitionForever},
 };
@@ -442,10 +447,15 @@ struct Row {
   }
 };
 
+// The client's engine, with or without end-to-end checksums.
+using EngineFactory = std::function<std::unique_ptr<Engine>(bool verify_checksums)>;
+
 class Client {
  public:
-  Client(Config config, std::unique_ptr<Engine> engine)
-      : config_(std::move(config)), engine_(std::move(engine)) {}
+  Client(Config config, EngineFactory make_engine)
+      : config_(std::move(config)),
+        make_engine_(std::move(make_engine)),
+        engine_(make_engine_(false)) {}
 
   absl::Status Start() {
     auto inbox = engine_->OpenInbox(kReplyTopic);
@@ -497,6 +507,17 @@ class Client {
     }
     return absl::DeadlineExceededError(
         absl::StrCat("no connection to ", config_.server, ": ", last.ToString()));
+  }
+
+  absl::Status SwitchEngine(bool verify) {
+    if (peer_ != 0) (void)engine_->Disconnect(peer_);
+    replies_.reset();
+    engine_.reset();
+    engine_ = make_engine_(verify);
+    verify_ = verify;
+    peer_ = 0;
+    std::printf("KVWIRE_NF_NOTE client engine replaced: verify_checksums=%d\n", verify ? 1 : 0);
+    return Start();
   }
 
   bool PeerAlive() const {
@@ -744,6 +765,13 @@ class Client {
                            sc.kind == Scenario::kPartitionHeals
                                ? absl::StrCat(" for ", absl::FormatDuration(config_.partition))
                                : " for good");
+    if (sc.verify != verify_) {
+      // A fresh client engine that asks for checksums (or no longer does); the server's stays.
+      if (absl::Status s = SwitchEngine(sc.verify); !s.ok()) {
+        row.problems.push_back(absl::StrCat("switching the client engine: ", s.ToString()));
+        return row;
+      }
+    }
     scenario_ = sc.name;
     seed_ = ++scenario_count_ * 1000003ull;
     written_slots_.clear();
@@ -977,6 +1005,8 @@ class Client {
   }
 
   const Config config_;
+  const EngineFactory make_engine_;
+  bool verify_ = false;
   // Declared before the engine, destroyed after it (callbacks may reach them until ~Engine).
   absl::Mutex mu_;
   absl::CondVar cv_;
@@ -996,8 +1026,10 @@ class Client {
   bool partition_failed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& listen, int lanes) {
+std::unique_ptr<Engine> MakeEngine(const std::string& name, const std::string& listen, int lanes,
+                                   bool verify_checksums = false) {
   EngineOptions o;
+  o.verify_checksums = verify_checksums;
   o.name = name;
   o.listen_address = listen;
   // Both namespaces share one kernel: kAuto would take shm (or rdma, on the VM's rxe).
@@ -1070,7 +1102,9 @@ int main(int argc, char** argv) {
     }
     scenarios.push_back(found);
   }
-  Client client(c, MakeEngine("nf-client", listen, lanes));
+  Client client(c, [&](bool verify) {
+    return MakeEngine(verify ? "nf-client-verify" : "nf-client", listen, lanes, verify);
+  });
   if (absl::Status s = client.Start(); !s.ok()) {
     std::printf("KVWIRE_NF_FATAL %s\n", s.ToString().c_str());
     return 1;

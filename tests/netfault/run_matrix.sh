@@ -20,7 +20,7 @@ case $mode in
     timeout=${KVWIRE_VM_TIMEOUT:-330}
     ;;
   full)
-    scenarios=clean,delay10,delay50,loss1,loss10,reorder25,duplicate1,corrupt0.1,partition3,partition-forever
+    scenarios=clean,delay10,delay50,loss1,loss10,reorder25,duplicate1,corrupt0.1,corrupt0.1+verify,partition3,partition-forever
     args="--transfers=64 --after=8 --window=4 --ops=8 --op_bytes=65536"
     timeout=${KVWIRE_VM_TIMEOUT:-1800}
     ;;

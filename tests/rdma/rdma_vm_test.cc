@@ -20,6 +20,7 @@
 
 #include "kvwire/engine.h"
 #include "proto/kvwire.pb.h"
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "src/util/mutex.h"
 #include "tests/integration/peer_process.h"
@@ -543,6 +544,87 @@ TEST(RdmaLeakCheck, ConnectTransferDisconnectCycle) {
   ASSERT_TRUE((*b)->DeregisterMemory(*b_region).ok());
   a->reset();
   b->reset();
+}
+
+// --- end-to-end checksums (EngineOptions::verify_checksums; docs/CHECKSUMS.md) ---------------
+
+// A byte flipped between the NIC and memory (the rdma test hook: after a READ's completion at
+// the initiator, before the target's CRC of a WRITE's destination) fails the transfer with
+// DataLoss when the pair verifies; without it the READ's flipped byte lands as a success.
+TEST(RdmaChecksums, AFlippedByteFailsTheTransferOnlyWhenVerifying) {
+  namespace fi = fault_injection;
+  for (const bool verify : {true, false}) {
+    SCOPED_TRACE(verify ? "verify" : "no verify");
+    EngineOptions base;
+    base.transport = TransportKind::kRdma;
+    base.rdma_devices = {"rxe0"};
+    base.rdma_qps_per_peer = 2;
+    base.connect_timeout = absl::Seconds(60);
+    base.peer_lease = absl::Seconds(60);
+    EngineOptions a_options = base, b_options = base;
+    a_options.name = "crc-a";
+    b_options.name = "crc-b";
+    a_options.verify_checksums = verify;  // the initiator asks; the pair uses it
+    std::vector<std::byte> a_mem(1 << 20), b_mem(1 << 20);
+    for (size_t i = 0; i < b_mem.size(); ++i) b_mem[i] = static_cast<std::byte>(i * 13 + 5);
+    auto a = Engine::Create(a_options);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = Engine::Create(b_options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto a_region = (*a)->RegisterMemory(a_mem.data(), a_mem.size());
+    ASSERT_TRUE(a_region.ok()) << a_region.status();
+    RegionOptions exported;
+    exported.export_to_all_peers = true;
+    auto b_region = (*b)->RegisterMemory(b_mem.data(), b_mem.size(), exported);
+    ASSERT_TRUE(b_region.ok()) << b_region.status();
+    auto peer = (*a)->Connect((*b)->address());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    ASSERT_TRUE((*a)->WaitForRemoteRegion(*peer, *b_region, absl::Seconds(60)).ok());
+    EXPECT_EQ((*a)->Stats().peers[0].transport.find("+crc32c") != std::string::npos, verify)
+        << (*a)->Stats().peers[0].transport;
+    std::vector<Op> ops;
+    for (uint64_t off = 0; off < a_mem.size(); off += 256 << 10) {
+      ops.push_back(Op{*a_region, off, *b_region, off, 256 << 10});
+    }
+    auto run = [&](OpKind kind) -> absl::Status {
+      TransferOptions options;
+      options.timeout = absl::Seconds(120);
+      auto id = (*a)->Transfer(*peer, kind, ops, options);
+      if (!id.ok()) return id.status();
+      return (*a)->Wait(*id, absl::Seconds(180));
+    };
+    // Clean: exact both ways.
+    ASSERT_TRUE(run(OpKind::kRead).ok());
+    EXPECT_EQ(0, std::memcmp(a_mem.data(), b_mem.data(), a_mem.size()));
+    ASSERT_TRUE(run(OpKind::kWrite).ok());
+    // READ with a flipped byte.
+    fi::ArmPayloadFlips(fi::Site::kRdma, 1);
+    absl::Status s = run(OpKind::kRead);
+    if (verify) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_NE(s.message().find("checksum mismatch"), std::string::npos) << s;
+      EXPECT_NE(s.message().find("crc-b"), std::string::npos) << "names the peer: " << s;
+      EXPECT_EQ(fi::PayloadFlipsLeft(fi::Site::kRdma), 0);
+    } else {
+      EXPECT_TRUE(s.ok()) << s;
+      EXPECT_EQ(fi::PayloadFlipsLeft(fi::Site::kRdma), 0);
+      EXPECT_NE(0, std::memcmp(a_mem.data(), b_mem.data(), a_mem.size()))
+          << "the flipped byte did not land";
+    }
+    if (verify) {
+      // WRITE whose destination differs from its source when the target computes its CRC.
+      fi::ArmPayloadFlips(fi::Site::kRdma, 1);
+      s = run(OpKind::kWrite);
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_EQ(fi::PayloadFlipsLeft(fi::Site::kRdma), 0);
+    }
+    fi::ArmPayloadFlips(fi::Site::kRdma, 0);
+    // The path stays usable.
+    ASSERT_TRUE(run(OpKind::kRead).ok());
+    EXPECT_EQ(0, std::memcmp(a_mem.data(), b_mem.data(), a_mem.size()));
+    a->reset();
+    b->reset();
+  }
 }
 
 // --- transport level: a remote range beyond the peer's registration ---------------------------

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
+#include "src/util/fault_injection.h"
 #include "transport/rdma/rdma_plan.h"
 
 namespace kvwire::transport::rdma {
@@ -116,6 +117,31 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
   }
   PlanWrs(ops.data(), ops.size(), limits, &lane->plan);
   transport_->counters()->pieces.fetch_add(request.ops.size(), std::memory_order_relaxed);
+  if (core_->verify_checksums) {
+    // After the completion, the end-to-end check (rdma_checksums.cc) completes the lane.
+    done = [transport = transport_, core = core_, id = request.transfer_id, kind = request.kind,
+            ops = request.ops, done = std::move(done)](absl::Status s) mutable {
+      if (!s.ok()) {
+        done(std::move(s));
+        return;
+      }
+      transport->VerifyLane(*core, id, kind, std::move(ops), std::move(done));
+    };
+  } else if (request.kind == OpKind::kRead &&
+             fault_injection::PayloadFlipsLeft(fault_injection::Site::kRdma) > 0) {
+    // The test hook without verification (one atomic load while unarmed): a byte flipped
+    // after the completion lands unnoticed, which is what verify_checksums is for.
+    done = [ops = request.ops, done = std::move(done)](absl::Status s) mutable {
+      for (const WireOp& op : ops) {
+        if (!s.ok() || op.local_gpu_device >= 0) break;
+        if (fault_injection::MaybeFlipPayloadByte(fault_injection::Site::kRdma, op.local,
+                                                  op.length)) {
+          break;
+        }
+      }
+      done(std::move(s));
+    };
+  }
   lane->request = std::move(request);
   lane->done = std::move(done);
   qp->Enqueue(std::move(lane));

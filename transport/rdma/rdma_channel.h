@@ -46,7 +46,8 @@ class RdmaChannel final : public Channel {
     for (auto& qp : qps_) qp->Close(reason);
   }
   std::string Describe() const override {
-    return absl::StrCat("rdma x", qps_.size(), " ", transport_->summary());
+    return absl::StrCat("rdma x", qps_.size(), " ", transport_->summary(),
+                        core_->verify_checksums ? " +crc32c" : "");
   }
 
  private:

@@ -34,6 +34,7 @@ struct ChannelCore {
   ControlSender send;  // the engine's control channel to the peer
   uint64_t channel_id = 0;
   pb::RdmaEndpoint remote;
+  bool verify_checksums = false;  // PeerLink::verify_checksums (rdma_checksums.cc)
 };
 
 struct Lane {

@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<Channel>> RdmaTransportImpl::Connect(const PeerLi
   core->peer = link.peer;
   core->peer_name = link.peer_name;
   core->send = link.send_control;
+  core->verify_checksums = link.verify_checksums;
   core->channel_id = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
   if (!core->remote.ParseFromString(link.remote_endpoint) || core->remote.devices_size() == 0) {
     return absl::InvalidArgumentError(
@@ -122,14 +123,31 @@ absl::StatusOr<pb::RdmaConnectReply> RdmaTransportImpl::Exchange(const ChannelCo
 }
 
 void RdmaTransportImpl::AbortCalls(const ChannelCore* core, const absl::Status& status) {
-  MutexLock lock(&calls_mu_);
-  for (auto& [id, call] : calls_) {
-    if ((core == nullptr || call->core == core) && !call->done) {
-      call->done = true;
-      call->status = status;
+  std::vector<PendingCheck> aborted;
+  {
+    MutexLock lock(&calls_mu_);
+    for (auto& [id, call] : calls_) {
+      if ((core == nullptr || call->core == core) && !call->done) {
+        call->done = true;
+        call->status = status;
+      }
+    }
+    calls_cv_.SignalAll();
+    for (auto it = checks_.begin(); it != checks_.end();) {
+      if (core == nullptr || it->second.core == core) {
+        aborted.push_back(std::move(it->second));
+        checks_.erase(it++);
+      } else {
+        ++it;
+      }
     }
   }
-  calls_cv_.SignalAll();
+  // Outside the lock: a callback may post the next lane.
+  for (PendingCheck& check : aborted) {
+    check.done(absl::Status(status.code(),
+                            absl::StrCat("transfer ", check.transfer_id,
+                                         ": end-to-end checksum not checked: ", status.message())));
+  }
 }
 
 void RdmaTransportImpl::OnControlMessage(PeerId peer, const std::string& payload,
@@ -149,6 +167,20 @@ void RdmaTransportImpl::OnControlMessage(PeerId peer, const std::string& payload
       KVW_LOG(kWarning, "rdma") << "QP exchange reply not sent" << Kv("peer", peer)
                                 << Kv("error", s.message());
     }
+    return;
+  }
+  if (message.has_checksum_request()) {
+    pb::RdmaControl answer;
+    *answer.mutable_checksum_reply() = HandleChecksum(peer, message.checksum_request());
+    answer.mutable_checksum_reply()->set_call_id(message.checksum_request().call_id());
+    if (absl::Status s = reply(answer.SerializeAsString()); !s.ok()) {
+      KVW_LOG(kWarning, "rdma") << "checksum reply not sent" << Kv("peer", peer)
+                                << Kv("error", s.message());
+    }
+    return;
+  }
+  if (message.has_checksum_reply()) {
+    OnChecksumReply(peer, message.checksum_reply());
     return;
   }
   if (message.has_connect_reply()) {

@@ -54,8 +54,14 @@ class RdmaTransportImpl final : public Transport {
                         const ControlSender& reply) override;
   void AddStats(std::vector<TransportStat>* stats) const override;
 
-  // Fails the QP exchanges in flight for `core` (its channel closed).
+  // Fails the QP exchanges and checksum checks in flight for `core` (its channel closed).
   void AbortCalls(const ChannelCore* core, const absl::Status& status);
+  // End-to-end checksums (PeerLink::verify_checksums; rdma_checksums.cc): a lane's ops have
+  // completed; asks the target for the CRC32C of its side of each and compares with this
+  // side's. `done` runs exactly once: OK, DataLoss on a mismatch, or the reason it could not
+  // be checked (the channel closed).
+  void VerifyLane(const ChannelCore& core, TransferId transfer_id, OpKind kind, WireOps ops,
+                  DoneCallback done);
   // Creates the target ends for `qps` and brings them up; deadline-bound, blocking.
   absl::Status Establish(const ChannelCore& core, const std::vector<std::shared_ptr<ClientQp>>& qps,
                          absl::Time deadline);
@@ -91,6 +97,21 @@ class RdmaTransportImpl final : public Transport {
                                                 absl::Time deadline);
   // Target side: creates the QP ends a peer asks for.
   pb::RdmaConnectReply HandleConnect(PeerId peer, const pb::RdmaConnectRequest& request);
+  // One lane's checksum request on the wire; its reply completes it.
+  struct PendingCheck {
+    PeerId peer = 0;
+    const ChannelCore* core = nullptr;
+    std::string peer_name;
+    TransferId transfer_id = 0;
+    OpKind kind = OpKind::kRead;
+    WireOps ops;
+    std::vector<uint32_t> local;  // this side's CRC per op
+    DoneCallback done;
+  };
+  // Target side: the CRC32C of each range of a checksum request.
+  pb::RdmaChecksumReply HandleChecksum(PeerId peer, const pb::RdmaChecksumRequest& request);
+  // Initiator side: compares and completes the pending check.
+  void OnChecksumReply(PeerId peer, const pb::RdmaChecksumReply& reply);
   // A kGpu region's MRs on every device (rdma_gpu_mr.h); `reason` gets the path per device.
   absl::Status RegisterGpuRegion(const LocalRegion& region, int access, LocalMr& mr,
                                  std::string* reason);
@@ -129,6 +150,7 @@ class RdmaTransportImpl final : public Transport {
   CondVar calls_cv_;
   uint64_t next_call_ ABSL_GUARDED_BY(calls_mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<PendingCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
+  absl::flat_hash_map<uint64_t, PendingCheck> checks_ ABSL_GUARDED_BY(calls_mu_);
 
   std::unique_ptr<TaskRunner> runner_ = std::make_unique<TaskRunner>();  // QP re-creation
 };

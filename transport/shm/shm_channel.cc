@@ -11,8 +11,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
+#include "src/util/crc32c.h"
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "transport/shm/cma.h"
 #include "transport/shm/errno_text.h"
@@ -151,6 +154,29 @@ void ShmChannel::Post(PostRequest request, DoneCallback done) {
                     std::move(done));
 }
 
+// One process copies, so "end to end" is the copy itself: the CRC32C of the source before
+// it and of the destination after it, both computed here (the owner of the other side never
+// touches the bytes). It catches what corrupts them between the two reads (a faulty copy, a
+// bad page, a mapping that is not what it should be) and a source changed while it was
+// copied; docs/CHECKSUMS.md.
+absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index, std::byte* dst,
+                                    const std::byte* src) {
+  const uint64_t length = request.ops[index].length;
+  const bool verify = link_.verify_checksums;
+  const uint32_t source_crc = verify ? Crc32c(src, length) : 0;
+  std::memcpy(dst, src, length);
+  fault_injection::MaybeFlipPayloadByte(fault_injection::Site::kShm, dst, length);
+  if (!verify) return absl::OkStatus();
+  const uint32_t landed_crc = Crc32c(dst, length);
+  if (landed_crc == source_crc) return absl::OkStatus();
+  KVW_LOG(kWarning, "shm") << "checksum mismatch" << Kv("transfer", request.transfer_id)
+                           << Kv("op", index) << Kv("peer", link_.peer_name);
+  return OpError(request, index, absl::StatusCode::kDataLoss,
+                 absl::StrFormat("with peer %s: end-to-end checksum mismatch (CRC32C of the "
+                                 "source 0x%08x, of the destination after the copy 0x%08x)",
+                                 link_.peer_name, source_crc, landed_crc));
+}
+
 absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
   const bool write = request.kind == OpKind::kWrite;
   const uint32_t needed = write ? kRemoteWrite : kRemoteRead;
@@ -212,10 +238,10 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
     }
     if (region->mapped) {
       std::byte* remote = region->mapping.data() + op.remote_offset;
-      if (write) {
-        std::memcpy(remote, op.local, op.length);
-      } else {
-        std::memcpy(op.local, remote, op.length);
+      if (absl::Status s =
+              CopyMapped(request, i, write ? remote : op.local, write ? op.local : remote);
+          !s.ok()) {
+        return s;
       }
       continue;
     }
@@ -496,8 +522,9 @@ void ShmChannel::Close(const absl::Status& reason) {
 
 std::string ShmChannel::Describe() const {
   const char* gpu = copier_ != nullptr ? "+gpu-ipc" : "";
-  if (cma_.ok()) return absl::StrCat("shm memfd+cma", gpu);
-  return absl::StrCat("shm memfd", gpu, " (cma refused: ", cma_.message(), ")");
+  const char* crc = link_.verify_checksums ? " +crc32c" : "";
+  if (cma_.ok()) return absl::StrCat("shm memfd+cma", gpu, crc);
+  return absl::StrCat("shm memfd", gpu, crc, " (cma refused: ", cma_.message(), ")");
 }
 
 }  // namespace kvwire::transport::shm

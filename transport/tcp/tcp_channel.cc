@@ -82,6 +82,7 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
 
   auto connection = std::make_shared<ClientConnection>(std::move(*socket), link.remote_endpoint,
                                                        lane, reply.max_op_bytes, staging, pool);
+  connection->SetVerifyChecksums(link.verify_checksums, link.peer_name);
   if (s = connection->Start(); !s.ok()) {
     connection->Close(s);
     connection->Join();
@@ -91,8 +92,11 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
 }
 
 TcpChannel::TcpChannel(std::string endpoint,
-                       std::vector<std::shared_ptr<ClientConnection>> connections)
-    : endpoint_(std::move(endpoint)), connections_(std::move(connections)) {}
+                       std::vector<std::shared_ptr<ClientConnection>> connections,
+                       bool verify_checksums)
+    : endpoint_(std::move(endpoint)),
+      connections_(std::move(connections)),
+      verify_checksums_(verify_checksums) {}
 
 TcpChannel::~TcpChannel() {
   Close(absl::CancelledError(absl::StrCat("tcp channel to ", endpoint_, " destroyed")));
@@ -111,7 +115,8 @@ void TcpChannel::Close(const absl::Status& reason) {
 }
 
 std::string TcpChannel::Describe() const {
-  return absl::StrCat("tcp x", connections_.size(), " ", endpoint_);
+  return absl::StrCat("tcp x", connections_.size(), " ", endpoint_,
+                      verify_checksums_ ? " +crc32c" : "");
 }
 
 }  // namespace kvwire::transport

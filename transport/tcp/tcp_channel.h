@@ -25,7 +25,9 @@ absl::StatusOr<std::shared_ptr<ClientConnection>> OpenLane(const PeerLink& link,
 
 class TcpChannel final : public Channel {
  public:
-  TcpChannel(std::string endpoint, std::vector<std::shared_ptr<ClientConnection>> connections);
+  // `verify_checksums`: the connections check every op end to end (shown by Describe).
+  TcpChannel(std::string endpoint, std::vector<std::shared_ptr<ClientConnection>> connections,
+             bool verify_checksums = false);
   // Closes and joins the connections (unless on a thread of their I/O pool: the transport
   // then reaps them later).
   ~TcpChannel() override;
@@ -42,6 +44,7 @@ class TcpChannel final : public Channel {
  private:
   const std::string endpoint_;
   const std::vector<std::shared_ptr<ClientConnection>> connections_;
+  const bool verify_checksums_;
 };
 
 }  // namespace kvwire::transport

@@ -6,8 +6,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 
+#include "src/util/crc32c.h"
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -312,6 +315,12 @@ void ClientConnection::EncodeRequestHeaders() {
     h.offset = op.remote_offset;
     h.length = op.length;
     h.grant = p.request.grant;
+    if (verify_ && op.local_gpu_device < 0) {
+      // The initiator has the bytes of a WRITE: their CRC goes with the header (one pass over
+      // the source, on this thread, before the payload is sent).
+      h.flags |= wire::kFlagChecksum;
+      if (write) h.crc = Crc32c(op.local, op.length);
+    }
     wire::EncodeRequest(h, batch.headers[i].data());
     const bool has_payload = write && op.length > 0;
     follow = has_payload ? 1 : static_cast<uint16_t>(std::min<int>(follow + 1, wire::kMaxFollow));
@@ -424,6 +433,11 @@ absl::Status ClientConnection::OnResponseHeader(const std::byte* raw) {
     return absl::DataLossError(
         absl::StrCat("tcp protocol error from ", endpoint_, ": ", s.message()));
   }
+  if (verify_ && wop.local_gpu_device < 0 && !read &&
+      (h.flags & wire::kResponseFlagChecksumMismatch) != 0) {
+    // The target computed h.crc where our WRITE landed; we sent the CRC of our source.
+    OnCorruptOp("at the target after the WRITE", Crc32c(wop.local, wop.length), h.crc);
+  }
   if (payload == 0) return FinishOp();
   rx_.head_cancelled = rx_.head_cancelled || Cancelled(head);
   if (!rx_.head_cancelled && wop.local_gpu_device >= 0) {
@@ -448,7 +462,38 @@ absl::Status ClientConnection::OnResponseHeader(const std::byte* raw) {
   return absl::OkStatus();
 }
 
+void ClientConnection::OnCorruptOp(const char* where, uint32_t expected, uint32_t actual) {
+  const Pending& head = *in_flight_.front();
+  const WireOp& wop = head.request.ops[rx_.op];
+  KVW_LOG(kWarning, "tcp") << "checksum mismatch" << Kv("transfer", head.request.transfer_id)
+                           << Kv("op", rx_.op) << Kv("peer", peer_name_)
+                           << Kv("endpoint", endpoint_);
+  if (!rx_.head_corrupt.ok()) return;  // the first op that failed names the request's error
+  rx_.head_corrupt = absl::DataLossError(absl::StrFormat(
+      "transfer %u op %u (%s remote region %u offset %u length %u) with peer %s over tcp %s: "
+      "end-to-end checksum mismatch %s (CRC32C of the source 0x%08x, of the bytes that "
+      "landed 0x%08x): the op's bytes were corrupted on the way",
+      head.request.transfer_id, rx_.op, wire::WireKindName(wire::WireKind(head.request.kind)),
+      wop.remote_region, wop.remote_offset, wop.length, peer_name_, endpoint_, where, expected,
+      actual));
+}
+
+void ClientConnection::CheckReadPayload() {
+  const wire::ResponseHeader& h = rx_.header;
+  const Pending& head = *in_flight_.front();
+  const WireOp& wop = head.request.ops[rx_.op];
+  if (rx_.dest == nullptr || wop.local_gpu_device >= 0) return;  // dropped, or on a device
+  fault_injection::MaybeFlipPayloadByte(fault_injection::Site::kTcp, wop.local, wop.length);
+  if (!verify_) return;
+  // A target leaves the checksum out only where it cannot compute one: its region is device
+  // memory, sent through staging buffers (docs/CHECKSUMS.md: not covered).
+  if ((h.flags & wire::kResponseFlagChecksum) == 0) return;
+  const uint32_t landed = Crc32c(wop.local, wop.length);
+  if (landed != h.crc) OnCorruptOp("after the READ", h.crc, landed);
+}
+
 absl::Status ClientConnection::FinishOp() {
+  if (rx_.phase == ReaderState::Phase::kPayload) CheckReadPayload();
   rx_.phase = ReaderState::Phase::kHeader;
   if (++rx_.op == in_flight_.front()->request.ops.size()) return CompleteHead();
   return absl::OkStatus();
@@ -486,14 +531,16 @@ absl::Status ClientConnection::CompleteHead() {
   }
   const std::shared_ptr<Pending> head = std::move(in_flight_.front());
   in_flight_.pop_front();
-  const absl::Status result =
+  absl::Status result =
       rx_.head_cancelled || Cancelled(*head)
           ? absl::CancelledError(absl::StrCat("transfer ", head->request.transfer_id,
                                               " was cancelled; its tcp responses were "
                                               "discarded"))
           : absl::OkStatus();
+  if (result.ok() && !rx_.head_corrupt.ok()) result = rx_.head_corrupt;
   rx_.op = 0;
   rx_.head_cancelled = false;
+  rx_.head_corrupt = absl::OkStatus();
   // Every payload byte of the request was sent (the target acked it) and received: nothing
   // reads or writes its memory any more.
   Complete(*head, result);

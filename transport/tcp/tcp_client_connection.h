@@ -42,6 +42,16 @@ class ClientConnection final : public IoHandler,
   ClientConnection(const ClientConnection&) = delete;
   ClientConnection& operator=(const ClientConnection&) = delete;
 
+  // Checks every host-memory op end to end (PeerLink::verify_checksums; the wire format is in
+  // tcp_wire.h): a WRITE sends the CRC32C of its source, which the target checks where the
+  // bytes landed; a READ's response brings the CRC32C of the target's source, checked here
+  // where the bytes landed. A mismatch fails the request with DataLoss naming `peer_name`.
+  // Call before Start.
+  void SetVerifyChecksums(bool on, std::string peer_name) {
+    verify_ = on;
+    peer_name_ = std::move(peer_name);
+  }
+
   // Makes the socket non-blocking and registers it with an I/O thread. Call once, on a
   // connection held by a shared_ptr, before Post.
   absl::Status Start();
@@ -96,6 +106,9 @@ class ClientConnection final : public IoHandler,
     uint32_t op = 0;  // of in_flight_.front()
     bool head_cancelled = false;
     absl::Status head_error;  // the target's error for the head request, if it sent one
+    // A checksum mismatch on one of the head's ops (verify_): the request fails with it; the
+    // stream stays in sync.
+    absl::Status head_corrupt;
     // kPayload / kMessage: the bytes expected and received so far.
     uint64_t length = 0;
     size_t done = 0;
@@ -132,6 +145,10 @@ class ClientConnection final : public IoHandler,
   // Asks the I/O thread to Pump (once, however many times it is asked before it runs).
   void Schedule();
   absl::Status ForRequest(const absl::Status& why, const Pending& pending) const;
+  // Checks the READ payload of the head's current op against the target's CRC (verify_).
+  void CheckReadPayload();
+  // Records a checksum mismatch on the head's current op.
+  void OnCorruptOp(const char* where, uint32_t expected, uint32_t actual);
   static void Complete(Pending& pending, const absl::Status& status);
   static bool Cancelled(const Pending& pending);
 
@@ -142,6 +159,8 @@ class ClientConnection final : public IoHandler,
   const bool gpu_;  // a runtime is there for ops on device memory
   const std::shared_ptr<IoPool> pool_;
   IoLoop* loop_ = nullptr;  // set by Start
+  bool verify_ = false;     // set before Start
+  std::string peer_name_;
 
   // I/O thread only.
   StagedSender staged_out_;

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "src/util/crc32c.h"
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "transport/tcp/tcp_gather.h"
 #include "transport/tcp/tcp_reader.h"
@@ -248,8 +250,23 @@ absl::Status ServerConnection::Serve(bool* more, bool* refused) {
       const bool count = op.count;
       std::unique_ptr<IncomingOp> finished = std::move(receiving_);
       UpdateBusy("");
-      if (count) hooks_->OnWriteArrived(peer_, h.transfer_id);
-      responses_->AddAck(h.sequence, h.length);
+      fault_injection::MaybeFlipPayloadByte(fault_injection::Site::kTcp, finished->access.data,
+                                            h.length);
+      // End to end: the CRC of the bytes where they landed against the initiator's, of its
+      // source. A mismatch is answered on the ack (the op fails there with DataLoss) and not
+      // counted as arrived, so no notification is released for corrupt data.
+      const bool checked = (h.flags & wire::kFlagChecksum) != 0;
+      const uint32_t landed = checked ? Crc32c(finished->access.data, h.length) : 0;
+      if (checked && landed != h.crc) {
+        KVW_LOG(kWarning, "tcp") << "checksum mismatch on an incoming WRITE" << Kv("peer", peer_)
+                                 << Kv("transfer", h.transfer_id) << Kv("op", h.op_index)
+                                 << Kv("region", h.region) << Kv("offset", h.offset)
+                                 << Kv("length", h.length);
+        responses_->AddAck(h.sequence, h.length, wire::kResponseFlagChecksumMismatch, landed);
+      } else {
+        if (count) hooks_->OnWriteArrived(peer_, h.transfer_id);
+        responses_->AddAck(h.sequence, h.length);
+      }
       finished.reset();  // the pin: the memory is written
     } else {
       absl::StatusOr<const std::byte*> raw = reader_->TryNext();
@@ -325,8 +342,12 @@ absl::Status ServerConnection::ServeOp(IncomingOp& op) {
   const wire::RequestHeader& h = op.header;
   if (!op.write) {
     // The payload goes out with the responses (staged there when on a device), pinned until.
+    // The target has the bytes of a READ: their CRC goes with the response (host memory;
+    // device memory is staged on the way out and not checksummed: docs/CHECKSUMS.md).
+    const bool crc = (h.flags & wire::kFlagChecksum) != 0 && !op.staged;
     responses_->AddRead(h.sequence, op.access.data, h.length, op.staged ? op.access.gpu_device : -1,
-                        std::move(op.access.pin));
+                        std::move(op.access.pin), crc ? wire::kResponseFlagChecksum : 0,
+                        crc ? Crc32c(op.access.data, h.length) : 0);
     return absl::OkStatus();
   }
   if (op.staged) return ReceiveStagedWrite(op);

@@ -79,8 +79,9 @@ class ServerConnection::Responses final : public PendingOutput {
 
   StagedReceiver& staged_in() { return staged_in_; }
 
-  void AddAck(uint64_t sequence, uint64_t acked_bytes) {
-    Add(tcp_wire::kKindWrite, sequence, nullptr, 0, -1, nullptr);
+  // `flags`/`crc`: tcp_wire's response flags (a checksum mismatch) and their CRC.
+  void AddAck(uint64_t sequence, uint64_t acked_bytes, uint8_t flags = 0, uint32_t crc = 0) {
+    Add(tcp_wire::kKindWrite, sequence, nullptr, 0, -1, nullptr, flags, crc);
     bytes_ += acked_bytes;
   }
   // A WRITE received through staged_in(): `pin` holds the memory until the copies ended.
@@ -91,8 +92,8 @@ class ServerConnection::Responses final : public PendingOutput {
     staged_bytes_ += acked_bytes;
   }
   void AddRead(uint64_t sequence, const std::byte* data, uint64_t length, int device,
-               std::shared_ptr<const void> pin) {
-    Add(tcp_wire::kKindRead, sequence, data, length, device, std::move(pin));
+               std::shared_ptr<const void> pin, uint8_t flags = 0, uint32_t crc = 0) {
+    Add(tcp_wire::kKindRead, sequence, data, length, device, std::move(pin), flags, crc);
     (device >= 0 ? staged_bytes_ : bytes_) += length;
   }
   bool Full() const {
@@ -187,9 +188,11 @@ class ServerConnection::Responses final : public PendingOutput {
   };
 
   void Add(uint8_t kind, uint64_t sequence, const std::byte* data, uint64_t length, int device,
-           std::shared_ptr<const void> pin) {
+           std::shared_ptr<const void> pin, uint8_t flags = 0, uint32_t crc = 0) {
     tcp_wire::ResponseHeader h;
     h.kind = kind;
+    h.flags = flags;
+    h.crc = crc;
     h.sequence = sequence;
     h.payload_len = length;
     tcp_wire::EncodeResponse(h, headers_[count_].data());

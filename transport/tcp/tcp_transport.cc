@@ -118,7 +118,8 @@ class TcpTransport final : public Transport {
     }
     KVW_LOG(kInfo, "tcp") << "channel open" << Kv("peer", link.peer)
                           << Kv("endpoint", link.remote_endpoint) << Kv("lanes", link.lanes);
-    return std::make_unique<TcpChannel>(link.remote_endpoint, std::move(connections));
+    return std::make_unique<TcpChannel>(link.remote_endpoint, std::move(connections),
+                                        link.verify_checksums);
   }
 
   void DropPeer(PeerId peer) override { server_->DropPeer(peer); }

@@ -1,5 +1,7 @@
 // Wire protocol of the tcp transport, version 2 (2 added the op's read grant). Every integer is
 // little-endian, every header has a fixed size, and every variable-length field is capped.
+// End-to-end checksums use fields version 2 had reserved (zero, and checked to be): a target
+// built before them refuses a checksummed op with "bad flags", never ignores the checksum.
 //
 // Setup, once per data connection (one connection per lane):
 //
@@ -19,11 +21,14 @@
 //   Request header, 64 B:
 //     0 u32 magic 0x5157564B ("KVWQ")
 //     4 u8  kind: 1 = WRITE, 2 = READ
-//     5 u8  flags: bit 0 = count arrivals (WRITE only); other bits 0
+//     5 u8  flags: bit 0 = count arrivals (WRITE only); bit 1 = checksummed (end-to-end
+//           CRC32C, EngineOptions::verify_checksums: a WRITE carries its payload's CRC at
+//           offset 12, a READ asks for one in its response); other bits 0
 //     6 u16 follow: how many request headers come next in the stream with no payload bytes
 //           between them and this op's payload (a read-ahead hint; see below)
 //     8 u32 op_index: index of the op within the initiator's Post (for error messages)
-//    12 u32 reserved (0)
+//    12 u32 crc: WRITE with bit 1: the CRC32C of the payload, computed by the initiator over
+//           its source memory; else 0
 //    16 u64 sequence: 0, 1, 2, ... per connection
 //    24 u64 transfer_id    32 u64 remote_region    40 u64 remote_offset
 //    48 u64 length (<= the target's max_op_bytes)
@@ -35,8 +40,14 @@
 //
 //   Response header, 32 B:
 //     0 u32 magic 0x4157564B ("KVWA")
-//     4 u8  kind (echo)    5 u8 reserved (0)    6 u16 follow (as above, for responses)
-//     8 u32 code (absl::StatusCode, 0 = OK)    12 u32 message_len (0 when OK)
+//     4 u8  kind (echo)    6 u16 follow (as above, for responses)
+//     5 u8  flags, only with code 0 (else 0): bit 0 = checksum: offset 12 holds the CRC32C of
+//           the READ payload, computed by the target over its source memory; bit 1 = checksum
+//           mismatch: the WRITE's payload landed but its CRC32C, computed by the target over
+//           the memory it landed in, is the one at offset 12 and differs from the request's
+//           (the op failed with DataLoss; the connection stays in sync and open)
+//     8 u32 code (absl::StatusCode, 0 = OK)
+//    12 u32 message_len (non-OK), or the CRC32C of a flag above (OK), else 0
 //    16 u64 sequence (echo; kNoSequence for an error not tied to one request)
 //    24 u64 payload_len (READ and OK: the request's length; else 0)
 //   then message_len bytes of error text, then payload_len bytes of READ data.
@@ -82,6 +93,10 @@ inline constexpr uint64_t kNoSequence = UINT64_MAX;
 inline constexpr uint8_t kKindWrite = 1;
 inline constexpr uint8_t kKindRead = 2;
 inline constexpr uint8_t kFlagCountArrivals = 1;
+inline constexpr uint8_t kFlagChecksum = 2;
+// Response flags (OK responses only).
+inline constexpr uint8_t kResponseFlagChecksum = 1;
+inline constexpr uint8_t kResponseFlagChecksumMismatch = 2;
 
 inline uint8_t WireKind(OpKind kind) { return kind == OpKind::kWrite ? kKindWrite : kKindRead; }
 inline const char* WireKindName(uint8_t kind) {
@@ -190,6 +205,7 @@ struct RequestHeader {
   uint64_t offset = 0;
   uint64_t length = 0;
   GrantId grant = 0;
+  uint32_t crc = 0;  // WRITE with kFlagChecksum: the payload's CRC32C
 };
 
 inline void EncodeRequest(const RequestHeader& h, std::byte* out) {
@@ -198,7 +214,7 @@ inline void EncodeRequest(const RequestHeader& h, std::byte* out) {
   out[5] = static_cast<std::byte>(h.flags);
   Store16(out + 6, h.follow);
   Store32(out + 8, h.op_index);
-  Store32(out + 12, 0);
+  Store32(out + 12, h.kind == kKindWrite && (h.flags & kFlagChecksum) != 0 ? h.crc : 0);
   Store64(out + 16, h.sequence);
   Store64(out + 24, h.transfer_id);
   Store64(out + 32, h.region);
@@ -222,7 +238,7 @@ inline absl::Status DecodeRequest(const std::byte* in, uint64_t max_op_bytes, Re
   h->flags = static_cast<uint8_t>(in[5]);
   h->follow = Load16(in + 6);
   h->op_index = Load32(in + 8);
-  const uint32_t reserved = Load32(in + 12);
+  const uint32_t crc_or_reserved = Load32(in + 12);
   h->sequence = Load64(in + 16);
   h->transfer_id = Load64(in + 24);
   h->region = Load64(in + 32);
@@ -232,7 +248,11 @@ inline absl::Status DecodeRequest(const std::byte* in, uint64_t max_op_bytes, Re
   if (h->kind != kKindWrite && h->kind != kKindRead) {
     return absl::InvalidArgumentError(absl::StrFormat("unknown op kind %u", h->kind));
   }
-  const uint8_t allowed_flags = h->kind == kKindWrite ? kFlagCountArrivals : 0;
+  const uint8_t allowed_flags =
+      h->kind == kKindWrite ? kFlagCountArrivals | kFlagChecksum : kFlagChecksum;
+  const bool carries_crc = h->kind == kKindWrite && (h->flags & kFlagChecksum) != 0;
+  h->crc = carries_crc ? crc_or_reserved : 0;
+  const uint32_t reserved = carries_crc ? 0 : crc_or_reserved;
   if ((h->flags & ~allowed_flags) != 0 || reserved != 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("bad flags 0x%02x / reserved 0x%08x in %s header", h->flags, reserved,
@@ -248,20 +268,22 @@ inline absl::Status DecodeRequest(const std::byte* in, uint64_t max_op_bytes, Re
 
 struct ResponseHeader {
   uint8_t kind = kKindWrite;
+  uint8_t flags = 0;  // kResponseFlag*, with code 0 only
   uint16_t follow = 0;
   uint32_t code = 0;
   uint32_t message_len = 0;
   uint64_t sequence = 0;
   uint64_t payload_len = 0;
+  uint32_t crc = 0;  // with a kResponseFlag*
 };
 
 inline void EncodeResponse(const ResponseHeader& h, std::byte* out) {
   Store32(out, kResponseMagic);
   out[4] = static_cast<std::byte>(h.kind);
-  out[5] = std::byte{0};
+  out[5] = static_cast<std::byte>(h.code == 0 ? h.flags : 0);
   Store16(out + 6, h.follow);
   Store32(out + 8, h.code);
-  Store32(out + 12, h.message_len);
+  Store32(out + 12, h.code == 0 && h.flags != 0 ? h.crc : h.message_len);
   Store64(out + 16, h.sequence);
   Store64(out + 24, h.payload_len);
 }
@@ -273,9 +295,21 @@ inline absl::Status DecodeResponse(const std::byte* in, ResponseHeader* h) {
         absl::StrFormat("bad response magic 0x%08x (expected 0x%08x)", magic, kResponseMagic));
   }
   h->kind = static_cast<uint8_t>(in[4]);
+  h->flags = static_cast<uint8_t>(in[5]);
   h->follow = Load16(in + 6);
   h->code = Load32(in + 8);
   h->message_len = Load32(in + 12);
+  h->crc = 0;
+  if (h->flags != 0) {
+    const uint8_t allowed =
+        h->kind == kKindRead ? kResponseFlagChecksum : kResponseFlagChecksumMismatch;
+    if (h->code != 0 || (h->flags & ~allowed) != 0) {
+      return absl::DataLossError(absl::StrFormat("bad response flags 0x%02x (code %u, %s)",
+                                                 h->flags, h->code, WireKindName(h->kind)));
+    }
+    h->crc = h->message_len;
+    h->message_len = 0;
+  }
   h->sequence = Load64(in + 16);
   h->payload_len = Load64(in + 24);
   if (h->message_len > kMaxMessageBytes) {

@@ -60,6 +60,8 @@ int Usage() {
                "           [--max-connections-per-source 128] (HTTP, per client address)\n"
                "           [--max-logprobs 20] (per token a request may ask for; -1: all)\n"
                "           [--corrupt-kv-page] [--inject-delay-ms 0]\n"
+               "           [--verify-kv] (CRC32C of every KV op end to end: a corrupted\n"
+               "           transfer fails instead of landing; docs/CHECKSUMS.md)\n"
                "           [--secret-file F | --secret S] (shared secret of the KV peers;\n"
                "           a file (mode 600) is recommended: argv is visible to local users;\n"
                "           neither: KVWIRE_SECRET)\n"
@@ -239,6 +241,7 @@ int Serve(const Flags& f) {
   o.etcd_cert_file = etcd_access->cert_file;
   o.etcd_key_file = etcd_access->key_file;
   o.corrupt_kv_page = f.Has("corrupt-kv-page") || getenv("KVWIRE_DSV4_CORRUPT_KV_PAGE") != nullptr;
+  o.verify_kv = f.Has("verify-kv");
   absl::StatusOr<std::optional<std::string>> secret = SecretFromFlags(f);
   if (!secret.ok()) return Fail(secret.status());
   o.shared_secret = *std::move(secret);
@@ -403,7 +406,7 @@ int Main(int argc, char** argv) {
                "etcd-key",
                "max-connections-per-source",
                "max-logprobs"},
-              {"corrupt-kv-page"});
+              {"corrupt-kv-page", "verify-kv"});
     if (f.ok()) return Serve(*f);
   } else if (cmd == "router") {
     f = parse({"prefill",

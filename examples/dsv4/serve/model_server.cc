@@ -72,6 +72,8 @@ absl::Status ModelServer::Impl::Init() {
   co.engine.listen_address = absl::StrCat(options_.kv_host, ":", options_.kv_port);
   co.engine.transport = options_.transport;  // checked by Engine::Create
   co.engine.peer_lease = options_.peer_lease;
+  // KVWIRE_VERIFY_CHECKSUMS=1 (FromEnvironment above) turns it on as well.
+  if (options_.verify_kv) co.engine.verify_checksums = true;
   co.engine.heartbeat_interval = std::min(absl::Milliseconds(500), options_.peer_lease / 5);
   co.request_timeout = options_.request_timeout;
   co.etcd_endpoints = options_.etcd;

@@ -64,6 +64,9 @@ struct ModelServerOptions {
   // server's clients are routers, each one address with a connection per request in flight:
   // above a router's --max-inflight (64), below the server's 256 connections.
   int max_connections_per_source = 128;
+  // --verify-kv: the KV engine checks every op end to end (EngineOptions::verify_checksums;
+  // either side asking is enough for a pair).
+  bool verify_kv = false;
   // Fault injection (tests): corrupt one received KV page after each load.
   bool corrupt_kv_page = false;
   // Test hook: sleep this long after every layer of a prefill and every decode step, so a

@@ -85,6 +85,67 @@ TEST(TcpWireTest, RejectsMalformedRequests) {
   EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
 }
 
+// End-to-end checksums (EngineOptions::verify_checksums) use words version 2 kept reserved: a
+// WRITE's CRC in the request, a READ's (or a WRITE's mismatch) in an OK response.
+TEST(TcpWireTest, ChecksumFieldsRoundTripAndAreRefusedWhereTheyDoNotBelong) {
+  wire::RequestHeader h;
+  h.kind = wire::kKindWrite;
+  h.flags = wire::kFlagChecksum | wire::kFlagCountArrivals;
+  h.length = 100;
+  h.crc = 0xdeadbeef;
+  std::array<std::byte, wire::kRequestBytes> raw;
+  wire::EncodeRequest(h, raw.data());
+  wire::RequestHeader out;
+  ASSERT_TRUE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+  EXPECT_EQ(out.crc, 0xdeadbeefu);
+  EXPECT_EQ(out.flags, h.flags);
+  // A READ asks for a checksum but carries none: its word stays reserved.
+  h.kind = wire::kKindRead;
+  h.flags = wire::kFlagChecksum;
+  wire::EncodeRequest(h, raw.data());
+  ASSERT_TRUE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+  EXPECT_EQ(out.crc, 0u);
+  raw[13] = std::byte{1};
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+  // Without the flag, the WRITE's word is reserved too.
+  h.kind = wire::kKindWrite;
+  h.flags = 0;
+  wire::EncodeRequest(h, raw.data());
+  raw[13] = std::byte{1};
+  EXPECT_FALSE(wire::DecodeRequest(raw.data(), 100, &out).ok());
+
+  wire::ResponseHeader r;
+  r.kind = wire::kKindRead;
+  r.flags = wire::kResponseFlagChecksum;
+  r.crc = 0x12345678;
+  r.payload_len = 100;
+  std::array<std::byte, wire::kResponseBytes> rraw;
+  wire::EncodeResponse(r, rraw.data());
+  wire::ResponseHeader rout;
+  ASSERT_TRUE(wire::DecodeResponse(rraw.data(), &rout).ok());
+  EXPECT_EQ(rout.crc, 0x12345678u);
+  EXPECT_EQ(rout.message_len, 0u);
+  EXPECT_EQ(rout.flags, wire::kResponseFlagChecksum);
+  r.kind = wire::kKindWrite;
+  r.payload_len = 0;
+  r.flags = wire::kResponseFlagChecksumMismatch;
+  wire::EncodeResponse(r, rraw.data());
+  ASSERT_TRUE(wire::DecodeResponse(rraw.data(), &rout).ok());
+  EXPECT_EQ(rout.flags, wire::kResponseFlagChecksumMismatch);
+  EXPECT_EQ(rout.crc, 0x12345678u);
+  // A flag on the wrong kind, an unknown flag, or a flag on an error response is refused.
+  rraw[5] = std::byte{wire::kResponseFlagChecksum};
+  EXPECT_FALSE(wire::DecodeResponse(rraw.data(), &rout).ok());
+  rraw[5] = std::byte{0x80};
+  EXPECT_FALSE(wire::DecodeResponse(rraw.data(), &rout).ok());
+  r.code = 3;
+  r.flags = 0;
+  r.message_len = 4;
+  wire::EncodeResponse(r, rraw.data());
+  rraw[5] = std::byte{wire::kResponseFlagChecksumMismatch};
+  EXPECT_FALSE(wire::DecodeResponse(rraw.data(), &rout).ok());
+}
+
 TEST(TcpWireTest, ResponseAndHelloRoundTrip) {
   wire::ResponseHeader r;
   r.kind = wire::kKindRead;
