@@ -110,6 +110,11 @@ struct EngineOptions {
   // Default deadline of a transfer when TransferOptions::timeout is not set.
   absl::Duration transfer_timeout = absl::Seconds(30);
 
+  // Engine::Wait watches for the transfer's end this long before it sleeps: a transfer that
+  // ends meanwhile costs no futex wake (the thread that ends it) and no sleep and reschedule
+  // (the waiter). Spends the waiting thread's CPU; zero: sleep at once. 0..10ms.
+  absl::Duration wait_poll = absl::ZeroDuration();
+
   // Shared secret of a deployment. When set, peers prove knowledge of it with
   // HMAC-SHA256 challenge-response; peers without it are rejected. Empty: no check.
   std::string shared_secret;
@@ -205,6 +210,7 @@ struct EngineOptions {
   //   KVWIRE_RDMA_DEVICES     rdma_devices, a comma list (empty entries dropped)
   //   KVWIRE_RDMA_GID_INDEX   rdma_gid_index, -1..1023
   //   KVWIRE_RDMA_QPS         rdma_qps_per_peer, 1..64
+  //   KVWIRE_WAIT_POLL_US     wait_poll in microseconds, 0..10000
   //   KVWIRE_LOG_LEVEL        not an option: sets the process-wide log level at once
   // A bad value (unknown transport, a number that does not parse or is out of range, an
   // unknown log level) is ignored with a warning in the log, and base's value stays; nothing

@@ -368,9 +368,9 @@ EngineStats Engine::Impl::Stats() const {
     p.transport = peer->transport_desc;
     p.transport_reason = peer->transport_reason;
     p.alive = peer->alive;
-    p.bytes_read = peer->bytes_read;
-    p.bytes_written = peer->bytes_written;
-    p.transfers = peer->transfers;
+    p.bytes_read = peer->bytes_read.load(std::memory_order_relaxed);
+    p.bytes_written = peer->bytes_written.load(std::memory_order_relaxed);
+    p.transfers = peer->transfers.load(std::memory_order_relaxed);
     out.peers.push_back(std::move(p));
   }
   return out;

@@ -62,6 +62,14 @@ EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
       KVW_LOG(kWarning, "options") << "ignoring KVWIRE_TCP_IO_THREADS=" << v << " (0..64)";
     }
   }
+  if (const char* v = env("KVWIRE_WAIT_POLL_US")) {
+    int n = 0;
+    if (absl::SimpleAtoi(v, &n) && n >= 0 && n <= 10000) {
+      base.wait_poll = absl::Microseconds(n);
+    } else {
+      KVW_LOG(kWarning, "options") << "ignoring KVWIRE_WAIT_POLL_US=" << v << " (0..10000)";
+    }
+  }
   if (const char* v = env("KVWIRE_SECRET")) base.shared_secret = v;
   if (const char* v = env("KVWIRE_SHM_CMA")) base.shm_cma = std::string(v) == "1";
   if (const char* v = env("KVWIRE_SHM_DENY_PTRACE")) base.shm_deny_ptrace = std::string(v) == "1";

@@ -53,6 +53,7 @@ absl::Status ValidateEngineOptions(const EngineOptions& o) {
       Check("peer_lease", o.peer_lease, ms, day),
       Check("connect_timeout", o.connect_timeout, ms, hour),
       Check("transfer_timeout", o.transfer_timeout, ms, day),
+      Check("wait_poll", o.wait_poll, absl::ZeroDuration(), absl::Milliseconds(10)),
       Check("io_threads", o.io_threads, 1, 64),
       Check("max_message_bytes", o.max_message_bytes, 1, kGiB),
       Check("rdma_gid_index", o.rdma_gid_index, -1, 1023),
