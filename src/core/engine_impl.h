@@ -183,11 +183,8 @@ class Engine::Impl final : public transport::TargetHooks {
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
-  // The same for a caller that holds the peer (null: gone). With `started_ops` > 0 it also
-  // counts the transfer's start (Transfer's inline end: one trip through stats_mu_ for both);
-  // without `ended` only that (someone else ended and counted the transfer).
-  void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
-                 size_t started_ops, bool ended);
+  // The same for a caller that holds the peer (null: gone).
+  void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer);
   // Fails transfers at their deadlines, sleeping until the earliest one (not on a period).
   void ReaperLoop();
 
@@ -238,6 +235,11 @@ class Engine::Impl final : public transport::TargetHooks {
 
   mutable Mutex stats_mu_;
   EngineStats stats_ ABSL_GUARDED_BY(stats_mu_);
+  // Counted as each transfer starts (before its first Post: a Stats() reader sees a transfer
+  // in flight) without stats_mu_; Stats() adds them to its copy of stats_.
+  std::atomic<uint64_t> transfers_started_{0};
+  std::atomic<uint64_t> ops_submitted_{0};
+  std::atomic<uint64_t> ops_posted_{0};
   // Bytes of completed transfers by the transport that moved them ({READ, WRITE} per
   // transport name): a peer's ops may take another transport than its first choice (a
   // grant-guarded region goes over one that checks grants). Stats(): "bytes_by_transport".

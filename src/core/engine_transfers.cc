@@ -165,7 +165,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // A one-lane transfer with nothing to do at its end but accounting (no notification, no end
   // callback) is ended in this thread when its channel finishes it inline (shm host copies):
   // one step through the table and one through the stats instead of the lane callback's
-  // LaneDone, GetPeer, ClaimEnd and CompleteEnd. Its start is counted with its end then.
+  // LaneDone, GetPeer, ClaimEnd and CompleteEnd.
   const bool inline_end = lanes_planned == 1 && !options.notification && !options.on_complete;
   core::TransferInfo end_info;  // what RecordEnd reads (inline_end)
   if (inline_end) {
@@ -176,12 +176,10 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     end_info.pieces = info.pieces;
     end_info.start = info.start;
     end_info.transport = info.transport;
-  } else {
-    MutexLock lock(&stats_mu_);
-    ++stats_.transfers_started;
-    stats_.ops_submitted += ops.size();
-    stats_.ops_posted += plan.pieces;
   }
+  transfers_started_.fetch_add(1, std::memory_order_relaxed);
+  ops_submitted_.fetch_add(ops.size(), std::memory_order_relaxed);
+  ops_posted_.fetch_add(plan.pieces, std::memory_order_relaxed);
   auto cancelled =
       transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned), options.on_complete);
   InlineEnd slot;
@@ -216,13 +214,11 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     });
     current = outer;
   }
-  if (inline_end) {
-    // Not done inline: the lane's callback ends it later (OnLaneDone); only its start counts
-    // now. Done: ended here unless a deadline or the peer's close ended it first (which
-    // counted its end).
+  // Not done inline: the lane's callback ends it later (OnLaneDone). Done: ended here unless
+  // a deadline or the peer's close ended it first (which counted its end).
+  if (inline_end && slot.done) {
     if (!slot.status.ok()) slot.status = NamedFailure(id, peer_id, peer.get(), slot.status);
-    const bool ended = slot.done && transfers_.EndInline(id, slot.status);
-    RecordEnd(end_info, slot.status, peer.get(), ops.size(), ended);
+    if (transfers_.EndInline(id, slot.status)) RecordEnd(end_info, slot.status, peer.get());
   }
   return id;
 }
@@ -261,24 +257,16 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
   std::shared_ptr<Peer> peer = GetPeer(info.peer);
-  RecordEnd(info, status, peer.get(), /*started_ops=*/0, /*ended=*/true);
+  RecordEnd(info, status, peer.get());
 }
 
-void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
-                             size_t started_ops, bool ended) {
+void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status,
+                             Peer* peer) {
   // Integer nanoseconds (inline) rather than ToDoubleMicroseconds (a library call).
-  const double us =
-      ended ? static_cast<double>(absl::ToInt64Nanoseconds(absl::Now() - info.start)) * 1e-3 : 0;
+  const double us = static_cast<double>(absl::ToInt64Nanoseconds(absl::Now() - info.start)) * 1e-3;
   {
     MutexLock lock(&stats_mu_);
-    if (started_ops > 0) {
-      ++stats_.transfers_started;
-      stats_.ops_submitted += started_ops;
-      stats_.ops_posted += info.pieces;
-    }
-    if (!ended) {
-      // Only the start was asked for.
-    } else if (status.ok()) {
+    if (status.ok()) {
       ++stats_.transfers_succeeded;
       (info.kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) += info.bytes;
       if (info.transport >= 0 && static_cast<size_t>(info.transport) < caps_.size()) {
@@ -292,7 +280,6 @@ void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status&
       ++stats_.errors_by_kind[absl::StatusCodeToString(status.code())];
     }
   }
-  if (!ended) return;
   if (peer != nullptr) {
     peer->transfers.fetch_add(1, std::memory_order_relaxed);
     if (status.ok()) {
