@@ -117,6 +117,11 @@ struct EngineOptions {
   // Default deadline of a transfer when TransferOptions::timeout is not set.
   absl::Duration transfer_timeout = absl::Seconds(30);
 
+  // Engine::Wait watches for the transfer's end this long before it sleeps: a transfer that
+  // ends meanwhile costs no futex wake (the thread that ends it) and no sleep and reschedule
+  // (the waiter). Spends the waiting thread's CPU; zero: sleep at once. 0..10ms.
+  absl::Duration wait_poll = absl::ZeroDuration();
+
   // Shared secret of a deployment. When set, peers prove knowledge of it with
   // HMAC-SHA256 challenge-response; peers without it are rejected. Empty: no check.
   std::string shared_secret;
@@ -183,6 +188,7 @@ struct EngineOptions {
   //                             KVWIRE_RDMA_GID_INDEX=3
   //   KVWIRE_RDMA_QPS           rdma qps_per_peer (its older name)
   //   KVWIRE_VERIFY_CHECKSUMS   verify_checksums: 1/0/true/false
+  //   KVWIRE_WAIT_POLL_US       wait_poll in microseconds, 0..10000
   //   KVWIRE_LOG_LEVEL          not an option: sets the process-wide log level at once
   // A bad value fails the call with InvalidArgument naming the variable and, where it parsed
   // but is out of range, the option and its range ("KVWIRE_TCP_CONNECTIONS=0:

@@ -324,6 +324,10 @@ EngineStats Engine::Impl::Stats() const {
       if (moved.used) bytes_by_transport[caps_[i]->name] = {moved.read, moved.written};
     }
   }
+  // Read after the ends counted in stats_: started is never below succeeded + failed.
+  out.transfers_started += transfers_started_.load(std::memory_order_relaxed);
+  out.ops_submitted += ops_submitted_.load(std::memory_order_relaxed);
+  out.ops_posted += ops_posted_.load(std::memory_order_relaxed);
   out.regions = regions_.size();
   out.registered_bytes = regions_.bytes();
   out.gpu.regions = regions_.gpu_regions();
@@ -368,9 +372,9 @@ EngineStats Engine::Impl::Stats() const {
     p.transport = peer->transport_desc;
     p.transport_reason = peer->transport_reason;
     p.alive = peer->alive;
-    p.bytes_read = peer->bytes_read;
-    p.bytes_written = peer->bytes_written;
-    p.transfers = peer->transfers;
+    p.bytes_read = peer->bytes_read.load(std::memory_order_relaxed);
+    p.bytes_written = peer->bytes_written.load(std::memory_order_relaxed);
+    p.transfers = peer->transfers.load(std::memory_order_relaxed);
     out.peers.push_back(std::move(p));
   }
   return out;

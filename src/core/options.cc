@@ -50,6 +50,18 @@ absl::StatusOr<EngineOptions> EngineOptions::FromEnvironment(EngineOptions base)
       return bad("KVWIRE_VERIFY_CHECKSUMS", v, s);
     }
   }
+  if (const char* v = env("KVWIRE_WAIT_POLL_US")) {
+    int64_t us = 0;
+    if (absl::Status s = ParseOptionText("wait_poll", v, &us); !s.ok()) {
+      return bad("KVWIRE_WAIT_POLL_US", v, s);
+    }
+    base.wait_poll = absl::Microseconds(us);
+    if (absl::Status s = CheckOptionRange("wait_poll", base.wait_poll, absl::ZeroDuration(),
+                                          absl::Milliseconds(10));
+        !s.ok()) {
+      return bad("KVWIRE_WAIT_POLL_US", v, s);
+    }
+  }
   // Every option of every transport, by name: KVWIRE_<TRANSPORT>_<KEY>. The older
   // KVWIRE_RDMA_QPS comes first, so that the full name wins when both are set.
   struct Variable {

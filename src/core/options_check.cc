@@ -40,6 +40,7 @@ absl::Status ValidateEngineOptions(const EngineOptions& o) {
       CheckOptionRange("peer_lease", o.peer_lease, ms, day),
       CheckOptionRange("connect_timeout", o.connect_timeout, ms, hour),
       CheckOptionRange("transfer_timeout", o.transfer_timeout, ms, day),
+      CheckOptionRange("wait_poll", o.wait_poll, absl::ZeroDuration(), absl::Milliseconds(10)),
       CheckOptionRange("io_threads", o.io_threads, 1, 64),
       CheckOptionRange("max_message_bytes", o.max_message_bytes, 1, kGiB),
       CheckOptionRange("max_pending_handshakes", o.max_pending_handshakes, 1, 1 << 16),

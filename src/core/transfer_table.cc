@@ -6,6 +6,18 @@
 #include "absl/time/clock.h"
 
 namespace kvwire::core {
+namespace {
+
+// A spinning waiter's pause: lets a sibling hyper-thread run and saves power.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
 
 std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint32_t lanes,
                                                         EndCallback on_end) {
@@ -63,6 +75,7 @@ bool TransferTable::EndLocked(Record& record, absl::Status status) {
   record.ended = true;
   EraseDeadlineLocked(record.info);
   record.cancelled->store(true, std::memory_order_release);
+  ends_seen_.fetch_add(1, std::memory_order_release);
   if (record.on_end) {
     ends_.push_back(PendingEnd{std::move(record.on_end), record.info.id, std::move(status)});
     ends_cv_.Signal();
@@ -121,6 +134,26 @@ void TransferTable::CompleteEnd(TransferId id, absl::Status status) {
   if (it == records_.end()) return;
   const bool callback = static_cast<bool>(it->second.on_end);
   if (EndLocked(it->second, std::move(status)) && callback) MaybeForgetLocked(id);
+}
+
+bool TransferTable::EndInline(TransferId id, absl::Status status) {
+  MutexLock lock(&mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) {
+    // Ended and forgotten already; only its lane count is left (as in LaneDone).
+    auto d = draining_.find(id);
+    if (d != draining_.end() && --d->second == 0) draining_.erase(d);
+    return false;
+  }
+  Record& record = it->second;
+  if (record.lanes_left > 0) --record.lanes_left;
+  if (record.ended || record.claimed) return false;
+  record.ended = true;
+  EraseDeadlineLocked(record.info);
+  record.cancelled->store(true, std::memory_order_release);
+  record.final_status = std::move(status);
+  // No waiter to wake: its id is not out yet (Wait, Poll and the end counter need nothing).
+  return true;
 }
 
 std::vector<TransferInfo> TransferTable::FailIf(
@@ -209,8 +242,11 @@ void TransferTable::StopEndCallbacks() {
 
 void TransferTable::MaybeForgetLocked(TransferId id) {
   auto it = records_.find(id);
-  if (it == records_.end()) return;
-  if (it->second.lanes_left > 0) draining_[id] = it->second.lanes_left;
+  if (it != records_.end()) ForgetLocked(it);
+}
+
+void TransferTable::ForgetLocked(absl::flat_hash_map<TransferId, Record>::iterator it) {
+  if (it->second.lanes_left > 0) draining_[it->first] = it->second.lanes_left;
   Forget(it->second);
   records_.erase(it);
 }
@@ -223,29 +259,58 @@ TransferState TransferTable::Poll(TransferId id, absl::Status* status) {
     return TransferState::kFailed;
   }
   if (!it->second.ended) return TransferState::kPending;
-  absl::Status final_status = it->second.final_status;
-  MaybeForgetLocked(id);
+  absl::Status final_status = std::move(it->second.final_status);
+  ForgetLocked(it);
   const TransferState state =
       final_status.ok() ? TransferState::kSucceeded : TransferState::kFailed;
   if (status) *status = std::move(final_status);
   return state;
 }
 
-absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout) {
+absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout, absl::Duration poll) {
   // The clock is read only when the transfer has not ended yet (a shm transfer has usually
   // ended by the time its caller waits).
   std::optional<absl::Time> deadline;
-  MutexLock lock(&mu_);
+  std::optional<absl::Time> poll_until;
+  mu_.Lock();
   while (true) {
     auto it = records_.find(id);
-    if (it == records_.end()) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+    if (it == records_.end()) {
+      mu_.Unlock();
+      return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+    }
     if (it->second.ended) {
-      absl::Status final_status = it->second.final_status;
-      MaybeForgetLocked(id);
+      absl::Status final_status = std::move(it->second.final_status);
+      ForgetLocked(it);
+      mu_.Unlock();
       return final_status;
     }
-    if (!deadline.has_value()) deadline = absl::Now() + timeout;
+    if (!deadline.has_value()) {
+      const absl::Time now = absl::Now();
+      deadline = now + timeout;
+      if (poll > absl::ZeroDuration()) poll_until = std::min(*deadline, now + poll);
+    }
+    if (poll_until.has_value()) {
+      // Watch the end counter outside the lock until some transfer ends (then look again) or
+      // the poll time is spent (then sleep as usual).
+      const uint64_t seen = ends_seen_.load(std::memory_order_acquire);
+      mu_.Unlock();
+      bool ended = false;
+      for (uint32_t spins = 0;; ++spins) {
+        if (ends_seen_.load(std::memory_order_acquire) != seen) {
+          ended = true;
+          break;
+        }
+        // The clock is read every 64 looks: a look costs a few ns, a clock read ~20.
+        if (spins % 64 == 63 && absl::Now() >= *poll_until) break;
+        CpuRelax();
+      }
+      mu_.Lock();
+      if (!ended) poll_until.reset();
+      continue;
+    }
     if (!ended_cv_.WaitUntil(&mu_, *deadline) && absl::Now() >= *deadline) {
+      mu_.Unlock();
       return absl::DeadlineExceededError(absl::StrCat("wait for transfer ", id, " timed out after ",
                                                       absl::FormatDuration(timeout),
                                                       " (the transfer is still pending)"));

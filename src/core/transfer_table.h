@@ -77,6 +77,12 @@ class TransferTable {
   // false when it had already ended; CompleteEnd then ends it with `status`.
   bool ClaimEnd(TransferId id) ABSL_LOCKS_EXCLUDED(mu_);
   void CompleteEnd(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // The end of a one-lane transfer whose lane finished in the initiator's thread before
+  // Engine::Transfer returned, in one step (LaneDone + ClaimEnd + CompleteEnd): nobody can wait
+  // for it yet (its id is not out) and it has no end callback, so the caller may account for it
+  // after this returns. False when it had ended already (deadline, peer death): whoever ended
+  // it accounted for it.
+  bool EndInline(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every pending transfer matching `match` with `status`; returns the ones failed.
   std::vector<TransferInfo> FailIf(const std::function<bool(const TransferInfo&)>& match,
                                    const std::function<absl::Status(const TransferInfo&)>& status)
@@ -96,7 +102,11 @@ class TransferTable {
   void StopEndCallbacks() ABSL_LOCKS_EXCLUDED(mu_);
 
   TransferState Poll(TransferId id, absl::Status* status) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Wait(TransferId id, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits up to `timeout` for the transfer to end. With `poll` > 0 it first watches for ends
+  // without sleeping for up to `poll` (EngineOptions::wait_poll): a transfer that ends in that
+  // time costs its ender no futex wake and its waiter no sleep and reschedule.
+  absl::Status Wait(TransferId id, absl::Duration timeout,
+                    absl::Duration poll = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -120,6 +130,9 @@ class TransferTable {
   // iteration over records_.
   bool EndLocked(Record& record, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeForgetLocked(TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the record at `it` (its lanes still out are kept in draining_).
+  void ForgetLocked(absl::flat_hash_map<TransferId, Record>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Steady state allocates nothing per transfer: deadline set nodes and cancellation flags
   // of forgotten transfers are kept for the next ones (at most kSpares of each).
   void EraseDeadlineLocked(const TransferInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -134,6 +147,8 @@ class TransferTable {
   absl::Time deadline_wake_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   CondVar ends_cv_;  // RunEndCallbacks: a callback queued, or the stop
   absl::flat_hash_map<TransferId, Record> records_ ABSL_GUARDED_BY(mu_);
+  // Counts ends (EndLocked, EndInline); read without mu_ by a polling Wait.
+  std::atomic<uint64_t> ends_seen_{0};
   // Deadlines of transfers that may still expire (not ended, not claimed), earliest first.
   using Deadlines = std::set<std::pair<absl::Time, TransferId>>;
   Deadlines deadlines_ ABSL_GUARDED_BY(mu_);

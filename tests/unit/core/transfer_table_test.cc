@@ -108,6 +108,59 @@ TEST(TransferTableTest, WaitWakesWhenAnotherThreadFinishes) {
   t.join();
 }
 
+// Engine::Transfer's inline end: one step ends a one-lane transfer; Wait then reports it.
+// A transfer a deadline or a peer's death ended first is not ended again (its ender
+// accounted for it) and keeps that status.
+TEST(TransferTableTest, EndInlineEndsOnceAndFirstEndWins) {
+  TransferTable table;
+  table.Start(Info(20), 1);
+  EXPECT_TRUE(table.EndInline(20, absl::DataLossError("lane")));
+  EXPECT_EQ(table.pending(), 0u);
+  EXPECT_EQ(table.Wait(20, absl::Seconds(1)).code(), absl::StatusCode::kDataLoss);
+
+  table.Start(Info(21), 1);
+  auto failed = table.FailIf([](const TransferInfo&) { return true; },
+                             [](const TransferInfo&) { return absl::UnavailableError("closed"); });
+  EXPECT_EQ(failed.size(), 1u);
+  EXPECT_FALSE(table.EndInline(21, absl::OkStatus()));
+  EXPECT_EQ(table.Wait(21, absl::Seconds(1)).code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(table.EndInline(99, absl::OkStatus()));  // unknown
+}
+
+// A polling Wait (EngineOptions::wait_poll) sees an end made by another thread during its poll,
+// sleeps as usual once the poll is spent, and still honours its own timeout.
+TEST(TransferTableTest, PollingWaitSeesEndsAndKeepsItsTimeout) {
+  TransferTable table;
+  table.Start(Info(22), 1);
+  table.Start(Info(23), 1);
+  std::thread t([&] {
+    absl::SleepFor(absl::Milliseconds(2));
+    table.Finish(23, absl::OkStatus());  // another transfer's end: the waiter looks again
+    absl::SleepFor(absl::Milliseconds(2));
+    table.Finish(22, absl::OkStatus());
+  });
+  EXPECT_TRUE(table.Wait(22, absl::Seconds(10), absl::Seconds(5)).ok());
+  t.join();
+  EXPECT_TRUE(table.Wait(23, absl::Seconds(1), absl::Milliseconds(1)).ok());
+
+  // Ended after the poll is spent: the waiter is asleep by then and woken.
+  table.Start(Info(24), 1);
+  std::thread late([&] {
+    absl::SleepFor(absl::Milliseconds(30));
+    table.Finish(24, absl::OkStatus());
+  });
+  EXPECT_TRUE(table.Wait(24, absl::Seconds(10), absl::Microseconds(50)).ok());
+  late.join();
+
+  // A poll longer than the timeout ends at the timeout.
+  table.Start(Info(25), 1);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(table.Wait(25, absl::Milliseconds(20), absl::Seconds(5)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  EXPECT_EQ(table.Poll(25, nullptr), TransferState::kPending);
+}
+
 TEST(TransferTableTest, FailIfFailsOnlyMatching) {
   TransferTable table;
   TransferInfo a = Info(6);
