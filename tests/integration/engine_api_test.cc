@@ -56,6 +56,7 @@ TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
                  {"KVWIRE_SECRET", "s3cret"},
                  {"KVWIRE_SHM_CMA", "1"},
                  {"KVWIRE_SHM_DENY_PTRACE", "1"},
+                 {"KVWIRE_VERIFY_CHECKSUMS", "1"},
                  {"KVWIRE_RDMA_DEVICES", "mlx5_0,,mlx5_1"},
                  {"KVWIRE_RDMA_GID_INDEX", "3"},
                  {"KVWIRE_RDMA_QPS", "9"}});
@@ -66,6 +67,7 @@ TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
   EXPECT_EQ(o.shared_secret, "s3cret");
   EXPECT_TRUE(o.shm_cma);
   EXPECT_TRUE(o.shm_deny_ptrace);
+  EXPECT_TRUE(o.verify_checksums);
   EXPECT_EQ(o.rdma_devices, (std::vector<std::string>{"mlx5_0", "mlx5_1"}));
   EXPECT_EQ(o.rdma_gid_index, 3);
   EXPECT_EQ(o.rdma_qps_per_peer, 9);
