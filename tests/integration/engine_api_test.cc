@@ -57,6 +57,7 @@ TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
                  {"KVWIRE_TCP_IO_THREADS", "2"},
                  {"KVWIRE_SECRET", "s3cret"},
                  {"KVWIRE_SHM_CMA", "1"},
+                 {"KVWIRE_VERIFY_CHECKSUMS", "1"},
                  {"KVWIRE_RDMA_DEVICES", "mlx5_0,,mlx5_1"},
                  {"KVWIRE_RDMA_GID_INDEX", "3"},
                  {"KVWIRE_RDMA_QPS", "9"},
@@ -72,6 +73,7 @@ TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
   EXPECT_EQ(o.shared_secret, "s3cret");
   EXPECT_TRUE(o.shm().cma);
   EXPECT_FALSE(o.shm().deny_ptrace);
+  EXPECT_TRUE(o.verify_checksums);
   EXPECT_EQ(o.rdma().devices, (std::vector<std::string>{"mlx5_0", "mlx5_1"}));
   EXPECT_EQ(o.rdma().gid_index, 3);
   EXPECT_EQ(o.rdma().qps_per_peer, 9);
