@@ -224,10 +224,33 @@ class Connector::Impl {
  private:
   // --- messages ---------------------------------------------------------------------------
 
-  // Messages to one peer keep their order; a dead peer is an error.
-  absl::Status SendMessage(PeerId peer, const json& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return engine_->SendMessage(peer, connector_internal::kTopic, DumpJson(msg));
-  }
+  // Queues a message to `peer`; it is sent once mu_ is released (FlushOutbox), in the order
+  // queued, so no engine call is made under the lock for it. A peer known dead is an error
+  // now; a send that fails later fails `request` (if named and still loading) there, and the
+  // engine reports the peer's close through the inbox anyway.
+  absl::Status SendMessage(PeerId peer, const json& msg, const std::string& request = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends what SendMessage queued, outside mu_. One thread drains at a time (the others
+  // leave theirs to it), which keeps every peer's messages in order without a lock held
+  // across the engine calls.
+  void FlushOutbox() ABSL_LOCKS_EXCLUDED(mu_);
+  // mu_ for one step of the connector's public calls: released first, then the messages
+  // the step queued are sent (FlushOutbox).
+  class ABSL_SCOPED_LOCKABLE StepLock {
+   public:
+    explicit StepLock(Impl* impl) ABSL_EXCLUSIVE_LOCK_FUNCTION(impl->mu_) : impl_(impl) {
+      impl_->mu_.Lock();
+    }
+    ~StepLock() ABSL_UNLOCK_FUNCTION() {
+      impl_->mu_.Unlock();
+      impl_->FlushOutbox();
+    }
+    StepLock(const StepLock&) = delete;
+    StepLock& operator=(const StepLock&) = delete;
+
+   private:
+    Impl* const impl_;
+  };
   json HelloBody() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode: connects to the prefill engine at `address` and runs the connector handshake.
   absl::StatusOr<PeerId> EnsurePeer(const std::string& address);
@@ -432,7 +455,9 @@ class Connector::Impl {
   // write-mode pushes and the event-gated saves move together in every transition (a message
   // about a transfer looks up its request, checks the peer it is bound to, and may end both),
   // so they are separate components under one lock rather than locks that every path would
-  // take together. Engine calls (Transfer, SendMessage) are made under mu_: the engine never
+  // take together. Connector messages are queued under mu_ and sent after it is released
+  // (outbox_, FlushOutbox). The other engine calls (Transfer, Grant, Revoke, the bounded
+  // WaitForServedOps of a revoke) are still made under mu_: the engine never
   // calls back into the connector under its locks (completions and inbox events only signal
   // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
   // transport threads, runs outside mu_ (CloseQueuedPeers).
@@ -486,6 +511,18 @@ class Connector::Impl {
     std::vector<PendingHello> pending_hellos;
   };
   PeerSessions sessions_ ABSL_GUARDED_BY(mu_);
+
+  // Connector messages queued under mu_, sent outside it (SendMessage, FlushOutbox).
+  struct OutMessage {
+    PeerId peer = 0;
+    std::string payload;
+    std::string request;  // fails this request if the send fails ("" for none)
+  };
+  struct Outbox {
+    std::deque<OutMessage> queue;
+    bool draining = false;  // a thread is sending; it takes what others queue meanwhile
+  };
+  Outbox outbox_ ABSL_GUARDED_BY(mu_);
 
   // Prefill, write mode: write requests that came before the scheduler saw their request.
   struct WritePushes {

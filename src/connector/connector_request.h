@@ -18,22 +18,10 @@
 #include "kvwire/layout.h"
 #include "src/connector/connector_metrics.h"
 #include "src/connector/peer_message.h"
+#include "src/connector/request_machine.h"
 
 namespace kvwire {
 namespace connector_internal {
-
-enum class RequestState {
-  kMatched,   // scheduler knows it; blocks not yet allocated
-  kPending,   // blocks allocated, waiting for the worker (decode load / prefill save)
-  kLoading,   // decode: READ in flight, or waiting for prefill's WRITEs
-  kSaving,    // prefill write mode: layers going out
-  kHeld,      // prefill read mode: blocks held for the reader (lease)
-  kDraining,  // aborted or failed: waiting for transfers touching the blocks to end
-};
-inline const char* RequestStateName(RequestState s) {
-  static const char* names[] = {"matched", "pending", "loading", "saving", "held", "draining"};
-  return names[static_cast<int>(s)];
-}
 
 struct Request {
   std::string id;

@@ -36,7 +36,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
     // Named by engine id alone: resolved through discovery (or refused with the reason).
     absl::StatusOr<std::string> resolved = ResolveEngine(engine_id);
     if (!resolved.ok()) {
-      MutexLock lock(&mu_);
+      StepLock lock(this);
       auto it = table_.requests.find(id);
       if (it != table_.requests.end() && it->second.release_only) {
         KVW_LOG(kWarning, kLog) << "cannot tell the prefill to free its blocks (its lease will)"
@@ -54,7 +54,10 @@ void Connector::Impl::StartLoad(const std::string& id) {
   absl::StatusOr<PeerId> peer = EnsurePeer(address);
   std::vector<absl::StatusOr<PeerId>> tp_peers;
   for (const std::string& a : tp_addresses) tp_peers.push_back(EnsurePeer(a));
-  MutexLock lock(&mu_);
+  // The blocks' last reads here come before a prefill's writes (write mode), served on other
+  // threads; outside the lock, before any message that lets the prefill write.
+  engine_->PublishMemory();
+  StepLock lock(this);
   auto it = table_.requests.find(id);
   if (it == table_.requests.end()) return;
   Request& r = it->second;
@@ -115,9 +118,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
                 {"request_id", r.id},
                 {"blocks", connector_internal::BlocksToJson(r.blocks)},
                 {"num_cached", r.num_cached}};
-    // The blocks' last reads here come before prefill's writes, served on other threads.
-    engine_->PublishMemory();
-    if (absl::Status s = SendMessage(*peer, req); !s.ok()) {
+    if (absl::Status s = SendMessage(*peer, req, r.id); !s.ok()) {
       FailLocked(r, std::string(s.message()));
       return;
     }
@@ -282,7 +283,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   for (const Request::ReadSource& s : r.read_sources) {
     cpu.Pause();
     absl::Status started =
-        SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", s.transfer_id}});
+        SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", s.transfer_id}}, r.id);
     cpu.Resume();
     if (!started.ok()) {
       FailLocked(r, std::string(started.message()));

@@ -256,6 +256,54 @@ bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& n
   return true;
 }
 
+// --- outbox -----------------------------------------------------------------------------
+absl::Status Connector::Impl::SendMessage(PeerId peer, const json& msg,
+                                          const std::string& request) {
+  if (!PeerAlive(peer)) {
+    return absl::UnavailableError(absl::StrCat("connector peer ", peer, " closed"));
+  }
+  if (outbox_.queue.empty() && !outbox_.draining) {
+    // Every step that queues flushes once it lets go of mu_ (StepLock, the progress loop);
+    // the progress thread is woken as well, for any step that does not.
+    signal_->Notify();
+  }
+  outbox_.queue.push_back({peer, DumpJson(msg), request});
+  return absl::OkStatus();
+}
+
+void Connector::Impl::FlushOutbox() {
+  std::deque<OutMessage> batch;
+  {
+    MutexLock lock(&mu_);
+    if (outbox_.draining || outbox_.queue.empty()) return;  // the drainer sends ours too
+    outbox_.draining = true;
+    batch.swap(outbox_.queue);
+  }
+  while (true) {
+    std::vector<std::pair<std::string, std::string>> failed;  // request, reason
+    for (OutMessage& m : batch) {
+      absl::Status s =
+          engine_->SendMessage(m.peer, connector_internal::kTopic, std::move(m.payload));
+      if (s.ok()) continue;
+      KVW_LOG(kDebug, kLog) << "connector message not sent" << Kv("peer", m.peer)
+                            << Kv("request", m.request) << Kv("error", s.message());
+      if (!m.request.empty()) failed.emplace_back(std::move(m.request), std::string(s.message()));
+    }
+    batch.clear();
+    MutexLock lock(&mu_);
+    for (const auto& [id, reason] : failed) {
+      auto it = table_.requests.find(id);
+      if (it == table_.requests.end() || it->second.state != State::kLoading) continue;
+      FailLocked(it->second, it->second.fail_reason.empty() ? reason : it->second.fail_reason);
+    }
+    if (outbox_.queue.empty()) {
+      outbox_.draining = false;
+      return;
+    }
+    batch.swap(outbox_.queue);
+  }
+}
+
 // --- progress ---------------------------------------------------------------------------
 // Nothing is polled: the thread sleeps on the progress signal until the engine pushes a
 // transfer's end or an inbox event, an API call changes requests, or the next deadline falls
@@ -283,6 +331,7 @@ void Connector::Impl::ProgressLoop() {
       CheckDeadlines();
       wake = NextWakeLocked();
     }
+    FlushOutbox();  // before the closes: a Goodbye follows what was said to the peer
     CloseQueuedPeers();
   }
 }

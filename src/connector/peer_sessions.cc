@@ -40,6 +40,7 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
   const absl::Time deadline = absl::Now() + options_.handshake_timeout;
   const PeerId id = *peer;
   std::vector<RegionId> regions;
+  std::string hello_payload;
   {
     MutexLock lock(&mu_);
     if (!PeerAlive(id)) {
@@ -54,7 +55,16 @@ absl::StatusOr<PeerId> Connector::Impl::EnsurePeer(const std::string& address) {
     sessions_.by_address[address] = id;
     json hello = HelloBody();
     hello["t"] = "hello";
-    if (absl::Status s = SendMessage(id, hello); !s.ok()) return s;
+    hello_payload = DumpJson(hello);
+  }
+  // Outside the lock (no engine call is made under it); the answer finds the peer registered.
+  if (absl::Status s =
+          engine_->SendMessage(id, connector_internal::kTopic, std::move(hello_payload));
+      !s.ok()) {
+    return s;
+  }
+  {
+    MutexLock lock(&mu_);
     // Looked up again after every wait: a peer that dies is forgotten (OnPeerDeath).
     std::string error;
     while (true) {

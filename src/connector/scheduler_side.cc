@@ -99,7 +99,7 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
 absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
                                                     const BlockTable& blocks,
                                                     uint64_t num_external_tokens) {
-  MutexLock lock(&mu_);
+  StepLock lock(this);  // a write-mode save may send at once
   auto it = table_.requests.find(req_id);
   if (it == table_.requests.end()) return absl::OkStatus();  // not a connector request
   Request& r = it->second;
@@ -152,7 +152,10 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     const std::string& req_id, const BlockTable& blocks, uint64_t num_tokens,
     const std::string& params_json, bool aborted, const std::string& given_transfer_id) {
   RequestFinishedResult out;
-  MutexLock lock(&mu_);
+  // A read-mode hand-off's blocks were filled before this call; the readers' ops are served
+  // on other threads. Outside the lock (one uncontended engine lock when nothing is handed off).
+  engine_->PublishMemory();
+  StepLock lock(this);  // readers that asked early get their read_ok, sent after the lock
   if (table_.retired_early.erase(req_id) != 0) return out;  // failed before it finished
   auto it = table_.requests.find(req_id);
   if (it != table_.requests.end()) {
@@ -239,8 +242,6 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   table_.by_transfer[p.transfer_id] = req_id;
   table_.requests[req_id] = std::move(r);
   accounting_.Started();
-  // The blocks were filled before this call; the reader's ops are served on other threads.
-  engine_->PublishMemory();
   out.delay_free = true;
   out.kv_transfer_params = p.ToJson();
   // Readers that asked before this hold (a decode with tensor parallelism: several): bound

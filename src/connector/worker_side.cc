@@ -108,7 +108,7 @@ absl::Status Connector::Impl::WaitForLayerLoad(int layer) {
 }
 
 absl::Status Connector::Impl::SaveKvLayer(int layer) {
-  MutexLock lock(&mu_);
+  StepLock lock(this);
   if (!saves_.queue.empty()) {
     // Event-gated saves are still waiting: this layer goes out after them, in order.
     saves_.queue.push_back({++saves_.queued, layer, GpuEvent(), table_.bound_saves});
@@ -129,7 +129,7 @@ void Connector::Impl::SaveLayerLocked(int layer, const std::vector<std::string>&
 }
 
 absl::Status Connector::Impl::Abort(const std::string& req_id) {
-  MutexLock lock(&mu_);
+  StepLock lock(this);
   auto it = table_.requests.find(req_id);
   if (it == table_.requests.end()) {
     return absl::NotFoundError(absl::StrCat("request ", req_id, " is not known"));
