@@ -84,6 +84,7 @@ void BindEngineOptions(py::module_& m) {
   IntField(eo, "rdma_qp_timeout", &kvwire::EngineOptions::rdma_qp_timeout);
   IntField(eo, "rdma_retry_count", &kvwire::EngineOptions::rdma_retry_count);
   IntField(eo, "rdma_rnr_retry", &kvwire::EngineOptions::rdma_rnr_retry);
+  IntField(eo, "rdma_max_qps_per_device", &kvwire::EngineOptions::rdma_max_qps_per_device);
   IntField(eo, "tcp_max_data_connections", &kvwire::EngineOptions::tcp_max_data_connections);
   IntField(eo, "tcp_max_data_connections_per_peer",
            &kvwire::EngineOptions::tcp_max_data_connections_per_peer);

@@ -54,6 +54,7 @@ class EngineOptionsTest(unittest.TestCase):
             "rdma_gid_index": (-1, 1023), "rdma_qps_per_peer": (1, 64),
             "rdma_send_queue_depth": (16, 16384), "rdma_qp_timeout": (0, 31),
             "rdma_retry_count": (0, 7), "rdma_rnr_retry": (0, 7),
+            "rdma_max_qps_per_device": (0, 1 << 24),
             "tcp_max_data_connections": (1, 1 << 20),
             "tcp_max_data_connections_per_peer": (1, 1 << 16),
             "tcp_max_pending_hellos": (1, 1 << 16),

@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateRdma(const TransportContext& co
   rdma.qp_timeout = static_cast<uint8_t>(options.rdma_qp_timeout);
   rdma.retry_count = static_cast<uint8_t>(options.rdma_retry_count);
   rdma.rnr_retry = static_cast<uint8_t>(options.rdma_rnr_retry);
+  rdma.max_qps_per_device = static_cast<uint32_t>(options.rdma_max_qps_per_device);
   auto created = CreateRdmaTransport(rdma, context.hooks);
   if (!created.ok()) {
     // The usual case on machines without RDMA NICs: a warning only when rdma was asked for.

@@ -141,6 +141,13 @@ struct EngineOptions {
   int rdma_qp_timeout = 14;
   int rdma_retry_count = 7;
   int rdma_rnr_retry = 7;
+  // QP budget of each device: the QPs (initiator and target ends, every peer together) this
+  // engine may hold on one device; 0 = the device's own limit (ibv_device_attr::max_qp). A peer
+  // whose QPs would pass it is refused: its rdma channel is not made, with an error naming
+  // the device, the budget and this option (a forced rdma fails Connect with it; kAuto routes
+  // the peer to another transport and says why in PeerInfo); the peers already connected keep
+  // their QPs and work on.
+  int rdma_max_qps_per_device = 0;
 
   // --- shm transport (peers on this host); see docs/SECURITY-shm.md ---
   // Cross-memory attach for host memory that is not a whole ShareableBuffer, offered to and

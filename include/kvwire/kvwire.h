@@ -315,6 +315,8 @@ int kvw_engine_options_set_rdma_qp_timeout(kvw_engine_options_t* o, int64_t v,
 int kvw_engine_options_set_rdma_retry_count(kvw_engine_options_t* o, int64_t v,
                                             char** e);                                   /* 0..7 */
 int kvw_engine_options_set_rdma_rnr_retry(kvw_engine_options_t* o, int64_t v, char** e); /* 0..7 */
+int kvw_engine_options_set_rdma_max_qps_per_device(kvw_engine_options_t* o, int64_t v,
+                                                   char** e); /* 0..2^24, 0 = device limit */
 int kvw_engine_options_set_shm_cma(kvw_engine_options_t* o, int64_t on, char** e); /* 0 or 1 */
 int kvw_engine_options_set_shm_deny_ptrace(kvw_engine_options_t* o, int64_t on,
                                            char** e); /* 0 or 1 */

@@ -61,6 +61,7 @@ absl::Status ValidateEngineOptions(const EngineOptions& o) {
       Check("rdma_qp_timeout", o.rdma_qp_timeout, 0, 31),
       Check("rdma_retry_count", o.rdma_retry_count, 0, 7),
       Check("rdma_rnr_retry", o.rdma_rnr_retry, 0, 7),
+      Check("rdma_max_qps_per_device", o.rdma_max_qps_per_device, 0, 1 << 24),
       Check("tcp_max_data_connections", o.tcp_max_data_connections, 1, 1 << 20),
       Check("tcp_max_data_connections_per_peer", o.tcp_max_data_connections_per_peer, 1, 1 << 16),
       Check("tcp_max_pending_hellos", o.tcp_max_pending_hellos, 1, 1 << 16),

@@ -111,6 +111,7 @@ static const RangeCase kCases[] = {
     {"rdma_qp_timeout", kvw_engine_options_set_rdma_qp_timeout, 0, 31},
     {"rdma_retry_count", kvw_engine_options_set_rdma_retry_count, 0, 7},
     {"rdma_rnr_retry", kvw_engine_options_set_rdma_rnr_retry, 0, 7},
+    {"rdma_max_qps_per_device", kvw_engine_options_set_rdma_max_qps_per_device, 0, 1 << 24},
     {"shm_cma", kvw_engine_options_set_shm_cma, 0, 1},
     {"shm_deny_ptrace", kvw_engine_options_set_shm_deny_ptrace, 0, 1},
     {"tcp_max_data_connections", kvw_engine_options_set_tcp_max_data_connections, 1, 1 << 20},

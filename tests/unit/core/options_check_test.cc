@@ -57,6 +57,7 @@ bool Set(EngineOptions& o, const BadOption& row) {
       {"rdma_qps_per_peer", [](auto& o, int64_t v) { o.rdma_qps_per_peer = v; }},
       {"rdma_gid_index", [](auto& o, int64_t v) { o.rdma_gid_index = v; }},
       {"rdma_retry_count", [](auto& o, int64_t v) { o.rdma_retry_count = v; }},
+      {"rdma_max_qps_per_device", [](auto& o, int64_t v) { o.rdma_max_qps_per_device = v; }},
       {"tcp_connections", [](auto& o, int64_t v) { o.tcp_connections = v; }},
       {"tcp_max_pending_hellos", [](auto& o, int64_t v) { o.tcp_max_pending_hellos = v; }},
       {"max_frame_bytes", [](auto& o, int64_t v) { o.max_frame_bytes = v; }},
