@@ -41,6 +41,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateShm(const TransportContext& con
   shm.gpu_runtime = context.gpu_runtime;
   shm.allow_cma = context.options->shm_cma;
   shm.deny_ptrace = context.options->shm_deny_ptrace;
+  // Every shm peer holds a control connection too: the fd server serves as many peers as the
+  // control channel admits (its fixed 256 refused the 257th of a thousand local peers).
+  shm.max_connections = static_cast<size_t>(context.options->max_control_connections);
   auto created = CreateShmTransport(shm, context.hooks);
   if (!created.ok()) {
     KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << created.status().message()
