@@ -5,9 +5,9 @@
 // leaves frees its QPs for the next.
 //
 // Size: KVWIRE_VM_SCALE_PEERS (default 24) peer engines in this process, one QP each, on rxe0.
-// rxe itself allows far more QPs (max_qp 65536) than one CQ can serve: the hub's CQ (32767
-// entries on rxe) holds about 60 target QPs of 513 entries, and a peer past that is refused
-// the same way ("completion queue of rxe0:1 is full").
+// rxe itself allows far more QPs (max_qp 1048560 on 6.1) than one CQ can serve: the hub's CQ
+// (32767 entries on rxe) holds about 60 target QPs of 513 entries, and a peer past that is
+// refused the same way ("completion queue of rxe0:1 is full").
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
