@@ -6,6 +6,7 @@
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
 #   make tcp-scale     tcp with 1000 peers (4 processes) and 1000 connect/disconnect cycles
+#   make shm-scale     the same over shm (a region per peer)
 #   make netfault      tcp under netem faults (delay, loss, reorder, duplicate, corrupt, partitions)
 #                      in network namespaces inside the test VM; writes docs/NETFAULT.md
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
@@ -64,7 +65,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer tcp-scale netfault soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale shm-scale netfault soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -146,15 +147,16 @@ soak: deps
 	KVWIRE_SOAK_REQUESTS=$(SOAK_REQUESTS) KVWIRE_SOAK_CONCURRENCY=$(SOAK_CONCURRENCY) \
 	  KVWIRE_SOAK_SECONDS=$(SOAK_SECONDS) $(BUILD_DIR)/tests/dsv4/serve/dsv4_serve_soak_test
 
-# tcp with many peers (tests/integration/tcp_peer_scale_test.cc): one engine, 1000 peer engines
-# in 4 processes transferring at once; prints thread counts, memory per peer and idle CPU.
+# Many peers (tests/integration/tcp_peer_scale_test.cc): one engine, 1000 peer engines in 4
+# processes transferring at once; prints thread counts, memory, descriptors and mappings per
+# peer and idle CPU. tcp-scale over tcp, shm-scale over shm.
 SCALE_PEERS ?= 1000
 SCALE_PROCS ?= 4
-tcp-scale: deps
+tcp-scale shm-scale: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) tcp_peer_scale_test tcp_scale_peer
 	KVWIRE_SCALE_PEERS=$(SCALE_PEERS) KVWIRE_SCALE_PROCS=$(SCALE_PROCS) KVWIRE_SCALE_CYCLES=1000 \
-	  $(BUILD_DIR)/tests/integration/tcp_peer_scale_test
+	  $(BUILD_DIR)/tests/integration/tcp_peer_scale_test --gtest_filter='*/$(@:-scale=)'
 
 # Side by side with the floors and ucx_perftest, in one run (a few minutes): prints the table
 # of medians and regenerates perf/RESULTS.md and its plot. COMPARE_ARGS= passes arguments

@@ -48,6 +48,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateShm(const TransportContext& con
   shm.gpu_runtime = context.gpu_runtime;
   shm.allow_cma = context.options->shm().cma;
   shm.deny_ptrace = context.options->shm().deny_ptrace;
+  // Every shm peer holds a control connection too: the fd server serves as many peers as the
+  // control channel admits (its fixed 256 refused the 257th of a thousand local peers).
+  shm.max_connections = static_cast<size_t>(context.options->max_control_connections);
   auto created = CreateShmTransport(shm, context.hooks);
   if (!created.ok()) {
     KVW_LOG(kWarning, "engine") << "shm transport unavailable: " << created.status().message()
@@ -70,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateRdma(const TransportContext& co
   rdma.qp_timeout = static_cast<uint8_t>(options.qp_timeout);
   rdma.retry_count = static_cast<uint8_t>(options.retry_count);
   rdma.rnr_retry = static_cast<uint8_t>(options.rnr_retry);
+  rdma.max_qps_per_device = static_cast<uint32_t>(options.max_qps_per_device);
   auto created = CreateRdmaTransport(rdma, context.hooks);
   if (!created.ok()) {
     // The usual case on machines without RDMA NICs: a warning only when rdma was asked for.

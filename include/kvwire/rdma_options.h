@@ -28,6 +28,9 @@ struct RdmaOptions : TransportOptionsOf<RdmaOptions> {
   int qp_timeout = 14;
   int retry_count = 7;
   int rnr_retry = 7;
+  // Most QPs this engine holds on one device, all peers together (0: the device's max_qp);
+  // a peer that would pass it is refused with an error naming the budget. 0..2^24.
+  int max_qps_per_device = 0;
 
   absl::Status Validate() const override;
   absl::Status Set(absl::string_view key, absl::string_view value) override;

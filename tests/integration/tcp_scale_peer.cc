@@ -1,7 +1,8 @@
 // The peer program of tcp_peer_scale_test: holds many engines in one process, each one a peer
-// of the test's hub engine over tcp. Driven line by line over stdin/stdout:
+// of the test's hub engine over TRANSPORT (tcp or shm; over shm each engine's buffer is a
+// ShareableBuffer, so the hub maps it). Driven line by line over stdin/stdout:
 //
-//   argv: HUB_ADDRESS FIRST_SLOT ENGINES SLOT_BYTES HUB_REGION
+//   argv: HUB_ADDRESS FIRST_SLOT ENGINES SLOT_BYTES HUB_REGION PEERS TRANSPORT
 //   -> "READY"          every engine connected to the hub (its buffer exported to it)
 //   <- "GO"             every engine WRITEs pattern(slot, 1) into hub area A and READs hub
 //                       area B, all at once; the READ is checked against pattern(slot, 2)
@@ -29,16 +30,24 @@
 #include "absl/time/clock.h"
 
 #include "kvwire/engine.h"
+#include "kvwire/memory.h"
 #include "tests/integration/tcp_scale_pattern.h"
 
 namespace kvwire {
 namespace {
 
 int Run(int argc, char** argv) {
-  if (argc != 7) {
-    std::cerr << "usage: tcp_scale_peer HUB FIRST_SLOT ENGINES SLOT_BYTES HUB_REGION PEERS\n";
+  if (argc != 8) {
+    std::cerr
+        << "usage: tcp_scale_peer HUB FIRST_SLOT ENGINES SLOT_BYTES HUB_REGION PEERS TRANSPORT\n";
     return 2;
   }
+  const std::string transport = argv[7];
+  if (transport != "tcp" && transport != "shm") {
+    std::cerr << "tcp_scale_peer: transport must be tcp or shm\n";
+    return 2;
+  }
+  const TransportKind kind = transport == "shm" ? TransportKind::kShm : TransportKind::kTcp;
   const std::string hub = argv[1];
   uint64_t first = 0, engines = 0, slot_bytes = 0, hub_region = 0, peers = 0;
   if (!absl::SimpleAtoi(argv[2], &first) || !absl::SimpleAtoi(argv[3], &engines) ||
@@ -55,7 +64,9 @@ int Run(int argc, char** argv) {
   }
   struct Peer {
     std::unique_ptr<Engine> engine;
-    std::vector<std::byte> buffer;
+    ShareableBuffer shared;  // over shm: the buffer (the hub maps it)
+    std::vector<std::byte> plain;
+    std::byte* buffer = nullptr;
     RegionId region = 0;
     PeerId hub = 0;
   };
@@ -64,7 +75,7 @@ int Run(int argc, char** argv) {
     const uint64_t slot = first + i;
     EngineOptions options;
     options.name = absl::StrCat("c", slot);
-    options.transport = "tcp";
+    options.transport = transport;
     options.tcp().connections = 1;
     options.tcp().io_threads = 1;
     // Heartbeats are the control channel's per-peer timer; the hub measures its idle CPU.
@@ -77,11 +88,22 @@ int Run(int argc, char** argv) {
     }
     Peer& p = all[i];
     p.engine = std::move(*engine);
-    p.buffer.resize(2 * slot_bytes);
-    testing::FillPattern(p.buffer.data(), slot_bytes, slot, 0);
+    if (kind == TransportKind::kShm) {
+      auto shared = ShareableBuffer::Create(2 * slot_bytes, "scale-peer");
+      if (!shared.ok()) {
+        std::cerr << "buffer " << slot << ": " << shared.status() << "\n";
+        return 1;
+      }
+      p.shared = std::move(*shared);
+      p.buffer = p.shared.data();
+    } else {
+      p.plain.resize(2 * slot_bytes);
+      p.buffer = p.plain.data();
+    }
+    testing::FillPattern(p.buffer, slot_bytes, slot, 0);
     RegionOptions region;
     region.export_to_all_peers = true;
-    auto id = p.engine->RegisterMemory(p.buffer.data(), p.buffer.size(), region);
+    auto id = p.engine->RegisterMemory(p.buffer, 2 * slot_bytes, region);
     if (!id.ok()) {
       std::cerr << "register " << slot << ": " << id.status() << "\n";
       return 1;
@@ -145,7 +167,7 @@ int Run(int argc, char** argv) {
     } else if (line == "CHECK") {
       uint64_t errors = 0;
       for (uint64_t i = 0; i < engines; ++i) {
-        if (!testing::CheckPattern(all[i].buffer.data() + slot_bytes, slot_bytes, first + i, 3)) {
+        if (!testing::CheckPattern(all[i].buffer + slot_bytes, slot_bytes, first + i, 3)) {
           ++errors;
         }
       }

@@ -60,12 +60,14 @@ absl::StatusOr<pb::RdmaQpInfo> ClientQp::Prepare() {
   DestroyLocked();
   const std::string where = dev_->Describe();
   const uint32_t depth = std::min<uint32_t>(options_.send_queue_depth, dev_->attr.max_qp_wr);
+  if (absl::Status s = dev_->ReserveQp(core_->peer_name); !s.ok()) return s;
+  holds_qp_ = true;
   if (absl::Status s = dev_->ReserveCq(depth + 1); !s.ok()) return s;
   reserved_ = depth + 1;
   if (!bind_mr_) {
     const int access = IBV_ACCESS_LOCAL_WRITE;
-    bind_mr_.reset(
-        ibv_reg_mr(dev_->pd.get(), bind_src_.data(), bind_src_.size() * sizeof(uint64_t), access));
+    bind_mr_.reset(verbs().reg_mr(dev_->pd.get(), bind_src_.data(),
+                                  bind_src_.size() * sizeof(uint64_t), access));
     if (!bind_mr_) {
       return absl::InternalError(
           absl::StrCat("ibv_reg_mr of the bind buffer on ", where, ": ", std::strerror(errno)));
@@ -81,10 +83,10 @@ absl::StatusOr<pb::RdmaQpInfo> ClientQp::Prepare() {
   init.cap.max_send_sge = static_cast<uint32_t>(std::max(1, dev_->attr.max_sge));
   init.cap.max_recv_sge = 1;
   init.cap.max_inline_data = options_.max_inline;
-  qp_.reset(ibv_create_qp(dev_->pd.get(), &init));
+  qp_.reset(verbs().create_qp(dev_->pd.get(), &init));
   if (!qp_ && options_.max_inline != 0) {  // the device may refuse inline data
     init.cap.max_inline_data = 0;
-    qp_.reset(ibv_create_qp(dev_->pd.get(), &init));
+    qp_.reset(verbs().create_qp(dev_->pd.get(), &init));
   }
   if (!qp_) {
     return absl::ResourceExhaustedError(absl::StrCat("ibv_create_qp on ", where, " for peer ",
@@ -258,7 +260,7 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
   }
   if (n == 0) return;
   ibv_send_wr* bad = nullptr;
-  const int rc = ibv_post_send(qp_.get(), scratch_.data(), &bad);
+  const int rc = verbs().post_send(qp_.get(), scratch_.data(), &bad);
   counters_->post_calls.fetch_add(1, std::memory_order_relaxed);
   counters_->wrs.fetch_add(n, std::memory_order_relaxed);
   counters_->signalled.fetch_add(signalled, std::memory_order_relaxed);
@@ -329,7 +331,7 @@ void ClientQp::BreakLocked(const absl::Status& status, const Lane* culprit,
     // reported below (the flush completions that follow are ignored).
     ibv_qp_attr attr{};
     attr.qp_state = IBV_QPS_ERR;
-    if (const int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
+    if (const int rc = verbs().modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
       KVW_LOG(kWarning, "rdma") << "QP not moved to ERROR; destroying it" << Kv("qpn", qp_->qp_num)
                                 << Kv("error", std::strerror(rc));
       DestroyLocked();
@@ -399,6 +401,10 @@ void ClientQp::DestroyLocked() {
   if (reserved_ != 0) {
     dev_->ReleaseCq(reserved_);
     reserved_ = 0;
+  }
+  if (holds_qp_) {
+    dev_->ReleaseQp();
+    holds_qp_ = false;
   }
 }
 

@@ -120,7 +120,8 @@ class ClientQp : public std::enable_shared_from_this<ClientQp> {
   State state_ ABSL_GUARDED_BY(mu_) = State::kConnecting;
   bool reconnecting_ ABSL_GUARDED_BY(mu_) = false;
   Qp qp_ ABSL_GUARDED_BY(mu_);
-  uint32_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // CQ entries
+  bool holds_qp_ ABSL_GUARDED_BY(mu_) = false;  // one QP of the device's budget
   uint32_t psn_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tag_ ABSL_GUARDED_BY(mu_) = 0;

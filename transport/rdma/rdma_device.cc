@@ -4,6 +4,7 @@
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -45,7 +46,7 @@ int AllowedPort(const std::vector<std::string>& allow, const std::string& name) 
 // the port state and the async event do).
 std::string NetdevOf(const DevicePort& d) {
   ibv_gid_entry entry{};
-  if (ibv_query_gid_ex(d.ctx.get(), d.port, d.gid_index, &entry, 0) != 0) return "";
+  if (verbs().query_gid_ex(d.ctx.get(), d.port, d.gid_index, &entry, 0) != 0) return "";
   char name[IF_NAMESIZE] = {0};
   return if_indextoname(entry.ndev_ifindex, name) != nullptr ? name : "";
 }
@@ -53,12 +54,12 @@ std::string NetdevOf(const DevicePort& d) {
 absl::Status ChooseGid(DevicePort& d, int wanted, std::string* why) {
   if (!d.ethernet) {
     // InfiniBand addresses by LID; GID 0 (subnet prefix + GUID) tells routed peers apart.
-    if (ibv_query_gid(d.ctx.get(), d.port, 0, &d.gid) != 0) std::memset(d.gid.raw, 0, 16);
+    if (verbs().query_gid(d.ctx.get(), d.port, 0, &d.gid) != 0) std::memset(d.gid.raw, 0, 16);
     d.gid_index = 0;
     return absl::OkStatus();
   }
   if (wanted >= 0) {
-    if (ibv_query_gid(d.ctx.get(), d.port, wanted, &d.gid) != 0) {
+    if (verbs().query_gid(d.ctx.get(), d.port, wanted, &d.gid) != 0) {
       return absl::InvalidArgumentError(absl::StrCat("GID index ", wanted, " of ", d.Describe(),
                                                      " cannot be read: ", std::strerror(errno)));
     }
@@ -68,7 +69,7 @@ absl::Status ChooseGid(DevicePort& d, int wanted, std::string* why) {
   const int limit = std::min<int>(kGidScan, d.port_attr.gid_tbl_len);
   for (int i = 0; i < limit; ++i) {
     ibv_gid_entry entry{};
-    if (ibv_query_gid_ex(d.ctx.get(), d.port, i, &entry, 0) != 0) continue;
+    if (verbs().query_gid_ex(d.ctx.get(), d.port, i, &entry, 0) != 0) continue;
     ibv_gid gid;
     std::memcpy(gid.raw, entry.gid.raw, sizeof(gid.raw));
     if (entry.gid_type == IBV_GID_TYPE_ROCE_V2 && IsIpv4Mapped(gid)) {
@@ -117,7 +118,7 @@ absl::Status DevicePort::Usable() const {
 
 std::string DevicePort::PortProblem() const {
   ibv_port_attr now{};
-  if (ibv_query_port(ctx.get(), port, &now) != 0) {
+  if (verbs().query_port(ctx.get(), port, &now) != 0) {
     return absl::StrCat("unknown (ibv_query_port: ", std::strerror(errno), ")");
   }
   if (now.state != IBV_PORT_ACTIVE) return ibv_port_state_str(now.state);
@@ -156,6 +157,19 @@ absl::Status DevicePort::ReserveCq(uint32_t entries) {
   return absl::OkStatus();
 }
 
+absl::Status DevicePort::ReserveQp(const std::string& peer) {
+  uint32_t used = qps_in_use.load();
+  do {
+    if (used >= qp_budget) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("QP budget of ", Describe(), " reached: ", used, " of ", qp_budget,
+                       " QPs in use (rdma.max_qps_per_device, device max_qp ", attr.max_qp,
+                       "); peer ", peer, " refused a QP"));
+    }
+  } while (!qps_in_use.compare_exchange_weak(used, used + 1));
+  return absl::OkStatus();
+}
+
 std::string GidToString(const ibv_gid& gid) {
   char text[INET6_ADDRSTRLEN] = {0};
   inet_ntop(AF_INET6, gid.raw, text, sizeof(text));
@@ -181,7 +195,7 @@ const char* MtuName(ibv_mtu mtu) {
 absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
     const RdmaTransportOptions& options, std::vector<std::string>* skipped) {
   int count = 0;
-  DeviceList list(ibv_get_device_list(&count));
+  DeviceList list(verbs().get_device_list(&count));
   if (!list || count == 0) {
     return absl::NotFoundError(absl::StrCat(
         "no RDMA devices (ibv_get_device_list: ", list ? "empty" : std::strerror(errno), ")"));
@@ -189,20 +203,20 @@ absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
   std::vector<std::shared_ptr<DevicePort>> out;
   for (int i = 0; i < count; ++i) {
     ibv_device* dev = list.get()[i];
-    const std::string name = ibv_get_device_name(dev);
+    const std::string name = verbs().get_device_name(dev);
     const int allowed = AllowedPort(options.devices, name);
     if (allowed < 0) {
       skipped->push_back(absl::StrCat(name, ": not in the device allow-list (",
                                       absl::StrJoin(options.devices, ","), ")"));
       continue;
     }
-    Context ctx(ibv_open_device(dev));
+    Context ctx(verbs().open_device(dev));
     if (!ctx) {
       skipped->push_back(absl::StrCat(name, ": ibv_open_device: ", std::strerror(errno)));
       continue;
     }
     ibv_device_attr attr{};
-    if (ibv_query_device(ctx.get(), &attr) != 0) {
+    if (verbs().query_device(ctx.get(), &attr) != 0) {
       skipped->push_back(absl::StrCat(name, ": ibv_query_device: ", std::strerror(errno)));
       continue;
     }
@@ -213,7 +227,11 @@ absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
       d->name = name;
       d->port = port;
       d->attr = attr;
-      if (ibv_query_port(ctx.get(), port, &d->port_attr) != 0) {
+      const uint32_t device_max = static_cast<uint32_t>(std::max(attr.max_qp, 0));
+      d->qp_budget = options.max_qps_per_device == 0
+                         ? device_max
+                         : std::min(options.max_qps_per_device, device_max);
+      if (verbs().query_port(ctx.get(), port, &d->port_attr) != 0) {
         skipped->push_back(absl::StrCat(d->Describe(), ": ibv_query_port: ", std::strerror(errno)));
         continue;
       }
@@ -231,27 +249,27 @@ absl::StatusOr<std::vector<std::shared_ptr<DevicePort>>> OpenDevices(
         continue;
       }
       if (d->ethernet) d->netdev = NetdevOf(*d);
-      d->pd.reset(ibv_alloc_pd(d->ctx.get()));
+      d->pd.reset(verbs().alloc_pd(d->ctx.get()));
       if (!d->pd) {
         skipped->push_back(absl::StrCat(d->Describe(), ": ibv_alloc_pd: ", std::strerror(errno)));
         break;
       }
-      d->channel.reset(ibv_create_comp_channel(d->ctx.get()));
+      d->channel.reset(verbs().create_comp_channel(d->ctx.get()));
       if (!d->channel) {
         skipped->push_back(
             absl::StrCat(d->Describe(), ": ibv_create_comp_channel: ", std::strerror(errno)));
         break;
       }
       d->cq_size = static_cast<uint32_t>(std::min(attr.max_cqe, 32767));
-      d->cq.reset(
-          ibv_create_cq(d->ctx.get(), static_cast<int>(d->cq_size), nullptr, d->channel.get(), 0));
+      d->cq.reset(verbs().create_cq(d->ctx.get(), static_cast<int>(d->cq_size), nullptr,
+                                    d->channel.get(), 0));
       if (!d->cq) {
         skipped->push_back(absl::StrCat(d->Describe(), ": ibv_create_cq(", d->cq_size,
                                         "): ", std::strerror(errno)));
         break;
       }
       d->cq_size = static_cast<uint32_t>(d->cq->cqe);
-      if (ibv_req_notify_cq(d->cq.get(), 0) != 0) {
+      if (verbs().req_notify_cq(d->cq.get(), 0) != 0) {
         skipped->push_back(absl::StrCat(d->Describe(), ": ibv_req_notify_cq failed"));
         break;
       }

@@ -36,6 +36,8 @@ struct DevicePort {
   std::string netdev;  // RoCE: the network interface of the GID ("" when unknown)
   uint32_t cq_size = 0;
   std::atomic<uint32_t> cq_reserved{0};  // CQ entries promised to QPs
+  uint32_t qp_budget = 0;
+  std::atomic<uint32_t> qps_in_use{0};  // QPs reserved (ReserveQp), both ends
 
   std::string Describe() const;  // "rxe0:1"
   pb::RdmaDevice ToProto() const;
@@ -51,6 +53,11 @@ struct DevicePort {
   // Reserves CQ room for a QP of `entries` WRs, or ResourceExhausted naming the device.
   absl::Status ReserveCq(uint32_t entries);
   void ReleaseCq(uint32_t entries) { cq_reserved -= entries; }
+  // The QP budget (RdmaTransportOptions::max_qps_per_device, at most the device's max_qp):
+  // reserves one QP for `peer` (named in the error), or ResourceExhausted naming the device,
+  // the budget and the option.
+  absl::Status ReserveQp(const std::string& peer);
+  void ReleaseQp() { qps_in_use -= 1; }
 
  private:
   std::atomic<bool> usable_{true};

@@ -48,15 +48,15 @@ void DeviceLoop::Run() {
       ibv_cq* cq = nullptr;
       void* context = nullptr;
       unsigned events = 0;
-      while (ibv_get_cq_event(dev_->channel.get(), &cq, &context) == 0) ++events;
-      if (events != 0) ibv_ack_cq_events(dev_->cq.get(), events);
-      ibv_req_notify_cq(dev_->cq.get(), 0);
+      while (verbs().get_cq_event(dev_->channel.get(), &cq, &context) == 0) ++events;
+      if (events != 0) verbs().ack_cq_events(dev_->cq.get(), events);
+      verbs().req_notify_cq(dev_->cq.get(), 0);
     }
     if (p[1].revents != 0) {
       ibv_async_event event;
-      while (ibv_get_async_event(dev_->ctx.get(), &event) == 0) {
+      while (verbs().get_async_event(dev_->ctx.get(), &event) == 0) {
         OnAsyncEvent(event);
-        ibv_ack_async_event(&event);
+        verbs().ack_async_event(&event);
       }
     }
     Drain();  // also on timeouts: a missed notification never strands completions
@@ -66,7 +66,7 @@ void DeviceLoop::Run() {
 void DeviceLoop::Drain() {
   ibv_wc wcs[64];
   while (true) {
-    const int n = ibv_poll_cq(dev_->cq.get(), 64, wcs);
+    const int n = verbs().poll_cq(dev_->cq.get(), 64, wcs);
     if (n <= 0) {
       if (n < 0) {
         KVW_LOG(kError, "rdma") << "ibv_poll_cq failed" << Kv("device", dev_->Describe());

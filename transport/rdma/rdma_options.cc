@@ -18,6 +18,7 @@ void Fields(Self& o, F&& f) {
   f("qp_timeout", o.qp_timeout);
   f("retry_count", o.retry_count);
   f("rnr_retry", o.rnr_retry);
+  f("max_qps_per_device", o.max_qps_per_device);
 }
 
 }  // namespace
@@ -30,6 +31,7 @@ absl::Status RdmaOptions::Validate() const {
       CheckOptionRange("rdma.qp_timeout", qp_timeout, 0, 31),
       CheckOptionRange("rdma.retry_count", retry_count, 0, 7),
       CheckOptionRange("rdma.rnr_retry", rnr_retry, 0, 7),
+      CheckOptionRange("rdma.max_qps_per_device", max_qps_per_device, 0, 1 << 24),
   };
   for (const absl::Status& s : checks) {
     if (!s.ok()) return s;

@@ -31,8 +31,8 @@ absl::Status ToInit(ibv_qp* qp, const DevicePort& dev, int access) {
   a.pkey_index = 0;
   a.port_num = dev.port;
   a.qp_access_flags = access;
-  const int rc =
-      ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+  const int rc = verbs().modify_qp(
+      qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
   return rc == 0 ? absl::OkStatus() : ModifyError("INIT", dev.Describe(), qp->qp_num, rc);
 }
 
@@ -49,9 +49,9 @@ absl::Status ToRtr(ibv_qp* qp, const DevicePort& dev, const pb::RdmaDevice& remo
   a.min_rnr_timer = 12;  // 0.64 ms
   a.ah_attr = *ah;
   const int rc =
-      ibv_modify_qp(qp, &a,
-                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+      verbs().modify_qp(qp, &a,
+                        IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                            IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
   return rc == 0 ? absl::OkStatus() : ModifyError("RTR", dev.Describe(), qp->qp_num, rc);
 }
 
@@ -64,9 +64,10 @@ absl::Status ToRts(ibv_qp* qp, const DevicePort& dev, uint32_t psn, const RdmaTr
   a.retry_cnt = o.retry_count;
   a.rnr_retry = o.rnr_retry;
   a.max_rd_atomic = std::max<uint8_t>(1, max_rd_atomic);
-  const int rc = ibv_modify_qp(qp, &a,
-                               IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                   IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+  const int rc =
+      verbs().modify_qp(qp, &a,
+                        IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                            IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
   return rc == 0 ? absl::OkStatus() : ModifyError("RTS", dev.Describe(), qp->qp_num, rc);
 }
 

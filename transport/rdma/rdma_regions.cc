@@ -34,7 +34,7 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
     if (absl::Status s = RegisterGpuRegion(region, access, *mr, &gpu_reason); !s.ok()) return s;
   } else {
     for (const auto& d : devices_) {
-      Mr m(ibv_reg_mr(d->pd.get(), region.base, region.length, access));
+      Mr m(verbs().reg_mr(d->pd.get(), region.base, region.length, access));
       if (!m) {
         return absl::ResourceExhaustedError(
             absl::StrCat("ibv_reg_mr of region ", region.id, " (", region.length, " bytes) on ",
@@ -90,14 +90,14 @@ absl::Status RdmaTransportImpl::RegisterGpuRegion(const LocalRegion& region, int
     absl::StatusOr<GpuMrChoice> choice = ChooseGpuMr(
         exported,
         [&] {
-          m.reset(
-              ibv_reg_dmabuf_mr(d->pd.get(), args.offset, args.length, args.iova, args.fd, access));
+          m.reset(verbs().reg_dmabuf_mr(d->pd.get(), args.offset, args.length, args.iova, args.fd,
+                                        access));
           return m ? absl::OkStatus()
                    : absl::UnavailableError(
                          absl::StrCat("ibv_reg_dmabuf_mr: ", std::strerror(errno)));
         },
         [&] {
-          m.reset(ibv_reg_mr(d->pd.get(), region.base, region.length, access));
+          m.reset(verbs().reg_mr(d->pd.get(), region.base, region.length, access));
           return m ? absl::OkStatus()
                    : absl::UnavailableError(
                          absl::StrCat("ibv_reg_mr on the device pointer: ", std::strerror(errno)));
@@ -154,7 +154,7 @@ absl::StatusOr<PeerDomain> RdmaTransportImpl::DomainOf(PeerId peer) {
     for (const auto& d : devices_) {
       auto pd = std::make_shared<PeerPd>();
       pd->dev = d;
-      pd->pd.reset(ibv_alloc_pd(d->ctx.get()));
+      pd->pd.reset(verbs().alloc_pd(d->ctx.get()));
       if (!pd->pd) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "ibv_alloc_pd for peer ", peer, " on ", d->Describe(), ": ", std::strerror(errno)));
@@ -174,11 +174,11 @@ absl::Status RdmaTransportImpl::RegisterFor(const LocalMr& region, PeerMr& out) 
     Mr m;
     if (region.gpu && region.path[i] == GpuMrPath::kDmaBuf) {
       const DmaBufMrArgs& a = region.dmabuf_args;
-      m.reset(ibv_reg_dmabuf_mr(pd, a.offset, a.length, a.iova, region.dmabuf.range().fd,
-                                region.remote_access));
+      m.reset(verbs().reg_dmabuf_mr(pd, a.offset, a.length, a.iova, region.dmabuf.range().fd,
+                                    region.remote_access));
     } else {
-      m.reset(ibv_reg_mr(pd, reinterpret_cast<void*>(region.base), region.length,
-                         region.remote_access));
+      m.reset(verbs().reg_mr(pd, reinterpret_cast<void*>(region.base), region.length,
+                             region.remote_access));
     }
     if (!m) {
       return absl::ResourceExhaustedError(

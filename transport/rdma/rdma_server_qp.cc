@@ -20,11 +20,13 @@ absl::StatusOr<pb::RdmaQpInfo> ServerQp::Create(const pb::RdmaQpInfo& remote,
                                                 const RdmaTransportOptions& o) {
   const std::string where = dev_->Describe();
   const uint32_t depth = std::min<uint32_t>(o.recv_queue_depth, dev_->attr.max_qp_wr);
+  if (absl::Status s = dev_->ReserveQp(absl::StrCat(peer_)); !s.ok()) return s;
+  holds_qp_ = true;
   if (absl::Status s = dev_->ReserveCq(depth + 1); !s.ok()) return s;
   reserved_ = depth + 1;
   const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
   table_mr_.reset(
-      ibv_reg_mr(pd_->pd.get(), table_.data(), table_.size() * sizeof(uint64_t), access));
+      verbs().reg_mr(pd_->pd.get(), table_.data(), table_.size() * sizeof(uint64_t), access));
   if (!table_mr_) {
     return absl::InternalError(
         absl::StrCat("ibv_reg_mr of the slot table on ", where, ": ", std::strerror(errno)));
@@ -37,7 +39,7 @@ absl::StatusOr<pb::RdmaQpInfo> ServerQp::Create(const pb::RdmaQpInfo& remote,
   init.cap.max_recv_wr = depth;
   init.cap.max_send_sge = 1;
   init.cap.max_recv_sge = 1;
-  qp_.reset(ibv_create_qp(pd_->pd.get(), &init));
+  qp_.reset(verbs().create_qp(pd_->pd.get(), &init));
   if (!qp_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ibv_create_qp (target) on ", where, ": ", std::strerror(errno)));
@@ -74,7 +76,7 @@ absl::Status ServerQp::PostRecv() {
   wr.sg_list = &sge;
   wr.num_sge = 1;
   ibv_recv_wr* bad = nullptr;
-  const int rc = ibv_post_recv(qp_.get(), &wr, &bad);
+  const int rc = verbs().post_recv(qp_.get(), &wr, &bad);
   if (rc != 0) {
     return absl::InternalError(absl::StrCat("ibv_post_recv on ", dev_->Describe(), " QP ",
                                             qp_->qp_num, ": ", std::strerror(rc)));

@@ -34,6 +34,7 @@ class ServerQp {
     qp_.reset();
     table_mr_.reset();
     if (reserved_ != 0) dev_->ReleaseCq(reserved_);
+    if (holds_qp_) dev_->ReleaseQp();
   }
 
   // Creates the QP and its slot table in the peer's PD and brings it to RTS against the
@@ -59,7 +60,8 @@ class ServerQp {
   std::vector<uint64_t> table_;  // kSlotsPerQp transfer ids, then the receive scratch
   Mr table_mr_;
   Qp qp_;
-  uint32_t reserved_ = 0;
+  uint32_t reserved_ = 0;  // CQ entries
+  bool holds_qp_ = false;  // one QP of the device's budget
 };
 
 }  // namespace kvwire::transport::rdma

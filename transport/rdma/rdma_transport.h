@@ -55,6 +55,17 @@
 //   (RdmaTransportStats).
 //   Close and DropPeer (peer dead by lease) destroy the QPs.
 //
+// - QP budget: each device holds at most max_qps_per_device QPs (initiator and target ends of
+//   every peer together; 0 = the device's max_qp). A QP past it is never created: the channel
+//   set-up that needs it fails with ResourceExhausted naming the device, the budget and the
+//   engine option, on whichever side ran out (the target answers the QP exchange with it), so
+//   the peer is refused and the peers already connected keep their QPs. QPs are not shared
+//   between peers: a QP's PD is its peer's (isolation, above), so sharing would mean
+//   giving up per-peer keys.
+// - Verbs: every ibv_* call goes through verbs() (verbs.h), a table of function pointers that
+//   a test or benchmark can replace (tests/rdma/fake/fake_verbs.h runs the whole path without a
+//   device).
+//
 // Files: rdma_transport_impl.h (the Transport; its methods in rdma_transport.cc, lifetime and
 // peers; rdma_regions.cc, registration and exports; rdma_qp_exchange.cc, channel set-up),
 // rdma_channel (Post: ops to WRs), rdma_client_qp (initiator QP: posting, completions,
@@ -96,6 +107,10 @@ struct RdmaTransportOptions {
   uint8_t qp_timeout = 14;
   uint8_t retry_count = 7;
   uint8_t rnr_retry = 7;
+  // QP budget per device: initiator and target QPs of every peer together; 0 = the device's
+  // max_qp. Beyond it a peer's QPs are refused (ResourceExhausted naming the device and the
+  // budget), never created: the QPs of the peers already connected are untouched.
+  uint32_t max_qps_per_device = 0;
   uint64_t max_op_bytes = 1ull << 30;
 };
 
