@@ -20,6 +20,7 @@
 #include "transport/shm/gpu_region_key.h"
 #include "transport/shm/host_region_key.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/shareable_registry.h"
 
 namespace kvwire::transport::shm {
 namespace {
@@ -68,6 +69,24 @@ absl::Status CheckCma(const ShmChannel::Options& options, const ShmEndpoint& end
   return ProbeCma(pid, endpoint.probe_address, endpoint.probe_value);
 }
 
+// The peer's epoch table, from its Hello reply: read-only, and sealed so that its size
+// cannot change under the mapping.
+absl::StatusOr<Mapping> MapEpochTable(int fd) {
+  if (fd < 0) return absl::FailedPreconditionError("the Hello reply carried no epoch table");
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  struct stat info;
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(fd, &info) != 0 ||
+      static_cast<uint64_t>(info.st_size) < kEpochTableBytes) {
+    return absl::FailedPreconditionError("the epoch table is not a sealed memfd of its size");
+  }
+  return Mapping::Create(fd, 0, kEpochTableBytes, PROT_READ, /*populate=*/false);
+}
+
+uint64_t LoadEpoch(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
+// How often one copy follows the peer's buffer to a new memfd before it gives up.
+constexpr int kMaxRemaps = 8;
+
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
   return a.id == b.id && a.length == b.length && a.access == b.access && a.kind == b.kind &&
          a.address == b.address && a.Key() == b.Key();
@@ -101,8 +120,16 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
   }
   const pid_t pid = static_cast<pid_t>(link.remote_pid != 0 ? link.remote_pid : endpoint.pid);
   absl::Status cma = CheckCma(options, endpoint, pid, socket->get());
-  auto channel =
-      std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid, cma);
+  Mapping epochs;
+  if (absl::StatusOr<Mapping> table = MapEpochTable(response->fd.get()); table.ok()) {
+    epochs = *std::move(table);
+  } else {
+    KVW_LOG(kWarning, "shm") << "peer's epoch table not mapped: its memfd regions go over "
+                                "another transport"
+                             << Kv("peer", link.peer) << Kv("error", table.status());
+  }
+  auto channel = std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid,
+                                              cma, std::move(epochs));
   KVW_LOG(kInfo, "shm") << "channel connected" << Kv("peer", link.peer)
                         << Kv("peer_name", link.peer_name) << Kv("pid", pid)
                         << Kv("path", channel->Describe());
@@ -110,12 +137,13 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
 }
 
 ShmChannel::ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket,
-                       pid_t pid, absl::Status cma)
+                       pid_t pid, absl::Status cma, Mapping epochs)
     : link_(link),
       options_(options),
       socket_(std::move(socket)),
       pid_(pid),
       cma_(std::move(cma)),
+      epochs_(std::move(epochs)),
       gpu_imports_(options.gpu_runtime == nullptr
                        ? nullptr
                        : std::make_unique<GpuImports>(options.gpu_runtime, options.gpu_counters)),
@@ -202,6 +230,12 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
         }
         continue;
       }
+      if (region->mapped && LoadEpoch(region->epoch_word) != region->epoch) {
+        // Checked when queued only: a move while the device copies is not seen (SECURITY-shm.md).
+        absl::StatusOr<std::shared_ptr<const RemoteRegion>> moved = Remap(region);
+        if (!moved.ok()) return OpError(request, i, moved.status().code(), moved.status().message());
+        region = *std::move(moved);
+      }
       std::byte* remote = region->gpu != nullptr ? region->gpu_base + op.remote_offset
                                                  : region->mapping.data() + op.remote_offset;
       if (gpu->regions.empty() || gpu->regions.back() != region) gpu->regions.push_back(region);
@@ -211,12 +245,7 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
       continue;
     }
     if (region->mapped) {
-      std::byte* remote = region->mapping.data() + op.remote_offset;
-      if (write) {
-        std::memcpy(remote, op.local, op.length);
-      } else {
-        std::memcpy(op.local, remote, op.length);
-      }
+      if (absl::Status copied = CopyMapped(request, i, &region); !copied.ok()) return copied;
       continue;
     }
     batch.Add(i, op.local, region->address + op.remote_offset, op.length);
@@ -236,6 +265,62 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index,
+                                    std::shared_ptr<const RemoteRegion>* region) {
+  const WireOp& op = request.ops[index];
+  for (int remaps = 0;; ++remaps) {
+    const RemoteRegion& mapped = **region;
+    const uint64_t before = LoadEpoch(mapped.epoch_word);
+    if (before == mapped.epoch) {
+      std::byte* remote = mapped.mapping.data() + op.remote_offset;
+      if (request.kind == OpKind::kWrite) {
+        std::memcpy(remote, op.local, op.length);
+      } else {
+        std::memcpy(op.local, remote, op.length);
+      }
+      // Pairs with the fence after the owner's first store (shareable_registry.cc): either
+      // its copy saw these bytes, or this load sees the word change.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (__atomic_load_n(mapped.epoch_word, __ATOMIC_RELAXED) == before) return absl::OkStatus();
+    }
+    if (remaps == kMaxRemaps) {
+      return OpError(request, index, absl::StatusCode::kUnavailable,
+                     absl::StrCat("the peer moved the region's buffer ", kMaxRemaps,
+                                  " times during one copy"));
+    }
+    absl::StatusOr<std::shared_ptr<const RemoteRegion>> moved = Remap(*region);
+    if (!moved.ok()) {
+      return OpError(request, index, moved.status().code(), moved.status().message());
+    }
+    *region = *std::move(moved);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::Remap(
+    const std::shared_ptr<const RemoteRegion>& stale) {
+  {
+    // Another thread may have mapped the new memfd already.
+    std::shared_ptr<const RemoteRegion> current = Find(stale->id);
+    if (current != nullptr && current != stale && current->mapped &&
+        LoadEpoch(current->epoch_word) == current->epoch) {
+      return current;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> fresh = MapShareable(stale->desc);
+  if (!fresh.ok()) return fresh.status();
+  std::shared_ptr<const RemoteRegion> replaced;  // unmapped outside the lock
+  MutexLock lock(&mu_);
+  if (closed_.load(std::memory_order_relaxed)) return ClosedError();
+  auto it = regions_.find(stale->id);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("shm: region ", stale->id, " was removed while it was being remapped"));
+  }
+  // Replace only what this call found stale: a removal and re-add meanwhile stays as it is.
+  if (it->second == stale) replaced = std::exchange(it->second, *fresh);
+  return fresh;
 }
 
 absl::Status ShmChannel::StageThroughHost(const PostRequest& request, size_t index,
@@ -371,6 +456,14 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   if (reply.code != absl::StatusCode::kOk) {
     return absl::Status(reply.code, absl::StrCat(who, ": the peer refused: ", reply.message));
   }
+  if (epochs_.data() == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": the peer's epoch table is not mapped (see the channel's log)"));
+  }
+  if (reply.epoch_slot >= kEpochSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": epoch slot ", reply.epoch_slot, " out of range"));
+  }
   if (!response.fd.valid()) {
     return absl::InternalError(absl::StrCat(who, ": reply carried no descriptor"));
   }
@@ -401,6 +494,8 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   region->access = desc.access & reply.access;
   region->mapped = true;
   region->desc = desc;
+  region->epoch_word = reinterpret_cast<const uint64_t*>(epochs_.data()) + reply.epoch_slot;
+  region->epoch = reply.epoch;
   if (desc.length > 0) {
     const int prot = PROT_READ | ((region->access & kRemoteWrite) != 0 ? PROT_WRITE : 0);
     absl::StatusOr<Mapping> mapping = Mapping::Create(
