@@ -252,7 +252,7 @@ class FakeTargetHooks final : public transport::TargetHooks {
   struct Entry {
     transport::LocalRegion region;
     bool exported = true;
-    std::set<PeerId> withdrawn_from;  // SetExportedTo
+    std::set<PeerId> withdrawn_from;      // SetExportedTo
     std::unique_ptr<std::byte[]> memory;  // AllocateRegion's; null for the test's own memory
   };
 

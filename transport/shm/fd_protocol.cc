@@ -105,9 +105,9 @@ absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes) {
     return absl::InternalError("shm fd reply: bad magic");
   }
   if (!reader.Get(&code) || !reader.Get(&reply.region) || !reader.Get(&reply.memfd_offset) ||
-      !reader.Get(&reply.length) || !reader.Get(&reply.access) ||
-      !reader.Get(&reply.epoch_slot) || !reader.Get(&reply.epoch) ||
-      !reader.GetBytes(kMaxFdMessageBytes, &reply.message) || !reader.done()) {
+      !reader.Get(&reply.length) || !reader.Get(&reply.access) || !reader.Get(&reply.epoch_slot) ||
+      !reader.Get(&reply.epoch) || !reader.GetBytes(kMaxFdMessageBytes, &reply.message) ||
+      !reader.done()) {
     return absl::InternalError(absl::StrCat("shm fd reply: malformed (", bytes.size(), " bytes)"));
   }
   // absl::StatusCode has 17 values; anything else from the peer is reported as unknown.

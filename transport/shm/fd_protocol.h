@@ -1,7 +1,7 @@
 // Messages on the shm transport's Unix socket. Each is one SOCK_SEQPACKET datagram (the
 // socket keeps message boundaries, so there is no framing); a successful fetch reply carries
-// the region's memfd as SCM_RIGHTS ancillary data, a Hello reply the target's epoch table. Both ends run on one host, so integers are
-// in host byte order.
+// the region's memfd as SCM_RIGHTS ancillary data, a Hello reply the target's epoch table. Both
+// ends run on one host, so integers are in host byte order.
 #ifndef KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 #define KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 

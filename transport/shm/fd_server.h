@@ -45,8 +45,8 @@ class FdServer {
     friend class FdServer;
     PassKey() = default;
   };
-  FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions,
-           const FdServerLimits& limits, UniqueFd listener, UniqueFd wake);
+  FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions, const FdServerLimits& limits,
+           UniqueFd listener, UniqueFd wake);
   ~FdServer();
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;

@@ -4,8 +4,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <fcntl.h>
 #include <map>
 #include <unistd.h>
@@ -161,7 +161,8 @@ class Registry {
     const int carried = seals & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
     if (carried != 0 && ::fcntl(fresh.get(), F_ADD_SEALS, carried) != 0) {
       // Not shared read-only from now on: the fd server checks the seals before it serves.
-      KVW_LOG(kError, "shm") << "sealing the new memfd failed" << Kv("error", shm::ErrnoText(errno));
+      KVW_LOG(kError, "shm") << "sealing the new memfd failed"
+                             << Kv("error", shm::ErrnoText(errno));
     }
     // The new memfd takes the old one's number: the ShareableBuffer closes it in the end, and
     // fd() names the memory the owner really has.
@@ -214,8 +215,8 @@ class Registry {
     if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(shm::kEpochTableBytes)) != 0) {
       return ErrnoStatus(absl::StatusCode::kResourceExhausted, errno, "shm epoch table memfd");
     }
-    void* map = ::mmap(nullptr, shm::kEpochTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                       fd.get(), 0);
+    void* map =
+        ::mmap(nullptr, shm::kEpochTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (map == MAP_FAILED) {
       return ErrnoStatus(absl::StatusCode::kResourceExhausted, errno, "mapping the epoch table");
     }

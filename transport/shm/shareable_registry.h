@@ -36,7 +36,8 @@ namespace kvwire::transport {
 struct ShareableBacking {
   int fd = -1;          // owned by the ShareableBuffer: valid while it lives
   uint64_t offset = 0;  // offset of the range's first byte within the memfd
-  uint64_t buffer = 0;  // which buffer (never reused): tells a buffer from a later one at its address
+  uint64_t buffer =
+      0;  // which buffer (never reused): tells a buffer from a later one at its address
 };
 
 // Returns the backing of [ptr, ptr + length) if the whole range lies inside one live
@@ -70,8 +71,8 @@ absl::StatusOr<std::optional<ShareableDup>> DupShareable(const void* ptr, size_t
 // its bytes stay the owner's, at the same addresses. Only bytes the owner writes into the
 // buffer while this runs (another thread, another transport's op) may land in the old memfd:
 // the caller quiesces what it can. NotFound when no live buffer contains `ptr`;
-// FailedPrecondition (not moved) when a device pinned part of it (src/util/pinned_ranges.h). Thread-safe;
-// a ShareableBuffer being destroyed meanwhile waits for it.
+// FailedPrecondition (not moved) when a device pinned part of it (src/util/pinned_ranges.h).
+// Thread-safe; a ShareableBuffer being destroyed meanwhile waits for it.
 absl::Status RebackShareable(const void* ptr);
 
 // How many RebackShareable calls completed (tests and logs).

@@ -84,9 +84,6 @@ absl::StatusOr<Mapping> MapEpochTable(int fd) {
 
 uint64_t LoadEpoch(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-// How often one copy follows the peer's buffer to a new memfd before it gives up.
-constexpr int kMaxRemaps = 8;
-
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
   return a.id == b.id && a.length == b.length && a.access == b.access && a.kind == b.kind &&
          a.address == b.address && a.Key() == b.Key();
@@ -233,7 +230,8 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
       if (region->mapped && LoadEpoch(region->epoch_word) != region->epoch) {
         // Checked when queued only: a move while the device copies is not seen (SECURITY-shm.md).
         absl::StatusOr<std::shared_ptr<const RemoteRegion>> moved = Remap(region);
-        if (!moved.ok()) return OpError(request, i, moved.status().code(), moved.status().message());
+        if (!moved.ok())
+          return OpError(request, i, moved.status().code(), moved.status().message());
         region = *std::move(moved);
       }
       std::byte* remote = region->gpu != nullptr ? region->gpu_base + op.remote_offset
@@ -270,6 +268,9 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
 absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index,
                                     std::shared_ptr<const RemoteRegion>* region) {
   const WireOp& op = request.ops[index];
+  // Each move is followed (a peer moving the buffer again and again only delays the copy),
+  // within one request timeout.
+  absl::Time deadline = absl::InfiniteFuture();  // set at the first move seen (not per op)
   for (int remaps = 0;; ++remaps) {
     const RemoteRegion& mapped = **region;
     const uint64_t before = LoadEpoch(mapped.epoch_word);
@@ -285,10 +286,12 @@ absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index,
       std::atomic_thread_fence(std::memory_order_seq_cst);
       if (__atomic_load_n(mapped.epoch_word, __ATOMIC_RELAXED) == before) return absl::OkStatus();
     }
-    if (remaps == kMaxRemaps) {
-      return OpError(request, index, absl::StatusCode::kUnavailable,
-                     absl::StrCat("the peer moved the region's buffer ", kMaxRemaps,
-                                  " times during one copy"));
+    if (remaps == 0) deadline = absl::Now() + options_.request_timeout;
+    if (absl::Now() > deadline) {
+      return OpError(
+          request, index, absl::StatusCode::kDeadlineExceeded,
+          absl::StrCat("the peer moved the region's buffer ", remaps, " times in ",
+                       absl::FormatDuration(options_.request_timeout), " during one copy"));
     }
     absl::StatusOr<std::shared_ptr<const RemoteRegion>> moved = Remap(*region);
     if (!moved.ok()) {

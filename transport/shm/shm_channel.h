@@ -70,8 +70,8 @@ class ShmChannel final : public Channel {
     RegionId id = 0;
     uint64_t length = 0;
     uint32_t access = kAccessNone;
-    bool mapped = false;   // memfd-backed: copies go through `mapping`
-    Mapping mapping;       // empty for a 0-byte region
+    bool mapped = false;  // memfd-backed: copies go through `mapping`
+    Mapping mapping;      // empty for a 0-byte region
     // Mapped: the peer's epoch word for the buffer, and its value for `mapping`'s memfd (the
     // peer moved the buffer when they differ: shareable_registry.h).
     const uint64_t* epoch_word = nullptr;

@@ -187,8 +187,8 @@ TEST(ShareableBufferTest, MovingTheBufferKeepsItsBytesAndLeavesTheOldMemfdBehind
   const int old_seals = fcntl(buffer->fd(), F_GET_SEALS);
   const int old_fd = dup(buffer->fd());  // what a peer holds
   ASSERT_GE(old_fd, 0);
-  auto* peer = static_cast<std::byte*>(
-      mmap(nullptr, buffer->size(), PROT_READ, MAP_SHARED, old_fd, 0));
+  auto* peer =
+      static_cast<std::byte*>(mmap(nullptr, buffer->size(), PROT_READ, MAP_SHARED, old_fd, 0));
   ASSERT_NE(peer, MAP_FAILED);
   std::byte* const data = buffer->data();
   const int fd = buffer->fd();
@@ -205,7 +205,7 @@ TEST(ShareableBufferTest, MovingTheBufferKeepsItsBytesAndLeavesTheOldMemfdBehind
   EXPECT_EQ(fcntl(fd, F_GET_SEALS), old_seals);
   EXPECT_NE(fcntl(fd, F_GETFD) & FD_CLOEXEC, 0);
   for (size_t i = 0; i < buffer->size(); ++i) {
-    const std::byte want = i < Page()                                 ? std::byte{0x11}
+    const std::byte want = i < Page()                            ? std::byte{0x11}
                            : (i >= 2 * Page() && i < 3 * Page()) ? std::byte{0x22}
                                                                  : std::byte{0};
     ASSERT_EQ(data[i], want) << "byte " << i;
@@ -258,8 +258,7 @@ TEST(ShareableBufferTest, DISABLED_MoveCost) {
     const auto start = std::chrono::steady_clock::now();
     ASSERT_TRUE(transport::shm::RebackShareable(buffer->data()).ok());
     const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count();
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     std::printf("move of %zu MiB (all pages written): %.1f ms, %.1f ms/GiB\n", mib, ms,
                 ms * 1024.0 / static_cast<double>(mib));
   }
