@@ -268,9 +268,8 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
 absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index,
                                     std::shared_ptr<const RemoteRegion>* region) {
   const WireOp& op = request.ops[index];
-  // Each move is followed (a peer moving the buffer again and again only delays the copy),
-  // within one request timeout.
-  absl::Time deadline = absl::InfiniteFuture();  // set at the first move seen (not per op)
+  // Moves are followed within one request timeout, set at the first (not paid per op).
+  absl::Time deadline = absl::InfiniteFuture();
   for (int remaps = 0;; ++remaps) {
     const RemoteRegion& mapped = **region;
     const uint64_t before = LoadEpoch(mapped.epoch_word);
