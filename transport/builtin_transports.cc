@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateShm(const TransportContext& con
   shm.gpu_runtime = context.gpu_runtime;
   shm.allow_cma = context.options->shm().cma;
   shm.deny_ptrace = context.options->shm().deny_ptrace;
+  shm.revoke_on_peer_close = context.options->shm().revoke_on_close;
   // Every shm peer holds a control connection too: the fd server serves as many peers as the
   // control channel admits (its fixed 256 refused the 257th of a thousand local peers).
   shm.max_connections = static_cast<size_t>(context.options->max_control_connections);

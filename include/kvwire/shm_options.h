@@ -19,6 +19,10 @@ struct ShmOptions : TransportOptionsOf<ShmOptions> {
   // memory through ptrace access (process_vm_*, /proc/<pid>/mem, /proc/<pid>/fd); see
   // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with cma.
   bool deny_ptrace = false;
+  // A peer's close moves the buffers it was handed onto fresh memfds, as Unexport and
+  // DeregisterMemory do (ShmTransportOptions::revoke_on_peer_close: off by default, because
+  // the owner's own writes during that copy can be lost; docs/SECURITY-shm.md).
+  bool revoke_on_close = false;
 
   absl::Status Validate() const override;
   absl::Status Set(absl::string_view key, absl::string_view value) override;

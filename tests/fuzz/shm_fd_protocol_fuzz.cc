@@ -28,7 +28,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     absl::StatusOr<FdReply> again = DecodeReply(EncodeReply(*reply));
     KVWIRE_FUZZ_CHECK(again.ok() && again->code == reply->code && again->region == reply->region &&
                       again->memfd_offset == reply->memfd_offset &&
-                      again->length == reply->length && again->access == reply->access);
+                      again->length == reply->length && again->access == reply->access &&
+                      again->epoch_slot == reply->epoch_slot && again->epoch == reply->epoch);
   }
   return 0;
 }

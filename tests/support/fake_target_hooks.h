@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <unistd.h>
 #include <utility>
@@ -78,7 +79,7 @@ class FakeTargetHooks final : public transport::TargetHooks {
   // A region whose memory the test owns; `exported`: to every peer.
   void AddRegion(const transport::LocalRegion& region, bool exported = true) {
     MutexLock lock(&mu_);
-    regions_[region.id] = Entry{region, exported, nullptr};
+    regions_[region.id] = Entry{region, exported, {}, nullptr};
   }
   // A region of `length` zeroed bytes owned here, under the next free id (from 1).
   RegionId AllocateRegion(uint64_t length, uint32_t access, bool exported = true) {
@@ -97,6 +98,15 @@ class FakeTargetHooks final : public transport::TargetHooks {
   void SetExported(RegionId id, bool exported) {
     MutexLock lock(&mu_);
     regions_[id].exported = exported;
+  }
+  // Withdraws (or restores) region `id` from `peer` only, as Engine::Unexport does.
+  void SetExportedTo(RegionId id, PeerId peer, bool exported) {
+    MutexLock lock(&mu_);
+    if (exported) {
+      regions_[id].withdrawn_from.erase(peer);
+    } else {
+      regions_[id].withdrawn_from.insert(peer);
+    }
   }
   std::byte* data(RegionId id) {
     MutexLock lock(&mu_);
@@ -189,7 +199,8 @@ class FakeTargetHooks final : public transport::TargetHooks {
     if (resolver) return resolver(peer, region, offset, length, kind, grant);
     MutexLock lock(&mu_);
     auto it = regions_.find(region);
-    if (it == regions_.end() || !it->second.exported) {
+    if (it == regions_.end() || !it->second.exported ||
+        it->second.withdrawn_from.count(peer) != 0) {
       return absl::NotFoundError(
           absl::StrCat("remote region ", region, " is not exported to peer ", peer));
     }
@@ -217,7 +228,7 @@ class FakeTargetHooks final : public transport::TargetHooks {
     MutexLock lock(&mu_);
     auto it = regions_.find(region);
     if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("no region ", region));
-    if (!it->second.exported) {
+    if (!it->second.exported || it->second.withdrawn_from.count(peer) != 0) {
       return absl::PermissionDeniedError(
           absl::StrCat("region ", region, " is not exported to peer ", peer));
     }
@@ -241,6 +252,7 @@ class FakeTargetHooks final : public transport::TargetHooks {
   struct Entry {
     transport::LocalRegion region;
     bool exported = true;
+    std::set<PeerId> withdrawn_from;      // SetExportedTo
     std::unique_ptr<std::byte[]> memory;  // AllocateRegion's; null for the test's own memory
   };
 

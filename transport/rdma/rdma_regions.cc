@@ -42,6 +42,7 @@ absl::Status RdmaTransportImpl::RegisterRegion(const LocalRegion& region) {
       }
       mr->mrs.push_back(std::move(m));
     }
+    if (!mr->mrs.empty()) mr->pinned = PinnedRange(region.base, region.length);
   }
   KVW_LOG(kDebug, "rdma") << "registered" << Kv("region", region.id) << Kv("bytes", region.length)
                           << Kv("devices", devices_.size())

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "src/util/pinned_ranges.h"
 #include "transport/rdma/rdma_device.h"
 #include "transport/rdma/rdma_gpu_mr.h"
 #include "transport/transport.h"
@@ -18,6 +19,9 @@ namespace kvwire::transport::rdma {
 // PeerMr. A GPU region registered through a dma-buf keeps the dma-buf's fd open until its
 // MRs are gone (declared first: destroyed last).
 struct LocalMr {
+  // Host memory: its pages are pinned by the MRs below (first member: released last), so the
+  // shm transport does not move the range under them (src/util/pinned_ranges.h).
+  PinnedRange pinned;
   RegionId id = 0;
   uint64_t base = 0;
   uint64_t length = 0;

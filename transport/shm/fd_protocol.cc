@@ -89,6 +89,8 @@ std::string EncodeReply(const FdReply& reply) {
   writer.Put(reply.memfd_offset);
   writer.Put(reply.length);
   writer.Put(reply.access);
+  writer.Put(reply.epoch_slot);
+  writer.Put(reply.epoch);
   // Leave room for the fixed fields so that the reply always fits one message.
   writer.PutBytes(absl::string_view(reply.message).substr(0, kMaxFdMessageBytes / 2));
   return writer.Take();
@@ -103,8 +105,9 @@ absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes) {
     return absl::InternalError("shm fd reply: bad magic");
   }
   if (!reader.Get(&code) || !reader.Get(&reply.region) || !reader.Get(&reply.memfd_offset) ||
-      !reader.Get(&reply.length) || !reader.Get(&reply.access) ||
-      !reader.GetBytes(kMaxFdMessageBytes, &reply.message) || !reader.done()) {
+      !reader.Get(&reply.length) || !reader.Get(&reply.access) || !reader.Get(&reply.epoch_slot) ||
+      !reader.Get(&reply.epoch) || !reader.GetBytes(kMaxFdMessageBytes, &reply.message) ||
+      !reader.done()) {
     return absl::InternalError(absl::StrCat("shm fd reply: malformed (", bytes.size(), " bytes)"));
   }
   // absl::StatusCode has 17 values; anything else from the peer is reported as unknown.

@@ -1,7 +1,7 @@
 // Messages on the shm transport's Unix socket. Each is one SOCK_SEQPACKET datagram (the
 // socket keeps message boundaries, so there is no framing); a successful fetch reply carries
-// the region's memfd as SCM_RIGHTS ancillary data. Both ends run on one host, so integers are
-// in host byte order.
+// the region's memfd as SCM_RIGHTS ancillary data, a Hello reply the target's epoch table. Both
+// ends run on one host, so integers are in host byte order.
 #ifndef KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 #define KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 
@@ -39,6 +39,11 @@ struct FdReply {
   uint64_t memfd_offset = 0;  // where the region starts in the attached memfd
   uint64_t length = 0;
   uint32_t access = 0;  // what the target allows; the attached fd is read-only without write
+  // Fetch: the word of the target's epoch table that changes when the target moves this
+  // memfd's buffer (revocation, shareable_registry.h), and its value for the attached memfd.
+  // A Hello reply carries the epoch table itself (read-only, sealed).
+  uint32_t epoch_slot = 0;
+  uint64_t epoch = 0;
 };
 
 std::string EncodeRequest(const FdRequest& request);

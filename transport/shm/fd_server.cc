@@ -18,6 +18,7 @@
 #include "transport/shm/errno_text.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/shareable_registry.h"
 
 namespace kvwire::transport::shm {
 
@@ -57,7 +58,7 @@ constexpr absl::Duration kPidRetry = absl::Milliseconds(5);
 
 absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& socket_name,
                                                           TargetHooks* hooks,
-                                                          const LocalRegionTable* regions,
+                                                          LocalRegionTable* regions,
                                                           const FdServerLimits& limits) {
   if (limits.max_connections == 0 || limits.max_unauthenticated_per_uid == 0 ||
       limits.auth_timeout <= absl::ZeroDuration()) {
@@ -77,7 +78,7 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& soc
   return server;
 }
 
-FdServer::FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions,
+FdServer::FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions,
                    const FdServerLimits& limits, UniqueFd listener, UniqueFd wake)
     : hooks_(hooks),
       regions_(regions),
@@ -312,41 +313,42 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request) {
   }
   connection.peer = *peer;
   if (request.kind == FdRequestKind::kHello) {
+    // The epoch table comes with the welcome: the peer checks its word around every copy
+    // from a mapped region (shareable_registry.h).
+    absl::StatusOr<int> table = EpochTableFd();
+    if (!table.ok()) return Reply(socket, ErrorReply(request.region, table.status()), -1).ok();
     FdReply welcome;
     welcome.region = request.region;
-    return Reply(socket, welcome, -1).ok();
+    welcome.length = kEpochTableBytes;
+    return Reply(socket, welcome, *table).ok();
   }
 
   const RegionId region_id = request.region;
-  // The engine's verdict first: exported to this peer, and with which rights.
-  absl::StatusOr<LocalRegion> region = hooks_->ExportedRegion(*peer, region_id);
-  if (!region.ok()) {
-    return Reply(socket, ErrorReply(region_id, region.status()), -1).ok();
-  }
-  std::shared_ptr<const LocalRegionEntry> entry = regions_->Find(region_id);
-  absl::Status refused;
-  if (entry == nullptr) {
-    refused = absl::NotFoundError(
-        absl::StrCat("shm: region ", region_id, " is not registered with the shm transport"));
-  } else if (!entry->not_shared.empty()) {
-    refused = absl::FailedPreconditionError(entry->not_shared);
-  } else if (!entry->memfd.valid()) {
-    refused = absl::FailedPreconditionError(absl::StrCat(
-        "shm: region ", region_id,
-        " is not memfd-backed (allocate it with kvwire::ShareableBuffer to share it over shm)"));
-  }
-  if (!refused.ok()) return Reply(socket, ErrorReply(region_id, refused), -1).ok();
+  const PeerId served_peer = *peer;
+  // The engine's verdict (exported to this peer, with which rights), the record that the peer
+  // holds the memfd, and the memfd itself, in one step against revocation (Serve).
+  absl::StatusOr<LocalRegionTable::Served> served =
+      regions_->Serve(region_id, served_peer, [&]() -> absl::StatusOr<LocalRegion> {
+        if (IsDropped(served_peer)) {
+          return absl::UnavailableError(absl::StrCat("shm: peer ", served_peer, " was dropped"));
+        }
+        return hooks_->ExportedRegion(served_peer, region_id);
+      });
+  if (!served.ok()) return Reply(socket, ErrorReply(region_id, served.status()), -1).ok();
+  const LocalRegionEntry& entry = *served->entry;
 
   FdReply reply;
   reply.region = region_id;
-  reply.memfd_offset = entry->memfd_offset;
-  reply.length = entry->length;
-  reply.access = entry->access & region->access;
+  reply.memfd_offset = served->memfd.offset;
+  reply.length = entry.length;
+  reply.access = entry.access & served->exported.access;
+  reply.epoch_slot = served->memfd.epoch_slot;
+  reply.epoch = served->memfd.epoch;
   // Without write permission the peer gets a read-only descriptor of the same memfd. That
   // alone would not stop it (it can reopen the descriptor read-write through /proc): the
   // memfd's F_SEAL_FUTURE_WRITE does (LocalRegionTable::Add).
   UniqueFd read_only;
-  int fd = entry->memfd.get();
+  int fd = served->memfd.fd.get();
   if ((reply.access & kRemoteWrite) == 0) {
     // The engine may export with fewer rights than the region was registered with: a
     // read-only reply over a memfd that is not sealed against writes would still be writable.
@@ -357,7 +359,7 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request) {
           " is exported read-only but its memfd is not sealed against writes; not shared"));
       return Reply(socket, ErrorReply(region_id, error), -1).ok();
     }
-    const std::string path = absl::StrCat("/proc/self/fd/", entry->memfd.get());
+    const std::string path = absl::StrCat("/proc/self/fd/", fd);
     read_only.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!read_only.valid()) {
       const absl::Status error = ErrnoStatus(

@@ -38,15 +38,15 @@ class FdServer {
   // must outlive the server.
   static absl::StatusOr<std::unique_ptr<FdServer>> Start(const std::string& socket_name,
                                                          TargetHooks* hooks,
-                                                         const LocalRegionTable* regions,
+                                                         LocalRegionTable* regions,
                                                          const FdServerLimits& limits);
   // For Start only (std::make_unique needs a public constructor).
   class PassKey {
     friend class FdServer;
     PassKey() = default;
   };
-  FdServer(PassKey, TargetHooks* hooks, const LocalRegionTable* regions,
-           const FdServerLimits& limits, UniqueFd listener, UniqueFd wake);
+  FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions, const FdServerLimits& limits,
+           UniqueFd listener, UniqueFd wake);
   ~FdServer();
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -72,7 +72,7 @@ class FdServer {
   bool IsDropped(PeerId peer);
 
   TargetHooks* const hooks_;
-  const LocalRegionTable* const regions_;
+  LocalRegionTable* const regions_;
   const FdServerLimits limits_;
   const UniqueFd listener_;
   const UniqueFd wake_;  // eventfd: DropPeer and Shutdown interrupt the thread's poll

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fcntl.h>
 #include <utility>
@@ -66,17 +67,21 @@ absl::Status LocalRegionTable::Add(const LocalRegion& region,
   entry->id = region.id;
   entry->length = region.length;
   entry->access = region.access;
+  entry->base = region.base;
   entry->memfd_backed = backing.has_value();
   if (backing.has_value()) {
     entry->memfd_offset = backing->offset;
-    entry->memfd.Reset(::fcntl(backing->fd, F_DUPFD_CLOEXEC, 0));
-    if (!entry->memfd.valid()) {
+    entry->buffer = backing->buffer;
+    // Checked and sealed through a duplicate; not kept (each serve looks the memfd up again,
+    // so that a revoked one is never handed out).
+    UniqueFd memfd(::fcntl(backing->fd, F_DUPFD_CLOEXEC, 0));
+    if (!memfd.valid()) {
       return ErrnoStatus(
           absl::StatusCode::kInvalidArgument, errno,
           absl::StrCat("shm: region ", region.id, ": duplicating memfd ", backing->fd));
     }
     struct stat info;
-    if (::fstat(entry->memfd.get(), &info) != 0) {
+    if (::fstat(memfd.get(), &info) != 0) {
       return ErrnoStatus(absl::StatusCode::kInvalidArgument, errno,
                          absl::StrCat("shm: region ", region.id, ": fstat of memfd"));
     }
@@ -86,20 +91,21 @@ absl::Status LocalRegionTable::Add(const LocalRegion& region,
           "shm: region ", region.id, " (offset ", backing->offset, ", length ", region.length,
           ") extends past the end of its memfd (", file_size, " bytes)"));
     }
-    const int seals = ::fcntl(entry->memfd.get(), F_GET_SEALS);
+    const int seals = ::fcntl(memfd.get(), F_GET_SEALS);
     if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "shm: region ", region.id, ": memfd ", backing->fd,
           " is not sealed against shrinking (a peer's mapping could fault); allocate the "
           "memory with kvwire::ShareableBuffer"));
     }
-    if (absl::Status shared = SealForPeers(entry->memfd.get(), region, backing->offset, file_size);
+    if (absl::Status shared = SealForPeers(memfd.get(), region, backing->offset, file_size);
         !shared.ok()) {
       entry->not_shared = std::string(shared.message());
-      entry->memfd.Reset();
       KVW_LOG(kWarning, "shm") << "memfd not shared with peers; they will reach the region "
                                   "over a validated transport"
                                << Kv("region", region.id) << Kv("reason", entry->not_shared);
+    } else {
+      entry->shared = true;
     }
   }
   MutexLock lock(&mu_);
@@ -110,25 +116,80 @@ absl::Status LocalRegionTable::Add(const LocalRegion& region,
   return absl::OkStatus();
 }
 
-void LocalRegionTable::Remove(RegionId id) {
-  std::shared_ptr<const LocalRegionEntry> removed;  // closes the duplicate outside the lock
+const std::byte* LocalRegionTable::Remove(RegionId id) {
+  std::shared_ptr<const LocalRegionEntry> removed;
+  MutexLock serving(&serve_mu_);
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end()) return;
+  if (it == regions_.end()) return nullptr;
   removed = std::move(it->second);
   regions_.erase(it);
+  auto served = served_.find(id);
+  if (served == served_.end()) return nullptr;
+  const bool handed_out = !served->second.empty();
+  served_.erase(served);
+  return handed_out ? removed->base : nullptr;
 }
 
 void LocalRegionTable::Clear() {
   absl::flat_hash_map<RegionId, std::shared_ptr<const LocalRegionEntry>> removed;
+  MutexLock serving(&serve_mu_);
   MutexLock lock(&mu_);
   removed.swap(regions_);
+  served_.clear();
 }
 
 std::shared_ptr<const LocalRegionEntry> LocalRegionTable::Find(RegionId id) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
   return it == regions_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<LocalRegionTable::Served> LocalRegionTable::Serve(
+    RegionId id, PeerId peer, absl::FunctionRef<absl::StatusOr<LocalRegion>()> allowed) {
+  MutexLock serving(&serve_mu_);
+  absl::StatusOr<LocalRegion> exported = allowed();
+  if (!exported.ok()) return exported.status();
+  std::shared_ptr<const LocalRegionEntry> entry = Find(id);
+  if (entry == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("shm: region ", id, " is not registered with the shm transport"));
+  }
+  if (!entry->not_shared.empty()) return absl::FailedPreconditionError(entry->not_shared);
+  if (!entry->shared) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shm: region ", id,
+        " is not memfd-backed (allocate it with kvwire::ShareableBuffer to share it over shm)"));
+  }
+  absl::StatusOr<std::optional<ShareableDup>> memfd =
+      DupShareable(entry->base, entry->length, entry->buffer, /*with_epoch=*/true);
+  if (!memfd.ok()) return memfd.status();
+  if (!memfd->has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shm: region ", id, ": the ShareableBuffer it was registered in no longer exists"));
+  }
+  {
+    // Recorded before the descriptor leaves: a revocation after this point moves the buffer.
+    MutexLock lock(&mu_);
+    served_[id].insert(peer);
+  }
+  return Served{std::move(entry), *std::move(exported), **std::move(memfd)};
+}
+
+std::vector<const std::byte*> LocalRegionTable::Unserve(PeerId peer,
+                                                        std::optional<RegionId> region) {
+  std::vector<const std::byte*> bases;
+  MutexLock serving(&serve_mu_);
+  MutexLock lock(&mu_);
+  for (auto& [id, peers] : served_) {
+    if (region.has_value() && id != *region) continue;
+    if (peers.erase(peer) == 0) continue;
+    auto it = regions_.find(id);
+    if (it == regions_.end()) continue;
+    const std::byte* base = it->second->base;
+    if (std::find(bases.begin(), bases.end(), base) == bases.end()) bases.push_back(base);
+  }
+  return bases;
 }
 
 }  // namespace kvwire::transport::shm

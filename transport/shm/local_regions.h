@@ -1,6 +1,7 @@
-// The regions registered with the shm transport. Each memfd-backed region keeps a private
-// duplicate of its memfd, so that the descriptor handed to peers is always the memfd that was
-// registered, even if the caller closes (and the process reuses) the original number.
+// The regions registered with the shm transport, and which peers were handed each region's
+// memfd (so that revoking one of them moves the buffer: shareable_registry.h). The memfd is
+// looked up by address when it is served (the buffer's current one: revocation replaces it),
+// and only while the ShareableBuffer that was registered lives.
 #ifndef KVWIRE_TRANSPORT_SHM_LOCAL_REGIONS_H_
 #define KVWIRE_TRANSPORT_SHM_LOCAL_REGIONS_H_
 
@@ -8,9 +9,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 #include "src/util/mutex.h"
 #include "transport/shm/shareable_registry.h"
@@ -23,7 +28,12 @@ struct LocalRegionEntry {
   RegionId id = 0;
   uint64_t length = 0;
   uint32_t access = kAccessNone;
-  UniqueFd memfd;  // invalid when the region is not memfd-backed or its memfd is not shared
+  const std::byte* base = nullptr;
+  // The region is a whole memfd that peers may map (sealed for its rights).
+  bool shared = false;
+  // The ShareableBuffer registered (ShareableBacking::buffer): a buffer that replaced it at
+  // the same address is not served.
+  uint64_t buffer = 0;
   uint64_t memfd_offset = 0;
   // The region lies in a ShareableBuffer (its key tells peers so, host_region_key.h), whether
   // or not its memfd is shared.
@@ -48,15 +58,34 @@ class LocalRegionTable {
   // punching; this process's own mapping stays writable) when peers may only read it.
   // Otherwise the region is registered without a shared memfd (`not_shared` says why).
   absl::Status Add(const LocalRegion& region, std::optional<ShareableBacking> backing);
-  void Remove(RegionId id);
+  // Removes the region; returns its base when a peer was handed its memfd (the caller
+  // revokes it: RebackShareable), else null.
+  const std::byte* Remove(RegionId id);
   void Clear();
-  // Null when not registered. The entry stays valid (and its fd open) while held.
+  // Null when not registered. The entry stays valid while held.
   std::shared_ptr<const LocalRegionEntry> Find(RegionId id) const;
+
+  // The memfd of region `id` for `peer`, recorded as handed to it. `allowed` (the engine's
+  // verdict, and whether the peer was dropped) runs under the same lock as Unserve, so a
+  // revocation either sees the record or the request sees the revocation. Errors name why.
+  struct Served {
+    std::shared_ptr<const LocalRegionEntry> entry;
+    LocalRegion exported;  // what `allowed` returned
+    ShareableDup memfd;
+  };
+  absl::StatusOr<Served> Serve(RegionId id, PeerId peer,
+                               absl::FunctionRef<absl::StatusOr<LocalRegion>()> allowed);
+  // Forgets that `peer` was handed the memfd of `region` (every region if nullopt); returns
+  // the bases of the buffers it had been handed (to revoke).
+  std::vector<const std::byte*> Unserve(PeerId peer, std::optional<RegionId> region);
 
  private:
   mutable Mutex mu_;
   absl::flat_hash_map<RegionId, std::shared_ptr<const LocalRegionEntry>> regions_
       ABSL_GUARDED_BY(mu_);
+  // Held by Serve across the verdict, the record and the duplicate, and by Unserve.
+  Mutex serve_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::flat_hash_map<RegionId, absl::flat_hash_set<PeerId>> served_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvwire::transport::shm

@@ -23,21 +23,11 @@
 #include "transport/shm/gpu_region_key.h"
 #include "transport/shm/host_region_key.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/shareable_registry.h"
+#include "transport/shm/shm_channel_internal.h"
 
 namespace kvwire::transport::shm {
 namespace {
-
-const char* KindName(OpKind kind) { return kind == OpKind::kWrite ? "WRITE" : "READ"; }
-
-// "shm transfer 7 op 3 (WRITE region 5 offset 4096 length 65536): <why>"
-absl::Status OpError(const PostRequest& request, size_t index, absl::StatusCode code,
-                     absl::string_view why) {
-  const WireOp& op = request.ops[index];
-  return absl::Status(code,
-                      absl::StrCat("shm transfer ", request.transfer_id, " op ", index, " (",
-                                   KindName(request.kind), " region ", op.remote_region, " offset ",
-                                   op.remote_offset, " length ", op.length, "): ", why));
-}
 
 // Whether this process may use cross-memory attach on the peer behind `socket`: both sides
 // opted in, and the process that listens on the peer's socket (the one that proved the session
@@ -69,6 +59,19 @@ absl::Status CheckCma(const ShmChannel::Options& options, const ShmEndpoint& end
                                                       " (endpoint pid ", endpoint.pid, ")"));
   }
   return ProbeCma(pid, endpoint.probe_address, endpoint.probe_value);
+}
+
+// The peer's epoch table, from its Hello reply: read-only, and sealed so that its size
+// cannot change under the mapping.
+absl::StatusOr<Mapping> MapEpochTable(int fd) {
+  if (fd < 0) return absl::FailedPreconditionError("the Hello reply carried no epoch table");
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  struct stat info;
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(fd, &info) != 0 ||
+      static_cast<uint64_t>(info.st_size) < kEpochTableBytes) {
+    return absl::FailedPreconditionError("the epoch table is not a sealed memfd of its size");
+  }
+  return Mapping::Create(fd, 0, kEpochTableBytes, PROT_READ, /*populate=*/false);
 }
 
 bool SameDesc(const RemoteRegionDesc& a, const RemoteRegionDesc& b) {
@@ -104,8 +107,16 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
   }
   const pid_t pid = static_cast<pid_t>(link.remote_pid != 0 ? link.remote_pid : endpoint.pid);
   absl::Status cma = CheckCma(options, endpoint, pid, socket->get());
-  auto channel =
-      std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid, cma);
+  Mapping epochs;
+  if (absl::StatusOr<Mapping> table = MapEpochTable(response->fd.get()); table.ok()) {
+    epochs = *std::move(table);
+  } else {
+    KVW_LOG(kWarning, "shm") << "peer's epoch table not mapped: its memfd regions go over "
+                                "another transport"
+                             << Kv("peer", link.peer) << Kv("error", table.status());
+  }
+  auto channel = std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid,
+                                              cma, std::move(epochs));
   KVW_LOG(kInfo, "shm") << "channel connected" << Kv("peer", link.peer)
                         << Kv("peer_name", link.peer_name) << Kv("pid", pid)
                         << Kv("path", channel->Describe());
@@ -113,12 +124,13 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
 }
 
 ShmChannel::ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket,
-                       pid_t pid, absl::Status cma)
+                       pid_t pid, absl::Status cma, Mapping epochs)
     : link_(link),
       options_(options),
       socket_(std::move(socket)),
       pid_(pid),
       cma_(std::move(cma)),
+      epochs_(std::move(epochs)),
       gpu_imports_(options.gpu_runtime == nullptr
                        ? nullptr
                        : std::make_unique<GpuImports>(options.gpu_runtime, options.gpu_counters)),
@@ -159,24 +171,6 @@ void ShmChannel::Post(PostRequest request, DoneCallback done) {
 // touches the bytes). It catches what corrupts them between the two reads (a faulty copy, a
 // bad page, a mapping that is not what it should be) and a source changed while it was
 // copied; docs/CHECKSUMS.md.
-absl::Status ShmChannel::CopyMapped(const PostRequest& request, size_t index, std::byte* dst,
-                                    const std::byte* src) {
-  const uint64_t length = request.ops[index].length;
-  const bool verify = link_.verify_checksums;
-  const uint32_t source_crc = verify ? Crc32c(src, length) : 0;
-  std::memcpy(dst, src, length);
-  fault_injection::MaybeFlipPayloadByte(fault_injection::Site::kShm, dst, length);
-  if (!verify) return absl::OkStatus();
-  const uint32_t landed_crc = Crc32c(dst, length);
-  if (landed_crc == source_crc) return absl::OkStatus();
-  KVW_LOG(kWarning, "shm") << "checksum mismatch" << Kv("transfer", request.transfer_id)
-                           << Kv("op", index) << Kv("peer", link_.peer_name);
-  return OpError(request, index, absl::StatusCode::kDataLoss,
-                 absl::StrFormat("with peer %s: end-to-end checksum mismatch (CRC32C of the "
-                                 "source 0x%08x, of the destination after the copy 0x%08x)",
-                                 link_.peer_name, source_crc, landed_crc));
-}
-
 absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
   const bool write = request.kind == OpKind::kWrite;
   const uint32_t needed = write ? kRemoteWrite : kRemoteRead;
@@ -228,6 +222,13 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
         }
         continue;
       }
+      if (region->mapped && LoadEpoch(region->epoch_word) != region->epoch) {
+        // Checked when queued only: a move while the device copies is not seen (SECURITY-shm.md).
+        absl::StatusOr<std::shared_ptr<const RemoteRegion>> moved = Remap(region);
+        if (!moved.ok())
+          return OpError(request, i, moved.status().code(), moved.status().message());
+        region = *std::move(moved);
+      }
       std::byte* remote = region->gpu != nullptr ? region->gpu_base + op.remote_offset
                                                  : region->mapping.data() + op.remote_offset;
       if (gpu->regions.empty() || gpu->regions.back() != region) gpu->regions.push_back(region);
@@ -237,12 +238,7 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
       continue;
     }
     if (region->mapped) {
-      std::byte* remote = region->mapping.data() + op.remote_offset;
-      if (absl::Status s =
-              CopyMapped(request, i, write ? remote : op.local, write ? op.local : remote);
-          !s.ok()) {
-        return s;
-      }
+      if (absl::Status copied = CopyMapped(request, i, &region); !copied.ok()) return copied;
       continue;
     }
     batch.Add(i, op.local, region->address + op.remote_offset, op.length);
@@ -397,6 +393,14 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   if (reply.code != absl::StatusCode::kOk) {
     return absl::Status(reply.code, absl::StrCat(who, ": the peer refused: ", reply.message));
   }
+  if (epochs_.data() == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": the peer's epoch table is not mapped (see the channel's log)"));
+  }
+  if (reply.epoch_slot >= kEpochSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": epoch slot ", reply.epoch_slot, " out of range"));
+  }
   if (!response.fd.valid()) {
     return absl::InternalError(absl::StrCat(who, ": reply carried no descriptor"));
   }
@@ -427,6 +431,8 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   region->access = desc.access & reply.access;
   region->mapped = true;
   region->desc = desc;
+  region->epoch_word = reinterpret_cast<const uint64_t*>(epochs_.data()) + reply.epoch_slot;
+  region->epoch = reply.epoch;
   if (desc.length > 0) {
     const int prot = PROT_READ | ((region->access & kRemoteWrite) != 0 ? PROT_WRITE : 0);
     absl::StatusOr<Mapping> mapping = Mapping::Create(

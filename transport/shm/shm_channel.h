@@ -53,7 +53,7 @@ class ShmChannel final : public Channel {
     PassKey() = default;
   };
   ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket, pid_t pid,
-             absl::Status cma);
+             absl::Status cma, Mapping epochs);
   ~ShmChannel() override;
 
   void Post(PostRequest request, DoneCallback done) override;
@@ -70,8 +70,12 @@ class ShmChannel final : public Channel {
     RegionId id = 0;
     uint64_t length = 0;
     uint32_t access = kAccessNone;
-    bool mapped = false;   // memfd-backed: copies go through `mapping`
-    Mapping mapping;       // empty for a 0-byte region
+    bool mapped = false;  // memfd-backed: copies go through `mapping`
+    Mapping mapping;      // empty for a 0-byte region
+    // Mapped: the peer's epoch word for the buffer, and its value for `mapping`'s memfd (the
+    // peer moved the buffer when they differ: shareable_registry.h).
+    const uint64_t* epoch_word = nullptr;
+    uint64_t epoch = 0;
     uint64_t address = 0;  // CMA: base address in the peer
     // kGpu: the peer's allocation, mapped; the region starts at gpu_base.
     std::shared_ptr<const GpuPeerAllocation> gpu;
@@ -90,7 +94,7 @@ class ShmChannel final : public Channel {
   absl::Status Execute(const PostRequest& request, GpuWork* gpu);
   // Op `index` of `request` between this process's memory and a mapping of the peer's, with
   // the end-to-end check when the link asks for it (DataLoss on a mismatch).
-  absl::Status CopyMapped(const PostRequest& request, size_t index, std::byte* dst,
+  absl::Status CopyChecked(const PostRequest& request, size_t index, std::byte* dst,
                           const std::byte* src);
   // Local device memory and a peer host region reached by cross-memory attach (which cannot
   // touch device memory): staged through a host buffer of this process.
@@ -98,6 +102,14 @@ class ShmChannel final : public Channel {
                                 const RemoteRegion& region, int device, GpuWork* gpu);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
+  // The peer moved the buffer behind `stale` (its epoch word changed): maps the memfd it
+  // serves now and puts it in place of `stale` (unless something newer is there already).
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> Remap(
+      const std::shared_ptr<const RemoteRegion>& stale);
+  // One memcpy between local memory and a mapped region, redone on the new memfd when the
+  // peer moves the buffer meanwhile; `region` is updated to the mapping used.
+  absl::Status CopyMapped(const PostRequest& request, size_t index,
+                          std::shared_ptr<const RemoteRegion>* region);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapGpu(const RemoteRegionDesc& desc);
   std::shared_ptr<const RemoteRegion> Find(RegionId id) const;
   absl::Status ClosedError() const;
@@ -107,6 +119,9 @@ class ShmChannel final : public Channel {
   const UniqueFd socket_;  // shut down by Close, closed by the destructor
   const pid_t pid_;
   const absl::Status cma_;  // OK when cross-memory attach works, else why not
+  // The peer's epoch table (read-only); empty if its Hello reply carried none, and then no
+  // region is mapped.
+  const Mapping epochs_;
 
   // Set once by Close; Post checks it without the lock.
   std::atomic<bool> closed_{false};

@@ -11,6 +11,7 @@ template <typename Self, typename F>
 void Fields(Self& o, F&& f) {
   f("cma", o.cma);
   f("deny_ptrace", o.deny_ptrace);
+  f("revoke_on_close", o.revoke_on_close);
 }
 
 }  // namespace

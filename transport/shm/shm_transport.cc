@@ -122,8 +122,14 @@ class ShmTransport final : public Transport {
     return added;
   }
   void DeregisterRegion(RegionId id) override {
-    regions_.Remove(id);
+    const std::byte* handed_out = regions_.Remove(id);
     gpu_exports_.Remove(id);
+    if (handed_out != nullptr) Revoke(handed_out, absl::StrCat("region ", id, " deregistered"));
+  }
+  void RevokeExport(PeerId peer, RegionId id) override {
+    for (const std::byte* base : regions_.Unserve(peer, id)) {
+      Revoke(base, absl::StrCat("region ", id, " unexported from peer ", peer));
+    }
   }
   std::string RegionKey(RegionId id) const override {
     std::shared_ptr<const shm::LocalRegionEntry> host = regions_.Find(id);
@@ -164,7 +170,11 @@ class ShmTransport final : public Transport {
   }
 
   void DropPeer(PeerId peer) override {
+    // Refused first, so that no fetch of the peer is served after Unserve.
     if (server_ != nullptr) server_->DropPeer(peer);
+    for (const std::byte* base : regions_.Unserve(peer, std::nullopt)) {
+      if (options_.revoke_on_peer_close) Revoke(base, absl::StrCat("peer ", peer, " dropped"));
+    }
   }
 
   void Shutdown() override {
@@ -175,6 +185,23 @@ class ShmTransport final : public Transport {
   }
 
  private:
+  // A peer was handed the memfd of the ShareableBuffer at `base` and may keep its mapping:
+  // the owner moves onto a fresh memfd (shareable_registry.h). Peers still exported to
+  // notice through the epoch table and map the new one.
+  void Revoke(const std::byte* base, const std::string& why) {
+    const absl::Time start = absl::Now();
+    const absl::Status moved = shm::RebackShareable(base);
+    const absl::Duration took = absl::Now() - start;
+    if (moved.ok()) {
+      KVW_LOG(kInfo, "shm") << "buffer moved off the memfd peers mapped" << Kv("why", why)
+                            << Kv("ms", absl::ToDoubleMilliseconds(took));
+    } else if (!absl::IsNotFound(moved)) {
+      KVW_LOG(kError, "shm") << "revoking a mapped buffer failed: a peer that kept its mapping "
+                                "still reaches it"
+                             << Kv("why", why) << Kv("error", moved);
+    }
+  }
+
   absl::Status SameHost(const ShmEndpoint& endpoint) const {
     if (endpoint.host_id == host_id_) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("shm: peer host id \"", endpoint.host_id,
@@ -232,6 +259,7 @@ std::vector<TransportStat> ShmTransportStats() {
                   "Peer GPU allocations opened from IPC handles."),
       DeclareStat("shm", "gpu", "shm_device_copies", Kind::kCounter, "gpu_shm_device_copies_total",
                   "Copies on the shm transport's device streams."),
+
   };
 }
 

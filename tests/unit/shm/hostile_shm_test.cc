@@ -126,7 +126,6 @@ constexpr char kSecret = 'S';
 constexpr char kHeapByte = 'H';
 constexpr char kReadOnlyByte = 'O';
 constexpr char kSubRangeByte = 'R';
-constexpr char kFreshByte = 'N';
 
 struct TargetConfig {
   bool drop_privileges = true;  // run as kTargetUid when the test runs as root
@@ -134,7 +133,17 @@ struct TargetConfig {
   bool deny_ptrace = false;
 };
 
-enum Command : uint32_t { kExit = 0, kDump = 1, kRevoke = 2, kReallocate = 3, kDumpFresh = 4 };
+enum Command : uint32_t {
+  kExit = 0,
+  kDump = 1,
+  kRevoke = 2,      // everything the engine does when it revokes: unexport, deregister, drop
+  kUnexport = 5,    // Engine::Unexport of the region from the hostile peer only
+  kDeregister = 6,  // Engine::DeregisterMemory
+  kDropPeer = 7,    // the hostile peer's close
+  kFill = 8,        // the owner writes kOwnerByte over the region
+  kMoveMany = 9,    // the owner's buffer is moved onto a fresh memfd 20 times
+};
+constexpr char kOwnerByte = 'F';
 struct CommandMessage {
   Command command;
   uint32_t region;
@@ -157,6 +166,7 @@ struct TargetInfo {
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
   options.deny_ptrace = config.deny_ptrace;
+  options.revoke_on_peer_close = true;  // RevocationTest.PeerClose proves the move
   options.request_timeout = absl::Seconds(20);
   absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
   if (!transport.ok()) _exit(10);
@@ -191,7 +201,6 @@ struct TargetInfo {
       !WriteString(control, absl::StrCat(ro->fd()), Soon())) {
     _exit(13);
   }
-  std::optional<ShareableBuffer> fresh;
   while (true) {
     CommandMessage message;
     if (!ReadAll(control, &message, sizeof(message), absl::Now() + absl::Seconds(120))) _exit(14);
@@ -207,17 +216,24 @@ struct TargetInfo {
       hooks.SetExported(region.id, false);
       (*transport)->DeregisterRegion(region.id);
       (*transport)->DropPeer(kPeer);
-    } else if (message.command == kReallocate) {
-      // The owner frees the revoked buffer and allocates new memory for other data.
-      if (message.region != kWholeRw) _exit(16);
-      *rw = ShareableBuffer();
-      absl::StatusOr<ShareableBuffer> next = ShareableBuffer::Create(4 * page, "hostile-fresh");
-      if (!next.ok()) _exit(17);
-      std::memset(next->data(), kFreshByte, next->size());
-      fresh = *std::move(next);
-    } else if (message.command == kDumpFresh) {
-      if (!fresh.has_value()) _exit(18);
-      reply.assign(reinterpret_cast<const char*>(fresh->data()), fresh->size());
+    } else if (message.command == kUnexport) {
+      hooks.SetExportedTo(region.id, kPeer, false);
+      (*transport)->RevokeExport(kPeer, region.id);
+    } else if (message.command == kDeregister) {
+      hooks.SetExported(region.id, false);
+      (*transport)->DeregisterRegion(region.id);
+    } else if (message.command == kDropPeer) {
+      (*transport)->DropPeer(kPeer);
+    } else if (message.command == kFill) {
+      std::memset(region.base, kOwnerByte, region.length);
+    } else if (message.command == kMoveMany) {
+      const uint64_t before = shm::RebackCount();
+      for (int i = 0; i < 20; ++i) {
+        if (absl::Status moved = shm::RebackShareable(region.base); !moved.ok()) {
+          reply = moved.ToString();
+        }
+      }
+      if (reply == "ok" && shm::RebackCount() - before != 20) reply = "not moved 20 times";
     }
     if (!WriteString(control, reply, Soon())) _exit(19);
   }
@@ -540,77 +556,6 @@ TEST(HostileShmTest, SessionTokenServesOnlyTheProcessThatHandshook) {
   initiator->Shutdown();
 }
 
-// --- (d) revocation ----------------------------------------------------------------------
-
-// What Linux allows: a mapping (or descriptor) of a memfd cannot be taken back from the process
-// that holds it. So revocation cuts every new access at once, and a peer that kept its mapping
-// keeps exactly the region's bytes, with the exported rights, until the owner frees the buffer;
-// from then on it holds an orphaned copy that reaches nothing of the owner (threat model).
-TEST(HostileShmTest, RevocationStopsNewAccessAndFreeingTheBufferEndsTheRest) {
-  Target target;
-  ASSERT_TRUE(target.Start(TargetConfig{}));
-  const RemoteRegionDesc rw = target.info().descs[kWholeRw];
-  RawPeer peer;
-  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
-  absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(rw.id);
-  ASSERT_TRUE(fetched.ok()) << fetched.status();
-  void* map = mmap(nullptr, rw.length, PROT_READ | PROT_WRITE, MAP_SHARED, fetched->fd.get(), 0);
-  ASSERT_NE(map, MAP_FAILED) << Errno(errno);
-  fetched->fd.Reset();  // a hostile peer may keep either; the mapping is the stronger hold
-
-  ASSERT_EQ(target.Call(kRevoke, kWholeRw), "ok");
-  // Every new request is refused: on the old connection, and on a new one with the token.
-  absl::StatusOr<shm::FdResponse> refetched = peer.Fetch(rw.id);
-  EXPECT_FALSE(refetched.ok());
-  RawPeer again;
-  ASSERT_TRUE(again.Connect(target.info().endpoint).ok());
-  refetched = again.Fetch(rw.id);
-  std::printf("attack (d): fetch after revocation: %s\n", refetched.status().ToString().c_str());
-  EXPECT_FALSE(refetched.ok());
-
-  // The retained mapping still reaches the buffer while the owner keeps it (documented).
-  std::memset(map, 'X', rw.length);
-  const std::string live = target.Call(kDump, kWholeRw);
-  const ptrdiff_t retained = std::count(live.begin(), live.end(), 'X');
-  std::printf(
-      "attack (d): a kept mapping still wrote %td of %llu bytes of the revoked, "
-      "still-allocated buffer\n",
-      retained, static_cast<unsigned long long>(rw.length));
-  EXPECT_EQ(retained, static_cast<ptrdiff_t>(rw.length));
-
-  // The owner frees it and allocates new memory: nothing the peer does reaches that.
-  ASSERT_EQ(target.Call(kReallocate, kWholeRw), "ok");
-  std::memset(map, 'Y', rw.length);
-  const std::string fresh = target.Call(kDumpFresh, kWholeRw);
-  EXPECT_EQ(std::count(fresh.begin(), fresh.end(), kFreshByte),
-            static_cast<ptrdiff_t>(fresh.size()))
-      << "a write through the orphaned mapping reached the owner's new memory";
-  munmap(map, rw.length);
-
-  std::unique_ptr<Transport> initiator = MakeInitiator(false);
-  ASSERT_NE(initiator, nullptr);
-  LegitimatePeerMovesExactBytes(*initiator, target.info(), target.info().descs[kWholeRo],
-                                std::string(4 * Page(), kReadOnlyByte));
-  initiator->Shutdown();
-}
-
-// --- (e) cross-memory attach -----------------------------------------------------------------
-
-// Empty when this kernel lets a process use process_vm_readv at all (on itself), else why not.
-std::string CmaUnavailable() {
-  uint64_t word = 42, copy = 0;
-  iovec local{&copy, sizeof(copy)};
-  iovec remote{&word, sizeof(word)};
-  if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == sizeof(copy)) return "";
-  return absl::StrCat("process_vm_readv on this process itself: ", Errno(errno));
-}
-
-std::string Dump(Target& target, RegionIndex index) { return target.Call(kDump, index); }
-
-ptrdiff_t CountOf(const std::string& bytes, char c) {
-  return std::count(bytes.begin(), bytes.end(), c);
-}
-
 // Posts one op and returns its status.
 absl::Status PostOne(Channel& channel, OpKind kind, RegionId region, std::byte* local,
                      uint64_t length) {
@@ -632,6 +577,205 @@ PeerLink LinkTo(const std::string& endpoint, pid_t pid, const char* token = kLeg
   link.remote_pid = static_cast<uint32_t>(pid);
   link.deadline = Soon();
   return link;
+}
+
+// --- (d) revocation ----------------------------------------------------------------------
+
+// Linux cannot take a mapping (or descriptor) of a memfd back from the process that holds it,
+// so revocation moves the owner instead: the buffer's bytes go into a fresh memfd mapped over
+// the owner's range (shareable_registry.h). The peer's kept mapping then reaches an orphaned
+// copy: none of the owner's later writes, and its own writes never reach the owner. A
+// legitimate peer's existing mapping follows the move (epoch table) and keeps moving exact
+// bytes. Each revocation path: Unexport, DeregisterMemory, the peer's close.
+class RevocationTest : public ::testing::TestWithParam<Command> {};
+
+std::vector<std::byte> Pattern(size_t length, uint64_t seed) {
+  std::vector<std::byte> bytes(length);
+  std::mt19937_64 rng(seed);
+  for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+  return bytes;
+}
+
+bool SameBytes(const std::string& dump, const std::vector<std::byte>& expected) {
+  return dump.size() == expected.size() &&
+         std::memcmp(dump.data(), expected.data(), dump.size()) == 0;
+}
+
+TEST_P(RevocationTest, AKeptMappingReachesNothingOfTheOwnerAndALegitimatePeerFollows) {
+  const Command revoke = GetParam();
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc rw = target.info().descs[kWholeRw];
+
+  // The legitimate peer maps the region first and moves bytes through its mapping.
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  absl::StatusOr<std::unique_ptr<Channel>> legit =
+      initiator->Connect(LinkTo(target.info().endpoint, target.info().pid, kLegitToken));
+  ASSERT_TRUE(legit.ok()) << legit.status();
+  ASSERT_TRUE((*legit)->AddRemoteRegions({rw, target.info().descs[kWholeRo]}).ok());
+  std::vector<std::byte> first = Pattern(rw.length, 1);
+  ASSERT_TRUE(PostOne(**legit, OpKind::kWrite, rw.id, first.data(), rw.length).ok());
+  ASSERT_TRUE(SameBytes(target.Call(kDump, kWholeRw), first));
+
+  // The hostile peer maps it too, and keeps the mapping.
+  RawPeer peer;
+  ASSERT_TRUE(peer.Connect(target.info().endpoint).ok());
+  absl::StatusOr<shm::FdResponse> fetched = peer.Fetch(rw.id);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  auto* map = static_cast<char*>(
+      mmap(nullptr, rw.length, PROT_READ | PROT_WRITE, MAP_SHARED, fetched->fd.get(), 0));
+  ASSERT_NE(map, MAP_FAILED) << Errno(errno);
+  fetched->fd.Reset();  // a hostile peer may keep either; the mapping is the stronger hold
+
+  ASSERT_EQ(target.Call(revoke, kWholeRw), "ok");
+  // New requests are refused, on the old connection and on a new one.
+  EXPECT_FALSE(peer.Fetch(rw.id).ok());
+  RawPeer again;
+  ASSERT_TRUE(again.Connect(target.info().endpoint).ok());
+  absl::StatusOr<shm::FdResponse> refetched = again.Fetch(rw.id);
+  std::printf("attack (d): fetch after revocation: %s\n", refetched.status().ToString().c_str());
+  EXPECT_FALSE(refetched.ok());
+
+  // The owner kept its bytes; the kept mapping's writes do not reach them.
+  std::memset(map, 'X', rw.length);
+  const std::string kept = target.Call(kDump, kWholeRw);
+  size_t reached = 0;
+  for (size_t i = 0; i < kept.size() && i < first.size(); ++i) {
+    reached += kept[i] != static_cast<char>(first[i]) ? 1 : 0;
+  }
+  std::printf("attack (d): a kept mapping wrote all %llu bytes; %zu of the owner's changed\n",
+              static_cast<unsigned long long>(rw.length), reached);
+  EXPECT_TRUE(SameBytes(kept, first)) << "the owner's bytes changed: " << reached;
+  // The owner's later writes do not reach the kept mapping.
+  ASSERT_EQ(target.Call(kFill, kWholeRw), "ok");
+  const std::string owner = target.Call(kDump, kWholeRw);
+  EXPECT_EQ(std::count(owner.begin(), owner.end(), kOwnerByte), static_cast<ptrdiff_t>(rw.length));
+  EXPECT_EQ(std::count(map, map + rw.length, kOwnerByte), 0)
+      << "the owner's write after revocation reached the kept mapping";
+  munmap(map, rw.length);
+
+  // The legitimate peer, through the mapping it made before the move.
+  std::vector<std::byte> second = Pattern(rw.length, 2);
+  const absl::Status wrote = PostOne(**legit, OpKind::kWrite, rw.id, second.data(), rw.length);
+  if (revoke == kDeregister || revoke == kRevoke) {
+    // Not exported to anyone any more: its copy fails rather than land in the old memfd.
+    std::printf("legitimate peer after DeregisterMemory: %s\n", wrote.ToString().c_str());
+    EXPECT_FALSE(wrote.ok());
+    const std::string after = target.Call(kDump, kWholeRw);
+    EXPECT_EQ(std::count(after.begin(), after.end(), kOwnerByte),
+              static_cast<ptrdiff_t>(rw.length));
+  } else {
+    ASSERT_TRUE(wrote.ok()) << wrote;
+    EXPECT_TRUE(SameBytes(target.Call(kDump, kWholeRw), second))
+        << "the legitimate peer's WRITE did not reach the owner's memory";
+    ASSERT_EQ(target.Call(kFill, kWholeRw), "ok");
+    std::vector<std::byte> read(rw.length);
+    ASSERT_TRUE(PostOne(**legit, OpKind::kRead, rw.id, read.data(), rw.length).ok());
+    EXPECT_EQ(std::count(read.begin(), read.end(), std::byte{kOwnerByte}),
+              static_cast<ptrdiff_t>(rw.length))
+        << "the legitimate peer's READ did not see the owner's write";
+  }
+  // Another region the peer holds is untouched by all of it.
+  std::vector<std::byte> ro(rw.length);
+  ASSERT_TRUE(
+      PostOne(**legit, OpKind::kRead, target.info().descs[kWholeRo].id, ro.data(), ro.size()).ok());
+  EXPECT_EQ(std::count(ro.begin(), ro.end(), std::byte{kReadOnlyByte}),
+            static_cast<ptrdiff_t>(ro.size()));
+  (*legit)->Close(absl::CancelledError("test over"));
+  initiator->Shutdown();
+}
+
+INSTANTIATE_TEST_SUITE_P(HostileShmTest, RevocationTest,
+                         ::testing::Values(kUnexport, kDeregister, kDropPeer, kRevoke),
+                         [](const ::testing::TestParamInfo<Command>& info) {
+                           switch (info.param) {
+                             case kUnexport:
+                               return std::string("Unexport");
+                             case kDeregister:
+                               return std::string("DeregisterMemory");
+                             case kDropPeer:
+                               return std::string("PeerClose");
+                             default:
+                               return std::string("All");
+                           }
+                         });
+
+// A legitimate peer copying while the owner moves the buffer again and again: every copy that
+// reported success is in the owner's memory (WRITE) or came from it (READ), byte for byte.
+TEST(HostileShmTest, CopiesDuringMovesLandInTheOwnersMemory) {
+  Target target;
+  ASSERT_TRUE(target.Start(TargetConfig{}));
+  const RemoteRegionDesc rw = target.info().descs[kWholeRw];
+  std::unique_ptr<Transport> initiator = MakeInitiator(false);
+  ASSERT_NE(initiator, nullptr);
+  absl::StatusOr<std::unique_ptr<Channel>> legit =
+      initiator->Connect(LinkTo(target.info().endpoint, target.info().pid, kLegitToken));
+  ASSERT_TRUE(legit.ok()) << legit.status();
+  ASSERT_TRUE((*legit)->AddRemoteRegions({rw}).ok());
+  // One writer per page, each writing its page's next pattern and reading it back.
+  const size_t pages = rw.length / Page();
+  std::vector<std::vector<std::byte>> last(pages);
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::atomic<int> copies{0};
+  std::vector<std::thread> writers;
+  for (size_t p = 0; p < pages; ++p) {
+    writers.emplace_back([&, p] {
+      for (uint64_t round = 0; !stop.load(); ++round) {
+        std::vector<std::byte> bytes = Pattern(Page(), p * 1000003 + round);
+        PostRequest request;
+        request.kind = OpKind::kWrite;
+        request.ops.push_back(WireOp{bytes.data(), rw.id, p * Page(), Page()});
+        absl::Status status = absl::InternalError("done not called");
+        (*legit)->Post(std::move(request), [&](absl::Status s) { status = std::move(s); });
+        if (!status.ok()) {
+          ++failures;
+          continue;
+        }
+        last[p] = bytes;
+        std::vector<std::byte> back(Page());
+        PostRequest read;
+        read.kind = OpKind::kRead;
+        read.ops.push_back(WireOp{back.data(), rw.id, p * Page(), Page()});
+        (*legit)->Post(std::move(read), [&](absl::Status s) { status = std::move(s); });
+        if (!status.ok() || back != bytes) ++failures;
+        ++copies;
+      }
+    });
+  }
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(target.Call(kMoveMany, kWholeRw), "ok");
+  stop = true;
+  for (std::thread& t : writers) t.join();
+  std::printf("copies during 100 moves: %d, failed or read back wrong: %d\n", copies.load(),
+              failures.load());
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(copies.load(), 0);
+  const std::string owner = target.Call(kDump, kWholeRw);
+  for (size_t p = 0; p < pages; ++p) {
+    if (last[p].empty()) continue;
+    EXPECT_EQ(std::memcmp(owner.data() + p * Page(), last[p].data(), Page()), 0)
+        << "page " << p << ": the last successful WRITE is not in the owner's memory";
+  }
+  (*legit)->Close(absl::CancelledError("test over"));
+  initiator->Shutdown();
+}
+
+// --- (e) cross-memory attach -----------------------------------------------------------------
+
+// Empty when this kernel lets a process use process_vm_readv at all (on itself), else why not.
+std::string CmaUnavailable() {
+  uint64_t word = 42, copy = 0;
+  iovec local{&copy, sizeof(copy)};
+  iovec remote{&word, sizeof(word)};
+  if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == sizeof(copy)) return "";
+  return absl::StrCat("process_vm_readv on this process itself: ", Errno(errno));
+}
+
+std::string Dump(Target& target, RegionIndex index) { return target.Call(kDump, index); }
+
+ptrdiff_t CountOf(const std::string& bytes, char c) {
+  return std::count(bytes.begin(), bytes.end(), c);
 }
 
 TEST(HostileShmTest, CmaIsOffByDefaultAndNeverUsedOnATargetThatDidNotOptIn) {

@@ -79,6 +79,8 @@ TEST(FdProtocolTest, ReplyRoundTrip) {
   reply.memfd_offset = 4196;
   reply.length = 1 << 20;
   reply.access = 3;
+  reply.epoch_slot = 65535;
+  reply.epoch = uint64_t{1} << 40;
   absl::StatusOr<FdReply> decoded = DecodeReply(EncodeReply(reply));
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->code, reply.code);
@@ -87,6 +89,8 @@ TEST(FdProtocolTest, ReplyRoundTrip) {
   EXPECT_EQ(decoded->memfd_offset, 4196u);
   EXPECT_EQ(decoded->length, uint64_t{1} << 20);
   EXPECT_EQ(decoded->access, 3u);
+  EXPECT_EQ(decoded->epoch_slot, 65535u);
+  EXPECT_EQ(decoded->epoch, uint64_t{1} << 40);
 }
 
 TEST(FdProtocolTest, RejectsMalformedRequests) {
