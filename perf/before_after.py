@@ -61,7 +61,7 @@ def perf_case(bin_dir, transport, op, size, quick, tmp):
 
 def driver_case(bin_dir, quick):
     """{metric: value} of one kvwire-transfer-driver run."""
-    driver = os.path.join(bin_dir, "perf", "cpu", "kvwire-transfer-driver")
+    driver = os.path.join(bin_dir, "perf", "kvwire-transfer-driver")
     n = "1000" if quick else "4000"
     r = subprocess.run([driver, "--n", n, "--warmup", "200", "--size", "4096", "--transport",
                         "shm", "--op", "write"], capture_output=True, text=True, timeout=300)
@@ -133,7 +133,8 @@ def main():
     print(f"load after: {loadavg()}")
     print(f"median of {args.runs} rounds, {labels[0]} and {labels[1]} alternating; "
           f"flag: worse than {args.threshold:.0%}")
-    print(f"{'case':<38} {'unit':<7} {labels[0]:>12} {labels[1]:>12} {'after/before':>13}  flag")
+    print(f"{'case':<38} {'unit':<7} {labels[0]:>12} {labels[1]:>12} {'after/before':>13}  "
+          f"{'spread (min..max) before | after':<36} flag")
     flagged = 0
     for name, unit, higher_better, _ in todo:
         b, a = values[(name, 0)], values[(name, 1)]
@@ -141,12 +142,13 @@ def main():
             print(f"{name:<38} {unit:<7} {'-':>12} {'-':>12} {'-':>13}  no result")
             continue
         mb, ma = statistics.median(b), statistics.median(a)
-        ratio = ma / mb if mb else float("nan")
+        ratio = ma / mb if mb else (1.0 if ma == mb else float("inf"))
+        spread = f"{min(b):.3g}..{max(b):.3g} | {min(a):.3g}..{max(a):.3g}"
         worse = (ratio < 1 - args.threshold) if higher_better else (ratio > 1 + args.threshold)
         if unit == "allocs":
             worse = ma > mb + 0.5  # allocations: any whole new one per transfer counts
         flagged += worse
-        print(f"{name:<38} {unit:<7} {mb:>12.3f} {ma:>12.3f} {ratio:>13.3f}  "
+        print(f"{name:<38} {unit:<7} {mb:>12.3f} {ma:>12.3f} {ratio:>13.3f}  {spread:<36} "
               f"{'REGRESSION?' if worse else ''}")
     for f in failures:
         print(f"failed: {f}")
