@@ -11,4 +11,5 @@ PYBIND11_MODULE(_kvwire, m) {
   kvwire_py::BindEngineOptions(m);
   kvwire_py::BindEngine(m);
   kvwire_py::BindConnector(m);
+  kvwire_py::BindSchedulerHalf(m);
 }

@@ -94,6 +94,8 @@ void BindEngineOptions(py::module_& m);
 void BindEngine(py::module_& m);
 // py_connector.cc: kvwire.Connector and parse_kv_transfer_params.
 void BindConnector(py::module_& m);
+// py_scheduler.cc: kvwire.SchedulerHalf (the scheduler half of vLLM's plugin).
+void BindSchedulerHalf(py::module_& m);
 
 }  // namespace kvwire_py
 

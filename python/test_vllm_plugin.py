@@ -341,6 +341,25 @@ class PluginUnitTest(unittest.TestCase):
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self.assertEqual(sched.request_finished_all_groups(r, ([1], [2])), (True, None))
 
+    def test_one_scheduler_half(self):
+        """The plugin's scheduler side is the native SchedulerHalf: on vLLM's own Request and
+        KVCacheBlocks it builds the metadata a bare SchedulerHalf builds from the same inputs,
+        hands off the transfer ids the native half holds, and keeps no state of its own."""
+        from test_scheduler_half import check_one_implementation
+
+        def make_request(rid, n, params, status="FINISHED_LENGTH_CAPPED"):
+            r = Request(rid, [1] * n, kv_transfer_params=params)
+            r.status = RequestStatus[status]
+            return r
+
+        def make_blocks(lists):
+            return KVCacheBlocks(tuple([KVCacheBlock(b) for b in g] for g in lists))
+
+        conn = KvwireConnector(vllm_config("unit-one", {}), KVConnectorRole.SCHEDULER,
+                               kv_cache_config())
+        with self.assertLogs("kvwire.vllm", "ERROR"):  # the bad params' load, logged
+            check_one_implementation(self, conn, make_request, make_blocks)
+
     def test_random_params_never_raise(self):
         """Whatever a client puts in kv_transfer_params, the scheduler side answers: a
         remote prefill becomes a load or a failed load (never a request left waiting), and

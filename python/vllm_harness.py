@@ -177,6 +177,9 @@ def _init_tp(cfg, rank, tp, port):
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel)
+    # vLLM's CPU worker names its group's shared memory after the init port (cpu_worker.py);
+    # its CPU communicator reads that name, so a worker made outside vLLM sets it the same way.
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     with set_current_vllm_config(cfg):
         init_distributed_environment(world_size=tp, rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}",

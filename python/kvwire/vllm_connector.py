@@ -13,9 +13,11 @@ carries between them:
   - the worker-side connector owns the native kvwire.Connector (engine, registered KV caches,
     transfers); get_handshake_metadata() hands its control address to the scheduler, which
     vLLM delivers through set_xfer_handshake_metadata();
-  - the scheduler-side connector is plain Python (no engine, no memory): it decides per
-    request and puts what the workers must do into KvwireConnectorMetadata, which vLLM sends
-    to every worker each step. Workers report back through get_finished() and
+  - the scheduler-side connector has no engine and no memory: the native scheduler half
+    (_kvwire.SchedulerHalf, include/kvwire/scheduler_half.h) decides per request (transfer
+    ids, matching, kv_transfer_params, load bookkeeping) and says what the workers must do;
+    vllm_scheduler.py turns vLLM's objects into its calls and its answer into
+    KvwireConnectorMetadata, which vLLM sends to every worker each step. Workers report back through get_finished() and
     get_block_ids_with_load_errors(), which vLLM aggregates into update_connector_output().
 
 Read mode (the default hand-off, as NIXL's): prefill's request finishes with
@@ -42,7 +44,7 @@ plain Python API keeps working without it.
 #   vllm_settings  kv_connector_extra_config keys and Settings
 #   vllm_metadata  what crosses vLLM's processes: connector metadata, handshake, stats
 #   vllm_blocks    vLLM's requests, block lists, groups and layer names as kvwire reads them
-#   vllm_scheduler the scheduler side (_SchedulerSide)
+#   vllm_scheduler the scheduler side (_SchedulerSide, over _kvwire.SchedulerHalf)
 #   vllm_worker    the worker side (_WorkerSide)
 # Every name this module had before the split is still importable from it.
 import json

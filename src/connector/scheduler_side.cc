@@ -9,12 +9,12 @@
 #include "absl/strings/str_cat.h"
 
 #include "src/connector/connector_impl.h"
+#include "src/connector/transfer_id.h"
 #include "src/util/log.h"
 
 namespace kvwire {
-namespace {
+namespace connector_internal {
 
-// 128 bits from the CSPRNG, hex; an error (never a weaker id) when it fails.
 absl::StatusOr<std::string> RandomTransferId() {
   unsigned char bytes[16];
   if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
@@ -24,7 +24,7 @@ absl::StatusOr<std::string> RandomTransferId() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-}  // namespace
+}  // namespace connector_internal
 
 // --- scheduler side ---------------------------------------------------------------------
 absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
@@ -217,7 +217,7 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   // Unguessable: the id is what a reader presents (read_start, release), so a peer that was
   // not handed it cannot claim or release the blocks.
   if (given_transfer_id.empty()) {
-    absl::StatusOr<std::string> tid = RandomTransferId();
+    absl::StatusOr<std::string> tid = connector_internal::RandomTransferId();
     if (!tid.ok()) return tid.status();
     p.transfer_id = std::move(*tid);
   } else {
