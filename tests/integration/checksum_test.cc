@@ -80,7 +80,7 @@ class ChecksumTest : public ::testing::TestWithParam<Case> {
   std::unique_ptr<Engine> MakeEngine(const std::string& name, bool verify) {
     EngineOptions options;
     options.name = name;
-    options.transport = GetParam().transport;
+    options.transport = TransportKindName(GetParam().transport);
     options.verify_checksums = verify;
     auto engine = Engine::Create(options);
     EXPECT_TRUE(engine.ok()) << engine.status();

@@ -556,9 +556,9 @@ TEST(RdmaChecksums, AFlippedByteFailsTheTransferOnlyWhenVerifying) {
   for (const bool verify : {true, false}) {
     SCOPED_TRACE(verify ? "verify" : "no verify");
     EngineOptions base;
-    base.transport = TransportKind::kRdma;
-    base.rdma_devices = {"rxe0"};
-    base.rdma_qps_per_peer = 2;
+    base.transport = "rdma";
+    base.rdma().devices = {"rxe0"};
+    base.rdma().qps_per_peer = 2;
     base.connect_timeout = absl::Seconds(60);
     base.peer_lease = absl::Seconds(60);
     EngineOptions a_options = base, b_options = base;
