@@ -381,7 +381,7 @@ TEST(HostileTcpTest, ConnectionFloodIsRefusedBeyondTheCapsAndHeldOnesEndAtTheHel
   // 20 silent connections from one address: 8 wait for their hello, 12 are refused.
   std::vector<std::unique_ptr<RawConn>> held;
   FloodOutcome first =
-      Flood(endpoint, "127.0.0.2", 20, "tcp_max_pending_hellos_per_address", &held);
+      Flood(endpoint, "127.0.0.2", 20, "tcp.max_pending_hellos_per_address", &held);
   EXPECT_EQ(first.held, 8);
   EXPECT_EQ(first.refused, 12);
   EXPECT_TRUE(first.other.empty()) << first.other.front();
@@ -393,7 +393,7 @@ TEST(HostileTcpTest, ConnectionFloodIsRefusedBeyondTheCapsAndHeldOnesEndAtTheHel
   ASSERT_TRUE(good.RoundTrip(r0, 0).ok());
 
   // A second address finds the total limit: 8 + 4 open, 4 more fit under 16.
-  FloodOutcome second = Flood(endpoint, "127.0.0.3", 20, "tcp_max_data_connections", &held);
+  FloodOutcome second = Flood(endpoint, "127.0.0.3", 20, "tcp.max_data_connections", &held);
   EXPECT_EQ(second.held, 4);
   EXPECT_EQ(second.refused, 16);
   EXPECT_TRUE(second.other.empty()) << second.other.front();
@@ -457,7 +457,7 @@ TEST(HostileTcpTest, ConnectionsPerPeerAreCapped) {
       EXPECT_TRUE(reply->ok()) << *reply;
     } else {
       EXPECT_EQ(reply->code(), absl::StatusCode::kResourceExhausted) << *reply;
-      EXPECT_THAT(reply->message(), HasSubstr("tcp_max_data_connections_per_peer 4")) << *reply;
+      EXPECT_THAT(reply->message(), HasSubstr("tcp.max_data_connections_per_peer 4")) << *reply;
       EXPECT_TRUE((*c)->WaitClosed(absl::Seconds(5)));
     }
     conns.push_back(std::move(*c));
