@@ -95,7 +95,7 @@ class ShmChannel final : public Channel {
   // Op `index` of `request` between this process's memory and a mapping of the peer's, with
   // the end-to-end check when the link asks for it (DataLoss on a mismatch).
   absl::Status CopyChecked(const PostRequest& request, size_t index, std::byte* dst,
-                          const std::byte* src);
+                           const std::byte* src);
   // Local device memory and a peer host region reached by cross-memory attach (which cannot
   // touch device memory): staged through a host buffer of this process.
   absl::Status StageThroughHost(const PostRequest& request, size_t index,

@@ -19,7 +19,7 @@ inline const char* KindName(OpKind kind) { return kind == OpKind::kWrite ? "WRIT
 
 // "shm transfer 7 op 3 (WRITE region 5 offset 4096 length 65536): <why>"
 inline absl::Status OpError(const PostRequest& request, size_t index, absl::StatusCode code,
-                     absl::string_view why) {
+                            absl::string_view why) {
   const WireOp& op = request.ops[index];
   return absl::Status(code,
                       absl::StrCat("shm transfer ", request.transfer_id, " op ", index, " (",
