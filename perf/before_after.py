@@ -14,11 +14,13 @@ only, a 256 MiB pool and fewer ops.
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare"))
+from perf_target import wait_for_port  # noqa: E402
 
 MIB = 1 << 20
 
@@ -34,16 +36,7 @@ def perf_case(bin_dir, transport, op, size, quick, tmp):
     target = subprocess.Popen([perf] + test + ["-p", "0"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
-        port = None
-        seen = []
-        for line in target.stdout:
-            seen.append(line)
-            m = re.search(r"waiting on port (\d+)", line)
-            if m:
-                port = m.group(1)
-                break
-        if port is None:
-            raise RuntimeError("kvwire-perf target: " + "".join(seen)[-400:])
+        port = wait_for_port(target, 400)
         out = os.path.join(tmp, "row.json")
         r = subprocess.run([perf] + test + ["-p", port, "--json", out, "127.0.0.1"],
                            capture_output=True, text=True, timeout=300)

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from perf_target import wait_for_port
+
 import peers as peer_libs
 
 SIZES = [64 << 10, 1 << 20, 4 << 20]
@@ -152,16 +154,7 @@ class Runner:
         target = subprocess.Popen([self.perf] + test + ["-p", "0"], env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            port = None
-            seen = []
-            for line in target.stdout:
-                seen.append(line)
-                m = re.search(r"waiting on port (\d+)", line)
-                if m:
-                    port = m.group(1)
-                    break
-            if port is None:
-                raise RuntimeError("kvwire-perf target: " + "".join(seen)[-600:])
+            port = wait_for_port(target, 600)
             out = os.path.join(self.tmp, "kv.json")
             cmd = [self.perf] + test + ["-p", port, "--json", out, "127.0.0.1"]
             r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=600)
