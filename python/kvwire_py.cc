@@ -10,6 +10,7 @@ PYBIND11_MODULE(_kvwire, m) {
   kvwire_py::BindLayouts(m);
   kvwire_py::BindEngineOptions(m);
   kvwire_py::BindEngine(m);
+  kvwire_py::BindConnectorOptions(m);
   kvwire_py::BindConnector(m);
   kvwire_py::BindSchedulerHalf(m);
 }

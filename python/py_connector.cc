@@ -10,72 +10,91 @@ namespace kvwire_py {
 
 void BindConnector(py::module_& m) {
   py::class_<kvwire::Connector>(m, "Connector")
-      .def(py::init([](const std::optional<std::string>& name, const std::string& mode,
-                       const std::optional<std::string>& transport, double request_timeout_s,
-                       const py::object& secret, const std::optional<std::string>& listen_address,
-                       const std::string& metrics_address, const std::string& role,
-                       double handshake_timeout_s, const std::string& etcd_endpoints,
-                       const std::string& cluster, double etcd_call_timeout_s,
-                       int64_t etcd_lease_seconds,
-                       const std::optional<kvwire::EngineOptions>& engine_options, bool read_grants,
-                       const std::string& etcd_user, const std::string& etcd_password,
-                       const std::string& etcd_ca_file, const std::string& etcd_cert_file,
-                       const std::string& etcd_key_file) {
-             kvwire::ConnectorOptions o;
-             // Without engine_options: the C++ defaults, then the keyword defaults.
-             // With them: exactly those, then only the engine keywords given.
-             o.engine = engine_options ? *engine_options : EngineOptionsFor(secret);
-             if (engine_options && !secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
-             if (name || !engine_options) o.engine.name = name.value_or("");
-             if (transport || !engine_options) {
-               o.engine.transport = transport.value_or("auto");
-             }
-             if (listen_address || !engine_options) {
+      .def(py::init([](const std::optional<std::string>& name, const std::optional<std::string>& mode,
+                       const std::optional<std::string>& transport,
+                       const std::optional<double>& request_timeout_s, const py::object& secret,
+                       const std::optional<std::string>& listen_address,
+                       const std::optional<std::string>& metrics_address,
+                       const std::optional<std::string>& role,
+                       const std::optional<double>& handshake_timeout_s,
+                       const std::optional<std::string>& etcd_endpoints,
+                       const std::optional<std::string>& cluster,
+                       const std::optional<double>& etcd_call_timeout_s,
+                       const std::optional<int64_t>& etcd_lease_seconds,
+                       const std::optional<kvwire::EngineOptions>& engine_options,
+                       const std::optional<bool>& read_grants,
+                       const std::optional<std::string>& etcd_user,
+                       const std::optional<std::string>& etcd_password,
+                       const std::optional<std::string>& etcd_ca_file,
+                       const std::optional<std::string>& etcd_cert_file,
+                       const std::optional<std::string>& etcd_key_file,
+                       const std::optional<kvwire::ConnectorOptions>& options) {
+             // `options` (or the C++ defaults), then each keyword given. The engine: options'
+             // or engine_options as given; with neither, the C++ defaults with transport
+             // 'auto' and listen_address '127.0.0.1:0' unless given.
+             kvwire::ConnectorOptions o = options.value_or(kvwire::ConnectorOptions());
+             const bool engine_given = options.has_value() || engine_options.has_value();
+             if (engine_options) o.engine = *engine_options;
+             if (!secret.is_none()) o.engine.shared_secret = SecretFrom(secret);
+             if (name || !engine_given) o.engine.name = name.value_or("");
+             if (transport || !engine_given) o.engine.transport = transport.value_or("auto");
+             if (listen_address || !engine_given) {
                o.engine.listen_address = listen_address.value_or("127.0.0.1:0");
              }
-             o.role = role;
-             o.mode = Take(kvwire::ParseKvMode(mode));
-             o.request_timeout = FromSeconds("request_timeout_s", request_timeout_s);
-             o.handshake_timeout = FromSeconds("handshake_timeout_s", handshake_timeout_s);
-             o.metrics_address = metrics_address;
-             o.etcd_endpoints = etcd_endpoints;
-             o.cluster = cluster;
-             if (!(etcd_call_timeout_s > 0 && etcd_call_timeout_s <= 600)) {
-               throw py::value_error(absl::StrCat("etcd_call_timeout_s: ", etcd_call_timeout_s,
-                                                  " s is out of range (0 < s <= 600)"));
+             // Durations and numbers as given: the ranges are Connector::Create's
+             // (ValidateConnectorOptions), which names the option ("request_timeout: ...").
+             auto seconds = [](const char* name, double s) {
+               if (s != s) throw py::value_error(absl::StrCat(name, ": not a number"));
+               return absl::Seconds(s);
+             };
+             if (role) o.role = *role;
+             if (mode) o.mode = Take(kvwire::ParseKvMode(*mode));
+             if (request_timeout_s) {
+               o.request_timeout = seconds("request_timeout_s", *request_timeout_s);
              }
-             o.etcd_call_timeout = absl::Seconds(etcd_call_timeout_s);
-             o.etcd_lease_seconds =
-                 InRange<int64_t>("etcd_lease_seconds", etcd_lease_seconds, 1, 86400);
-             o.read_grants = read_grants;
-             o.etcd_user = etcd_user;
-             o.etcd_password = etcd_password;
-             o.etcd_ca_file = etcd_ca_file;
-             o.etcd_cert_file = etcd_cert_file;
-             o.etcd_key_file = etcd_key_file;
-             return Take(kvwire::Connector::Create(o));
+             if (handshake_timeout_s) {
+               o.handshake_timeout = seconds("handshake_timeout_s", *handshake_timeout_s);
+             }
+             if (metrics_address) o.metrics_address = *metrics_address;
+             if (etcd_endpoints) o.etcd_endpoints = *etcd_endpoints;
+             if (cluster) o.cluster = *cluster;
+             if (etcd_call_timeout_s) {
+               o.etcd_call_timeout = seconds("etcd_call_timeout_s", *etcd_call_timeout_s);
+             }
+             if (etcd_lease_seconds) o.etcd_lease_seconds = *etcd_lease_seconds;
+             if (read_grants) o.read_grants = *read_grants;
+             if (etcd_user) o.etcd_user = *etcd_user;
+             if (etcd_password) o.etcd_password = *etcd_password;
+             if (etcd_ca_file) o.etcd_ca_file = *etcd_ca_file;
+             if (etcd_cert_file) o.etcd_cert_file = *etcd_cert_file;
+             if (etcd_key_file) o.etcd_key_file = *etcd_key_file;
+             return Take(kvwire::Connector::Create(std::move(o)));
            }),
-           py::arg("name") = py::none(), py::arg("mode") = "auto",
-           py::arg("transport") = py::none(), py::arg("request_timeout_s") = 60.0,
-           py::arg("secret") = py::none(), py::arg("listen_address") = py::none(),
-           py::arg("metrics_address") = "", py::arg("role") = "both",
-           py::arg("handshake_timeout_s") = 10.0, py::arg("etcd_endpoints") = "",
-           py::arg("cluster") = "", py::arg("etcd_call_timeout_s") = 2.0,
-           py::arg("etcd_lease_seconds") = 10, py::arg("engine_options") = py::none(),
-           py::arg("read_grants") = true, py::arg("etcd_user") = "", py::arg("etcd_password") = "",
-           py::arg("etcd_ca_file") = "", py::arg("etcd_cert_file") = "",
-           py::arg("etcd_key_file") = "",
-           "Every field of ConnectorOptions. engine_options: a kvwire.EngineOptions used as "
-           "given (EngineOptions.from_environment() for the KVWIRE_* environment); without it "
-           "the C++ defaults, then transport 'auto' and listen_address '127.0.0.1:0' unless "
-           "given. secret: the deployment's shared secret (str or bytes); None: "
-           "engine_options' secret (none without them). metrics_address: host:port of "
-           "GET /metrics and /stats.json (empty: none). etcd_endpoints + cluster: discovery "
-           "through etcd (see announce()); etcd_user/etcd_password: etcd's own "
-           "authentication; etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// "
-           "endpoints (empty fields: KVWIRE_ETCD_*). read_grants: READs of the KV need the "
-           "request's grant (tcp only); False: zero-copy shm/rdma READs of the whole KV by any "
-           "peer with the secret.")
+           py::arg("name") = py::none(),
+           py::arg("mode") = py::none(), py::arg("transport") = py::none(),
+           py::arg("request_timeout_s") = py::none(), py::arg("secret") = py::none(),
+           py::arg("listen_address") = py::none(), py::arg("metrics_address") = py::none(),
+           py::arg("role") = py::none(), py::arg("handshake_timeout_s") = py::none(),
+           py::arg("etcd_endpoints") = py::none(), py::arg("cluster") = py::none(),
+           py::arg("etcd_call_timeout_s") = py::none(),
+           py::arg("etcd_lease_seconds") = py::none(), py::arg("engine_options") = py::none(),
+           py::arg("read_grants") = py::none(), py::arg("etcd_user") = py::none(),
+           py::arg("etcd_password") = py::none(), py::arg("etcd_ca_file") = py::none(),
+           py::arg("etcd_cert_file") = py::none(), py::arg("etcd_key_file") = py::none(),
+           py::arg("options") = py::none(),
+           "options: a kvwire.ConnectorOptions (ConnectorOptions.from_environment() for the "
+           "KVWIRE_* environment); None: the C++ defaults. Each keyword given replaces its "
+           "field (a keyword left None keeps it): the ConnectorOptions fields, durations in "
+           "seconds (*_s). engine_options: a kvwire.EngineOptions replacing options.engine; "
+           "without either, the C++ defaults, then transport 'auto' and listen_address "
+           "'127.0.0.1:0' unless given. secret: the deployment's shared secret (str or bytes). "
+           "metrics_address: host:port of GET /metrics and /stats.json (empty: none). "
+           "etcd_endpoints + cluster: discovery through etcd (see announce()); "
+           "etcd_user/etcd_password: etcd's own authentication; "
+           "etcd_ca_file/etcd_cert_file/etcd_key_file: TLS for https:// endpoints. read_grants: "
+           "READs of the KV need the request's grant (tcp only); False: zero-copy shm/rdma "
+           "READs of the whole KV by any peer with the secret. Connector::Create checks every "
+           "option: ValueError naming the option and its range.")
       .def_property_readonly("engine_id", &kvwire::Connector::engine_id)
       .def_property_readonly("address", [](kvwire::Connector& c) { return c.engine().address(); })
       .def_property_readonly("metrics_address", &kvwire::Connector::metrics_address)

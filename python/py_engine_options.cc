@@ -11,7 +11,7 @@ namespace {
 // seconds (*_s), the transport as its name; each transport's options by name
 // (set_transport_option / transport_option: TransportOptions::Set/Get, whatever the transport,
 // built-in or outside). An assignment refuses only what the field's type cannot hold (or text
-// that does not parse); every range is Engine::Create's (src/core/options_check.h), so Engine()
+// that does not parse); every range is Engine::Create's (kvwire/options_check.h), so Engine()
 // and Connector() raise ValueError naming the option and its range, as C++ and C do.
 template <typename T>
 void IntField(py::class_<kvwire::EngineOptions>& c, const char* name,

@@ -76,8 +76,8 @@ inline absl::Duration FromSeconds(const char* name, double s) {
   }
   return absl::Seconds(s);
 }
-// A connector argument within [lo, hi], else ValueError naming it and the range (engine
-// options are checked by Engine::Create instead).
+// A call's argument within [lo, hi], else ValueError naming it and the range (options are
+// not: Engine::Create and Connector::Create check them).
 template <typename T>
 T InRange(const char* name, int64_t v, int64_t lo, int64_t hi) {
   if (v < lo || v > hi) {
@@ -92,6 +92,8 @@ void BindLayouts(py::module_& m);
 void BindEngineOptions(py::module_& m);
 // py_engine.cc: kvwire.Inbox and kvwire.Engine.
 void BindEngine(py::module_& m);
+// py_connector_options.cc: kvwire.ConnectorOptions.
+void BindConnectorOptions(py::module_& m);
 // py_connector.cc: kvwire.Connector and parse_kv_transfer_params.
 void BindConnector(py::module_& m);
 // py_scheduler.cc: kvwire.SchedulerHalf (the scheduler half of vLLM's plugin).

@@ -1,8 +1,9 @@
 """The Python binding's options and the engine surface: kvwire.EngineOptions (every field of
 kvwire::EngineOptions, checked by Engine() as C++ and C check them),
 EngineOptions.from_environment's precedence, two engines moving bytes over tcp with the new
-engine calls, every ConnectorOptions field, and Connector.announce() against a real
-etcd-server started by the test."""
+engine calls, every ConnectorOptions field (checked by Connector() as C++ and C check them),
+ConnectorOptions.from_environment, and Connector.announce() against a real etcd-server started
+by the test."""
 import base64
 import json
 import os
@@ -282,18 +283,95 @@ class EtcdServer:
 
 
 class ConnectorOptionsTest(unittest.TestCase):
-    def test_bad_connector_options_are_refused(self):
-        for kwargs, message in (({"request_timeout_s": 0}, "request_timeout_s"),
-                                ({"handshake_timeout_s": -1}, "handshake_timeout_s"),
-                                ({"etcd_call_timeout_s": 601}, "etcd_call_timeout_s"),
-                                ({"etcd_lease_seconds": 0}, "etcd_lease_seconds"),
-                                ({"etcd_user": "root", "etcd_password": "pw"},
-                                 "etcd credentials .* without etcd_endpoints"),
-                                ({"etcd_ca_file": "/ca.pem"}, "without etcd_endpoints"),
-                                ({"mode": "sideways"}, "mode")):
+    def test_shared_table_of_bad_values(self):
+        """tests/support/bad_connector_options.tsv: the same message as C++ and C give, from
+        Connector() (Connector::Create's validator) or ConnectorOptions.from_environment."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                            "support", "bad_connector_options.tsv")
+        rows = 0
+        with open(path) as f:
+            for line in f:
+                if line.startswith("#") or not line.strip():
+                    continue
+                option, kind, value, want = line.rstrip("\n").split("\t")
+                rows += 1
+                with self.subTest(option=option, value=value):
+                    o = kvwire.ConnectorOptions()
+                    with self.assertRaises(ValueError) as raised:
+                        if kind == "env":
+                            saved = os.environ.get(option)
+                            os.environ[option] = value
+                            try:
+                                kvwire.ConnectorOptions.from_environment()
+                            finally:
+                                if saved is None:
+                                    os.environ.pop(option)
+                                else:
+                                    os.environ[option] = saved
+                        else:
+                            if kind == "ms":
+                                setattr(o, option + "_s", int(value) / 1000)
+                            elif kind == "int":
+                                setattr(o, option, int(value))
+                            elif kind == "transport":
+                                transport, key = option.split(".", 1)
+                                o.engine.set_transport_option(transport, key, value)
+                            else:
+                                self.assertEqual(kind, "text")
+                                setattr(o, option, value)
+                            kvwire.Connector(options=o)
+                    self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
+        self.assertGreaterEqual(rows, 10)
+
+    def test_keywords_go_through_the_same_validator(self):
+        for kwargs, message in (
+                ({"request_timeout_s": 0}, r"request_timeout: 0 is out of range \(1ms..24h\)"),
+                ({"handshake_timeout_s": -1}, r"handshake_timeout: -1s is out of range"),
+                ({"etcd_call_timeout_s": 601}, r"etcd_call_timeout: 10m1s is out of range"),
+                ({"etcd_lease_seconds": 0}, r"etcd_lease_seconds: 0 is out of range \(1..86400\)"),
+                ({"etcd_user": "root", "etcd_password": "pw"},
+                 "etcd_user: set without etcd_endpoints"),
+                ({"etcd_ca_file": "/ca.pem"}, "etcd_ca_file: set without etcd_endpoints"),
+                ({"role": "sideways"}, "role: \"sideways\" is not a role"),
+                ({"request_timeout_s": float("nan")}, "request_timeout_s: not a number"),
+                ({"mode": "sideways"}, "mode")):
             with self.subTest(kwargs=kwargs):
                 with self.assertRaisesRegex(ValueError, message):
                     kvwire.Connector(**kwargs)
+
+    def test_connector_options_fields_and_from_environment(self):
+        o = kvwire.ConnectorOptions()
+        self.assertEqual((o.role, o.mode, o.request_timeout_s, o.handshake_timeout_s,
+                          o.etcd_call_timeout_s, o.etcd_lease_seconds, o.read_grants),
+                         ("both", "auto", 60.0, 10.0, 2.0, 10, True))
+        o.engine.name = "py-conn-env"  # .engine is the options' own, not a copy
+        self.assertEqual(o.engine.name, "py-conn-env")
+        names = ("KVWIRE_ETCD_USER", "KVWIRE_ETCD_PASSWORD", "KVWIRE_ETCD_PASSWORD_FILE",
+                 "KVWIRE_ETCD_CACERT", "KVWIRE_ETCD_CERT", "KVWIRE_ETCD_KEY",
+                 "KVWIRE_TCP_CONNECTIONS")
+        saved = {k: os.environ.get(k) for k in names}
+        try:
+            with tempfile.NamedTemporaryFile("w", suffix=".pw") as pw:
+                pw.write("from-file\n")
+                pw.flush()
+                o.etcd_ca_file = "/base-ca.pem"
+                os.environ.update({"KVWIRE_ETCD_USER": "root", "KVWIRE_ETCD_PASSWORD": "",
+                                   "KVWIRE_ETCD_PASSWORD_FILE": pw.name,
+                                   "KVWIRE_ETCD_CACERT": "", "KVWIRE_ETCD_CERT": "/c.pem",
+                                   "KVWIRE_ETCD_KEY": "/c.key", "KVWIRE_TCP_CONNECTIONS": "5"})
+                got = kvwire.ConnectorOptions.from_environment(o)
+            self.assertEqual((got.etcd_user, got.etcd_password, got.etcd_ca_file,
+                              got.etcd_cert_file, got.etcd_key_file),
+                             ("root", "from-file", "/base-ca.pem", "/c.pem", "/c.key"))
+            self.assertEqual(got.engine.name, "py-conn-env")
+            self.assertEqual(got.engine.transport_option("tcp", "connections"), "5")
+            self.assertEqual(o.etcd_user, "")  # base is a copy
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def test_engine_options_and_announce_without_etcd(self):
         opts = kvwire.EngineOptions()

@@ -114,13 +114,11 @@ struct ConnectorOptions {
   std::string cluster;
   absl::Duration etcd_call_timeout = absl::Seconds(2);  // every etcd call
   int64_t etcd_lease_seconds = 10;                      // how long a dead instance stays registered
-  // etcd's own authentication (`etcdctl auth enable`): a user and its password. TLS
-  // (https:// endpoints): the CA that signed the members' certificates (PEM; empty: the
-  // system's CAs), and a client certificate and key (PEM files) for members started with
-  // --client-cert-auth. A field left empty is taken from the environment, as etcdctl reads
-  // ETCDCTL_*: KVWIRE_ETCD_USER, KVWIRE_ETCD_PASSWORD (or KVWIRE_ETCD_PASSWORD_FILE),
-  // KVWIRE_ETCD_CACERT, KVWIRE_ETCD_CERT, KVWIRE_ETCD_KEY. Connector::Create checks them: a
-  // password without a user, a certificate without its key, or a refused login is an error.
+  // etcd's own authentication (`etcdctl auth enable`): a user and its password (both, or
+  // neither). TLS (https:// endpoints): the CA that signed the members' certificates (PEM;
+  // empty: the system's CAs), and a client certificate and its key (PEM files, both or
+  // neither) for members started with --client-cert-auth. Connector::Create checks them; a
+  // refused login is an error there. FromEnvironment takes them from KVWIRE_ETCD_*.
   std::string etcd_user;
   std::string etcd_password;
   std::string etcd_ca_file;
@@ -132,6 +130,22 @@ struct ConnectorOptions {
   // rdma never READs it; write mode keeps rdma). false: every peer holding the deployment's
   // secret may READ the whole KV zero-copy over shm and rdma, as with NIXL and Mooncake.
   bool read_grants = true;
+
+  // The KVWIRE_* environment over `base`, and the one reader of it (neither Connector::Create
+  // nor the etcd client reads the environment; the C ABI's kvw_options_from_environment and
+  // Python's ConnectorOptions.from_environment call this). The engine's variables go through
+  // EngineOptions::FromEnvironment (kvwire/engine.h lists them); then each of the connector's
+  // that is set and non-empty replaces base's value, as etcdctl reads ETCDCTL_*:
+  //   KVWIRE_ETCD_USER          etcd_user
+  //   KVWIRE_ETCD_PASSWORD      etcd_password
+  //   KVWIRE_ETCD_PASSWORD_FILE etcd_password: the file's first line (when KVWIRE_ETCD_PASSWORD
+  //                             is not set)
+  //   KVWIRE_ETCD_CACERT        etcd_ca_file
+  //   KVWIRE_ETCD_CERT          etcd_cert_file
+  //   KVWIRE_ETCD_KEY           etcd_key_file
+  // A value that cannot be taken (a password file that cannot be read) is InvalidArgument
+  // naming the variable. Ranges are Connector::Create's.
+  static absl::StatusOr<ConnectorOptions> FromEnvironment(ConnectorOptions base);
 };
 
 struct MatchResult {
@@ -176,6 +190,9 @@ struct GpuEvent {
 
 class Connector {
  public:
+  // Checks every option first (the connector's and its engine's, as Engine::Create does):
+  // a value out of range or inconsistent with another is InvalidArgument naming the option
+  // ("request_timeout: 0 is out of range (1ms..24h)"), never clamped.
   static absl::StatusOr<std::unique_ptr<Connector>> Create(ConnectorOptions options);
   ~Connector();
   Connector(const Connector&) = delete;

@@ -127,11 +127,14 @@ void kvw_block_table_destroy(kvw_block_table_t* table);
 /* The C++ defaults; the environment is NOT read (see kvw_options_from_environment). NULL
  * only when out of memory. */
 kvw_options_t* kvw_options_create(void);
-/* EngineOptions::FromEnvironment on the connector's engine options, as
- * kvw_engine_options_from_environment: each KVWIRE_* variable that is set and non-empty
- * (KVWIRE_SECRET, KVWIRE_LISTEN, ...) replaces the current value; setters called after it
- * override it. A bad value: code 3, the message names the variable, and nothing changes. */
+/* ConnectorOptions::FromEnvironment (kvwire/connector.h lists the variables; the engine's are
+ * EngineOptions::FromEnvironment's, as kvw_engine_options_from_environment): each KVWIRE_*
+ * variable that is set and non-empty (KVWIRE_SECRET, KVWIRE_LISTEN, KVWIRE_ETCD_USER, ...)
+ * replaces the current value; setters called after it override it. A bad value: code 3, the
+ * message names the variable, and nothing changes. */
 int kvw_options_from_environment(kvw_options_t* options, char** errptr);
+/* "prefill", "decode" or "both"; KVW_MODE_*. Stored as given: kvw_connector_create refuses
+ * another role or mode ("role: ...", "mode: ..."). */
 void kvw_options_set_role(kvw_options_t* options, const char* role);
 void kvw_options_set_mode(kvw_options_t* options, int mode);
 void kvw_options_set_name(kvw_options_t* options, const char* name);
@@ -154,7 +157,10 @@ int kvw_options_set_secret(kvw_options_t* options, const char* secret, size_t le
  * too). */
 int kvw_options_set_engine_options(kvw_options_t* options, const kvw_engine_options_t* engine,
                                    char** errptr);
-/* request_timeout (1 ms .. 24 h), checked; kvw_options_set_request_timeout_ms stores any value. */
+/* The numeric connector options store any value; kvw_connector_create checks every option
+ * (ValidateConnectorOptions, as Connector::Create) and refuses one out of range with code 3
+ * and a message naming it and its range, e.g. "request_timeout: 0 is out of range
+ * (1ms..24h)". request_timeout and handshake_timeout: 1 ms .. 24 h. */
 int kvw_options_set_request_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 int kvw_options_set_handshake_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 // Connector: READs of the KV need the request's grant (1, the default; they go over tcp) or
@@ -168,15 +174,15 @@ int kvw_options_set_metrics_address(kvw_options_t* options, const char* address,
  * "" or NULL: host:port only. */
 int kvw_options_set_etcd_endpoints(kvw_options_t* options, const char* endpoints, char** errptr);
 int kvw_options_set_cluster(kvw_options_t* options, const char* cluster, char** errptr);
-/* Deadline of every etcd call (1 ms .. 10 min). */
+/* Deadline of every etcd call (1 ms .. 10 min, checked by kvw_connector_create). */
 int kvw_options_set_etcd_call_timeout(kvw_options_t* options, int64_t ms, char** errptr);
-/* Lease of the registration: how long a dead instance stays registered (1 .. 86400 s; etcd
- * itself may raise it to its minimum TTL). */
+/* Lease of the registration: how long a dead instance stays registered (1 .. 86400 s, checked
+ * by kvw_connector_create; etcd itself may raise it to its minimum TTL). */
 int kvw_options_set_etcd_lease_seconds(kvw_options_t* options, int64_t seconds, char** errptr);
 /* etcd's own authentication: a user and its password (both, or both NULL/"": none). TLS for
  * https:// endpoints: the CA's PEM file (NULL/"": the system's CAs) and a client certificate
- * and its key (both, or neither). Empty fields are taken from KVWIRE_ETCD_* (ConnectorOptions
- * in kvwire/connector.h). */
+ * and its key (both, or neither). kvw_connector_create refuses half a pair, and credentials
+ * without endpoints. kvw_options_from_environment takes them from KVWIRE_ETCD_*. */
 int kvw_options_set_etcd_auth(kvw_options_t* options, const char* user, const char* password,
                               char** errptr);
 int kvw_options_set_etcd_tls(kvw_options_t* options, const char* ca_file, const char* cert_file,

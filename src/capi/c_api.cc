@@ -18,10 +18,7 @@ using kvwire::capi::GuardMake;
 using kvwire::capi::NoThrow;
 using kvwire::capi::Require;
 using kvwire::capi::RequireArray;
-using kvwire::capi::RequireRange;
 using kvwire::capi::Str;
-
-constexpr int64_t kMsPerDay = int64_t{24} * 3600 * 1000;
 
 // A string option of the connector: `field` gets `value` ("" for NULL).
 template <typename Setter>
@@ -33,12 +30,11 @@ int SetString(const char* call, kvw_options_t* o, const char* value, char** errp
   });
 }
 
-// A millisecond option of the connector within [lo, hi].
-int SetMs(const char* call, kvw_options_t* o, int64_t ms, int64_t lo, int64_t hi,
-          absl::Duration* field, char** errptr) {
+// A millisecond option of the connector; its range is Connector::Create's
+// (ValidateConnectorOptions), so kvw_connector_create reports a value out of it.
+int SetMs(const char* call, kvw_options_t* o, int64_t ms, absl::Duration* field, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     if (absl::Status s = Require(call, {{"options", o}}); !s.ok()) return s;
-    if (absl::Status s = RequireRange(call, ms, lo, hi); !s.ok()) return s;
     *field = absl::Milliseconds(ms);
     return absl::OkStatus();
   });
@@ -152,10 +148,10 @@ int kvw_options_from_environment(kvw_options_t* o, char** errptr) {
     if (absl::Status s = Require("kvw_options_from_environment", {{"options", o}}); !s.ok()) {
       return s;
     }
-    absl::StatusOr<kvwire::EngineOptions> from_env =
-        kvwire::EngineOptions::FromEnvironment(o->rep.engine);
+    absl::StatusOr<kvwire::ConnectorOptions> from_env =
+        kvwire::ConnectorOptions::FromEnvironment(o->rep);
     if (!from_env.ok()) return from_env.status();
-    o->rep.engine = *std::move(from_env);
+    o->rep = *std::move(from_env);
     return absl::OkStatus();
   });
 }
@@ -164,9 +160,8 @@ void kvw_options_set_role(kvw_options_t* o, const char* role) {
 }
 void kvw_options_set_mode(kvw_options_t* o, int mode) {
   if (o == nullptr) return;
-  o->rep.mode = mode == KVW_MODE_READ    ? kvwire::KvMode::kRead
-                : mode == KVW_MODE_WRITE ? kvwire::KvMode::kWrite
-                                         : kvwire::KvMode::kAuto;
+  // KVW_MODE_* are KvMode's values; another is kvw_connector_create's error ("mode: ...").
+  o->rep.mode = static_cast<kvwire::KvMode>(static_cast<uint32_t>(mode));
 }
 void kvw_options_set_name(kvw_options_t* o, const char* name) {
   if (o != nullptr) o->rep.engine.name = Str(name);
@@ -221,11 +216,11 @@ int kvw_options_set_transport_option(kvw_options_t* o, const char* transport, co
   });
 }
 int kvw_options_set_request_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
-  return SetMs("kvw_options_set_request_timeout", o, ms, 1, kMsPerDay,
+  return SetMs("kvw_options_set_request_timeout", o, ms,
                o == nullptr ? nullptr : &o->rep.request_timeout, errptr);
 }
 int kvw_options_set_handshake_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
-  return SetMs("kvw_options_set_handshake_timeout", o, ms, 1, kMsPerDay,
+  return SetMs("kvw_options_set_handshake_timeout", o, ms,
                o == nullptr ? nullptr : &o->rep.handshake_timeout, errptr);
 }
 int kvw_options_set_read_grants(kvw_options_t* o, int on, char** errptr) {
@@ -254,14 +249,13 @@ int kvw_options_set_cluster(kvw_options_t* o, const char* cluster, char** errptr
                    [&](std::string v) { o->rep.cluster = std::move(v); });
 }
 int kvw_options_set_etcd_call_timeout(kvw_options_t* o, int64_t ms, char** errptr) {
-  return SetMs("kvw_options_set_etcd_call_timeout", o, ms, 1, 10 * 60 * 1000,
+  return SetMs("kvw_options_set_etcd_call_timeout", o, ms,
                o == nullptr ? nullptr : &o->rep.etcd_call_timeout, errptr);
 }
 int kvw_options_set_etcd_lease_seconds(kvw_options_t* o, int64_t seconds, char** errptr) {
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_options_set_etcd_lease_seconds";
     if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    if (absl::Status s = RequireRange(kCall, seconds, 1, 86400); !s.ok()) return s;
     o->rep.etcd_lease_seconds = seconds;
     return absl::OkStatus();
   });
@@ -271,13 +265,9 @@ int kvw_options_set_etcd_auth(kvw_options_t* o, const char* user, const char* pa
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_options_set_etcd_auth";
     if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    std::string u = Str(user), p = Str(password);
-    if (u.empty() != p.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kCall, ": a user and a password go together (both, or neither)"));
-    }
-    o->rep.etcd_user = std::move(u);
-    o->rep.etcd_password = std::move(p);
+    // Half a pair is kvw_connector_create's error (ValidateConnectorOptions).
+    o->rep.etcd_user = Str(user);
+    o->rep.etcd_password = Str(password);
     return absl::OkStatus();
   });
 }
@@ -286,14 +276,9 @@ int kvw_options_set_etcd_tls(kvw_options_t* o, const char* ca_file, const char* 
   return Guard(errptr, [&]() -> absl::Status {
     constexpr char kCall[] = "kvw_options_set_etcd_tls";
     if (absl::Status s = Require(kCall, {{"options", o}}); !s.ok()) return s;
-    std::string cert = Str(cert_file), key = Str(key_file);
-    if (cert.empty() != key.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kCall, ": a client certificate and its key go together (both, or neither)"));
-    }
     o->rep.etcd_ca_file = Str(ca_file);
-    o->rep.etcd_cert_file = std::move(cert);
-    o->rep.etcd_key_file = std::move(key);
+    o->rep.etcd_cert_file = Str(cert_file);
+    o->rep.etcd_key_file = Str(key_file);
     return absl::OkStatus();
   });
 }

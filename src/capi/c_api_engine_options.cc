@@ -2,7 +2,7 @@
 // store what the caller passes (refusing only a NULL or a value the field's type cannot hold),
 // and the helpers the C API shares. No range is checked here: kvw_engine_create and
 // kvw_connector_create forward to Engine::Create, whose one validator names the option and its
-// range (src/core/options_check.h).
+// range (kvwire/options_check.h).
 #include <cstdint>
 #include <string>
 #include <utility>

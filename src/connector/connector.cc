@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "kvwire/options_check.h"
 #include "src/connector/connector_impl.h"
 #include "src/connector/metrics_http.h"
 #include "src/util/log.h"
@@ -167,6 +168,7 @@ absl::StatusOr<std::vector<Op>> Connector::Impl::ToOps(const std::vector<ByteRan
 // --- Connector ----------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Connector>> Connector::Create(ConnectorOptions options) {
+  if (absl::Status s = ValidateConnectorOptions(options); !s.ok()) return s;
   auto impl = std::make_unique<Impl>(std::move(options));
   if (absl::Status s = impl->Init(); !s.ok()) return s;
   return std::unique_ptr<Connector>(new Connector(std::move(impl)));

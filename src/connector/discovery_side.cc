@@ -12,18 +12,9 @@
 namespace kvwire {
 
 absl::Status Connector::Impl::InitDiscovery() {
-  const bool credentials = !options_.etcd_user.empty() || !options_.etcd_password.empty() ||
-                           !options_.etcd_ca_file.empty() || !options_.etcd_cert_file.empty() ||
-                           !options_.etcd_key_file.empty();
-  if (options_.etcd_endpoints.empty() && credentials) {
-    return absl::InvalidArgumentError(
-        "etcd credentials (etcd_user/password/ca_file/cert_file/key_file) without etcd_endpoints");
-  }
-  if (options_.etcd_endpoints.empty() && options_.cluster.empty()) return absl::OkStatus();
-  if (options_.etcd_endpoints.empty() || options_.cluster.empty()) {
-    return absl::InvalidArgumentError("discovery needs both the etcd endpoints and a cluster name");
-  }
-  if (absl::Status s = discovery::CheckName("cluster name", options_.cluster); !s.ok()) return s;
+  // ValidateConnectorOptions (Connector::Create) has checked that the endpoints, the cluster
+  // and the credentials go together.
+  if (options_.etcd_endpoints.empty()) return absl::OkStatus();
   if (absl::Status s = discovery::CheckName("engine name (for discovery)", engine_->name());
       !s.ok()) {
     return s;
@@ -38,9 +29,9 @@ absl::Status Connector::Impl::InitDiscovery() {
   o.key_file = options_.etcd_key_file;
   absl::StatusOr<std::unique_ptr<discovery::EtcdClient>> c = discovery::EtcdClient::Create(o);
   if (!c.ok()) return c.status();
-  // etcd's credentials (the options, else KVWIRE_ETCD_*): etcd that answers and refuses them
-  // is a configuration error, reported now; etcd unreachable is not (registration retries until it
-  // returns).
+  // etcd's credentials (ConnectorOptions; FromEnvironment's KVWIRE_ETCD_*): etcd that answers
+  // and refuses them is a configuration error, reported now; etcd unreachable is not
+  // (registration retries until it returns).
   if (absl::Status a = (*c)->Authenticate();
       !a.ok() && !absl::IsUnavailable(a) && !absl::IsDeadlineExceeded(a) && !absl::IsAborted(a)) {
     return a;

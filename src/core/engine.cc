@@ -11,8 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
+#include "kvwire/options_check.h"
 #include "src/core/engine_impl.h"
-#include "src/core/options_check.h"
 #include "src/util/log.h"
 
 namespace kvwire {
@@ -383,7 +383,7 @@ EngineStats Engine::Impl::Stats() const {
 // --- public API ---------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
-  // Every option is checked here, once, before anything starts (src/core/options_check.h).
+  // Every option is checked here, once, before anything starts (kvwire/options_check.h).
   if (absl::Status s = ValidateEngineOptions(options); !s.ok()) return s;
   auto impl = std::make_unique<Impl>(std::move(options));
   if (absl::Status s = impl->Init(); !s.ok()) return s;

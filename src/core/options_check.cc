@@ -1,4 +1,4 @@
-#include "src/core/options_check.h"
+#include "kvwire/options_check.h"
 
 #include <cstdint>
 

@@ -55,33 +55,7 @@ absl::StatusOr<std::string> ReadPasswordFile(const std::string& path) {
   return line;
 }
 
-absl::Status FillEtcdOptionsFromEnvironment(EtcdOptions* options) {
-  auto env = [](const char* name) {
-    const char* v = std::getenv(name);
-    return std::string(v == nullptr ? "" : v);
-  };
-  if (options->user.empty()) {
-    options->user = env("KVWIRE_ETCD_USER");
-    if (!options->user.empty() && options->password.empty()) {
-      options->password = env("KVWIRE_ETCD_PASSWORD");
-      const std::string file = env("KVWIRE_ETCD_PASSWORD_FILE");
-      if (options->password.empty() && !file.empty()) {
-        absl::StatusOr<std::string> p = ReadPasswordFile(file);
-        if (!p.ok())
-          return absl::Status(p.status().code(),
-                              absl::StrCat("KVWIRE_ETCD_PASSWORD_FILE: ", p.status().message()));
-        options->password = *std::move(p);
-      }
-    }
-  }
-  if (options->ca_file.empty()) options->ca_file = env("KVWIRE_ETCD_CACERT");
-  if (options->cert_file.empty()) options->cert_file = env("KVWIRE_ETCD_CERT");
-  if (options->key_file.empty()) options->key_file = env("KVWIRE_ETCD_KEY");
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions options) {
-  if (absl::Status s = FillEtcdOptionsFromEnvironment(&options); !s.ok()) return s;
   std::vector<HttpEndpoint> endpoints;
   bool tls = false;
   for (absl::string_view e : absl::StrSplit(options.endpoints, ',', absl::SkipWhitespace())) {

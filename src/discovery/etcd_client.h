@@ -41,18 +41,13 @@ struct EtcdOptions {
   // TLS (https:// endpoints): the CA that signed the members' certificates (PEM; empty: the
   // system's CAs), and a client certificate and key (PEM) for members started with
   // --client-cert-auth. A member's certificate must be valid for the endpoint's host.
-  // (The {} initializers let callers name only the fields they set.)
+  // (The {} initializers let callers name only the fields they set.) The client reads no
+  // environment: ConnectorOptions::FromEnvironment (kvwire/connector.h) is kvwire's one reader
+  // of KVWIRE_ETCD_*.
   std::string ca_file{};
   std::string cert_file{};
   std::string key_file{};
 };
-
-// Fills the fields of `options` that are empty from the environment, as etcdctl reads
-// ETCDCTL_*: KVWIRE_ETCD_USER, KVWIRE_ETCD_PASSWORD (or KVWIRE_ETCD_PASSWORD_FILE, whose
-// first line is the password), KVWIRE_ETCD_CACERT, KVWIRE_ETCD_CERT, KVWIRE_ETCD_KEY.
-// EtcdClient::Create does this, so a program that cannot set ConnectorOptions' etcd fields
-// (e.g. a vLLM worker) authenticates too. Errors: a password file that cannot be read.
-absl::Status FillEtcdOptionsFromEnvironment(EtcdOptions* options);
 
 // The first line of `path` (a password file, as etcd's and most tools' take it).
 absl::StatusOr<std::string> ReadPasswordFile(const std::string& path);

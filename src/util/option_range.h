@@ -1,6 +1,6 @@
 // The one format of an option out of range, range checks in that format, storing an int64 a
 // binding was given into an option field of another integer type, and setting an option by
-// name from text. Engine::Create's validator (src/core/options_check.h) and each transport's
+// name from text. Engine::Create's validator (kvwire/options_check.h) and each transport's
 // options (kvwire/transport_options.h) report ranges with CheckOptionRange/OptionOutOfRange;
 // the C API and Python use StoreOption, which checks only what the field's type can hold (the
 // option's range is the validator's). SetOptionByName/GetOptionByName serve the transports'

@@ -387,19 +387,30 @@ TEST(EtcdAuth, UserAndPassword) {
   absl::SleepFor(absl::Seconds(4));
   EXPECT_TRUE(WatchSeesAPut(*good, "/auth/watch2/"));
 
-  // From the environment, the password in a file (as a server's connector takes them).
+  // From the environment, the password in a file (as a server's connector takes them), through
+  // ConnectorOptions::FromEnvironment: kvwire's one reader of KVWIRE_ETCD_*.
   TempDir dir;
   ASSERT_FALSE(dir.path().empty());
   const std::string file = dir.path() + "/password";
   std::ofstream(file) << "s3cret-pw\n";
   setenv("KVWIRE_ETCD_USER", "root", 1);
   setenv("KVWIRE_ETCD_PASSWORD_FILE", file.c_str(), 1);
-  std::unique_ptr<EtcdClient> from_env = MustClient({.endpoints = endpoints});
+  absl::StatusOr<ConnectorOptions> env = ConnectorOptions::FromEnvironment(ConnectorOptions());
+  ASSERT_TRUE(env.ok()) << env.status();
+  std::unique_ptr<EtcdClient> from_env =
+      MustClient({.endpoints = endpoints, .user = env->etcd_user, .password = env->etcd_password});
   ASSERT_NE(from_env, nullptr);
   EXPECT_TRUE(from_env->Put("/auth/env", "e").ok());
+  // The client itself reads no environment: given no user, it is not authenticated, and etcd
+  // refuses its write though the variables are set.
+  std::unique_ptr<EtcdClient> bare = MustClient({.endpoints = endpoints});
+  ASSERT_NE(bare, nullptr);
+  absl::StatusOr<int64_t> bare_put = bare->Put("/auth/bare", "b");
+  ASSERT_FALSE(bare_put.ok());
+  EXPECT_TRUE(absl::StrContains(bare_put.status().message(), "user name is empty"))
+      << bare_put.status();
   setenv("KVWIRE_ETCD_PASSWORD_FILE", (dir.path() + "/missing").c_str(), 1);
-  absl::StatusOr<std::unique_ptr<EtcdClient>> missing =
-      EtcdClient::Create({.endpoints = endpoints});
+  absl::StatusOr<ConnectorOptions> missing = ConnectorOptions::FromEnvironment(ConnectorOptions());
   EXPECT_FALSE(missing.ok());
   EXPECT_TRUE(absl::StrContains(missing.status().message(), "cannot read password file"))
       << missing.status();
@@ -442,7 +453,7 @@ TEST(EtcdAuth, ConnectorTakesCredentialsFromItsOptions) {
   alone.cluster.clear();
   absl::StatusOr<std::unique_ptr<Connector>> no_endpoints = Connector::Create(alone);
   ASSERT_FALSE(no_endpoints.ok());
-  EXPECT_TRUE(absl::StrContains(no_endpoints.status().message(), "without etcd_endpoints"))
+  EXPECT_EQ(no_endpoints.status().message(), "etcd_user: set without etcd_endpoints")
       << no_endpoints.status();
 
   absl::StatusOr<std::unique_ptr<Connector>> c = Connector::Create(options("opt-pw"));

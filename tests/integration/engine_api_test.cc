@@ -16,38 +16,10 @@
 #include "kvwire/engine.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
+#include "tests/support/scoped_env.h"
 
 namespace kvwire::testing {
 namespace {
-
-// Sets the KVWIRE_* variables for one scope and restores what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (const auto& [name, value] : vars) {
-      const char* old = std::getenv(name);
-      saved_.push_back({name, old != nullptr, old != nullptr ? old : ""});
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (const Saved& s : saved_) {
-      if (s.had) {
-        setenv(s.name.c_str(), s.value.c_str(), 1);
-      } else {
-        unsetenv(s.name.c_str());
-      }
-    }
-  }
-
- private:
-  struct Saved {
-    std::string name;
-    bool had;
-    std::string value;
-  };
-  std::vector<Saved> saved_;
-};
 
 TEST(EngineOptionsTest, FromEnvironmentTakesEachValidVariable) {
   ScopedEnv env({{"KVWIRE_LISTEN", "127.0.0.1:4567"},

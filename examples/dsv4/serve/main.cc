@@ -37,6 +37,7 @@
 #include "examples/dsv4/serve/planted_defect.h"
 #include "examples/dsv4/serve/process.h"
 #include "examples/dsv4/serve/router.h"
+#include "kvwire/connector.h"
 #include "src/discovery/etcd_client.h"
 #include "src/util/secret_file.h"
 
@@ -126,9 +127,21 @@ absl::StatusOr<std::optional<std::string>> SecretFromFlags(const Flags& f) {
 }
 
 // etcd's own authentication and TLS: --etcd-user with --etcd-password-file (or
-// --etcd-password), --etcd-cacert, --etcd-cert and --etcd-key. Only with --etcd.
+// --etcd-password), --etcd-cacert, --etcd-cert and --etcd-key. Only with --etcd. Under the
+// flags, KVWIRE_ETCD_* (ConnectorOptions::FromEnvironment, kvwire's one reader of them), as
+// the etcd client took them before it stopped reading the environment.
 absl::StatusOr<kvwire::discovery::EtcdOptions> EtcdAccessFromFlags(const Flags& f) {
   kvwire::discovery::EtcdOptions o;
+  if (f.Has("etcd")) {
+    absl::StatusOr<kvwire::ConnectorOptions> env =
+        kvwire::ConnectorOptions::FromEnvironment(kvwire::ConnectorOptions());
+    if (!env.ok()) return env.status();
+    o.user = env->etcd_user;
+    o.password = env->etcd_password;
+    o.ca_file = env->etcd_ca_file;
+    o.cert_file = env->etcd_cert_file;
+    o.key_file = env->etcd_key_file;
+  }
   const bool any = f.Has("etcd-user") || f.Has("etcd-password") || f.Has("etcd-password-file") ||
                    f.Has("etcd-cacert") || f.Has("etcd-cert") || f.Has("etcd-key");
   if (any && !f.Has("etcd")) {
@@ -143,7 +156,7 @@ absl::StatusOr<kvwire::discovery::EtcdOptions> EtcdAccessFromFlags(const Flags& 
   if ((f.Has("etcd-password") || f.Has("etcd-password-file")) != f.Has("etcd-user")) {
     return absl::InvalidArgumentError("--etcd-user and --etcd-password(-file) go together");
   }
-  o.user = f.Get("etcd-user");
+  if (f.Has("etcd-user")) o.user = f.Get("etcd-user");
   if (f.Has("etcd-password-file")) {
     absl::StatusOr<std::string> p =
         kvwire::discovery::ReadPasswordFile(f.Get("etcd-password-file"));
@@ -155,9 +168,9 @@ absl::StatusOr<kvwire::discovery::EtcdOptions> EtcdAccessFromFlags(const Flags& 
                  "/proc/<pid>/cmdline); prefer --etcd-password-file\n");
     o.password = f.Get("etcd-password");
   }
-  o.ca_file = f.Get("etcd-cacert");
-  o.cert_file = f.Get("etcd-cert");
-  o.key_file = f.Get("etcd-key");
+  if (f.Has("etcd-cacert")) o.ca_file = f.Get("etcd-cacert");
+  if (f.Has("etcd-cert")) o.cert_file = f.Get("etcd-cert");
+  if (f.Has("etcd-key")) o.key_file = f.Get("etcd-key");
   return o;
 }
 

@@ -331,7 +331,8 @@ TEST(CApiSecret, EnvironmentSecretAuthenticates) {
 
 }  // namespace
 
-// etcd's credentials through the C ABI: pairs that go together are refused half given, a NULL
+// etcd's credentials through the C ABI: the setters store what they are given and
+// kvw_connector_create (ValidateConnectorOptions) refuses half a pair naming the option, a NULL
 // options is refused, and credentials reach the connector (without endpoints, Create says
 // they would be ignored).
 TEST(CApiEtcdCredentials, PairsAreCheckedAndReachTheConnector) {
@@ -339,12 +340,19 @@ TEST(CApiEtcdCredentials, PairsAreCheckedAndReachTheConnector) {
   kvw_options_t* o = kvw_options_create();
   ASSERT_NE(o, nullptr);
   ASSERT_EQ(kvw_options_set_transport(o, "tcp", &err), 0) << Take(&err);
-  EXPECT_NE(kvw_options_set_etcd_auth(o, "root", nullptr, &err), 0);
-  EXPECT_NE(Take(&err).find("user and a password go together"), std::string::npos);
-  EXPECT_NE(kvw_options_set_etcd_auth(o, nullptr, "pw", &err), 0);
-  EXPECT_NE(Take(&err).find("user and a password go together"), std::string::npos);
-  EXPECT_NE(kvw_options_set_etcd_tls(o, "/ca.pem", "/cert.pem", "", &err), 0);
-  EXPECT_NE(Take(&err).find("certificate and its key go together"), std::string::npos);
+  auto create_error = [&] {
+    kvw_connector_t* c = kvw_connector_create(o, &err);
+    EXPECT_EQ(c, nullptr);
+    kvw_connector_destroy(c);
+    return Take(&err);
+  };
+  EXPECT_EQ(kvw_options_set_etcd_auth(o, "root", nullptr, &err), 0) << Take(&err);
+  EXPECT_NE(create_error().find("etcd_user: set without etcd_password"), std::string::npos);
+  EXPECT_EQ(kvw_options_set_etcd_auth(o, nullptr, "pw", &err), 0) << Take(&err);
+  EXPECT_NE(create_error().find("etcd_password: set without etcd_user"), std::string::npos);
+  EXPECT_EQ(kvw_options_set_etcd_auth(o, nullptr, nullptr, &err), 0) << Take(&err);
+  EXPECT_EQ(kvw_options_set_etcd_tls(o, "/ca.pem", "/cert.pem", "", &err), 0) << Take(&err);
+  EXPECT_NE(create_error().find("etcd_cert_file: set without etcd_key_file"), std::string::npos);
   ExpectNullRefused("options",
                     [&](char** e) { return kvw_options_set_etcd_auth(nullptr, "u", "p", e); });
   ExpectNullRefused("options", [&](char** e) {
@@ -352,13 +360,11 @@ TEST(CApiEtcdCredentials, PairsAreCheckedAndReachTheConnector) {
   });
   EXPECT_EQ(kvw_options_set_etcd_tls(o, "/ca.pem", nullptr, nullptr, &err), 0) << Take(&err);
   EXPECT_EQ(kvw_options_set_etcd_auth(o, "root", "pw", &err), 0) << Take(&err);
-  kvw_connector_t* c = kvw_connector_create(o, &err);
-  EXPECT_EQ(c, nullptr);
-  EXPECT_NE(Take(&err).find("without etcd_endpoints"), std::string::npos);
+  EXPECT_NE(create_error().find("etcd_user: set without etcd_endpoints"), std::string::npos);
   // Cleared again (both NULL): the connector is made.
   EXPECT_EQ(kvw_options_set_etcd_auth(o, nullptr, nullptr, &err), 0) << Take(&err);
   EXPECT_EQ(kvw_options_set_etcd_tls(o, nullptr, nullptr, nullptr, &err), 0) << Take(&err);
-  c = kvw_connector_create(o, &err);
+  kvw_connector_t* c = kvw_connector_create(o, &err);
   EXPECT_NE(c, nullptr) << Take(&err);
   kvw_connector_destroy(c);
   kvw_options_destroy(o);

@@ -1,11 +1,10 @@
-// Engine::Create's one validator (src/core/options_check.h): every value of the shared table
+// Engine::Create's one validator (kvwire/options_check.h): every value of the shared table
 // tests/support/bad_engine_options.tsv is refused with the table's message, as the C API
 // (tests/capi/c_api_engine_test.c) and Python (python/test_options.py) refuse it; and the
 // defaults pass.
-#include "src/core/options_check.h"
+#include "kvwire/options_check.h"
 
 #include <cstdint>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <string>
@@ -20,31 +19,15 @@
 
 #include "kvwire/engine.h"
 #include "src/util/option_range.h"
+#include "tests/support/bad_option_table.h"
 
 namespace kvwire {
 namespace {
 
-struct BadOption {
-  std::string option;
-  std::string kind;
-  std::string value;
-  std::string error;
-};
+using testing::BadOption;
 
 std::vector<BadOption> ReadTable() {
-  std::ifstream in(KVWIRE_SOURCE_DIR "/tests/support/bad_engine_options.tsv");
-  std::vector<BadOption> rows;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::vector<std::string> f = absl::StrSplit(line, '\t');
-    if (f.size() != 4) {
-      ADD_FAILURE() << "bad row: " << line;
-      continue;
-    }
-    rows.push_back(BadOption{f[0], f[1], f[2], f[3]});
-  }
-  return rows;
+  return testing::ReadBadOptionTable(KVWIRE_SOURCE_DIR "/tests/support/bad_engine_options.tsv");
 }
 
 // Sets one option the way a C++ caller would (the table's int/ms names are EngineOptions'

@@ -38,6 +38,7 @@
 #include "src/util/mutex.h"
 #include "tests/support/child_end.h"
 #include "tests/support/fake_target_hooks.h"
+#include "tests/support/shm_regions.h"
 #include "tests/support/socket_io.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
@@ -50,8 +51,10 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::Describe;
 using ::kvwire::testing::FakeTargetHooks;
 using ::kvwire::testing::FakeTargetHooksOptions;
+using ::kvwire::testing::MakeRegion;
 using ::kvwire::testing::ReadAll;
 using ::kvwire::testing::ReadString;
 using ::kvwire::testing::ReapAndJudge;
@@ -91,27 +94,6 @@ FakeTargetHooksOptions BothPeers() {
   FakeTargetHooksOptions options;
   options.tokens = {{kToken, kPeer}, {kLegitToken, kLegitPeer}};
   return options;
-}
-
-LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t access) {
-  LocalRegion region;
-  region.id = id;
-  region.base = base;
-  region.length = length;
-  region.access = access;
-  return region;
-}
-
-RemoteRegionDesc Describe(const LocalRegion& region) {
-  RemoteRegionDesc desc;
-  desc.id = region.id;
-  desc.length = region.length;
-  desc.access = region.access;
-  desc.kind = region.kind;
-  desc.address = reinterpret_cast<uintptr_t>(region.base);
-  // The key the target's RegionKey gives a host region (the engine forwards it as is).
-  desc.SetKey(shm::EncodeHostRegionKey(FindShareable(region.base, region.length).has_value()));
-  return desc;
 }
 
 // --- the target process --------------------------------------------------------------------

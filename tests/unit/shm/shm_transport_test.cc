@@ -32,6 +32,7 @@
 #include "src/util/mutex.h"
 #include "tests/support/cma.h"
 #include "tests/support/fake_target_hooks.h"
+#include "tests/support/shm_regions.h"
 #include "tests/support/socket_io.h"
 #include "transport/shm/host_region_key.h"
 #include "transport/shm/local_regions.h"
@@ -40,7 +41,9 @@
 namespace kvwire::transport {
 namespace {
 
+using ::kvwire::testing::Describe;
 using ::kvwire::testing::FakeTargetHooks;
+using ::kvwire::testing::MakeRegion;
 using ::kvwire::testing::OnePeer;
 using ::kvwire::testing::ReadAll;
 using ::kvwire::testing::ReadString;
@@ -61,27 +64,6 @@ std::unique_ptr<Transport> MakeTransport(const std::string& name, TargetHooks* h
   absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, hooks);
   EXPECT_TRUE(transport.ok()) << transport.status();
   return transport.ok() ? *std::move(transport) : nullptr;
-}
-
-LocalRegion MakeRegion(RegionId id, std::byte* base, uint64_t length, uint32_t access) {
-  LocalRegion region;
-  region.id = id;
-  region.base = base;
-  region.length = length;
-  region.access = access;
-  return region;
-}
-
-RemoteRegionDesc Describe(const LocalRegion& region) {
-  RemoteRegionDesc desc;
-  desc.id = region.id;
-  desc.length = region.length;
-  desc.access = region.access;
-  desc.kind = region.kind;
-  desc.address = reinterpret_cast<uintptr_t>(region.base);
-  // The key the target's RegionKey gives a host region (the engine forwards it as is).
-  desc.SetKey(shm::EncodeHostRegionKey(FindShareable(region.base, region.length).has_value()));
-  return desc;
 }
 
 PeerLink MakeLink(const std::string& endpoint, uint32_t pid, const std::string& token = kToken) {
