@@ -58,6 +58,7 @@ namespace {
 
 using nlohmann::json;
 using test_support::ServeCluster;
+using test_support::WaitFor;
 
 // --- plain sockets: a chosen source address, and clients that misbehave --------------------
 
@@ -273,15 +274,6 @@ std::string MetricsOf(const std::string& address) {
   o.deadline = absl::Now() + absl::Seconds(10);
   absl::StatusOr<HttpResponse> r = HttpCall(address, "GET", "/metrics", "", o);
   return r.ok() ? r->body : "";
-}
-
-bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (pred()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return pred();
 }
 
 // Peak resident memory of a process (VmHWM), in KiB; -1 when unreadable.

@@ -31,15 +31,9 @@ namespace dsv4::serve {
 namespace {
 
 using nlohmann::json;
+using test_support::PromptOfTokens;
 
 constexpr int kMaxTokens = 8;
-
-// A prompt of exactly `tokens` tokens (BOS + bytes).
-std::string PromptOfTokens(int tokens) {
-  std::string s;
-  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
-  return s;
-}
 
 // Lengths crossing the 128-token window and the 4- and 128-token compression boundaries.
 const std::vector<int>& Lengths() {

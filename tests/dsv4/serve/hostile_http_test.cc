@@ -5,13 +5,10 @@
 // served with exactly the tokens `kvwire-dsv4 generate` produces in one process.
 #include <sys/stat.h>
 
-#include <csignal>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -19,12 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/process.h"
+#include "tests/dsv4/serve/serve_cluster.h"
 
 namespace dsv4::serve {
 namespace {
@@ -34,38 +31,26 @@ using nlohmann::json;
 constexpr int kMaxTokens = 6;
 const char kPrompt[] = "A hostile client sent garbage first; this one is served all the same.";
 
-// One prefill, one decode (tcp) and a read-mode router for the whole suite.
+// One prefill, one decode (tcp) and a read-mode router for the whole suite, on the serving
+// tests' ServeCluster. The servers' ends are part of the test: a sanitizer report, a leak or a
+// crash in one of them fails it (servers_may_end_early: each must end cleanly).
 class Servers {
  public:
-  Servers() {
-    char tmpl[] = "/tmp/kvwire-dsv4-hostile-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    weights_ = dir_ + "/tiny.safetensors";
-  }
-  ~Servers() {
-    // The servers' ends are part of the test: a sanitizer report, a leak or a crash in one of
-    // them fails it (exit 0 on SIGTERM is the only clean end here).
-    for (auto& [name, p] : procs_) {
-      if (p->Running()) p->Stop(SIGTERM, absl::Seconds(30));
-      EXPECT_EQ(p->EndProblem(), "") << name << " did not end cleanly:\n" << p->LogTail();
-    }
-    std::filesystem::remove_all(dir_);
-  }
+  Servers()
+      : cluster_({.dir_tag = "hostile",
+                  .threads = 2,
+                  .peer_lease_ms = 2000,
+                  .request_timeout_s = 20,
+                  .router_timeout_s = 60,
+                  .servers_may_end_early = true}) {}
 
   absl::Status Start() {
-    absl::StatusOr<std::string> out =
-        Run("weights", {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_});
-    if (!out.ok()) return out.status();
-    out = Run("generate", {"generate", "--config", KVWIRE_DSV4_CONFIG, "--weights", weights_,
-                           "--max-tokens", absl::StrCat(kMaxTokens), "--prompt", kPrompt});
-    if (!out.ok()) return out.status();
-    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
-      json j = json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.is_object() && j.contains("tokens")) {
-        reference_ = j["tokens"].get<std::vector<int32_t>>();
-      }
-    }
-    if (reference_.empty()) return absl::InternalError("generate printed no tokens:\n" + *out);
+    if (absl::Status s = cluster_.MakeWeights(); !s.ok()) return s;
+    absl::StatusOr<std::vector<std::vector<int32_t>>> reference =
+        cluster_.Reference({kPrompt}, kMaxTokens);
+    if (!reference.ok()) return reference.status();
+    reference_ = (*reference)[0];
+    if (reference_.empty()) return absl::InternalError("generate printed no tokens");
     for (const char* role : {"prefill", "decode"}) {
       absl::StatusOr<std::string> a = Serve(role, role);
       if (!a.ok()) return a.status();
@@ -80,82 +65,34 @@ class Servers {
   // Another server or router; returns its HTTP address.
   absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
                                     std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"serve",
-                                     "--role",
-                                     role,
-                                     "--config",
-                                     KVWIRE_DSV4_CONFIG,
-                                     "--weights",
-                                     weights_,
-                                     "--transport",
-                                     "tcp",
-                                     "--threads",
-                                     "2",
-                                     "--request-timeout-s",
-                                     "20",
-                                     "--peer-lease-ms",
-                                     "2000"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return Launch(name, args);
+    return cluster_.Serve(name, role, "tcp", extra);
   }
   absl::StatusOr<std::string> Router(const std::string& name, const std::string& prefill,
                                      const std::string& decode) {
-    return Launch(name, {"router", "--prefill", prefill, "--decode", decode, "--mode", "read",
-                         "--timeout-s", "60"});
+    return cluster_.Router(name, prefill, decode, "read");
   }
 
   // A secret file, mode `mode`.
   std::string SecretFile(const std::string& name, const std::string& secret, mode_t mode) {
-    const std::string path = dir_ + "/" + name;
+    const std::string path = cluster_.dir() + "/" + name;
     std::ofstream(path) << secret << "\n";
     chmod(path.c_str(), mode);
     return path;
   }
 
   const std::string& address(const std::string& name) { return address_.at(name); }
-  Process& process(const std::string& name) { return *procs_.at(name); }
+  Process& process(const std::string& name) { return cluster_.process(name); }
   const std::vector<int32_t>& reference() const { return reference_; }
   absl::StatusOr<std::string> RunToEnd(const std::string& name,
                                        const std::vector<std::string>& args) {
-    return Run(name, args);
+    return cluster_.Run(name, args);
   }
-  std::string Logs() const {
-    std::string all;
-    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
-    return all;
-  }
+  std::string Logs() const { return cluster_.Logs(); }
 
  private:
-  absl::StatusOr<std::string> Run(const std::string& name, const std::vector<std::string>& args) {
-    const std::string log = dir_ + "/" + name + ".log";
-    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(KVWIRE_DSV4_BIN, args, log);
-    if (!p.ok()) return p.status();
-    absl::StatusOr<int> code = (*p)->Wait(absl::Seconds(120));
-    if (!code.ok()) return code.status();
-    if (*code != 0) return absl::InternalError(absl::StrCat(name, " failed:\n", (*p)->LogTail()));
-    std::ifstream in(log);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-
-  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
-    const std::string ready = dir_ + "/" + name + ".ready";
-    args.push_back("--ready-file");
-    args.push_back(ready);
-    absl::StatusOr<std::unique_ptr<Process>> p =
-        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
-    if (!p.ok()) return p.status();
-    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
-    if (!j.ok()) return j.status();
-    procs_[name] = std::move(*p);
-    return (*j)["address"].get<std::string>();
-  }
-
-  std::string dir_, weights_;
+  test_support::ServeCluster cluster_;
   std::vector<int32_t> reference_;
   std::map<std::string, std::string> address_;
-  std::map<std::string, std::unique_ptr<Process>> procs_;
 };
 
 class HostileHttpTest : public ::testing::Test {

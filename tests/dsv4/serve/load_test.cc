@@ -24,14 +24,8 @@ namespace dsv4::serve {
 namespace {
 
 using nlohmann::json;
+using test_support::PromptOfTokens;
 using test_support::ServeCluster;
-
-// A prompt of exactly `tokens` tokens (BOS + bytes).
-std::string PromptOfTokens(int tokens) {
-  std::string s;
-  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
-  return s;
-}
 
 // Waits until GET /health of `address` satisfies `pred`; the last answer.
 json WaitHealth(const std::string& address, const std::function<bool(const json&)>& pred,

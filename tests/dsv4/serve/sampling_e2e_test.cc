@@ -30,16 +30,10 @@ namespace dsv4::serve {
 namespace {
 
 using nlohmann::json;
+using test_support::PromptOfTokens;
 using test_support::ServeCluster;
 
 constexpr int32_t kEos = 257;
-
-// A prompt of exactly `tokens` tokens (BOS + bytes).
-std::string PromptOfTokens(int tokens) {
-  std::string s;
-  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
-  return s;
-}
 
 struct Answer {
   int status = 0;

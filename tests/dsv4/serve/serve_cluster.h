@@ -1,7 +1,8 @@
-// kvwire-dsv4 processes for the serving tests (e2e, load, soak, abuse, metrics, sampling):
-// weights generated into a temporary folder, servers and routers started with a ready file on
-// loopback ports, restartable on their port, and stopped with SIGTERM at the end (each must
-// exit cleanly). KVWIRE_DSV4_BIN and KVWIRE_DSV4_CONFIG come from CMake.
+// kvwire-dsv4 processes for the serving tests (e2e, load, soak, abuse, metrics, sampling,
+// xpyd, hostile_http): weights generated into a temporary folder, servers and routers started
+// with a ready file on loopback ports, restartable on their port, and stopped with SIGTERM at
+// the end (each must exit cleanly, unless the test killed it). KVWIRE_DSV4_BIN and
+// KVWIRE_DSV4_CONFIG come from CMake.
 #ifndef KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
 #define KVWIRE_TESTS_DSV4_SERVE_SERVE_CLUSTER_H_
 
@@ -9,8 +10,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -42,6 +45,23 @@ inline constexpr int kServerDeadlineScale = 1;
 inline constexpr int kServerDeadlineScale = 1;
 #endif
 
+// A prompt of exactly `tokens` tokens (BOS + bytes), the same for the same length.
+inline std::string PromptOfTokens(int tokens) {
+  std::string s;
+  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
+  return s;
+}
+
+// Polls `pred` every 20 ms until it holds or `timeout` passes; its last answer.
+inline bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return pred();
+}
+
 // The flags every server and router of a cluster gets, and how their ends are judged.
 struct ServeClusterOptions {
   std::string dir_tag = "load";  // the folder: /tmp/kvwire-dsv4-<dir_tag>-XXXXXX
@@ -71,7 +91,10 @@ class ServeCluster {
         continue;
       }
       if (!p->Running()) {
-        ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n" << p->LogTail();
+        if (killed_.count(name) == 0) {
+          ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n"
+                        << p->LogTail();
+        }
         continue;
       }
       p->Stop(SIGTERM, absl::Seconds(30));
@@ -198,6 +221,12 @@ class ServeCluster {
     return Launch(name, std::move(args));
   }
 
+  // SIGKILL on purpose: the process may be gone at teardown without failing the test.
+  void Kill(const std::string& name) {
+    killed_.insert(name);
+    procs_.at(name)->Stop(SIGKILL);
+  }
+
   // SIGTERM to one process, which must exit cleanly; it is forgotten.
   void StopOne(const std::string& name) {
     auto it = procs_.find(name);
@@ -242,6 +271,7 @@ class ServeCluster {
   std::map<std::string, std::unique_ptr<Process>> procs_;
   std::map<std::string, std::vector<std::string>> args_;
   std::map<std::string, int> ports_;
+  std::set<std::string> killed_;
 };
 
 }  // namespace dsv4::serve::test_support

@@ -6,8 +6,6 @@
 // that registers gets the next requests; with etcd itself gone, known instances keep serving;
 // every survivor ends with no block in use. Routing is by load (least_loaded), visible in the
 // router's metrics.
-#include <csignal>
-#include <filesystem>
 #include <functional>
 #include <map>
 #include <set>
@@ -22,133 +20,54 @@
 #include "examples/dsv4/serve/client.h"
 #include "examples/dsv4/serve/http_client.h"
 #include "examples/dsv4/serve/process.h"
+#include "tests/dsv4/serve/serve_cluster.h"
 #include "tests/support/etcd_cluster.h"
 
 namespace dsv4::serve {
 namespace {
 
 using nlohmann::json;
+using test_support::PromptOfTokens;
+using test_support::WaitFor;
 
 constexpr int kMaxTokens = 8;
 
-std::string PromptOfTokens(int tokens) {
-  std::string s;
-  for (int i = 0; i + 1 < tokens; ++i) s += static_cast<char>('a' + (i * 7 + tokens) % 26);
-  return s;
-}
-
-bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (pred()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return pred();
-}
-
+// The deployment on the serving tests' ServeCluster: one thread a server, a 20 s request
+// deadline, a 2 s peer lease; only a process the test killed (Kill) may be gone before
+// teardown, any other that ended by itself (a crash, a sanitizer report, an early exit 0)
+// fails the test.
 class Deployment {
  public:
-  explicit Deployment(std::string etcd) : etcd_(std::move(etcd)) {
-    char tmpl[] = "/tmp/kvwire-dsv4-xpyd-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    weights_ = dir_ + "/tiny.safetensors";
-  }
-  ~Deployment() {
-    for (auto& [name, p] : procs_) {
-      // Only a process the test killed (Kill) may be gone before teardown: any other that
-      // ended by itself (a crash, a sanitizer report, an early exit 0) fails the test.
-      if (!p->Running()) {
-        if (!killed_.contains(name)) {
-          ADD_FAILURE() << name << " exited by itself (" << p->exit_code() << "):\n"
-                        << p->LogTail();
-        }
-        continue;
-      }
-      p->Stop(SIGTERM, absl::Seconds(30));
-      EXPECT_EQ(p->exit_code(), 0) << name << " did not stop cleanly:\n" << p->LogTail();
-    }
-    procs_.clear();
-    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_);
-  }
+  explicit Deployment(std::string etcd)
+      : etcd_(std::move(etcd)),
+        cluster_(
+            {.dir_tag = "xpyd", .threads = 1, .peer_lease_ms = 2000, .request_timeout_s = 20}) {}
 
-  absl::Status MakeWeights() {
-    absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(
-        KVWIRE_DSV4_BIN, {"weights", "--config", KVWIRE_DSV4_CONFIG, "--out", weights_},
-        dir_ + "/weights.log");
-    if (!p.ok()) return p.status();
-    absl::StatusOr<int> code = (*p)->Wait(absl::Seconds(120));
-    if (!code.ok()) return code.status();
-    return *code == 0 ? absl::OkStatus() : absl::InternalError((*p)->LogTail());
-  }
+  absl::Status MakeWeights() { return cluster_.MakeWeights(); }
 
   // A model server; registered in etcd unless `role` is both (the reference).
   absl::StatusOr<std::string> Serve(const std::string& name, const std::string& role,
                                     const std::string& transport, int delay_ms = 0) {
-    std::vector<std::string> args = {"serve",
-                                     "--role",
-                                     role,
-                                     "--config",
-                                     KVWIRE_DSV4_CONFIG,
-                                     "--weights",
-                                     weights_,
-                                     "--transport",
-                                     transport,
-                                     "--mode",
-                                     "auto",
-                                     "--threads",
-                                     "1",
-                                     "--request-timeout-s",
-                                     "20",
-                                     "--peer-lease-ms",
-                                     "2000",
-                                     "--name",
-                                     name,
-                                     "--inject-delay-ms",
-                                     absl::StrCat(delay_ms)};
+    std::vector<std::string> extra = {"--name", name, "--inject-delay-ms", absl::StrCat(delay_ms)};
     if (role != "both") {
-      for (const char* a : {"--etcd", etcd_.c_str(), "--cluster", "xpyd", "--etcd-lease-s", "2"}) {
-        args.push_back(a);
-      }
+      extra.insert(extra.end(), {"--etcd", etcd_, "--cluster", "xpyd", "--etcd-lease-s", "2"});
     }
-    return Launch(name, args);
+    return cluster_.Serve(name, role, transport, extra);
   }
 
   absl::StatusOr<std::string> Router(const std::string& mode) {
-    return Launch("router", {"router", "--etcd", etcd_, "--cluster", "xpyd", "--mode", mode,
-                             "--policy", "least_loaded", "--timeout-s", "60"});
+    return cluster_.Start("router", {"router", "--etcd", etcd_, "--cluster", "xpyd", "--mode", mode,
+                                     "--policy", "least_loaded", "--timeout-s", "60"});
   }
 
   // SIGKILL on purpose: the one way a process may end before teardown.
-  void Kill(const std::string& name) {
-    killed_.insert(name);
-    procs_.at(name)->Stop(SIGKILL);
-  }
+  void Kill(const std::string& name) { cluster_.Kill(name); }
 
-  std::string Logs() const {
-    std::string all;
-    for (const auto& [name, p] : procs_) absl::StrAppend(&all, "--- ", name, "\n", p->LogTail());
-    return all;
-  }
+  std::string Logs() const { return cluster_.Logs(); }
 
  private:
-  absl::StatusOr<std::string> Launch(const std::string& name, std::vector<std::string> args) {
-    const std::string ready = dir_ + "/" + name + ".ready";
-    args.push_back("--ready-file");
-    args.push_back(ready);
-    absl::StatusOr<std::unique_ptr<Process>> p =
-        Process::Start(KVWIRE_DSV4_BIN, args, dir_ + "/" + name + ".log");
-    if (!p.ok()) return p.status();
-    absl::StatusOr<json> j = WaitForReadyFile(ready, **p, absl::Seconds(60));
-    if (!j.ok())
-      return absl::Status(j.status().code(),
-                          absl::StrCat(j.status().message(), "\n", (*p)->LogTail()));
-    procs_[name] = std::move(*p);
-    return (*j)["address"].get<std::string>();
-  }
-
-  std::string etcd_, dir_, weights_;
-  std::map<std::string, std::unique_ptr<Process>> procs_;
-  std::set<std::string> killed_;
+  const std::string etcd_;
+  test_support::ServeCluster cluster_;
 };
 
 // Greedy (the servers default to vLLM's temperature 1): every configuration the same tokens.
