@@ -171,11 +171,13 @@ struct EngineOptions {
   // Closed peers kept for Peers()/Stats() (with their close reason); older ones are forgotten.
   int closed_peers_kept = 16;
 
-  // Returns `base` with the KVWIRE_* environment variables applied: the one place the library
-  // reads the environment, and only a caller's call reads it (Engine::Create, the C API's
+  // Returns `base` with the engine's KVWIRE_* environment variables applied: with
+  // ConnectorOptions::FromEnvironment (kvwire/connector.h), which calls it for the engine part
+  // and adds the connector's KVWIRE_ETCD_*, the one place the library reads the environment,
+  // and only a caller's call reads it (Engine::Create, Connector::Create, the C API's
   // kvw_*_options_create and Python's Engine()/Connector() never do; C's
-  // kvw_*_options_from_environment and Python's EngineOptions.from_environment call this, and
-  // the tools call it for their users). A variable that is set and non-empty REPLACES base's
+  // kvw_*_options_from_environment and Python's *Options.from_environment call these, and
+  // the tools call them for their users). A variable that is set and non-empty REPLACES base's
   // value (callers that want their own value to win set it after this call); unset or empty
   // variables leave base's value. The variables:
   //   KVWIRE_LISTEN             listen_address, taken as is
