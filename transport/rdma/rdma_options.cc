@@ -4,6 +4,7 @@
 #include "kvwire/rdma_options.h"
 
 #include "src/util/option_range.h"
+#include "src/util/options_by_name.h"
 
 namespace kvwire {
 namespace {
@@ -39,16 +40,6 @@ absl::Status RdmaOptions::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status RdmaOptions::Set(absl::string_view key, absl::string_view value) {
-  return SetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-absl::Status RdmaOptions::Get(absl::string_view key, std::string* value) const {
-  return GetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-std::vector<std::string> RdmaOptions::Keys() const {
-  return OptionKeys([this](auto&& f) { Fields(*this, f); });
-}
+KVWIRE_OPTIONS_BY_NAME(RdmaOptions)
 
 }  // namespace kvwire

@@ -2,6 +2,7 @@
 #include "kvwire/shm_options.h"
 
 #include "src/util/option_range.h"
+#include "src/util/options_by_name.h"
 
 namespace kvwire {
 namespace {
@@ -23,16 +24,6 @@ absl::Status ShmOptions::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status ShmOptions::Set(absl::string_view key, absl::string_view value) {
-  return SetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-absl::Status ShmOptions::Get(absl::string_view key, std::string* value) const {
-  return GetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-std::vector<std::string> ShmOptions::Keys() const {
-  return OptionKeys([this](auto&& f) { Fields(*this, f); });
-}
+KVWIRE_OPTIONS_BY_NAME(ShmOptions)
 
 }  // namespace kvwire

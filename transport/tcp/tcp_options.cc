@@ -2,6 +2,7 @@
 #include "kvwire/tcp_options.h"
 
 #include "src/util/option_range.h"
+#include "src/util/options_by_name.h"
 
 namespace kvwire {
 namespace {
@@ -44,16 +45,6 @@ absl::Status TcpOptions::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status TcpOptions::Set(absl::string_view key, absl::string_view value) {
-  return SetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-absl::Status TcpOptions::Get(absl::string_view key, std::string* value) const {
-  return GetOptionByName(kName, key, value, [this](auto&& f) { Fields(*this, f); });
-}
-
-std::vector<std::string> TcpOptions::Keys() const {
-  return OptionKeys([this](auto&& f) { Fields(*this, f); });
-}
+KVWIRE_OPTIONS_BY_NAME(TcpOptions)
 
 }  // namespace kvwire
