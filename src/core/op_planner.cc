@@ -5,10 +5,19 @@
 namespace kvwire::core {
 namespace {
 
-// Joins each op to the one kept before it when it continues it (locally and remotely, in
-// the same regions and device); returns how many remain at the front.
-size_t JoinNeighbours(absl::Span<transport::WireOp> ops) {
+// Sorts `ops` and merges contiguous ones in place; returns how many remain at the front.
+size_t Merge(absl::Span<transport::WireOp> ops) {
   if (ops.size() < 2) return ops.size();
+  auto before = [](const transport::WireOp& a, const transport::WireOp& b) {
+    if (a.remote_region != b.remote_region) return a.remote_region < b.remote_region;
+    return a.remote_offset < b.remote_offset;
+  };
+  // Page lists mostly come in order already: one pass tells, and saves the n log n sort.
+  // Only a strictly increasing list is left as it is (the order a sort would give it); one
+  // with equal keys is sorted as before.
+  bool sorted = true;
+  for (size_t i = 1; i < ops.size() && sorted; ++i) sorted = before(ops[i - 1], ops[i]);
+  if (!sorted) std::sort(ops.begin(), ops.end(), before);
   size_t kept = 1;
   for (size_t i = 1; i < ops.size(); ++i) {
     const transport::WireOp& op = ops[i];
@@ -22,27 +31,6 @@ size_t JoinNeighbours(absl::Span<transport::WireOp> ops) {
     ops[kept++] = op;
   }
   return kept;
-}
-
-// Sorts `ops` and merges contiguous ones in place; returns how many remain at the front.
-size_t Merge(absl::Span<transport::WireOp> ops) {
-  if (ops.size() < 2) return ops.size();
-  // Neighbours in the given order are joined first (a page list comes in runs): the sort then
-  // sees fewer ops. Ops do not overlap, so two ops joined here are neighbours in the sorted
-  // order too, and the result is the one sorting all of them and merging would give.
-  ops = ops.first(JoinNeighbours(ops));
-  auto before = [](const transport::WireOp& a, const transport::WireOp& b) {
-    if (a.remote_region != b.remote_region) return a.remote_region < b.remote_region;
-    return a.remote_offset < b.remote_offset;
-  };
-  // Page lists mostly come in order already: one pass tells, and saves the n log n sort.
-  // Only a strictly increasing list is left as it is (the order a sort would give it); one
-  // with equal keys is sorted as before.
-  bool sorted = true;
-  for (size_t i = 1; i < ops.size() && sorted; ++i) sorted = before(ops[i - 1], ops[i]);
-  if (sorted) return ops.size();  // joined already: nothing in order continues another
-  std::sort(ops.begin(), ops.end(), before);
-  return JoinNeighbours(ops);
 }
 
 }  // namespace

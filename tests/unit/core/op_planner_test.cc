@@ -141,11 +141,10 @@ TEST(OpPlannerTest, RandomOpListsKeepEveryByteExactlyOnce) {
   }
 }
 
-// PlanOps joins ops that continue one another in the given order before it sorts (the sort
-// then sees fewer of them): the result must be the one of sorting all ops and merging, for
-// page lists in runs (shuffled runs of consecutive pages, some runs broken locally), in
-// several regions, sorted or not.
-TEST(OpPlannerTest, JoiningNeighboursFirstPlansAsSortingAllOps) {
+// The plan of a page list (shuffled runs of consecutive pages, some runs broken locally, in
+// two regions, sorted or not) is the one of sorting every op and merging left to right; a
+// sorted list skips the sort and must give the same.
+TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
   std::vector<std::byte> local(1 << 22);
   std::mt19937_64 rng(24);
   for (int round = 0; round < 200; ++round) {
