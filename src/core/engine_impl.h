@@ -183,8 +183,9 @@ class Engine::Impl final : public transport::TargetHooks {
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
-  // The same for a caller that holds the peer (null: gone).
-  void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer);
+  // The same for a caller that holds the peer (null: gone) and read the clock at the end.
+  void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
+                 absl::Time end);
   // Fails transfers at their deadlines, sleeping until the earliest one (not on a period).
   void ReaperLoop();
 

@@ -53,26 +53,43 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // Local side: every op inside a registered region, each region pinned for the transfer.
   // Inline storage: a transfer of a few ops over a few regions allocates nothing here.
   absl::InlinedVector<RegionId, 2> local_regions;
-  transport::Pins pins;
+  // The last lane's request, whose pins are collected in place (not moved into it later).
+  transport::PostRequest last_request;
+  transport::Pins& pins = last_request.pins;
   absl::InlinedVector<transport::WireOp, 4> wire;
   core::TransferNeeds needs;
   needs.kind = kind;
   wire.reserve(ops.size());
+  // Ops mostly come in runs of one region: an op in the region of the op before it is checked
+  // against that region's entry, which a pin of this transfer holds (ids are never reused), so
+  // a run costs one trip through the registry's lock, not one per op.
+  const core::RegionEntry* last_entry = nullptr;
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
-    auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
-    if (!local.ok()) return OpError(i, local.status());
-    // Ops mostly come grouped by region: the last one pinned is checked first.
-    if (local_regions.empty() || local_regions.back() != op.local_region) {
-      if (std::find(local_regions.begin(), local_regions.end(), op.local_region) ==
-          local_regions.end()) {
+    if (last_entry == nullptr || op.local_region != local_regions.back()) {
+      auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
+      if (!local.ok()) return OpError(i, local.status());
+      auto known = std::find(local_regions.begin(), local_regions.end(), op.local_region);
+      if (known == local_regions.end()) {
         local_regions.push_back(op.local_region);
         pins.push_back(std::move(local->pin));
+      } else {
+        // Pinned already, further back: moved to the back (with its pin), so that it is the
+        // one the next ops are compared with. The order of the pins does not matter.
+        const size_t k = static_cast<size_t>(known - local_regions.begin());
+        std::swap(local_regions[k], local_regions.back());
+        std::swap(pins[k], pins.back());
       }
+      last_entry = static_cast<const core::RegionEntry*>(pins.back().get());
+    } else if (absl::Status s = core::CheckBounds("local", op.local_region, op.local_offset,
+                                                  op.length, last_entry->region.length);
+               !s.ok()) {
+      return OpError(i, s);
     }
-    wire.push_back(transport::WireOp{local->data, op.remote_region, op.remote_offset, op.length,
-                                     local->gpu_device, op.local_region});
-    (local->gpu_device >= 0 ? needs.local_gpu : needs.local_host) = true;
+    const int gpu_device = last_entry->region.gpu_device;
+    wire.push_back(transport::WireOp{last_entry->region.base + op.local_offset, op.remote_region,
+                                     op.remote_offset, op.length, gpu_device, op.local_region});
+    (gpu_device >= 0 ? needs.local_gpu : needs.local_host) = true;
   }
 
   // Remote side: exported to us, permission, bounds; and the route (src/core/route.h).
@@ -93,29 +110,35 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     }
     const uint32_t needed = kind == OpKind::kRead ? kRemoteRead : kRemoteWrite;
     needs.reaches = ~core::TransportMask{0};
+    // As on the local side: an op in the remote region of the op before it needs only its
+    // bounds checked (the rest depends on the region alone, and peer->mu is held throughout).
+    const RemoteRegionState* last = nullptr;
     for (size_t i = 0; i < ops.size(); ++i) {
       const Op& op = ops[i];
-      auto it = peer->remote.find(op.remote_region);
-      if (it == peer->remote.end()) {
-        return OpError(i,
-                       absl::NotFoundError(absl::StrCat("remote region ", op.remote_region,
-                                                        " is not exported by peer ", peer->name)));
-      }
-      const transport::RemoteRegionDesc& desc = it->second.desc;
-      if ((desc.access & needed) == 0) {
-        return OpError(i, absl::PermissionDeniedError(
-                              absl::StrCat("peer ", peer->name, " region ", op.remote_region,
-                                           " does not allow remote ", verb)));
+      if (last == nullptr || op.remote_region != ops[i - 1].remote_region) {
+        auto it = peer->remote.find(op.remote_region);
+        if (it == peer->remote.end()) {
+          return OpError(
+              i, absl::NotFoundError(absl::StrCat("remote region ", op.remote_region,
+                                                  " is not exported by peer ", peer->name)));
+        }
+        last = &it->second;
+        const transport::RemoteRegionDesc& desc = last->desc;
+        if ((desc.access & needed) == 0) {
+          return OpError(i, absl::PermissionDeniedError(
+                                absl::StrCat("peer ", peer->name, " region ", op.remote_region,
+                                             " does not allow remote ", verb)));
+        }
+        remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
+        needs.grant_reads = needs.grant_reads || (kind == OpKind::kRead && desc.reads_need_grant);
+        needs.guarded = needs.guarded || desc.reads_need_grant;
+        needs.reaches &= last->resolved ? last->reached_by : 0;
       }
       if (absl::Status s = core::CheckBounds("remote", op.remote_region, op.remote_offset,
-                                             op.length, desc.length);
+                                             op.length, last->desc.length);
           !s.ok()) {
         return OpError(i, s);
       }
-      remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
-      needs.grant_reads = needs.grant_reads || (kind == OpKind::kRead && desc.reads_need_grant);
-      needs.guarded = needs.guarded || desc.reads_need_grant;
-      needs.reaches &= it->second.resolved ? it->second.reached_by : 0;
     }
     needs.guarded_only = peer->guarded_only;
     core::TransportMask connected = 0;
@@ -180,24 +203,29 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   transfers_started_.fetch_add(1, std::memory_order_relaxed);
   ops_submitted_.fetch_add(ops.size(), std::memory_order_relaxed);
   ops_posted_.fetch_add(plan.pieces, std::memory_order_relaxed);
-  auto cancelled =
-      transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned), options.on_complete);
+  // A transfer that may end inline is started without its deadline watched: one that does end
+  // inline has EndInline check the deadline (no deadline set entry made and erased per
+  // transfer); one that does not is watched from when Post returns.
+  auto cancelled = transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned),
+                                    options.on_complete, /*arm_deadline=*/!inline_end);
   InlineEnd slot;
   slot.engine = this;
   slot.id = id;
   InlineEnd*& current = tls_inline_end;  // one thread-local lookup for the lanes below
   for (size_t lane = 0; lane < lanes_planned; ++lane) {
-    transport::PostRequest request;
+    // The last lane posts last_request, which holds the pins; the others copy them.
+    const bool last_lane = lane + 1 == lanes_planned;
+    transport::PostRequest other_lane;
+    transport::PostRequest& request = last_lane ? last_request : other_lane;
     request.transfer_id = id;
     request.kind = kind;
     request.lane = static_cast<uint32_t>(lane);
     request.count_arrivals = count_arrivals;
     request.grant = options.grant;
     request.ops = std::move(plan.lanes[lane]);
-    // The last lane takes the flag and the pins, the others copy them.
-    if (lane + 1 == lanes_planned) {
+    // The last lane takes the flag, the others copy it.
+    if (last_lane) {
       request.cancelled = std::move(cancelled);
-      request.pins = std::move(pins);
     } else {
       request.cancelled = cancelled;
       request.pins = pins;
@@ -218,7 +246,12 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // a deadline or the peer's close ended it first (which counted its end).
   if (inline_end && slot.done) {
     if (!slot.status.ok()) slot.status = NamedFailure(id, peer_id, peer.get(), slot.status);
-    if (transfers_.EndInline(id, slot.status)) RecordEnd(end_info, slot.status, peer.get());
+    const absl::Time now = absl::Now();
+    if (transfers_.EndInline(id, &slot.status, now)) {
+      RecordEnd(end_info, slot.status, peer.get(), now);
+    }
+  } else if (inline_end) {
+    transfers_.ArmDeadline(id);
   }
   return id;
 }
@@ -257,13 +290,13 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
   std::shared_ptr<Peer> peer = GetPeer(info.peer);
-  RecordEnd(info, status, peer.get());
+  RecordEnd(info, status, peer.get(), absl::Now());
 }
 
-void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status,
-                             Peer* peer) {
+void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
+                             absl::Time end) {
   // Integer nanoseconds (inline) rather than ToDoubleMicroseconds (a library call).
-  const double us = static_cast<double>(absl::ToInt64Nanoseconds(absl::Now() - info.start)) * 1e-3;
+  const double us = static_cast<double>(absl::ToInt64Nanoseconds(end - info.start)) * 1e-3;
   {
     MutexLock lock(&stats_mu_);
     if (status.ok()) {

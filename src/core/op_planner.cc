@@ -8,10 +8,16 @@ namespace {
 // Sorts `ops` and merges contiguous ones in place; returns how many remain at the front.
 size_t Merge(absl::Span<transport::WireOp> ops) {
   if (ops.size() < 2) return ops.size();
-  std::sort(ops.begin(), ops.end(), [](const transport::WireOp& a, const transport::WireOp& b) {
+  auto before = [](const transport::WireOp& a, const transport::WireOp& b) {
     if (a.remote_region != b.remote_region) return a.remote_region < b.remote_region;
     return a.remote_offset < b.remote_offset;
-  });
+  };
+  // Page lists mostly come in order already: one pass tells, and saves the n log n sort.
+  // Only a strictly increasing list is left as it is (the order a sort would give it); one
+  // with equal keys is sorted as before.
+  bool sorted = true;
+  for (size_t i = 1; i < ops.size() && sorted; ++i) sorted = before(ops[i - 1], ops[i]);
+  if (!sorted) std::sort(ops.begin(), ops.end(), before);
   size_t kept = 1;
   for (size_t i = 1; i < ops.size(); ++i) {
     const transport::WireOp& op = ops[i];
@@ -49,12 +55,16 @@ Plan PlanOps(absl::Span<transport::WireOp> ops, const PlanLimits& limits) {
   }
 
   plan.lanes.emplace_back();
+  // Sized once, not grown by doubling (a request's page list is thousands of ops): a lane
+  // takes its share of the merged ops, more only where long ops are cut.
+  if (merged.size() > 1) plan.lanes.back().reserve(merged.size() / (stripe ? lanes : 1) + 1);
   uint64_t lane_bytes = 0;
   for (const transport::WireOp& op : merged) {
     for (uint64_t done = 0; done < op.length;) {
       const uint64_t len = std::min(piece_limit, op.length - done);
       if (stripe && lane_bytes >= lane_target && plan.lanes.size() < lanes) {
         plan.lanes.emplace_back();
+        plan.lanes.back().reserve(merged.size() / lanes + 1);
         lane_bytes = 0;
       }
       plan.lanes.back().push_back(transport::WireOp{op.local + done, op.remote_region,

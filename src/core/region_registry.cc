@@ -4,7 +4,7 @@
 
 namespace kvwire::core {
 
-absl::Status CheckBounds(const char* side, RegionId id, uint64_t offset, uint64_t length,
+absl::Status BoundsError(const char* side, RegionId id, uint64_t offset, uint64_t length,
                          uint64_t region_length) {
   if (length == 0) {
     return absl::InvalidArgumentError(absl::StrCat(side, " region ", id, ": zero-length op"));

@@ -20,7 +20,7 @@ inline void CpuRelax() {
 }  // namespace
 
 std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint32_t lanes,
-                                                        EndCallback on_end) {
+                                                        EndCallback on_end, bool arm_deadline) {
   const TransferId id = info.id;
   const absl::Time deadline = info.deadline;
   MutexLock lock(&mu_);
@@ -34,7 +34,13 @@ std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint3
     spare_flags_.pop_back();
   }
   record.on_end = std::move(on_end);
+  record.deadline_armed = arm_deadline;
   auto cancelled = record.cancelled;
+  if (arm_deadline) InsertDeadlineLocked(deadline, id);
+  return cancelled;
+}
+
+void TransferTable::InsertDeadlineLocked(absl::Time deadline, TransferId id) {
   // The deadline thread sleeps until the earliest deadline (or its own limit): only a deadline
   // before the time it will wake anyway wakes it. (Waking it on every Start into an empty
   // table cost a thread switch per transfer: ~6 us per 64 KiB shm transfer on two cores.)
@@ -47,11 +53,29 @@ std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint3
     deadlines_.insert(std::move(node));
   }
   if (deadline < deadline_wake_at_) deadline_cv_.SignalAll();
-  return cancelled;
 }
 
-void TransferTable::EraseDeadlineLocked(const TransferInfo& info) {
-  Deadlines::node_type node = deadlines_.extract({info.deadline, info.id});
+void TransferTable::ArmDeadline(TransferId id) {
+  MutexLock lock(&mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return;
+  Record& record = it->second;
+  if (record.deadline_armed || record.ended || record.claimed) return;
+  record.deadline_armed = true;
+  InsertDeadlineLocked(record.info.deadline, id);
+}
+
+absl::Status TransferTable::DeadlineError(const TransferInfo& info) {
+  return absl::DeadlineExceededError(absl::StrCat(
+      "transfer ", info.id, " to peer ", info.peer, " (", info.bytes, " bytes): deadline of ",
+      absl::FormatDuration(info.deadline - info.start), " exceeded"));
+}
+
+void TransferTable::EraseDeadlineLocked(Record& record) {
+  // Not armed (Start without it, never ArmDeadline'd): nothing to look for.
+  if (!record.deadline_armed) return;
+  record.deadline_armed = false;
+  Deadlines::node_type node = deadlines_.extract({record.info.deadline, record.info.id});
   if (!node.empty() && spare_deadlines_.size() < kSpares) {
     spare_deadlines_.push_back(std::move(node));
   }
@@ -73,7 +97,7 @@ void TransferTable::Forget(Record& record) {
 bool TransferTable::EndLocked(Record& record, absl::Status status) {
   if (record.ended) return false;
   record.ended = true;
-  EraseDeadlineLocked(record.info);
+  EraseDeadlineLocked(record);
   record.cancelled->store(true, std::memory_order_release);
   ends_seen_.fetch_add(1, std::memory_order_release);
   if (record.on_end) {
@@ -104,7 +128,7 @@ std::optional<LanesDone> TransferTable::LaneDone(TransferId id, absl::Status sta
                      (!record.lane_error.ok() || !record.info.notification.has_value());
   if (claim) {
     record.claimed = true;
-    EraseDeadlineLocked(record.info);  // only CompleteEnd ends it now
+    EraseDeadlineLocked(record);  // only CompleteEnd ends it now
   }
   return LanesDone{record.info, record.lane_error, claim};
 }
@@ -124,7 +148,7 @@ bool TransferTable::ClaimEnd(TransferId id) {
   auto it = records_.find(id);
   if (it == records_.end() || it->second.ended || it->second.claimed) return false;
   it->second.claimed = true;
-  EraseDeadlineLocked(it->second.info);  // only CompleteEnd ends it now
+  EraseDeadlineLocked(it->second);  // only CompleteEnd ends it now
   return true;
 }
 
@@ -136,7 +160,7 @@ void TransferTable::CompleteEnd(TransferId id, absl::Status status) {
   if (EndLocked(it->second, std::move(status)) && callback) MaybeForgetLocked(id);
 }
 
-bool TransferTable::EndInline(TransferId id, absl::Status status) {
+bool TransferTable::EndInline(TransferId id, absl::Status* status, absl::Time now) {
   MutexLock lock(&mu_);
   auto it = records_.find(id);
   if (it == records_.end()) {
@@ -149,9 +173,14 @@ bool TransferTable::EndInline(TransferId id, absl::Status status) {
   if (record.lanes_left > 0) --record.lanes_left;
   if (record.ended || record.claimed) return false;
   record.ended = true;
-  EraseDeadlineLocked(record.info);
+  if (record.deadline_armed) {
+    EraseDeadlineLocked(record);
+  } else if (status->ok() && record.info.deadline <= now) {
+    // Unwatched while it ran: ended as ExpireDeadlines would have ended it.
+    *status = DeadlineError(record.info);
+  }
   record.cancelled->store(true, std::memory_order_release);
-  record.final_status = std::move(status);
+  record.final_status = *status;
   // No waiter to wake: its id is not out yet (Wait, Poll and the end counter need nothing).
   return true;
 }
@@ -187,9 +216,7 @@ std::vector<TransferInfo> TransferTable::ExpireDeadlines(absl::Time now) {
     Record& record = it->second;
     const TransferInfo& info = record.info;
     const bool callback = static_cast<bool>(record.on_end);
-    absl::Status status = absl::DeadlineExceededError(absl::StrCat(
-        "transfer ", info.id, " to peer ", info.peer, " (", info.bytes, " bytes): deadline of ",
-        absl::FormatDuration(info.deadline - info.start), " exceeded"));
+    absl::Status status = DeadlineError(info);
     if (!EndLocked(record, std::move(status))) continue;
     failed.push_back(info);
     if (callback) MaybeForgetLocked(id);

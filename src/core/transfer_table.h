@@ -59,8 +59,16 @@ class TransferTable {
  public:
   // Registers a transfer with `lanes` lanes to complete; returns its cancellation flag.
   // `on_end` (may be empty) receives the final status from RunEndCallbacks.
+  // With `arm_deadline` false, the deadline is not watched until ArmDeadline: for a transfer
+  // that its caller expects to end inline (EndInline), which then checks it itself.
   std::shared_ptr<std::atomic<bool>> Start(TransferInfo info, uint32_t lanes,
-                                           EndCallback on_end = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+                                           EndCallback on_end = nullptr, bool arm_deadline = true)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Watches the deadline of a transfer started without it, unless it has ended (or is claimed)
+  // already. A deadline already past expires at once.
+  void ArmDeadline(TransferId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The status of a transfer whose deadline passed.
+  static absl::Status DeadlineError(const TransferInfo& info);
   // One lane finished. When it was the last and the transfer is still pending, returns the
   // transfer for the caller to finish (send its notification, then Finish). With
   // `claim_unless_notifying`, a transfer that failed or carries no notification (nothing left
@@ -81,8 +89,10 @@ class TransferTable {
   // Engine::Transfer returned, in one step (LaneDone + ClaimEnd + CompleteEnd): nobody can wait
   // for it yet (its id is not out) and it has no end callback, so the caller may account for it
   // after this returns. False when it had ended already (deadline, peer death): whoever ended
-  // it accounted for it.
-  bool EndInline(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // it accounted for it. A transfer started without its deadline armed whose deadline is
+  // past at `now` ends as the deadline thread would have ended it: *status becomes
+  // DeadlineError (what the caller accounts for).
+  bool EndInline(TransferId id, absl::Status* status, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every pending transfer matching `match` with `status`; returns the ones failed.
   std::vector<TransferInfo> FailIf(const std::function<bool(const TransferInfo&)>& match,
                                    const std::function<absl::Status(const TransferInfo&)>& status)
@@ -115,7 +125,8 @@ class TransferTable {
     uint32_t lanes_left = 0;
     absl::Status lane_error;
     bool ended = false;
-    bool claimed = false;  // ClaimEnd was called: only CompleteEnd ends it
+    bool claimed = false;        // ClaimEnd was called: only CompleteEnd ends it
+    bool deadline_armed = true;  // in deadlines_ (until ended or claimed)
     absl::Status final_status;
     std::shared_ptr<std::atomic<bool>> cancelled;
     EndCallback on_end;
@@ -135,7 +146,8 @@ class TransferTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Steady state allocates nothing per transfer: deadline set nodes and cancellation flags
   // of forgotten transfers are kept for the next ones (at most kSpares of each).
-  void EraseDeadlineLocked(const TransferInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseDeadlineLocked(Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void InsertDeadlineLocked(absl::Time deadline, TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Forget(Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr size_t kSpares = 64;
 

@@ -144,11 +144,11 @@ void ShmChannel::Post(PostRequest request, DoneCallback done) {
   GpuWork gpu;
   absl::Status status = Execute(request, &gpu);
   if (gpu.batch.empty()) {
-    {
-      // Unpin the local regions before reporting, so that whoever waits for the transfer to
-      // end finds them released.
-      PostRequest finished = std::move(request);
-    }
+    // Unpin the local regions before reporting, so that whoever waits for the transfer to
+    // end finds them released, and let go of the cancellation flag, so that the engine can
+    // reuse it once the transfer is reported (what destroying the whole request would do).
+    request.pins.clear();
+    request.cancelled.reset();
     done(std::move(status));
     return;
   }

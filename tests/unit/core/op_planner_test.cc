@@ -1,6 +1,9 @@
 #include "src/core/op_planner.h"
 
+#include <algorithm>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -135,6 +138,74 @@ TEST(OpPlannerTest, RandomOpListsKeepEveryByteExactlyOnce) {
     for (const auto& op : ops)
       for (uint64_t b = op.remote_offset / 512; b < (op.remote_offset + op.length) / 512; ++b)
         EXPECT_EQ(covered[b], 1) << "block " << b;
+  }
+}
+
+// The plan of a page list (shuffled runs of consecutive pages, some runs broken locally, in
+// two regions, sorted or not) is the one of sorting every op and merging left to right; a
+// sorted list skips the sort and must give the same.
+TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
+  std::vector<std::byte> local(1 << 22);
+  std::mt19937_64 rng(24);
+  for (int round = 0; round < 200; ++round) {
+    // Pages 0..n-1 of 4 KiB in two remote regions, cut into runs of 1..8 pages.
+    const size_t n = 1 + rng() % 300;
+    std::vector<std::pair<size_t, size_t>> runs;  // first page, pages
+    for (size_t p = 0; p < n;) {
+      const size_t len = std::min<size_t>(n - p, 1 + rng() % 8);
+      runs.emplace_back(p, len);
+      p += len;
+    }
+    if (round % 4 != 0) std::shuffle(runs.begin(), runs.end(), rng);
+    // Local slots in page order with a gap now and then (a page that continues the one
+    // before it remotely but not locally); the first half of the pages in remote region 1,
+    // the rest in region 2. Pages of two runs can continue one another after the sort.
+    std::vector<size_t> slot(n);
+    for (size_t page = 0, gaps = 0; page < n; ++page) {
+      if (rng() % 10 == 0) ++gaps;
+      slot[page] = page + gaps;
+    }
+    std::vector<transport::WireOp> ops;
+    for (const auto& [first, len] : runs) {
+      for (size_t k = 0; k < len; ++k) {
+        const size_t page = first + k;
+        const bool second = page >= n / 2;
+        ops.push_back({At(local, slot[page] * 4096), RegionId{second ? 2u : 1u},
+                       (page - (second ? n / 2 : 0)) * 4096, 4096, -1, RegionId{1}});
+      }
+    }
+    // The reference: every op sorted, then merged left to right.
+    std::vector<transport::WireOp> sorted = ops;
+    std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+      return a.remote_region != b.remote_region ? a.remote_region < b.remote_region
+                                                : a.remote_offset < b.remote_offset;
+    });
+    std::vector<transport::WireOp> expected;
+    for (const transport::WireOp& op : sorted) {
+      if (!expected.empty()) {
+        transport::WireOp& last = expected.back();
+        if (last.remote_region == op.remote_region &&
+            last.remote_offset + last.length == op.remote_offset &&
+            last.local + last.length == op.local) {
+          last.length += op.length;
+          continue;
+        }
+      }
+      expected.push_back(op);
+    }
+    PlanLimits limits;
+    limits.max_op_bytes = uint64_t{1} << 30;
+    Plan plan = PlanOps(ops, limits);
+    ASSERT_EQ(plan.lanes.size(), 1u);
+    ASSERT_EQ(plan.merged_ops, expected.size()) << "round " << round;
+    ASSERT_EQ(plan.lanes[0].size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const transport::WireOp& got = plan.lanes[0][i];
+      ASSERT_EQ(got.local, expected[i].local) << "round " << round << " op " << i;
+      ASSERT_EQ(got.remote_region, expected[i].remote_region);
+      ASSERT_EQ(got.remote_offset, expected[i].remote_offset);
+      ASSERT_EQ(got.length, expected[i].length);
+    }
   }
 }
 

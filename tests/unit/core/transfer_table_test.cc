@@ -114,7 +114,9 @@ TEST(TransferTableTest, WaitWakesWhenAnotherThreadFinishes) {
 TEST(TransferTableTest, EndInlineEndsOnceAndFirstEndWins) {
   TransferTable table;
   table.Start(Info(20), 1);
-  EXPECT_TRUE(table.EndInline(20, absl::DataLossError("lane")));
+  absl::Status lane = absl::DataLossError("lane");
+  EXPECT_TRUE(table.EndInline(20, &lane, absl::Now()));
+  EXPECT_EQ(lane.code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(table.pending(), 0u);
   EXPECT_EQ(table.Wait(20, absl::Seconds(1)).code(), absl::StatusCode::kDataLoss);
 
@@ -122,9 +124,54 @@ TEST(TransferTableTest, EndInlineEndsOnceAndFirstEndWins) {
   auto failed = table.FailIf([](const TransferInfo&) { return true; },
                              [](const TransferInfo&) { return absl::UnavailableError("closed"); });
   EXPECT_EQ(failed.size(), 1u);
-  EXPECT_FALSE(table.EndInline(21, absl::OkStatus()));
+  absl::Status ok;
+  EXPECT_FALSE(table.EndInline(21, &ok, absl::Now()));
   EXPECT_EQ(table.Wait(21, absl::Seconds(1)).code(), absl::StatusCode::kUnavailable);
-  EXPECT_FALSE(table.EndInline(99, absl::OkStatus()));  // unknown
+  EXPECT_FALSE(table.EndInline(99, &ok, absl::Now()));  // unknown
+  EXPECT_TRUE(ok.ok());
+}
+
+// A transfer started without its deadline watched (Engine::Transfer's may-end-inline case):
+// the deadline thread does not expire it, and EndInline ends it as the deadline would have
+// when the deadline had passed by the end; ArmDeadline watches it from then on, unless it
+// ended already.
+TEST(TransferTableTest, UnarmedDeadlineIsCheckedByEndInlineOrArmedLater) {
+  TransferTable table;
+  table.Start(Info(30, absl::Milliseconds(1)), 1, nullptr, /*arm_deadline=*/false);
+  const absl::Time later = absl::Now() + absl::Seconds(1);
+  EXPECT_TRUE(table.ExpireDeadlines(later).empty());
+  absl::Status status;  // the lane's: OK
+  EXPECT_TRUE(table.EndInline(30, &status, later));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(table.Wait(30, absl::Seconds(1)).code(), absl::StatusCode::kDeadlineExceeded);
+
+  // Ended in time: its status stands.
+  table.Start(Info(31), 1, nullptr, /*arm_deadline=*/false);
+  absl::Status in_time;
+  EXPECT_TRUE(table.EndInline(31, &in_time, absl::Now()));
+  EXPECT_TRUE(in_time.ok());
+  EXPECT_TRUE(table.Wait(31, absl::Seconds(1)).ok());
+
+  // Not ended inline: armed after the post, it expires as any other.
+  table.Start(Info(32, absl::Milliseconds(1)), 1, nullptr, /*arm_deadline=*/false);
+  table.ArmDeadline(32);
+  table.ArmDeadline(32);  // once is enough: no second entry
+  std::vector<TransferInfo> expired = table.ExpireDeadlines(later);
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].id, 32u);
+  EXPECT_TRUE(table.ExpireDeadlines(later).empty());
+  EXPECT_EQ(table.Wait(32, absl::Seconds(1)).code(), absl::StatusCode::kDeadlineExceeded);
+
+  // Ended before it was armed: nothing left to watch (the deadline thread would otherwise wake
+  // for it forever).
+  table.Start(Info(33, absl::Milliseconds(1)), 1, nullptr, /*arm_deadline=*/false);
+  ASSERT_TRUE(table.LaneDone(33, absl::OkStatus()).has_value());
+  EXPECT_TRUE(table.Finish(33, absl::OkStatus()));
+  table.ArmDeadline(33);
+  EXPECT_TRUE(table.ExpireDeadlines(later).empty());
+  EXPECT_TRUE(table.Wait(33, absl::Seconds(1)).ok());
+  // Nothing pending, nothing to wake for: WaitForDeadline sleeps to its limit.
+  EXPECT_TRUE(table.WaitForDeadline(absl::Now() + absl::Milliseconds(1)));
 }
 
 // A polling Wait (EngineOptions::wait_poll) sees an end made by another thread during its poll,
