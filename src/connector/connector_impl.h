@@ -143,6 +143,9 @@ class Connector::Impl {
 
   // The request and peer records (connector_request.h).
   using State = connector_internal::RequestState;
+  using Event = connector_internal::RequestEvent;
+  using Machine = connector_internal::RequestMachine;
+  using Role = connector_internal::Role;
   static const char* StateName(State s) { return connector_internal::RequestStateName(s); }
   using GroupCounters = connector_internal::GroupCounters;
   using Request = connector_internal::Request;
@@ -363,11 +366,25 @@ class Connector::Impl {
   void EventWaitLoop();
 
   // --- endings ----------------------------------------------------------------------------
+  // Feeds `event` to r's request machine with the facts read off `r` (FactsLocked) and
+  // returns the row taken. An event no row takes is counted (machine_refused in the stats)
+  // and logged, and nullptr is returned; the handler goes on as it would (its own checks
+  // decide what the event does), so a table that disagrees with the handlers shows in the
+  // counts rather than in a changed request.
+  const connector_internal::Transition* StepLocked(Request& r, Event e,
+                                                   bool nothing_to_move = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  connector_internal::RequestFacts FactsLocked(const Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `r` leaves the table as `end`: counted (machine_diverged) and logged when its machine
+  // ended elsewhere.
+  void CheckMachineEndLocked(const Request& r, State end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TellPeer(Request& r, bool ok, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a request once nothing touches its blocks any more (else drains first).
   void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `event`: what aborts it (kAbort, kSchedulerFinished, kPeerFail), fed to its machine.
+  void AbortLocked(Request& r, const std::string& reason, Event event)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill: the reader said it will not read (PeerMessage::unread); the blocks go now.
   void ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -537,6 +554,14 @@ class Connector::Impl {
     uint64_t taken = 0;   // all up to this one are taken
   };
   EventSaveQueue saves_ ABSL_GUARDED_BY(mu_);
+
+  // The request machines' steps (StepLocked, CheckMachineEndLocked; in the stats).
+  struct MachineCounters {
+    uint64_t steps = 0;
+    uint64_t refused = 0;
+    uint64_t diverged = 0;
+  };
+  MachineCounters machine_ ABSL_GUARDED_BY(mu_);
 
   // Outcome counters and recent requests: a lock of its own (see the lock order above).
   connector_internal::ConnectorMetrics accounting_;
