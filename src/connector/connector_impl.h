@@ -407,11 +407,15 @@ class Connector::Impl {
   // fails now, not at its deadline.
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Submits one transfer of `r` moving `layer`; its end is pushed to OnTransferEnded.
-  // `grant`: the source's read grant (read mode), presented with every op.
-  absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, const std::vector<Op>& ops,
-                            int layer, GrantId grant = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The engine reported the end of transfer `id` (progress thread).
+  // Submits one transfer of `r` moving `layer`: recorded in `r` under a ticket of the
+  // connector's now, handed to the engine once mu_ is released (queued in the outbox, in order
+  // with the messages; FlushOutbox), its end pushed to OnTransferEnded under that ticket. An
+  // engine that refuses the transfer ends it there, as a failed transfer. A peer known dead is
+  // an error now. `grant`: the source's read grant (read mode), presented with every op.
+  absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, std::vector<Op> ops, int layer,
+                            GrantId grant = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The end of the transfer under ticket `id` (progress thread; FlushOutbox for a transfer the
+  // engine refused).
   void OnTransferEnded(TransferId id, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -472,9 +476,9 @@ class Connector::Impl {
   // write-mode pushes and the event-gated saves move together in every transition (a message
   // about a transfer looks up its request, checks the peer it is bound to, and may end both),
   // so they are separate components under one lock rather than locks that every path would
-  // take together. Connector messages are queued under mu_ and sent after it is released
-  // (outbox_, FlushOutbox). The other engine calls (Transfer, Grant, Revoke, the bounded
-  // WaitForServedOps of a revoke) are still made under mu_: the engine never
+  // take together. Connector messages and transfers are queued under mu_ and sent (submitted)
+  // after it is released (outbox_, FlushOutbox). The other engine calls (Grant, Revoke, the
+  // bounded WaitForServedOps of a revoke) are still made under mu_: the engine never
   // calls back into the connector under its locks (completions and inbox events only signal
   // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
   // transport threads, runs outside mu_ (CloseQueuedPeers).
@@ -491,7 +495,7 @@ class Connector::Impl {
   struct RequestTable {
     std::map<std::string, Request> requests;         // by request id
     std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
-    // Engine transfers in flight -> the request they belong to (OnTransferEnded).
+    // Transfers in flight, by ticket (SubmitLocked) -> the request they belong to.
     std::map<TransferId, std::string> transfer_owner;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
@@ -529,15 +533,24 @@ class Connector::Impl {
   };
   PeerSessions sessions_ ABSL_GUARDED_BY(mu_);
 
-  // Connector messages queued under mu_, sent outside it (SendMessage, FlushOutbox).
+  // Connector messages and engine transfers queued under mu_, sent outside it (SendMessage,
+  // SubmitLocked, FlushOutbox): no Transfer (with its shm copy) is made under mu_.
+  struct OutTransfer {
+    TransferId ticket = 0;  // the connector's name of the transfer (Request::transfers)
+    OpKind kind = OpKind::kWrite;
+    std::vector<Op> ops;
+    TransferOptions options;
+  };
   struct OutMessage {
     PeerId peer = 0;
     std::string payload;
-    std::string request;  // fails this request if the send fails ("" for none)
+    std::string request;                  // fails this request if the send fails ("" for none)
+    std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
   };
   struct Outbox {
     std::deque<OutMessage> queue;
-    bool draining = false;  // a thread is sending; it takes what others queue meanwhile
+    bool draining = false;   // a thread is sending; it takes what others queue meanwhile
+    TransferId tickets = 0;  // the last transfer ticket handed out
   };
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
 

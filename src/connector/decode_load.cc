@@ -329,7 +329,9 @@ void Connector::Impl::SubmitReadsLocked(Request& r) {
     for (const Request::ReadSource& s : r.read_sources) {
       auto ops = s.layer_ops.find(layer);
       if (ops == s.layer_ops.end()) continue;
-      absl::Status submitted = SubmitLocked(r, s.peer, OpKind::kRead, ops->second, layer, *s.grant);
+      // The ops are not needed here any more (read_sources is cleared below).
+      absl::Status submitted =
+          SubmitLocked(r, s.peer, OpKind::kRead, std::move(ops->second), layer, *s.grant);
       if (!submitted.ok()) {
         StepLocked(r, Event::kTransferFailed);
         FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));

@@ -292,8 +292,15 @@ void Connector::Impl::FlushOutbox() {
     batch.swap(outbox_.queue);
   }
   while (true) {
-    std::vector<std::pair<std::string, std::string>> failed;  // request, reason
+    std::vector<std::pair<std::string, std::string>> failed;   // request, reason
+    std::vector<std::pair<TransferId, absl::Status>> refused;  // ticket, why
     for (OutMessage& m : batch) {
+      if (m.transfer) {
+        absl::StatusOr<TransferId> id =
+            engine_->Transfer(m.peer, m.transfer->kind, m.transfer->ops, m.transfer->options);
+        if (!id.ok()) refused.emplace_back(m.transfer->ticket, id.status());
+        continue;
+      }
       absl::Status s =
           engine_->SendMessage(m.peer, connector_internal::kTopic, std::move(m.payload));
       if (s.ok()) continue;
@@ -303,6 +310,7 @@ void Connector::Impl::FlushOutbox() {
     }
     batch.clear();
     MutexLock lock(&mu_);
+    for (const auto& [ticket, status] : refused) OnTransferEnded(ticket, status);
     for (const auto& [id, reason] : failed) {
       auto it = table_.requests.find(id);
       if (it == table_.requests.end() || it->second.state != State::kLoading) continue;

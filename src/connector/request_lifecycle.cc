@@ -192,21 +192,29 @@ void Connector::Impl::AbortLocked(Request& r, const std::string& reason, Event e
 }
 
 absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
-                                           const std::vector<Op>& ops, int layer, GrantId grant) {
-  TransferOptions to;
-  to.grant = grant;
-  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
-  // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on
-  // it: a transfer that ends inside Transfer (shm) is handled once this caller lets go.
-  to.on_complete = [signal = signal_](TransferId id, const absl::Status& status) {
-    signal->TransferEnded(id, status);
+                                           std::vector<Op> ops, int layer, GrantId grant) {
+  if (!PeerAlive(peer)) {
+    return absl::UnavailableError(absl::StrCat("connector peer ", peer, " closed"));
+  }
+  OutTransfer t;
+  t.ticket = ++outbox_.tickets;
+  t.kind = kind;
+  t.ops = std::move(ops);
+  t.options.grant = grant;
+  t.options.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
+  // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on it,
+  // under the ticket the request knows the transfer by (recorded below, before the engine
+  // has it, so that no end can come first).
+  t.options.on_complete = [signal = signal_, ticket = t.ticket](TransferId,
+                                                                const absl::Status& status) {
+    signal->TransferEnded(ticket, status);
   };
-  absl::StatusOr<TransferId> id = engine_->Transfer(peer, kind, ops, to);
-  if (!id.ok()) return id.status();
-  r.transfers.insert(*id);
-  r.transfer_layer[*id] = layer;
+  r.transfers.insert(t.ticket);
+  r.transfer_layer[t.ticket] = layer;
   ++r.layer_transfers_left[layer];
-  table_.transfer_owner[*id] = r.id;
+  table_.transfer_owner[t.ticket] = r.id;
+  if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+  outbox_.queue.push_back({peer, "", r.id, std::move(t)});
   return absl::OkStatus();
 }
 

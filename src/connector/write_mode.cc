@@ -153,7 +153,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
       return;
     }
     cpu.Pause();
-    absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, *ops, layer);
+    absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, std::move(*ops), layer);
     cpu.Resume();
     if (!submitted.ok()) {
       StepLocked(r, Event::kTransferFailed);
