@@ -143,6 +143,9 @@ class Connector::Impl {
 
   // The request and peer records (connector_request.h).
   using State = connector_internal::RequestState;
+  using Event = connector_internal::RequestEvent;
+  using Machine = connector_internal::RequestMachine;
+  using Role = connector_internal::Role;
   static const char* StateName(State s) { return connector_internal::RequestStateName(s); }
   using GroupCounters = connector_internal::GroupCounters;
   using Request = connector_internal::Request;
@@ -363,11 +366,25 @@ class Connector::Impl {
   void EventWaitLoop();
 
   // --- endings ----------------------------------------------------------------------------
+  // Feeds `event` to r's request machine with the facts read off `r` (FactsLocked) and
+  // returns the row taken. An event no row takes is counted (machine_refused in the stats)
+  // and logged, and nullptr is returned; the handler goes on as it would (its own checks
+  // decide what the event does), so a table that disagrees with the handlers shows in the
+  // counts rather than in a changed request.
+  const connector_internal::Transition* StepLocked(Request& r, Event e,
+                                                   bool nothing_to_move = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  connector_internal::RequestFacts FactsLocked(const Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `r` leaves the table as `end`: counted (machine_diverged) and logged when its machine
+  // ended elsewhere.
+  void CheckMachineEndLocked(const Request& r, State end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TellPeer(Request& r, bool ok, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a request once nothing touches its blocks any more (else drains first).
   void FailLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AbortLocked(Request& r, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `event`: what aborts it (kAbort, kSchedulerFinished, kPeerFail), fed to its machine.
+  void AbortLocked(Request& r, const std::string& reason, Event event)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill: the reader said it will not read (PeerMessage::unread); the blocks go now.
   void ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -390,11 +407,15 @@ class Connector::Impl {
   // fails now, not at its deadline.
   void OnPeerDeath(PeerId peer, const std::string& name, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Submits one transfer of `r` moving `layer`; its end is pushed to OnTransferEnded.
-  // `grant`: the source's read grant (read mode), presented with every op.
-  absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, const std::vector<Op>& ops,
-                            int layer, GrantId grant = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The engine reported the end of transfer `id` (progress thread).
+  // Submits one transfer of `r` moving `layer`: recorded in `r` under a ticket of the
+  // connector's now, handed to the engine once mu_ is released (queued in the outbox, in order
+  // with the messages; FlushOutbox), its end pushed to OnTransferEnded under that ticket. An
+  // engine that refuses the transfer ends it there, as a failed transfer. A peer known dead is
+  // an error now. `grant`: the source's read grant (read mode), presented with every op.
+  absl::Status SubmitLocked(Request& r, PeerId peer, OpKind kind, std::vector<Op> ops, int layer,
+                            GrantId grant = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The end of the transfer under ticket `id` (progress thread; FlushOutbox for a transfer the
+  // engine refused).
   void OnTransferEnded(TransferId id, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -455,9 +476,9 @@ class Connector::Impl {
   // write-mode pushes and the event-gated saves move together in every transition (a message
   // about a transfer looks up its request, checks the peer it is bound to, and may end both),
   // so they are separate components under one lock rather than locks that every path would
-  // take together. Connector messages are queued under mu_ and sent after it is released
-  // (outbox_, FlushOutbox). The other engine calls (Transfer, Grant, Revoke, the bounded
-  // WaitForServedOps of a revoke) are still made under mu_: the engine never
+  // take together. Connector messages and transfers are queued under mu_ and sent (submitted)
+  // after it is released (outbox_, FlushOutbox). The other engine calls (Grant, Revoke, the
+  // bounded WaitForServedOps of a revoke) are still made under mu_: the engine never
   // calls back into the connector under its locks (completions and inbox events only signal
   // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
   // transport threads, runs outside mu_ (CloseQueuedPeers).
@@ -474,7 +495,7 @@ class Connector::Impl {
   struct RequestTable {
     std::map<std::string, Request> requests;         // by request id
     std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
-    // Engine transfers in flight -> the request they belong to (OnTransferEnded).
+    // Transfers in flight, by ticket (SubmitLocked) -> the request they belong to.
     std::map<TransferId, std::string> transfer_owner;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
@@ -512,15 +533,24 @@ class Connector::Impl {
   };
   PeerSessions sessions_ ABSL_GUARDED_BY(mu_);
 
-  // Connector messages queued under mu_, sent outside it (SendMessage, FlushOutbox).
+  // Connector messages and engine transfers queued under mu_, sent outside it (SendMessage,
+  // SubmitLocked, FlushOutbox): no Transfer (with its shm copy) is made under mu_.
+  struct OutTransfer {
+    TransferId ticket = 0;  // the connector's name of the transfer (Request::transfers)
+    OpKind kind = OpKind::kWrite;
+    std::vector<Op> ops;
+    TransferOptions options;
+  };
   struct OutMessage {
     PeerId peer = 0;
     std::string payload;
-    std::string request;  // fails this request if the send fails ("" for none)
+    std::string request;                  // fails this request if the send fails ("" for none)
+    std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
   };
   struct Outbox {
     std::deque<OutMessage> queue;
-    bool draining = false;  // a thread is sending; it takes what others queue meanwhile
+    bool draining = false;   // a thread is sending; it takes what others queue meanwhile
+    TransferId tickets = 0;  // the last transfer ticket handed out
   };
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
 
@@ -537,6 +567,14 @@ class Connector::Impl {
     uint64_t taken = 0;   // all up to this one are taken
   };
   EventSaveQueue saves_ ABSL_GUARDED_BY(mu_);
+
+  // The request machines' steps (StepLocked, CheckMachineEndLocked; in the stats).
+  struct MachineCounters {
+    uint64_t steps = 0;
+    uint64_t refused = 0;
+    uint64_t diverged = 0;
+  };
+  MachineCounters machine_ ABSL_GUARDED_BY(mu_);
 
   // Outcome counters and recent requests: a lock of its own (see the lock order above).
   connector_internal::ConnectorMetrics accounting_;

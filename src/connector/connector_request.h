@@ -27,6 +27,11 @@ struct Request {
   std::string id;
   bool decode = false;  // role of this side for the request
   RequestState state = RequestState::kMatched;
+  // The request's row in the transition table (request_machine.h), stepped by every handler
+  // that takes an event of it (Connector::Impl::StepLocked). `state` is what the handlers
+  // branch on; where the two part, the request ends other than its machine did, which is
+  // counted (machine_diverged) and logged at its end.
+  RequestMachine machine;
   KvTransferParams params;
   KvMode mode = KvMode::kAuto;
   BlockTable blocks;

@@ -15,17 +15,20 @@ std::string Connector::Impl::StatsJson() const {
   for (const auto& [name, c] : m.group_totals) {
     groups[name] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
   }
-  json j = {{"engine_id", engine_->name()},
-            {"live_requests", table_.requests.size()},
-            {"started", m.started},
-            {"completed", m.completed},
-            {"failed", m.failed},
-            {"withdrawn", m.withdrawn},
-            {"released", m.released},
-            {"lease_expired", m.lease_expired},
-            {"reads_refused", m.reads_refused},
-            {"groups", groups},
-            {"requests", m.recent}};
+  json j = {
+      {"engine_id", engine_->name()},
+      {"live_requests", table_.requests.size()},
+      {"started", m.started},
+      {"completed", m.completed},
+      {"failed", m.failed},
+      {"withdrawn", m.withdrawn},
+      {"released", m.released},
+      {"lease_expired", m.lease_expired},
+      {"reads_refused", m.reads_refused},
+      {"machine",
+       {{"steps", machine_.steps}, {"refused", machine_.refused}, {"diverged", machine_.diverged}}},
+      {"groups", groups},
+      {"requests", m.recent}};
   return DumpJson(j);
 }
 
@@ -57,6 +60,16 @@ std::string Connector::Impl::StatsPrometheus() const {
          "read_start for a transfer id not held here (unknown or released): no grant given.");
   absl::StrAppend(&out, "kvwire_connector_reads_refused_total{engine=\"", e, "\"} ",
                   m.reads_refused, "\n");
+  family("kvwire_connector_machine_events_total", "counter",
+         "Request events fed to the transition table, by result: taken, refused (no row takes "
+         "the event in the request's state), diverged (a request ended other than its table "
+         "row).");
+  absl::StrAppend(&out, "kvwire_connector_machine_events_total{engine=\"", e,
+                  "\",result=\"taken\"} ", machine_.steps - machine_.refused, "\n");
+  absl::StrAppend(&out, "kvwire_connector_machine_events_total{engine=\"", e,
+                  "\",result=\"refused\"} ", machine_.refused, "\n");
+  absl::StrAppend(&out, "kvwire_connector_machine_events_total{engine=\"", e,
+                  "\",result=\"diverged\"} ", machine_.diverged, "\n");
   family("kvwire_connector_live_requests", "gauge", "Requests not retired yet.");
   absl::StrAppend(&out, "kvwire_connector_live_requests{engine=\"", e, "\"} ",
                   table_.requests.size(), "\n");
@@ -104,6 +117,9 @@ void Connector::Impl::Retire(Request& r, const char* outcome) {
   }
   using Outcome = connector_internal::ConnectorMetrics::Outcome;
   const std::string o(outcome);
+  CheckMachineEndLocked(r, o == "completed"  ? State::kCompleted
+                           : o == "released" ? State::kReleased
+                                             : State::kFailed);
   accounting_.Retired(o == "completed"  ? Outcome::kCompleted
                       : o == "released" ? Outcome::kReleased
                                         : Outcome::kFailed,

@@ -18,6 +18,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
     MutexLock lock(&mu_);
     auto it = table_.requests.find(id);
     if (it == table_.requests.end() || it->second.state != State::kPending) return;
+    StepLocked(it->second, Event::kStartLoad);
     it->second.state = State::kLoading;
     // Every layer is pending until its data is known to be in place (read: its transfers
     // ended; write: prefill's "layer" or "done").
@@ -38,9 +39,11 @@ void Connector::Impl::StartLoad(const std::string& id) {
     if (!resolved.ok()) {
       StepLock lock(this);
       auto it = table_.requests.find(id);
+      if (it != table_.requests.end()) StepLocked(it->second, Event::kConnectFailed);
       if (it != table_.requests.end() && it->second.release_only) {
         KVW_LOG(kWarning, kLog) << "cannot tell the prefill to free its blocks (its lease will)"
                                 << Kv("request", id) << Kv("reason", resolved.status().message());
+        CheckMachineEndLocked(it->second, State::kWithdrawn);
         table_.requests.erase(it);
       } else if (it != table_.requests.end()) {
         Request& r = it->second;
@@ -68,21 +71,30 @@ void Connector::Impl::StartLoad(const std::string& id) {
   }
   if (r.release_only) {
     if (peer.ok()) r.peer = *peer;
+    KvMode told = r.params.mode;
+    if (told == KvMode::kAuto) told = r.params.block_ids.empty() ? KvMode::kWrite : KvMode::kRead;
+    StepLocked(r, !peer.ok()               ? Event::kConnectFailed
+                  : told == KvMode::kWrite ? Event::kConnectedWrite
+                                           : Event::kConnectedRead);
     TellUnreadLocked(r);
+    CheckMachineEndLocked(r, State::kWithdrawn);
     table_.requests.erase(it);  // never counted as started: nothing moved
     return;
   }
   if (!r.fail_reason.empty()) {  // aborted while connecting
+    StepLocked(r, Event::kConnectFailed);
     FailLocked(r, r.fail_reason);
     return;
   }
   if (!peer.ok()) {
+    StepLocked(r, Event::kConnectFailed);
     FailLocked(r, std::string(peer.status().message()));
     return;
   }
   r.peer = *peer;
   auto pit = sessions_.peers.find(*peer);
   if (pit == sessions_.peers.end() || !pit->second.ready) {
+    StepLocked(r, Event::kConnectFailed);
     FailLocked(r, absl::StrCat("prefill engine at ", address, " closed"));
     return;
   }
@@ -98,6 +110,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
   }
   for (KvMode side : {p.prefill_mode, p.decode_mode}) {
     if (side != KvMode::kAuto && side != want) {
+      StepLocked(r, Event::kConnectFailed);
       FailLocked(r, absl::StrCat("kv transfer mode conflict: request wants '", KvModeName(want),
                                  "', prefill is '", KvModeName(p.prefill_mode), "', decode is '",
                                  KvModeName(p.decode_mode), "'"));
@@ -108,6 +121,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
   if (want == KvMode::kWrite) {
     if (!r.params.tp_sources.empty()) {
       r.mode = KvMode::kRead;  // the extra ranks hold read-mode hand-offs: release them
+      StepLocked(r, Event::kConnectFailed);
       FailLocked(r,
                  "kv_transfer_params name several prefill ranks (tp_sources), which only "
                  "read mode supports");
@@ -118,7 +132,9 @@ void Connector::Impl::StartLoad(const std::string& id) {
                 {"request_id", r.id},
                 {"blocks", connector_internal::BlocksToJson(r.blocks)},
                 {"num_cached", r.num_cached}};
+    StepLocked(r, Event::kConnectedWrite);
     if (absl::Status s = SendMessage(*peer, req, r.id); !s.ok()) {
+      StepLocked(r, Event::kPeerGone);
       FailLocked(r, std::string(s.message()));
       return;
     }
@@ -126,6 +142,7 @@ void Connector::Impl::StartLoad(const std::string& id) {
     return;
   }
   if (r.params.block_ids.empty()) {
+    StepLocked(r, Event::kConnectFailed);
     FailLocked(r, "read mode but kv_transfer_params carry no block_ids");
     return;
   }
@@ -192,6 +209,7 @@ absl::Status Connector::Impl::ReleaseUnread(const std::string& req_id,
 bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<PeerId>>& tp_peers) {
   for (const absl::StatusOr<PeerId>& tp : tp_peers) {
     if (!tp.ok()) {
+      StepLocked(r, Event::kConnectFailed);
       FailLocked(r, absl::StrCat("prefill tensor-parallel rank: ", tp.status().message()));
       return false;
     }
@@ -213,6 +231,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
   for (size_t i = 0; i < tables.size(); ++i) {
     auto pit = sessions_.peers.find(tables[i].first);
     if (pit == sessions_.peers.end() || !pit->second.ready) {
+      StepLocked(r, Event::kConnectFailed);
       FailLocked(r, "a prefill engine of the request closed");
       return false;
     }
@@ -220,6 +239,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     absl::StatusOr<TransferPlan> plan =
         PlanTransfer(p.layout, *tables[i].second, layout_, r.blocks, r.num_tokens, r.num_cached);
     if (!plan.ok()) {
+      StepLocked(r, Event::kConnectFailed);
       FailLocked(r, std::string(plan.status().message()));
       return false;
     }
@@ -238,6 +258,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
       if (ranges.empty()) continue;
       absl::StatusOr<std::vector<Op>> ops = ToOps(ranges, p, /*local_is_src=*/false);
       if (!ops.ok()) {
+        StepLocked(r, Event::kConnectFailed);
         FailLocked(r, std::string(ops.status().message()));
         return false;
       }
@@ -255,6 +276,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
       const uint64_t want = SelectBlocks(g, r.num_tokens, r.num_cached).logical_blocks.size() *
                             g.layers.size() * g.components * g.page_bytes;
       if (head_bytes[g.name] != want) {
+        StepLocked(r, Event::kConnectFailed);
         FailLocked(r, absl::StrCat("cache group '", g.name, "': the ", tables.size(),
                                    " prefill rank(s) give ", head_bytes[g.name], " of the ", want,
                                    " bytes of this decode rank's heads"));
@@ -269,6 +291,7 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     for (const auto& [layer, ops] : s.layer_ops) layers.insert(layer);
   }
   if (layers.empty()) {
+    StepLocked(r, Event::kConnectedRead, /*nothing_to_move=*/true);
     CompleteLocked(r);
     return false;
   }
@@ -280,12 +303,14 @@ bool Connector::Impl::StartReads(Request& r, const std::vector<absl::StatusOr<Pe
     r.read_sources.push_back({s.peer, *s.transfer_id, std::move(s.layer_ops), std::nullopt});
   }
   r.layers_pending = layers;
+  StepLocked(r, Event::kConnectedRead);
   for (const Request::ReadSource& s : r.read_sources) {
     cpu.Pause();
     absl::Status started =
         SendMessage(s.peer, json{{"t", "read_start"}, {"transfer_id", s.transfer_id}}, r.id);
     cpu.Resume();
     if (!started.ok()) {
+      StepLocked(r, Event::kPeerGone);
       FailLocked(r, std::string(started.message()));
       return false;
     }
@@ -304,8 +329,11 @@ void Connector::Impl::SubmitReadsLocked(Request& r) {
     for (const Request::ReadSource& s : r.read_sources) {
       auto ops = s.layer_ops.find(layer);
       if (ops == s.layer_ops.end()) continue;
-      absl::Status submitted = SubmitLocked(r, s.peer, OpKind::kRead, ops->second, layer, *s.grant);
+      // The ops are not needed here any more (read_sources is cleared below).
+      absl::Status submitted =
+          SubmitLocked(r, s.peer, OpKind::kRead, std::move(ops->second), layer, *s.grant);
       if (!submitted.ok()) {
+        StepLocked(r, Event::kTransferFailed);
         FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
         return;
       }

@@ -91,7 +91,9 @@ void Connector::Impl::EventWaitLoop() {
                                 << Kv("error", done.status());
         for (const std::string& id : head.requests) {
           auto it = table_.requests.find(id);
-          if (it != table_.requests.end()) FailLocked(it->second, reason);
+          if (it == table_.requests.end()) continue;
+          StepLocked(it->second, Event::kTransferFailed);  // its layer cannot be sent
+          FailLocked(it->second, reason);
         }
         head.requests.clear();
         take = true;

@@ -153,12 +153,19 @@ Connector::Impl::LoadResult Connector::Impl::OnLoadResult(const InboxEvent& n,
     // Read mode: a "fail" before the READs started (the prefill refused the read_start: it
     // holds no such transfer, or could not grant it) ends the load; once they started, the
     // READs themselves fail.
+    if (m.type == Type::kFail && r.mode == KvMode::kRead &&
+        (r.state == State::kLoading || r.state == State::kDraining)) {
+      StepLocked(r, Event::kPeerFail);  // in flight or draining: the READs end on their own
+    }
     if (m.type == Type::kFail && r.state == State::kLoading && r.transfers.empty()) {
       FailLocked(r, r.fail_reason.empty() ? absl::StrCat("prefill: ", m.reason) : r.fail_reason);
     }
     return LoadResult::kHandled;
   }
   if (r.state != State::kLoading && r.state != State::kDraining) return LoadResult::kHandled;
+  StepLocked(r, m.type == Type::kLayer  ? Event::kPeerLayer
+                : m.type == Type::kDone ? Event::kPeerDone
+                                        : Event::kPeerFail);
   if (m.type == Type::kLayer) {
     r.layers_pending.erase(m.layer);
     cv_.SignalAll();  // WaitForLayerLoad
@@ -198,7 +205,11 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
     if (!r->decode && r->mode == KvMode::kRead) {
       // A read-mode hold: its readers release (a "fail" of theirs changes nothing); anyone
       // else is refused once it has readers.
-      if (r->FindReader(n.peer) == nullptr && !r->readers.empty()) RefuseBoundElsewhere(n, m);
+      if (r->FindReader(n.peer) == nullptr && !r->readers.empty()) {
+        RefuseBoundElsewhere(n, m);
+      } else {
+        StepLocked(*r, Event::kPeerFail);  // its readers release: nothing changes
+      }
       return;
     }
     std::optional<PeerId> bound = r->peer;
@@ -207,12 +218,13 @@ void Connector::Impl::OnFail(const InboxEvent& n, PeerMessage& m) {
       if (e != pushes_.early_writes.end()) bound = e->second.peer;
     }
     if (bound == n.peer) {
-      if (r->mode == KvMode::kWrite) AbortLocked(*r, "aborted by decode");
+      if (r->mode == KvMode::kWrite) AbortLocked(*r, "aborted by decode", Event::kPeerFail);
       return;
     }
     if (!bound && m.unread && r->mode == KvMode::kWrite) {
       // Write mode, before decode sent its blocks: decode will not load (the transfer id,
       // 128 random bits, is the capability to say so).
+      StepLocked(*r, Event::kPeerUnread);
       ReleaseUnreadLocked(*r, n.peer, m.reason);
       return;
     }
@@ -280,8 +292,15 @@ void Connector::Impl::FlushOutbox() {
     batch.swap(outbox_.queue);
   }
   while (true) {
-    std::vector<std::pair<std::string, std::string>> failed;  // request, reason
+    std::vector<std::pair<std::string, std::string>> failed;   // request, reason
+    std::vector<std::pair<TransferId, absl::Status>> refused;  // ticket, why
     for (OutMessage& m : batch) {
+      if (m.transfer) {
+        absl::StatusOr<TransferId> id =
+            engine_->Transfer(m.peer, m.transfer->kind, m.transfer->ops, m.transfer->options);
+        if (!id.ok()) refused.emplace_back(m.transfer->ticket, id.status());
+        continue;
+      }
       absl::Status s =
           engine_->SendMessage(m.peer, connector_internal::kTopic, std::move(m.payload));
       if (s.ok()) continue;
@@ -291,9 +310,11 @@ void Connector::Impl::FlushOutbox() {
     }
     batch.clear();
     MutexLock lock(&mu_);
+    for (const auto& [ticket, status] : refused) OnTransferEnded(ticket, status);
     for (const auto& [id, reason] : failed) {
       auto it = table_.requests.find(id);
       if (it == table_.requests.end() || it->second.state != State::kLoading) continue;
+      StepLocked(it->second, Event::kPeerGone);  // the peer cannot be told any more
       FailLocked(it->second, it->second.fail_reason.empty() ? reason : it->second.fail_reason);
     }
     if (outbox_.queue.empty()) {

@@ -261,6 +261,7 @@ void Connector::Impl::OnPeerDeath(PeerId peer, const std::string& name, const st
     Request& r = it->second;
     // Not marked abort_sent: other sources of a multi-rank read still get their release
     // (TellPeer skips dead peers).
+    StepLocked(r, Event::kPeerGone);
     FailLocked(r, absl::StrCat("peer ", name, " died: ", reason));
   }
   // A held hand-off's other readers may still be reading: this one is done, failed. (Its

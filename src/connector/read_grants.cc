@@ -135,6 +135,7 @@ void Connector::Impl::ReaderDoneLocked(Request& r, PeerId peer, ReadEnd how,
   if (how == ReadEnd::kRead) r.read = true;
   if (how == ReadEnd::kUnread) r.unread = true;
   if (how == ReadEnd::kFailed && r.reader_failure.empty()) r.reader_failure = reason;
+  StepLocked(r, Event::kRelease);
   // The blocks stay while a reader may read them and, unless the decode will not read them,
   // until every one of its ranks has been heard from.
   for (const Request::Reader& x : r.readers) {
@@ -153,6 +154,7 @@ void Connector::Impl::ReaderDoneLocked(Request& r, PeerId peer, ReadEnd how,
 void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
   Request::Reader* reader = r.FindReader(peer);
   if (reader == nullptr) return;  // ClaimReaderLocked binds it first
+  StepLocked(r, Event::kReadStart);
   if (reader->grant == 0) {
     const absl::Status scrubbed = ScrubUnfilledLocked(r);
     absl::StatusOr<std::vector<GrantRange>> ranges =
@@ -163,6 +165,7 @@ void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
       const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
       (void)SendMessage(
           peer, json{{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}});
+      StepLocked(r, Event::kGrantFailed);
       FailLocked(r, reason);
       return;
     }
@@ -250,6 +253,7 @@ void Connector::Impl::OnReadOk(const InboxEvent& n, PeerMessage& m) {
       if (s.peer != n.peer) continue;
       if (r.state != State::kLoading || !r.fail_reason.empty() || s.grant) return;
       s.grant = m.grant;
+      StepLocked(r, Event::kReadOk);  // all_granted: the row's action is submit_reads
       if (std::all_of(r.read_sources.begin(), r.read_sources.end(),
                       [](const Request::ReadSource& x) { return x.grant.has_value(); })) {
         SubmitReadsLocked(r);

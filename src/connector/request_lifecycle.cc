@@ -24,6 +24,55 @@ Connector::Impl::Request* Connector::Impl::FindDecodeByTransfer(const std::strin
   return nullptr;
 }
 
+// --- the request machine -----------------------------------------------------------------
+connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r) {
+  connector_internal::RequestFacts f;
+  f.in_flight = !r.transfers.empty();
+  f.all_granted = !r.read_sources.empty() &&
+                  std::all_of(r.read_sources.begin(), r.read_sources.end(),
+                              [](const Request::ReadSource& s) { return s.grant.has_value(); });
+  f.all_sent = r.plan.has_value();
+  if (r.plan) {
+    for (int layer : r.plan->Layers()) f.all_sent = f.all_sent && r.layers_sent.count(layer) != 0;
+  }
+  // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
+  // expected one bound.
+  f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
+                               [](const Request::Reader& x) { return !x.done; }) ||
+                   (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected);
+  f.reader_failed = !r.reader_failure.empty();
+  f.reader_read = r.read;
+  f.failing = !r.fail_reason.empty();
+  f.peer_alive = r.peer.has_value() && PeerAlive(*r.peer);
+  f.release_only = r.release_only;
+  return f;
+}
+
+const connector_internal::Transition* Connector::Impl::StepLocked(Request& r, Event e,
+                                                                  bool nothing_to_move) {
+  connector_internal::RequestFacts f = FactsLocked(r);
+  f.nothing_to_move = nothing_to_move;
+  ++machine_.steps;
+  absl::StatusOr<const connector_internal::Transition*> row = r.machine.Step(e, f);
+  if (!row.ok()) {
+    ++machine_.refused;
+    KVW_LOG(kWarning, kLog) << "request event refused by the transition table"
+                            << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                            << Kv("error", row.status().message());
+    return nullptr;
+  }
+  return *row;
+}
+
+void Connector::Impl::CheckMachineEndLocked(const Request& r, State end) {
+  if (r.machine.state() == end) return;
+  ++machine_.diverged;
+  KVW_LOG(kWarning, kLog) << "request ended other than its transition table says"
+                          << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                          << Kv("ended", connector_internal::RequestStateName(end))
+                          << Kv("machine", connector_internal::RequestStateName(r.machine.state()));
+}
+
 // --- endings ----------------------------------------------------------------------------
 void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
   if (!r.peer) return;
@@ -128,7 +177,8 @@ void Connector::Impl::ReleaseUnreadLocked(Request& r, PeerId reader, const std::
   Retire(r, "released");
 }
 
-void Connector::Impl::AbortLocked(Request& r, const std::string& reason) {
+void Connector::Impl::AbortLocked(Request& r, const std::string& reason, Event event) {
+  StepLocked(r, event);
   if (!r.fail_reason.empty()) return;
   if (!r.decode && r.state == State::kHeld) {
     // A reader may be reading these blocks: they stay until it releases or the lease ends.
@@ -142,21 +192,29 @@ void Connector::Impl::AbortLocked(Request& r, const std::string& reason) {
 }
 
 absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
-                                           const std::vector<Op>& ops, int layer, GrantId grant) {
-  TransferOptions to;
-  to.grant = grant;
-  to.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
-  // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on
-  // it: a transfer that ends inside Transfer (shm) is handled once this caller lets go.
-  to.on_complete = [signal = signal_](TransferId id, const absl::Status& status) {
-    signal->TransferEnded(id, status);
+                                           std::vector<Op> ops, int layer, GrantId grant) {
+  if (!PeerAlive(peer)) {
+    return absl::UnavailableError(absl::StrCat("connector peer ", peer, " closed"));
+  }
+  OutTransfer t;
+  t.ticket = ++outbox_.tickets;
+  t.kind = kind;
+  t.ops = std::move(ops);
+  t.options.grant = grant;
+  t.options.timeout = std::max(absl::Milliseconds(1), r.deadline - absl::Now());
+  // The end is pushed to the progress thread (OnTransferEnded), which needs mu_ to act on it,
+  // under the ticket the request knows the transfer by (recorded below, before the engine
+  // has it, so that no end can come first).
+  t.options.on_complete = [signal = signal_, ticket = t.ticket](TransferId,
+                                                                const absl::Status& status) {
+    signal->TransferEnded(ticket, status);
   };
-  absl::StatusOr<TransferId> id = engine_->Transfer(peer, kind, ops, to);
-  if (!id.ok()) return id.status();
-  r.transfers.insert(*id);
-  r.transfer_layer[*id] = layer;
+  r.transfers.insert(t.ticket);
+  r.transfer_layer[t.ticket] = layer;
   ++r.layer_transfers_left[layer];
-  table_.transfer_owner[*id] = r.id;
+  table_.transfer_owner[t.ticket] = r.id;
+  if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+  outbox_.queue.push_back({peer, "", r.id, std::move(t)});
   return absl::OkStatus();
 }
 
@@ -168,6 +226,7 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   if (it == table_.requests.end()) return;
   Request& r = it->second;
   if (r.transfers.erase(id) == 0) return;
+  StepLocked(r, status.ok() ? Event::kTransferOk : Event::kTransferFailed);
   if (!status.ok()) {
     // The first failure names the request's reason; later ones find it set.
     FailLocked(r, absl::StrCat("transfer ", r.params.transfer_id, ": ", status.message()));
@@ -237,6 +296,7 @@ void Connector::Impl::CheckDeadlines() {
     auto it = table_.requests.find(id);
     if (it == table_.requests.end()) continue;
     Request& r = it->second;
+    if (r.state != State::kMatched && r.state != State::kPending) StepLocked(r, Event::kDeadline);
     if (r.state == State::kHeld) {
       KVW_LOG(kWarning, kLog) << "lease expired: no release from the reader" << Kv("request", r.id)
                               << Kv("transfer", r.params.transfer_id);

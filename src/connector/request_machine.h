@@ -1,9 +1,11 @@
 // The life of one connector request as one transition table: (role, mode, state, event,
 // guards) -> (next state, actions). Pure: no engine, no locks, no I/O, no allocation on a
 // step. Connector::Impl keeps a RequestMachine per request (Request::machine); its handlers
-// step it under the connector's lock and carry out the actions the row names (engine calls,
-// messages, reports). docs/ARCHITECTURE.md draws the same table (TransitionTableMarkdown;
-// request_machine_test checks that the two agree).
+// step it under the connector's lock with every event of the request (StepLocked), and count
+// and log an event the table refuses and a request that ends other than its machine did. The
+// handlers still carry out their own actions (engine calls, messages, reports); the rows'
+// actions say what they must be. docs/ARCHITECTURE.md draws the same table
+// (TransitionTableMarkdown; request_machine_test checks that the two agree).
 //
 // Roles and modes: a prefill request is a write-mode save (GetNumNewMatchedTokens with
 // do_remote_decode and mode write) or a read-mode hand-off (RequestFinished holds its

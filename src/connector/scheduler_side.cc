@@ -61,6 +61,8 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.num_cached = num_computed;
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
+    r.machine = Machine(Role::kDecode, KvMode::kAuto);
+    StepLocked(r, Event::kMatch);
     table_.requests[req_id] = std::move(r);
     accounting_.Started();
     result.num_external_tokens = remote_tokens - num_computed;
@@ -89,6 +91,8 @@ absl::StatusOr<MatchResult> Connector::Impl::GetNumNewMatchedTokens(
     r.num_tokens = num_tokens;
     r.t_queued = absl::Now();
     r.deadline = r.t_queued + options_.request_timeout;
+    r.machine = Machine(Role::kPrefill, KvMode::kWrite);
+    StepLocked(r, Event::kMatch);
     table_.by_transfer[params->transfer_id] = req_id;
     table_.requests[req_id] = std::move(r);
     accounting_.Started();
@@ -107,6 +111,7 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
     return absl::FailedPreconditionError("RegisterKvCaches must come before requests");
   }
   if (r.state != State::kMatched) {
+    StepLocked(r, Event::kAlloc);  // refused: counted and logged
     return absl::FailedPreconditionError(absl::StrCat(
         "request ", req_id, ": blocks allocated twice (state ", StateName(r.state), ")"));
   }
@@ -114,13 +119,17 @@ absl::Status Connector::Impl::UpdateStateAfterAlloc(const std::string& req_id,
   if (r.decode) {
     if (num_external_tokens == 0) {
       // The scheduler chose not to load: nothing touches the blocks.
+      StepLocked(r, Event::kAllocNone);
+      CheckMachineEndLocked(r, State::kWithdrawn);
       table_.requests.erase(it);
       accounting_.Withdrawn();
       return absl::OkStatus();
     }
+    StepLocked(r, Event::kAlloc);
     r.state = State::kPending;
     table_.pending_loads.push_back(req_id);
   } else {
+    StepLocked(r, Event::kAlloc);
     r.state = State::kSaving;
     table_.pending_saves.push_back(req_id);
     MaybeSendLayersLocked(r);
@@ -163,21 +172,25 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
     if (r.decode) {
       // Decode finished (or aborted) the request: an unfinished load is aborted.
       if (!r.fail_reason.empty() || r.state == State::kDraining) {
+        StepLocked(r, Event::kSchedulerFinished);
         out.delay_free = true;
         return out;
       }
       if (r.state == State::kMatched || r.state == State::kPending) {
+        StepLocked(r, Event::kSchedulerFinished);
+        CheckMachineEndLocked(r, State::kWithdrawn);
         table_.requests.erase(it);
         accounting_.Withdrawn();
         return out;
       }
-      AbortLocked(r, "request finished by the scheduler while loading");
+      AbortLocked(r, "request finished by the scheduler while loading", Event::kSchedulerFinished);
       out.delay_free = true;
       return out;
     }
     // Prefill write mode.
     r.finished_by_scheduler = true;
-    if (aborted) AbortLocked(r, "aborted on prefill");
+    StepLocked(r, Event::kSchedulerFinished);
+    if (aborted) AbortLocked(r, "aborted on prefill", Event::kAbort);
     out.delay_free = true;
     return out;
   }
@@ -239,6 +252,8 @@ absl::StatusOr<RequestFinishedResult> Connector::Impl::RequestFinished(
   p.do_remote_prefill = true;
   p.num_tokens = num_tokens;
   r.params = p;
+  r.machine = Machine(Role::kPrefill, KvMode::kRead);
+  StepLocked(r, Event::kHandOff);
   table_.by_transfer[p.transfer_id] = req_id;
   table_.requests[req_id] = std::move(r);
   accounting_.Started();

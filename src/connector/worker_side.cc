@@ -70,6 +70,8 @@ absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
       r.num_cached = l.num_cached;
       r.blocks = std::move(l.blocks);
       r.state = State::kPending;
+      r.machine = Machine(Role::kDecode, KvMode::kAuto);
+      StepLocked(r, Event::kBindMeta);
       r.t_queued = absl::Now();
       r.deadline = r.t_queued + options_.request_timeout;
       table_.requests[l.id] = std::move(r);
@@ -122,8 +124,14 @@ absl::Status Connector::Impl::SaveKvLayer(int layer) {
 void Connector::Impl::SaveLayerLocked(int layer, const std::vector<std::string>& ids) {
   for (const std::string& id : ids) {
     auto it = table_.requests.find(id);
-    if (it == table_.requests.end() || it->second.state != State::kSaving) continue;
+    if (it == table_.requests.end()) continue;
+    if (it->second.state == State::kDraining) {
+      StepLocked(it->second, Event::kLayerSaved);  // nothing more is sent
+      continue;
+    }
+    if (it->second.state != State::kSaving) continue;
     it->second.layers_final.insert(layer);
+    StepLocked(it->second, Event::kLayerSaved);
     MaybeSendLayersLocked(it->second);
   }
 }
@@ -134,7 +142,8 @@ absl::Status Connector::Impl::Abort(const std::string& req_id) {
   if (it == table_.requests.end()) {
     return absl::NotFoundError(absl::StrCat("request ", req_id, " is not known"));
   }
-  AbortLocked(it->second, absl::StrCat("aborted on ", it->second.decode ? "decode" : "prefill"));
+  AbortLocked(it->second, absl::StrCat("aborted on ", it->second.decode ? "decode" : "prefill"),
+              Event::kAbort);
   return absl::OkStatus();
 }
 

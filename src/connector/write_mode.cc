@@ -73,6 +73,7 @@ void Connector::Impl::OnWriteRequest(const InboxEvent& n, PeerMessage& m) {
   r->have_remote = true;
   r->remote_blocks = std::move(m.blocks);
   r->remote_cached = m.num_cached;
+  StepLocked(*r, Event::kWriteReq);
   MaybeSendLayersLocked(*r);
 }
 
@@ -90,6 +91,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
         const PeerId reader = u->second.peer;
         const std::string reason = u->second.reason;
         table_.early_releases.erase(u);
+        StepLocked(r, Event::kPeerUnread);
         ReleaseUnreadLocked(r, reader, reason);  // `r` dies here
       }
       return;
@@ -104,6 +106,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
   if (r.state != State::kSaving) return;
   auto pit = sessions_.peers.find(*r.peer);
   if (pit == sessions_.peers.end() || !pit->second.ready) {
+    StepLocked(r, Event::kTransferFailed);
     FailLocked(r, "write request from a peer without a connector handshake");
     return;
   }
@@ -112,6 +115,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     absl::StatusOr<TransferPlan> plan =
         PlanTransfer(layout_, r.blocks, p.layout, r.remote_blocks, r.num_tokens, r.remote_cached);
     if (!plan.ok()) {
+      StepLocked(r, Event::kTransferFailed);
       FailLocked(r, std::string(plan.status().message()));
       return;
     }
@@ -128,6 +132,7 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     }
     absl::StatusOr<std::vector<Op>> ops = ToOps(ranges, p, /*local_is_src=*/true);
     if (!ops.ok()) {
+      StepLocked(r, Event::kTransferFailed);
       FailLocked(r, std::string(ops.status().message()));
       return;
     }
@@ -143,13 +148,15 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
     // first. (An engine that hands off fewer tokens than it computes gets its extra tokens'
     // rows cleared too: its own KV, which the decode recomputes; see read_scrub.cc.)
     if (absl::Status scrubbed = ScrubUnfilledLocked(r); !scrubbed.ok()) {
+      StepLocked(r, Event::kTransferFailed);
       FailLocked(r, std::string(scrubbed.message()));
       return;
     }
     cpu.Pause();
-    absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, *ops, layer);
+    absl::Status submitted = SubmitLocked(r, *r.peer, OpKind::kWrite, std::move(*ops), layer);
     cpu.Resume();
     if (!submitted.ok()) {
+      StepLocked(r, Event::kTransferFailed);
       FailLocked(r, absl::StrCat("layer ", layer, ": ", submitted.message()));
       return;
     }

@@ -292,7 +292,8 @@ int main(int argc, char** argv) {
         }
         Say("ABORTED " + w[1] + " " + (s.ok() ? "ok" : std::string(s.message())));
       } else if (cmd == "acct") {
-        const std::string err = kv.CheckAccounting();
+        std::string err = kv.CheckAccounting();
+        if (err.empty()) err = kvwire::testing::MachineErrors(c);
         Say("ACCT " + (err.empty() ? std::string("ok") : err) +
             " live=" + std::to_string(kv.live().size()) +
             " connector_live=" + std::to_string(c.LiveRequests()));

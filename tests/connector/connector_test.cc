@@ -120,6 +120,7 @@ class Decode {
   void ExpectClean() {
     EXPECT_EQ(cache->CheckAccounting(), "");
     EXPECT_EQ(connector->LiveRequests(), 0u);
+    EXPECT_EQ(MachineErrors(*connector), "");
   }
 
   std::unique_ptr<Connector> connector;
@@ -220,6 +221,7 @@ class PrefillHere {
     EXPECT_EQ(cache->CheckAccounting(), "");
     EXPECT_EQ(cache->live().size(), 0u);
     EXPECT_EQ(connector->LiveRequests(), 0u);
+    EXPECT_EQ(MachineErrors(*connector), "");
   }
 
   std::unique_ptr<Connector> connector;
@@ -376,6 +378,10 @@ TEST_P(ConnectorTest, EveryByteArrivesInBothModes) {
     ExpectPrefillClean(*p);
     const std::string stats = d.connector->StatsJson();
     EXPECT_NE(stats.find("\"completed\""), std::string::npos);
+    // Every request stepped decode's transition table at run time: at least match, alloc,
+    // start_load, connected and one transfer end or layer each (ExpectClean: none refused).
+    const nlohmann::json machine = nlohmann::json::parse(stats)["machine"];
+    EXPECT_GE(machine["steps"].get<uint64_t>(), 5u * lengths.size() * 2) << machine.dump();
     EXPECT_NE(d.connector->StatsPrometheus().find("kvwire_connector_group_bytes_total"),
               std::string::npos);
   }
@@ -457,6 +463,39 @@ TEST_P(ConnectorTest, DeepSeekV4ProRequest) {
   }
   d.ExpectClean();
   ExpectPrefillClean(*p);
+}
+
+// An event the transition table does not take in the request's state (here: blocks allocated
+// twice) is refused by the call, and counted and logged by the connector: the stats and the
+// metrics say so, and the request goes on as it was.
+TEST_P(ConnectorTest, AnEventTheTableRefusesIsCounted) {
+  const SimSetup s = SetupFor("deepseek-v3");
+  Decode d(transport(), s, KvMode::kAuto);
+  // Never started: no prefill is reached.
+  const std::string params = WriteParams("127.0.0.1:1", "t-twice", 300).ToJson();
+  auto match = d.connector->GetNumNewMatchedTokens("twice", 300, 0, params);
+  ASSERT_TRUE(match.ok()) << match.status();
+  absl::StatusOr<BlockTable> blocks = d.cache->Allocate("twice", 300);
+  ASSERT_TRUE(blocks.ok()) << blocks.status();
+  ASSERT_TRUE(
+      d.connector->UpdateStateAfterAlloc("twice", *blocks, match->num_external_tokens).ok());
+  EXPECT_EQ(MachineErrors(*d.connector), "");
+  const absl::Status again =
+      d.connector->UpdateStateAfterAlloc("twice", *blocks, match->num_external_tokens);
+  EXPECT_TRUE(absl::IsFailedPrecondition(again)) << again;
+  EXPECT_EQ(MachineErrors(*d.connector), "request machine: refused=1 diverged=0");
+  EXPECT_NE(d.connector->StatsPrometheus().find(
+                absl::StrCat("kvwire_connector_machine_events_total{engine=\"decode-", getpid(),
+                             "\",result=\"refused\"} 1")),
+            std::string::npos)
+      << d.connector->StatsPrometheus();
+  // Still pending: the scheduler takes it back, and it leaves the table as withdrawn.
+  auto done = d.connector->RequestFinished("twice", *blocks, 300, params);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(done->delay_free);
+  d.cache->Release("twice");
+  EXPECT_EQ(d.connector->LiveRequests(), 0u);
+  EXPECT_EQ(MachineErrors(*d.connector), "request machine: refused=1 diverged=0");
 }
 
 TEST_P(ConnectorTest, ModeConflictIsAClearError) {

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -428,6 +430,17 @@ class KvCache {
   std::map<std::string, std::vector<int64_t>> free_;
   std::map<std::string, BlockTable> live_;
 };
+
+// "" when every request event the connector's handlers met was taken by a row of the
+// transition table and every request ended where its row did; else what the stats count.
+inline std::string MachineErrors(const Connector& c) {
+  const nlohmann::json j = nlohmann::json::parse(c.StatsJson(), nullptr, false);
+  if (!j.is_object() || !j.contains("machine")) return "no request machine counts in the stats";
+  const nlohmann::json& m = j["machine"];
+  if (m.value("refused", uint64_t{1}) == 0 && m.value("diverged", uint64_t{1}) == 0) return "";
+  return absl::StrCat("request machine: refused=", m.value("refused", uint64_t{0}),
+                      " diverged=", m.value("diverged", uint64_t{0}));
+}
 
 // Decode's kv_transfer_params for a write-mode request to the prefill at `address`.
 inline KvTransferParams WriteParams(const std::string& address, const std::string& tid,
