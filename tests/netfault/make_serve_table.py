@@ -34,7 +34,7 @@ def section(rows, kernel, args):
         "on the prefill-decode link (KV transfers, control connections, hand-off releases), "
         "on both of its ends. Transport tcp, servers `--mode auto`, peer lease 5 s. Driver "
         f"flags: `{args}` — per row, that many greedy requests (streamed and not, 8 prompts of "
-        "3 to 130 tokens) through the router with `window` in flight, each answer compared "
+        "3 to 70 tokens) through the router with `window` in flight, each answer compared "
         "byte for byte (text, token ids, finish reason) with the aggregated server's; then "
         "`after` requests once the fault is gone; then both servers must hold nothing "
         "(/health used_blocks, held_blocks, active_requests, live_connector_requests 0; the "
@@ -43,7 +43,7 @@ def section(rows, kernel, args):
     out.append(
         "| fault | netem (prefill-decode, each end) | mode | ok / requests | errors | wrong "
         "answers | hung | after the fault | p50 ms (× clean) | max ms | partition (cut → "
-        "healed, s into the row) | held / used blocks afterwards (prefill; decode) | verdict |")
+        "healed, s into the row; requests in flight across it) | held / used blocks afterwards (prefill; decode) | verdict |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     clean = {r["mode"]: r["p50_ms"] for r in rows if r["scenario"] == "clean"}
     for r in rows:
@@ -51,7 +51,8 @@ def section(rows, kernel, args):
         base = clean.get(r["mode"], 0)
         ratio = f" ({p50 / base:.1f}×)" if base > 0 and p50 > 0 else ""
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["error_classes"].items())) or "-"
-        part = (f"{r['cut_s']:.1f} → {r['healed_s']:.1f}" if r["cut_s"] >= 0 else "-")
+        part = (f"{r['cut_s']:.1f} → {r['healed_s']:.1f}; {r.get('in_partition', '?')}"
+                if r["cut_s"] >= 0 else "-")
         h = r["held"]
         held = (f"{h['prefill']['held_blocks']:g} / {h['prefill']['used_blocks']:g}; "
                 f"{h['decode']['held_blocks']:g} / {h['decode']['used_blocks']:g}")

@@ -33,6 +33,8 @@ finish() {
 }
 fatal() { echo "KVWIRE_NFS_FATAL $*"; finish 1; }
 export KVWIRE_LOG_LEVEL=${KVWIRE_LOG_LEVEL:-warning}
+# The KV peers authenticate (their engines listen beyond loopback), as on a real network.
+export KVWIRE_SECRET=netfault-serve-shared-secret
 for m in veth sch_netem; do
   grep -q "^$m " /proc/modules || fatal "module $m not loaded"
 done
