@@ -43,7 +43,8 @@ def section(rows, kernel, args):
     out.append(
         "| fault | netem (prefill-decode, each end) | mode | ok / requests | errors | wrong "
         "answers | hung | after the fault | p50 ms (× clean) | max ms | partition (cut → "
-        "healed, s into the row; requests in flight across it) | held / used blocks afterwards (prefill; decode) | verdict |")
+        "healed, s into the row; requests in flight across it) | held / used blocks "
+        "afterwards (prefill; decode) | verdict |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     clean = {r["mode"]: r["p50_ms"] for r in rows if r["scenario"] == "clean"}
     for r in rows:

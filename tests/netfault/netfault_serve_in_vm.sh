@@ -73,7 +73,8 @@ common="--config $DSV4_CONFIG --weights $w/tiny.safetensors --transport tcp --mo
 # shellcheck disable=SC2086  # $common is a list of flags
 start aggregated nfr serve --role both --host 127.0.0.1 --port 8000 $common
 start prefill nfp serve --role prefill --host 10.9.1.1 --port 8001 $common
-start decode nfd serve --role decode --host 10.9.1.2 --port 8002 $common
+# NFS_DECODE_ARGS: more decode flags, to plant a defect (run_serve.sh, README.md).
+start decode nfd serve --role decode --host 10.9.1.2 --port 8002 $common $NFS_DECODE_ARGS
 wait_ready aggregated prefill decode
 for mode in read write; do
   port=8003

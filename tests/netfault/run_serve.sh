@@ -7,6 +7,8 @@
 # write mode; ci sends fewer requests. With [table], the section "The reference servers under
 # faults" of that markdown file (docs/NETFAULT.md) is regenerated from the VM's console, also
 # when a row fails (the stage still fails then). Fails, never skips, when the VM cannot run.
+# KVWIRE_NFS_DECODE_ARGS: more flags for the decode server (--corrupt-kv-page plants a defect
+# the rows must catch: README.md).
 set -uo pipefail
 build=$(readlink -f "${1:?usage: run_serve.sh <build dir> ci|full [table]}")
 mode=${2:?}
@@ -38,6 +40,7 @@ KVWIRE_VM_TIMEOUT=$timeout "$here/../rdma/vm/run_vm_tests.sh" --stage netfault-s
   --run "$here/netfault_serve_in_vm.sh" --work "$work" \
   --env "NF_NET=$here/nf_serve_net.sh" --env "DSV4=$work/kvwire-dsv4" \
   --env "DSV4_CONFIG=$config" --env "NFS_SCENARIOS=$scenarios" --env "NFS_ARGS=$args" \
+  --env "NFS_DECODE_ARGS=${KVWIRE_NFS_DECODE_ARGS:-}" \
   "$build/rdma-vm" "$driver" "$work/kvwire-dsv4" "$here/nf_serve_net.sh" "$config"
 rc=$?
 grep -a '^KVWIRE_NFS_ROW' "$work/vm.log" 2>/dev/null

@@ -79,14 +79,17 @@ const std::map<std::string, Scenario>& Scenarios() {
 // prompt took 40 s there).
 std::string Prompt(int i) {
   static const int kLengths[] = {5, 37, 70, 20, 12, 66, 9, 3};
-  const int n = kLengths[i % 8];
+  // Request i asks prompt i % 8: the reference has each once.
+  const int j = i % 8, n = kLengths[j];
   std::string s;
-  for (int k = 0; k + 1 < n; ++k) s += static_cast<char>('a' + (k * 7 + n + i) % 26);
+  for (int k = 0; k + 1 < n; ++k) s += static_cast<char>('a' + (k * 7 + n + j) % 26);
   return s;
 }
 
 json Request(int i, int max_tokens) {
-  return {{"prompt", Prompt(i)}, {"max_tokens", max_tokens}, {"stream", i % 2 == 0},
+  return {{"prompt", Prompt(i)},
+          {"max_tokens", max_tokens},
+          {"stream", i % 2 == 0},
           {"temperature", 0}};
 }
 
@@ -118,8 +121,8 @@ bool Complete(const CompletionResult& r, bool stream) {
 Answer Ask(const std::string& address, int i, const Options& o, const Reference* ref) {
   const bool stream = i % 2 == 0;
   const absl::Time start = absl::Now();
-  absl::StatusOr<CompletionResult> r = dsv4::serve::Complete(
-      address, Request(i, o.max_tokens), absl::Seconds(o.timeout_s));
+  absl::StatusOr<CompletionResult> r =
+      dsv4::serve::Complete(address, Request(i, o.max_tokens), absl::Seconds(o.timeout_s));
   Answer a;
   a.start = start;
   a.end = absl::Now();
@@ -134,10 +137,10 @@ Answer Ask(const std::string& address, int i, const Options& o, const Reference*
   } else if (ref != nullptr && (r->tokens != ref->tokens || r->text != ref->text ||
                                 r->finish_reason != ref->finish_reason)) {
     a.kind = "WRONG";
-    a.detail = absl::StrCat("tokens [", absl::StrJoin(r->tokens, ","), "] text '", r->text,
-                            "' finish ", r->finish_reason, " (want [",
-                            absl::StrJoin(ref->tokens, ","), "] '", ref->text, "' ",
-                            ref->finish_reason, ")");
+    a.detail =
+        absl::StrCat("tokens [", absl::StrJoin(r->tokens, ","), "] text '", r->text, "' finish ",
+                     r->finish_reason, " (want [", absl::StrJoin(ref->tokens, ","), "] '",
+                     ref->text, "' ", ref->finish_reason, ")");
   } else {
     a.kind = "ok";
   }
@@ -173,8 +176,7 @@ json Drained(const std::string& address, absl::Time deadline) {
     if (h.ok()) {
       last = *h;
       idle = last.value("used_blocks", 1) == 0 && last.value("held_blocks", 1) == 0 &&
-             last.value("active_requests", 1) == 0 &&
-             last.value("live_connector_requests", 1) == 0;
+             last.value("active_requests", 1) == 0 && last.value("live_connector_requests", 1) == 0;
     }
     if (idle || absl::Now() > deadline) break;
     absl::SleepFor(absl::Milliseconds(200));
@@ -272,8 +274,8 @@ json RunRow(const Options& o, const std::string& name, const Scenario& sc, const
   int after_ok = 0;
   for (int i = 0; i < o.after; ++i) {
     const Answer a = Ask(router, o.requests + i, o, &refs[(o.requests + i) % refs.size()]);
-    std::printf("KVWIRE_NFS_ANSWER %s %s after#%d %s %.1f ms %s\n", name.c_str(), mode.c_str(),
-                i, a.kind.c_str(), a.ms, a.detail.c_str());
+    std::printf("KVWIRE_NFS_ANSWER %s %s after#%d %s %.1f ms %s\n", name.c_str(), mode.c_str(), i,
+                a.kind.c_str(), a.ms, a.detail.c_str());
     if (a.kind == "ok") ++after_ok;
   }
   if (after_ok != o.after) {
@@ -286,9 +288,8 @@ json RunRow(const Options& o, const std::string& name, const Scenario& sc, const
   for (const auto& [role, address] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}}) {
     json d = Drained(address, deadline);
     if (!d["idle"].get<bool>() || d["held_blocks"] != 0 || d["used_blocks"] != 0) {
-      problems.push_back(absl::StrCat(role, " still holds: ", d["health"].dump(),
-                                      " metrics held ", d["held_blocks"].dump(), " used ",
-                                      d["used_blocks"].dump()));
+      problems.push_back(absl::StrCat(role, " still holds: ", d["health"].dump(), " metrics held ",
+                                      d["held_blocks"].dump(), " used ", d["used_blocks"].dump()));
     }
     held[role] = {{"held_blocks", d["held_blocks"]}, {"used_blocks", d["used_blocks"]}};
   }
@@ -337,9 +338,12 @@ int Main(int argc, char** argv) {
       o.scenarios = absl::StrSplit(v, ',', absl::SkipEmpty());
     } else {
       good = false;
-      for (auto [name, field] : {std::pair{"requests", &o.requests}, {"window", &o.window},
-                                 {"after", &o.after}, {"max_tokens", &o.max_tokens},
-                                 {"timeout_s", &o.timeout_s}, {"drain_s", &o.drain_s},
+      for (auto [name, field] : {std::pair{"requests", &o.requests},
+                                 {"window", &o.window},
+                                 {"after", &o.after},
+                                 {"max_tokens", &o.max_tokens},
+                                 {"timeout_s", &o.timeout_s},
+                                 {"drain_s", &o.drain_s},
                                  {"partition_s", &o.partition_s}}) {
         if (ParseFlag(a, name, &v)) good = absl::SimpleAtoi(v, field) && *field >= 0;
       }
@@ -364,8 +368,8 @@ int Main(int argc, char** argv) {
   const int distinct = std::min(8, o.requests + o.after);
   std::vector<Reference> refs(distinct);
   for (int i = 0; i < distinct; ++i) {
-    absl::StatusOr<CompletionResult> r = dsv4::serve::Complete(
-        o.aggregated, Request(i, o.max_tokens), absl::Seconds(o.timeout_s));
+    absl::StatusOr<CompletionResult> r =
+        dsv4::serve::Complete(o.aggregated, Request(i, o.max_tokens), absl::Seconds(o.timeout_s));
     if (!r.ok() || !Complete(*r, i % 2 == 0)) {
       std::printf("KVWIRE_NFS_FATAL the aggregated server did not answer prompt %d: %s\n", i,
                   r.ok() ? absl::StrCat("HTTP ", r->status, " ", r->error).c_str()
