@@ -214,14 +214,18 @@ json RunRow(const Options& o, const std::string& name, const Scenario& sc, const
       while (ended.load() < quarter && absl::Now() < wait_until) {
         absl::SleepFor(absl::Milliseconds(20));
       }
-      cut_s = absl::ToDoubleSeconds(absl::Now() - start);
+      // From the moment the cut is in place to the moment the heal is (tc itself takes a
+      // second or more under TCG).
       const bool cut = RunLink(o, "set loss 100%");
+      cut_at = absl::Now();
       absl::SleepFor(absl::Seconds(o.partition_s));
       const bool healed = RunLink(o, "clear");
+      healed_at = absl::Now();
+      cut_s = absl::ToDoubleSeconds(cut_at - start);
+      healed_s = absl::ToDoubleSeconds(healed_at - start);
       absl::MutexLock lock(&mu);
       if (!cut) problems.push_back("could not cut the link");
       if (!healed) problems.push_back("could not heal the link");
-      healed_s = absl::ToDoubleSeconds(absl::Now() - start);
       std::printf("KVWIRE_NFS_PARTITION %s %s cut at %.2f s, healed at %.2f s\n", name.c_str(),
                   mode.c_str(), cut_s, healed_s);
       std::fflush(stdout);
