@@ -9,6 +9,8 @@
 #   make shm-scale     the same over shm (a region per peer)
 #   make netfault      tcp under netem faults (delay, loss, reorder, duplicate, corrupt, partitions)
 #                      in network namespaces inside the test VM; writes docs/NETFAULT.md
+#   make netfault-serve  kvwire-dsv4 prefill, decode and routers in three namespaces under netem
+#                      (delay + loss, a 3 s partition), read and write mode; its docs/NETFAULT.md section
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
@@ -65,7 +67,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer tcp-scale shm-scale netfault soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale shm-scale netfault netfault-serve soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -132,6 +134,16 @@ netfault: deps
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire_netfault
 	tests/netfault/run_matrix.sh $(BUILD_DIR) $(BUILD_DIR)/tests/netfault/kvwire_netfault full \
 	  docs/NETFAULT.md
+
+# The reference servers under faults (tests/netfault/README.md; `make test` runs a shorter
+# form as the ctest test netfault_serve_vm): prefill, decode and routers of kvwire-dsv4 in three
+# network namespaces inside the test VM, netem on the prefill-decode link; every answer is an
+# error or the aggregated server's, byte for byte, and the servers hold nothing afterwards.
+# Regenerates its section of docs/NETFAULT.md, and fails if any row does.
+netfault-serve: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire_netfault_serve kvwire-dsv4
+	tests/netfault/run_serve.sh $(BUILD_DIR) full docs/NETFAULT.md
 
 # The long form of tests/dsv4/serve/soak_test.cc (CI runs a short one): SOAK_REQUESTS per
 # transport (tcp, then shm) at SOAK_CONCURRENCY, half through a read-mode router and half

@@ -143,6 +143,14 @@ def main():
         "faults with each other and with the clean row of the same run, never with real "
         "hardware. `hung` counts transfers that had not ended by their deadline plus 10 s (the "
         "matrix fails on any).\n")
+    # The serving section (make_serve_table.py, `make netfault-serve`) is kept as it was.
+    try:
+        previous = open(a.out, encoding="utf-8").read()
+    except FileNotFoundError:
+        previous = ""
+    begin = previous.find("<!-- netfault-serve: begin")
+    if begin >= 0:
+        out.append(previous[begin:].rstrip("\n") + "\n")
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(out))
     print(f"make_table: {len(rows)} rows written to {a.out}")
