@@ -11,6 +11,8 @@
 #                      in network namespaces inside the test VM; writes docs/NETFAULT.md
 #   make netfault-serve  kvwire-dsv4 prefill, decode and routers in three namespaces under netem
 #                      (delay + loss, a 3 s partition), read and write mode; its docs/NETFAULT.md section
+#   make rdma-faults   rdma under netem loss/delay and broken QPs in the soft-RoCE VM, every case
+#                      (make test's rdma_vm stage runs all but the slow ones)
 #   make soak          long soak of the dsv4 servers through the router (tcp and shm; prints the result)
 #   make compare       kvwire-perf vs memcpy, iperf3, ucx_perftest, NIXL, Mooncake; writes perf/RESULTS.md
 #   make cpu-bench     CPU, allocations and instructions per request and per Transfer (perf/cpu/)
@@ -67,7 +69,7 @@ FORMAT_FILES := find . \( -path ./.git -o -path './build*' -o -path ./.cache -o 
   -prune -o -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cc' \
   -o -name '*.cpp' -o -name '*.cu' -o -name '*.hip' \) -print0 | sort -z
 
-.PHONY: deps build test test-vllm demo demo-transfer tcp-scale shm-scale netfault netfault-serve soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
+.PHONY: deps build test test-vllm demo demo-transfer tcp-scale shm-scale netfault netfault-serve rdma-faults soak compare cpu-bench serve-bench serve-bench-vllm test-vllm-serve vllm-bench test-asan test-tsan fuzz fuzz-ci format format-check install clean help
 
 deps:
 	@scripts/install-deps.sh
@@ -144,6 +146,18 @@ netfault-serve: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire_netfault_serve kvwire-dsv4
 	tests/netfault/run_serve.sh $(BUILD_DIR) full docs/NETFAULT.md
+
+# rdma under faults in the soft-RoCE VM (tests/rdma/rdma_vm_fault_test.cc): netem loss and
+# delay on the veth pair two rxe devices run over, and QPs forced into the error state; every
+# case, the slow ones (RdmaNetemSlowTest) included, which make test's rdma_vm stage leaves out.
+rdma-faults: deps
+	@scripts/configure.sh $(BUILD_DIR)
+	ninja -C $(BUILD_DIR) -j$(JOBS) kvwire_rdma_vm_test kvwire_test_peer kvwire_rdma_hostile_peer
+	KVWIRE_VM_LEAKCHECK=0 \
+	  KVWIRE_VM_GTEST_FILTER='RdmaFaultTest.*:RdmaNetemTest.*:RdmaNetemSlowTest.*' \
+	  tests/rdma/vm/run_vm_tests.sh --work $(BUILD_DIR)/rdma-faults-vm $(BUILD_DIR)/rdma-vm \
+	  $(BUILD_DIR)/tests/rdma/kvwire_rdma_vm_test $(BUILD_DIR)/tests/integration/kvwire_test_peer \
+	  $(BUILD_DIR)/tests/rdma/kvwire_rdma_hostile_peer
 
 # The long form of tests/dsv4/serve/soak_test.cc (CI runs a short one): SOAK_REQUESTS per
 # transport (tcp, then shm) at SOAK_CONCURRENCY, half through a read-mode router and half

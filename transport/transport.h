@@ -256,6 +256,11 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) = 0;
   // Stops serving: closes listeners and every incoming connection of the peer.
   virtual void DropPeer(PeerId peer) = 0;
+  // The peer's control connection closed with `reason`: fail at once whatever waits for its
+  // reply on that channel (e.g. rdma's QP exchange), which would otherwise wait out its
+  // deadline while the engine's worker, busy with that very wait, cannot run the close.
+  // Runs on the connection's I/O thread: must not block; DropPeer follows on the worker.
+  virtual void AbortPending(PeerId peer, const absl::Status& reason) {}
   // A control message of this transport (a payload its peer sent with a ControlSender)
   // arrived from `peer`; `reply` sends on that peer's control channel. Runs on the channel's
   // I/O thread. Malformed payloads are this transport's to refuse (TargetHooks::OnPeerError).

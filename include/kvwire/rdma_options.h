@@ -24,9 +24,12 @@ struct RdmaOptions : TransportOptionsOf<RdmaOptions> {
   // Send-queue depth (work requests) of each QP; more is queued, never posted. 16..16384.
   int send_queue_depth = 256;
   // RC local ACK timeout exponent (4.096 us * 2^n; 14 = 67 ms; 0..31), retry count (0..7)
-  // and RNR retry count (7 = retry forever; 0..7).
+  // and RNR retry count (7 = retry forever; 0..7). The retry count is 6, not 7: soft-RoCE
+  // (rxe) reads a retry count of 7 as "retry forever" like the RNR count, so a QP whose peer
+  // QP broke would never fail and never be rebuilt (every transfer on it would only end by
+  // its deadline); elsewhere 7 and 6 differ by one retry.
   int qp_timeout = 14;
-  int retry_count = 7;
+  int retry_count = 6;
   int rnr_retry = 7;
   // Most QPs this engine holds on one device, all peers together (0: the device's max_qp);
   // a peer that would pass it is refused with an error naming the budget. 0..2^24.

@@ -143,6 +143,9 @@ std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& addres
       [this, weak](const absl::Status& status) {
         auto p = weak.lock();
         if (!p || stopping_) return;
+        // The worker may be blocked in this peer's channel set-up, waiting for a reply that
+        // cannot come now: fail that wait here, with the reason the peer gave (a refusal).
+        for (const auto& t : transports_) t->AbortPending(p->id, status);
         // Teardown joins transport threads: never on the I/O thread that noticed it.
         worker_->Post([this, p, status] { ClosePeer(p, status); });
       },

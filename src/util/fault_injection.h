@@ -24,6 +24,19 @@ int PayloadFlipsLeft(Site site);
 // Returns whether it did.
 bool MaybeFlipPayloadByte(Site site, void* data, uint64_t length);
 
+// rdma QPs forced into the error state, as a QP that broke at a peer would be (a local
+// protection error, a driver reset). kTarget: the next `count` target QPs that receive a
+// counted WRITE's immediate (any engine of this process) are moved to IBV_QPS_ERR right after
+// it, so the initiator's next ops on them go unanswered until its retries run out.
+// kInitiator: the next `count` initiator QPs about to post are moved to IBV_QPS_ERR first, so
+// their work requests flush. 0 disarms.
+enum class QpEnd : int { kInitiator = 0, kTarget = 1 };
+void ArmQpErrors(QpEnd end, int count);
+int QpErrorsLeft(QpEnd end);
+// Called by the rdma transport: takes one armed error of `end`; true if the caller must
+// move its QP to the error state.
+bool TakeQpError(QpEnd end);
+
 }  // namespace kvwire::fault_injection
 
 #endif  // KVWIRE_UTIL_FAULT_INJECTION_H_

@@ -113,6 +113,18 @@ TEST(RdmaVmScaleTest, QpBudgetRefusesThePeerBeyondItAndTheOthersWork) {
   const std::string named = std::string(refused.status().message()) + " | " + hub_reason;
   EXPECT_NE(named.find("QP budget"), std::string::npos) << named;
   EXPECT_NE(named.find("rdma.max_qps_per_device"), std::string::npos) << named;
+  // The dialer's own error names the budget too: when the hub refused on its own QPs first
+  // and closed, the dialer's QP exchange in flight ends with the hub's Goodbye reason rather
+  // than waiting out its deadline ("no reply on the control channel", issue 25).
+  // Either side may refuse first (a race), so a few more tries.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    if (attempt > 0) refused = extra.engine->Connect(hub->address());
+    ASSERT_FALSE(refused.ok()) << "a peer beyond the QP budget was let in";
+    const std::string dialer(refused.status().message());
+    EXPECT_NE(dialer.find("QP budget"), std::string::npos) << attempt << ": " << dialer;
+    EXPECT_NE(dialer.find("rdma.max_qps_per_device"), std::string::npos) << dialer;
+    EXPECT_EQ(dialer.find("no reply on the control channel"), std::string::npos) << dialer;
+  }
 
   // Everyone inside the budget at once: WRITE area A, READ area B.
   std::vector<std::pair<size_t, TransferId>> ids;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "transport/rdma/rdma_qp_state.h"
 #include "transport/rdma/rdma_transport_impl.h"
@@ -259,6 +260,14 @@ void ClientQp::PumpLocked(std::vector<Finished>* finished) {
     queued_.pop_front();
   }
   if (n == 0) return;
+  if (fault_injection::TakeQpError(fault_injection::QpEnd::kInitiator)) {
+    // Test hook: the QP breaks just before this post, whose work requests then flush.
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    const int rc = verbs().modify_qp(qp_.get(), &attr, IBV_QP_STATE);
+    KVW_LOG(kWarning, "rdma") << "test hook: initiator QP forced to the error state"
+                              << Kv("qpn", qp_->qp_num) << Kv("rc", rc);
+  }
   ibv_send_wr* bad = nullptr;
   const int rc = verbs().post_send(qp_.get(), scratch_.data(), &bad);
   counters_->post_calls.fetch_add(1, std::memory_order_relaxed);

@@ -99,6 +99,9 @@ absl::StatusOr<pb::RdmaConnectReply> RdmaTransportImpl::Exchange(const ChannelCo
   {
     MutexLock lock(&calls_mu_);
     if (shut_down_) return absl::UnavailableError("rdma transport shut down");
+    if (auto closed = closed_peers_.find(core.peer); closed != closed_peers_.end()) {
+      return closed->second;
+    }
     id = next_call_++;
     calls_[id] = call;
   }
@@ -148,6 +151,23 @@ void RdmaTransportImpl::AbortCalls(const ChannelCore* core, const absl::Status& 
                             absl::StrCat("transfer ", check.transfer_id,
                                          ": end-to-end checksum not checked: ", status.message())));
   }
+}
+
+void RdmaTransportImpl::AbortPending(PeerId peer, const absl::Status& reason) {
+  // Only the QP exchanges: checksum checks end with their channel (AbortCalls), on the worker,
+  // since their callbacks may post the next lane.
+  const absl::Status status(
+      reason.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnavailable : reason.code(),
+      absl::StrCat("the control connection closed: ", reason.message()));
+  MutexLock lock(&calls_mu_);
+  closed_peers_.try_emplace(peer, status);
+  for (auto& [id, call] : calls_) {
+    if (call->peer == peer && !call->done) {
+      call->done = true;
+      call->status = status;
+    }
+  }
+  calls_cv_.SignalAll();
 }
 
 void RdmaTransportImpl::OnControlMessage(PeerId peer, const std::string& payload,

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "src/util/fault_injection.h"
 #include "src/util/log.h"
 #include "transport/rdma/rdma_plan.h"
 #include "transport/rdma/rdma_qp_state.h"
@@ -99,6 +100,15 @@ void ServerQp::OnCompletion(const ibv_wc& wc, TargetHooks* hooks) {
   DecodeImm(ntohl(wc.imm_data), &slot, &count);
   const TransferId id = __atomic_load_n(&table_[slot], __ATOMIC_ACQUIRE);
   for (uint32_t i = 0; i < count; ++i) hooks->OnWriteArrived(peer_, id);
+  if (fault_injection::TakeQpError(fault_injection::QpEnd::kTarget)) {
+    // Test hook: this QP breaks here, as at a peer whose QP hit an error.
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    const int rc = verbs().modify_qp(qp_.get(), &attr, IBV_QP_STATE);
+    KVW_LOG(kWarning, "rdma") << "test hook: target QP forced to the error state"
+                              << Kv("qpn", wc.qp_num) << Kv("peer", peer_) << Kv("rc", rc);
+    return;
+  }
   if (absl::Status s = PostRecv(); !s.ok()) {
     KVW_LOG(kError, "rdma") << "receive not replenished" << Kv("error", s.message());
   }

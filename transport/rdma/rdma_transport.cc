@@ -68,6 +68,10 @@ absl::Status RdmaTransportImpl::CanReach(const std::string& remote_endpoint) con
 }
 
 void RdmaTransportImpl::DropPeer(PeerId peer) {
+  {
+    MutexLock lock(&calls_mu_);
+    closed_peers_.erase(peer);
+  }
   std::vector<std::shared_ptr<ServerQp>> dropped;
   {
     MutexLock lock(&server_mu_);

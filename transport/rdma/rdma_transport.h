@@ -102,10 +102,10 @@ struct RdmaTransportOptions {
   uint32_t signal_interval = 64;
   // Largest payload sent inline (capped by what the QP grants).
   uint32_t max_inline = 128;
-  // RC retransmission: local ACK timeout exponent (4.096 us * 2^timeout), retries, and RNR
-  // retries (7 = forever).
+  // RC retransmission: local ACK timeout exponent (4.096 us * 2^timeout), retries (6: rxe
+  // reads 7 as forever, see include/kvwire/rdma_options.h), and RNR retries (7 = forever).
   uint8_t qp_timeout = 14;
-  uint8_t retry_count = 7;
+  uint8_t retry_count = 6;
   uint8_t rnr_retry = 7;
   // QP budget per device: initiator and target QPs of every peer together; 0 = the device's
   // max_qp. Beyond it a peer's QPs are refused (ResourceExhausted naming the device and the

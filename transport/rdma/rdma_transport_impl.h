@@ -49,6 +49,7 @@ class RdmaTransportImpl final : public Transport {
   absl::Status CanReach(const std::string& remote_endpoint) const override;
   absl::StatusOr<std::unique_ptr<Channel>> Connect(const PeerLink& link) override;
   void DropPeer(PeerId peer) override;
+  void AbortPending(PeerId peer, const absl::Status& reason) override;
   void Shutdown() override;
   void OnControlMessage(PeerId peer, const std::string& payload,
                         const ControlSender& reply) override;
@@ -151,6 +152,9 @@ class RdmaTransportImpl final : public Transport {
   uint64_t next_call_ ABSL_GUARDED_BY(calls_mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<PendingCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
   absl::flat_hash_map<uint64_t, PendingCheck> checks_ ABSL_GUARDED_BY(calls_mu_);
+  // Peers whose control connection closed (AbortPending) and that DropPeer has not dropped
+  // yet: an exchange that starts meanwhile fails at once with the reason.
+  absl::flat_hash_map<PeerId, absl::Status> closed_peers_ ABSL_GUARDED_BY(calls_mu_);
 
   std::unique_ptr<TaskRunner> runner_ = std::make_unique<TaskRunner>();  // QP re-creation
 };
