@@ -428,8 +428,8 @@ class RdmaNetemTest : public RdmaFaultTest {
   }
 };
 
-// The cases too slow for make test's rdma_vm stage (run by make rdma-faults; the stage's
-// filter in tests/rdma/vm/run_vm_tests.sh leaves this suite out). 50 ms with 20% jitter
+// The case too slow for make test's rdma_vm stage (make rdma-faults runs it with the others,
+// which that stage leaves out for now: tests/rdma/vm/run_vm_tests.sh). 50 ms with 20% jitter
 // reorders RoCE packets, and rxe's go-back-N answers each reordering with a retransmission
 // storm: 16 transfers of 256 KiB take about 40 s under TCG.
 class RdmaNetemSlowTest : public RdmaNetemTest {};

