@@ -69,8 +69,12 @@ def section(rows, kernel, args):
         "A 3 s partition between prefill and decode fails the requests whose KV was crossing "
         "it when the peer's lease (5 s) runs out before TCP's retransmission backoff brings "
         "the link back (the tcp matrix above explains the backoff); those get an error from "
-        "the router, the others their complete answer, late. Never a wrong one. Times are of "
-        "the emulated VM on a shared build machine: they compare rows of the same run.\n")
+        "the router, the others their complete answer, late. Never a wrong one. The partition "
+        "column's times are when the cut was in place (netem at 100% loss on both ends) and "
+        "when the heal was (both removed): 3 s apart plus the time `tc` takes to remove the "
+        "qdiscs, seconds under TCG on a loaded machine, so the link was down for 3 s up to that "
+        "span. Times are of the emulated VM on a shared build machine: they compare rows of the "
+        "same run.\n")
     out.append(END)
     return "\n".join(out) + "\n"
 

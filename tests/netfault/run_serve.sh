@@ -3,8 +3,8 @@
 # VM of tests/rdma/vm/ (this host's kernel has no sch_netem):
 #   run_serve.sh <build dir> ci                 (ctest netfault_serve_vm)
 #   run_serve.sh <build dir> full [table]       (make netfault-serve)
-# Both run every scenario (clean, delay 20 ms + loss 1%, a 3 s partition), each in read and
-# write mode; ci sends fewer requests. With [table], the section "The reference servers under
+# full runs every scenario (clean, delay 20 ms + loss 1%, a 3 s partition), each in read and
+# write mode; ci only the partition, with fewer requests. With [table], the section "The reference servers under
 # faults" of that markdown file (docs/NETFAULT.md) is regenerated from the VM's console, also
 # when a row fails (the stage still fails then). Fails, never skips, when the VM cannot run.
 # KVWIRE_NFS_DECODE_ARGS: more flags for the decode server (--corrupt-kv-page plants a defect
@@ -25,7 +25,11 @@ case $mode in
     ;;
   *) echo "run_serve.sh: mode must be ci or full" >&2; exit 2 ;;
 esac
-scenarios=${KVWIRE_NFS_SCENARIOS:-clean,delay20loss1,partition3}
+# ci: the partition only (read and write), the scenario that fails requests; the full run
+# has the others.
+default=clean,delay20loss1,partition3
+[[ $mode == ci ]] && default=partition3
+scenarios=${KVWIRE_NFS_SCENARIOS:-$default}
 work=$build/netfault-serve-vm
 driver=$build/tests/netfault/kvwire_netfault_serve
 dsv4=$build/examples/dsv4/serve/kvwire-dsv4
