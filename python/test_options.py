@@ -26,6 +26,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def bad_option_rows(name):
+    """The rows (option, kind, value, message) of tests/support/<name>, the table the C++ and C
+    tests read too."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support",
+                        name)
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            yield line.rstrip("\n").split("\t")
+
+
 class EngineOptionsTest(unittest.TestCase):
     def test_defaults_are_the_cpp_defaults(self):
         o = kvwire.EngineOptions()
@@ -80,31 +92,25 @@ class EngineOptionsTest(unittest.TestCase):
 
     def test_shared_table_of_bad_values(self):
         """tests/support/bad_engine_options.tsv: the same message as C++ and C give."""
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                            "support", "bad_engine_options.tsv")
         rows = 0
-        with open(path) as f:
-            for line in f:
-                if line.startswith("#") or not line.strip():
-                    continue
-                option, kind, value, want = line.rstrip("\n").split("\t")
-                rows += 1
-                with self.subTest(option=option, value=value):
-                    o = kvwire.EngineOptions()
-                    with self.assertRaises(ValueError) as raised:
-                        # The setter (text that does not parse, an unknown name) or
-                        # Engine() (Engine::Create's validator) refuses it.
-                        if kind == "ms":
-                            setattr(o, option + "_s", int(value) / 1000)
-                        elif kind == "text":
-                            transport, key = option.split(".", 1)
-                            o.set_transport_option(transport, key, value)
-                        elif kind == "name":
-                            o.transport = value
-                        else:
-                            setattr(o, option, int(value))
-                        kvwire.Engine(options=o)
-                    self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
+        for option, kind, value, want in bad_option_rows("bad_engine_options.tsv"):
+            rows += 1
+            with self.subTest(option=option, value=value):
+                o = kvwire.EngineOptions()
+                with self.assertRaises(ValueError) as raised:
+                    # The setter (text that does not parse, an unknown name) or
+                    # Engine() (Engine::Create's validator) refuses it.
+                    if kind == "ms":
+                        setattr(o, option + "_s", int(value) / 1000)
+                    elif kind == "text":
+                        transport, key = option.split(".", 1)
+                        o.set_transport_option(transport, key, value)
+                    elif kind == "name":
+                        o.transport = value
+                    else:
+                        setattr(o, option, int(value))
+                    kvwire.Engine(options=o)
+                self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
         self.assertGreaterEqual(rows, 10)
 
     def test_other_fields(self):
@@ -286,41 +292,35 @@ class ConnectorOptionsTest(unittest.TestCase):
     def test_shared_table_of_bad_values(self):
         """tests/support/bad_connector_options.tsv: the same message as C++ and C give, from
         Connector() (Connector::Create's validator) or ConnectorOptions.from_environment."""
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                            "support", "bad_connector_options.tsv")
         rows = 0
-        with open(path) as f:
-            for line in f:
-                if line.startswith("#") or not line.strip():
-                    continue
-                option, kind, value, want = line.rstrip("\n").split("\t")
-                rows += 1
-                with self.subTest(option=option, value=value):
-                    o = kvwire.ConnectorOptions()
-                    with self.assertRaises(ValueError) as raised:
-                        if kind == "env":
-                            saved = os.environ.get(option)
-                            os.environ[option] = value
-                            try:
-                                kvwire.ConnectorOptions.from_environment()
-                            finally:
-                                if saved is None:
-                                    os.environ.pop(option)
-                                else:
-                                    os.environ[option] = saved
-                        else:
-                            if kind == "ms":
-                                setattr(o, option + "_s", int(value) / 1000)
-                            elif kind == "int":
-                                setattr(o, option, int(value))
-                            elif kind == "transport":
-                                transport, key = option.split(".", 1)
-                                o.engine.set_transport_option(transport, key, value)
+        for option, kind, value, want in bad_option_rows("bad_connector_options.tsv"):
+            rows += 1
+            with self.subTest(option=option, value=value):
+                o = kvwire.ConnectorOptions()
+                with self.assertRaises(ValueError) as raised:
+                    if kind == "env":
+                        saved = os.environ.get(option)
+                        os.environ[option] = value
+                        try:
+                            kvwire.ConnectorOptions.from_environment()
+                        finally:
+                            if saved is None:
+                                os.environ.pop(option)
                             else:
-                                self.assertEqual(kind, "text")
-                                setattr(o, option, value)
-                            kvwire.Connector(options=o)
-                    self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
+                                os.environ[option] = saved
+                    else:
+                        if kind == "ms":
+                            setattr(o, option + "_s", int(value) / 1000)
+                        elif kind == "int":
+                            setattr(o, option, int(value))
+                        elif kind == "transport":
+                            transport, key = option.split(".", 1)
+                            o.engine.set_transport_option(transport, key, value)
+                        else:
+                            self.assertEqual(kind, "text")
+                            setattr(o, option, value)
+                        kvwire.Connector(options=o)
+                self.assertEqual(str(raised.exception).split(": ", 1)[1], want)
         self.assertGreaterEqual(rows, 10)
 
     def test_keywords_go_through_the_same_validator(self):

@@ -751,6 +751,54 @@ static void TestAnnounceWithRealEtcd(void) {
   CHECK(system(rm) == 0);
 }
 
+/* A row of a tests/support/bad_*_options.tsv table (tab-separated: option, kind, value, and
+ * the message C++, C and Python must all give), its fields pointing into `line`. */
+typedef struct {
+  char line[512];
+  const char* option;
+  const char* kind;
+  const char* value;
+  const char* want;
+} BadOptionRow;
+
+/* Reads the next row of `f` into `row`, past comments and blank lines; 0 at the end of the
+ * file. A row without its four fields fails the test and is skipped. */
+static int NextBadOptionRow(FILE* f, BadOptionRow* row) {
+  while (fgets(row->line, sizeof(row->line), f) != NULL) {
+    if (row->line[0] == '#' || row->line[0] == '\n') continue;
+    row->line[strcspn(row->line, "\n")] = '\0';
+    char* save = NULL;
+    row->option = strtok_r(row->line, "\t", &save);
+    row->kind = strtok_r(NULL, "\t", &save);
+    row->value = strtok_r(NULL, "\t", &save);
+    row->want = strtok_r(NULL, "\t", &save);
+    CHECK(row->option != NULL && row->kind != NULL && row->value != NULL && row->want != NULL);
+    if (row->want != NULL) return 1;
+  }
+  return 0;
+}
+
+/* "<transport>.<key>": copies the transport's name into `transport` and returns the key, or
+ * NULL when there is no dot or the name does not fit. */
+static const char* SplitTransportOption(const char* option, char* transport, size_t size) {
+  const char* dot = strchr(option, '.');
+  if (dot == NULL || (size_t)(dot - option) >= size) return NULL;
+  memcpy(transport, option, (size_t)(dot - option));
+  transport[dot - option] = '\0';
+  return dot + 1;
+}
+
+/* The row's value must have been refused (code 3, from kvw_*_create) with exactly the row's
+ * message after the status code ("INVALID_ARGUMENT: "), as the table holds it. */
+static void ExpectRowRefused(const BadOptionRow* row, int code, const char* err) {
+  const char* message = err == NULL ? NULL : strstr(err, ": ");
+  if (code != 3 || message == NULL || strcmp(message + 2, row->want) != 0) {
+    fprintf(stderr, "%s:%d: %s = %s: want \"%s\", got %d: %s\n", __FILE__, __LINE__, row->option,
+            row->value, row->want, code, err != NULL ? err : "(no message)");
+    ++failures;
+  }
+}
+
 /* tests/support/bad_engine_options.tsv: each value, set through its C setter, is refused with
  * exactly the table's message (by the setter or by kvw_engine_create), as C++ and Python refuse
  * it. */
@@ -758,18 +806,12 @@ static void TestSharedBadOptions(const char* path) {
   FILE* f = fopen(path, "r");
   CHECK(f != NULL);
   if (f == NULL) return;
-  char line[512];
+  BadOptionRow row;
   int rows = 0;
-  while (fgets(line, sizeof(line), f) != NULL) {
-    if (line[0] == '#' || line[0] == '\n') continue;
-    line[strcspn(line, "\n")] = '\0';
-    char* save = NULL;
-    const char* option = strtok_r(line, "\t", &save);
-    const char* kind = strtok_r(NULL, "\t", &save);
-    const char* value = strtok_r(NULL, "\t", &save);
-    const char* want = strtok_r(NULL, "\t", &save);
-    CHECK(option != NULL && kind != NULL && value != NULL && want != NULL);
-    if (want == NULL) continue;
+  while (NextBadOptionRow(f, &row)) {
+    const char* option = row.option;
+    const char* kind = row.kind;
+    const char* value = row.value;
     ++rows;
     char* err = NULL;
     kvw_engine_options_t* o = kvw_engine_options_create();
@@ -777,12 +819,13 @@ static void TestSharedBadOptions(const char* path) {
     if (strcmp(kind, "text") == 0) {
       /* "<transport>.<key>": the transport's by-name setter. */
       char transport[64];
-      const char* dot = strchr(option, '.');
-      CHECK(dot != NULL && (size_t)(dot - option) < sizeof(transport));
-      if (dot == NULL || (size_t)(dot - option) >= sizeof(transport)) continue;
-      memcpy(transport, option, (size_t)(dot - option));
-      transport[dot - option] = '\0';
-      code = kvw_engine_options_set_transport_option(o, transport, dot + 1, value, &err);
+      const char* key = SplitTransportOption(option, transport, sizeof(transport));
+      CHECK(key != NULL);
+      if (key == NULL) {
+        kvw_engine_options_destroy(o);
+        continue;
+      }
+      code = kvw_engine_options_set_transport_option(o, transport, key, value, &err);
     } else if (strcmp(kind, "name") == 0) {
       CHECK(strcmp(option, "transport") == 0);
       code = kvw_engine_options_set_transport(o, value, &err);
@@ -803,13 +846,7 @@ static void TestSharedBadOptions(const char* path) {
       code = e == NULL ? 3 : 0;
       kvw_engine_destroy(e);
     }
-    /* The message after the status code ("INVALID_ARGUMENT: "), as the table holds it. */
-    const char* message = err == NULL ? NULL : strstr(err, ": ");
-    if (code != 3 || message == NULL || strcmp(message + 2, want) != 0) {
-      fprintf(stderr, "%s:%d: %s = %s: want \"%s\", got %d: %s\n", __FILE__, __LINE__, option,
-              value, want, code, err != NULL ? err : "(no message)");
-      ++failures;
-    }
+    ExpectRowRefused(&row, code, err);
     kvw_free(err);
     kvw_engine_options_destroy(o);
   }
@@ -852,12 +889,8 @@ static int SetConnectorOption(kvw_options_t* o, const char* option, const char* 
     if (strcmp(option, "cluster") == 0) return kvw_options_set_cluster(o, value, err);
   } else if (strcmp(kind, "transport") == 0) {
     char transport[64];
-    const char* dot = strchr(option, '.');
-    if (dot != NULL && (size_t)(dot - option) < sizeof(transport)) {
-      memcpy(transport, option, (size_t)(dot - option));
-      transport[dot - option] = '\0';
-      return kvw_options_set_transport_option(o, transport, dot + 1, value, err);
-    }
+    const char* key = SplitTransportOption(option, transport, sizeof(transport));
+    if (key != NULL) return kvw_options_set_transport_option(o, transport, key, value, err);
   }
   fprintf(stderr, "%s:%d: unknown row %s (%s)\n", __FILE__, __LINE__, option, kind);
   ++failures;
@@ -872,18 +905,12 @@ static void TestSharedBadConnectorOptions(const char* path) {
   FILE* f = fopen(path, "r");
   CHECK(f != NULL);
   if (f == NULL) return;
-  char line[512];
+  BadOptionRow row;
   int rows = 0;
-  while (fgets(line, sizeof(line), f) != NULL) {
-    if (line[0] == '#' || line[0] == '\n') continue;
-    line[strcspn(line, "\n")] = '\0';
-    char* save = NULL;
-    const char* option = strtok_r(line, "\t", &save);
-    const char* kind = strtok_r(NULL, "\t", &save);
-    const char* value = strtok_r(NULL, "\t", &save);
-    const char* want = strtok_r(NULL, "\t", &save);
-    CHECK(option != NULL && kind != NULL && value != NULL && want != NULL);
-    if (want == NULL) continue;
+  while (NextBadOptionRow(f, &row)) {
+    const char* option = row.option;
+    const char* kind = row.kind;
+    const char* value = row.value;
     ++rows;
     char* err = NULL;
     kvw_options_t* o = kvw_options_create();
@@ -900,13 +927,7 @@ static void TestSharedBadConnectorOptions(const char* path) {
         kvw_connector_destroy(c);
       }
     }
-    /* The message after the status code ("INVALID_ARGUMENT: "), as the table holds it. */
-    const char* message = err == NULL ? NULL : strstr(err, ": ");
-    if (code != 3 || message == NULL || strcmp(message + 2, want) != 0) {
-      fprintf(stderr, "%s:%d: %s = %s: want \"%s\", got %d: %s\n", __FILE__, __LINE__, option,
-              value, want, code, err != NULL ? err : "(no message)");
-      ++failures;
-    }
+    ExpectRowRefused(&row, code, err);
     kvw_free(err);
     kvw_options_destroy(o);
   }
