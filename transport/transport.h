@@ -259,7 +259,8 @@ class Transport {
   // The peer's control connection closed with `reason`: fail at once whatever waits for its
   // reply on that channel (e.g. rdma's QP exchange), which would otherwise wait out its
   // deadline while the engine's worker, busy with that very wait, cannot run the close.
-  // Runs on the connection's I/O thread: must not block; DropPeer follows on the worker.
+  // Runs on the connection's I/O thread, only while the engine still counts the peer alive and
+  // under its peer lock: must not block or call into the engine; DropPeer follows on the worker.
   virtual void AbortPending(PeerId peer, const absl::Status& reason) {}
   // A control message of this transport (a payload its peer sent with a ControlSender)
   // arrived from `peer`; `reply` sends on that peer's control channel. Runs on the channel's

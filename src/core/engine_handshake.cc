@@ -145,7 +145,15 @@ std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& addres
         if (!p || stopping_) return;
         // The worker may be blocked in this peer's channel set-up, waiting for a reply that
         // cannot come now: fail that wait here, with the reason the peer gave (a refusal).
-        for (const auto& t : transports_) t->AbortPending(p->id, status);
+        // Only while the peer is alive: ClosePeer's DropPeer, which forgets what AbortPending
+        // records, then comes after (it marks the peer dead under the same lock first); a
+        // peer ClosePeer already dropped would be remembered by the transport for ever.
+        {
+          MutexLock lock(&p->mu);
+          if (p->alive) {
+            for (const auto& t : transports_) t->AbortPending(p->id, status);
+          }
+        }
         // Teardown joins transport threads: never on the I/O thread that noticed it.
         worker_->Post([this, p, status] { ClosePeer(p, status); });
       },
