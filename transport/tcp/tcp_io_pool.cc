@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <exception>
 #include <pthread.h>
+#include <sched.h>
 #include <system_error>
 #include <time.h>
 #include <unistd.h>
@@ -71,6 +72,7 @@ void IoLoop::Stop() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
+    queued_.store(true, std::memory_order_release);
     if (!thread_.joinable()) stopped_ = true;  // never started: refuse tasks from now on
   }
   const uint64_t one = 1;
@@ -88,6 +90,7 @@ bool IoLoop::Run(std::function<void()> task) {
     if (stopped_) return false;
     first = tasks_.empty();
     tasks_.push_back(std::move(task));
+    queued_.store(true, std::memory_order_release);
   }
   // Pairs with PrepareToSleep: either the loop sees this task before it sleeps, or it set
   // sleeping_ before this load (both are sequentially consistent) and the write wakes it.
@@ -120,6 +123,7 @@ void IoLoop::Remove(int fd) {
   handlers_.erase(it);
   MutexLock lock(&mu_);
   tasks_.push_back([h = std::move(handler)] {});
+  queued_.store(true, std::memory_order_release);
   const uint64_t one = 1;
   (void)!::write(eventfd_, &one, sizeof(one));
 }
@@ -129,6 +133,7 @@ void IoLoop::RunTasks() {
   {
     MutexLock lock(&mu_);
     tasks.swap(tasks_);
+    queued_.store(stopping_, std::memory_order_release);
   }
   for (std::function<void()>& task : tasks) {
     try {
@@ -159,8 +164,18 @@ void IoLoop::Loop() {
       n = ::epoll_wait(epfd_, events.data(), capacity, 0);
       if (n == 0) {
         // Tasks are seen without a wake-up while polling (Run skips the eventfd).
-        MutexLock lock(&mu_);
-        if (tasks_.empty() && !stopping_) continue;
+        // Read without the lock: a poll that locked mu_ on every turn would make each Run
+        // from another thread contend for it (a futex call per op on both sides).
+        const bool queued = queued_.load(std::memory_order_acquire);
+        // A poll must not hold a core that another thread is waiting for: the thread this
+        // loop just woke with a completion usually is the one that posts the next op, and on
+        // a machine with few cores it would otherwise wait for the poll to end (one 4 KiB op
+        // at a time over loopback, 2 cores: 43 us p50 polling without yielding, 14 us not
+        // polling at all). With nothing else runnable this returns at once.
+        if (!queued) {
+          ::sched_yield();
+          continue;
+        }
       }
     } else if (PrepareToSleep()) {
       n = ::epoll_wait(epfd_, events.data(), capacity, -1);

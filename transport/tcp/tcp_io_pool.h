@@ -10,7 +10,9 @@
 // (`poll`, TcpTransportOptions::io_poll) before it sleeps: a busy connection's next bytes
 // usually arrive within microseconds, and a sleeping receiver costs its sender a wake-up
 // (an inter-processor interrupt, a VM exit under a hypervisor) for every segment that arrives;
-// the poll ends as soon as the connections go quiet, so idle still means no CPU.
+// the poll ends as soon as the connections go quiet, so idle still means no CPU. A polling
+// loop yields its core on every empty turn, so that a runnable thread (typically the caller
+// it just handed a completion to) is never kept waiting for the poll to end.
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
 
@@ -83,6 +85,9 @@ class IoLoop {
   Mutex mu_;
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Written under mu_: tasks_ is not empty or the loop is stopping. The polling loop reads it
+  // without the lock.
+  std::atomic<bool> queued_{false};
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
 
