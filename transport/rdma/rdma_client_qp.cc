@@ -43,6 +43,10 @@ const char* WcHint(ibv_wc_status status) {
       return " (no acknowledgement from the peer: dead, unreachable or wedged)";
     case IBV_WC_RNR_RETRY_EXC_ERR:
       return " (the peer had no receive posted)";
+    case IBV_WC_FATAL_ERR:
+      // Soft-RoCE (Linux 6.1's rxe) completes a WR so when a READ response reaches a WRITE
+      // after a retransmitted READ was renumbered (tests/rdma/README.md).
+      return " (the device failed the QP; it is re-created on next use)";
     default:
       return "";
   }
