@@ -145,13 +145,21 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     for (size_t i = 0; i < peer->channels.size(); ++i) {
       if (peer->channels[i]) connected |= core::TransportMask{1} << i;
     }
-    absl::StatusOr<size_t> route =
-        core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
-    if (!route.ok()) return route.status();
-    channel = peer->channels[*route];
-    route_index = *route;
-    caps = caps_[*route];
-    lanes = peer->lanes[*route];
+    // The choice depends on the needs and the connected channels alone (caps_ and
+    // rank_order_ are fixed after Init): a peer's transfers mostly need the same, and reuse
+    // the last choice instead of ranking the transports again.
+    core::RouteMemo& memo = peer->route_memo;
+    if (!memo.valid || memo.connected != connected || !core::SameNeeds(memo.needs, needs)) {
+      absl::StatusOr<size_t> route =
+          core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
+      if (!route.ok()) return route.status();
+      memo = core::RouteMemo{true, needs, connected, *route};
+    }
+    const size_t route = memo.route;
+    channel = peer->channels[route];
+    route_index = route;
+    caps = caps_[route];
+    lanes = peer->lanes[route];
   }
 
   core::PlanLimits limits;
@@ -173,7 +181,10 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   info.pieces = plan.pieces;
   info.notification = options.notification;
   info.count_arrivals = kind == OpKind::kWrite && options.notification && caps->counts_arrivals;
-  info.start = absl::Now();
+  // Nanoseconds read once and kept as they are: absl::Now and Time/Duration arithmetic are
+  // library calls (~100 instructions per transfer between the start and the end).
+  info.start_ns = absl::GetCurrentTimeNanos();
+  info.start = absl::FromUnixNanos(info.start_ns);
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
   info.transport = static_cast<int>(route_index);
   info.local_regions = std::move(local_regions);
@@ -198,6 +209,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     end_info.bytes = info.bytes;
     end_info.pieces = info.pieces;
     end_info.start = info.start;
+    end_info.start_ns = info.start_ns;
     end_info.transport = info.transport;
   }
   transfers_started_.fetch_add(1, std::memory_order_relaxed);
@@ -215,8 +227,8 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   for (size_t lane = 0; lane < lanes_planned; ++lane) {
     // The last lane posts last_request, which holds the pins; the others copy them.
     const bool last_lane = lane + 1 == lanes_planned;
-    transport::PostRequest other_lane;
-    transport::PostRequest& request = last_lane ? last_request : other_lane;
+    std::optional<transport::PostRequest> other_lane;  // built only for the lanes before
+    transport::PostRequest& request = last_lane ? last_request : other_lane.emplace();
     request.transfer_id = id;
     request.kind = kind;
     request.lane = static_cast<uint32_t>(lane);
@@ -246,9 +258,9 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // a deadline or the peer's close ended it first (which counted its end).
   if (inline_end && slot.done) {
     if (!slot.status.ok()) slot.status = NamedFailure(id, peer_id, peer.get(), slot.status);
-    const absl::Time now = absl::Now();
-    if (transfers_.EndInline(id, &slot.status, now)) {
-      RecordEnd(end_info, slot.status, peer.get(), now);
+    const int64_t now_ns = absl::GetCurrentTimeNanos();
+    if (transfers_.EndInline(id, &slot.status, absl::FromUnixNanos(now_ns))) {
+      RecordEnd(end_info, slot.status, peer.get(), now_ns);
     }
   } else if (inline_end) {
     transfers_.ArmDeadline(id);
@@ -290,13 +302,13 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
   std::shared_ptr<Peer> peer = GetPeer(info.peer);
-  RecordEnd(info, status, peer.get(), absl::Now());
+  RecordEnd(info, status, peer.get(), absl::GetCurrentTimeNanos());
 }
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
-                             absl::Time end) {
-  // Integer nanoseconds (inline) rather than ToDoubleMicroseconds (a library call).
-  const double us = static_cast<double>(absl::ToInt64Nanoseconds(end - info.start)) * 1e-3;
+                             int64_t end_ns) {
+  // Integer nanoseconds (inline) rather than Time arithmetic and ToDoubleMicroseconds.
+  const double us = static_cast<double>(end_ns - info.start_ns) * 1e-3;
   {
     MutexLock lock(&stats_mu_);
     if (status.ok()) {
