@@ -127,8 +127,7 @@ size_t Merge(absl::Span<transport::WireOp> ops) {
 
 Plan PlanOps(absl::Span<transport::WireOp> ops, const PlanLimits& limits) {
   Plan plan;
-  if (ops.size() == 1 && ops[0].length > 0 && ops[0].length <= limits.max_op_bytes &&
-      (limits.lanes <= 1 || ops[0].length < limits.stripe_min_bytes)) {
+  if (ops.size() == 1 && IsOnePiece(ops[0], limits)) {
     // One op that is neither cut nor striped (the common small transfer): what the general
     // path below gives it, without its passes.
     plan.lanes.emplace_back(1, ops[0]);
