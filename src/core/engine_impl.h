@@ -70,6 +70,7 @@ struct Peer {
   std::string transport_desc ABSL_GUARDED_BY(mu);
   std::string transport_reason ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<RegionId, RemoteRegionState> remote ABSL_GUARDED_BY(mu);
+  core::RouteMemo route_memo ABSL_GUARDED_BY(mu);  // Transfer's last route choice
   // Counted at each transfer's end without `mu` (a lock pair less per transfer).
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> bytes_written{0};
@@ -183,9 +184,10 @@ class Engine::Impl final : public transport::TargetHooks {
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
-  // The same for a caller that holds the peer (null: gone) and read the clock at the end.
+  // The same for a caller that holds the peer (null: gone) and read the clock at the end
+  // (absl::GetCurrentTimeNanos).
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
-                 absl::Time end);
+                 int64_t end_ns);
   // Fails transfers at their deadlines, sleeping until the earliest one (not on a period).
   void ReaperLoop();
 

@@ -145,13 +145,21 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     for (size_t i = 0; i < peer->channels.size(); ++i) {
       if (peer->channels[i]) connected |= core::TransportMask{1} << i;
     }
-    absl::StatusOr<size_t> route =
-        core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
-    if (!route.ok()) return route.status();
-    channel = peer->channels[*route];
-    route_index = *route;
-    caps = caps_[*route];
-    lanes = peer->lanes[*route];
+    // The choice depends on the needs and the connected channels alone (caps_ and
+    // rank_order_ are fixed after Init): a peer's transfers mostly need the same, and reuse
+    // the last choice instead of ranking the transports again.
+    core::RouteMemo& memo = peer->route_memo;
+    if (!memo.valid || memo.connected != connected || !core::SameNeeds(memo.needs, needs)) {
+      absl::StatusOr<size_t> route =
+          core::PickTransport(caps_, rank_order_, connected, needs, peer->name);
+      if (!route.ok()) return route.status();
+      memo = core::RouteMemo{true, needs, connected, *route};
+    }
+    const size_t route = memo.route;
+    channel = peer->channels[route];
+    route_index = route;
+    caps = caps_[route];
+    lanes = peer->lanes[route];
   }
 
   core::PlanLimits limits;
@@ -163,7 +171,18 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   }
   limits.lanes = std::min<uint32_t>(lanes, caps->max_lanes);
   limits.stripe_min_bytes = options_.stripe_min_bytes;
-  core::Plan plan = core::PlanOps(absl::MakeSpan(wire), limits);
+  // One op that is one piece (IsOnePiece, what PlanOps would make of it) goes into its lane's
+  // request as it is, without a plan built and moved (~100 instructions per small transfer).
+  const bool one_piece = wire.size() == 1 && core::IsOnePiece(wire[0], limits);
+  core::Plan plan;
+  if (one_piece) {
+    plan.total_bytes = wire[0].length;
+    plan.merged_ops = 1;
+    plan.pieces = 1;
+  } else {
+    plan = core::PlanOps(absl::MakeSpan(wire), limits);
+  }
+  const size_t lanes_planned = one_piece ? 1 : plan.lanes.size();
 
   core::TransferInfo info;
   info.id = next_transfer_id_++;
@@ -171,20 +190,23 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   info.kind = kind;
   info.bytes = plan.total_bytes;
   info.pieces = plan.pieces;
-  info.notification = options.notification;
+  // Assigned only when set: copy-assigning an empty optional<string> is not free.
+  if (options.notification) info.notification = options.notification;
   info.count_arrivals = kind == OpKind::kWrite && options.notification && caps->counts_arrivals;
-  info.start = absl::Now();
+  // Nanoseconds read once and kept as they are: absl::Now and Time/Duration arithmetic are
+  // library calls (~100 instructions per transfer between the start and the end).
+  info.start_ns = absl::GetCurrentTimeNanos();
+  info.start = absl::FromUnixNanos(info.start_ns);
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
   info.transport = static_cast<int>(route_index);
   info.local_regions = std::move(local_regions);
   KVW_LOG(kDebug, "engine") << "transfer start" << Kv("engine", name_) << Kv("transfer", info.id)
                             << Kv("peer", peer->name) << Kv("kind", verb) << Kv("bytes", info.bytes)
                             << Kv("ops", ops.size()) << Kv("pieces", plan.pieces)
-                            << Kv("lanes", plan.lanes.size()) << Kv("via", caps->name);
+                            << Kv("lanes", lanes_planned) << Kv("via", caps->name);
 
   const TransferId id = info.id;
   const bool count_arrivals = info.count_arrivals;
-  const size_t lanes_planned = plan.lanes.size();
   // A one-lane transfer with nothing to do at its end but accounting (no notification, no end
   // callback) is ended in this thread when its channel finishes it inline (shm host copies):
   // one step through the table and one through the stats instead of the lane callback's
@@ -198,6 +220,7 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     end_info.bytes = info.bytes;
     end_info.pieces = info.pieces;
     end_info.start = info.start;
+    end_info.start_ns = info.start_ns;
     end_info.transport = info.transport;
   }
   transfers_started_.fetch_add(1, std::memory_order_relaxed);
@@ -215,14 +238,18 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   for (size_t lane = 0; lane < lanes_planned; ++lane) {
     // The last lane posts last_request, which holds the pins; the others copy them.
     const bool last_lane = lane + 1 == lanes_planned;
-    transport::PostRequest other_lane;
-    transport::PostRequest& request = last_lane ? last_request : other_lane;
+    std::optional<transport::PostRequest> other_lane;  // built only for the lanes before
+    transport::PostRequest& request = last_lane ? last_request : other_lane.emplace();
     request.transfer_id = id;
     request.kind = kind;
     request.lane = static_cast<uint32_t>(lane);
     request.count_arrivals = count_arrivals;
     request.grant = options.grant;
-    request.ops = std::move(plan.lanes[lane]);
+    if (one_piece) {
+      request.ops.push_back(wire[0]);
+    } else {
+      request.ops = std::move(plan.lanes[lane]);
+    }
     // The last lane takes the flag, the others copy it.
     if (last_lane) {
       request.cancelled = std::move(cancelled);
@@ -246,9 +273,9 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
   // a deadline or the peer's close ended it first (which counted its end).
   if (inline_end && slot.done) {
     if (!slot.status.ok()) slot.status = NamedFailure(id, peer_id, peer.get(), slot.status);
-    const absl::Time now = absl::Now();
-    if (transfers_.EndInline(id, &slot.status, now)) {
-      RecordEnd(end_info, slot.status, peer.get(), now);
+    const int64_t now_ns = absl::GetCurrentTimeNanos();
+    if (transfers_.EndInline(id, &slot.status, absl::FromUnixNanos(now_ns))) {
+      RecordEnd(end_info, slot.status, peer.get(), now_ns);
     }
   } else if (inline_end) {
     transfers_.ArmDeadline(id);
@@ -290,13 +317,13 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
   std::shared_ptr<Peer> peer = GetPeer(info.peer);
-  RecordEnd(info, status, peer.get(), absl::Now());
+  RecordEnd(info, status, peer.get(), absl::GetCurrentTimeNanos());
 }
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
-                             absl::Time end) {
-  // Integer nanoseconds (inline) rather than ToDoubleMicroseconds (a library call).
-  const double us = static_cast<double>(absl::ToInt64Nanoseconds(end - info.start)) * 1e-3;
+                             int64_t end_ns) {
+  // Integer nanoseconds (inline) rather than Time arithmetic and ToDoubleMicroseconds.
+  const double us = static_cast<double>(end_ns - info.start_ns) * 1e-3;
   {
     MutexLock lock(&stats_mu_);
     if (status.ok()) {

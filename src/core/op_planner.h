@@ -28,6 +28,13 @@ struct Plan {
   uint64_t pieces = 0;      // after splitting (what goes on the wire)
 };
 
+// Whether PlanOps plans `op`, alone in its transfer, as one piece on one lane (neither cut by
+// max_op_bytes nor striped): the common small transfer, which a caller may then post as it is.
+inline bool IsOnePiece(const transport::WireOp& op, const PlanLimits& limits) {
+  return op.length > 0 && op.length <= limits.max_op_bytes &&
+         (limits.lanes <= 1 || op.length < limits.stripe_min_bytes);
+}
+
 // Ops are merged when one continues the other both locally and in the same remote region;
 // order between ops of one transfer carries no meaning (they must not overlap).
 // `ops` is reordered (sorted for merging) in place; a one-op transfer is planned without

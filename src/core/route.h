@@ -91,6 +91,21 @@ struct TransferNeeds {
 // (bit i of `connected`) that reaches every remote region, carries the op kind, and moves
 // every kind of local memory involved. FailedPrecondition naming each connected transport's
 // reason when none does.
+inline bool SameNeeds(const TransferNeeds& a, const TransferNeeds& b) {
+  return a.kind == b.kind && a.local_host == b.local_host && a.local_gpu == b.local_gpu &&
+         a.reaches == b.reaches && a.grant_reads == b.grant_reads && a.guarded == b.guarded &&
+         a.guarded_only == b.guarded_only;
+}
+
+// A peer's last successful PickTransport (with the same caps and rank order, the same needs
+// and connected channels pick the same transport).
+struct RouteMemo {
+  bool valid = false;
+  TransferNeeds needs;
+  TransportMask connected = 0;
+  size_t route = 0;
+};
+
 absl::StatusOr<size_t> PickTransport(absl::Span<const transport::Capabilities* const> caps,
                                      TransportMask connected, const TransferNeeds& needs,
                                      const std::string& peer_name);

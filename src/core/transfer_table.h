@@ -39,6 +39,7 @@ struct TransferInfo {
   std::optional<std::string> notification;
   bool count_arrivals = false;
   absl::Time start;
+  int64_t start_ns = 0;  // `start` in absl::GetCurrentTimeNanos's units (latency stats)
   absl::Time deadline;
   int transport = -1;  // the index in Engine::Impl::transports_ it was routed over
 };

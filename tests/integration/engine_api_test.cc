@@ -3,6 +3,7 @@
 // TakeNotifications. Real engines on loopback (in this process, or kvwire_test_peer where a
 // peer must be frozen).
 #include <algorithm>
+#include <cstring>
 #include <signal.h>
 #include <stdlib.h>
 #include <string>
@@ -14,6 +15,7 @@
 #include "absl/time/clock.h"
 
 #include "kvwire/engine.h"
+#include "kvwire/memory.h"
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/support/scoped_env.h"
@@ -185,6 +187,67 @@ TEST(EngineApiTest, ConnectExportsOnlyTheListedRegionsAndExportAddsMore) {
   EXPECT_EQ(FirstDifference(local.data(), second.data(), 8192), -1);
   // Export of a region this engine does not have is refused.
   EXPECT_FALSE(a->Export(*to_b, {*r2 + 1000}).ok());
+}
+
+// One-op transfers of one pair reuse what the transfers before them chose (the route, the
+// region just used): a deregistration, an unexport and a re-export between two transfers are
+// each seen by the next one, over shm (the transport of the engine's fast path).
+TEST(EngineApiTest, RepeatedTransfersSeeEachChangeMadeBetweenThem) {
+  absl::StatusOr<ShareableBuffer> target = ShareableBuffer::Create(8192, "api-target");
+  absl::StatusOr<ShareableBuffer> one = ShareableBuffer::Create(8192, "api-one");
+  absl::StatusOr<ShareableBuffer> two = ShareableBuffer::Create(8192, "api-two");
+  ASSERT_TRUE(target.ok() && one.ok() && two.ok());
+  auto a = MakeEngine("fast-a", "shm");
+  auto b = MakeEngine("fast-b", "shm");
+  ASSERT_TRUE(a && b);
+  auto rb = b->RegisterMemory(target->data(), target->size());
+  auto l1 = a->RegisterMemory(one->data(), one->size());
+  auto l2 = a->RegisterMemory(two->data(), two->size());
+  ASSERT_TRUE(rb.ok() && l1.ok() && l2.ok());
+  auto to_b = a->Connect(b->address());
+  ASSERT_TRUE(to_b.ok()) << to_b.status();
+  auto to_a = b->WaitForPeer("fast-a", absl::Seconds(10));
+  ASSERT_TRUE(to_a.ok()) << to_a.status();
+  ASSERT_TRUE(b->Export(*to_a, {*rb}).ok());
+  ASSERT_TRUE(a->WaitForRemoteRegion(*to_b, *rb, absl::Seconds(10)).ok());
+  auto write = [&](RegionId local, uint64_t offset) -> absl::Status {
+    auto id = a->Transfer(*to_b, OpKind::kWrite, {Op{local, offset, *rb, offset, 4096}});
+    if (!id.ok()) return id.status();
+    return a->Wait(*id, absl::Seconds(30));
+  };
+  std::memset(one->data(), 0x11, 4096);
+  ASSERT_TRUE(write(*l1, 0).ok());
+  ASSERT_TRUE(write(*l1, 0).ok());
+  EXPECT_EQ(target->data()[4095], std::byte{0x11});
+
+  // Unexported by the target: refused once the initiator has heard of it (the message is
+  // asynchronous), and the target's memory keeps what it had.
+  ASSERT_TRUE(b->Unexport(*to_a, {*rb}).ok());
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       Lists(a->RemoteRegions(*to_b), *rb) && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_FALSE(Lists(a->RemoteRegions(*to_b), *rb));
+  std::memset(one->data(), 0x22, 4096);
+  const absl::Status unexported = write(*l1, 0);
+  EXPECT_EQ(unexported.code(), absl::StatusCode::kNotFound) << unexported;
+  EXPECT_EQ(target->data()[0], std::byte{0x11});
+
+  // Exported again: reachable again.
+  ASSERT_TRUE(b->Export(*to_a, {*rb}).ok());
+  ASSERT_TRUE(a->WaitForRemoteRegion(*to_b, *rb, absl::Seconds(10)).ok());
+  ASSERT_TRUE(write(*l1, 0).ok());
+  EXPECT_EQ(target->data()[0], std::byte{0x22});
+
+  // The local region of the last transfers deregistered: the next one naming it is refused,
+  // one from another region goes through.
+  ASSERT_TRUE(a->DeregisterMemory(*l1).ok());
+  const absl::Status deregistered = write(*l1, 0);
+  EXPECT_EQ(deregistered.code(), absl::StatusCode::kNotFound) << deregistered;
+  std::memset(two->data() + 4096, 0x33, 4096);
+  ASSERT_TRUE(write(*l2, 4096).ok());
+  EXPECT_EQ(target->data()[4096], std::byte{0x33});
+  EXPECT_EQ(target->data()[0], std::byte{0x22});
 }
 
 // ConnectOptions::transport overrides the engine's choice for that peer, and says so.

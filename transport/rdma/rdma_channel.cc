@@ -10,6 +10,17 @@
 #include "transport/rdma/rdma_plan.h"
 
 namespace kvwire::transport::rdma {
+namespace {
+// A thread keeps the scratch of its last Post up to this many ops.
+constexpr size_t kKeptScratchOps = size_t{1} << 16;
+
+// Out of line: a reference to a thread_local in a shared library is otherwise recomputed
+// (__tls_get_addr) at each use in Post's loops (~10 instructions per op).
+__attribute__((noinline)) std::vector<ResolvedOp>& ThreadScratch() {
+  thread_local std::vector<ResolvedOp> scratch;
+  return scratch;
+}
+}  // namespace
 
 absl::Status RdmaChannel::AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) {
   std::vector<std::pair<RegionId, RemoteMr>> parsed;
@@ -61,7 +72,10 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
                      " pieces in one lane (at most ", kMaxCountPerImm, ")")));
     return;
   }
-  std::vector<ResolvedOp> ops;
+  // Resolved into this thread's scratch, kept for its next Post (PlanWrs copies what it
+  // needs into the lane's plan): a lane allocates no op array of its own.
+  std::vector<ResolvedOp>& ops = ThreadScratch();
+  ops.clear();
   ops.reserve(request.ops.size());
   {
     MutexLock lock(&mu_);
@@ -109,6 +123,10 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
   WrLimits limits;
   limits.max_sge = qp->max_sge();
   limits.max_wr_bytes = transport_->caps().max_op_bytes;
+  // At most one WR and one SGE per op (and the bind), unless an op is longer than a WR may
+  // be: sized once, not grown by doubling through a request's thousands of ops.
+  lane->plan.wrs.reserve(ops.size() + 1);
+  lane->plan.sges.reserve(ops.size() + 1);
   if (lane->counted) {
     // The bind comes first, in a WR of its own (a separate PlanWrs call never joins it);
     // its addresses and keys are filled in when a slot is assigned.
@@ -145,6 +163,7 @@ void RdmaChannel::Post(PostRequest request, DoneCallback done) {
   lane->request = std::move(request);
   lane->done = std::move(done);
   qp->Enqueue(std::move(lane));
+  if (ops.capacity() > kKeptScratchOps) ops = std::vector<ResolvedOp>();  // a huge one
 }
 
 }  // namespace kvwire::transport::rdma

@@ -144,11 +144,15 @@ TEST(OpPlannerTest, RandomOpListsKeepEveryByteExactlyOnce) {
 // The plan of a page list (shuffled runs of consecutive pages, some runs broken locally, in
 // two regions, sorted or not) is the one of sorting every op and merging left to right; a
 // sorted list skips the sort and must give the same.
-TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
+// Random page lists against the reference "sort every op, then merge": pages 0..n-1 of
+// 4 KiB over `regions` remote regions (ids `regions[k]`), at `offset_base` + the page's
+// offset in its region.
+void ExpectPlansAsSortingEveryOpAndMerging(const std::vector<RegionId>& regions,
+                                           uint64_t offset_base, uint64_t seed) {
   std::vector<std::byte> local(1 << 22);
-  std::mt19937_64 rng(24);
+  std::mt19937_64 rng(seed);
   for (int round = 0; round < 200; ++round) {
-    // Pages 0..n-1 of 4 KiB in two remote regions, cut into runs of 1..8 pages.
+    // Pages 0..n-1 of 4 KiB cut into runs of 1..8 pages.
     const size_t n = 1 + rng() % 300;
     std::vector<std::pair<size_t, size_t>> runs;  // first page, pages
     for (size_t p = 0; p < n;) {
@@ -158,20 +162,21 @@ TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
     }
     if (round % 4 != 0) std::shuffle(runs.begin(), runs.end(), rng);
     // Local slots in page order with a gap now and then (a page that continues the one
-    // before it remotely but not locally); the first half of the pages in remote region 1,
-    // the rest in region 2. Pages of two runs can continue one another after the sort.
+    // before it remotely but not locally); the pages split evenly over the regions in page
+    // order. Pages of two runs can continue one another after the sort.
     std::vector<size_t> slot(n);
     for (size_t page = 0, gaps = 0; page < n; ++page) {
       if (rng() % 10 == 0) ++gaps;
       slot[page] = page + gaps;
     }
+    const size_t per_region = (n + regions.size() - 1) / regions.size();
     std::vector<transport::WireOp> ops;
     for (const auto& [first, len] : runs) {
       for (size_t k = 0; k < len; ++k) {
         const size_t page = first + k;
-        const bool second = page >= n / 2;
-        ops.push_back({At(local, slot[page] * 4096), RegionId{second ? 2u : 1u},
-                       (page - (second ? n / 2 : 0)) * 4096, 4096, -1, RegionId{1}});
+        const size_t r = page / per_region;
+        ops.push_back({At(local, slot[page] * 4096), regions[r],
+                       offset_base + (page - r * per_region) * 4096, 4096, -1, RegionId{1}});
       }
     }
     // The reference: every op sorted, then merged left to right.
@@ -207,6 +212,39 @@ TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
       ASSERT_EQ(got.length, expected[i].length);
     }
   }
+}
+
+TEST(OpPlannerTest, PlansAsSortingEveryOpAndMerging) {
+  ExpectPlansAsSortingEveryOpAndMerging({RegionId{1}, RegionId{2}}, 0, 24);
+}
+
+// The sort packs (region rank, offset, index) into 8-byte keys: regions with far-apart ids,
+// offsets high in a big region, and a region given before a lower one still sort as the ops.
+TEST(OpPlannerTest, PlansAsSortingEveryOpAndMergingWithPackedKeys) {
+  ExpectPlansAsSortingEveryOpAndMerging({RegionId{1} << 40, RegionId{3}, RegionId{7}},
+                                        uint64_t{1} << 40, 25);
+}
+
+// Where the keys cannot be packed (more regions than the packed sort ranks, or offsets that
+// leave no room for the op's index) the ops themselves are sorted: the same plans.
+TEST(OpPlannerTest, PlansAsSortingEveryOpAndMergingWhenKeysDoNotFit) {
+  std::vector<RegionId> many;
+  for (RegionId r = 20; r > 0; --r) many.push_back(r);
+  ExpectPlansAsSortingEveryOpAndMerging(many, 0, 26);
+  // An odd offset: no common trailing zero bits to drop, 63 bits of offset.
+  ExpectPlansAsSortingEveryOpAndMerging({RegionId{5}, RegionId{4}}, (uint64_t{1} << 62) + 1, 27);
+}
+
+TEST(OpPlannerTest, OneBigOpIsStripedEvenWhenNoPieceLimitCutsIt) {
+  std::vector<std::byte> local(8 << 20);
+  PlanLimits limits;
+  limits.lanes = 4;
+  limits.max_op_bytes = uint64_t{1} << 30;
+  limits.stripe_min_bytes = 256 << 10;
+  Plan plan = PlanOps({{At(local, 0), 1, 0, 4 << 20}}, limits);
+  ASSERT_EQ(plan.lanes.size(), 4u);
+  EXPECT_EQ(plan.pieces, 4u);
+  EXPECT_EQ(Bytes(plan), 4u << 20);
 }
 
 }  // namespace
