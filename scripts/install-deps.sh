@@ -11,6 +11,7 @@ packages=(
   libabsl-dev
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core
+  liburing-dev
   # rdma transport tests: soft-RoCE (rdma_rxe) in a qemu VM booting Debian's kernel
   # (tests/rdma/vm/), the rxe provider and tools it packs, and the post-path benchmark.
   qemu-system-x86 busybox-static cpio ibverbs-providers ibverbs-utils iproute2

@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcp(const TransportContext& con
   tcp.connections_per_peer = static_cast<uint32_t>(options.connections);
   tcp.io_threads = static_cast<uint32_t>(options.io_threads);
   tcp.io_poll = options.io_poll;
+  tcp.io_backend = options.io_backend;
   tcp.max_data_connections = static_cast<uint32_t>(options.max_data_connections);
   tcp.max_data_connections_per_peer = static_cast<uint32_t>(options.max_data_connections_per_peer);
   tcp.max_pending_hellos = static_cast<uint32_t>(options.max_pending_hellos);

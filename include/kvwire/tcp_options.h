@@ -3,6 +3,8 @@
 #ifndef KVWIRE_TCP_OPTIONS_H_
 #define KVWIRE_TCP_OPTIONS_H_
 
+#include <string>
+
 #include "absl/time/time.h"
 
 #include "kvwire/transport_options.h"
@@ -24,6 +26,11 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // completion is not kept waiting (one 4 KiB op at a time, same VM: 49 -> 14 us p50); zero:
   // always sleep at once. 0..10ms.
   absl::Duration io_poll = absl::Microseconds(20);
+  // How those threads wait for readiness: "epoll"; "io_uring" (poll requests, multishot where
+  // the kernel has them; the engine does not start where io_uring_queue_init fails, e.g. a
+  // container whose seccomp profile refuses it); "auto": io_uring where it works, else epoll
+  // (one log line says why). The same loop and handlers either way.
+  std::string io_backend = "epoll";
 
   // Data listener limits: what a dialer that has not (yet) shown a valid session token, or a
   // peer that stops mid-op, can hold (details: transport/tcp/tcp_transport.h).

@@ -94,6 +94,9 @@ absl::Status ParseOptionText(absl::string_view option, absl::string_view text, T
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     *field = absl::StrSplit(text, ',', absl::SkipEmpty());
     return absl::OkStatus();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    *field = std::string(text);  // checked by the struct's Validate
+    return absl::OkStatus();
   } else {
     static_assert(std::is_integral_v<T>);
     int64_t v = 0;
@@ -113,6 +116,8 @@ std::string OptionText(const T& field) {
     return absl::FormatDuration(field);
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     return absl::StrJoin(field, ",");
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return field;
   } else {
     return absl::StrCat(field);
   }

@@ -16,6 +16,11 @@
 
 #include "absl/strings/str_cat.h"
 
+#ifdef KVWIRE_HAVE_LIBURING
+#include <liburing.h>
+#include <poll.h>
+#endif
+
 #include "src/util/log.h"
 #include "transport/tcp/tcp_socket.h"
 
@@ -24,6 +29,8 @@ namespace {
 
 // epoll_data of the eventfd; descriptors are >= 0.
 constexpr uint64_t kWakeTag = ~uint64_t{0};
+// user_data of an io_uring poll-remove request (its completion is dropped).
+[[maybe_unused]] constexpr uint64_t kIgnoreTag = ~uint64_t{0} - 1;
 
 int64_t MonotonicNs() {
   timespec ts{};
@@ -32,6 +39,61 @@ int64_t MonotonicNs() {
 }
 
 }  // namespace
+
+#ifdef KVWIRE_HAVE_LIBURING
+// The io_uring backend. Each descriptor has one poll request (user_data: its registration's
+// generation << 32 | fd, so that a completion of a removed registration is never taken for
+// the next socket that gets the same descriptor number), multishot (IORING_POLL_ADD_MULTI:
+// one completion per wake-up of the socket, as epoll's edge-triggered mode reports) until the
+// kernel refuses it (then one-shot), re-armed whenever a completion says it ended. The
+// eventfd that wakes the loop is one more such poll.
+struct UringState {
+  io_uring ring{};
+  bool ready = false;  // ring initialized
+  bool multishot = true;
+  uint32_t next_gen = 1;
+  absl::flat_hash_map<int, uint32_t> gens;  // registered descriptor -> its generation
+
+  ~UringState() {
+    if (ready) io_uring_queue_exit(&ring);
+  }
+  io_uring_sqe* Sqe() {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+    while (sqe == nullptr) {  // the submission queue is full: hand it to the kernel
+      (void)io_uring_submit(&ring);
+      sqe = io_uring_get_sqe(&ring);
+    }
+    return sqe;
+  }
+  void Arm(int fd, uint64_t tag, unsigned mask) {
+    io_uring_sqe* sqe = Sqe();
+    if (multishot) {
+      io_uring_prep_poll_multishot(sqe, fd, mask);
+    } else {
+      io_uring_prep_poll_add(sqe, fd, mask);
+    }
+    io_uring_sqe_set_data64(sqe, tag);
+  }
+};
+
+namespace {
+constexpr unsigned kSocketMask = POLLIN | POLLOUT | POLLRDHUP | POLLERR | POLLHUP;
+uint64_t Tag(int fd, uint32_t gen) { return (uint64_t{gen} << 32) | static_cast<uint32_t>(fd); }
+}  // namespace
+
+absl::Status IoUringAvailable() {
+  io_uring ring{};
+  const int rc = io_uring_queue_init(8, &ring, 0);
+  if (rc < 0) return absl::UnavailableError(absl::StrCat("io_uring_queue_init: ", ErrnoText(-rc)));
+  io_uring_queue_exit(&ring);
+  return absl::OkStatus();
+}
+#else
+struct UringState {};
+absl::Status IoUringAvailable() {
+  return absl::UnavailableError("kvwire was built without liburing (liburing-dev)");
+}
+#endif
 
 IoLoop::~IoLoop() {
   Stop();
@@ -44,17 +106,37 @@ IoLoop::~IoLoop() {
   if (eventfd_ >= 0) ::close(eventfd_);
 }
 
-absl::Status IoLoop::Start(const std::string& name, absl::Duration poll) {
+absl::Status IoLoop::Start(const std::string& name, absl::Duration poll, IoBackend backend) {
   poll_ns_ = std::max<int64_t>(0, absl::ToInt64Nanoseconds(poll));
-  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (epfd_ < 0) return absl::InternalError(absl::StrCat("epoll_create1: ", ErrnoText(errno)));
   eventfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (eventfd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", ErrnoText(errno)));
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.u64 = kWakeTag;
-  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, eventfd_, &ev) != 0) {
-    return absl::InternalError(absl::StrCat("epoll_ctl(eventfd): ", ErrnoText(errno)));
+  if (backend == IoBackend::kIoUring) {
+#ifdef KVWIRE_HAVE_LIBURING
+    auto state = std::make_unique<UringState>();
+    io_uring_params params{};
+    // Room for a completion per registered socket and then some: a full completion queue
+    // ends multishot polls (re-armed, but a wasted round trip).
+    params.flags = IORING_SETUP_CQSIZE;
+    params.cq_entries = 4096;
+    const int rc = io_uring_queue_init_params(256, &state->ring, &params);
+    if (rc < 0)
+      return absl::UnavailableError(absl::StrCat("io_uring_queue_init: ", ErrnoText(-rc)));
+    state->ready = true;
+    uring_ = std::move(state);
+    uring_->Arm(eventfd_, kWakeTag, POLLIN);
+    (void)io_uring_submit(&uring_->ring);
+#else
+    return IoUringAvailable();
+#endif
+  } else {
+    epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epfd_ < 0) return absl::InternalError(absl::StrCat("epoll_create1: ", ErrnoText(errno)));
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = kWakeTag;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, eventfd_, &ev) != 0) {
+      return absl::InternalError(absl::StrCat("epoll_ctl(eventfd): ", ErrnoText(errno)));
+    }
   }
   try {
     thread_ = std::thread([this, name] {
@@ -104,6 +186,15 @@ bool IoLoop::Run(std::function<void()> task) {
 }
 
 absl::Status IoLoop::Add(int fd, std::shared_ptr<IoHandler> handler) {
+#ifdef KVWIRE_HAVE_LIBURING
+  if (uring_) {
+    const uint32_t gen = uring_->next_gen++;
+    uring_->gens[fd] = gen;
+    uring_->Arm(fd, Tag(fd, gen), kSocketMask);  // submitted by the loop's next wait
+    handlers_[fd] = std::move(handler);
+    return absl::OkStatus();
+  }
+#endif
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
   ev.data.u64 = static_cast<uint64_t>(fd);
@@ -115,7 +206,20 @@ absl::Status IoLoop::Add(int fd, std::shared_ptr<IoHandler> handler) {
 }
 
 void IoLoop::Remove(int fd) {
-  (void)::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+#ifdef KVWIRE_HAVE_LIBURING
+  if (uring_) {
+    if (auto g = uring_->gens.find(fd); g != uring_->gens.end()) {
+      io_uring_sqe* sqe = uring_->Sqe();
+      io_uring_prep_poll_remove(sqe, Tag(fd, g->second));
+      io_uring_sqe_set_data64(sqe, kIgnoreTag);
+      uring_->gens.erase(g);
+      // Now, not at the next wait: the poll request holds a reference to the socket, which
+      // the caller is about to close.
+      (void)io_uring_submit(&uring_->ring);
+    }
+  }
+#endif
+  if (epfd_ >= 0) (void)::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
   // Released after the current dispatch: the handler may be the one running now.
   auto it = handlers_.find(fd);
   if (it == handlers_.end()) return;
@@ -153,6 +257,56 @@ bool IoLoop::PrepareToSleep() {
   return false;
 }
 
+int IoLoop::Wait(epoll_event* events, int capacity, int timeout_ms) {
+  if (!uring_) return ::epoll_wait(epfd_, events, capacity, timeout_ms);
+#ifdef KVWIRE_HAVE_LIBURING
+  io_uring* ring = &uring_->ring;
+  // Submits what Add queued; waits only when asked to. Completions of polls come from
+  // task work that runs on this thread's next entry into the kernel: a polling loop's
+  // sched_yield is one.
+  const int rc = timeout_ms == 0 ? io_uring_submit(ring) : io_uring_submit_and_wait(ring, 1);
+  if (rc < 0 && rc != -EBUSY) {
+    errno = -rc;
+    return -1;
+  }
+  int n = 0;
+  unsigned head = 0;
+  unsigned seen = 0;
+  io_uring_cqe* cqe = nullptr;
+  io_uring_for_each_cqe(ring, head, cqe) {
+    if (n == capacity) break;
+    ++seen;
+    const uint64_t tag = io_uring_cqe_get_data64(cqe);
+    if (tag == kIgnoreTag) continue;
+    const bool more = (cqe->flags & IORING_CQE_F_MORE) != 0;
+    if (cqe->res == -EINVAL && uring_->multishot) {
+      // A kernel without multishot polls (before 5.13): one-shot polls, re-armed below.
+      KVW_LOG(kInfo, "tcp") << "io_uring: no multishot poll here; re-arming one-shot polls";
+      uring_->multishot = false;
+    }
+    if (tag == kWakeTag) {
+      if (!more) uring_->Arm(eventfd_, kWakeTag, POLLIN);
+      events[n].events = EPOLLIN;
+      events[n++].data.u64 = kWakeTag;
+      continue;
+    }
+    const int fd = static_cast<int>(tag & 0xffffffffu);
+    auto g = uring_->gens.find(fd);
+    if (g == uring_->gens.end() || Tag(fd, g->second) != tag) continue;  // removed since
+    if (!more) uring_->Arm(fd, tag, kSocketMask);
+    if (cqe->res == -EINVAL) continue;  // re-armed one-shot
+    // Poll bits are epoll's; a failed poll request is reported as an error on the socket,
+    // whose handler then finds out what happened from the socket itself.
+    events[n].events = cqe->res >= 0 ? static_cast<uint32_t>(cqe->res) : EPOLLERR;
+    events[n++].data.u64 = static_cast<uint64_t>(fd);
+  }
+  io_uring_cq_advance(ring, seen);
+  return n;
+#else
+  return 0;
+#endif
+}
+
 void IoLoop::Loop() {
   std::array<epoll_event, 64> events;
   const int capacity = static_cast<int>(events.size());
@@ -161,7 +315,7 @@ void IoLoop::Loop() {
   while (true) {
     int n = 0;
     if (poll_ns_ > 0 && MonotonicNs() < poll_until) {
-      n = ::epoll_wait(epfd_, events.data(), capacity, 0);
+      n = Wait(events.data(), capacity, 0);
       if (n == 0) {
         // Tasks are seen without a wake-up while polling (Run skips the eventfd).
         // Read without the lock: a poll that locked mu_ on every turn would make each Run
@@ -178,13 +332,13 @@ void IoLoop::Loop() {
         }
       }
     } else if (PrepareToSleep()) {
-      n = ::epoll_wait(epfd_, events.data(), capacity, -1);
+      n = Wait(events.data(), capacity, -1);
       sleeping_.store(false);
     }
     if (poll_ns_ > 0) poll_until = MonotonicNs() + poll_ns_;
     if (n < 0) {
       if (errno == EINTR) continue;
-      KVW_LOG(kError, "tcp") << "epoll_wait failed; I/O thread ends"
+      KVW_LOG(kError, "tcp") << "waiting for readiness failed; I/O thread ends"
                              << Kv("error", ErrnoText(errno));
       break;
     }
@@ -221,12 +375,13 @@ void IoLoop::Loop() {
   stopped_ = true;
 }
 
-absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads, absl::Duration poll) {
+absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads, absl::Duration poll,
+                                                       IoBackend backend) {
   auto pool = std::make_shared<IoPool>();
   threads = std::max<uint32_t>(1, threads);
   for (uint32_t i = 0; i < threads; ++i) {
     auto loop = std::make_unique<IoLoop>();
-    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i), poll); !s.ok()) {
+    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i), poll, backend); !s.ok()) {
       pool->Stop();
       return s;
     }

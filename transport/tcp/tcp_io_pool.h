@@ -13,8 +13,13 @@
 // the poll ends as soon as the connections go quiet, so idle still means no CPU. A polling
 // loop yields its core on every empty turn, so that a runnable thread (typically the caller
 // it just handed a completion to) is never kept waiting for the poll to end.
+// Readiness comes from epoll or, with IoBackend::kIoUring, from io_uring poll requests
+// (multishot where the kernel has it, re-armed otherwise): the same loop, tasks and handlers,
+// only the wait differs (tcp_io_pool.cc).
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_IO_POOL_H_
+
+#include <sys/epoll.h>
 
 #include <atomic>
 #include <cstdint>
@@ -41,6 +46,15 @@ class IoHandler {
   virtual void OnIo(uint32_t events) = 0;
 };
 
+// How a loop waits for readiness (TcpOptions::io_backend).
+enum class IoBackend { kEpoll, kIoUring };
+
+// OK when an io_uring instance can be created here (liburing built in, the kernel has it and
+// no seccomp filter refuses it); otherwise why not.
+absl::Status IoUringAvailable();
+
+struct UringState;  // tcp_io_pool.cc
+
 class IoLoop {
  public:
   IoLoop() = default;
@@ -50,7 +64,8 @@ class IoLoop {
 
   // Creates the epoll instance and the eventfd and starts the thread named `name`, which
   // polls for `poll` after its last event before it sleeps (zero: sleeps at once).
-  absl::Status Start(const std::string& name, absl::Duration poll = absl::ZeroDuration());
+  absl::Status Start(const std::string& name, absl::Duration poll = absl::ZeroDuration(),
+                     IoBackend backend = IoBackend::kEpoll);
   // Runs the queued tasks, drops every registered handler and joins the thread. Idempotent;
   // not on the loop thread (then it only asks the thread to stop).
   void Stop();
@@ -70,8 +85,13 @@ class IoLoop {
   void RunTasks();
   // True (and the loop marked sleeping) when the loop may sleep: no task is queued.
   bool PrepareToSleep();
+  // Waits up to `timeout_ms` (0: not at all, -1: for ever) for readiness; fills `events` as
+  // epoll_wait does (data.u64: the descriptor or the wake tag); -1 and errno on failure.
+  int Wait(epoll_event* events, int capacity, int timeout_ms);
+  void Wake();
 
   int epfd_ = -1;
+  std::unique_ptr<UringState> uring_;  // io_uring backend: the ring and the registrations
   int eventfd_ = -1;
   int64_t poll_ns_ = 0;
   // The loop sleeps (or is about to) in epoll_wait: Run must wake it through the eventfd.
@@ -96,7 +116,8 @@ class IoPool {
   // `threads` loops (at least 1) named kvw-tcp-io<i>, each polling for `poll` after its
   // last event before it sleeps (IoLoop::Start).
   static absl::StatusOr<std::shared_ptr<IoPool>> Create(uint32_t threads,
-                                                        absl::Duration poll = absl::ZeroDuration());
+                                                        absl::Duration poll = absl::ZeroDuration(),
+                                                        IoBackend backend = IoBackend::kEpoll);
   // The default size: a small number tied to the cores (1 per 8 cores, 1..4).
   static uint32_t DefaultThreads();
   ~IoPool() { Stop(); }

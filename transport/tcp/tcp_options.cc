@@ -1,6 +1,8 @@
 // TcpOptions (include/kvwire/tcp_options.h): its ranges and its by-name setter.
 #include "kvwire/tcp_options.h"
 
+#include "absl/strings/str_cat.h"
+
 #include "src/util/option_range.h"
 #include "src/util/options_by_name.h"
 
@@ -13,6 +15,7 @@ void Fields(Self& o, F&& f) {
   f("connections", o.connections);
   f("io_threads", o.io_threads);
   f("io_poll", o.io_poll);
+  f("io_backend", o.io_backend);
   f("max_data_connections", o.max_data_connections);
   f("max_data_connections_per_peer", o.max_data_connections_per_peer);
   f("max_pending_hellos", o.max_pending_hellos);
@@ -41,6 +44,10 @@ absl::Status TcpOptions::Validate() const {
   };
   for (const absl::Status& s : checks) {
     if (!s.ok()) return s;
+  }
+  if (io_backend != "epoll" && io_backend != "io_uring" && io_backend != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp.io_backend: \"", io_backend, "\" is not epoll, io_uring or auto"));
   }
   return absl::OkStatus();
 }

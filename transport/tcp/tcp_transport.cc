@@ -209,7 +209,24 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
   staging.runtime = options.gpu_runtime;
   staging.staged_bytes = std::make_shared<std::atomic<uint64_t>>(0);
   const uint32_t threads = options.io_threads > 0 ? options.io_threads : IoPool::DefaultThreads();
-  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(threads, options.io_poll);
+  IoBackend backend = IoBackend::kEpoll;
+  if (options.io_backend == "io_uring") {
+    if (absl::Status s = IoUringAvailable(); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("tcp.io_backend=io_uring: ", s.message()));
+    }
+    backend = IoBackend::kIoUring;
+  } else if (options.io_backend == "auto") {
+    if (absl::Status s = IoUringAvailable(); s.ok()) {
+      backend = IoBackend::kIoUring;
+    } else {
+      KVW_LOG(kInfo, "tcp") << "tcp.io_backend=auto: io_uring unavailable, using epoll"
+                            << Kv("reason", s.message());
+    }
+  } else if (options.io_backend != "epoll") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tcp transport: io_backend \"", options.io_backend, "\" is not epoll, io_uring or auto"));
+  }
+  absl::StatusOr<std::shared_ptr<IoPool>> pool = IoPool::Create(threads, options.io_poll, backend);
   if (!pool.ok()) return pool.status();
   absl::StatusOr<std::unique_ptr<TcpServer>> server =
       TcpServer::Start(options, hooks, staging, *pool);

@@ -35,6 +35,10 @@ struct TcpTransportOptions {
   // (TcpOptions::io_poll; tcp_io_pool.h says why); zero: it sleeps at once. Costs CPU
   // only while data moves, never on an idle transport.
   absl::Duration io_poll = absl::Microseconds(20);
+  // How the I/O threads wait for readiness (TcpOptions::io_backend): "epoll", "io_uring"
+  // (refused where io_uring_queue_init fails) or "auto" (io_uring where it works, else epoll,
+  // logging why once).
+  std::string io_backend = "epoll";
   // Data connections a Channel opens to one peer (Capabilities::lanes_per_peer; at most
   // max_lanes): TcpOptions::connections.
   uint32_t connections_per_peer = 4;
