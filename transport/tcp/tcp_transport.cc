@@ -219,8 +219,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const TcpTransport
     if (absl::Status s = IoUringAvailable(); s.ok()) {
       backend = IoBackend::kIoUring;
     } else {
-      KVW_LOG(kInfo, "tcp") << "tcp.io_backend=auto: io_uring unavailable, using epoll"
-                            << Kv("reason", s.message());
+      KVW_LOG(kWarning, "tcp") << "tcp.io_backend=auto: io_uring unavailable, using epoll"
+                               << Kv("reason", s.message());
     }
   } else if (options.io_backend != "epoll") {
     return absl::InvalidArgumentError(absl::StrCat(
