@@ -19,6 +19,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -97,6 +98,10 @@ int main(int argc, char** argv) {
   options.name = "hostile-tcp-target";
   options.shared_secret = args.secret;
   options.transport = "tcp";
+  // The test's readiness backend (hostile_tcp_test runs over epoll and over io_uring).
+  if (const char* backend = std::getenv("KVWIRE_TCP_IO_BACKEND"); backend != nullptr) {
+    options.tcp().io_backend = backend;
+  }
   options.tcp().max_data_connections = args.max_connections;
   options.tcp().max_data_connections_per_peer = args.max_per_peer;
   options.tcp().max_pending_hellos = args.max_pending;
