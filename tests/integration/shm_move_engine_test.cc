@@ -148,6 +148,11 @@ TEST(ShmMoveEngineTest, TransfersDuringMovesLandInTheOwnersMemory) {
   std::vector<std::vector<std::byte>> last(4 * kSubs);
   auto check = [&](Worker& me, size_t index) {
     if (last[index].empty()) return;
+    // The owner's tcp serving thread wrote the tcp peer's WRITEs: ordered before the check.
+    if (index / kSubs == 1 && !owner->WaitForServedOps(*to_tcp, absl::Seconds(20)).ok()) {
+      ++me.failed;
+      return;
+    }
     if (std::memcmp(buffer->data() + index * kSlice, last[index].data(), kSlice) != 0) ++me.wrong;
   };
   auto work = [&](int w) {
@@ -162,7 +167,12 @@ TEST(ShmMoveEngineTest, TransfersDuringMovesLandInTheOwnersMemory) {
       const uint64_t moves_before = transport::shm::RebackCount();
       switch (w) {
         case 0:  // the tcp peer's memory holds the next bytes; the owner reads them in
+          // Its serving thread's last send of the previous bytes is over (the sanitizer cannot
+          // see that through the socket), and the new bytes are published to it.
+          status = tcp_peer->WaitForServedOps(tcp_to_owner, absl::Seconds(20));
+          if (!status.ok()) break;
           Fill(tcp_memory.data(), kSlice, seed);
+          tcp_peer->PublishMemory();
           std::memcpy(expected.data(), tcp_memory.data(), kSlice);
           status = RunOne(*owner, *to_tcp, OpKind::kRead, Op{*owned, at, *tcp_source, 0, kSlice});
           break;
@@ -242,6 +252,11 @@ TEST(ShmMoveEngineTest, TransfersDuringMovesLandInTheOwnersMemory) {
     EXPECT_GE(w.overlapped.load(), kMinOverlapped)
         << w.name << ": too few ops ran while the buffer was moved (" << cycles << " moves)";
   }
+  // The engines before the memory they serve (their threads' last accesses end with them).
+  revoked.reset();
+  shm_peer.reset();
+  tcp_peer.reset();
+  owner.reset();
 }
 
 // A peer that closes its control connection (its engine goes away) while something of it kept

@@ -184,7 +184,9 @@ class Registry {
       }
     }
     if (entry.slot != shm::kNoEpochSlot) entry.epoch = Publish(entry.slot);
-    rebacks_.fetch_add(1, std::memory_order_relaxed);
+    // Release: a caller that sees the count go up (a test, after a peer's close moved the
+    // buffer on the transport's thread) also sees the owner's range mapped over.
+    rebacks_.fetch_add(1, std::memory_order_release);
     return absl::OkStatus();
   }
 
@@ -194,7 +196,7 @@ class Registry {
     return table_fd_;
   }
 
-  uint64_t rebacks() const { return rebacks_.load(std::memory_order_relaxed); }
+  uint64_t rebacks() const { return rebacks_.load(std::memory_order_acquire); }
 
  private:
   std::map<uintptr_t, Entry>::iterator FindLocked(uintptr_t ptr, size_t length)
