@@ -198,11 +198,12 @@ class TargetHooks {
   // A transport is about to move the host memory [base, base + length) onto new pages at the
   // same addresses (shm revocation: a fresh memfd mapped over a ShareableBuffer). While the
   // returned hold lives, the engine starts no op of its own on a region overlapping the range
-  // (its Transfer waits for the hold to end, within the transfer's deadline; an incoming op
-  // waits in ResolveIncoming, up to 30 s, then is refused with Unavailable), and before it returns
-  // it waits, until `deadline`, for the ops already running there to end. Ops still running at the
-  // deadline are the engine's to fail (their bytes may miss the new pages); the move goes on
-  // regardless, since a peer's kept mapping must lose the memory. Null: nothing to hold.
+  // (its Transfer waits for the hold to end, within the transfer's deadline; ResolveIncoming
+  // answers an incoming op with transport/region_moving.h's status, never waiting: the
+  // transport tries the op again later, tcp parks it), and before it returns it waits, until
+  // `deadline`, for the ops already running there to end. Ops still running at the deadline are the
+  // engine's to fail (their bytes may miss the new pages); the move goes on regardless, since a
+  // peer's kept mapping must lose the memory. Null: nothing to hold.
   class RangeHold {
    public:
     virtual ~RangeHold() = default;
