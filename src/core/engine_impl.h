@@ -103,6 +103,9 @@ class Engine::Impl final : public transport::TargetHooks {
 
   absl::StatusOr<TransferId> Transfer(PeerId peer, OpKind kind, absl::Span<const Op> ops,
                                       const TransferOptions& options);
+  // One try; returns IsRegionMoving's status, unwrapped, when a local region is being moved.
+  absl::StatusOr<TransferId> TransferOnce(PeerId peer, OpKind kind, absl::Span<const Op> ops,
+                                          const TransferOptions& options);
   TransferState Poll(TransferId id, absl::Status* status) { return transfers_.Poll(id, status); }
   absl::Status Wait(TransferId id, absl::Duration timeout) {
     return transfers_.Wait(id, timeout, options_.wait_poll);
@@ -126,6 +129,9 @@ class Engine::Impl final : public transport::TargetHooks {
   void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
   void OnPeerError(PeerId peer, const absl::Status& error) override;
   uint32_t PeerProcessId(PeerId peer) override;
+  // engine_exports.cc
+  std::unique_ptr<RangeHold> QuiesceRange(const std::byte* base, uint64_t length,
+                                          absl::Time deadline) override;
 
   core::ServedOps& served_ops() { return *served_ops_; }
 
