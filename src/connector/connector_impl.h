@@ -374,7 +374,8 @@ class Connector::Impl {
   const connector_internal::Transition* StepLocked(Request& r, Event e,
                                                    bool nothing_to_move = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  connector_internal::RequestFacts FactsLocked(const Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  connector_internal::RequestFacts FactsLocked(const Request& r, Event e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `r` leaves the table as `end`: counted (machine_diverged) and logged when its machine
   // ended elsewhere.
   void CheckMachineEndLocked(const Request& r, State end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -103,6 +103,18 @@ struct Request {
   double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
 };
 
+// Prefill write mode: a plan is made and every layer it moves was sent. Walks the plan's
+// groups in place (TransferPlan::Layers builds a set): it runs at each transfer end.
+inline bool AllLayersSent(const Request& r) {
+  if (!r.plan) return false;
+  for (const GroupPlan& g : r.plan->groups) {
+    for (int layer : g.layers) {
+      if (r.layers_sent.count(layer) == 0) return false;
+    }
+  }
+  return true;
+}
+
 struct Peer {
   PeerId id = 0;
   std::string engine_id;

@@ -25,32 +25,36 @@ Connector::Impl::Request* Connector::Impl::FindDecodeByTransfer(const std::strin
 }
 
 // --- the request machine -----------------------------------------------------------------
-connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r) {
+// Only the facts the rows for `e` read are gathered (the rest keep their defaults, which no
+// row for `e` looks at), and none allocates: this runs at every event of every request (each
+// transfer end among them, ~60 per request).
+connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, Event e) {
   connector_internal::RequestFacts f;
   f.in_flight = !r.transfers.empty();
-  f.all_granted = !r.read_sources.empty() &&
-                  std::all_of(r.read_sources.begin(), r.read_sources.end(),
-                              [](const Request::ReadSource& s) { return s.grant.has_value(); });
-  f.all_sent = r.plan.has_value();
-  if (r.plan) {
-    for (int layer : r.plan->Layers()) f.all_sent = f.all_sent && r.layers_sent.count(layer) != 0;
-  }
-  // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
-  // expected one bound.
-  f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
-                               [](const Request::Reader& x) { return !x.done; }) ||
-                   (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected);
-  f.reader_failed = !r.reader_failure.empty();
-  f.reader_read = r.read;
   f.failing = !r.fail_reason.empty();
-  f.peer_alive = r.peer.has_value() && PeerAlive(*r.peer);
   f.release_only = r.release_only;
+  if (e == Event::kReadOk) {
+    f.all_granted = !r.read_sources.empty() &&
+                    std::all_of(r.read_sources.begin(), r.read_sources.end(),
+                                [](const Request::ReadSource& s) { return s.grant.has_value(); });
+  }
+  if (!r.decode && e == Event::kTransferOk) f.all_sent = AllLayersSent(r);
+  if (!r.decode && e == Event::kRelease) {
+    // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
+    // expected one bound.
+    f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
+                                 [](const Request::Reader& x) { return !x.done; }) ||
+                     (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected);
+    f.reader_failed = !r.reader_failure.empty();
+    f.reader_read = r.read;
+  }
+  f.peer_alive = r.peer.has_value() && PeerAlive(*r.peer);
   return f;
 }
 
 const connector_internal::Transition* Connector::Impl::StepLocked(Request& r, Event e,
                                                                   bool nothing_to_move) {
-  connector_internal::RequestFacts f = FactsLocked(r);
+  connector_internal::RequestFacts f = FactsLocked(r, e);
   f.nothing_to_move = nothing_to_move;
   ++machine_.steps;
   absl::StatusOr<const connector_internal::Transition*> row = r.machine.Step(e, f);

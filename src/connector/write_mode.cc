@@ -175,10 +175,7 @@ void Connector::Impl::TellLayerDone(Request& r, int layer) {
 }
 
 void Connector::Impl::MaybeFinishSaveLocked(Request& r) {
-  if (r.state != State::kSaving || !r.plan || !r.transfers.empty()) return;
-  for (int layer : r.plan->Layers()) {
-    if (r.layers_sent.count(layer) == 0) return;
-  }
+  if (r.state != State::kSaving || !r.transfers.empty() || !AllLayersSent(r)) return;
   json done = {{"t", "done"}, {"transfer_id", r.params.transfer_id}, {"bytes", r.plan->bytes}};
   absl::Status s = SendMessage(*r.peer, done);
   if (!s.ok()) {
