@@ -233,6 +233,9 @@ class Connector::Impl {
   // engine reports the peer's close through the inbox anyway.
   absl::Status SendMessage(PeerId peer, const json& msg, const std::string& request = "")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, for a message already serialized (the per-layer ones, built without a json).
+  absl::Status SendPayload(PeerId peer, std::string payload, const std::string& request = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends what SendMessage queued, outside mu_. One thread drains at a time (the others
   // leave theirs to it), which keeps every peer's messages in order without a lock held
   // across the engine calls.
@@ -549,11 +552,15 @@ class Connector::Impl {
     std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
   };
   struct Outbox {
-    std::deque<OutMessage> queue;
+    // Vectors, swapped with the drainer's batch (outbox_batch_) so that both keep their
+    // capacity: queueing and draining allocate nothing at steady state.
+    std::vector<OutMessage> queue;
     bool draining = false;   // a thread is sending; it takes what others queue meanwhile
     TransferId tickets = 0;  // the last transfer ticket handed out
   };
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
+  // The batch being sent; only the drainer (outbox_.draining, set under mu_) touches it.
+  std::vector<OutMessage> outbox_batch_;
 
   // Prefill, write mode: write requests that came before the scheduler saw their request.
   struct WritePushes {

@@ -98,7 +98,8 @@ struct Request {
   // Decode: not a load, only the news that this engine will not read the prefill's blocks
   // (ReleaseUnread); StartLoad connects, tells the prefill ranks and forgets it.
   bool release_only = false;
-  std::string fail_reason;  // set once a request fails
+  std::string fail_reason;       // set once a request fails
+  std::string transfer_id_json;  // params.transfer_id as a json string (TellLayerDone)
   std::map<std::string, GroupCounters> groups;
   double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
 };

@@ -271,6 +271,11 @@ bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& n
 // --- outbox -----------------------------------------------------------------------------
 absl::Status Connector::Impl::SendMessage(PeerId peer, const json& msg,
                                           const std::string& request) {
+  return SendPayload(peer, DumpJson(msg), request);
+}
+
+absl::Status Connector::Impl::SendPayload(PeerId peer, std::string payload,
+                                          const std::string& request) {
   if (!PeerAlive(peer)) {
     return absl::UnavailableError(absl::StrCat("connector peer ", peer, " closed"));
   }
@@ -279,12 +284,12 @@ absl::Status Connector::Impl::SendMessage(PeerId peer, const json& msg,
     // the progress thread is woken as well, for any step that does not.
     signal_->Notify();
   }
-  outbox_.queue.push_back({peer, DumpJson(msg), request});
+  outbox_.queue.push_back({peer, std::move(payload), request});
   return absl::OkStatus();
 }
 
 void Connector::Impl::FlushOutbox() {
-  std::deque<OutMessage> batch;
+  std::vector<OutMessage>& batch = outbox_batch_;  // ours while outbox_.draining
   {
     MutexLock lock(&mu_);
     if (outbox_.draining || outbox_.queue.empty()) return;  // the drainer sends ours too
@@ -331,8 +336,9 @@ void Connector::Impl::FlushOutbox() {
 // due (NextWakeLocked).
 void Connector::Impl::ProgressLoop() {
   absl::Time wake = absl::Now();
+  connector_internal::ProgressSignal::Wakeup woke;
   while (true) {
-    connector_internal::ProgressSignal::Wakeup woke = signal_->Wait(wake);
+    woke = signal_->Wait(wake, std::move(woke.ended));
     std::vector<InboxEvent> events = inbox_->Take();
     WaitForServedOps(events);
     {

@@ -218,7 +218,7 @@ absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
   ++r.layer_transfers_left[layer];
   table_.transfer_owner[t.ticket] = r.id;
   if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
-  outbox_.queue.push_back({peer, "", r.id, std::move(t)});
+  outbox_.queue.push_back({peer, "", "", std::move(t)});
   return absl::OkStatus();
 }
 
