@@ -63,6 +63,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
@@ -353,7 +354,7 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A transfer of `r` that moved one layer ended well: decode marks the layer in place,
   // prefill (write mode) tells decode.
-  void LayerTransferDone(Request& r, TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LayerTransferDone(Request& r, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, write mode: tells decode that `layer` of `r` is in place.
   void TellLayerDone(Request& r, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -500,7 +501,7 @@ class Connector::Impl {
     std::map<std::string, Request> requests;         // by request id
     std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
     // Transfers in flight, by ticket (SubmitLocked) -> the request they belong to.
-    std::map<TransferId, std::string> transfer_owner;
+    absl::flat_hash_map<TransferId, std::string> transfer_owner;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
     // with a given id), so a fast reader's release can come first. One per reader of a

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 
 #include "kvwire/connector.h"
@@ -43,10 +44,11 @@ struct Request {
   std::optional<PeerId> peer;
   // Decode read mode: further prefill ranks read from (peer, their transfer id).
   std::vector<std::pair<PeerId, std::string>> tp_sources;
-  std::set<TransferId> transfers;  // in flight, touching the blocks
-  // The layer each transfer moves (layer-wise progress), and transfers left per layer.
-  std::map<TransferId, int> transfer_layer;
-  std::map<int, int> layer_transfers_left;
+  // In flight, touching the blocks: each transfer's ticket and the layer it moves
+  // (layer-wise progress), and transfers left per layer. Hash maps: an erase frees nothing, so
+  // a request's transfers (one or more per layer) allocate only as the tables first grow.
+  absl::flat_hash_map<TransferId, int> transfers;
+  absl::flat_hash_map<int, int> layer_transfers_left;
   // Decode: layers not yet in place (WaitForLayerLoad waits on them).
   std::set<int> layers_pending;
   std::optional<TransferPlan> plan;

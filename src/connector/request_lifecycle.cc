@@ -99,7 +99,7 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
 void Connector::Impl::CompleteLocked(Request& r) {
   // Nothing should be in flight for a complete request; should anything be, its end finds no
   // owner and is ignored.
-  for (TransferId t : r.transfers) table_.transfer_owner.erase(t);
+  for (const auto& [t, layer] : r.transfers) table_.transfer_owner.erase(t);
   r.t_last = absl::Now();
   if (r.decode && r.mode == KvMode::kRead) TellPeer(r, true, "");
 
@@ -213,8 +213,7 @@ absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
                                                                 const absl::Status& status) {
     signal->TransferEnded(ticket, status);
   };
-  r.transfers.insert(t.ticket);
-  r.transfer_layer[t.ticket] = layer;
+  r.transfers.emplace(t.ticket, layer);
   ++r.layer_transfers_left[layer];
   table_.transfer_owner[t.ticket] = r.id;
   if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
@@ -229,14 +228,17 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   table_.transfer_owner.erase(owner);
   if (it == table_.requests.end()) return;
   Request& r = it->second;
-  if (r.transfers.erase(id) == 0) return;
+  auto in_flight = r.transfers.find(id);
+  if (in_flight == r.transfers.end()) return;
+  const int layer = in_flight->second;
+  r.transfers.erase(in_flight);
   StepLocked(r, status.ok() ? Event::kTransferOk : Event::kTransferFailed);
   if (!status.ok()) {
     // The first failure names the request's reason; later ones find it set.
     FailLocked(r, absl::StrCat("transfer ", r.params.transfer_id, ": ", status.message()));
     return;
   }
-  LayerTransferDone(r, id);
+  LayerTransferDone(r, layer);
   if (!r.transfers.empty()) return;
   if (r.state == State::kDraining) {
     FailLocked(r, r.fail_reason);
@@ -247,11 +249,7 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   }
 }
 
-void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
-  auto it = r.transfer_layer.find(id);
-  if (it == r.transfer_layer.end()) return;
-  const int layer = it->second;
-  r.transfer_layer.erase(it);
+void Connector::Impl::LayerTransferDone(Request& r, int layer) {
   if (--r.layer_transfers_left[layer] > 0) return;
   r.layer_transfers_left.erase(layer);
   if (r.decode) {
