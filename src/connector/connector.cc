@@ -77,6 +77,9 @@ absl::Status Connector::Impl::Init() {
   engine_ = std::move(*engine);
   InboxOptions inbox_options;
   inbox_options.on_event = [signal = signal_] { signal->Notify(); };
+  // A pending hello is answered when the regions it names arrive: the engine's event wakes
+  // the progress loop (ServePendingHellos), nothing polls for them.
+  inbox_options.region_events = true;
   absl::StatusOr<std::unique_ptr<Inbox>> inbox =
       engine_->OpenInbox(connector_internal::kTopic, inbox_options);
   if (!inbox.ok()) return inbox.status();

@@ -425,7 +425,7 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When the progress thread must look again with nothing reported: the earliest request
-  // deadline or lease, early write expiry, or pending hello check.
+  // deadline or lease, early write expiry, or pending hello deadline.
   absl::Time NextWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct PendingHello {

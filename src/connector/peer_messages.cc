@@ -347,6 +347,8 @@ void Connector::Impl::ProgressLoop() {
       for (const InboxEvent& e : events) {
         if (e.kind == InboxEvent::Kind::kMessage) {
           OnMessage(e);
+        } else if (e.kind == InboxEvent::Kind::kRegionsReady) {
+          continue;  // ServePendingHellos below answers the hellos it unblocked
         } else if (sessions_.dead.Insert(e.peer)) {
           OnPeerDeath(e.peer, e.peer_name, e.payload);
         }
@@ -366,12 +368,11 @@ void Connector::Impl::ProgressLoop() {
 absl::Time Connector::Impl::NextWakeLocked() const {
   // Idle: nothing is due; the wait is still bounded.
   constexpr absl::Duration kIdleWake = absl::Minutes(1);
-  // A hello waits for the sender's regions to arrive in the engine, which raises no event
-  // the connector can wait on: checked this often while one waits (handshakes only).
-  constexpr absl::Duration kHelloCheck = absl::Milliseconds(2);
+  // A pending hello is woken by its regions' arrival (the engine's kRegionsReady event, also
+  // raised when a peer's data path comes up) or by its deadline: never polled.
   const absl::Time now = absl::Now();
   absl::Time wake = now + kIdleWake;
-  if (!sessions_.pending_hellos.empty()) wake = std::min(wake, now + kHelloCheck);
+  for (const PendingHello& h : sessions_.pending_hellos) wake = std::min(wake, h.deadline);
   for (const auto& [tid, e] : pushes_.early_writes) wake = std::min(wake, e.expires);
   for (const auto& [tid, e] : table_.early_reads) wake = std::min(wake, e.expires);
   for (const auto& [id, r] : table_.requests) {
@@ -399,6 +400,7 @@ void Connector::Impl::WaitForServedOps(const std::vector<InboxEvent>& events) {
   const absl::Time deadline = absl::Now() + kServedOpsWait;
   std::vector<PeerId> peers;
   for (const InboxEvent& e : events) {
+    if (e.kind == InboxEvent::Kind::kRegionsReady) continue;  // orders nothing
     if (std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
   }
   for (PeerId peer : peers) {
