@@ -231,30 +231,6 @@ absl::StatusOr<std::vector<RemoteRegion>> Engine::Impl::RemoteRegions(PeerId id)
   return out;
 }
 
-absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region, absl::Duration timeout) {
-  std::shared_ptr<Peer> peer = GetPeer(id);
-  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    {
-      MutexLock lock(&peer->mu);
-      if (!peer->alive) {
-        return absl::UnavailableError(
-            absl::StrCat("peer ", peer->name, " closed: ", peer->close_reason));
-      }
-      auto it = peer->remote.find(region);
-      if (peer->setup_done && it != peer->remote.end() && it->second.resolved) {
-        return absl::OkStatus();
-      }
-    }
-    MutexLock lock(&peers_mu_);
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("peer ", peer->name,
-                                                      " did not export region ", region, " within ",
-                                                      absl::FormatDuration(timeout)));
-    }
-    peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
-  }
-}
+// WaitForRemoteRegion: region_events.cc.
 
 }  // namespace kvwire
