@@ -195,6 +195,23 @@ class TargetHooks {
   // while it is 0 the token is not served (a request waits for it until the connection's
   // authentication deadline, then is refused).
   virtual uint32_t PeerProcessId(PeerId peer) { return 0; }
+  // A transport is about to move the host memory [base, base + length) onto new pages at the
+  // same addresses (shm revocation: a fresh memfd mapped over a ShareableBuffer). While the
+  // returned hold lives, the engine starts no op of its own on a region overlapping the range
+  // (its Transfer waits for the hold to end, within the transfer's deadline; ResolveIncoming
+  // answers an incoming op with transport/region_moving.h's status, never waiting: the
+  // transport tries the op again later, tcp parks it), and before it returns it waits, until
+  // `deadline`, for the ops already running there to end. Ops still running at the deadline are the
+  // engine's to fail (their bytes may miss the new pages); the move goes on regardless, since a
+  // peer's kept mapping must lose the memory. Null: nothing to hold.
+  class RangeHold {
+   public:
+    virtual ~RangeHold() = default;
+  };
+  virtual std::unique_ptr<RangeHold> QuiesceRange(const std::byte* base, uint64_t length,
+                                                  absl::Time deadline) {
+    return nullptr;
+  }
 };
 
 // What a Channel needs to reach one peer.
@@ -270,6 +287,9 @@ class Transport {
   // Adds this transport's values to `stats`, which already lists every statistic its
   // declaration (see DeclareStat) named, at zero: AddStat / SetStatText below.
   virtual void AddStats(std::vector<TransportStat>* stats) const {}
+  // The engine is being destroyed: what it does from now on (closing every peer, then
+  // Shutdown) need not outlast it (shm: a peer's close moves no buffer any more).
+  virtual void Stopping() {}
   // Stops everything (called before the engine is destroyed).
   virtual void Shutdown() = 0;
 };

@@ -264,14 +264,16 @@ struct Notification {
   std::string payload;
 };
 
-// What an Inbox delivers: a message a peer sent with Engine::SendMessage, or the end of a
-// peer (Goodbye, lease expiry, I/O or protocol error, local Disconnect or shutdown).
+// What an Inbox delivers: a message a peer sent with Engine::SendMessage, the end of a
+// peer (Goodbye, lease expiry, I/O or protocol error, local Disconnect or shutdown), or (only
+// to an inbox opened with region_events) that regions the peer exported became usable.
 struct InboxEvent {
-  enum class Kind : uint32_t { kMessage = 0, kPeerClosed = 1 };
+  enum class Kind : uint32_t { kMessage = 0, kPeerClosed = 1, kRegionsReady = 2 };
   Kind kind = Kind::kMessage;
   PeerId peer = 0;
   std::string peer_name;
-  std::string payload;  // kMessage: the message; kPeerClosed: why the peer closed
+  // kMessage: the message; kPeerClosed: why the peer closed; kRegionsReady: empty.
+  std::string payload;
 };
 
 struct InboxOptions {
@@ -281,6 +283,11 @@ struct InboxOptions {
   uint64_t max_queued_bytes = 64 << 20;
   // Also deliver kPeerClosed events.
   bool peer_events = true;
+  // Also deliver kRegionsReady events: one each time regions a peer exported become usable
+  // (WaitForRemoteRegion would return for them), so that a consumer waiting for a peer's
+  // regions sleeps until they arrive instead of polling. Off by default: consumers written
+  // before this kind existed never see it.
+  bool region_events = false;
   // Called after each event is queued, on the engine thread that queued it, so that a
   // consumer waiting on several sources (transfer ends, messages) can sleep on one condition
   // of its own instead of polling Wait. It runs while the engine holds its message lock: it

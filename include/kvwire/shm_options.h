@@ -20,9 +20,10 @@ struct ShmOptions : TransportOptionsOf<ShmOptions> {
   // ShmTransportOptions::deny_ptrace for the side effects. Cannot be combined with cma.
   bool deny_ptrace = false;
   // A peer's close moves the buffers it was handed onto fresh memfds, as Unexport and
-  // DeregisterMemory do (ShmTransportOptions::revoke_on_peer_close: off by default, because
-  // the owner's own writes during that copy can be lost; docs/SECURITY-shm.md).
-  bool revoke_on_close = false;
+  // DeregisterMemory do (ShmTransportOptions::revoke_on_peer_close), so a closed peer's kept
+  // mapping reaches none of the owner's later bytes. On by default; turn it off only on a
+  // host whose local processes are all trusted (each close then costs no copy).
+  bool revoke_on_close = true;
 
   absl::Status Validate() const override;
   absl::Status Set(absl::string_view key, absl::string_view value) override;

@@ -75,6 +75,10 @@ struct Config {
   uint64_t warmup = 5;
   uint64_t max_run = 8;
   uint64_t poll_us = 50;
+  // ConnectorOptions::read_grants (default on): grant-guarded KV is never mapped over shm, so
+  // with it on the connector's bytes go over tcp even between shm engines while the bare
+  // Transfer uses shm; off, both move the bytes the same way.
+  bool read_grants = true;
   std::string tag;  // unique per configuration, part of every request id
 
   bool write() const { return mode == "write"; }
@@ -85,15 +89,16 @@ struct Config {
   }
   uint64_t Blocks() const { return 2 * (tokens / 64) + 8; }
   std::vector<std::string> Args() const {
-    return {"--layouts",    layout,
-            "--transports", transport,
-            "--modes",      mode,
-            "--tokens",     absl::StrCat(tokens),
-            "--requests",   absl::StrCat(requests),
-            "--warmup",     absl::StrCat(warmup),
-            "--max-run",    absl::StrCat(max_run),
-            "--poll-us",    absl::StrCat(poll_us),
-            "--tag",        tag};
+    return {"--layouts",     layout,
+            "--transports",  transport,
+            "--modes",       mode,
+            "--tokens",      absl::StrCat(tokens),
+            "--requests",    absl::StrCat(requests),
+            "--warmup",      absl::StrCat(warmup),
+            "--max-run",     absl::StrCat(max_run),
+            "--poll-us",     absl::StrCat(poll_us),
+            "--read-grants", read_grants ? "1" : "0",
+            "--tag",         tag};
   }
 };
 
@@ -233,6 +238,7 @@ std::unique_ptr<kvwire::Connector> MakeConnector(const Config& c, const std::str
   // A request that stalls fails (failed_loads, with the connector's reason) well before the
   // driver's own deadline below.
   o.request_timeout = absl::Seconds(20);
+  o.read_grants = c.read_grants;
   absl::StatusOr<std::unique_ptr<kvwire::Connector>> conn = kvwire::Connector::Create(o);
   Check(conn.status(), name, "connector");
   return *std::move(conn);
@@ -660,6 +666,9 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &base.max_run) && base.max_run > 0;
     } else if (k == "--poll-us") {
       ok = absl::SimpleAtoi(v, &base.poll_us) && base.poll_us < 1000000;
+    } else if (k == "--read-grants") {
+      ok = v == "0" || v == "1";
+      base.read_grants = v == "1";
     } else if (k == "--csv") {
       csv = v;
     } else if (k == "--tag") {
@@ -683,7 +692,7 @@ int main(int argc, char** argv) {
   const std::string load_before = LoadAvg();
   std::printf(
       "# kvwire-request-bench: %llu-token requests, blocks fragmented in runs of 1..%llu, %llu "
-      "measured after %llu warm-up, each side its own process on 127.0.0.1\n"
+      "measured after %llu warm-up, each side its own process on 127.0.0.1, read grants %s\n"
       "# load before: %s\n"
       "# CPU = user+sys of the side's process over the measured requests (every thread), less the\n"
       "# benchmark driver's own time outside connector/engine calls; per request. Wall: decode's\n"
@@ -691,6 +700,7 @@ int main(int argc, char** argv) {
       "# between plain engines (median wall; CPU likewise). goal: wall <= 1.2 x bare + 200 us.\n",
       static_cast<unsigned long long>(base.tokens), static_cast<unsigned long long>(base.max_run),
       static_cast<unsigned long long>(base.requests), static_cast<unsigned long long>(base.warmup),
+      base.read_grants ? "on (the connector's default: its READs go over tcp)" : "off",
       load_before.c_str());
   std::printf(
       "%-10s %-4s %-5s %6s %6s %7s | %9s %9s %9s %7s %6s %6s | %9s %8s %8s | %8s %8s | %6s %5s\n",

@@ -77,6 +77,9 @@ absl::Status Connector::Impl::Init() {
   engine_ = std::move(*engine);
   InboxOptions inbox_options;
   inbox_options.on_event = [signal = signal_] { signal->Notify(); };
+  // A pending hello is answered when the regions it names arrive: the engine's event wakes
+  // the progress loop (ServePendingHellos), nothing polls for them.
+  inbox_options.region_events = true;
   absl::StatusOr<std::unique_ptr<Inbox>> inbox =
       engine_->OpenInbox(connector_internal::kTopic, inbox_options);
   if (!inbox.ok()) return inbox.status();
@@ -151,16 +154,33 @@ absl::StatusOr<std::vector<Op>> Connector::Impl::ToOps(const std::vector<ByteRan
                                                        const Peer& p, bool local_is_src) {
   std::vector<Op> ops;
   ops.reserve(ranges.size());
+  // Consecutive ranges are mostly in the region of the one before (a layer's pages): that one
+  // is tried first, so a request costs a scan of the regions per region change, not per page.
+  const RegionSpan* last_local = nullptr;
+  const RegionSpan* last_remote = nullptr;
+  auto in = [](const RegionSpan* r, uint64_t addr, uint64_t length) {
+    return r != nullptr && addr >= r->base && addr + length <= r->base + r->length;
+  };
+  auto find = [&](const std::vector<RegionSpan>& regions, const RegionSpan*& last, uint64_t addr,
+                  uint64_t length) -> const RegionSpan* {
+    if (in(last, addr, length)) return last;
+    for (const RegionSpan& r : regions) {
+      if (in(&r, addr, length)) return last = &r;
+    }
+    return nullptr;
+  };
   for (const ByteRange& br : ranges) {
     const uint64_t local = local_is_src ? br.src : br.dst;
     const uint64_t remote = local_is_src ? br.dst : br.src;
-    absl::StatusOr<std::pair<RegionId, uint64_t>> l =
-        connector_internal::FindRegion(local_regions_, local, br.length, "local");
-    if (!l.ok()) return l.status();
-    absl::StatusOr<std::pair<RegionId, uint64_t>> rr =
-        connector_internal::FindRegion(p.regions, remote, br.length, "remote");
-    if (!rr.ok()) return rr.status();
-    ops.push_back({l->first, l->second, rr->first, rr->second, br.length});
+    const RegionSpan* l = find(local_regions_, last_local, local, br.length);
+    if (l == nullptr) {
+      return connector_internal::FindRegion(local_regions_, local, br.length, "local").status();
+    }
+    const RegionSpan* rr = find(p.regions, last_remote, remote, br.length);
+    if (rr == nullptr) {
+      return connector_internal::FindRegion(p.regions, remote, br.length, "remote").status();
+    }
+    ops.push_back({l->id, local - l->base, rr->id, remote - rr->base, br.length});
   }
   return ops;
 }

@@ -63,6 +63,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
@@ -233,6 +234,9 @@ class Connector::Impl {
   // engine reports the peer's close through the inbox anyway.
   absl::Status SendMessage(PeerId peer, const json& msg, const std::string& request = "")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, for a message already serialized (the per-layer ones, built without a json).
+  absl::Status SendPayload(PeerId peer, std::string payload, const std::string& request = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends what SendMessage queued, outside mu_. One thread drains at a time (the others
   // leave theirs to it), which keeps every peer's messages in order without a lock held
   // across the engine calls.
@@ -350,7 +354,7 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A transfer of `r` that moved one layer ended well: decode marks the layer in place,
   // prefill (write mode) tells decode.
-  void LayerTransferDone(Request& r, TransferId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LayerTransferDone(Request& r, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill, write mode: tells decode that `layer` of `r` is in place.
   void TellLayerDone(Request& r, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -374,7 +378,8 @@ class Connector::Impl {
   const connector_internal::Transition* StepLocked(Request& r, Event e,
                                                    bool nothing_to_move = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  connector_internal::RequestFacts FactsLocked(const Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  connector_internal::RequestFacts FactsLocked(const Request& r, Event e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `r` leaves the table as `end`: counted (machine_diverged) and logged when its machine
   // ended elsewhere.
   void CheckMachineEndLocked(const Request& r, State end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -420,7 +425,7 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When the progress thread must look again with nothing reported: the earliest request
-  // deadline or lease, early write expiry, or pending hello check.
+  // deadline or lease, early write expiry, or pending hello deadline.
   absl::Time NextWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct PendingHello {
@@ -496,7 +501,7 @@ class Connector::Impl {
     std::map<std::string, Request> requests;         // by request id
     std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
     // Transfers in flight, by ticket (SubmitLocked) -> the request they belong to.
-    std::map<TransferId, std::string> transfer_owner;
+    absl::flat_hash_map<TransferId, std::string> transfer_owner;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
     // with a given id), so a fast reader's release can come first. One per reader of a
@@ -548,11 +553,15 @@ class Connector::Impl {
     std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
   };
   struct Outbox {
-    std::deque<OutMessage> queue;
+    // Vectors, swapped with the drainer's batch (outbox_batch_) so that both keep their
+    // capacity: queueing and draining allocate nothing at steady state.
+    std::vector<OutMessage> queue;
     bool draining = false;   // a thread is sending; it takes what others queue meanwhile
     TransferId tickets = 0;  // the last transfer ticket handed out
   };
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
+  // The batch being sent; only the drainer (outbox_.draining, set under mu_) touches it.
+  std::vector<OutMessage> outbox_batch_;
 
   // Prefill, write mode: write requests that came before the scheduler saw their request.
   struct WritePushes {

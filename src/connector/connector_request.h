@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 
 #include "kvwire/connector.h"
@@ -43,10 +44,11 @@ struct Request {
   std::optional<PeerId> peer;
   // Decode read mode: further prefill ranks read from (peer, their transfer id).
   std::vector<std::pair<PeerId, std::string>> tp_sources;
-  std::set<TransferId> transfers;  // in flight, touching the blocks
-  // The layer each transfer moves (layer-wise progress), and transfers left per layer.
-  std::map<TransferId, int> transfer_layer;
-  std::map<int, int> layer_transfers_left;
+  // In flight, touching the blocks: each transfer's ticket and the layer it moves
+  // (layer-wise progress), and transfers left per layer. Hash maps: an erase frees nothing, so
+  // a request's transfers (one or more per layer) allocate only as the tables first grow.
+  absl::flat_hash_map<TransferId, int> transfers;
+  absl::flat_hash_map<int, int> layer_transfers_left;
   // Decode: layers not yet in place (WaitForLayerLoad waits on them).
   std::set<int> layers_pending;
   std::optional<TransferPlan> plan;
@@ -98,10 +100,23 @@ struct Request {
   // Decode: not a load, only the news that this engine will not read the prefill's blocks
   // (ReleaseUnread); StartLoad connects, tells the prefill ranks and forgets it.
   bool release_only = false;
-  std::string fail_reason;  // set once a request fails
+  std::string fail_reason;       // set once a request fails
+  std::string transfer_id_json;  // params.transfer_id as a json string (TellLayerDone)
   std::map<std::string, GroupCounters> groups;
   double cpu_us = 0;  // connector CPU on the request path (planning, ops), not transport
 };
+
+// Prefill write mode: a plan is made and every layer it moves was sent. Walks the plan's
+// groups in place (TransferPlan::Layers builds a set): it runs at each transfer end.
+inline bool AllLayersSent(const Request& r) {
+  if (!r.plan) return false;
+  for (const GroupPlan& g : r.plan->groups) {
+    for (int layer : g.layers) {
+      if (r.layers_sent.count(layer) == 0) return false;
+    }
+  }
+  return true;
+}
 
 struct Peer {
   PeerId id = 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 #include "kvwire/connector.h"
 #include "kvwire/engine.h"
@@ -81,6 +82,11 @@ struct PeerMessage {
 // Errors name the message type and the field ("connector message 'release': 'transfer_id'
 // must be a string, got 5").
 absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload);
+
+// The "layer" message for `layer` of the transfer whose id, written as a json string, is
+// `transfer_id_json`: the bytes DumpJson writes for {"t": "layer", "transfer_id": ...,
+// "layer": ...}, built as one string (the prefill sends one per layer of every request).
+std::string LayerMessagePayload(absl::string_view transfer_id_json, int layer);
 
 }  // namespace connector_internal
 }  // namespace kvwire

@@ -119,6 +119,11 @@ constexpr MessageFormat kMessageFormats[] = {
 
 }  // namespace
 
+std::string LayerMessagePayload(absl::string_view transfer_id_json, int layer) {
+  return absl::StrCat(R"({"layer":)", layer, R"(,"t":"layer","transfer_id":)", transfer_id_json,
+                      "}");
+}
+
 absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload) {
   absl::StatusOr<nlohmann::json> j = ParseJsonObject(payload, "connector message");
   if (!j.ok()) return j.status();

@@ -271,6 +271,11 @@ bool Connector::Impl::CheckBinding(Request& r, PeerId peer, const std::string& n
 // --- outbox -----------------------------------------------------------------------------
 absl::Status Connector::Impl::SendMessage(PeerId peer, const json& msg,
                                           const std::string& request) {
+  return SendPayload(peer, DumpJson(msg), request);
+}
+
+absl::Status Connector::Impl::SendPayload(PeerId peer, std::string payload,
+                                          const std::string& request) {
   if (!PeerAlive(peer)) {
     return absl::UnavailableError(absl::StrCat("connector peer ", peer, " closed"));
   }
@@ -279,12 +284,12 @@ absl::Status Connector::Impl::SendMessage(PeerId peer, const json& msg,
     // the progress thread is woken as well, for any step that does not.
     signal_->Notify();
   }
-  outbox_.queue.push_back({peer, DumpJson(msg), request});
+  outbox_.queue.push_back({peer, std::move(payload), request});
   return absl::OkStatus();
 }
 
 void Connector::Impl::FlushOutbox() {
-  std::deque<OutMessage> batch;
+  std::vector<OutMessage>& batch = outbox_batch_;  // ours while outbox_.draining
   {
     MutexLock lock(&mu_);
     if (outbox_.draining || outbox_.queue.empty()) return;  // the drainer sends ours too
@@ -331,8 +336,9 @@ void Connector::Impl::FlushOutbox() {
 // due (NextWakeLocked).
 void Connector::Impl::ProgressLoop() {
   absl::Time wake = absl::Now();
+  connector_internal::ProgressSignal::Wakeup woke;
   while (true) {
-    connector_internal::ProgressSignal::Wakeup woke = signal_->Wait(wake);
+    woke = signal_->Wait(wake, std::move(woke.ended));
     std::vector<InboxEvent> events = inbox_->Take();
     WaitForServedOps(events);
     {
@@ -341,6 +347,8 @@ void Connector::Impl::ProgressLoop() {
       for (const InboxEvent& e : events) {
         if (e.kind == InboxEvent::Kind::kMessage) {
           OnMessage(e);
+        } else if (e.kind == InboxEvent::Kind::kRegionsReady) {
+          continue;  // ServePendingHellos below answers the hellos it unblocked
         } else if (sessions_.dead.Insert(e.peer)) {
           OnPeerDeath(e.peer, e.peer_name, e.payload);
         }
@@ -360,12 +368,11 @@ void Connector::Impl::ProgressLoop() {
 absl::Time Connector::Impl::NextWakeLocked() const {
   // Idle: nothing is due; the wait is still bounded.
   constexpr absl::Duration kIdleWake = absl::Minutes(1);
-  // A hello waits for the sender's regions to arrive in the engine, which raises no event
-  // the connector can wait on: checked this often while one waits (handshakes only).
-  constexpr absl::Duration kHelloCheck = absl::Milliseconds(2);
+  // A pending hello is woken by its regions' arrival (the engine's kRegionsReady event, also
+  // raised when a peer's data path comes up) or by its deadline: never polled.
   const absl::Time now = absl::Now();
   absl::Time wake = now + kIdleWake;
-  if (!sessions_.pending_hellos.empty()) wake = std::min(wake, now + kHelloCheck);
+  for (const PendingHello& h : sessions_.pending_hellos) wake = std::min(wake, h.deadline);
   for (const auto& [tid, e] : pushes_.early_writes) wake = std::min(wake, e.expires);
   for (const auto& [tid, e] : table_.early_reads) wake = std::min(wake, e.expires);
   for (const auto& [id, r] : table_.requests) {
@@ -393,6 +400,7 @@ void Connector::Impl::WaitForServedOps(const std::vector<InboxEvent>& events) {
   const absl::Time deadline = absl::Now() + kServedOpsWait;
   std::vector<PeerId> peers;
   for (const InboxEvent& e : events) {
+    if (e.kind == InboxEvent::Kind::kRegionsReady) continue;  // orders nothing
     if (std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
   }
   for (PeerId peer : peers) {

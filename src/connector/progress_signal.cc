@@ -18,7 +18,8 @@ void ProgressSignal::Notify() {
   cv_.Signal();
 }
 
-ProgressSignal::Wakeup ProgressSignal::Wait(absl::Time until) {
+ProgressSignal::Wakeup ProgressSignal::Wait(absl::Time until, std::vector<EndedTransfer> spare) {
+  spare.clear();
   MutexLock lock(&mu_);
   while (!notified_ && ended_.empty()) {
     if (!cv_.WaitUntil(&mu_, until) && absl::Now() >= until) break;
@@ -27,6 +28,7 @@ ProgressSignal::Wakeup ProgressSignal::Wait(absl::Time until) {
   w.signalled = notified_ || !ended_.empty();
   ++(w.signalled ? counters_.signalled_wakeups : counters_.timed_wakeups);
   w.ended.swap(ended_);
+  ended_.swap(spare);
   notified_ = false;
   return w;
 }

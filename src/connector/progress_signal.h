@@ -46,7 +46,9 @@ class ProgressSignal {
   void Notify() ABSL_LOCKS_EXCLUDED(mu_);
   // Sleeps until something is reported or `until` passes (at once when something already
   // was), then takes what was reported.
-  Wakeup Wait(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
+  // `spare` (the last wakeup's `ended`, say) becomes the queue the next ends go into, so that
+  // a loop that hands it back allocates nothing per end at steady state.
+  Wakeup Wait(absl::Time until, std::vector<EndedTransfer> spare = {}) ABSL_LOCKS_EXCLUDED(mu_);
   Counters counters() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

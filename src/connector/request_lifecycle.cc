@@ -25,32 +25,36 @@ Connector::Impl::Request* Connector::Impl::FindDecodeByTransfer(const std::strin
 }
 
 // --- the request machine -----------------------------------------------------------------
-connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r) {
+// Only the facts the rows for `e` read are gathered (the rest keep their defaults, which no
+// row for `e` looks at), and none allocates: this runs at every event of every request (each
+// transfer end among them, ~60 per request).
+connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, Event e) {
   connector_internal::RequestFacts f;
   f.in_flight = !r.transfers.empty();
-  f.all_granted = !r.read_sources.empty() &&
-                  std::all_of(r.read_sources.begin(), r.read_sources.end(),
-                              [](const Request::ReadSource& s) { return s.grant.has_value(); });
-  f.all_sent = r.plan.has_value();
-  if (r.plan) {
-    for (int layer : r.plan->Layers()) f.all_sent = f.all_sent && r.layers_sent.count(layer) != 0;
-  }
-  // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
-  // expected one bound.
-  f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
-                               [](const Request::Reader& x) { return !x.done; }) ||
-                   (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected);
-  f.reader_failed = !r.reader_failure.empty();
-  f.reader_read = r.read;
   f.failing = !r.fail_reason.empty();
-  f.peer_alive = r.peer.has_value() && PeerAlive(*r.peer);
   f.release_only = r.release_only;
+  if (e == Event::kReadOk) {
+    f.all_granted = !r.read_sources.empty() &&
+                    std::all_of(r.read_sources.begin(), r.read_sources.end(),
+                                [](const Request::ReadSource& s) { return s.grant.has_value(); });
+  }
+  if (!r.decode && e == Event::kTransferOk) f.all_sent = AllLayersSent(r);
+  if (!r.decode && e == Event::kRelease) {
+    // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
+    // expected one bound.
+    f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
+                                 [](const Request::Reader& x) { return !x.done; }) ||
+                     (!r.unread && static_cast<int>(r.readers.size()) < r.readers_expected);
+    f.reader_failed = !r.reader_failure.empty();
+    f.reader_read = r.read;
+  }
+  f.peer_alive = r.peer.has_value() && PeerAlive(*r.peer);
   return f;
 }
 
 const connector_internal::Transition* Connector::Impl::StepLocked(Request& r, Event e,
                                                                   bool nothing_to_move) {
-  connector_internal::RequestFacts f = FactsLocked(r);
+  connector_internal::RequestFacts f = FactsLocked(r, e);
   f.nothing_to_move = nothing_to_move;
   ++machine_.steps;
   absl::StatusOr<const connector_internal::Transition*> row = r.machine.Step(e, f);
@@ -95,7 +99,7 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
 void Connector::Impl::CompleteLocked(Request& r) {
   // Nothing should be in flight for a complete request; should anything be, its end finds no
   // owner and is ignored.
-  for (TransferId t : r.transfers) table_.transfer_owner.erase(t);
+  for (const auto& [t, layer] : r.transfers) table_.transfer_owner.erase(t);
   r.t_last = absl::Now();
   if (r.decode && r.mode == KvMode::kRead) TellPeer(r, true, "");
 
@@ -209,12 +213,11 @@ absl::Status Connector::Impl::SubmitLocked(Request& r, PeerId peer, OpKind kind,
                                                                 const absl::Status& status) {
     signal->TransferEnded(ticket, status);
   };
-  r.transfers.insert(t.ticket);
-  r.transfer_layer[t.ticket] = layer;
+  r.transfers.emplace(t.ticket, layer);
   ++r.layer_transfers_left[layer];
   table_.transfer_owner[t.ticket] = r.id;
   if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
-  outbox_.queue.push_back({peer, "", r.id, std::move(t)});
+  outbox_.queue.push_back({peer, "", "", std::move(t)});
   return absl::OkStatus();
 }
 
@@ -225,14 +228,17 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   table_.transfer_owner.erase(owner);
   if (it == table_.requests.end()) return;
   Request& r = it->second;
-  if (r.transfers.erase(id) == 0) return;
+  auto in_flight = r.transfers.find(id);
+  if (in_flight == r.transfers.end()) return;
+  const int layer = in_flight->second;
+  r.transfers.erase(in_flight);
   StepLocked(r, status.ok() ? Event::kTransferOk : Event::kTransferFailed);
   if (!status.ok()) {
     // The first failure names the request's reason; later ones find it set.
     FailLocked(r, absl::StrCat("transfer ", r.params.transfer_id, ": ", status.message()));
     return;
   }
-  LayerTransferDone(r, id);
+  LayerTransferDone(r, layer);
   if (!r.transfers.empty()) return;
   if (r.state == State::kDraining) {
     FailLocked(r, r.fail_reason);
@@ -243,11 +249,7 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   }
 }
 
-void Connector::Impl::LayerTransferDone(Request& r, TransferId id) {
-  auto it = r.transfer_layer.find(id);
-  if (it == r.transfer_layer.end()) return;
-  const int layer = it->second;
-  r.transfer_layer.erase(it);
+void Connector::Impl::LayerTransferDone(Request& r, int layer) {
   if (--r.layer_transfers_left[layer] > 0) return;
   r.layer_transfers_left.erase(layer);
   if (r.decode) {

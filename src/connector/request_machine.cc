@@ -217,11 +217,43 @@ bool GuardHolds(Guard g, const RequestFacts& f) {
   return false;
 }
 
+namespace {
+
+// The rows for each (role, state, event), in table order: a step looks at its few candidate
+// rows (at most 4 today) instead of scanning all of them. Built once, at compile time.
+constexpr int kTableRows = sizeof(kTable) / sizeof(kTable[0]);
+constexpr int kBuckets = 2 * kRequestStates * kRequestEvents;
+constexpr int Bucket(Role role, RequestState state, RequestEvent event) {
+  return (static_cast<int>(role) * kRequestStates + static_cast<int>(state)) * kRequestEvents +
+         static_cast<int>(event);
+}
+struct TableIndex {
+  std::array<uint16_t, kBuckets + 1> begin{};  // rows of bucket b: row[begin[b] .. begin[b+1])
+  std::array<uint16_t, kTableRows> row{};
+};
+constexpr TableIndex BuildIndex() {
+  TableIndex x;
+  for (const Transition& t : kTable) ++x.begin[Bucket(t.role, t.from, t.event) + 1];
+  for (int b = 0; b < kBuckets; ++b) x.begin[b + 1] += x.begin[b];
+  std::array<uint16_t, kBuckets> next{};
+  for (int b = 0; b < kBuckets; ++b) next[b] = x.begin[b];
+  for (int i = 0; i < kTableRows; ++i) {
+    x.row[next[Bucket(kTable[i].role, kTable[i].from, kTable[i].event)]++] =
+        static_cast<uint16_t>(i);
+  }
+  return x;
+}
+constexpr TableIndex kIndex = BuildIndex();
+
+}  // namespace
+
 const Transition* FindTransition(Role role, KvMode mode, RequestState state, RequestEvent event,
                                  const RequestFacts& facts) {
-  for (const Transition& t : kTable) {
-    if (t.role == role && t.from == state && t.event == event && ModeMatches(t.mode, mode) &&
-        GuardHolds(t.guard, facts) && GuardHolds(t.guard2, facts)) {
+  const int b = Bucket(role, state, event);
+  if (b < 0 || b >= kBuckets) return nullptr;
+  for (int k = kIndex.begin[b]; k < kIndex.begin[b + 1]; ++k) {
+    const Transition& t = kTable[kIndex.row[k]];
+    if (ModeMatches(t.mode, mode) && GuardHolds(t.guard, facts) && GuardHolds(t.guard2, facts)) {
       return &t;
     }
   }

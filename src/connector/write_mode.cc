@@ -169,16 +169,15 @@ void Connector::Impl::MaybeSendLayersLocked(Request& r) {
 
 void Connector::Impl::TellLayerDone(Request& r, int layer) {
   if (!r.peer || !PeerAlive(*r.peer)) return;
-  // A lost message only costs decode the overlap: "done" still completes the load.
-  (void)SendMessage(*r.peer,
-                    json{{"t", "layer"}, {"transfer_id", r.params.transfer_id}, {"layer", layer}});
+  // A lost message only costs decode the overlap: "done" still completes the load. Built as
+  // DumpJson would write {"t": "layer", "transfer_id": ..., "layer": ...} (keys sorted), one
+  // string per layer instead of a json object's nodes; the id is escaped once per request.
+  if (r.transfer_id_json.empty()) r.transfer_id_json = DumpJson(json(r.params.transfer_id));
+  (void)SendPayload(*r.peer, connector_internal::LayerMessagePayload(r.transfer_id_json, layer));
 }
 
 void Connector::Impl::MaybeFinishSaveLocked(Request& r) {
-  if (r.state != State::kSaving || !r.plan || !r.transfers.empty()) return;
-  for (int layer : r.plan->Layers()) {
-    if (r.layers_sent.count(layer) == 0) return;
-  }
+  if (r.state != State::kSaving || !r.transfers.empty() || !AllLayersSent(r)) return;
   json done = {{"t", "done"}, {"transfer_id", r.params.transfer_id}, {"bytes", r.plan->bytes}};
   absl::Status s = SendMessage(*r.peer, done);
   if (!s.ok()) {

@@ -151,6 +151,7 @@ absl::Status Engine::Impl::Init() {
 
 Engine::Impl::~Impl() {
   stopping_ = true;
+  for (auto& t : transports_) t->Stopping();
   if (server_) server_->Stop();
   std::vector<std::shared_ptr<Peer>> peers;
   {

@@ -113,10 +113,7 @@ absl::Status Engine::Impl::SetupChannels(const std::shared_ptr<Peer>& peer) {
     MutexLock lock(&peer->mu);
     peer->setup_done = true;
   }
-  {
-    MutexLock lock(&peers_mu_);
-    peers_cv_.SignalAll();
-  }
+  RegionsReady(peer);  // those it exported before its channels were up are usable now
   return absl::OkStatus();
 }
 
@@ -160,6 +157,7 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
     }
     routes.emplace_back(desc.id, reached);
   }
+  bool usable;
   {
     MutexLock lock(&peer->mu);
     for (auto [id, reached] : routes) {
@@ -168,9 +166,15 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
       it->second.resolved = true;
       it->second.reached_by = reached;
     }
+    // During SetupChannels the regions are not usable yet: it raises the event once done.
+    usable = peer->setup_done && !routes.empty();
   }
-  MutexLock lock(&peers_mu_);
-  peers_cv_.SignalAll();
+  if (usable) {
+    RegionsReady(peer);
+  } else {
+    MutexLock lock(&peers_mu_);  // never under peer->mu (Peers() takes them the other way)
+    PeersChangedLocked();
+  }
 }
 
 void Engine::Impl::OnTransportControl(const std::shared_ptr<Peer>& peer,

@@ -1,6 +1,9 @@
 // Engine::Impl, exports: the regions this engine makes accessible to a peer (ExportRegions,
 // with each transport's key for that peer) or withdraws (RevokeRegions), and the regions a peer
 // exported to this engine.
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,7 +30,64 @@ pb::RegionDescriptor Describe(const transport::LocalRegion& region) {
   return d;
 }
 
+// Ends the move when the transport is done with the range.
+class MoveHold final : public transport::TargetHooks::RangeHold {
+ public:
+  MoveHold(core::RegionRegistry* regions, uint64_t id) : regions_(regions), id_(id) {}
+  ~MoveHold() override { regions_->EndMove(id_); }
+
+ private:
+  core::RegionRegistry* const regions_;
+  const uint64_t id_;
+};
+
 }  // namespace
+
+std::unique_ptr<transport::TargetHooks::RangeHold> Engine::Impl::QuiesceRange(const std::byte* base,
+                                                                              uint64_t length,
+                                                                              absl::Time deadline) {
+  core::RegionRegistry::Move move = regions_.BeginMove(base, length);
+  auto hold = std::make_unique<MoveHold>(&regions_, move.id);
+  // A pin is a reference to the region's entry: beyond the registry's and move.overlapping's
+  // own, each one is an op of this engine (a transfer's, or an incoming op's) still running.
+  auto running = [&move] {
+    long n = 0;
+    for (const auto& entry : move.overlapping) n += std::max(0L, entry.use_count() - 2);
+    return n;
+  };
+  for (long n = running(); n > 0; n = running()) {
+    if (absl::Now() < deadline) {
+      absl::SleepFor(absl::Microseconds(200));
+      continue;
+    }
+    // Moving anyway: a peer's kept mapping must lose the memory. What still runs may miss
+    // the new pages, so this engine's own transfers on it fail rather than report success.
+    std::vector<RegionId> ids;
+    for (const auto& entry : move.overlapping) ids.push_back(entry->region.id);
+    const std::vector<core::TransferInfo> failed = transfers_.FailIf(
+        [&ids](const core::TransferInfo& info) {
+          return std::any_of(ids.begin(), ids.end(), [&info](RegionId id) {
+            return std::find(info.local_regions.begin(), info.local_regions.end(), id) !=
+                   info.local_regions.end();
+          });
+        },
+        [](const core::TransferInfo& info) {
+          return absl::AbortedError(absl::StrCat(
+              "transfer ", info.id,
+              ": its local memory was moved onto a fresh memfd (shm revocation) while the "
+              "transfer still ran; its bytes may not have landed"));
+        });
+    KVW_LOG(kError, "engine") << "moving host memory with ops still running on it"
+                              << Kv("engine", name_) << Kv("ops", n)
+                              << Kv("transfers_failed", failed.size());
+    return hold;
+  }
+  // use_count() is a relaxed load: a copy of each entry is an acq_rel increment of the same
+  // count, read after the load that saw it drained, so the last op's writes (before its pin's
+  // release) happen before the move reads the buffer.
+  for (const auto& entry : move.overlapping) std::shared_ptr<const core::RegionEntry> sync = entry;
+  return hold;
+}
 
 absl::Status Engine::Impl::SendExports(Peer& peer,
                                        const std::vector<transport::LocalRegion>& regions) {
@@ -171,30 +231,6 @@ absl::StatusOr<std::vector<RemoteRegion>> Engine::Impl::RemoteRegions(PeerId id)
   return out;
 }
 
-absl::Status Engine::Impl::WaitForRemoteRegion(PeerId id, RegionId region, absl::Duration timeout) {
-  std::shared_ptr<Peer> peer = GetPeer(id);
-  if (!peer) return absl::NotFoundError(absl::StrCat("unknown peer ", id));
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    {
-      MutexLock lock(&peer->mu);
-      if (!peer->alive) {
-        return absl::UnavailableError(
-            absl::StrCat("peer ", peer->name, " closed: ", peer->close_reason));
-      }
-      auto it = peer->remote.find(region);
-      if (peer->setup_done && it != peer->remote.end() && it->second.resolved) {
-        return absl::OkStatus();
-      }
-    }
-    MutexLock lock(&peers_mu_);
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("peer ", peer->name,
-                                                      " did not export region ", region, " within ",
-                                                      absl::FormatDuration(timeout)));
-    }
-    peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
-  }
-}
+// WaitForRemoteRegion: region_events.cc.
 
 }  // namespace kvwire

@@ -133,7 +133,7 @@ std::shared_ptr<Peer> Engine::Impl::AddPeer(PeerId id, const std::string& addres
   {
     MutexLock lock(&peers_mu_);
     peers_[id] = peer;
-    peers_cv_.SignalAll();
+    PeersChangedLocked();
   }
   std::weak_ptr<Peer> weak = peer;
   peer->conn->Start(

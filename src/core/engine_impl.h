@@ -103,6 +103,9 @@ class Engine::Impl final : public transport::TargetHooks {
 
   absl::StatusOr<TransferId> Transfer(PeerId peer, OpKind kind, absl::Span<const Op> ops,
                                       const TransferOptions& options);
+  // One try; returns IsRegionMoving's status, unwrapped, when a local region is being moved.
+  absl::StatusOr<TransferId> TransferOnce(PeerId peer, OpKind kind, absl::Span<const Op> ops,
+                                          const TransferOptions& options);
   TransferState Poll(TransferId id, absl::Status* status) { return transfers_.Poll(id, status); }
   absl::Status Wait(TransferId id, absl::Duration timeout) {
     return transfers_.Wait(id, timeout, options_.wait_poll);
@@ -126,6 +129,9 @@ class Engine::Impl final : public transport::TargetHooks {
   void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
   void OnPeerError(PeerId peer, const absl::Status& error) override;
   uint32_t PeerProcessId(PeerId peer) override;
+  // engine_exports.cc
+  std::unique_ptr<RangeHold> QuiesceRange(const std::byte* base, uint64_t length,
+                                          absl::Time deadline) override;
 
   core::ServedOps& served_ops() { return *served_ops_; }
 
@@ -174,6 +180,12 @@ class Engine::Impl final : public transport::TargetHooks {
   void OnTransportControl(const std::shared_ptr<Peer>& peer, const pb::TransportControl& message);
   absl::Status SetupChannels(const std::shared_ptr<Peer>& peer);
   void ResolveRemoteRegions(const std::shared_ptr<Peer>& peer);
+  // region_events.cc: a peer was added, changed state or learned a region; wakes the waiters
+  // on peers_cv_.
+  void PeersChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peers_mu_);
+  // `peer`'s exported regions became usable (resolved with its channels set up): wakes the
+  // waiters and raises the inbox event.
+  void RegionsReady(const std::shared_ptr<Peer>& peer) ABSL_LOCKS_EXCLUDED(peers_mu_);
 
   // engine_messages.cc
   void OnEngineMessage(const std::shared_ptr<Peer>& peer, const pb::EngineMessage& message);
@@ -228,6 +240,9 @@ class Engine::Impl final : public transport::TargetHooks {
 
   mutable Mutex peers_mu_;
   CondVar peers_cv_;  // a peer was added, changed state, or learned a region
+  // Bumped with each peers_cv_ signal (PeersChangedLocked), so that a waiter that checked a
+  // peer's state under the peer's own lock sees a change made before it started waiting.
+  uint64_t peers_epoch_ ABSL_GUARDED_BY(peers_mu_) = 0;
   absl::flat_hash_map<PeerId, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);
   // Live session tokens: issued only to authenticated peers (see IssueToken).
   absl::flat_hash_map<std::string, PeerId> tokens_ ABSL_GUARDED_BY(peers_mu_);

@@ -113,7 +113,7 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     peers_.erase(closed_peers_.front());
     closed_peers_.pop_front();
   }
-  peers_cv_.SignalAll();
+  PeersChangedLocked();
 }
 
 absl::Status Engine::Impl::Disconnect(PeerId id) {
@@ -156,14 +156,21 @@ absl::StatusOr<PeerId> Engine::Impl::FindPeer(const std::string& name) const {
 absl::StatusOr<PeerId> Engine::Impl::WaitForPeer(const std::string& name, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
+    uint64_t seen;
+    {
+      MutexLock lock(&peers_mu_);
+      seen = peers_epoch_;
+    }
     auto found = FindPeer(name);
     if (found.ok()) return found;
+    // A peer's setup ends with PeersChangedLocked: sleeping until the epoch moves misses none.
     MutexLock lock(&peers_mu_);
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("peer ", name, " did not connect within ", absl::FormatDuration(timeout)));
+    while (peers_epoch_ == seen) {
+      if (!peers_cv_.WaitUntil(&peers_mu_, deadline) && peers_epoch_ == seen) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("peer ", name, " did not connect within ", absl::FormatDuration(timeout)));
+      }
     }
-    peers_cv_.WaitUntil(&peers_mu_, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
   }
 }
 

@@ -45,6 +45,26 @@ absl::Status NamedFailure(TransferId id, PeerId peer_id, const Peer* peer,
 absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
                                                   absl::Span<const Op> ops,
                                                   const TransferOptions& options) {
+  absl::StatusOr<TransferId> id = TransferOnce(peer_id, kind, ops, options);
+  if (id.ok() || !core::IsRegionMoving(id.status())) [[likely]]
+    return id;
+  // A local region lies in a buffer being moved onto a fresh memfd (shm revocation): the
+  // transfer holds no pin now; it waits for the move to end, within its own deadline, then
+  // starts again against the same addresses (the owner's bytes stay where they were).
+  const absl::Time deadline = absl::Now() + options.timeout.value_or(options_.transfer_timeout);
+  while (!id.ok() && core::IsRegionMoving(id.status())) {
+    if (!regions_.WaitForMoves(deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("transfer: ", id.status().message(), "; the move did not end in time"));
+    }
+    id = TransferOnce(peer_id, kind, ops, options);
+  }
+  return id;
+}
+
+absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kind,
+                                                      absl::Span<const Op> ops,
+                                                      const TransferOptions& options) {
   std::shared_ptr<Peer> peer = GetPeer(peer_id);
   if (!peer) return absl::NotFoundError(absl::StrCat("transfer: unknown peer ", peer_id));
   if (ops.empty()) return absl::InvalidArgumentError("transfer: no ops");
@@ -68,7 +88,12 @@ absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
     const Op& op = ops[i];
     if (last_entry == nullptr || op.local_region != local_regions.back()) {
       auto local = regions_.ResolveLocal(op.local_region, op.local_offset, op.length);
-      if (!local.ok()) return OpError(i, local.status());
+      if (!local.ok()) {
+        // Unwrapped: Transfer waits for the move and starts again.
+        if (core::IsRegionMoving(local.status())) [[unlikely]]
+          return local.status();
+        return OpError(i, local.status());
+      }
       auto known = std::find(local_regions.begin(), local_regions.end(), op.local_region);
       if (known == local_regions.end()) {
         local_regions.push_back(op.local_region);
@@ -393,6 +418,13 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
   bool grant_refused = false;
   absl::StatusOr<core::ResolvedRange> resolved = core::CheckIncoming(
       regions_, grants_, peer, region, offset, length, kind, grant, &grant_refused);
+  // A region whose buffer is being moved (shm revocation) answers IsRegionMoving's status:
+  // not a refusal, the transport tries the op again after the move (tcp parks it; a serving
+  // thread never waits here, since other connections it serves may hold the pins the move
+  // waits for).
+  if (!resolved.ok() && core::IsRegionMoving(resolved.status())) [[unlikely]] {
+    return resolved.status();
+  }
   MutexLock lock(&stats_mu_);
   if (!resolved.ok()) {
     ++stats_.incoming_rejected;
@@ -443,7 +475,8 @@ absl::StatusOr<GrantId> Engine::Impl::Grant(PeerId peer_id, absl::Span<const Gra
   for (size_t i = 0; i < ranges.size(); ++i) {
     const GrantRange& r = ranges[i];
     // Exported to the peer, readable by it, inside the region (no overflow).
-    auto resolved = regions_.ResolveForPeer(peer_id, r.region, r.offset, r.length, OpKind::kRead);
+    auto resolved = regions_.ResolveForPeer(peer_id, r.region, r.offset, r.length, OpKind::kRead,
+                                            /*for_op=*/false);
     if (!resolved.ok()) {
       return absl::Status(resolved.status().code(),
                           absl::StrCat("Grant: range ", i, ": ", resolved.status().message()));

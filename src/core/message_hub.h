@@ -71,6 +71,10 @@ class MessageHub : public std::enable_shared_from_this<MessageHub> {
   void PeerClosed(PeerId peer, const std::string& peer_name, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Regions `peer` exported became usable: every inbox that wants region events learns it
+  // (region_events.cc).
+  void RegionsReady(PeerId peer, const std::string& peer_name) ABSL_LOCKS_EXCLUDED(mu_);
+
   uint32_t max_message_bytes() const { return max_message_bytes_; }
   // How many closed peers are remembered (bounded by kClosedPeersRemembered).
   size_t closed_peers_remembered() ABSL_LOCKS_EXCLUDED(mu_) {

@@ -1,8 +1,55 @@
 #include "src/core/region_registry.h"
 
+#include <cstdint>
+
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
+#include "transport/region_moving.h"
+
 namespace kvwire::core {
+bool IsRegionMoving(const absl::Status& status) { return transport::IsRegionMoving(status); }
+
+absl::Status RegionRegistry::MovingLocked(const RegionEntry& entry) const {
+  const auto begin = reinterpret_cast<uintptr_t>(entry.region.base);
+  const uintptr_t end = begin + entry.region.length;
+  for (const MovingRange& m : moving_) {
+    if (begin < m.end && m.begin < end) {
+      absl::Status refused = absl::UnavailableError(absl::StrCat(
+          "region ", entry.region.id,
+          " is being moved onto a fresh memfd (shm revocation of a peer's mapping); retry"));
+      refused.SetPayload(transport::kRegionMovingPayload, absl::Cord("1"));
+      return refused;
+    }
+  }
+  return absl::OkStatus();
+}
+
+RegionRegistry::Move RegionRegistry::BeginMove(const std::byte* base, uint64_t length) {
+  MutexLock lock(&mu_);
+  const auto begin = reinterpret_cast<uintptr_t>(base);
+  Move move{next_move_++, {}};
+  moving_.push_back(MovingRange{move.id, begin, begin + length});
+  for (const auto& [id, entry] : regions_) {
+    const auto b = reinterpret_cast<uintptr_t>(entry->region.base);
+    if (b < begin + length && begin < b + entry->region.length) move.overlapping.push_back(entry);
+  }
+  return move;
+}
+
+void RegionRegistry::EndMove(uint64_t id) {
+  MutexLock lock(&mu_);
+  std::erase_if(moving_, [id](const MovingRange& m) { return m.id == id; });
+  if (moving_.empty()) moves_done_.SignalAll();
+}
+
+bool RegionRegistry::WaitForMoves(absl::Time deadline) const {
+  MutexLock lock(&mu_);
+  while (!moving_.empty()) {
+    if (!moves_done_.WaitUntil(&mu_, deadline) && !moving_.empty()) return false;
+  }
+  return true;
+}
 
 absl::Status BoundsError(const char* side, RegionId id, uint64_t offset, uint64_t length,
                          uint64_t region_length) {
@@ -49,12 +96,15 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveLocal(RegionId id, uint64_t
   if (absl::Status s = CheckBounds("local", id, offset, length, entry.region.length); !s.ok()) {
     return s;
   }
+  if (!moving_.empty()) [[unlikely]] {
+    if (absl::Status s = MovingLocked(entry); !s.ok()) return s;
+  }
   return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second};
 }
 
 absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, RegionId id,
                                                              uint64_t offset, uint64_t length,
-                                                             OpKind kind) const {
+                                                             OpKind kind, bool for_op) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
   if (it == regions_.end() ||
@@ -71,6 +121,9 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, Region
   }
   if (absl::Status s = CheckBounds("remote", id, offset, length, entry.region.length); !s.ok()) {
     return s;
+  }
+  if (for_op && !moving_.empty()) [[unlikely]] {
+    if (absl::Status s = MovingLocked(entry); !s.ok()) return s;
   }
   return ResolvedRange{entry.region.base + offset, entry.region.gpu_device, it->second,
                        entry.region.reads_need_grant};

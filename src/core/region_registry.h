@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
@@ -41,9 +42,10 @@ class RegionRegistry {
   absl::StatusOr<ResolvedRange> ResolveLocal(RegionId id, uint64_t offset, uint64_t length) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Remote use by `peer`: exported to it, bounds, permission for `kind`.
+  // `for_op` false: a check only (Grant), not refused while the region is being moved.
   absl::StatusOr<ResolvedRange> ResolveForPeer(PeerId peer, RegionId id, uint64_t offset,
-                                               uint64_t length, OpKind kind) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                               uint64_t length, OpKind kind,
+                                               bool for_op = true) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId id) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -59,6 +61,20 @@ class RegionRegistry {
   // Peers a region was exported to explicitly.
   void ForgetPeer(PeerId peer) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Moves of host memory under regions (shm revocation puts a buffer onto a fresh memfd,
+  // TargetHooks::QuiesceRange). While [base, base + length) is being moved, ResolveLocal and
+  // ResolveForPeer refuse every region overlapping it with a status IsRegionMoving recognizes,
+  // so no new op of this engine starts on the range; BeginMove returns the regions overlapping
+  // it, each pinned, so the caller can wait for the ops already running (their pins) to end.
+  struct Move {
+    uint64_t id = 0;
+    std::vector<std::shared_ptr<const RegionEntry>> overlapping;
+  };
+  Move BeginMove(const std::byte* base, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndMove(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until no move is in progress (true) or `deadline` passes (false).
+  bool WaitForMoves(absl::Time deadline) const ABSL_LOCKS_EXCLUDED(mu_);
+
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t gpu_regions() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -67,7 +83,21 @@ class RegionRegistry {
   mutable Mutex mu_;
   RegionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_ ABSL_GUARDED_BY(mu_);
+  struct MovingRange {
+    uint64_t id;
+    uintptr_t begin, end;
+  };
+  // Empty but for the length of a move: the resolve paths test only empty().
+  std::vector<MovingRange> moving_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_move_ ABSL_GUARDED_BY(mu_) = 1;
+  mutable CondVar moves_done_;
+
+  // The refusal, when `entry` overlaps a range being moved.
+  absl::Status MovingLocked(const RegionEntry& entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
+
+// Whether `status` is RegionRegistry's refusal of an op on a region being moved.
+bool IsRegionMoving(const absl::Status& status);
 
 // The error CheckBounds returns (out of line: only a failing op builds a message).
 absl::Status BoundsError(const char* side, RegionId id, uint64_t offset, uint64_t length,

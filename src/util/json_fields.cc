@@ -1,5 +1,6 @@
 #include "src/util/json_fields.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -149,8 +150,10 @@ const json* JsonFields::Find(absl::string_view field, bool required) {
   return &*it;
 }
 
-int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, int64_t hi) {
-  const std::string want = absl::StrCat("must be an integer in [", lo, ", ", hi, "]");
+namespace {
+// `v` as an integer in [lo, hi], or nullopt. Allocates nothing (arrays of block ids run
+// through it per element).
+std::optional<int64_t> IntIn(const json& v, int64_t lo, int64_t hi) {
   if (v.is_number_unsigned()) {
     const uint64_t u = v.get<uint64_t>();
     if (hi >= 0 && u <= static_cast<uint64_t>(hi) && static_cast<int64_t>(u) >= lo) {
@@ -160,7 +163,13 @@ int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, 
     const int64_t i = v.get<int64_t>();
     if (i >= lo && i <= hi) return i;
   }
-  Fail(name, want, v);
+  return std::nullopt;
+}
+}  // namespace
+
+int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, int64_t hi) {
+  if (std::optional<int64_t> i = IntIn(v, lo, hi)) return *i;
+  Fail(name, absl::StrCat("must be an integer in [", lo, ", ", hi, "]"), v);
   return 0;
 }
 
@@ -287,7 +296,9 @@ std::vector<int64_t> JsonFields::IntArray(absl::string_view field, bool required
   if (a == nullptr) return out;
   out.reserve(a->size());
   for (size_t i = 0; i < a->size() && ok(); ++i) {
-    out.push_back(IntValue((*a)[i], absl::StrCat(field, "[", i, "]"), lo, hi));
+    // The element's name is built only for an error.
+    std::optional<int64_t> v = IntIn((*a)[i], lo, hi);
+    out.push_back(v ? *v : IntValue((*a)[i], absl::StrCat(field, "[", i, "]"), lo, hi));
   }
   if (!ok()) out.clear();
   return out;

@@ -32,7 +32,9 @@ struct Entry {
 };
 
 // Copies the populated parts of `fd` (holes stay holes) from the owner's mapping at `base`
-// into `to`, which is as large and all holes.
+// into `to`, which is as large and all holes. pwrite of whole extents: the kernel allocates
+// the new pages as it copies, which measured about twice as fast as fallocate then memcpy
+// through a mapping of `to` (page faults), and faster than a first-touch memcpy.
 absl::Status CopyData(int fd, const std::byte* base, size_t size, int to) {
   off_t at = 0;
   while (static_cast<size_t>(at) < size) {
@@ -81,6 +83,13 @@ class Registry {
     auto it = FindLocked(ptr, length);
     if (it == entries_.end()) return std::nullopt;
     return ShareableBacking{it->second.fd, ptr - it->first, it->second.serial};
+  }
+
+  std::optional<shm::ShareableRange> Range(uintptr_t ptr) {
+    MutexLock lock(&mu_);
+    auto it = FindLocked(ptr, 0);
+    if (it == entries_.end()) return std::nullopt;
+    return shm::ShareableRange{reinterpret_cast<std::byte*>(it->first), it->second.size};
   }
 
   absl::StatusOr<std::optional<shm::ShareableDup>> Dup(uintptr_t ptr, size_t length,
@@ -175,7 +184,9 @@ class Registry {
       }
     }
     if (entry.slot != shm::kNoEpochSlot) entry.epoch = Publish(entry.slot);
-    rebacks_.fetch_add(1, std::memory_order_relaxed);
+    // Release: a caller that sees the count go up (a test, after a peer's close moved the
+    // buffer on the transport's thread) also sees the owner's range mapped over.
+    rebacks_.fetch_add(1, std::memory_order_release);
     return absl::OkStatus();
   }
 
@@ -185,7 +196,7 @@ class Registry {
     return table_fd_;
   }
 
-  uint64_t rebacks() const { return rebacks_.load(std::memory_order_relaxed); }
+  uint64_t rebacks() const { return rebacks_.load(std::memory_order_acquire); }
 
  private:
   std::map<uintptr_t, Entry>::iterator FindLocked(uintptr_t ptr, size_t length)
@@ -266,6 +277,10 @@ absl::StatusOr<std::optional<ShareableDup>> DupShareable(const void* ptr, size_t
 
 absl::Status RebackShareable(const void* ptr) {
   return GetRegistry().Reback(reinterpret_cast<uintptr_t>(ptr));
+}
+
+std::optional<ShareableRange> FindShareableRange(const void* ptr) {
+  return GetRegistry().Range(reinterpret_cast<uintptr_t>(ptr));
 }
 
 uint64_t RebackCount() { return GetRegistry().rebacks(); }

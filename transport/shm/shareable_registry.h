@@ -75,6 +75,13 @@ absl::StatusOr<std::optional<ShareableDup>> DupShareable(const void* ptr, size_t
 // Thread-safe; a ShareableBuffer being destroyed meanwhile waits for it.
 absl::Status RebackShareable(const void* ptr);
 
+// The whole live buffer that contains `ptr` (its base and size); nullopt if none.
+struct ShareableRange {
+  std::byte* base = nullptr;
+  size_t size = 0;
+};
+std::optional<ShareableRange> FindShareableRange(const void* ptr);
+
 // How many RebackShareable calls completed (tests and logs).
 uint64_t RebackCount();
 

@@ -6,17 +6,23 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <deque>
 #include <optional>
+#include <string>
+#include <thread>
 #include <unistd.h>
 #include <utility>
+#include <vector>
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
 #include "src/util/log.h"
+#include "src/util/mutex.h"
 #include "transport/shm/errno_text.h"
 #include "transport/shm/fd_server.h"
 #include "transport/shm/gpu_exports.h"
@@ -69,6 +75,7 @@ class ShmTransport final : public Transport {
   ~ShmTransport() override { Shutdown(); }
 
   absl::Status Start(TargetHooks* hooks, uint64_t socket_random) {
+    hooks_ = hooks;
     const std::string socket_name = SocketName(options_.engine_name, socket_random);
     absl::StatusOr<std::unique_ptr<shm::FdServer>> server =
         shm::FdServer::Start(socket_name, hooks, &regions_,
@@ -172,25 +179,84 @@ class ShmTransport final : public Transport {
   void DropPeer(PeerId peer) override {
     // Refused first, so that no fetch of the peer is served after Unserve.
     if (server_ != nullptr) server_->DropPeer(peer);
-    for (const std::byte* base : regions_.Unserve(peer, std::nullopt)) {
-      if (options_.revoke_on_peer_close) Revoke(base, absl::StrCat("peer ", peer, " dropped"));
+    std::vector<const std::byte*> bases = regions_.Unserve(peer, std::nullopt);
+    // A peer that never fetched a buffer's memfd has no mapping of it: nothing to move.
+    if (bases.empty() || !options_.revoke_on_peer_close) return;
+    // Off this thread (often the I/O thread that noticed the close, whose heartbeats must not
+    // wait for a copy of many GiB): the mover thread moves each buffer once.
+    MutexLock lock(&move_mu_);
+    if (stopping_) return;
+    for (const std::byte* base : bases) {
+      // One move per buffer, however many of its regions the peer held.
+      std::optional<shm::ShareableRange> buffer = shm::FindShareableRange(base);
+      if (!buffer.has_value()) continue;
+      const bool queued = std::any_of(move_queue_.begin(), move_queue_.end(),
+                                      [&](const PendingMove& m) { return m.base == buffer->base; });
+      if (!queued) {
+        move_queue_.push_back(PendingMove{buffer->base, absl::StrCat("peer ", peer, " dropped")});
+      }
     }
+    if (!mover_.joinable()) mover_ = std::thread([this] { MoverLoop(); });
+    move_cv_.SignalAll();
+  }
+
+  void Stopping() override {
+    // The owner's engine is going away: its peers' closes move nothing (docs/SECURITY-shm.md
+    // says what that leaves); a move already running finishes.
+    MutexLock lock(&move_mu_);
+    stopping_ = true;
+    if (!move_queue_.empty()) {
+      KVW_LOG(kInfo, "shm") << "engine stopping: buffers of closed peers not moved"
+                            << Kv("buffers", move_queue_.size());
+    }
+    move_queue_.clear();
+    move_cv_.SignalAll();
   }
 
   void Shutdown() override {
     if (shut_down_.exchange(true, std::memory_order_acq_rel)) return;
+    Stopping();
+    if (mover_.joinable()) mover_.join();
     if (server_ != nullptr) server_->Shutdown();
     regions_.Clear();
     gpu_exports_.Clear();
   }
 
  private:
+  struct PendingMove {
+    const std::byte* base = nullptr;
+    std::string why;
+  };
+
+  void MoverLoop() {
+    for (;;) {
+      PendingMove move;
+      {
+        MutexLock lock(&move_mu_);
+        while (!stopping_ && move_queue_.empty()) {
+          move_cv_.WaitUntil(&move_mu_, absl::Now() + absl::Seconds(1));
+        }
+        if (stopping_) return;
+        move = std::move(move_queue_.front());
+        move_queue_.pop_front();
+      }
+      Revoke(move.base, move.why);
+    }
+  }
+
   // A peer was handed the memfd of the ShareableBuffer at `base` and may keep its mapping:
   // the owner moves onto a fresh memfd (shareable_registry.h). Peers still exported to
   // notice through the epoch table and map the new one.
   void Revoke(const std::byte* base, const std::string& why) {
     const absl::Time start = absl::Now();
+    // The engine's own ops on the buffer (any transport's, any region inside it) are held
+    // off while it moves, so none of their bytes lands in the memfd being given up.
+    std::unique_ptr<TargetHooks::RangeHold> hold;
+    if (std::optional<shm::ShareableRange> range = shm::FindShareableRange(base)) {
+      hold = hooks_->QuiesceRange(range->base, range->size, start + kDrainWait);
+    }
     const absl::Status moved = shm::RebackShareable(base);
+    hold.reset();
     const absl::Duration took = absl::Now() - start;
     if (moved.ok()) {
       KVW_LOG(kInfo, "shm") << "buffer moved off the memfd peers mapped" << Kv("why", why)
@@ -209,7 +275,11 @@ class ShmTransport final : public Transport {
                                                       "\" (another host, container or namespace)"));
   }
 
+  // How long a move waits for the engine's ops already running on the buffer.
+  static constexpr absl::Duration kDrainWait = absl::Seconds(5);
+
   const ShmTransportOptions options_;
+  TargetHooks* hooks_ = nullptr;  // set by Start; outlives the transport
   const std::string host_id_;
   // Peers read this word with process_vm_readv to find out whether CMA works (ShmEndpoint).
   const uint64_t probe_word_;
@@ -222,6 +292,12 @@ class ShmTransport final : public Transport {
       std::make_shared<shm::ShmGpuCounters>();
   std::unique_ptr<shm::FdServer> server_;  // set by Start; stopped by Shutdown
   std::atomic<bool> shut_down_{false};
+  // Moves after a peer's close, on mover_ (started at the first one).
+  Mutex move_mu_;
+  CondVar move_cv_;
+  std::deque<PendingMove> move_queue_ ABSL_GUARDED_BY(move_mu_);
+  bool stopping_ ABSL_GUARDED_BY(move_mu_) = false;
+  std::thread mover_;
 };
 
 }  // namespace

@@ -41,12 +41,12 @@ struct ShmTransportOptions {
   // them over tcp, where the target validates every access.
   bool allow_cma = false;
   // Moves a ShareableBuffer onto a fresh memfd when a peer that was handed its memfd closes
-  // (docs/SECURITY-shm.md), as Unexport and DeregisterMemory always do. Off by default: the
-  // move copies the whole buffer on the thread that noticed the close, and a write the
-  // owner's own threads (or another transport's op) make to the buffer during that copy can
-  // be lost, since nothing quiesces them at an unplanned close. Off, a closed peer keeps
-  // its mapping until the owner unexports or deregisters the buffer (which move it then).
-  bool revoke_on_peer_close = false;
+  // (docs/SECURITY-shm.md), as Unexport and DeregisterMemory always do. The move runs on the
+  // transport's own thread (never the I/O thread that noticed the close), with the engine's
+  // own ops on the buffer held off (TargetHooks::QuiesceRange). Not when the owner's engine
+  // is being destroyed (Transport::Stopping): its peers' closes then move nothing. Off only
+  // for hosts whose local processes are all trusted.
+  bool revoke_on_peer_close = true;
   // Makes this process non-dumpable (prctl(PR_SET_DUMPABLE, 0)), so that the kernel denies
   // other processes of the same uid without CAP_SYS_PTRACE what the ptrace access check
   // guards: process_vm_readv/writev, /proc/<pid>/mem, and opening /proc/<pid>/fd/* (which

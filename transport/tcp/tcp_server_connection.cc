@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "src/util/crc32c.h"
 #include "src/util/fault_injection.h"
 #include "src/util/log.h"
+#include "transport/region_moving.h"
 #include "transport/tcp/tcp_gather.h"
 #include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_server_responses.h"
@@ -22,6 +24,7 @@ namespace kvwire::transport {
 namespace {
 
 namespace wire = tcp_wire;
+static_assert(wire::kRequestBytes == 64, "ServerConnection::parked_ holds one request header");
 
 // After an error response, input is discarded for at most this long / this many bytes.
 constexpr absl::Duration kLingerTime = absl::Seconds(2);
@@ -269,11 +272,29 @@ absl::Status ServerConnection::Serve(bool* more, bool* refused) {
       }
       finished.reset();  // the pin: the memory is written
     } else {
-      absl::StatusOr<const std::byte*> raw = reader_->TryNext();
-      if (!raw.ok()) return raw.status();
-      if (*raw == nullptr) return responses_->HasPending() ? StartFlush() : absl::OkStatus();
-      moved += wire::kRequestBytes;
-      std::optional<IncomingOp> op = AcceptOp(*raw);
+      const std::byte* raw = parked_.has_value() ? parked_->data() : nullptr;
+      if (raw == nullptr) {
+        absl::StatusOr<const std::byte*> next = reader_->TryNext();
+        if (!next.ok()) return next.status();
+        if (*next == nullptr) return responses_->HasPending() ? StartFlush() : absl::OkStatus();
+        moved += wire::kRequestBytes;
+        raw = *next;
+      }
+      bool parked = false;
+      std::optional<IncomingOp> op = AcceptOp(raw, &parked);
+      if (parked) {
+        // Its region is being moved: this op (and so this stream) waits for the move, on
+        // later turns; the thread serves other connections meanwhile, whose ops may hold the
+        // pins the move waits for. The pause keeps the retries from spinning a core.
+        if (!parked_.has_value()) {
+          parked_.emplace();
+          std::memcpy(parked_->data(), raw, wire::kRequestBytes);
+        }
+        absl::SleepFor(absl::Microseconds(50));
+        *more = true;
+        return responses_->HasPending() ? StartFlush() : absl::OkStatus();
+      }
+      parked_.reset();
       if (!op.has_value()) {
         *refused = true;  // the error was answered and reported
         return absl::OkStatus();
@@ -286,7 +307,8 @@ absl::Status ServerConnection::Serve(bool* more, bool* refused) {
   }
 }
 
-std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std::byte* raw) {
+std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std::byte* raw,
+                                                                       bool* parked) {
   IncomingOp op;
   wire::RequestHeader& h = op.header;
   if (absl::Status s = wire::DecodeRequest(raw, max_op_bytes_, &h); !s.ok()) {
@@ -306,6 +328,11 @@ std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std
   // The target's access check: every op, before any of its bytes touch memory.
   absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
       peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead, h.grant);
+  if (IsRegionMoving(access.status())) {
+    --expected_seq_;  // the same header again, later
+    *parked = true;
+    return std::nullopt;
+  }
   if (!access.ok()) {
     RefuseOp(h.sequence, access.status(),
              absl::StrCat(context_, ": op ", h.op_index, " of transfer ", h.transfer_id));

@@ -11,8 +11,10 @@
 #ifndef KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 #define KVWIRE_TRANSPORT_TCP_TCP_SERVER_CONNECTION_H_
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -89,8 +91,9 @@ class ServerConnection final : public IoHandler,
   absl::Status StartFlush();
   // Decodes and validates the op header at `raw` (sequence, region, bounds, permission,
   // memory kind) and announces its payload to the reader; nullopt when it was refused (the
-  // error was answered and reported: the connection lingers, then ends).
-  std::optional<IncomingOp> AcceptOp(const std::byte* raw);
+  // error was answered and reported: the connection lingers, then ends), or with *parked
+  // when its region is being moved (nothing answered: the same header is tried again).
+  std::optional<IncomingOp> AcceptOp(const std::byte* raw, bool* parked);
   // Serves an accepted op: starts receiving a WRITE's payload, or queues a READ's with the
   // responses. An error ends the stream.
   absl::Status ServeOp(IncomingOp& op);
@@ -130,6 +133,9 @@ class ServerConnection final : public IoHandler,
   uint64_t lingered_bytes_ = 0;
   // A WRITE whose payload is being received into host memory.
   std::unique_ptr<IncomingOp> receiving_;
+  // The header of an op whose region is being moved (transport/region_moving.h): tried again
+  // on the next turns, before any other input, until the move ends.
+  std::optional<std::array<std::byte, 64>> parked_;
   size_t received_ = 0;
 
   // steady_clock nanoseconds since its epoch when the current access began; 0: none.

@@ -62,3 +62,26 @@ TEST(ProgressSignalTest, DeadlineEndsAQuietWait) {
 
 }  // namespace
 }  // namespace kvwire::connector_internal
+
+namespace kvwire::connector_internal {
+namespace {
+
+// The progress loop hands each wakeup's vector back: the next ends are queued into it, so a
+// transfer end allocates nothing at steady state.
+TEST(ProgressSignalTest, TheSpareVectorTakesTheNextEnds) {
+  ProgressSignal signal;
+  std::vector<ProgressSignal::EndedTransfer> spare;
+  spare.reserve(64);
+  const ProgressSignal::EndedTransfer* buffer = spare.data();
+  signal.TransferEnded(1, absl::OkStatus());
+  ProgressSignal::Wakeup first = signal.Wait(absl::Now() + kFar, std::move(spare));
+  ASSERT_EQ(first.ended.size(), 1u);
+  signal.TransferEnded(2, absl::OkStatus());
+  ProgressSignal::Wakeup second = signal.Wait(absl::Now() + kFar, std::move(first.ended));
+  ASSERT_EQ(second.ended.size(), 1u);
+  EXPECT_EQ(second.ended[0].id, 2u);
+  EXPECT_EQ(second.ended.data(), buffer);
+}
+
+}  // namespace
+}  // namespace kvwire::connector_internal

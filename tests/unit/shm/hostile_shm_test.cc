@@ -35,6 +35,7 @@
 #include "absl/time/clock.h"
 
 #include "kvwire/memory.h"
+#include "kvwire/shm_options.h"
 #include "src/util/mutex.h"
 #include "tests/support/child_end.h"
 #include "tests/support/fake_target_hooks.h"
@@ -148,7 +149,7 @@ struct TargetInfo {
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
   options.deny_ptrace = config.deny_ptrace;
-  options.revoke_on_peer_close = true;  // RevocationTest.PeerClose proves the move
+  // revoke_on_peer_close: the default (RevocationTest.PeerClose proves the move).
   options.request_timeout = absl::Seconds(20);
   absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
   if (!transport.ok()) _exit(10);
@@ -205,7 +206,14 @@ struct TargetInfo {
       hooks.SetExported(region.id, false);
       (*transport)->DeregisterRegion(region.id);
     } else if (message.command == kDropPeer) {
+      // The move runs on the transport's own thread: answered once it is done (or failed).
+      const uint64_t before = shm::RebackCount();
       (*transport)->DropPeer(kPeer);
+      const absl::Time deadline = absl::Now() + absl::Seconds(20);
+      while (shm::RebackCount() == before && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      if (shm::RebackCount() == before) reply = "the peer's close moved nothing within 20 s";
     } else if (message.command == kFill) {
       std::memset(region.base, kOwnerByte, region.length);
     } else if (message.command == kMoveMany) {
@@ -683,6 +691,11 @@ INSTANTIATE_TEST_SUITE_P(HostileShmTest, RevocationTest,
                            }
                          });
 
+TEST(HostileShmTest, RevocationAtAPeersCloseIsOnByDefault) {
+  EXPECT_TRUE(ShmTransportOptions().revoke_on_peer_close);
+  EXPECT_TRUE(::kvwire::ShmOptions().revoke_on_close);
+}
+
 // A legitimate peer copying while the owner moves the buffer again and again: every copy that
 // reported success is in the owner's memory (WRITE) or came from it (READ), byte for byte.
 TEST(HostileShmTest, CopiesDuringMovesLandInTheOwnersMemory) {
@@ -701,10 +714,17 @@ TEST(HostileShmTest, CopiesDuringMovesLandInTheOwnersMemory) {
   std::atomic<bool> stop{false};
   std::atomic<int> failures{0};
   std::atomic<int> copies{0};
+  // Copies that started after the first move began and ended before the last one ended: the
+  // moves run in another process and take milliseconds, so on a loaded machine the writers
+  // may not run at all while a fixed number of moves happens. The owner moves on until they
+  // have (it was 100 moves and `copies > 0` before, which a loaded machine could miss).
+  std::atomic<bool> moving{false};
+  std::atomic<int> during{0};
   std::vector<std::thread> writers;
   for (size_t p = 0; p < pages; ++p) {
     writers.emplace_back([&, p] {
       for (uint64_t round = 0; !stop.load(); ++round) {
+        const bool started_moving = moving.load();
         std::vector<std::byte> bytes = Pattern(Page(), p * 1000003 + round);
         PostRequest request;
         request.kind = OpKind::kWrite;
@@ -723,16 +743,30 @@ TEST(HostileShmTest, CopiesDuringMovesLandInTheOwnersMemory) {
         (*legit)->Post(std::move(read), [&](absl::Status s) { status = std::move(s); });
         if (!status.ok() || back != bytes) ++failures;
         ++copies;
+        if (started_moving && moving.load()) ++during;
       }
     });
   }
-  for (int i = 0; i < 5; ++i) ASSERT_EQ(target.Call(kMoveMany, kWholeRw), "ok");
+  // Every writer running first, then at least 100 moves and enough copies among them.
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (copies.load() < static_cast<int>(pages) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  const int kWanted = 8 * static_cast<int>(pages);
+  int moves = 0;
+  moving = true;
+  while ((moves < 100 || during.load() < kWanted) && absl::Now() < deadline) {
+    ASSERT_EQ(target.Call(kMoveMany, kWholeRw), "ok");
+    moves += 20;
+  }
+  moving = false;
   stop = true;
   for (std::thread& t : writers) t.join();
-  std::printf("copies during 100 moves: %d, failed or read back wrong: %d\n", copies.load(),
-              failures.load());
+  std::printf("copies during %d moves: %d (%d in all), failed or read back wrong: %d\n", moves,
+              during.load(), copies.load(), failures.load());
   EXPECT_EQ(failures.load(), 0);
-  EXPECT_GT(copies.load(), 0);
+  EXPECT_GE(moves, 100);
+  EXPECT_GE(during.load(), kWanted) << "the writers hardly ran while the buffer was moved";
   const std::string owner = target.Call(kDump, kWholeRw);
   for (size_t p = 0; p < pages; ++p) {
     if (last[p].empty()) continue;
