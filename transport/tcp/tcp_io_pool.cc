@@ -338,7 +338,7 @@ void IoLoop::Loop() {
       // Tasks are queued: the sockets are still looked at first, without waiting, so that a
       // task that queues itself again (a connection coming back for its next turn, or one
       // whose op waits for a moving region) never starves the others on this thread.
-      n = ::epoll_wait(epfd_, events.data(), capacity, 0);
+      n = Wait(events.data(), capacity, 0);
     }
     if (poll_ns_ > 0) poll_until = MonotonicNs() + poll_ns_;
     if (n < 0) {
