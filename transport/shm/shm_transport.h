@@ -44,9 +44,9 @@ struct ShmTransportOptions {
   // (docs/SECURITY-shm.md), as Unexport and DeregisterMemory always do. The move runs on the
   // transport's own thread (never the I/O thread that noticed the close), with the engine's
   // own ops on the buffer held off (TargetHooks::QuiesceRange). Not when the owner's engine
-  // is being destroyed (Transport::Stopping): its peers' closes then move nothing. Off only
-  // for hosts whose local processes are all trusted.
-  bool revoke_on_peer_close = true;
+  // is being destroyed (Transport::Stopping): its peers' closes then move nothing. Off by
+  // default (ShmOptions::revoke_on_close says why).
+  bool revoke_on_peer_close = false;
   // Makes this process non-dumpable (prctl(PR_SET_DUMPABLE, 0)), so that the kernel denies
   // other processes of the same uid without CAP_SYS_PTRACE what the ptrace access check
   // guards: process_vm_readv/writev, /proc/<pid>/mem, and opening /proc/<pid>/fd/* (which

@@ -149,7 +149,7 @@ struct TargetInfo {
   options.engine_name = "hostile-target";
   options.allow_cma = config.allow_cma;
   options.deny_ptrace = config.deny_ptrace;
-  // revoke_on_peer_close: the default (RevocationTest.PeerClose proves the move).
+  options.revoke_on_peer_close = true;  // RevocationTest.PeerClose proves the move
   options.request_timeout = absl::Seconds(20);
   absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
   if (!transport.ok()) _exit(10);
@@ -691,9 +691,11 @@ INSTANTIATE_TEST_SUITE_P(HostileShmTest, RevocationTest,
                            }
                          });
 
-TEST(HostileShmTest, RevocationAtAPeersCloseIsOnByDefault) {
-  EXPECT_TRUE(ShmTransportOptions().revoke_on_peer_close);
-  EXPECT_TRUE(::kvwire::ShmOptions().revoke_on_close);
+// Off by default: a close moves the buffer at a moment the application does not choose, and
+// kvwire cannot hold off the application's own writes into it (docs/SECURITY-shm.md).
+TEST(HostileShmTest, RevocationAtAPeersCloseIsAnOption) {
+  EXPECT_FALSE(ShmTransportOptions().revoke_on_peer_close);
+  EXPECT_FALSE(::kvwire::ShmOptions().revoke_on_close);
 }
 
 // A legitimate peer copying while the owner moves the buffer again and again: every copy that
