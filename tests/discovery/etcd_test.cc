@@ -241,7 +241,10 @@ TEST_F(EtcdOneMember, RegistrationAndWatchResumeWhenEtcdReturns) {
       WaitFor([&] { return HasKey(*client_, "/kvwire/c/instances/r"); }, absl::Seconds(10)));
   EXPECT_TRUE(WaitFor([&] { return (*w)->connected() && (*w)->lists() > lists && present(); },
                       absl::Seconds(10)));
-  EXPECT_GE((*reg)->writes(), 2);
+  // The key reaches etcd before the registration counts its write (Register counts after
+  // Put returns), so the count is waited for, not read once.
+  EXPECT_TRUE(WaitFor([&] { return (*reg)->writes() >= 2; }, absl::Seconds(10)))
+      << "writes: " << (*reg)->writes();
   // Still followed after the recovery: a new key shows up through the watch.
   ASSERT_TRUE(client_->Put("/kvwire/c/instances/late", "x").ok());
   EXPECT_TRUE(WaitFor([&] { return (*w)->snapshot().count("/kvwire/c/instances/late") == 1; },
