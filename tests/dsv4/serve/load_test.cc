@@ -128,7 +128,11 @@ TEST(Admission, DecodeReservesItsWholeGenerationBeforeItStarts) {
   ASSERT_TRUE(want.ok()) << want.status();
   absl::StatusOr<std::string> p = c.Serve("prefill", "prefill", "tcp");
   ASSERT_TRUE(p.ok()) << p.status();
-  absl::StatusOr<std::string> d = c.Serve("decode", "decode", "tcp", {"--num-blocks", "6"});
+  // 20 ms per decode step (3 s per generation), so the second request always arrives while
+  // the first still generates and must wait for it: without the delay, on a loaded machine
+  // the first could finish before the second reached the decode, and nothing waited.
+  absl::StatusOr<std::string> d =
+      c.Serve("decode", "decode", "tcp", {"--num-blocks", "6", "--inject-delay-ms", "20"});
   ASSERT_TRUE(d.ok()) << d.status();
   absl::StatusOr<std::string> r = c.Router("router", *p, *d, "read");
   ASSERT_TRUE(r.ok()) << r.status();
