@@ -37,6 +37,7 @@
 #include "tests/integration/peer_process.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/support/fake_target_hooks.h"
+#include "tests/support/tcp_backend.h"
 #include "transport/tcp/tcp_io_pool.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_transport.h"
@@ -49,27 +50,8 @@ namespace wire = transport::tcp_wire;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// The tcp readiness backend of every engine and transport here, the target's included (it
-// inherits the variable): KVWIRE_TCP_IO_BACKEND; ctest runs the binary again with io_uring.
-std::string TestBackend() {
-  const char* env = std::getenv("KVWIRE_TCP_IO_BACKEND");
-  return env != nullptr && *env != '\0' ? env : "epoll";
-}
-
-// With io_uring asked for, every test skips, saying why (ctest matches the text), where the
-// kernel or a seccomp filter refuses io_uring.
-class BackendEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    std::printf("tcp I/O backend: %s\n", TestBackend().c_str());
-    if (TestBackend() != "io_uring") return;
-    if (absl::Status s = transport::IoUringAvailable(); !s.ok()) {
-      GTEST_SKIP() << "io_uring is not available here: " << s;
-    }
-  }
-};
-const ::testing::Environment* const kBackendEnvironment =
-    ::testing::AddGlobalTestEnvironment(new BackendEnvironment);  // NOLINT: gtest owns it
+const ::testing::Environment* const kBackendEnvironment = ::testing::AddGlobalTestEnvironment(
+    new kvwire::testing::TcpBackendEnvironment);  // NOLINT: gtest owns it
 
 constexpr uint64_t kRegionBytes = 1 << 20;
 constexpr uint64_t kSeed = 5;
@@ -234,7 +216,7 @@ class Dialer {
     work_ = std::make_unique<Work>(io_.get_executor());
     io_thread_ = std::thread([this] { io_.run(); });
     transport::TcpTransportOptions tcp_options;
-    tcp_options.io_backend = TestBackend();
+    tcp_options.io_backend = kvwire::testing::TcpTestBackend();
     auto t = transport::CreateTcpTransport(tcp_options, &hooks_);
     if (!t.ok()) return t.status();
     tcp_ = std::move(*t);
@@ -305,7 +287,7 @@ class GoodPeer {
     options.name = "good-peer";
     options.shared_secret = kSecret;
     options.transport = "tcp";
-    options.tcp().io_backend = TestBackend();
+    options.tcp().io_backend = kvwire::testing::TcpTestBackend();
     auto engine = Engine::Create(options);
     if (!engine.ok()) return engine.status();
     engine_ = std::move(*engine);

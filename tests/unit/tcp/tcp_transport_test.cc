@@ -32,6 +32,7 @@
 
 #include "src/util/mutex.h"
 #include "tests/support/fake_target_hooks.h"
+#include "tests/support/tcp_backend.h"
 #include "transport/tcp/tcp_io_pool.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
@@ -102,30 +103,11 @@ struct Node {
   std::unique_ptr<Transport> transport;
 };
 
-// The backend every transport of this binary uses: KVWIRE_TCP_IO_BACKEND (ctest runs the
-// binary a second time with io_uring: the same tests over the other readiness backend).
-std::string TestBackend() {
-  const char* env = std::getenv("KVWIRE_TCP_IO_BACKEND");
-  return env != nullptr && *env != '\0' ? env : "epoll";
-}
-
-// With io_uring asked for, every test skips, saying why, where the kernel (or a seccomp
-// filter) refuses io_uring; anything else the transport reports as a failure.
-class BackendEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    std::printf("tcp I/O backend: %s\n", TestBackend().c_str());
-    if (TestBackend() != "io_uring") return;
-    if (absl::Status s = IoUringAvailable(); !s.ok()) {
-      GTEST_SKIP() << "io_uring is not available here: " << s;
-    }
-  }
-};
-const ::testing::Environment* const kBackendEnvironment =
-    ::testing::AddGlobalTestEnvironment(new BackendEnvironment);  // NOLINT: gtest owns it
+const ::testing::Environment* const kBackendEnvironment = ::testing::AddGlobalTestEnvironment(
+    new kvwire::testing::TcpBackendEnvironment);  // NOLINT: gtest owns it
 
 std::unique_ptr<Node> MakeNode(TcpTransportOptions options = TcpTransportOptions()) {
-  options.io_backend = TestBackend();
+  options.io_backend = kvwire::testing::TcpTestBackend();
   auto node = std::make_unique<Node>();
   absl::StatusOr<std::unique_ptr<Transport>> t = CreateTcpTransport(options, &node->hooks);
   EXPECT_TRUE(t.ok()) << t.status();
