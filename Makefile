@@ -5,7 +5,8 @@
 #   make test          build build/ (gcc) and run every test
 #   make demo          DeepSeek-V4 prefill + decode + router on loopback (kvwire-dsv4 demo)
 #   make demo-transfer build and run build/perf/kvwire-demo (shm and tcp, two processes)
-#   make tcp-scale     tcp with 1000 peers (4 processes) and 1000 connect/disconnect cycles
+#   make tcp-scale     tcp with 1000 peers (4 processes) and 1000 connect/disconnect cycles,
+#                      over epoll and over io_uring
 #   make shm-scale     the same over shm (a region per peer)
 #   make netfault      tcp under netem faults (delay, loss, reorder, duplicate, corrupt, partitions)
 #                      in network namespaces inside the test VM; writes docs/NETFAULT.md
@@ -176,14 +177,17 @@ soak: deps
 
 # Many peers (tests/integration/tcp_peer_scale_test.cc): one engine, 1000 peer engines in 4
 # processes transferring at once; prints thread counts, memory, descriptors and mappings per
-# peer and idle CPU. tcp-scale over tcp, shm-scale over shm.
+# peer and idle CPU. tcp-scale over tcp, once per readiness backend of the tcp I/O pool (epoll,
+# then io_uring: skipped, saying why, where the kernel refuses it); shm-scale over shm.
 SCALE_PEERS ?= 1000
 SCALE_PROCS ?= 4
+SCALE_RUN = KVWIRE_SCALE_PEERS=$(SCALE_PEERS) KVWIRE_SCALE_PROCS=$(SCALE_PROCS) \
+  KVWIRE_SCALE_CYCLES=1000 $(BUILD_DIR)/tests/integration/tcp_peer_scale_test
 tcp-scale shm-scale: deps
 	@scripts/configure.sh $(BUILD_DIR)
 	ninja -C $(BUILD_DIR) -j$(JOBS) tcp_peer_scale_test tcp_scale_peer
-	KVWIRE_SCALE_PEERS=$(SCALE_PEERS) KVWIRE_SCALE_PROCS=$(SCALE_PROCS) KVWIRE_SCALE_CYCLES=1000 \
-	  $(BUILD_DIR)/tests/integration/tcp_peer_scale_test --gtest_filter='*/$(@:-scale=)'
+	KVWIRE_TCP_IO_BACKEND=epoll $(SCALE_RUN) --gtest_filter='*/$(@:-scale=)'
+	$(if $(filter tcp-scale,$@),KVWIRE_TCP_IO_BACKEND=io_uring $(SCALE_RUN) --gtest_filter='*/tcp')
 
 # Side by side with the floors and ucx_perftest, in one run (a few minutes): prints the table
 # of medians and regenerates perf/RESULTS.md and its plot. COMPARE_ARGS= passes arguments

@@ -8,11 +8,14 @@
 // region per peer: the test checks that each peer's transport is shm and that a peer costs the
 // hub a bounded number of mappings and descriptors. A second test connects and disconnects a
 // peer in a loop and checks that no thread, descriptor, mapping or memory is left behind.
-// Both run once per transport (gtest parameter: tcp, shm).
+// Both run once per transport (gtest parameter: tcp, shm), and the tcp ones once per readiness
+// backend of the tcp I/O pool (KVWIRE_TCP_IO_BACKEND, tests/support/tcp_backend.h: ctest runs
+// them again with io_uring, the peer processes too; skipped, saying why, where io_uring is
+// refused). The shm data path does not use the tcp I/O pool, so it runs once.
 //
 // KVWIRE_SCALE_PEERS (default 100) and KVWIRE_SCALE_PROCS (default 2) size the first test;
 // KVWIRE_SCALE_CYCLES (default 200) sizes the second. `make tcp-scale` runs 1000 peers over 4
-// processes and 1000 cycles (over both transports; `make shm-scale` over shm alone).
+// processes and 1000 cycles over tcp, once per backend (`make shm-scale`: the same over shm).
 #include <sys/resource.h>
 #include <sys/wait.h>
 
@@ -41,6 +44,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
 #include "tests/integration/tcp_scale_pattern.h"
+#include "tests/support/tcp_backend.h"
 
 extern char** environ;
 
@@ -62,6 +66,9 @@ extern "C" const char* __asan_default_options() {
 
 namespace kvwire {
 namespace {
+
+const ::testing::Environment* const kBackendEnvironment = ::testing::AddGlobalTestEnvironment(
+    new testing::TcpBackendEnvironment);  // NOLINT: gtest owns it
 
 constexpr uint64_t kSlotBytes = 16 << 10;
 constexpr absl::Duration kWait = absl::Seconds(240);
@@ -249,6 +256,8 @@ EngineOptions HubOptions(uint64_t peers, TransportKind kind) {
   options.transport = TransportName(kind);
   options.tcp().connections = 1;
   options.tcp().io_threads = 2;
+  // The peer processes read the same variable (tcp_scale_peer.cc).
+  options.tcp().io_backend = testing::TcpTestBackend();
   const int connections = static_cast<int>(4 * peers + 64);
   options.tcp().max_data_connections = connections;
   options.max_control_connections = connections;

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -78,6 +79,11 @@ int Run(int argc, char** argv) {
     options.transport = transport;
     options.tcp().connections = 1;
     options.tcp().io_threads = 1;
+    // The test's readiness backend (tcp_peer_scale_test runs over epoll and over io_uring).
+    if (const char* backend = std::getenv("KVWIRE_TCP_IO_BACKEND");
+        backend != nullptr && *backend != '\0') {
+      options.tcp().io_backend = backend;
+    }
     // Heartbeats are the control channel's per-peer timer; the hub measures its idle CPU.
     options.heartbeat_interval = absl::Seconds(30);
     options.peer_lease = absl::Seconds(120);
