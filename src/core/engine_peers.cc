@@ -71,7 +71,14 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
     if (!peer->alive) return;
     peer->alive = false;
     peer->close_reason = std::string(reason.message());
-    channels = peer->channels;
+    // Taken, not copied: a closed peer stays in peers_ a while (closed_peers_kept, for Peers()
+    // and its close reason) and must not hold its channels' descriptors and mappings meanwhile
+    // (a shm channel keeps its socket and the peer's epoch table until destroyed). How many
+    // of the kept peers still held channels depended on how far each got before it closed,
+    // so the counts of a connect/disconnect loop drifted by a channel or two under load.
+    // Whoever still uses a channel (a Post in flight, a queued region change) holds it.
+    channels = std::move(peer->channels);
+    peer->channels.clear();
   }
   {
     // First: the peer's token stops opening data connections at once.
