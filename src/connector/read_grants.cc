@@ -217,27 +217,19 @@ absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const
 
 void Connector::Impl::RevokeGrantLocked(Request& r) {
   if (r.decode) return;
-  std::vector<PeerId> revoked;
+  // A prefill read-mode request ends through kReleasing (AwaitServedLocked), which takes its
+  // grants: any left here belong to a request that ended otherwise; revoked outside mu_.
+  bool queued = false;
   for (Request::Reader& reader : r.readers) {
     const GrantId grant = std::exchange(reader.grant, 0);
-    // NotFound: the peer closed, and the engine dropped its grants with it.
-    if (grant != 0 && engine_->Revoke(reader.peer, grant).ok()) revoked.push_back(reader.peer);
+    if (grant == 0) continue;
+    OutMessage m;
+    m.peer = reader.peer;
+    m.revoke = OutRevoke{0, grant, 0};
+    outbox_.queue.push_back(std::move(m));
+    queued = true;
   }
-  // A READ that began under a grant before the revocation may still be copying: the blocks
-  // go back to the scheduler only once it ended. A reader's release was preceded by
-  // WaitForServedOps already, so this returns at once unless a peer kept reading after its
-  // own release; bounded (once for all readers) for peers that keep an op stalled.
-  constexpr absl::Duration kRevokeWait = absl::Milliseconds(250);
-  const absl::Time deadline = absl::Now() + kRevokeWait;
-  for (PeerId peer : revoked) {
-    if (absl::Status s =
-            engine_->WaitForServedOps(peer, std::max(absl::ZeroDuration(), deadline - absl::Now()));
-        !s.ok()) {
-      KVW_LOG(kWarning, kLog) << "a READ under a revoked grant is still served"
-                              << Kv("request", r.id) << Kv("peer", peer)
-                              << Kv("error", s.message());
-    }
-  }
+  if (queued && !outbox_.draining) signal_->Notify();
 }
 
 // read_ok: a prefill source granted a read-mode load's blocks to this engine.
