@@ -285,6 +285,9 @@ class Connector::Impl {
   // what each reader read and revoke its grant (Engine::RevokeWhenServed, queued for outside
   // mu_); the word comes back to OnServedLocked, which ends `r` as `end`. False: end now.
   bool AwaitServedLocked(Request& r, Request::End end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's answer to a queued grant of `request`'s blocks to reader `peer`.
+  void OnGrantedLocked(const std::string& request, PeerId peer, absl::StatusOr<GrantId> grant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine's word for watch `ticket`; false when `ticket` is no such watch.
   bool OnServedLocked(TransferId ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A releasing `r`'s deadline passed: its grants are revoked now, nothing waits.
@@ -471,8 +474,8 @@ class Connector::Impl {
   // so they are separate components under one lock rather than locks that every path would
   // take together. Connector messages and transfers are queued under mu_ and sent (submitted)
   // after it is released (outbox_, FlushOutbox), and so are grant revocations (each an
-  // Engine::RevokeWhenServed whose word comes back as an event). Grant is still made under
-  // mu_: the engine never
+  // Engine::RevokeWhenServed whose word comes back as an event) and grants (OutGrant). The
+  // engine never
   // calls back into the connector under its locks (completions and inbox events only signal
   // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
   // transport threads, runs outside mu_ (CloseQueuedPeers).
@@ -538,12 +541,14 @@ class Connector::Impl {
     TransferOptions options;
   };
   using OutRevoke = connector_internal::OutRevoke;
+  using OutGrant = connector_internal::OutGrant;
   struct OutMessage {
     PeerId peer = 0;
     std::string payload;
     std::string request;                  // fails this request if the send fails ("" for none)
     std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
     std::optional<OutRevoke> revoke;      // a grant to revoke instead of a message
+    std::optional<OutGrant> grant;        // a grant to make instead of a message
   };
   struct Outbox {
     // Vectors, swapped with the drainer's batch (outbox_batch_) so that both keep their

@@ -71,6 +71,7 @@ struct Request {
     // Bytes it says it read under its grant (its release's read_bytes): the grant is revoked
     // only once the engine served them (Connector::Impl::AwaitServedLocked).
     std::optional<uint64_t> read_bytes;
+    bool granting = false;  // its Engine::Grant is queued (made outside the lock): read_ok follows
   };
   std::vector<Reader> readers;
   int readers_expected = 0;    // 0: no reader yet
@@ -166,6 +167,13 @@ struct EarlyRelease {
   bool ok = true;
   bool unread = false;
   std::string reason;
+};
+
+// Engine::Grant of `request`'s blocks to a reader, made outside the connector's lock
+// (FlushOutbox); the result goes to Connector::Impl::OnGrantedLocked.
+struct OutGrant {
+  std::string request;
+  std::vector<GrantRange> ranges;
 };
 
 // Engine::RevokeWhenServed of a reader's grant, made outside the connector's lock

@@ -302,7 +302,18 @@ void Connector::Impl::FlushOutbox() {
     std::vector<std::pair<std::string, std::string>> failed;   // request, reason
     std::vector<std::pair<TransferId, absl::Status>> refused;  // ticket, why
     std::vector<TransferId> served;                            // watches that hold now
+    struct Granted {
+      std::string request;
+      PeerId peer;
+      absl::StatusOr<GrantId> grant;
+    };
+    std::vector<Granted> granted;
     for (OutMessage& m : batch) {
+      if (m.grant) {
+        granted.push_back({std::move(m.grant->request), m.peer,
+                           engine_->Grant(m.peer, m.grant->ranges)});
+        continue;
+      }
       if (m.revoke) {
         // Revoked once what the reader read was served; the engine's word is an event.
         const TransferId ticket = m.revoke->ticket;
@@ -331,6 +342,7 @@ void Connector::Impl::FlushOutbox() {
     batch.clear();
     MutexLock lock(&mu_);
     for (const auto& [ticket, status] : refused) OnTransferEnded(ticket, status);
+    for (Granted& g : granted) OnGrantedLocked(g.request, g.peer, std::move(g.grant));
     for (TransferId ticket : served) OnServedLocked(ticket);
     for (const auto& [id, reason] : failed) {
       auto it = table_.requests.find(id);

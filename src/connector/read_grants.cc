@@ -155,25 +155,77 @@ void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
   Request::Reader* reader = r.FindReader(peer);
   if (reader == nullptr) return;  // ClaimReaderLocked binds it first
   StepLocked(r, Event::kReadStart);
-  if (reader->grant == 0) {
-    const absl::Status scrubbed = ScrubUnfilledLocked(r);
-    absl::StatusOr<std::vector<GrantRange>> ranges =
-        scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
-    absl::StatusOr<GrantId> grant =
-        ranges.ok() ? engine_->Grant(peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
-    if (!grant.ok()) {
-      const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
-      (void)SendMessage(
-          peer, json{{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}});
-      StepLocked(r, Event::kGrantFailed);
-      FailLocked(r, reason);
+  if (reader->grant != 0) {
+    (void)SendMessage(
+        peer,
+        json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", reader->grant}});
+    return;
+  }
+  if (reader->granting) return;  // read_ok follows the grant being made
+  const absl::Status scrubbed = ScrubUnfilledLocked(r);
+  absl::StatusOr<std::vector<GrantRange>> ranges =
+      scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
+  if (!ranges.ok()) {
+    OnGrantedLocked(r.id, peer, ranges.status());
+    return;
+  }
+  // The engine call is the action phase's, made once mu_ is released (FlushOutbox); its
+  // answer comes back to OnGrantedLocked, which sends read_ok.
+  reader->granting = true;
+  if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+  OutMessage m;
+  m.peer = peer;
+  m.grant = OutGrant{r.id, std::move(*ranges)};
+  outbox_.queue.push_back(std::move(m));
+}
+
+void Connector::Impl::OnGrantedLocked(const std::string& request, PeerId peer,
+                                      absl::StatusOr<GrantId> grant) {
+  auto it = table_.requests.find(request);
+  Request* r = it == table_.requests.end() ? nullptr : &it->second;
+  Request::Reader* reader = r == nullptr ? nullptr : r->FindReader(peer);
+  if (reader != nullptr) reader->granting = false;
+  if (r == nullptr || reader == nullptr) {
+    // The hold ended meanwhile (its blocks are gone): the grant goes at once.
+    if (grant.ok()) {
+      OutMessage m;
+      m.peer = peer;
+      m.revoke = OutRevoke{0, *grant, 0};
+      outbox_.queue.push_back(std::move(m));
+    }
+    return;
+  }
+  if (r->state == State::kReleasing) {
+    // Its release came while the grant was being made: the watch AwaitServedLocked kept for
+    // this reader revokes it once its bytes were served (or ends now if none was made).
+    for (Request::Serving& s : r->serving) {
+      if (s.peer != peer || s.grant != 0) continue;
+      if (!grant.ok()) {
+        OnServedLocked(s.ticket);
+        return;
+      }
+      s.grant = *grant;
+      OutMessage m;
+      m.peer = peer;
+      m.revoke =
+          OutRevoke{s.ticket, *grant, options_.read_grants ? reader->read_bytes.value_or(0) : 0};
+      outbox_.queue.push_back(std::move(m));
       return;
     }
-    reader->grant = *grant;
   }
+  if (!grant.ok()) {
+    const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
+    (void)SendMessage(peer, json{{"t", "fail"}, {"transfer_id", r->params.transfer_id},
+                                 {"reason", reason}});
+    if (r->state != State::kHeld) return;
+    StepLocked(*r, Event::kGrantFailed);
+    FailLocked(*r, reason);
+    return;
+  }
+  reader->grant = *grant;
+  if (r->state != State::kHeld || reader->done) return;  // revoked with the others
   (void)SendMessage(
-      peer,
-      json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", reader->grant}});
+      peer, json{{"t", "read_ok"}, {"transfer_id", r->params.transfer_id}, {"grant", *grant}});
 }
 
 void Connector::Impl::RefuseReadLocked(PeerId peer, const std::string& tid,

@@ -42,7 +42,7 @@ connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, 
   if (!r.decode && e == Event::kTransferOk) f.all_sent = AllLayersSent(r);
   if (!r.decode && (e == Event::kRelease || e == Event::kDeadline || e == Event::kGrantFailed)) {
     f.granted = std::any_of(r.readers.begin(), r.readers.end(),
-                            [](const Request::Reader& x) { return x.grant != 0; });
+                            [](const Request::Reader& x) { return x.grant != 0 || x.granting; });
   }
   if (!r.decode && (e == Event::kRelease || e == Event::kServed)) {
     // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
@@ -277,6 +277,13 @@ bool Connector::Impl::AwaitServedLocked(Request& r, Request::End end) {
   if (r.state == State::kReleasing) return !r.serving.empty();
   for (Request::Reader& reader : r.readers) {
     const GrantId grant = std::exchange(reader.grant, 0);
+    if (grant == 0 && reader.granting) {
+      // Its grant is being made: OnGrantedLocked queues the revocation under this ticket.
+      const TransferId ticket = ++outbox_.tickets;
+      table_.served_watch[ticket] = r.id;
+      r.serving.push_back({ticket, reader.peer, 0});
+      continue;
+    }
     if (grant == 0) continue;
     // The reader's count of bytes it read under the grant is served by this engine's tcp
     // target only when the grants guard the blocks (else its READs may go over shm or rdma,
@@ -336,6 +343,7 @@ bool Connector::Impl::OnServedLocked(TransferId ticket) {
 void Connector::Impl::StopServedWatchesLocked(Request& r) {
   for (const Request::Serving& s : r.serving) {
     table_.served_watch.erase(s.ticket);
+    if (s.grant == 0) continue;  // being made: OnGrantedLocked finds no request, revokes it
     // Revoked now, without waiting for the bytes (its watch's end finds no owner).
     OutMessage m;
     m.peer = s.peer;
