@@ -310,8 +310,8 @@ void Connector::Impl::FlushOutbox() {
     std::vector<Granted> granted;
     for (OutMessage& m : batch) {
       if (m.grant) {
-        granted.push_back({std::move(m.grant->request), m.peer,
-                           engine_->Grant(m.peer, m.grant->ranges)});
+        granted.push_back(
+            {std::move(m.grant->request), m.peer, engine_->Grant(m.peer, m.grant->ranges)});
         continue;
       }
       if (m.revoke) {
@@ -319,8 +319,7 @@ void Connector::Impl::FlushOutbox() {
         const TransferId ticket = m.revoke->ticket;
         std::function<void()> done;
         if (ticket != 0) done = [signal = signal_, ticket] { signal->Served(ticket); };
-        if (engine_->RevokeWhenServed(m.peer, m.revoke->grant, m.revoke->bytes,
-                                      std::move(done)) &&
+        if (engine_->RevokeWhenServed(m.peer, m.revoke->grant, m.revoke->bytes, std::move(done)) &&
             ticket != 0) {
           served.push_back(ticket);
         }

@@ -215,8 +215,8 @@ void Connector::Impl::OnGrantedLocked(const std::string& request, PeerId peer,
   }
   if (!grant.ok()) {
     const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
-    (void)SendMessage(peer, json{{"t", "fail"}, {"transfer_id", r->params.transfer_id},
-                                 {"reason", reason}});
+    (void)SendMessage(
+        peer, json{{"t", "fail"}, {"transfer_id", r->params.transfer_id}, {"reason", reason}});
     if (r->state != State::kHeld) return;
     StepLocked(*r, Event::kGrantFailed);
     FailLocked(*r, reason);

@@ -294,7 +294,7 @@ absl::StatusOr<const Transition*> RequestMachine::Step(RequestEvent event,
 
 const char* RequestStateName(RequestState s) {
   static constexpr const char* kNames[kRequestStates] = {
-      "new",      "matched",   "pending",  "loading",  "saving",   "held",
+      "new",      "matched",   "pending",   "loading", "saving",   "held",
       "draining", "releasing", "completed", "failed",  "released", "withdrawn"};
   const int i = static_cast<int>(s);
   return i < kRequestStates ? kNames[i] : "?";

@@ -34,13 +34,13 @@ namespace kvwire {
 namespace connector_internal {
 
 enum class RequestState : uint8_t {
-  kNew,       // not in the request table yet
-  kMatched,   // scheduler knows it; blocks not yet allocated
-  kPending,   // blocks allocated, waiting for the worker (decode load)
-  kLoading,   // decode: connecting, READs in flight, or waiting for prefill's WRITEs
-  kSaving,    // prefill write mode: layers going out
-  kHeld,      // prefill read mode: blocks held for the readers (lease)
-  kDraining,  // aborted or failed: waiting for transfers (or the prefill) to stop
+  kNew,        // not in the request table yet
+  kMatched,    // scheduler knows it; blocks not yet allocated
+  kPending,    // blocks allocated, waiting for the worker (decode load)
+  kLoading,    // decode: connecting, READs in flight, or waiting for prefill's WRITEs
+  kSaving,     // prefill write mode: layers going out
+  kHeld,       // prefill read mode: blocks held for the readers (lease)
+  kDraining,   // aborted or failed: waiting for transfers (or the prefill) to stop
   kReleasing,  // prefill read mode: every reader done (or the lease over); the blocks go once
                // the engine served what each reader read and revoked its grant
   // Ends (the request leaves the table).
@@ -138,7 +138,7 @@ enum class Guard : uint8_t {
   kLoad,           // decode: a real load
   kNothingToMove,  // decode read: the plan moves no layer
   kSomethingToMove,
-  kGranted,     // prefill read: a reader holds an engine grant (its READs may be served)
+  kGranted,  // prefill read: a reader holds an engine grant (its READs may be served)
   kNotGranted,
 };
 

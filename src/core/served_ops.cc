@@ -241,8 +241,7 @@ bool Engine::WhenServedOps(PeerId peer, std::function<void()> done) {
 
 bool Engine::RevokeWhenServed(PeerId peer, GrantId grant, uint64_t bytes,
                               std::function<void()> done) {
-  return impl_->served_ops().RevokeWhenServed(peer, grant, bytes, impl_->grants(),
-                                              std::move(done));
+  return impl_->served_ops().RevokeWhenServed(peer, grant, bytes, impl_->grants(), std::move(done));
 }
 
 }  // namespace kvwire

@@ -272,8 +272,8 @@ TEST_F(ReleaseCountTest, TheBlocksGoOnlyOnceTheReadersLastOpWasServed) {
   const absl::Time asked = absl::Now();
   absl::StatusOr<GrantId> other_grant = second.ReadStart(other);
   ASSERT_TRUE(other_grant.ok()) << other_grant.status();
-  std::cout << "another peer's read_start answered in "
-            << absl::FormatDuration(absl::Now() - asked) << " while 'a' waits\n";
+  std::cout << "another peer's read_start answered in " << absl::FormatDuration(absl::Now() - asked)
+            << " while 'a' waits\n";
   EXPECT_FALSE(Freed("a"));
   EXPECT_EQ(Stats().value("releasing", uint64_t{99}), 1u);
 
@@ -323,15 +323,19 @@ TEST_F(ReleaseCountTest, ALyingCountIsBoundedByItsRequestsDeadlineAlone) {
   const std::vector<Op> ops_a = a.Ops(layout_, Blocks(layout_, 0), base_);
   ASSERT_TRUE(a.Read(ops_a, *ga).ok());
   // Says it read ten times what it did: never reached.
-  ASSERT_TRUE(
-      a.Send(json{{"t", "release"}, {"transfer_id", liar}, {"ok", true}, {"read_bytes", 10 * Bytes(ops_a)}})
-          .ok());
+  ASSERT_TRUE(a.Send(json{{"t", "release"},
+                          {"transfer_id", liar},
+                          {"ok", true},
+                          {"read_bytes", 10 * Bytes(ops_a)}})
+                  .ok());
   ASSERT_NO_FATAL_FAILURE(WaitReleasing(1));
   const std::vector<Op> ops_b = b.Ops(layout_, Blocks(layout_, 1), base_);
   ASSERT_TRUE(b.Read(ops_b, *gb).ok());
-  ASSERT_TRUE(
-      b.Send(json{{"t", "release"}, {"transfer_id", honest}, {"ok", true}, {"read_bytes", Bytes(ops_b)}})
-          .ok());
+  ASSERT_TRUE(b.Send(json{{"t", "release"},
+                          {"transfer_id", honest},
+                          {"ok", true},
+                          {"read_bytes", Bytes(ops_b)}})
+                  .ok());
   EXPECT_TRUE(WaitFreed("honest"));
   EXPECT_FALSE(Freed("liar")) << "a count never reached freed the blocks before the deadline";
   // The liar's deadline (the request's lease) frees its blocks, failed.

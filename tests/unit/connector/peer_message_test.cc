@@ -44,9 +44,9 @@ TEST(ReleaseMessageTest, ReadBytesIsOptionalTypedAndBounded) {
     ASSERT_TRUE(m->read_bytes.has_value());
     EXPECT_EQ(*m->read_bytes, n);
   }
-  for (const char* bad : {R"("read_bytes":-1)", R"("read_bytes":"4096")", R"("read_bytes":1.5)",
-                          R"("read_bytes":1125899906842625)", R"("read_bytes":[1])",
-                          R"("read_bytes":true)"}) {
+  for (const char* bad :
+       {R"("read_bytes":-1)", R"("read_bytes":"4096")", R"("read_bytes":1.5)",
+        R"("read_bytes":1125899906842625)", R"("read_bytes":[1])", R"("read_bytes":true)"}) {
     absl::StatusOr<PeerMessage> m =
         ParsePeerMessage(absl::StrCat(R"({"t":"release","transfer_id":"x",)", bad, "}"));
     ASSERT_FALSE(m.ok()) << bad;

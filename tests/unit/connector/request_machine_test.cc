@@ -368,11 +368,10 @@ TEST(RequestMachineTest, PrefillReleasingWaitsForTheServedEventAlone) {
   RequestMachine m(Role::kPrefill, KvMode::kRead);
   Drive(m, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kRelease, granted_read}});
   ASSERT_EQ(m.state(), S::kReleasing);
-  EXPECT_TRUE(Drive(m, {{E::kRelease, read},
-                        {E::kPeerFail, {}},
-                        {E::kAbort, {}},
-                        {E::kSchedulerFinished, {}}})
-                  .empty());
+  EXPECT_TRUE(
+      Drive(m,
+            {{E::kRelease, read}, {E::kPeerFail, {}}, {E::kAbort, {}}, {E::kSchedulerFinished, {}}})
+          .empty());
   EXPECT_EQ(m.state(), S::kReleasing);
   EXPECT_FALSE(m.Step(E::kTransferOk).ok());
   EXPECT_FALSE(m.Step(E::kReadStart).ok());

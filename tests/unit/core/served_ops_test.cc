@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/time/clock.h"
+
 #include "src/core/grant_table.h"
 
 namespace kvwire::core {
