@@ -429,6 +429,19 @@ class Engine {
   // WaitForServedOps, as for any reuse, before reusing the memory). NotFound for a grant that
   // is not live for `peer`.
   absl::Status Revoke(PeerId peer, GrantId grant);
+  // Target side, events instead of waits. `done` runs once, on the thread that ends the last
+  // op it waits for (it must not block nor call into the engine), or is dropped with the
+  // engine; each call returns true, without calling or keeping `done`, when what it waits for
+  // holds already.
+  // WhenServedOps: every op of `peer` that began before the call has ended.
+  bool WhenServedOps(PeerId peer, std::function<void()> done);
+  // RevokeWhenServed: revokes `grant` of `peer` once at least `bytes` were served under it
+  // (what the peer says it read) and no op under it is being served, at once when `bytes` is
+  // 0; `done` once it is revoked and no op under it is being served. A grant revoked
+  // meanwhile (Revoke, the peer's close, a call with 0) stops waiting for its bytes. Ops under
+  // a grant are counted only on a target that serves them (tcp): a peer's count of bytes it
+  // moved otherwise (shm mappings, rdma) is never reached; pass 0 then.
+  bool RevokeWhenServed(PeerId peer, GrantId grant, uint64_t bytes, std::function<void()> done);
 
   // Target side: orders the caller's earlier writes to registered memory before every op
   // this engine begins serving after the call. Call after filling memory, before telling a

@@ -68,6 +68,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 #include "kvwire/connector.h"
 #include "kvwire/engine.h"
@@ -278,10 +279,19 @@ class Connector::Impl {
   // ranges of the local regions, for Engine::Grant.
   absl::StatusOr<std::vector<GrantRange>> GrantRangesLocked(const Request& r)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Prefill, read mode: ends the grants of `r`'s readers (if any), then waits (bounded) for
-  // READs under them that were being served, so that the blocks are not handed back while
-  // one copies them.
+  // Prefill, read mode: queues the revocation of grants still held (none after kReleasing).
   void RevokeGrantLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefill, read mode: true when `r` must first wait (kReleasing) for the engine to serve
+  // what each reader read and revoke its grant (Engine::RevokeWhenServed, queued for outside
+  // mu_); the word comes back to OnServedLocked, which ends `r` as `end`. False: end now.
+  bool AwaitServedLocked(Request& r, Request::End end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's answer to a queued grant of `request`'s blocks to reader `peer`.
+  void OnGrantedLocked(const std::string& request, PeerId peer, absl::StatusOr<GrantId> grant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's word for watch `ticket`; false when `ticket` is no such watch.
+  bool OnServedLocked(TransferId ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A releasing `r`'s deadline passed: its grants are revoked now, nothing waits.
+  void StopServedWatchesLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill (read grants on): zeroes the rows of `r`'s blocks that the request did not fill
   // (UnfilledPageSpans), once, before its pages first go out whole: read mode before the first
   // grant, write mode before the first WRITE (read_scrub.cc).
@@ -404,8 +414,12 @@ class Connector::Impl {
 
   // --- progress ---------------------------------------------------------------------------
   void ProgressLoop();
-  // Before the events' peers are heard: their ops served so far have ended (peer_messages.cc).
-  void WaitForServedOps(const std::vector<InboxEvent>& events) ABSL_LOCKS_EXCLUDED(mu_);
+  // The events to handle now, each peer's after the ops it had this engine serve; a peer with
+  // ops in flight is parked, not waited for (peer_messages.cc). Progress thread only.
+  std::vector<InboxEvent> OrderAfterServedOps(
+      std::vector<InboxEvent> events,
+      absl::Span<const connector_internal::ProgressSignal::EndedTransfer> ended)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Answers the hellos whose regions arrived (or whose deadline passed).
   void ServePendingHellos() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine closed `peer` (lease expiry, Goodbye, I/O error): every request bound to it
@@ -428,34 +442,11 @@ class Connector::Impl {
   // deadline or lease, early write expiry, or pending hello deadline.
   absl::Time NextWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  struct PendingHello {
-    PeerId peer = 0;
-    std::string name;
-    PeerMessage msg;
-    absl::Time deadline;
-  };
-
-  struct EarlyWrite {
-    PeerId peer = 0;
-    BlockTable blocks;
-    uint64_t num_cached = 0;
-    absl::Time expires;
-  };
-  // A read_start for a transfer id not held (yet): a scheduler in another process may hand
-  // the id out before its worker holds the blocks (RequestFinished with a given id).
-  struct EarlyRead {
-    PeerId peer = 0;
-    std::string name;                 // the peer's
-    std::pair<int, int> place{1, 0};  // ReaderPlaceLocked when it asked
-    absl::Time expires;
-  };
-  struct EarlyRelease {
-    PeerId peer = 0;
-    std::pair<int, int> place{1, 0};  // read mode: ReaderPlaceLocked when it released
-    bool ok = true;
-    bool unread = false;
-    std::string reason;
-  };
+  // Pending hellos and what came before its request (connector_request.h).
+  using PendingHello = connector_internal::PendingHello;
+  using EarlyWrite = connector_internal::EarlyWrite;
+  using EarlyRead = connector_internal::EarlyRead;
+  using EarlyRelease = connector_internal::EarlyRelease;
 
   const ConnectorOptions options_;
   // Declared before engine_ so that it outlives the engine, whose completion thread reports
@@ -482,8 +473,9 @@ class Connector::Impl {
   // about a transfer looks up its request, checks the peer it is bound to, and may end both),
   // so they are separate components under one lock rather than locks that every path would
   // take together. Connector messages and transfers are queued under mu_ and sent (submitted)
-  // after it is released (outbox_, FlushOutbox). The other engine calls (Grant, Revoke, the
-  // bounded WaitForServedOps of a revoke) are still made under mu_: the engine never
+  // after it is released (outbox_, FlushOutbox), and so are grant revocations (each an
+  // Engine::RevokeWhenServed whose word comes back as an event) and grants (OutGrant). The
+  // engine never
   // calls back into the connector under its locks (completions and inbox events only signal
   // signal_), so no engine lock is ever waited for in the other order. Disconnect, which joins
   // transport threads, runs outside mu_ (CloseQueuedPeers).
@@ -502,6 +494,8 @@ class Connector::Impl {
     std::map<std::string, std::string> by_transfer;  // connector transfer id -> request id
     // Transfers in flight, by ticket (SubmitLocked) -> the request they belong to.
     absl::flat_hash_map<TransferId, std::string> transfer_owner;
+    // Prefill read mode: served-ops watches (AwaitServedLocked), by ticket -> request id.
+    absl::flat_hash_map<TransferId, std::string> served_watch;
     // Read mode, releases of transfer ids not held (yet): a scheduler in another process
     // hands a transfer id out before its worker holds the blocks under it (RequestFinished
     // with a given id), so a fast reader's release can come first. One per reader of a
@@ -546,11 +540,15 @@ class Connector::Impl {
     std::vector<Op> ops;
     TransferOptions options;
   };
+  using OutRevoke = connector_internal::OutRevoke;
+  using OutGrant = connector_internal::OutGrant;
   struct OutMessage {
     PeerId peer = 0;
     std::string payload;
     std::string request;                  // fails this request if the send fails ("" for none)
     std::optional<OutTransfer> transfer;  // a transfer to submit instead of a message
+    std::optional<OutRevoke> revoke;      // a grant to revoke instead of a message
+    std::optional<OutGrant> grant;        // a grant to make instead of a message
   };
   struct Outbox {
     // Vectors, swapped with the drainer's batch (outbox_batch_) so that both keep their
@@ -562,6 +560,12 @@ class Connector::Impl {
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
   // The batch being sent; only the drainer (outbox_.draining, set under mu_) touches it.
   std::vector<OutMessage> outbox_batch_;
+
+  // Peers whose events wait for the ops they had served (OrderAfterServedOps; the progress
+  // thread's alone, no lock). Tickets kParkTicket | n, apart from the outbox's.
+  static constexpr TransferId kParkTicket = TransferId{1} << 63;
+  absl::flat_hash_map<PeerId, connector_internal::ParkedPeer> parked_;
+  TransferId park_seq_ = 0;
 
   // Prefill, write mode: write requests that came before the scheduler saw their request.
   struct WritePushes {

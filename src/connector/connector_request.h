@@ -68,6 +68,10 @@ struct Request {
     int rank = 0;  // its tensor-parallel rank (its layout's)
     GrantId grant = 0;
     bool done = false;  // released, or died
+    // Bytes it says it read under its grant (its release's read_bytes): the grant is revoked
+    // only once the engine served them (Connector::Impl::AwaitServedLocked).
+    std::optional<uint64_t> read_bytes;
+    bool granting = false;  // its Engine::Grant is queued (made outside the lock): read_ok follows
   };
   std::vector<Reader> readers;
   int readers_expected = 0;    // 0: no reader yet
@@ -89,6 +93,23 @@ struct Request {
     std::optional<GrantId> grant;
   };
   std::vector<ReadSource> read_sources;
+  // Decode, read mode: bytes submitted to READ from each source under its grant (told in the
+  // release, read_bytes).
+  std::vector<std::pair<PeerId, uint64_t>> bytes_read;
+  // Prefill, read mode (kReleasing): each reader's grant waiting for the engine's word that
+  // what the reader read was served (a watch ticket), and how the request ends then.
+  struct Serving {
+    TransferId ticket = 0;
+    PeerId peer = 0;
+    GrantId grant = 0;
+  };
+  std::vector<Serving> serving;
+  struct End {
+    enum Kind { kComplete, kFail, kUnread } kind = kComplete;
+    PeerId reader = 0;   // kUnread: the reader that said so
+    std::string reason;  // kUnread
+  };
+  std::optional<End> pending_end;
   // Prefill, write mode.
   bool have_remote = false;
   BlockTable remote_blocks;
@@ -117,6 +138,60 @@ inline bool AllLayersSent(const Request& r) {
   }
   return true;
 }
+
+// Connector::Impl's pending hellos, and messages that came before their request.
+struct PendingHello {
+  PeerId peer = 0;
+  std::string name;
+  PeerMessage msg;
+  absl::Time deadline;
+};
+
+struct EarlyWrite {
+  PeerId peer = 0;
+  BlockTable blocks;
+  uint64_t num_cached = 0;
+  absl::Time expires;
+};
+// A read_start for a transfer id not held (yet): a scheduler in another process may hand
+// the id out before its worker holds the blocks (RequestFinished with a given id).
+struct EarlyRead {
+  PeerId peer = 0;
+  std::string name;                 // the peer's
+  std::pair<int, int> place{1, 0};  // ReaderPlaceLocked when it asked
+  absl::Time expires;
+};
+struct EarlyRelease {
+  PeerId peer = 0;
+  std::pair<int, int> place{1, 0};  // read mode: ReaderPlaceLocked when it released
+  bool ok = true;
+  bool unread = false;
+  std::string reason;
+};
+
+// Engine::Grant of `request`'s blocks to a reader, made outside the connector's lock
+// (FlushOutbox); the result goes to Connector::Impl::OnGrantedLocked.
+struct OutGrant {
+  std::string request;
+  std::vector<GrantRange> ranges;
+};
+
+// Engine::RevokeWhenServed of a reader's grant, made outside the connector's lock
+// (FlushOutbox); its word comes back under `ticket` (0: nobody waits for it).
+struct OutRevoke {
+  TransferId ticket = 0;
+  GrantId grant = 0;
+  uint64_t bytes = 0;
+};
+
+// A peer whose inbox events wait, in arrival order, for the ops it had this engine serve, until
+// the engine's word under `ticket` (Engine::WhenServedOps) or `deadline`.
+struct ParkedPeer {
+  std::vector<InboxEvent> events;
+  TransferId ticket = 0;
+  absl::Time deadline;
+  bool served = false;
+};
 
 struct Peer {
   PeerId id = 0;

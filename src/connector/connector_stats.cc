@@ -15,9 +15,12 @@ std::string Connector::Impl::StatsJson() const {
   for (const auto& [name, c] : m.group_totals) {
     groups[name] = {{"bytes", c.bytes}, {"ops_before_merge", c.ops_before_merge}, {"ops", c.ops}};
   }
+  size_t releasing = 0;  // prefill read: freed once the engine served what the readers read
+  for (const auto& [id, r] : table_.requests) releasing += r.state == State::kReleasing ? 1 : 0;
   json j = {
       {"engine_id", engine_->name()},
       {"live_requests", table_.requests.size()},
+      {"releasing", releasing},
       {"started", m.started},
       {"completed", m.completed},
       {"failed", m.failed},

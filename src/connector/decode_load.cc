@@ -330,6 +330,16 @@ void Connector::Impl::SubmitReadsLocked(Request& r) {
       auto ops = s.layer_ops.find(layer);
       if (ops == s.layer_ops.end()) continue;
       // The ops are not needed here any more (read_sources is cleared below).
+      uint64_t bytes = 0;
+      for (const Op& op : ops->second) bytes += op.length;
+      auto counted =
+          std::find_if(r.bytes_read.begin(), r.bytes_read.end(),
+                       [&](const std::pair<PeerId, uint64_t>& x) { return x.first == s.peer; });
+      if (counted == r.bytes_read.end()) {
+        r.bytes_read.emplace_back(s.peer, bytes);
+      } else {
+        counted->second += bytes;
+      }
       absl::Status submitted =
           SubmitLocked(r, s.peer, OpKind::kRead, std::move(ops->second), layer, *s.grant);
       if (!submitted.ok()) {

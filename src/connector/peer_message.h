@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,8 @@ inline constexpr size_t kMaxEarlyReleases = 8192;
 // Engines that may read one prefill rank's hand-off: the decode's tensor-parallel size, from
 // its layout, is refused beyond this (each reader holds an engine grant of every page).
 inline constexpr int kMaxReaders = 64;
+// A release's count of bytes read under a grant: at most 2^50 (a PiB; more is refused).
+inline constexpr uint64_t kMaxReadBytes = uint64_t{1} << 50;
 
 // One connector message from a peer, with every field checked (type, range, size) before any
 // of it is used.
@@ -65,6 +68,9 @@ struct PeerMessage {
   std::vector<RegionSpan> regions;
   // release
   bool ok = true;
+  // release (optional): the bytes the reader READ under its grant; the holder frees the blocks
+  // once its engine served that many (an older peer sends none).
+  std::optional<uint64_t> read_bytes;
   // release, fail: the reader will not read this transfer at all (it found the KV in its own
   // prefix cache, or its request ended first): the holder frees the blocks at once and counts
   // the request as released, not failed.

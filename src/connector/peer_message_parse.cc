@@ -68,6 +68,7 @@ void ParseRelease(JsonFields& f, PeerMessage& m) {
   m.ok = f.OptBool("ok", true);
   m.unread = f.OptBool("unread", false);
   m.reason = f.OptString("reason", "?", kMaxReasonBytes);
+  if (f.Has("read_bytes")) m.read_bytes = f.Uint("read_bytes", kMaxReadBytes);
 }
 
 void ParseWriteReq(JsonFields& f, PeerMessage& m) {

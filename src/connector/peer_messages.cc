@@ -3,6 +3,7 @@
 // and read_ok's read_grants.cc's), the checks that bind a transfer to its peer, and the progress
 // thread that drives them.
 #include <algorithm>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <optional>
@@ -112,9 +113,10 @@ void Connector::Impl::OnRelease(const InboxEvent& n, PeerMessage& m) {
                                                    ", which is not a read-mode hand-off")));
     return;
   }
-  if (ClaimReaderLocked(*r, n.peer, n.peer_name, "release", ReaderPlaceLocked(n.peer)) == nullptr) {
-    return;
-  }
+  Request::Reader* reader =
+      ClaimReaderLocked(*r, n.peer, n.peer_name, "release", ReaderPlaceLocked(n.peer));
+  if (reader == nullptr) return;
+  if (m.ok && !m.unread && !reader->done) reader->read_bytes = m.read_bytes;
   if (m.unread) {
     ReaderDoneLocked(*r, n.peer, ReadEnd::kUnread, m.reason);
   } else if (m.ok) {
@@ -299,7 +301,30 @@ void Connector::Impl::FlushOutbox() {
   while (true) {
     std::vector<std::pair<std::string, std::string>> failed;   // request, reason
     std::vector<std::pair<TransferId, absl::Status>> refused;  // ticket, why
+    std::vector<TransferId> served;                            // watches that hold now
+    struct Granted {
+      std::string request;
+      PeerId peer;
+      absl::StatusOr<GrantId> grant;
+    };
+    std::vector<Granted> granted;
     for (OutMessage& m : batch) {
+      if (m.grant) {
+        granted.push_back(
+            {std::move(m.grant->request), m.peer, engine_->Grant(m.peer, m.grant->ranges)});
+        continue;
+      }
+      if (m.revoke) {
+        // Revoked once what the reader read was served; the engine's word is an event.
+        const TransferId ticket = m.revoke->ticket;
+        std::function<void()> done;
+        if (ticket != 0) done = [signal = signal_, ticket] { signal->Served(ticket); };
+        if (engine_->RevokeWhenServed(m.peer, m.revoke->grant, m.revoke->bytes, std::move(done)) &&
+            ticket != 0) {
+          served.push_back(ticket);
+        }
+        continue;
+      }
       if (m.transfer) {
         absl::StatusOr<TransferId> id =
             engine_->Transfer(m.peer, m.transfer->kind, m.transfer->ops, m.transfer->options);
@@ -316,6 +341,8 @@ void Connector::Impl::FlushOutbox() {
     batch.clear();
     MutexLock lock(&mu_);
     for (const auto& [ticket, status] : refused) OnTransferEnded(ticket, status);
+    for (Granted& g : granted) OnGrantedLocked(g.request, g.peer, std::move(g.grant));
+    for (TransferId ticket : served) OnServedLocked(ticket);
     for (const auto& [id, reason] : failed) {
       auto it = table_.requests.find(id);
       if (it == table_.requests.end() || it->second.state != State::kLoading) continue;
@@ -339,8 +366,7 @@ void Connector::Impl::ProgressLoop() {
   connector_internal::ProgressSignal::Wakeup woke;
   while (true) {
     woke = signal_->Wait(wake, std::move(woke.ended));
-    std::vector<InboxEvent> events = inbox_->Take();
-    WaitForServedOps(events);
+    std::vector<InboxEvent> events = OrderAfterServedOps(inbox_->Take(), woke.ended);
     {
       MutexLock lock(&mu_);
       if (stop_) return;
@@ -355,11 +381,13 @@ void Connector::Impl::ProgressLoop() {
       }
       ServePendingHellos();
       for (const connector_internal::ProgressSignal::EndedTransfer& t : woke.ended) {
-        OnTransferEnded(t.id, t.status);
+        if ((t.id & kParkTicket) != 0) continue;  // OrderAfterServedOps took it
+        if (!OnServedLocked(t.id)) OnTransferEnded(t.id, t.status);
       }
       CheckDeadlines();
       wake = NextWakeLocked();
     }
+    for (const auto& [peer, p] : parked_) wake = std::min(wake, p.deadline + absl::Microseconds(1));
     FlushOutbox();  // before the closes: a Goodbye follows what was said to the peer
     CloseQueuedPeers();
   }
@@ -389,28 +417,66 @@ absl::Time Connector::Impl::NextWakeLocked() const {
 }
 
 // A peer's messages (and its death) are handled only once the ops it sent this engine before
-// them have been served: its release of blocks it read can overtake the serving thread's last
-// access to them (the ops and the messages travel on different connections), and the blocks
-// must not be handed back for reuse before that. A legitimate peer's release follows the end of
-// its ops by microseconds; the wait is bounded by kServedOpsWait per batch so that a peer that
-// keeps an op stalled (its reader does not drain) delays the other peers' messages by at most
-// that much; past it they are handled anyway, loudly.
-void Connector::Impl::WaitForServedOps(const std::vector<InboxEvent>& events) {
+// them have been served: its word about memory (a release of blocks it read, a "done" of
+// blocks it wrote) can overtake the serving thread's last access to them (the ops and the
+// messages travel on different connections). A peer with ops in flight has its events parked,
+// in order, until the engine says those ops ended (WhenServedOps: no wait, no poll) or
+// kServedOpsWait passed (a peer that keeps an op stalled: handled anyway, loudly); other
+// peers' events are handled meanwhile. A read-mode release additionally waits, in its request
+// alone, for the bytes the reader says it read (AwaitServedLocked).
+std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
+    std::vector<InboxEvent> events,
+    absl::Span<const connector_internal::ProgressSignal::EndedTransfer> ended) {
   constexpr absl::Duration kServedOpsWait = absl::Milliseconds(250);
-  const absl::Time deadline = absl::Now() + kServedOpsWait;
-  std::vector<PeerId> peers;
-  for (const InboxEvent& e : events) {
-    if (e.kind == InboxEvent::Kind::kRegionsReady) continue;  // orders nothing
-    if (std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
-  }
-  for (PeerId peer : peers) {
-    absl::Status s =
-        engine_->WaitForServedOps(peer, std::max(absl::ZeroDuration(), deadline - absl::Now()));
-    if (!s.ok()) {
-      KVW_LOG(kWarning, kLog) << "handling a peer's messages while its ops are still served"
-                              << Kv("peer", peer) << Kv("error", s.message());
+  if (parked_.empty() && events.empty()) return events;
+  for (const connector_internal::ProgressSignal::EndedTransfer& t : ended) {
+    if ((t.id & kParkTicket) == 0) continue;
+    for (auto& [peer, p] : parked_) {
+      if (p.ticket == t.id) p.served = true;
     }
   }
+  const absl::Time now = absl::Now();
+  std::vector<InboxEvent> ready;
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    connector_internal::ParkedPeer& p = it->second;
+    if (!p.served && p.deadline > now) {
+      ++it;
+      continue;
+    }
+    if (!p.served) {
+      KVW_LOG(kWarning, kLog) << "handling a peer's messages while its ops are still served"
+                              << Kv("peer", it->first) << Kv("events", p.events.size())
+                              << Kv("waited", absl::FormatDuration(kServedOpsWait));
+    }
+    for (InboxEvent& e : p.events) ready.push_back(std::move(e));
+    parked_.erase(it++);
+  }
+  std::vector<PeerId> served_now;  // peers of this batch with no op in flight
+  for (InboxEvent& e : events) {
+    if (e.kind == InboxEvent::Kind::kRegionsReady) {  // orders nothing
+      ready.push_back(std::move(e));
+      continue;
+    }
+    if (auto p = parked_.find(e.peer); p != parked_.end()) {
+      p->second.events.push_back(std::move(e));
+      continue;
+    }
+    if (std::find(served_now.begin(), served_now.end(), e.peer) != served_now.end()) {
+      ready.push_back(std::move(e));
+      continue;
+    }
+    const TransferId ticket = kParkTicket | ++park_seq_;
+    if (engine_->WhenServedOps(e.peer, [signal = signal_, ticket] { signal->Served(ticket); })) {
+      served_now.push_back(e.peer);
+      ready.push_back(std::move(e));
+      continue;
+    }
+    connector_internal::ParkedPeer& p = parked_[e.peer];
+    p.ticket = ticket;
+    p.deadline = now + kServedOpsWait;
+    p.events.push_back(std::move(e));
+  }
+  return ready;
 }
 
 }  // namespace kvwire

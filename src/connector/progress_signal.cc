@@ -11,6 +11,13 @@ void ProgressSignal::TransferEnded(TransferId id, absl::Status status) {
   cv_.Signal();
 }
 
+void ProgressSignal::Served(TransferId ticket) {
+  MutexLock lock(&mu_);
+  ended_.push_back({ticket, absl::OkStatus()});
+  ++counters_.notifies;
+  cv_.Signal();
+}
+
 void ProgressSignal::Notify() {
   MutexLock lock(&mu_);
   notified_ = true;

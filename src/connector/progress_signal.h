@@ -42,6 +42,9 @@ class ProgressSignal {
 
   // A transfer ended (the engine's completion thread).
   void TransferEnded(TransferId id, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // What a served-ops watch waited for holds (Engine::RevokeWhenServed, WhenServedOps): seen
+  // as an end, OK, under `ticket`, and not counted as a transfer's.
+  void Served(TransferId ticket) ABSL_LOCKS_EXCLUDED(mu_);
   // Something else changed: an inbox event, a request's state or deadline, the stop.
   void Notify() ABSL_LOCKS_EXCLUDED(mu_);
   // Sleeps until something is reported or `until` passes (at once when something already

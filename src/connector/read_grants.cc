@@ -155,25 +155,77 @@ void Connector::Impl::GrantReadLocked(Request& r, PeerId peer) {
   Request::Reader* reader = r.FindReader(peer);
   if (reader == nullptr) return;  // ClaimReaderLocked binds it first
   StepLocked(r, Event::kReadStart);
-  if (reader->grant == 0) {
-    const absl::Status scrubbed = ScrubUnfilledLocked(r);
-    absl::StatusOr<std::vector<GrantRange>> ranges =
-        scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
-    absl::StatusOr<GrantId> grant =
-        ranges.ok() ? engine_->Grant(peer, *ranges) : absl::StatusOr<GrantId>(ranges.status());
-    if (!grant.ok()) {
-      const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
-      (void)SendMessage(
-          peer, json{{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}});
-      StepLocked(r, Event::kGrantFailed);
-      FailLocked(r, reason);
+  if (reader->grant != 0) {
+    (void)SendMessage(
+        peer,
+        json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", reader->grant}});
+    return;
+  }
+  if (reader->granting) return;  // read_ok follows the grant being made
+  const absl::Status scrubbed = ScrubUnfilledLocked(r);
+  absl::StatusOr<std::vector<GrantRange>> ranges =
+      scrubbed.ok() ? GrantRangesLocked(r) : absl::StatusOr<std::vector<GrantRange>>(scrubbed);
+  if (!ranges.ok()) {
+    OnGrantedLocked(r.id, peer, ranges.status());
+    return;
+  }
+  // The engine call is the action phase's, made once mu_ is released (FlushOutbox); its
+  // answer comes back to OnGrantedLocked, which sends read_ok.
+  reader->granting = true;
+  if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+  OutMessage m;
+  m.peer = peer;
+  m.grant = OutGrant{r.id, std::move(*ranges)};
+  outbox_.queue.push_back(std::move(m));
+}
+
+void Connector::Impl::OnGrantedLocked(const std::string& request, PeerId peer,
+                                      absl::StatusOr<GrantId> grant) {
+  auto it = table_.requests.find(request);
+  Request* r = it == table_.requests.end() ? nullptr : &it->second;
+  Request::Reader* reader = r == nullptr ? nullptr : r->FindReader(peer);
+  if (reader != nullptr) reader->granting = false;
+  if (r == nullptr || reader == nullptr) {
+    // The hold ended meanwhile (its blocks are gone): the grant goes at once.
+    if (grant.ok()) {
+      OutMessage m;
+      m.peer = peer;
+      m.revoke = OutRevoke{0, *grant, 0};
+      outbox_.queue.push_back(std::move(m));
+    }
+    return;
+  }
+  if (r->state == State::kReleasing) {
+    // Its release came while the grant was being made: the watch AwaitServedLocked kept for
+    // this reader revokes it once its bytes were served (or ends now if none was made).
+    for (Request::Serving& s : r->serving) {
+      if (s.peer != peer || s.grant != 0) continue;
+      if (!grant.ok()) {
+        OnServedLocked(s.ticket);
+        return;
+      }
+      s.grant = *grant;
+      OutMessage m;
+      m.peer = peer;
+      m.revoke =
+          OutRevoke{s.ticket, *grant, options_.read_grants ? reader->read_bytes.value_or(0) : 0};
+      outbox_.queue.push_back(std::move(m));
       return;
     }
-    reader->grant = *grant;
   }
+  if (!grant.ok()) {
+    const std::string reason = absl::StrCat("granting the blocks: ", grant.status().message());
+    (void)SendMessage(
+        peer, json{{"t", "fail"}, {"transfer_id", r->params.transfer_id}, {"reason", reason}});
+    if (r->state != State::kHeld) return;
+    StepLocked(*r, Event::kGrantFailed);
+    FailLocked(*r, reason);
+    return;
+  }
+  reader->grant = *grant;
+  if (r->state != State::kHeld || reader->done) return;  // revoked with the others
   (void)SendMessage(
-      peer,
-      json{{"t", "read_ok"}, {"transfer_id", r.params.transfer_id}, {"grant", reader->grant}});
+      peer, json{{"t", "read_ok"}, {"transfer_id", r->params.transfer_id}, {"grant", *grant}});
 }
 
 void Connector::Impl::RefuseReadLocked(PeerId peer, const std::string& tid,
@@ -217,27 +269,19 @@ absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const
 
 void Connector::Impl::RevokeGrantLocked(Request& r) {
   if (r.decode) return;
-  std::vector<PeerId> revoked;
+  // A prefill read-mode request ends through kReleasing (AwaitServedLocked), which takes its
+  // grants: any left here belong to a request that ended otherwise; revoked outside mu_.
+  bool queued = false;
   for (Request::Reader& reader : r.readers) {
     const GrantId grant = std::exchange(reader.grant, 0);
-    // NotFound: the peer closed, and the engine dropped its grants with it.
-    if (grant != 0 && engine_->Revoke(reader.peer, grant).ok()) revoked.push_back(reader.peer);
+    if (grant == 0) continue;
+    OutMessage m;
+    m.peer = reader.peer;
+    m.revoke = OutRevoke{0, grant, 0};
+    outbox_.queue.push_back(std::move(m));
+    queued = true;
   }
-  // A READ that began under a grant before the revocation may still be copying: the blocks
-  // go back to the scheduler only once it ended. A reader's release was preceded by
-  // WaitForServedOps already, so this returns at once unless a peer kept reading after its
-  // own release; bounded (once for all readers) for peers that keep an op stalled.
-  constexpr absl::Duration kRevokeWait = absl::Milliseconds(250);
-  const absl::Time deadline = absl::Now() + kRevokeWait;
-  for (PeerId peer : revoked) {
-    if (absl::Status s =
-            engine_->WaitForServedOps(peer, std::max(absl::ZeroDuration(), deadline - absl::Now()));
-        !s.ok()) {
-      KVW_LOG(kWarning, kLog) << "a READ under a revoked grant is still served"
-                              << Kv("request", r.id) << Kv("peer", peer)
-                              << Kv("error", s.message());
-    }
-  }
+  if (queued && !outbox_.draining) signal_->Notify();
 }
 
 // read_ok: a prefill source granted a read-mode load's blocks to this engine.

@@ -1,6 +1,7 @@
 // The request state machine's endings: completion, failure (after draining the transfers that
 // touch the blocks), aborts from either side, transfer polling, deadlines and leases.
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -39,7 +40,11 @@ connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, 
                                 [](const Request::ReadSource& s) { return s.grant.has_value(); });
   }
   if (!r.decode && e == Event::kTransferOk) f.all_sent = AllLayersSent(r);
-  if (!r.decode && e == Event::kRelease) {
+  if (!r.decode && (e == Event::kRelease || e == Event::kDeadline || e == Event::kGrantFailed)) {
+    f.granted = std::any_of(r.readers.begin(), r.readers.end(),
+                            [](const Request::Reader& x) { return x.grant != 0 || x.granting; });
+  }
+  if (!r.decode && (e == Event::kRelease || e == Event::kServed)) {
     // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
     // expected one bound.
     f.readers_left = std::any_of(r.readers.begin(), r.readers.end(),
@@ -84,12 +89,22 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
   json m;
   if (r.decode && r.mode == KvMode::kRead) {
     m = {{"t", "release"}, {"transfer_id", r.params.transfer_id}, {"ok", ok}, {"reason", reason}};
+    // Read: each source learns how many bytes this engine READ under its grant, and frees the
+    // blocks once its engine served them (no wait there for ops still in its socket).
+    auto count = [&](PeerId peer, json& msg) {
+      if (!ok) return;
+      for (const auto& [p, bytes] : r.bytes_read) {
+        if (p == peer) msg["read_bytes"] = bytes;
+      }
+    };
     for (const auto& [peer, tid] : r.tp_sources) {
       if (!PeerAlive(peer)) continue;
       json more = m;
       more["transfer_id"] = tid;
+      count(peer, more);
       (void)SendMessage(peer, more);
     }
+    count(*r.peer, m);
   } else {
     m = {{"t", "fail"}, {"transfer_id", r.params.transfer_id}, {"reason", reason}};
   }
@@ -97,6 +112,7 @@ void Connector::Impl::TellPeer(Request& r, bool ok, const std::string& reason) {
 }
 
 void Connector::Impl::CompleteLocked(Request& r) {
+  if (AwaitServedLocked(r, {Request::End::kComplete, 0, ""})) return;
   // Nothing should be in flight for a complete request; should anything be, its end finds no
   // owner and is ignored.
   for (const auto& [t, layer] : r.transfers) table_.transfer_owner.erase(t);
@@ -117,6 +133,7 @@ void Connector::Impl::CompleteLocked(Request& r) {
 // Ends a request once nothing touches its blocks any more (else drains first).
 void Connector::Impl::FailLocked(Request& r, const std::string& reason) {
   if (r.fail_reason.empty()) r.fail_reason = reason;
+  if (AwaitServedLocked(r, {Request::End::kFail, 0, ""})) return;
   if (!r.transfers.empty()) {
     r.state = State::kDraining;
     return;
@@ -163,6 +180,10 @@ void Connector::Impl::RememberRetiredLocked(const Request& r, const std::string&
 }
 
 void Connector::Impl::ReleaseUnreadLocked(Request& r, PeerId reader, const std::string& reason) {
+  if (r.state != State::kLoading && r.state != State::kDraining && r.transfers.empty() &&
+      AwaitServedLocked(r, {Request::End::kUnread, reader, reason})) {
+    return;
+  }
   if (!r.transfers.empty() || r.state == State::kLoading || r.state == State::kDraining) {
     // Data moved or is moving for it after all: the ordinary failure path drains first.
     FailLocked(r, absl::StrCat("reader released it: ", reason));
@@ -184,8 +205,9 @@ void Connector::Impl::ReleaseUnreadLocked(Request& r, PeerId reader, const std::
 void Connector::Impl::AbortLocked(Request& r, const std::string& reason, Event event) {
   StepLocked(r, event);
   if (!r.fail_reason.empty()) return;
-  if (!r.decode && r.state == State::kHeld) {
-    // A reader may be reading these blocks: they stay until it releases or the lease ends.
+  if (!r.decode && (r.state == State::kHeld || r.state == State::kReleasing)) {
+    // A reader may be reading these blocks: they stay until it releases or the lease ends
+    // (releasing: until the engine served what the readers read).
     return;
   }
   r.fail_reason = reason;
@@ -249,6 +271,89 @@ void Connector::Impl::OnTransferEnded(TransferId id, const absl::Status& status)
   }
 }
 
+// --- prefill read mode: freeing after the readers' ops were served --------------------------
+bool Connector::Impl::AwaitServedLocked(Request& r, Request::End end) {
+  if (r.decode || r.mode != KvMode::kRead) return false;
+  if (r.state == State::kReleasing) return !r.serving.empty();
+  for (Request::Reader& reader : r.readers) {
+    const GrantId grant = std::exchange(reader.grant, 0);
+    if (grant == 0 && reader.granting) {
+      // Its grant is being made: OnGrantedLocked queues the revocation under this ticket.
+      const TransferId ticket = ++outbox_.tickets;
+      table_.served_watch[ticket] = r.id;
+      r.serving.push_back({ticket, reader.peer, 0});
+      continue;
+    }
+    if (grant == 0) continue;
+    // The reader's count of bytes it read under the grant is served by this engine's tcp
+    // target only when the grants guard the blocks (else its READs may go over shm or rdma,
+    // which no target counts): then the grant is revoked only once they were served. Without
+    // a count (an older peer, a failed read) it is revoked now; the ops under it in flight
+    // are waited for either way.
+    const uint64_t bytes = options_.read_grants ? reader.read_bytes.value_or(0) : 0;
+    const TransferId ticket = ++outbox_.tickets;
+    table_.served_watch[ticket] = r.id;
+    r.serving.push_back({ticket, reader.peer, grant});
+    if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+    OutMessage m;
+    m.peer = reader.peer;
+    m.revoke = OutRevoke{ticket, grant, bytes};
+    outbox_.queue.push_back(std::move(m));
+  }
+  if (r.serving.empty()) return false;
+  r.pending_end = std::move(end);
+  r.state = State::kReleasing;
+  // Bounded by the request's own deadline (the lease); past it already (the lease expired):
+  // the ops get one handshake_timeout more.
+  const absl::Time now = absl::Now();
+  if (r.deadline <= now) r.deadline = now + options_.handshake_timeout;
+  return true;
+}
+
+bool Connector::Impl::OnServedLocked(TransferId ticket) {
+  auto w = table_.served_watch.find(ticket);
+  if (w == table_.served_watch.end()) return false;
+  const std::string id = std::move(w->second);
+  table_.served_watch.erase(w);
+  auto it = table_.requests.find(id);
+  if (it == table_.requests.end()) return true;
+  Request& r = it->second;
+  auto s = std::find_if(r.serving.begin(), r.serving.end(),
+                        [&](const Request::Serving& x) { return x.ticket == ticket; });
+  if (s == r.serving.end()) return true;
+  r.serving.erase(s);
+  if (!r.serving.empty() || r.state != State::kReleasing) return true;
+  StepLocked(r, Event::kServed);
+  Request::End end = std::move(*r.pending_end);
+  r.pending_end.reset();
+  switch (end.kind) {
+    case Request::End::kComplete:
+      CompleteLocked(r);
+      break;
+    case Request::End::kFail:
+      FailLocked(r, r.fail_reason);
+      break;
+    case Request::End::kUnread:
+      ReleaseUnreadLocked(r, end.reader, end.reason);
+      break;
+  }
+  return true;
+}
+
+void Connector::Impl::StopServedWatchesLocked(Request& r) {
+  for (const Request::Serving& s : r.serving) {
+    table_.served_watch.erase(s.ticket);
+    if (s.grant == 0) continue;  // being made: OnGrantedLocked finds no request, revokes it
+    // Revoked now, without waiting for the bytes (its watch's end finds no owner).
+    OutMessage m;
+    m.peer = s.peer;
+    m.revoke = OutRevoke{0, s.grant, 0};
+    outbox_.queue.push_back(std::move(m));
+  }
+  if (!r.serving.empty() && !outbox_.draining) signal_->Notify();
+  r.serving.clear();
+}
+
 void Connector::Impl::LayerTransferDone(Request& r, int layer) {
   if (--r.layer_transfers_left[layer] > 0) return;
   r.layer_transfers_left.erase(layer);
@@ -299,7 +404,17 @@ void Connector::Impl::CheckDeadlines() {
     if (it == table_.requests.end()) continue;
     Request& r = it->second;
     if (r.state != State::kMatched && r.state != State::kPending) StepLocked(r, Event::kDeadline);
-    if (r.state == State::kHeld) {
+    if (r.state == State::kReleasing) {
+      // A reader's ops still served, or its count of bytes read not reached (a lying or
+      // short count, bytes it moved elsewhere): bounded by the request's own deadline.
+      KVW_LOG(kWarning, kLog) << "blocks freed while the readers' ops were not all served"
+                              << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                              << Kv("grants_left", r.serving.size());
+      StopServedWatchesLocked(r);
+      FailLocked(r, r.fail_reason.empty()
+                        ? std::string("the readers' ops were not served before the deadline")
+                        : r.fail_reason);
+    } else if (r.state == State::kHeld) {
       KVW_LOG(kWarning, kLog) << "lease expired: no release from the reader" << Kv("request", r.id)
                               << Kv("transfer", r.params.transfer_id);
       accounting_.LeaseExpired();

@@ -139,15 +139,28 @@ constexpr Transition kTable[] = {
   // --- prefill, read mode -----------------------------------------------------------------
   {P, Rd, S::kNew, E::kHandOff, Al, Al, S::kHeld, {A::kPublishMemory}, "blocks held under a 128-bit transfer id"},
   {P, Rd, S::kHeld, E::kReadStart, Al, Al, S::kHeld, {A::kGrant}, "a reader bound, granted, read_ok"},
-  {P, Rd, S::kHeld, E::kGrantFailed, Al, Al, S::kFailed, {A::kSendFail, A::kRevoke, A::kFreeBlocks}, ""},
+  {P, Rd, S::kHeld, E::kGrantFailed, G::kGranted, Al, S::kReleasing, {A::kSendFail, A::kRevoke}, "other readers' ops drain first"},
+  {P, Rd, S::kHeld, E::kGrantFailed, G::kNotGranted, Al, S::kFailed, {A::kSendFail, A::kFreeBlocks}, ""},
   {P, Rd, S::kHeld, E::kRelease, G::kReadersLeft, Al, S::kHeld, {}, "other readers may still read"},
-  {P, Rd, S::kHeld, E::kRelease, G::kReadersFailed, Al, S::kFailed, {A::kRevoke, A::kFreeBlocks}, "a reader failed or died"},
-  {P, Rd, S::kHeld, E::kRelease, G::kReadersRead, Al, S::kCompleted, {A::kRevoke, A::kFreeBlocks}, "read"},
-  {P, Rd, S::kHeld, E::kRelease, G::kReadersUnread, Al, S::kReleased, {A::kRevoke, A::kFreeBlocks}, "decode will not read"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersFailed, G::kGranted, S::kReleasing, {A::kRevoke}, "a reader failed or died: its ops drain first"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersFailed, G::kNotGranted, S::kFailed, {A::kFreeBlocks}, "a reader failed or died"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersRead, G::kGranted, S::kReleasing, {A::kRevoke}, "read: freed once what each reader read was served"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersRead, G::kNotGranted, S::kCompleted, {A::kFreeBlocks}, "read"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersUnread, G::kGranted, S::kReleasing, {A::kRevoke}, "decode will not read: ops drain first"},
+  {P, Rd, S::kHeld, E::kRelease, G::kReadersUnread, G::kNotGranted, S::kReleased, {A::kFreeBlocks}, "decode will not read"},
   {P, Rd, S::kHeld, E::kPeerFail, Al, Al, S::kHeld, {}, "readers release; a fail changes nothing"},
   {P, Rd, S::kHeld, E::kAbort, Al, Al, S::kHeld, {}, "a reader may be reading: the lease governs"},
   {P, Rd, S::kHeld, E::kSchedulerFinished, Al, Al, S::kHeld, {}, ""},
-  {P, Rd, S::kHeld, E::kDeadline, Al, Al, S::kFailed, {A::kCountLease, A::kRevoke, A::kFreeBlocks}, "lease expired"},
+  {P, Rd, S::kHeld, E::kDeadline, G::kGranted, Al, S::kReleasing, {A::kCountLease, A::kRevoke}, "lease expired: ops under the grants drain first"},
+  {P, Rd, S::kHeld, E::kDeadline, G::kNotGranted, Al, S::kFailed, {A::kCountLease, A::kFreeBlocks}, "lease expired"},
+  {P, Rd, S::kReleasing, E::kServed, G::kFailing, Al, S::kFailed, {A::kFreeBlocks}, "served and revoked"},
+  {P, Rd, S::kReleasing, E::kServed, G::kReadersRead, G::kNotFailing, S::kCompleted, {A::kFreeBlocks}, "every byte read was served"},
+  {P, Rd, S::kReleasing, E::kServed, G::kReadersUnread, G::kNotFailing, S::kReleased, {A::kFreeBlocks}, "served and revoked"},
+  {P, Rd, S::kReleasing, E::kDeadline, Al, Al, S::kFailed, {A::kRevoke, A::kFreeBlocks}, "ops still served or a count not reached: freed anyway, loudly"},
+  {P, Rd, S::kReleasing, E::kRelease, Al, Al, S::kReleasing, {}, "every reader was heard from already"},
+  {P, Rd, S::kReleasing, E::kPeerFail, Al, Al, S::kReleasing, {}, "the release governs"},
+  {P, Rd, S::kReleasing, E::kAbort, Al, Al, S::kReleasing, {}, "the release governs"},
+  {P, Rd, S::kReleasing, E::kSchedulerFinished, Al, Al, S::kReleasing, {}, "blocks freed when it ends"},
 };
 // clang-format on
 
@@ -213,6 +226,10 @@ bool GuardHolds(Guard g, const RequestFacts& f) {
       return f.nothing_to_move;
     case G::kSomethingToMove:
       return !f.nothing_to_move;
+    case G::kGranted:
+      return f.granted;
+    case G::kNotGranted:
+      return !f.granted;
   }
   return false;
 }
@@ -277,8 +294,8 @@ absl::StatusOr<const Transition*> RequestMachine::Step(RequestEvent event,
 
 const char* RequestStateName(RequestState s) {
   static constexpr const char* kNames[kRequestStates] = {
-      "new",      "matched",   "pending", "loading",  "saving",   "held",
-      "draining", "completed", "failed",  "released", "withdrawn"};
+      "new",      "matched",   "pending",   "loading", "saving",   "held",
+      "draining", "releasing", "completed", "failed",  "released", "withdrawn"};
   const int i = static_cast<int>(s);
   return i < kRequestStates ? kNames[i] : "?";
 }
@@ -290,7 +307,7 @@ const char* RequestEventName(RequestEvent e) {
       "connected_read", "connected_write", "connect_failed", "write_req",      "read_start",
       "grant_failed",   "read_ok",         "release",        "peer_layer",     "peer_done",
       "peer_fail",      "peer_unread",     "peer_gone",      "transfer_ok",    "transfer_failed",
-      "deadline"};
+      "deadline",       "served"};
   const int i = static_cast<int>(e);
   return i < kRequestEvents ? kNames[i] : "?";
 }
@@ -341,7 +358,9 @@ const char* GuardName(Guard g) {
                                            "release_only",
                                            "load",
                                            "nothing_to_move",
-                                           "something_to_move"};
+                                           "something_to_move",
+                                           "granted",
+                                           "not_granted"};
   const size_t i = static_cast<size_t>(g);
   return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
 }

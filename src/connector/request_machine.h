@@ -34,13 +34,15 @@ namespace kvwire {
 namespace connector_internal {
 
 enum class RequestState : uint8_t {
-  kNew,       // not in the request table yet
-  kMatched,   // scheduler knows it; blocks not yet allocated
-  kPending,   // blocks allocated, waiting for the worker (decode load)
-  kLoading,   // decode: connecting, READs in flight, or waiting for prefill's WRITEs
-  kSaving,    // prefill write mode: layers going out
-  kHeld,      // prefill read mode: blocks held for the readers (lease)
-  kDraining,  // aborted or failed: waiting for transfers (or the prefill) to stop
+  kNew,        // not in the request table yet
+  kMatched,    // scheduler knows it; blocks not yet allocated
+  kPending,    // blocks allocated, waiting for the worker (decode load)
+  kLoading,    // decode: connecting, READs in flight, or waiting for prefill's WRITEs
+  kSaving,     // prefill write mode: layers going out
+  kHeld,       // prefill read mode: blocks held for the readers (lease)
+  kDraining,   // aborted or failed: waiting for transfers (or the prefill) to stop
+  kReleasing,  // prefill read mode: every reader done (or the lease over); the blocks go once
+               // the engine served what each reader read and revoked its grant
   // Ends (the request leaves the table).
   kCompleted,  // every byte in place (decode) / delivered and acknowledged (prefill)
   kFailed,     // reported as failed (decode: failed_loads; prefill: blocks freed)
@@ -48,7 +50,7 @@ enum class RequestState : uint8_t {
   kWithdrawn,  // never started: the scheduler took it back, or a release-only decode told
                // its prefill; nothing is reported
 };
-inline constexpr int kRequestStates = 11;
+inline constexpr int kRequestStates = 12;
 
 enum class RequestEvent : uint8_t {
   // API calls.
@@ -81,8 +83,9 @@ enum class RequestEvent : uint8_t {
   kTransferOk,      // one of its transfers ended well
   kTransferFailed,  // one of its transfers failed
   kDeadline,        // request deadline, drain deadline or read lease passed
+  kServed,          // prefill read: the engine served what every reader read, grants revoked
 };
-inline constexpr int kRequestEvents = 26;
+inline constexpr int kRequestEvents = 27;
 
 enum class RequestAction : uint8_t {
   kNone,
@@ -97,7 +100,8 @@ enum class RequestAction : uint8_t {
   kTellLayer,         // prefill write: "layer" for a layer whose transfers ended
   kSendDone,          // prefill write: "done"
   kGrant,             // prefill read: Engine::Grant to the reader, "read_ok"
-  kRevoke,            // prefill read: revoke the readers' grants
+  kRevoke,            // prefill read: revoke each reader's grant once the engine served what
+                      // it read (Engine::RevokeWhenServed, outside the lock): an event, no wait
   kSendRelease,       // decode read: "release" to every source (ok or failed)
   kSendFail,          // "fail" to the peer bound to the request
   kSendUnread,        // release-only decode: "release"/"fail" unread to every source
@@ -134,6 +138,8 @@ enum class Guard : uint8_t {
   kLoad,           // decode: a real load
   kNothingToMove,  // decode read: the plan moves no layer
   kSomethingToMove,
+  kGranted,  // prefill read: a reader holds an engine grant (its READs may be served)
+  kNotGranted,
 };
 
 // What the caller knows about the request beyond its state (see Guard).
@@ -148,6 +154,7 @@ struct RequestFacts {
   bool peer_alive = true;
   bool release_only = false;
   bool nothing_to_move = false;
+  bool granted = false;
 };
 
 struct Transition {

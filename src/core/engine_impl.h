@@ -134,6 +134,7 @@ class Engine::Impl final : public transport::TargetHooks {
                                           absl::Time deadline) override;
 
   core::ServedOps& served_ops() { return *served_ops_; }
+  core::GrantTable& grants() { return grants_; }
 
   // engine_transfers.cc: read grants (Engine::Grant / Revoke).
   absl::StatusOr<GrantId> Grant(PeerId peer, absl::Span<const GrantRange> ranges);

@@ -109,7 +109,7 @@ void Engine::Impl::ClosePeer(const std::shared_ptr<Peer>& peer, const absl::Stat
   }
   arrivals_.DropPeer(peer->id);
   regions_.ForgetPeer(peer->id);
-  grants_.ForgetPeer(peer->id);
+  served_ops_->ForgetPeer(peer->id, grants_);  // its grants, and their watches stop waiting
   // After its transfers failed: a consumer that sees the event finds them ended.
   messages_->PeerClosed(peer->id, peer->name, std::string(reason.message()));
   MutexLock lock(&peers_mu_);

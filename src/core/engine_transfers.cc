@@ -447,6 +447,19 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
                      "move GPU memory"));
   }
   ++stats_.incoming_ops;
+  if (grant != 0 && kind == OpKind::kRead) {
+    // Counted under its grant (what the peer read under it: Engine::RevokeWhenServed); a
+    // grant revoked since CheckIncoming refuses a guarded READ here after all.
+    std::shared_ptr<const void> pin = served_ops_->BeginGranted(
+        peer, grant, length, resolved->reads_need_grant, grants_, std::move(resolved->pin));
+    if (pin == nullptr) {
+      ++stats_.incoming_rejected;
+      ++stats_.grant_refused;
+      return absl::PermissionDeniedError(
+          absl::StrCat("grant ", grant, " is not live for this peer (unknown or revoked)"));
+    }
+    return transport::IncomingAccess{resolved->data, resolved->gpu_device, std::move(pin)};
+  }
   return transport::IncomingAccess{resolved->data, resolved->gpu_device,
                                    served_ops_->Begin(peer, std::move(resolved->pin))};
 }
@@ -499,7 +512,8 @@ absl::StatusOr<GrantId> Engine::Impl::Grant(PeerId peer_id, absl::Span<const Gra
 }
 
 absl::Status Engine::Impl::Revoke(PeerId peer, GrantId grant) {
-  return grants_.Remove(peer, grant);
+  // Through the served ops: their grant watches stop waiting for bytes (served_ops.h).
+  return served_ops_->Revoke(peer, grant, grants_);
 }
 
 void Engine::Impl::OnWriteArrived(PeerId peer, TransferId transfer_id) {

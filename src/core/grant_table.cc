@@ -75,6 +75,11 @@ absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint
                                                   ")"));
 }
 
+bool GrantTable::Live(PeerId peer, GrantId grant) const {
+  MutexLock lock(&mu_);
+  return grants_.contains(Key{peer, grant});
+}
+
 uint64_t GrantTable::live() const {
   MutexLock lock(&mu_);
   return grants_.size();

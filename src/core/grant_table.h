@@ -32,6 +32,8 @@ class GrantTable {
   absl::Status Check(PeerId peer, GrantId grant, RegionId region, uint64_t offset,
                      uint64_t length) const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t live() const ABSL_LOCKS_EXCLUDED(mu_);
+  // `grant` is live for `peer` (not revoked, its peer not forgotten).
+  bool Live(PeerId peer, GrantId grant) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Key {

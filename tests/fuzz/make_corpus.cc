@@ -414,6 +414,11 @@ void ConnectorSeeds() {
   Write("connector_peer_messages", "read",
         absl::StrCat(hello, rs, R"({"t":"read_start","transfer_id":"$TID"})", rs,
                      R"({"t":"release","transfer_id":"$TID","ok":true})"));
+  Write("connector_peer_messages", "release-count",
+        absl::StrCat(
+            hello, rs, R"({"t":"read_start","transfer_id":"$TID"})", rs,
+            R"({"t":"release","transfer_id":"$TID","ok":true,"read_bytes":4096})", rs,
+            R"({"t":"release","transfer_id":"$TID","ok":true,"read_bytes":1125899906842625})"));
   Write("connector_peer_messages", "release-failed",
         absl::StrCat(R"({"t":"release","transfer_id":"$TID","ok":false,"reason":"read failed"})"));
   Write("connector_peer_messages", "write-mode",

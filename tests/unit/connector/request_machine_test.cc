@@ -89,6 +89,12 @@ void Satisfy(Guard g, RequestFacts& f) {
     case Guard::kSomethingToMove:
       f.nothing_to_move = false;
       break;
+    case Guard::kGranted:
+      f.granted = true;
+      break;
+    case Guard::kNotGranted:
+      f.granted = false;
+      break;
   }
 }
 
@@ -321,25 +327,118 @@ TEST(RequestMachineTest, PrefillReadLifeWithTwoReaders) {
   RequestMachine m(Role::kPrefill, KvMode::kRead);
   RequestFacts one_left;
   one_left.readers_left = true;
+  one_left.granted = true;
   RequestFacts all_read;
   all_read.reader_read = true;
+  all_read.granted = true;
+  RequestFacts served;
+  served.reader_read = true;
   const std::vector<A> actions = Drive(m, {{E::kHandOff, {}},
                                            {E::kReadStart, {}},
                                            {E::kReadStart, {}},
                                            {E::kAbort, {}},
                                            {E::kRelease, one_left},
                                            {E::kRelease, all_read}});
+  // Every reader is done, but their grants are revoked only once the engine served what they
+  // read: the blocks wait in kReleasing for that event.
+  EXPECT_EQ(m.state(), S::kReleasing);
+  EXPECT_EQ(actions, (std::vector<A>{A::kPublishMemory, A::kGrant, A::kGrant, A::kRevoke}));
+  EXPECT_EQ(Drive(m, {{E::kServed, served}}), (std::vector<A>{A::kFreeBlocks}));
   EXPECT_EQ(m.state(), S::kCompleted);
-  EXPECT_EQ(actions,
-            (std::vector<A>{A::kPublishMemory, A::kGrant, A::kGrant, A::kRevoke, A::kFreeBlocks}));
+}
+
+TEST(RequestMachineTest, PrefillReadWithoutGrantsFreesAtOnce) {
+  // No reader holds a grant (none asked, or each said unread first): nothing can be served.
+  RequestMachine m(Role::kPrefill, KvMode::kRead);
+  RequestFacts all_read;
+  all_read.reader_read = true;
+  EXPECT_EQ(Drive(m, {{E::kHandOff, {}}, {E::kRelease, all_read}}),
+            (std::vector<A>{A::kPublishMemory, A::kFreeBlocks}));
+  EXPECT_EQ(m.state(), S::kCompleted);
+}
+
+TEST(RequestMachineTest, PrefillReleasingWaitsForTheServedEventAlone) {
+  RequestFacts granted_read;
+  granted_read.reader_read = true;
+  granted_read.granted = true;
+  RequestFacts read;
+  read.reader_read = true;
+  // Late words of the readers, an abort and the scheduler's end change nothing: the blocks
+  // go when the engine served what was read.
+  RequestMachine m(Role::kPrefill, KvMode::kRead);
+  Drive(m, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kRelease, granted_read}});
+  ASSERT_EQ(m.state(), S::kReleasing);
+  EXPECT_TRUE(
+      Drive(m,
+            {{E::kRelease, read}, {E::kPeerFail, {}}, {E::kAbort, {}}, {E::kSchedulerFinished, {}}})
+          .empty());
+  EXPECT_EQ(m.state(), S::kReleasing);
+  EXPECT_FALSE(m.Step(E::kTransferOk).ok());
+  EXPECT_FALSE(m.Step(E::kReadStart).ok());
+  EXPECT_EQ(m.state(), S::kReleasing);
+  // A count never reached (a lying reader, an op stalled in the socket): the request's own
+  // deadline frees the blocks, failed, and the grants are revoked without waiting.
+  EXPECT_EQ(Drive(m, {{E::kDeadline, {}}}), (std::vector<A>{A::kRevoke, A::kFreeBlocks}));
+  EXPECT_EQ(m.state(), S::kFailed);
+  {
+    // Unread: released, not completed, once served.
+    RequestMachine u(Role::kPrefill, KvMode::kRead);
+    RequestFacts unread;
+    unread.granted = true;
+    Drive(u, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kRelease, unread}});
+    ASSERT_EQ(u.state(), S::kReleasing);
+    Drive(u, {{E::kServed, {}}});
+    EXPECT_EQ(u.state(), S::kReleased);
+  }
+  {
+    // Failing (a reader failed, died, or the lease ran out): failed once served.
+    RequestMachine f(Role::kPrefill, KvMode::kRead);
+    RequestFacts failed;
+    failed.reader_failed = true;
+    failed.granted = true;
+    Drive(f, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kRelease, failed}});
+    ASSERT_EQ(f.state(), S::kReleasing);
+    RequestFacts failing;
+    failing.failing = true;
+    failing.reader_read = true;
+    Drive(f, {{E::kServed, failing}});
+    EXPECT_EQ(f.state(), S::kFailed);
+  }
 }
 
 TEST(RequestMachineTest, PrefillReadLeaseAndFailedReader) {
   {
     RequestMachine m(Role::kPrefill, KvMode::kRead);
     EXPECT_EQ(Drive(m, {{E::kHandOff, {}}, {E::kDeadline, {}}}),
-              (std::vector<A>{A::kPublishMemory, A::kCountLease, A::kRevoke, A::kFreeBlocks}));
+              (std::vector<A>{A::kPublishMemory, A::kCountLease, A::kFreeBlocks}));
     EXPECT_EQ(m.state(), S::kFailed);
+  }
+  {
+    // A reader holds a grant when the lease ends: its ops drain before the blocks go.
+    RequestMachine m(Role::kPrefill, KvMode::kRead);
+    RequestFacts granted;
+    granted.granted = true;
+    EXPECT_EQ(Drive(m, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kDeadline, granted}}),
+              (std::vector<A>{A::kPublishMemory, A::kGrant, A::kCountLease, A::kRevoke}));
+    EXPECT_EQ(m.state(), S::kReleasing);
+    RequestFacts failing;
+    failing.failing = true;
+    failing.readers_left = true;
+    EXPECT_EQ(Drive(m, {{E::kServed, failing}}), (std::vector<A>{A::kFreeBlocks}));
+    EXPECT_EQ(m.state(), S::kFailed);
+  }
+  {
+    // The engine refused a grant while another reader holds one.
+    RequestMachine m(Role::kPrefill, KvMode::kRead);
+    RequestFacts granted;
+    granted.granted = true;
+    EXPECT_EQ(Drive(m, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kGrantFailed, granted}}),
+              (std::vector<A>{A::kPublishMemory, A::kGrant, A::kSendFail, A::kRevoke}));
+    EXPECT_EQ(m.state(), S::kReleasing);
+    RequestMachine n(Role::kPrefill, KvMode::kRead);
+    EXPECT_EQ(Drive(n, {{E::kHandOff, {}}, {E::kReadStart, {}}, {E::kGrantFailed, {}}}),
+              (std::vector<A>{A::kPublishMemory, A::kGrant, A::kSendFail, A::kFreeBlocks}));
+    EXPECT_EQ(n.state(), S::kFailed);
   }
   {
     RequestMachine m(Role::kPrefill, KvMode::kRead);
@@ -430,6 +529,9 @@ TEST(RequestMachineTest, NamesCoverEveryEnumerator) {
   EXPECT_STREQ(RequestEventName(E::kDeadline), "deadline");
   EXPECT_STREQ(RequestActionName(A::kFreeBlocks), "free_blocks");
   EXPECT_STREQ(GuardName(Guard::kSomethingToMove), "something_to_move");
+  EXPECT_STREQ(GuardName(Guard::kNotGranted), "not_granted");
+  EXPECT_STREQ(RequestStateName(S::kReleasing), "releasing");
+  EXPECT_STREQ(RequestEventName(E::kServed), "served");
 }
 
 // docs/ARCHITECTURE.md draws this very table, between its request-machine markers.

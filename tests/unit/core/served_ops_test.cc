@@ -8,6 +8,8 @@
 
 #include "absl/time/clock.h"
 
+#include "src/core/grant_table.h"
+
 namespace kvwire::core {
 namespace {
 
@@ -98,6 +100,107 @@ TEST(ServedOpsTest, APublishedFillHappensBeforeTheNextOpsAccess) {
   asked.store(true, std::memory_order_relaxed);
   server.join();
   EXPECT_EQ(seen, 3);
+}
+
+// Events instead of waits (Engine::WhenServedOps, RevokeWhenServed): nothing blocks; the
+// callback runs on the thread that ends the last op waited for.
+TEST(ServedOpsTest, WhenPeerServedFiresWhenTheOpsBeganBeforeItEnd) {
+  auto ops = std::make_shared<ServedOps>();
+  int fired = 0;
+  EXPECT_TRUE(ops->WhenPeerServed(1, [&] { ++fired; }));  // none in flight: true, not called
+  EXPECT_EQ(fired, 0);
+  std::shared_ptr<const void> a = ops->Begin(1, nullptr);
+  std::shared_ptr<const void> other = ops->Begin(2, nullptr);
+  EXPECT_FALSE(ops->WhenPeerServed(1, [&] { ++fired; }));
+  std::shared_ptr<const void> later = ops->Begin(1, nullptr);  // not waited for
+  other.reset();
+  EXPECT_EQ(fired, 0);
+  a.reset();
+  EXPECT_EQ(fired, 1);
+  later.reset();
+  EXPECT_EQ(fired, 1);  // once
+}
+
+TEST(ServedOpsTest, RevokeWhenServedWaitsForTheBytesTheReaderRead) {
+  auto ops = std::make_shared<ServedOps>();
+  GrantTable grants;
+  const GrantId g = grants.Add(1, {{7, 0, 1 << 20}});
+  int fired = 0;
+  // The reader says it read 3000 bytes; 1000 were served so far, the rest still in its socket.
+  std::shared_ptr<const void> first =
+      ops->BeginGranted(1, g, 1000, /*required=*/true, grants, nullptr);
+  ASSERT_NE(first, nullptr);
+  first.reset();
+  EXPECT_EQ(ops->ServedBytes(1, g), 1000u);
+  EXPECT_FALSE(ops->RevokeWhenServed(1, g, 3000, grants, [&] { ++fired; }));
+  EXPECT_TRUE(grants.Live(1, g));  // not revoked: the op still to come is served
+  std::shared_ptr<const void> second =
+      ops->BeginGranted(1, g, 2000, /*required=*/true, grants, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(fired, 0);
+  second.reset();  // its last access is over: the count is reached and nothing is in flight
+  EXPECT_EQ(fired, 1);
+  EXPECT_FALSE(grants.Live(1, g));
+  // Revoked: a later op under it is refused (a guarded region), or not counted (unguarded).
+  EXPECT_EQ(ops->BeginGranted(1, g, 10, /*required=*/true, grants, nullptr), nullptr);
+  EXPECT_NE(ops->BeginGranted(1, g, 10, /*required=*/false, grants, nullptr), nullptr);
+  EXPECT_EQ(ops->ServedBytes(1, g), 0u);
+}
+
+TEST(ServedOpsTest, RevokeWhenServedWithoutACountRevokesNowAndWaitsForOpsInFlight) {
+  auto ops = std::make_shared<ServedOps>();
+  GrantTable grants;
+  const GrantId g = grants.Add(1, {{7, 0, 4096}});
+  const GrantId idle = grants.Add(1, {{7, 0, 4096}});
+  EXPECT_TRUE(ops->RevokeWhenServed(1, idle, 0, grants, [] { FAIL() << "kept"; }));
+  EXPECT_FALSE(grants.Live(1, idle));
+  std::shared_ptr<const void> op = ops->BeginGranted(1, g, 4096, true, grants, nullptr);
+  int fired = 0;
+  EXPECT_FALSE(ops->RevokeWhenServed(1, g, 0, grants, [&] { ++fired; }));
+  EXPECT_FALSE(grants.Live(1, g));  // revoked at once: nothing new begins under it
+  EXPECT_EQ(ops->BeginGranted(1, g, 1, true, grants, nullptr), nullptr);
+  EXPECT_EQ(fired, 0);
+  op.reset();
+  EXPECT_EQ(fired, 1);
+}
+
+TEST(ServedOpsTest, ALyingCountWaitsUntilTheGrantIsRevokedOtherwise) {
+  auto ops = std::make_shared<ServedOps>();
+  GrantTable grants;
+  const GrantId g = grants.Add(1, {{7, 0, 4096}});
+  const GrantId h = grants.Add(1, {{7, 0, 4096}});
+  int fired = 0;
+  EXPECT_FALSE(ops->RevokeWhenServed(1, g, 1 << 30, grants, [&] { ++fired; }));
+  EXPECT_FALSE(ops->RevokeWhenServed(1, h, 1 << 30, grants, [&] { ++fired; }));
+  EXPECT_EQ(fired, 0);
+  // The holder gives up (its deadline): a revocation ends the wait for bytes.
+  EXPECT_TRUE(ops->Revoke(1, g, grants).ok());
+  EXPECT_EQ(fired, 1);
+  // So does the peer's close.
+  ops->ForgetPeer(1, grants);
+  EXPECT_EQ(fired, 2);
+  EXPECT_FALSE(grants.Live(1, h));
+  EXPECT_EQ(ops->Revoke(1, g, grants).code(), absl::StatusCode::kNotFound);
+}
+
+// The revocation and an op's begin are ordered by the same lock: an op either is counted
+// before the grant goes (and waited for) or is refused after; never served unseen.
+TEST(ServedOpsTest, AnOpRacingTheRevocationIsWaitedForOrRefused) {
+  for (int round = 0; round < 200; ++round) {
+    auto ops = std::make_shared<ServedOps>();
+    GrantTable grants;
+    const GrantId g = grants.Add(1, {{7, 0, 4096}});
+    std::atomic<bool> freed{false};
+    std::atomic<int> late{0};
+    std::thread server([&] {
+      std::shared_ptr<const void> pin = ops->BeginGranted(1, g, 64, true, grants, nullptr);
+      if (pin != nullptr && freed.load()) ++late;  // served after the blocks went
+    });
+    if (ops->RevokeWhenServed(1, g, 0, grants, [&] { freed = true; })) freed = true;
+    server.join();
+    EXPECT_EQ(late.load(), 0);
+    EXPECT_TRUE(freed.load());
+  }
 }
 
 }  // namespace
