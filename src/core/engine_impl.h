@@ -207,7 +207,7 @@ class Engine::Impl final : public transport::TargetHooks {
   void OnLaneDone(TransferId id, absl::Status status);
   // The end of a transfer that never entered transfers_ (TransferOnce's `untabled`): `done`
   // says whether its lane ended inline with `status`.
-  void EndUntabled(core::TransferInfo info, bool done, absl::Status status, Peer* peer);
+  void EndUntabled(const core::TransferInfo& info, bool done, absl::Status status, Peer* peer);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
   // The same for a caller that holds the peer (null: gone) and read the clock at the end
   // (absl::GetCurrentTimeNanos).

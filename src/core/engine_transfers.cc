@@ -304,7 +304,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
     current = outer;
   }
   if (untabled) {
-    EndUntabled(std::move(info), slot.done, std::move(slot.status), peer.get());
+    EndUntabled(info, slot.done, std::move(slot.status), peer.get());
     return id;
   }
   // Not done inline: the lane's callback ends it later (OnLaneDone). Done: ended here unless
@@ -321,7 +321,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   return id;
 }
 
-void Engine::Impl::EndUntabled(core::TransferInfo info, bool done, absl::Status status,
+void Engine::Impl::EndUntabled(const core::TransferInfo& info, bool done, absl::Status status,
                                Peer* peer) {
   const TransferId id = info.id;
   if (!done) [[unlikely]] {
@@ -330,7 +330,7 @@ void Engine::Impl::EndUntabled(core::TransferInfo info, bool done, absl::Status 
     // transfer fails at its deadline).
     KVW_LOG(kError, "engine") << "a channel that ends host ops inline did not"
                               << Kv("engine", name_) << Kv("transfer", id);
-    (void)transfers_.Start(std::move(info), 1, nullptr, /*arm_deadline=*/true);
+    (void)transfers_.Start(info, 1, nullptr, /*arm_deadline=*/true);
     return;
   }
   if (!status.ok()) status = NamedFailure(id, info.peer, peer, status);
@@ -343,7 +343,7 @@ void Engine::Impl::EndUntabled(core::TransferInfo info, bool done, absl::Status 
   RecordEnd(info, status, peer, now_ns);
   if (!inline_ends_.Put(id, status)) [[unlikely]] {
     // Its slot holds an end nobody collected yet: kept in the table instead.
-    transfers_.AddEnded(std::move(info), std::move(status));
+    transfers_.AddEnded(info, std::move(status));
   }
 }
 
