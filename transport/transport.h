@@ -72,6 +72,10 @@ struct Capabilities {
   // never routes a transfer that touches local memory of a kind through a transport without it.
   bool host_memory = true;
   bool gpu_memory = false;
+  // Channel::Post of a request whose ops are host memory on both sides always calls its
+  // DoneCallback before it returns, in the calling thread (shm: memcpy or cross-memory
+  // attach). The engine then keeps a one-op transfer out of its transfer table (issue 24).
+  bool ends_host_ops_inline = false;
 };
 
 // A region of this engine, as registered with a transport.

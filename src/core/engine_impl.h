@@ -27,6 +27,7 @@
 #include "src/control/control.h"
 #include "src/core/arrival_counter.h"
 #include "src/core/grant_table.h"
+#include "src/core/inline_ends.h"
 #include "src/core/message_hub.h"
 #include "src/core/region_registry.h"
 #include "src/core/route.h"
@@ -106,8 +107,17 @@ class Engine::Impl final : public transport::TargetHooks {
   // One try; returns IsRegionMoving's status, unwrapped, when a local region is being moved.
   absl::StatusOr<TransferId> TransferOnce(PeerId peer, OpKind kind, absl::Span<const Op> ops,
                                           const TransferOptions& options);
-  TransferState Poll(TransferId id, absl::Status* status) { return transfers_.Poll(id, status); }
+  // A transfer that ended inside Transfer is in inline_ends_, any other in transfers_.
+  TransferState Poll(TransferId id, absl::Status* status) {
+    if (absl::Status ended; inline_ends_.Take(id, &ended)) {
+      const TransferState state = ended.ok() ? TransferState::kSucceeded : TransferState::kFailed;
+      if (status != nullptr) *status = std::move(ended);
+      return state;
+    }
+    return transfers_.Poll(id, status);
+  }
   absl::Status Wait(TransferId id, absl::Duration timeout) {
+    if (absl::Status ended; inline_ends_.Take(id, &ended)) return ended;
     return transfers_.Wait(id, timeout, options_.wait_poll);
   }
   std::vector<Notification> TakeNotifications() { return arrivals_.TakeAll(); }
@@ -196,6 +206,9 @@ class Engine::Impl final : public transport::TargetHooks {
 
   // engine_transfers.cc
   void OnLaneDone(TransferId id, absl::Status status);
+  // The end of a transfer that never entered transfers_ (TransferOnce's `untabled`): `done`
+  // says whether its lane ended inline with `status`.
+  void EndUntabled(const core::TransferInfo& info, bool done, absl::Status status, Peer* peer);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
   // The same for a caller that holds the peer (null: gone) and read the clock at the end
   // (absl::GetCurrentTimeNanos).
@@ -232,6 +245,7 @@ class Engine::Impl final : public transport::TargetHooks {
   // Incoming ops being served (ResolveIncoming's pins); shared with those pins.
   const std::shared_ptr<core::ServedOps> served_ops_ = std::make_shared<core::ServedOps>();
   core::TransferTable transfers_;
+  core::InlineEnds inline_ends_;  // the ends of transfers that never entered transfers_
   core::ArrivalCounter arrivals_{options_.max_undrained_notifications};
   // Engine messages per topic; shared with the Inbox handles, which may outlive the engine.
   std::shared_ptr<core::MessageHub> messages_ =

@@ -237,8 +237,14 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   // one step through the table and one through the stats instead of the lane callback's
   // LaneDone, GetPeer, ClaimEnd and CompleteEnd.
   const bool inline_end = lanes_planned == 1 && !options.notification && !options.on_complete;
+  // One host op over a channel that ends such ops inline never enters the table at all: its
+  // end goes to inline_ends_ (src/core/inline_ends.h), where Wait and Poll find it. Nothing
+  // can ask for it while it runs (its id is not out), and one copy has nothing to cancel
+  // midway, so it needs no record and no cancellation flag.
+  const bool untabled =
+      inline_end && one_piece && !needs.local_gpu && !remote_gpu && caps->ends_host_ops_inline;
   core::TransferInfo end_info;  // what RecordEnd reads (inline_end)
-  if (inline_end) {
+  if (inline_end && !untabled) {
     end_info.id = id;
     end_info.peer = peer_id;
     end_info.kind = kind;
@@ -254,8 +260,11 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   // A transfer that may end inline is started without its deadline watched: one that does end
   // inline has EndInline check the deadline (no deadline set entry made and erased per
   // transfer); one that does not is watched from when Post returns.
-  auto cancelled = transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned),
-                                    options.on_complete, /*arm_deadline=*/!inline_end);
+  std::shared_ptr<std::atomic<bool>> cancelled;
+  if (!untabled) {
+    cancelled = transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned),
+                                 options.on_complete, /*arm_deadline=*/!inline_end);
+  }
   InlineEnd slot;
   slot.engine = this;
   slot.id = id;
@@ -294,6 +303,10 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
     });
     current = outer;
   }
+  if (untabled) {
+    EndUntabled(info, slot.done, std::move(slot.status), peer.get());
+    return id;
+  }
   // Not done inline: the lane's callback ends it later (OnLaneDone). Done: ended here unless
   // a deadline or the peer's close ended it first (which counted its end).
   if (inline_end && slot.done) {
@@ -306,6 +319,32 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
     transfers_.ArmDeadline(id);
   }
   return id;
+}
+
+void Engine::Impl::EndUntabled(const core::TransferInfo& info, bool done, absl::Status status,
+                               Peer* peer) {
+  const TransferId id = info.id;
+  if (!done) [[unlikely]] {
+    // The channel broke Capabilities::ends_host_ops_inline: the end comes later, through
+    // OnLaneDone, which needs the record (an end that came before it is lost, and the
+    // transfer fails at its deadline).
+    KVW_LOG(kError, "engine") << "a channel that ends host ops inline did not"
+                              << Kv("engine", name_) << Kv("transfer", id);
+    (void)transfers_.Start(info, 1, nullptr, /*arm_deadline=*/true);
+    return;
+  }
+  if (!status.ok()) status = NamedFailure(id, info.peer, peer, status);
+  const int64_t now_ns = absl::GetCurrentTimeNanos();
+  // Its deadline was not watched while it ran: ended as the deadline thread would have.
+  if (status.ok() && info.deadline <= absl::FromUnixNanos(now_ns)) [[unlikely]] {
+    status = core::TransferTable::DeadlineError(info);
+  }
+  // Counted before the id is out: a caller whose Wait returned sees it in Stats().
+  RecordEnd(info, status, peer, now_ns);
+  if (!inline_ends_.Put(id, status)) [[unlikely]] {
+    // Its slot holds an end nobody collected yet: kept in the table instead.
+    transfers_.AddEnded(info, std::move(status));
+  }
 }
 
 void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {

@@ -40,6 +40,17 @@ std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint3
   return cancelled;
 }
 
+void TransferTable::AddEnded(TransferInfo info, absl::Status status) {
+  const TransferId id = info.id;
+  MutexLock lock(&mu_);
+  Record& record = records_.try_emplace(id).first->second;
+  record.info = std::move(info);
+  record.ended = true;
+  record.deadline_armed = false;
+  record.final_status = std::move(status);
+  ends_seen_.fetch_add(1, std::memory_order_release);
+}
+
 void TransferTable::InsertDeadlineLocked(absl::Time deadline, TransferId id) {
   // The deadline thread sleeps until the earliest deadline (or its own limit): only a deadline
   // before the time it will wake anyway wakes it. (Waking it on every Start into an empty

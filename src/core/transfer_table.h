@@ -94,6 +94,9 @@ class TransferTable {
   // past at `now` ends as the deadline thread would have ended it: *status becomes
   // DeadlineError (what the caller accounts for).
   bool EndInline(TransferId id, absl::Status* status, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers a transfer that has ended already with `status` (no lanes out, no deadline):
+  // for Wait and Poll to report once, like any other.
+  void AddEnded(TransferInfo info, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every pending transfer matching `match` with `status`; returns the ones failed.
   std::vector<TransferInfo> FailIf(const std::function<bool(const TransferInfo&)>& match,
                                    const std::function<absl::Status(const TransferInfo&)>& status)

@@ -250,6 +250,62 @@ TEST(EngineApiTest, RepeatedTransfersSeeEachChangeMadeBetweenThem) {
   EXPECT_EQ(target->data()[0], std::byte{0x22});
 }
 
+// One-op shm transfers end inside Transfer and are kept outside the transfer table
+// (src/core/inline_ends.h, a ring of 64): reported once each by Wait or Poll, in any order,
+// also when far more are left unwaited than the ring holds (the rest go to the table); an
+// expired deadline still fails one; Stats counts each.
+TEST(EngineApiTest, InlineEndedTransfersAreReportedOnceEachHoweverManyWait) {
+  constexpr int kTransfers = 200;  // > InlineEnds::kSlots
+  absl::StatusOr<ShareableBuffer> target = ShareableBuffer::Create(kTransfers * 64, "ring-tgt");
+  absl::StatusOr<ShareableBuffer> source = ShareableBuffer::Create(kTransfers * 64, "ring-src");
+  ASSERT_TRUE(target.ok() && source.ok());
+  auto a = MakeEngine("ring-a", "shm");
+  auto b = MakeEngine("ring-b", "shm");
+  ASSERT_TRUE(a && b);
+  auto rb = b->RegisterMemory(target->data(), target->size());
+  auto la = a->RegisterMemory(source->data(), source->size());
+  ASSERT_TRUE(rb.ok() && la.ok());
+  auto to_b = a->Connect(b->address());
+  ASSERT_TRUE(to_b.ok()) << to_b.status();
+  auto to_a = b->WaitForPeer("ring-a", absl::Seconds(10));
+  ASSERT_TRUE(to_a.ok()) << to_a.status();
+  ASSERT_TRUE(b->Export(*to_a, {*rb}).ok());
+  ASSERT_TRUE(a->WaitForRemoteRegion(*to_b, *rb, absl::Seconds(10)).ok());
+  const uint64_t succeeded_before = a->Stats().transfers_succeeded;
+  std::vector<TransferId> ids;
+  for (int i = 0; i < kTransfers; ++i) {
+    std::memset(source->data() + i * 64, i + 1, 64);
+    auto id = a->Transfer(*to_b, OpKind::kWrite, {Op{*la, i * 64ull, *rb, i * 64ull, 64}});
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+    EXPECT_EQ(target->data()[i * 64 + 63], std::byte(i + 1)) << i;  // ended before the id
+  }
+  // Every end is counted before its id is out, waited for or not.
+  EXPECT_EQ(a->Stats().transfers_succeeded - succeeded_before, kTransfers);
+  // The newest first (in the ring or the table, whichever took it), every third by Poll.
+  for (int i = kTransfers - 1; i >= 0; --i) {
+    if (i % 3 == 0) {
+      absl::Status status = absl::UnknownError("not set");
+      EXPECT_EQ(a->Poll(ids[i], &status), TransferState::kSucceeded) << i;
+      EXPECT_TRUE(status.ok()) << i << ": " << status;
+    } else {
+      EXPECT_TRUE(a->Wait(ids[i], absl::Seconds(10)).ok()) << i;
+    }
+  }
+  // Reported once: then forgotten, wherever it was kept.
+  for (int i : {0, 1, kTransfers / 2, kTransfers - 1}) {
+    EXPECT_EQ(a->Wait(ids[i], absl::Seconds(1)).code(), absl::StatusCode::kNotFound) << i;
+    EXPECT_EQ(a->Poll(ids[i], nullptr), TransferState::kFailed) << i;
+  }
+  // A deadline that passed while the copy ran fails the transfer as the deadline thread would.
+  TransferOptions expired;
+  expired.timeout = absl::ZeroDuration();
+  auto late = a->Transfer(*to_b, OpKind::kWrite, {Op{*la, 0, *rb, 0, 64}}, expired);
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(a->Wait(*late, absl::Seconds(10)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(a->Stats().transfers_failed, 1u);
+}
+
 // ConnectOptions::transport overrides the engine's choice for that peer, and says so.
 TEST(EngineApiTest, ConnectTransportOverridesTheEngineDefault) {
   auto a = MakeEngine("api-dialer");  // auto: shm on this host unless told otherwise

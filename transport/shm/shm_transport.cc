@@ -71,6 +71,9 @@ class ShmTransport final : public Transport {
     caps_.max_lanes = 1;
     // Device memory moves with runtime copies between IPC-mapped allocations (one host).
     caps_.gpu_memory = gpu_ != nullptr;
+    // Host ops are copied in the caller's thread (ShmChannel::Post reports before it
+    // returns); only device copies end later, on the copier's thread.
+    caps_.ends_host_ops_inline = true;
   }
   ~ShmTransport() override { Shutdown(); }
 

@@ -131,6 +131,23 @@ TEST(TransferTableTest, EndInlineEndsOnceAndFirstEndWins) {
   EXPECT_TRUE(ok.ok());
 }
 
+// Engine::Transfer's end of a transfer kept out of the table, when its InlineEnds slot is
+// taken: added as ended, reported once by Wait or Poll, never pending, never expired.
+TEST(TransferTableTest, AddEndedIsReportedOnceAndNeverPending) {
+  TransferTable table;
+  table.AddEnded(Info(40, absl::ZeroDuration()), absl::DataLossError("copy"));
+  table.AddEnded(Info(41), absl::OkStatus());
+  EXPECT_EQ(table.pending(), 0u);
+  EXPECT_TRUE(table.ExpireDeadlines(absl::Now() + absl::Hours(1)).empty());
+  EXPECT_EQ(table.Wait(40, absl::Seconds(1)).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(table.Wait(40, absl::Seconds(1)).code(), absl::StatusCode::kNotFound);
+  absl::Status status = absl::UnknownError("not set");
+  EXPECT_EQ(table.Poll(41, &status), TransferState::kSucceeded);
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(table.Poll(41, &status), TransferState::kFailed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+}
+
 // A transfer started without its deadline watched (Engine::Transfer's may-end-inline case):
 // the deadline thread does not expire it, and EndInline ends it as the deadline would have
 // when the deadline had passed by the end; ArmDeadline watches it from then on, unless it
