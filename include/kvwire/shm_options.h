@@ -21,12 +21,12 @@ struct ShmOptions : TransportOptionsOf<ShmOptions> {
   bool deny_ptrace = false;
   // A peer's close moves the buffers it was handed onto fresh memfds, as Unexport and
   // DeregisterMemory do (ShmTransportOptions::revoke_on_peer_close), so a closed peer's kept
-  // mapping reaches none of the owner's later bytes. Off by default: the move happens at a
-  // moment the application does not choose, and writes the application itself makes into the
-  // buffer during it may be lost to it (docs/SECURITY-shm.md); turn it on where same-host
-  // peers are not trusted and the application does not write shared buffers while peers may
-  // close.
-  bool revoke_on_close = false;
+  // mapping reaches none of the owner's later bytes. The application's own threads that write
+  // into such a buffer during the move wait in the kernel until it is over (userfaultfd
+  // write-protection: Linux 5.19+), so none of their writes is lost. Where that guard is not
+  // available, the shm transport turns this off and says why in its log: a closed peer then
+  // keeps its mapping until the buffer is unexported or deregistered (docs/SECURITY-shm.md).
+  bool revoke_on_close = true;
 
   absl::Status Validate() const override;
   absl::Status Set(absl::string_view key, absl::string_view value) override;

@@ -29,6 +29,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
 #include "transport/shm/shareable_registry.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire::testing {
 namespace {
@@ -259,17 +260,40 @@ TEST(ShmMoveEngineTest, TransfersDuringMovesLandInTheOwnersMemory) {
   owner.reset();
 }
 
+// The write guard off (as on a kernel without it) for one test, via the transport's test hook;
+// engines created meanwhile see it unavailable.
+class GuardDisabled {
+ public:
+  explicit GuardDisabled(bool disabled) : disabled_(disabled) {
+    transport::shm::SetWriteGuardDisabledForTesting(disabled_);
+  }
+  ~GuardDisabled() { transport::shm::SetWriteGuardDisabledForTesting(false); }
+
+ private:
+  bool disabled_;
+};
+
 // A peer that closes its control connection (its engine goes away) while something of it kept
-// a mapping of the owner's buffer: with revoke_on_close the owner moves the buffer off that memfd,
-// so the kept mapping sees none of the owner's later writes and its writes never reach the owner.
-// With it off (the default) the mapping keeps sharing the owner's memory.
-class PeerCloseTest : public ::testing::TestWithParam<bool> {};
+// a mapping of the owner's buffer: with the default options (revoke_on_close, where the write
+// guard works) the owner moves the buffer off that memfd, so the kept mapping sees none of the
+// owner's later writes and its writes never reach the owner. With revoke_on_close off, or the
+// write guard unavailable (the fallback: a test hook here), the mapping keeps sharing the
+// owner's memory.
+enum class CloseCase { kDefaults, kOptionOff, kGuardUnavailable };
+
+class PeerCloseTest : public ::testing::TestWithParam<CloseCase> {};
 
 TEST_P(PeerCloseTest, AKeptMappingOfAClosedPeerReachesNothingOfTheOwner) {
-  const bool revoke = GetParam();
+  GuardDisabled hook(GetParam() == CloseCase::kGuardUnavailable);
   EngineOptions owner_options;
   owner_options.name = "owner";
-  owner_options.shm().revoke_on_close = revoke;
+  if (GetParam() == CloseCase::kOptionOff) owner_options.shm().revoke_on_close = false;
+  const absl::Status guard = transport::shm::WriteGuardAvailable();
+  const bool revoke = GetParam() != CloseCase::kOptionOff && guard.ok();
+  if (GetParam() == CloseCase::kDefaults && !guard.ok()) {
+    std::printf("the write guard is not available here (%s): the default is the fallback\n",
+                guard.ToString().c_str());
+  }
   absl::StatusOr<std::unique_ptr<Engine>> owner = Engine::Create(owner_options);
   ASSERT_TRUE(owner.ok()) << owner.status();
   constexpr uint64_t kBytes = 1 << 20;
@@ -350,9 +374,251 @@ TEST_P(PeerCloseTest, AKeptMappingOfAClosedPeerReachesNothingOfTheOwner) {
   munmap(kept, kBytes);
 }
 
-INSTANTIATE_TEST_SUITE_P(ShmMoveEngineTest, PeerCloseTest, ::testing::Bool(),
+INSTANTIATE_TEST_SUITE_P(ShmMoveEngineTest, PeerCloseTest,
+                         ::testing::Values(CloseCase::kDefaults, CloseCase::kOptionOff,
+                                           CloseCase::kGuardUnavailable),
+                         [](const ::testing::TestParamInfo<CloseCase>& info) {
+                           switch (info.param) {
+                             case CloseCase::kDefaults:
+                               return std::string("DefaultOptions");
+                             case CloseCase::kOptionOff:
+                               return std::string("RevokeOnCloseOff");
+                             default:
+                               return std::string("GuardUnavailable");
+                           }
+                         });
+
+// The application's own writer threads, each writing increasing numbers into one word per page
+// of its own slice of the owner's buffer, in turn; before each write it reads the word back,
+// which must still hold its previous write there (a write that landed in a memfd given up by a
+// move shows as an older value once the new memfd is mapped over the range).
+constexpr int kWriters = 3;
+constexpr uint64_t kWriterPages = 64;
+constexpr uint64_t kWriterSlice = 1 << 20;  // writer w's slice starts at (w + 1) MiB
+
+struct Writer {
+  std::atomic<uint64_t> writes{0};
+  std::atomic<uint64_t> lost{0};          // a word did not hold this writer's last write there
+  std::atomic<uint64_t> during_moves{0};  // writes begun while a move was under way
+  std::vector<uint64_t> last = std::vector<uint64_t>(kWriterPages, 0);  // the writer's own
+};
+
+// Not instrumented by ThreadSanitizer: these writes race with the move's copy (a pwrite from
+// the owner's range, which the sanitizer sees as a read) by design; the kernel's write guard
+// is what orders them, invisibly to it. Volatile: every read and write reaches memory.
+__attribute__((no_sanitize("thread"))) void WriteLoop(std::byte* slice, size_t page, Writer* me,
+                                                      const std::atomic<bool>* stop,
+                                                      const std::atomic<bool>* moving) {
+  for (uint64_t n = 1; !stop->load(std::memory_order_relaxed); ++n) {
+    const uint64_t k = n % kWriterPages;
+    volatile uint64_t* word = reinterpret_cast<volatile uint64_t*>(slice + k * page);
+    if (*word != me->last[k]) me->lost.fetch_add(1, std::memory_order_relaxed);
+    if (moving->load(std::memory_order_relaxed)) {
+      me->during_moves.fetch_add(1, std::memory_order_relaxed);
+    }
+    *word = n;
+    me->last[k] = n;
+    me->writes.fetch_add(1, std::memory_order_relaxed);
+    if (n % 64 == 0) std::this_thread::yield();  // the engines' threads share two cores
+  }
+}
+
+// Application threads write into a shared buffer continuously while the owner moves it at least
+// 30 times, by peers' closes and by Unexport: with the write guard every writer's words hold its
+// last write at the end and no write was ever lost. With the guard disabled (test hook), a
+// peer's close moves nothing (the fallback) and the unexports' moves lose writes: that the test
+// sees them is what makes the guarded run's zero mean something.
+class WritesDuringMovesTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(WritesDuringMovesTest, TheApplicationsWritesDuringMovesAreKept) {
+  const bool guarded = GetParam();
+  if (guarded) {
+    if (absl::Status guard = transport::shm::WriteGuardAvailable(); !guard.ok()) {
+      GTEST_SKIP() << "the write guard is not available here: " << guard;
+    }
+  }
+  GuardDisabled hook(!guarded);
+  EngineOptions owner_options;
+  owner_options.name = "owner";
+  owner_options.shm().revoke_on_close = true;
+  absl::StatusOr<std::unique_ptr<Engine>> owner_or = Engine::Create(owner_options);
+  ASSERT_TRUE(owner_or.ok()) << owner_or.status();
+  std::unique_ptr<Engine> owner = *std::move(owner_or);
+  std::unique_ptr<Engine> revoked = MakeEngine("revoked", "auto");
+  ASSERT_TRUE(revoked);
+
+  absl::StatusOr<ShareableBuffer> buffer = ShareableBuffer::Create(kBufferBytes, "written");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::memset(buffer->data(), 0, buffer->size());
+  RegionOptions rw;
+  rw.access = kRemoteReadWrite;
+  absl::StatusOr<RegionId> owned = owner->RegisterMemory(buffer->data(), buffer->size(), rw);
+  ASSERT_TRUE(owned.ok()) << owned.status();
+  std::vector<std::byte> revoked_memory(4096);
+  absl::StatusOr<RegionId> revoked_local =
+      revoked->RegisterMemory(revoked_memory.data(), revoked_memory.size());
+  ASSERT_TRUE(revoked_local.ok());
+  absl::StatusOr<PeerId> to_revoked = owner->Connect(revoked->address());
+  ASSERT_TRUE(to_revoked.ok()) << to_revoked.status();
+  const absl::Duration wait = absl::Seconds(20);
+  auto peer_ids = [&] {
+    std::vector<uint64_t> ids;
+    for (const PeerStats& p : owner->Stats().peers) ids.push_back(p.peer_id);
+    return ids;
+  };
+  PeerId revoked_to_owner = 0;
+  for (const absl::Time until = absl::Now() + wait; revoked_to_owner == 0 && absl::Now() < until;
+       absl::SleepFor(absl::Milliseconds(1))) {
+    const EngineStats stats = revoked->Stats();
+    if (!stats.peers.empty()) revoked_to_owner = stats.peers[0].peer_id;
+  }
+  ASSERT_NE(revoked_to_owner, 0u);
+
+  // The peer (`to` on the owner, `from` on the peer) maps the buffer: one READ over shm.
+  auto map_it = [&](Engine& peer, PeerId to, PeerId from, RegionId local) {
+    EXPECT_TRUE(owner->Export(to, {*owned}).ok());
+    EXPECT_TRUE(peer.WaitForRemoteRegion(from, *owned, wait).ok());
+    const absl::Status read = RunOne(peer, from, OpKind::kRead, Op{local, 0, *owned, 0, 4096});
+    EXPECT_TRUE(read.ok()) << read;
+    const std::vector<PeerStats> peers = peer.Stats().peers;
+    EXPECT_TRUE(!peers.empty() && peers[0].transport.rfind("shm", 0) == 0);
+  };
+
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::atomic<bool> stop{false};
+  std::atomic<bool> moving{false};
+  Writer writers[kWriters];
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWriters; ++w) {
+    threads.emplace_back(WriteLoop, buffer->data() + (w + 1) * kWriterSlice, page, &writers[w],
+                         &stop, &moving);
+  }
+  auto total_writes = [&] {
+    uint64_t sum = 0;
+    for (const Writer& w : writers) sum += w.writes.load();
+    return sum;
+  };
+  auto total_lost = [&] {
+    uint64_t sum = 0;
+    for (const Writer& w : writers) sum += w.lost.load();
+    return sum;
+  };
+
+  const uint64_t moves_at_start = transport::shm::RebackCount();
+  const uint64_t guarded_at_start = transport::shm::GuardedRebackCount();
+  // Guarded: every other move by a peer's close. Unguarded, a close moves nothing: one cycle in
+  // four checks that, the others unexport.
+  const int close_every = guarded ? 2 : 4;
+  int unexports = 0, closes = 0, moves_with_writes = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(150);
+  auto enough = [&] {
+    const uint64_t moves = transport::shm::RebackCount() - moves_at_start;
+    if (moves < static_cast<uint64_t>(kMinMoves) || moves_with_writes < kMinMoves / 2) {
+      return false;
+    }
+    return guarded ? closes >= kMinMoves / 2 : total_lost() > 0;
+  };
+  for (int cycle = 1; !enough() && absl::Now() < deadline; ++cycle) {
+    const uint64_t moves_before = transport::shm::RebackCount();
+    const uint64_t writes_before = total_writes();
+    if (cycle % close_every == 0) {
+      std::unique_ptr<Engine> peer = MakeEngine(absl::StrCat("closing-", cycle), "auto");
+      ASSERT_TRUE(peer);
+      std::vector<std::byte> local(4096);
+      absl::StatusOr<RegionId> local_id = peer->RegisterMemory(local.data(), local.size());
+      ASSERT_TRUE(local_id.ok());
+      const std::vector<uint64_t> known = peer_ids();
+      absl::StatusOr<PeerId> from = peer->Connect(owner->address());
+      ASSERT_TRUE(from.ok()) << from.status();
+      PeerId to = 0;
+      for (const absl::Time until = absl::Now() + wait; to == 0 && absl::Now() < until;
+           absl::SleepFor(absl::Milliseconds(1))) {
+        for (uint64_t id : peer_ids()) {
+          if (std::find(known.begin(), known.end(), id) == known.end()) to = id;
+        }
+      }
+      ASSERT_NE(to, 0u) << "the owner never saw the new peer";
+      map_it(*peer, to, *from, *local_id);
+      moving = true;
+      peer.reset();  // closes its connections: the owner's transport moves the buffer
+      ++closes;
+      if (guarded) {
+        const absl::Time moved_by = absl::Now() + wait;
+        while (transport::shm::RebackCount() == moves_before && absl::Now() < moved_by) {
+          absl::SleepFor(absl::Microseconds(200));
+        }
+        ASSERT_EQ(transport::shm::RebackCount(), moves_before + 1)
+            << "the peer's close did not move the buffer";
+      } else {
+        auto alive = [&] {
+          for (const PeerStats& p : owner->Stats().peers) {
+            if (p.peer_id == to) return p.alive;
+          }
+          return false;
+        };
+        const absl::Time noticed_by = absl::Now() + wait;
+        while (alive() && absl::Now() < noticed_by) absl::SleepFor(absl::Microseconds(200));
+        ASSERT_FALSE(alive()) << "the owner did not notice the close";
+      }
+    } else {
+      map_it(*revoked, *to_revoked, revoked_to_owner, *revoked_local);
+      moving = true;
+      ASSERT_TRUE(owner->Unexport(*to_revoked, {*owned}).ok());
+      ++unexports;
+      ASSERT_EQ(transport::shm::RebackCount(), moves_before + 1)
+          << "the unexport did not move the buffer";
+      const absl::Time gone = absl::Now() + wait;
+      while (Sees(*revoked, revoked_to_owner, *owned) && absl::Now() < gone) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
+    moving = false;
+    if (total_writes() != writes_before) ++moves_with_writes;
+  }
+  stop = true;
+  for (std::thread& t : threads) t.join();
+  // At the end, every word holds its writer's last write.
+  uint64_t lost_at_end = 0;
+  for (int w = 0; w < kWriters; ++w) {
+    const std::byte* slice = buffer->data() + (w + 1) * kWriterSlice;
+    for (uint64_t k = 0; k < kWriterPages; ++k) {
+      uint64_t word;
+      std::memcpy(&word, slice + k * page, sizeof(word));
+      if (word != writers[w].last[k]) ++lost_at_end;
+    }
+  }
+  const uint64_t moves = transport::shm::RebackCount() - moves_at_start;
+  const uint64_t guarded_moves = transport::shm::GuardedRebackCount() - guarded_at_start;
+  uint64_t during = 0;
+  for (const Writer& w : writers) during += w.during_moves.load();
+  std::printf(
+      "guard %s: %llu moves (%llu guarded; %d unexports, %d closes), writes went on during "
+      "%d cycles; %llu writes (%llu begun during a move), %llu lost while running, %llu words "
+      "without their last write at the end\n",
+      guarded ? "on" : "off", static_cast<unsigned long long>(moves),
+      static_cast<unsigned long long>(guarded_moves), unexports, closes, moves_with_writes,
+      static_cast<unsigned long long>(total_writes()), static_cast<unsigned long long>(during),
+      static_cast<unsigned long long>(total_lost()), static_cast<unsigned long long>(lost_at_end));
+  EXPECT_GE(moves, static_cast<uint64_t>(kMinMoves));
+  EXPECT_GE(moves_with_writes, kMinMoves / 2) << "the writers were not writing during the moves";
+  if (guarded) {
+    EXPECT_EQ(guarded_moves, moves) << "a move ran without the write guard";
+    EXPECT_EQ(moves, static_cast<uint64_t>(unexports + closes)) << "each cycle moves once";
+    EXPECT_EQ(total_lost(), 0u) << "writes made during a move were lost";
+    EXPECT_EQ(lost_at_end, 0u) << "words lost their writer's last write";
+  } else {
+    EXPECT_EQ(guarded_moves, 0u);
+    EXPECT_EQ(moves, static_cast<uint64_t>(unexports)) << "without the guard a close moved";
+    EXPECT_GT(total_lost() + lost_at_end, 0u)
+        << "without the guard no write was lost: the test cannot tell the guard works";
+  }
+  revoked.reset();
+  owner.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(ShmMoveEngineTest, WritesDuringMovesTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "RevokeOnClose" : "TrustedHost");
+                           return std::string(info.param ? "Guarded" : "GuardDisabled");
                          });
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fcntl.h>
 #include <map>
+#include <optional>
 #include <unistd.h>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "src/util/mutex.h"
 #include "src/util/pinned_ranges.h"
 #include "transport/shm/errno_text.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire::transport {
 namespace {
@@ -124,7 +126,7 @@ class Registry {
     return dup;
   }
 
-  absl::Status Reback(uintptr_t ptr) {
+  absl::Status Reback(uintptr_t ptr, shm::MoveGuard guard) {
     MutexLock lock(&mu_);
     auto it = FindLocked(ptr, 0);
     if (it == entries_.end()) {
@@ -151,10 +153,29 @@ class Registry {
       return ErrnoStatus(absl::StatusCode::kResourceExhausted, errno,
                          absl::StrCat("sizing and sealing a new memfd of ", entry.size, " bytes"));
     }
+    // The owner's own writes into the range wait from here until the new memfd is mapped over
+    // it (write_guard.h): none lands in the old memfd after its page was copied. Nothing below
+    // writes into the range (the copy only reads it), or this thread would wait on itself.
+    std::optional<shm::WriteGuard> held;
+    if (absl::StatusOr<shm::WriteGuard> armed = shm::WriteGuard::Arm(base, entry.size);
+        armed.ok()) {
+      held.emplace(*std::move(armed));
+    } else if (guard == shm::MoveGuard::kRequired) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the application's writes into the buffer cannot be held off during a "
+                       "move (",
+                       armed.status().message(), "): not moved"));
+    } else if (shm::WriteGuardAvailable().ok()) {
+      // Available, yet refused for this range: said, and moved as without the guard.
+      KVW_LOG(kWarning, "shm") << "moving a buffer without the write guard: the application's "
+                                  "writes during the move may be lost"
+                               << Kv("error", armed.status());
+    }
     // Peers that copy from now on redo their copy on the new memfd (see the header); the
     // fence orders this store before the reads of the copy below.
     if (entry.slot != shm::kNoEpochSlot) entry.epoch = Publish(entry.slot);
     if (absl::Status copied = CopyData(entry.fd, base, entry.size, fresh.get()); !copied.ok()) {
+      if (held.has_value()) held->Lift();  // the old memfd stays the owner's: writable again
       return copied;
     }
     if (::mmap(base, entry.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fresh.get(), 0) ==
@@ -165,6 +186,9 @@ class Registry {
                              << Kv("error", shm::ErrnoText(errno));
       std::abort();
     }
+    // The held writers retry their faults, which now find the new memfd's mapping.
+    const bool guarded = held.has_value();
+    held.reset();
     // The old memfd's seals, now that the owner's writable mapping exists (F_SEAL_FUTURE_WRITE
     // forbids new ones).
     const int carried = seals & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
@@ -186,6 +210,7 @@ class Registry {
     if (entry.slot != shm::kNoEpochSlot) entry.epoch = Publish(entry.slot);
     // Release: a caller that sees the count go up (a test, after a peer's close moved the
     // buffer on the transport's thread) also sees the owner's range mapped over.
+    if (guarded) guarded_rebacks_.fetch_add(1, std::memory_order_relaxed);
     rebacks_.fetch_add(1, std::memory_order_release);
     return absl::OkStatus();
   }
@@ -197,6 +222,7 @@ class Registry {
   }
 
   uint64_t rebacks() const { return rebacks_.load(std::memory_order_acquire); }
+  uint64_t guarded_rebacks() const { return guarded_rebacks_.load(std::memory_order_acquire); }
 
  private:
   std::map<uintptr_t, Entry>::iterator FindLocked(uintptr_t ptr, size_t length)
@@ -253,6 +279,7 @@ class Registry {
   uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> rebacks_{0};
+  std::atomic<uint64_t> guarded_rebacks_{0};
 };
 
 Registry& GetRegistry() {
@@ -275,8 +302,8 @@ absl::StatusOr<std::optional<ShareableDup>> DupShareable(const void* ptr, size_t
   return GetRegistry().Dup(reinterpret_cast<uintptr_t>(ptr), length, buffer, with_epoch);
 }
 
-absl::Status RebackShareable(const void* ptr) {
-  return GetRegistry().Reback(reinterpret_cast<uintptr_t>(ptr));
+absl::Status RebackShareable(const void* ptr, MoveGuard guard) {
+  return GetRegistry().Reback(reinterpret_cast<uintptr_t>(ptr), guard);
 }
 
 std::optional<ShareableRange> FindShareableRange(const void* ptr) {
@@ -284,6 +311,8 @@ std::optional<ShareableRange> FindShareableRange(const void* ptr) {
 }
 
 uint64_t RebackCount() { return GetRegistry().rebacks(); }
+
+uint64_t GuardedRebackCount() { return GetRegistry().guarded_rebacks(); }
 
 absl::StatusOr<int> EpochTableFd() { return GetRegistry().TableFd(); }
 

@@ -67,13 +67,26 @@ struct ShareableDup {
 absl::StatusOr<std::optional<ShareableDup>> DupShareable(const void* ptr, size_t length,
                                                          uint64_t buffer, bool with_epoch);
 
+// Whether a move must hold the owner's own writes off (write_guard.h).
+enum class MoveGuard {
+  // Guarded where the guard works, else moved anyway (Unexport, DeregisterMemory: the
+  // application chose the moment).
+  kIfAvailable,
+  // Not moved without the guard (a peer's close: a moment the application does not choose).
+  kRequired,
+};
+
 // Moves the live buffer that contains `ptr` onto a fresh memfd (see the top of this file);
-// its bytes stay the owner's, at the same addresses. Only bytes the owner writes into the
-// buffer while this runs (another thread, another transport's op) may land in the old memfd:
-// the caller quiesces what it can. NotFound when no live buffer contains `ptr`;
-// FailedPrecondition (not moved) when a device pinned part of it (src/util/pinned_ranges.h).
-// Thread-safe; a ShareableBuffer being destroyed meanwhile waits for it.
-absl::Status RebackShareable(const void* ptr);
+// its bytes stay the owner's, at the same addresses. The owner's threads that write into the
+// buffer while this runs wait in the kernel until the move is over, then write into the new
+// memfd (WriteGuard); without the guard (kIfAvailable where it does not work) such writes may
+// land in the old memfd and be lost. Writes the kernel makes without a fault (a device's DMA,
+// pages pinned by io_uring) are not held: the caller quiesces what it can. NotFound when no
+// live buffer contains `ptr`; FailedPrecondition (not moved) when a device pinned part of it
+// (src/util/pinned_ranges.h), or kRequired and the guard could not be armed. Thread-safe; a
+// ShareableBuffer being destroyed meanwhile waits for it. Never call it from a thread that
+// writes into the buffer in between: nothing here does.
+absl::Status RebackShareable(const void* ptr, MoveGuard guard = MoveGuard::kIfAvailable);
 
 // The whole live buffer that contains `ptr` (its base and size); nullopt if none.
 struct ShareableRange {
@@ -82,8 +95,10 @@ struct ShareableRange {
 };
 std::optional<ShareableRange> FindShareableRange(const void* ptr);
 
-// How many RebackShareable calls completed (tests and logs).
+// How many RebackShareable calls completed, and how many of them with the owner's writes held
+// off by the write guard (tests and logs).
 uint64_t RebackCount();
+uint64_t GuardedRebackCount();
 
 // The epoch table's descriptor (sealed: no holder can write it, the owner's mapping can), to
 // hand to peers; created on first use. Valid for the process's life.

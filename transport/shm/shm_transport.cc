@@ -33,6 +33,7 @@
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_channel.h"
 #include "transport/shm/shm_endpoint.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire::transport {
 namespace {
@@ -59,7 +60,8 @@ class ShmTransport final : public Transport {
         gpu_(options.gpu_runtime != nullptr && options.gpu_runtime->backend() != gpu::Backend::kNone
                  ? options.gpu_runtime
                  : nullptr),
-        gpu_exports_(gpu_) {
+        gpu_exports_(gpu_),
+        revoke_on_peer_close_(options.revoke_on_peer_close && GuardForPeerCloses()) {
     caps_.name = "shm";
     caps_.one_sided_read = true;
     caps_.one_sided_write = true;
@@ -100,7 +102,9 @@ class ShmTransport final : public Transport {
     endpoint_ = shm::EncodeEndpoint(endpoint);
     KVW_LOG(kInfo, "shm") << "transport started" << Kv("socket", socket_name)
                           << Kv("host_id", host_id_) << Kv("cma", options_.allow_cma)
-                          << Kv("deny_ptrace", options_.deny_ptrace);
+                          << Kv("deny_ptrace", options_.deny_ptrace)
+                          << Kv("revoke_on_close", revoke_on_peer_close_)
+                          << Kv("write_guard", shm::WriteGuardMode());
     return absl::OkStatus();
   }
 
@@ -184,7 +188,7 @@ class ShmTransport final : public Transport {
     if (server_ != nullptr) server_->DropPeer(peer);
     std::vector<const std::byte*> bases = regions_.Unserve(peer, std::nullopt);
     // A peer that never fetched a buffer's memfd has no mapping of it: nothing to move.
-    if (bases.empty() || !options_.revoke_on_peer_close) return;
+    if (bases.empty() || !revoke_on_peer_close_) return;
     // Off this thread (often the I/O thread that noticed the close, whose heartbeats must not
     // wait for a copy of many GiB): the mover thread moves each buffer once.
     MutexLock lock(&move_mu_);
@@ -196,7 +200,8 @@ class ShmTransport final : public Transport {
       const bool queued = std::any_of(move_queue_.begin(), move_queue_.end(),
                                       [&](const PendingMove& m) { return m.base == buffer->base; });
       if (!queued) {
-        move_queue_.push_back(PendingMove{buffer->base, absl::StrCat("peer ", peer, " dropped")});
+        move_queue_.push_back(PendingMove{buffer->base, absl::StrCat("peer ", peer, " dropped"),
+                                          shm::MoveGuard::kRequired});
       }
     }
     if (!mover_.joinable()) mover_ = std::thread([this] { MoverLoop(); });
@@ -229,7 +234,24 @@ class ShmTransport final : public Transport {
   struct PendingMove {
     const std::byte* base = nullptr;
     std::string why;
+    shm::MoveGuard guard = shm::MoveGuard::kIfAvailable;
   };
+
+  // Whether a peer's close may move buffers here: only with the application's writes held off
+  // during the move (write_guard.h); said once per process when not.
+  static bool GuardForPeerCloses() {
+    const absl::Status guard = shm::WriteGuardAvailable();
+    if (guard.ok()) return true;
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      KVW_LOG(kWarning, "shm") << "revoke_on_close is off: a closed peer keeps its mapping of the "
+                                  "buffers it was handed until they are unexported or "
+                                  "deregistered, since the application's own writes into a "
+                                  "buffer cannot be held off during a move here"
+                               << Kv("reason", guard.message());
+    }
+    return false;
+  }
 
   void MoverLoop() {
     for (;;) {
@@ -243,14 +265,15 @@ class ShmTransport final : public Transport {
         move = std::move(move_queue_.front());
         move_queue_.pop_front();
       }
-      Revoke(move.base, move.why);
+      Revoke(move.base, move.why, move.guard);
     }
   }
 
   // A peer was handed the memfd of the ShareableBuffer at `base` and may keep its mapping:
   // the owner moves onto a fresh memfd (shareable_registry.h). Peers still exported to
   // notice through the epoch table and map the new one.
-  void Revoke(const std::byte* base, const std::string& why) {
+  void Revoke(const std::byte* base, const std::string& why,
+              shm::MoveGuard guard = shm::MoveGuard::kIfAvailable) {
     const absl::Time start = absl::Now();
     // The engine's own ops on the buffer (any transport's, any region inside it) are held
     // off while it moves, so none of their bytes lands in the memfd being given up.
@@ -258,7 +281,7 @@ class ShmTransport final : public Transport {
     if (std::optional<shm::ShareableRange> range = shm::FindShareableRange(base)) {
       hold = hooks_->QuiesceRange(range->base, range->size, start + kDrainWait);
     }
-    const absl::Status moved = shm::RebackShareable(base);
+    const absl::Status moved = shm::RebackShareable(base, guard);
     hold.reset();
     const absl::Duration took = absl::Now() - start;
     if (moved.ok()) {
@@ -293,6 +316,8 @@ class ShmTransport final : public Transport {
   shm::GpuExportTable gpu_exports_;
   const std::shared_ptr<shm::ShmGpuCounters> gpu_counters_ =
       std::make_shared<shm::ShmGpuCounters>();
+  // options_.revoke_on_peer_close where the write guard works (GuardForPeerCloses).
+  const bool revoke_on_peer_close_;
   std::unique_ptr<shm::FdServer> server_;  // set by Start; stopped by Shutdown
   std::atomic<bool> shut_down_{false};
   // Moves after a peer's close, on mover_ (started at the first one).

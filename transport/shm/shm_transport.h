@@ -43,10 +43,11 @@ struct ShmTransportOptions {
   // Moves a ShareableBuffer onto a fresh memfd when a peer that was handed its memfd closes
   // (docs/SECURITY-shm.md), as Unexport and DeregisterMemory always do. The move runs on the
   // transport's own thread (never the I/O thread that noticed the close), with the engine's
-  // own ops on the buffer held off (TargetHooks::QuiesceRange). Not when the owner's engine
-  // is being destroyed (Transport::Stopping): its peers' closes then move nothing. Off by
-  // default (ShmOptions::revoke_on_close says why).
-  bool revoke_on_peer_close = false;
+  // own ops on the buffer held off (TargetHooks::QuiesceRange) and the application's own
+  // writes into it held in the kernel (shm/write_guard.h). Only where that write guard works:
+  // elsewhere the transport turns this off, saying why in its log. Not when the owner's engine
+  // is being destroyed (Transport::Stopping): its peers' closes then move nothing.
+  bool revoke_on_peer_close = true;
   // Makes this process non-dumpable (prctl(PR_SET_DUMPABLE, 0)), so that the kernel denies
   // other processes of the same uid without CAP_SYS_PTRACE what the ptrace access check
   // guards: process_vm_readv/writev, /proc/<pid>/mem, and opening /proc/<pid>/fd/* (which

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <string>
 #include <thread>
 #include <unistd.h>
 #include <utility>
@@ -19,6 +20,7 @@
 #include "kvwire/memory.h"
 #include "src/util/pinned_ranges.h"
 #include "transport/shm/shareable_registry.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire {
 namespace {
@@ -250,8 +252,13 @@ TEST(ShareableBufferTest, ABufferAPinnedRangeTouchesIsNotMoved) {
 }
 
 // The cost of one move (revocation), for docs/SECURITY.md: not run by default (it allocates
-// twice the buffer); KVWIRE_MOVE_MIB sets the size (default 1024).
+// twice the buffer); KVWIRE_MOVE_MIB sets the size (default 1024); KVWIRE_MOVE_UNGUARDED=1
+// moves without the write guard (its cost is the difference).
 TEST(ShareableBufferTest, DISABLED_MoveCost) {
+  const char* unguarded = std::getenv("KVWIRE_MOVE_UNGUARDED");
+  transport::shm::SetWriteGuardDisabledForTesting(unguarded != nullptr &&
+                                                  std::string(unguarded) == "1");
+  std::printf("write guard: %s\n", transport::shm::WriteGuardAvailable().ok() ? "on" : "off");
   const char* mib_text = std::getenv("KVWIRE_MOVE_MIB");
   const size_t mib = mib_text != nullptr ? std::strtoull(mib_text, nullptr, 10) : 1024;
   absl::StatusOr<ShareableBuffer> buffer = ShareableBuffer::Create(mib << 20, "move-cost");
@@ -275,6 +282,7 @@ TEST(ShareableBufferTest, DISABLED_MoveCost) {
                 static_cast<double>(mib) / 1024.0 / (copy_ms / 1000.0),
                 static_cast<int>(copy[copy.size() / 2]));
   }
+  transport::shm::SetWriteGuardDisabledForTesting(false);
 }
 
 }  // namespace
