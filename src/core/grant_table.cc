@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <iterator>
 
+#include "absl/random/distributions.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvwire::core {
@@ -24,7 +25,11 @@ GrantId GrantTable::Add(PeerId peer, absl::Span<const GrantRange> ranges) {
     m.emplace(begin, end);
   }
   MutexLock lock(&mu_);
-  const GrantId id = next_++;
+  // Unpredictable, so that a peer cannot name a grant it was not told (a grant made while its
+  // request ended is revoked right after it is made: its id must not be guessable meanwhile);
+  // never 0 (no grant) and never one that is live for this peer.
+  GrantId id = 0;
+  while (id == 0 || grants_.contains(Key{peer, id})) id = absl::Uniform<GrantId>(bitgen_);
   grants_.emplace(Key{peer, id}, std::move(merged));
   return id;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 
@@ -49,7 +50,7 @@ class GrantTable {
   using Ranges = std::map<RegionId, std::map<uint64_t, uint64_t>>;
 
   mutable Mutex mu_;
-  GrantId next_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Key, Ranges> grants_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/container/flat_hash_set.h"
+
 namespace kvwire::core {
 namespace {
 
@@ -105,6 +107,25 @@ TEST(CheckIncomingTest, GrantsApplyToReadsOfGuardedRegionsOnly) {
   EXPECT_TRUE(
       CheckIncoming(regions, grants, kPeer, o_id, 0, 512, OpKind::kRead, 0, &grant_refused).ok());
   EXPECT_FALSE(grant_refused);
+}
+
+// A peer learns a grant's id only from the read_ok that carries it; ids that follow each other
+// would let it name the next one (e.g. one made while its request ended, revoked right after).
+TEST(GrantTableTest, IdsAreUnpredictableDistinctAndNeverZero) {
+  GrantTable t;
+  const GrantRange ranges[] = {{kA, 0, 10}};
+  absl::flat_hash_set<GrantId> seen;
+  GrantId previous = t.Add(kPeer, ranges);
+  seen.insert(previous);
+  int consecutive = 0;
+  for (int i = 0; i < 1000; ++i) {
+    const GrantId g = t.Add(kPeer, ranges);
+    EXPECT_NE(g, 0u);
+    EXPECT_TRUE(seen.insert(g).second) << "grant id " << g << " given twice";
+    if (g == previous + 1) ++consecutive;
+    previous = g;
+  }
+  EXPECT_EQ(consecutive, 0) << "grant ids follow each other";
 }
 
 }  // namespace
