@@ -9,10 +9,11 @@
 // CPU time (CLOCK_THREAD_CPUTIME_ID) falling behind the wall clock means it was preempted. Then
 // it stops and sleeps, and the gate remembers it: no thread of the gate spins until a backoff
 // has passed, doubled on every contended spin (so a loaded box stops spinning at once and
-// probes rarely), halved by every spin that paid off. A run of spins that found nothing before
-// their budget ran out (the awaited work takes longer than a spin) backs off the same way: that
-// CPU is better left to the threads doing the work. And at most `max_spinners` threads of a
-// gate spin at once (default: the cores this process may use, less one, at least 1).
+// probes rarely), halved by every spin that paid off. A spin that found nothing before its
+// budget ran out (the awaited work takes longer than a spin, or needed the core the spinner
+// held) backs off the same way: that CPU is better left to the threads doing the work. And
+// at most `max_spinners` threads of a gate spin at once (default: the cores this process may
+// use, less one, at least 1).
 //
 // The clocks are injectable so that the policy is tested without timing (spin_gate_test.cc).
 #ifndef KVWIRE_SRC_UTIL_SPIN_GATE_H_
@@ -48,10 +49,11 @@ class SpinGate {
     int64_t lost_ns = 50'000;
     int64_t min_backoff_ns = 1'000'000;      // first backoff
     int64_t max_backoff_ns = 1'000'000'000;  // at most this long without a probe
-    // This many spins in a row that found nothing back off as one contended spin (two: one
-    // long op does not stop a quiet box spinning; under a compile load 1, 2 and 4 gave 4 KiB
-    // op p99s of 22-34, 36-50 and 65-67 us).
-    int wasted_streak = 2;
+    // This many spins in a row that found nothing back off as one contended spin. One: a
+    // spinner that is not preempted can still hold the core the awaited thread needs, and
+    // then its spin is wasted; 4 KiB op p99 under a compile load (load 8-11, 2 cores) with
+    // 1, 2 and 4: 22-34, 36-50 and 65-67 us.
+    int wasted_streak = 1;
   };
   struct Counters {
     uint64_t admitted = 0;
