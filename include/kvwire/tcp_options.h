@@ -22,9 +22,9 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // After its last event, a tcp I/O thread polls this long before it sleeps: a busy
   // connection's next bytes come within microseconds, and waking a sleeping thread costs more
   // than polling (loopback, 2-core VM, 1 MiB ops: 4.4 -> 7.2 GB/s). Spends CPU only while
-  // data moves, and yields the core on every empty turn, so that the thread it woke with a
-  // completion is not kept waiting (one 4 KiB op at a time, same VM: 49 -> 14 us p50); zero:
-  // always sleep at once. 0..10ms.
+  // data moves and only while the core is the thread's: a poll whose thread was preempted
+  // stops, and the pool then sleeps at once for a while (src/util/spin_gate.h); zero: always
+  // sleep at once. 0..10ms.
   absl::Duration io_poll = absl::Microseconds(20);
   // How those threads wait for readiness: "epoll"; "io_uring" (poll requests, multishot where
   // the kernel has them; the engine does not start where io_uring_queue_init fails, e.g. a

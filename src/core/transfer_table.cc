@@ -6,18 +6,6 @@
 #include "absl/time/clock.h"
 
 namespace kvwire::core {
-namespace {
-
-// A spinning waiter's pause: lets a sibling hyper-thread run and saves power.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-}  // namespace
 
 std::shared_ptr<std::atomic<bool>> TransferTable::Start(TransferInfo info, uint32_t lanes,
                                                         EndCallback on_end, bool arm_deadline) {
@@ -309,7 +297,10 @@ absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout, absl::Du
   // The clock is read only when the transfer has not ended yet (a shm transfer has usually
   // ended by the time its caller waits).
   std::optional<absl::Time> deadline;
-  std::optional<absl::Time> poll_until;
+  // The spin before sleeping (wait_gate_ decides whether this thread may) and when it ends,
+  // on the gate's clock; poll_until 0: no more spinning.
+  SpinGate::Spin spin;
+  int64_t poll_until = 0;
   mu_.Lock();
   while (true) {
     auto it = records_.find(id);
@@ -321,16 +312,20 @@ absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout, absl::Du
       absl::Status final_status = std::move(it->second.final_status);
       ForgetLocked(it);
       mu_.Unlock();
+      if (spin) spin.Paid();
       return final_status;
     }
     if (!deadline.has_value()) {
       const absl::Time now = absl::Now();
       deadline = now + timeout;
-      if (poll > absl::ZeroDuration()) poll_until = std::min(*deadline, now + poll);
+      if (poll > absl::ZeroDuration()) {
+        spin = wait_gate_.Begin();
+        if (spin) poll_until = wait_gate_.Now() + absl::ToInt64Nanoseconds(std::min(poll, timeout));
+      }
     }
-    if (poll_until.has_value()) {
-      // Watch the end counter outside the lock until some transfer ends (then look again) or
-      // the poll time is spent (then sleep as usual).
+    if (poll_until != 0) {
+      // Watch the end counter outside the lock until some transfer ends (then look again),
+      // the poll time is spent or the thread loses its core (then sleep as usual).
       const uint64_t seen = ends_seen_.load(std::memory_order_acquire);
       mu_.Unlock();
       bool ended = false;
@@ -339,12 +334,19 @@ absl::Status TransferTable::Wait(TransferId id, absl::Duration timeout, absl::Du
           ended = true;
           break;
         }
-        // The clock is read every 64 looks: a look costs a few ns, a clock read ~20.
-        if (spins % 64 == 63 && absl::Now() >= *poll_until) break;
+        // The clocks are read every 64 looks: a look costs a few ns, the clocks ~20 and (the
+        // thread's CPU time, a system call) a few hundred.
+        if (spins % 64 == 63) {
+          const int64_t now = wait_gate_.Now();
+          if (now >= poll_until || !spin.StillOurs(now)) break;
+        }
         CpuRelax();
       }
       mu_.Lock();
-      if (!ended) poll_until.reset();
+      if (!ended) {
+        poll_until = 0;
+        spin.End();
+      }
       continue;
     }
     if (!ended_cv_.WaitUntil(&mu_, *deadline) && absl::Now() >= *deadline) {

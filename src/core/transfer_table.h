@@ -26,6 +26,7 @@
 
 #include "kvwire/engine.h"
 #include "src/util/mutex.h"
+#include "src/util/spin_gate.h"
 
 namespace kvwire::core {
 
@@ -118,7 +119,9 @@ class TransferTable {
   TransferState Poll(TransferId id, absl::Status* status) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits up to `timeout` for the transfer to end. With `poll` > 0 it first watches for ends
   // without sleeping for up to `poll` (EngineOptions::wait_poll): a transfer that ends in that
-  // time costs its ender no futex wake and its waiter no sleep and reschedule.
+  // time costs its ender no futex wake and its waiter no sleep and reschedule. Only while the
+  // core is the waiter's: wait_gate_ (src/util/spin_gate.h) stops the spin of a thread that
+  // was preempted, backs off, and bounds how many waiters spin at once.
   absl::Status Wait(TransferId id, absl::Duration timeout,
                     absl::Duration poll = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -155,6 +158,7 @@ class TransferTable {
   void Forget(Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr size_t kSpares = 64;
 
+  SpinGate wait_gate_;  // Wait's spins
   mutable Mutex mu_;
   CondVar ended_cv_;     // Wait
   CondVar deadline_cv_;  // WaitForDeadline: an earlier deadline, or the stop

@@ -8,9 +8,7 @@
 #include <cerrno>
 #include <exception>
 #include <pthread.h>
-#include <sched.h>
 #include <system_error>
-#include <time.h>
 #include <unistd.h>
 #include <utility>
 
@@ -31,12 +29,6 @@ namespace {
 constexpr uint64_t kWakeTag = ~uint64_t{0};
 // user_data of an io_uring poll-remove request (its completion is dropped).
 [[maybe_unused]] constexpr uint64_t kIgnoreTag = ~uint64_t{0} - 1;
-
-int64_t MonotonicNs() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-}
 
 }  // namespace
 
@@ -106,8 +98,10 @@ IoLoop::~IoLoop() {
   if (eventfd_ >= 0) ::close(eventfd_);
 }
 
-absl::Status IoLoop::Start(const std::string& name, absl::Duration poll, IoBackend backend) {
+absl::Status IoLoop::Start(const std::string& name, absl::Duration poll, IoBackend backend,
+                           std::shared_ptr<SpinGate> gate) {
   poll_ns_ = std::max<int64_t>(0, absl::ToInt64Nanoseconds(poll));
+  gate_ = gate != nullptr ? std::move(gate) : std::make_shared<SpinGate>();
   eventfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (eventfd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", ErrnoText(errno)));
   if (backend == IoBackend::kIoUring) {
@@ -262,8 +256,8 @@ int IoLoop::Wait(epoll_event* events, int capacity, int timeout_ms) {
 #ifdef KVWIRE_HAVE_LIBURING
   io_uring* ring = &uring_->ring;
   // Submits what Add queued; waits only when asked to. Completions of polls come from
-  // task work that runs on this thread's next entry into the kernel: a polling loop's
-  // sched_yield is one.
+  // task work, which the kernel runs on this thread as soon as it is queued (TWA_SIGNAL: no
+  // IORING_SETUP_COOP_TASKRUN here), also while the thread polls in user space.
   const int rc = timeout_ms == 0 ? io_uring_submit(ring) : io_uring_submit_and_wait(ring, 1);
   if (rc < 0 && rc != -EBUSY) {
     errno = -rc;
@@ -310,27 +304,35 @@ int IoLoop::Wait(epoll_event* events, int capacity, int timeout_ms) {
 void IoLoop::Loop() {
   std::array<epoll_event, 64> events;
   const int capacity = static_cast<int>(events.size());
-  // Until then the loop polls instead of sleeping (CLOCK_MONOTONIC: a vDSO call, no syscall).
+  // The poll in progress (admitted by the gate) and until when it lasts, on the gate's clock
+  // (CLOCK_MONOTONIC: a vDSO call, no syscall).
+  SpinGate::Spin spin;
   int64_t poll_until = 0;
+  uint32_t turns = 0;
   while (true) {
     int n = 0;
-    if (poll_ns_ > 0 && MonotonicNs() < poll_until) {
+    if (spin) {
+      // The thread's CPU time (a system call) is compared with the wall time every 16
+      // empty turns, a few microseconds.
+      const int64_t now = gate_->Now();
+      if (now >= poll_until || (++turns % 16 == 0 && !spin.StillOurs(now))) spin.End();
+    }
+    if (spin) {
       n = Wait(events.data(), capacity, 0);
       if (n == 0) {
         // Tasks are seen without a wake-up while polling (Run skips the eventfd).
         // Read without the lock: a poll that locked mu_ on every turn would make each Run
         // from another thread contend for it (a futex call per op on both sides).
         const bool queued = queued_.load(std::memory_order_acquire);
-        // A poll must not hold a core that another thread is waiting for: the thread this
-        // loop just woke with a completion usually is the one that posts the next op, and on
-        // a machine with few cores it would otherwise wait for the poll to end (one 4 KiB op
-        // at a time over loopback, 2 cores: 43 us p50 polling without yielding, 14 us not
-        // polling at all). With nothing else runnable this returns at once.
+        // No sched_yield here: with a CPU-bound neighbour runnable it hands the core away
+        // for a whole slice (p99 ~4 ms). A poll whose thread loses its core stops instead
+        // (StillOurs), and the gate keeps the pool from polling for a while.
         if (!queued) {
-          ::sched_yield();
+          CpuRelax();
           continue;
         }
       }
+      spin.Paid();
     } else if (PrepareToSleep()) {
       n = Wait(events.data(), capacity, -1);
       sleeping_.store(false);
@@ -340,7 +342,10 @@ void IoLoop::Loop() {
       // whose op waits for a moving region) never starves the others on this thread.
       n = Wait(events.data(), capacity, 0);
     }
-    if (poll_ns_ > 0) poll_until = MonotonicNs() + poll_ns_;
+    if (poll_ns_ > 0) {
+      if (!spin) spin = gate_->Begin();
+      poll_until = gate_->Now() + poll_ns_;
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       KVW_LOG(kError, "tcp") << "waiting for readiness failed; I/O thread ends"
@@ -384,9 +389,12 @@ absl::StatusOr<std::shared_ptr<IoPool>> IoPool::Create(uint32_t threads, absl::D
                                                        IoBackend backend) {
   auto pool = std::make_shared<IoPool>();
   threads = std::max<uint32_t>(1, threads);
+  // One gate for the pool: at most DefaultMaxSpinners of its threads poll at once, and a
+  // preempted poll stops the others polling too (the cores are busy for all of them).
+  auto gate = std::make_shared<SpinGate>();
   for (uint32_t i = 0; i < threads; ++i) {
     auto loop = std::make_unique<IoLoop>();
-    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i), poll, backend); !s.ok()) {
+    if (absl::Status s = loop->Start(absl::StrCat("kvw-tcp-io", i), poll, backend, gate); !s.ok()) {
       pool->Stop();
       return s;
     }

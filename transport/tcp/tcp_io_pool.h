@@ -10,9 +10,12 @@
 // (`poll`, TcpTransportOptions::io_poll) before it sleeps: a busy connection's next bytes
 // usually arrive within microseconds, and a sleeping receiver costs its sender a wake-up
 // (an inter-processor interrupt, a VM exit under a hypervisor) for every segment that arrives;
-// the poll ends as soon as the connections go quiet, so idle still means no CPU. A polling
-// loop yields its core on every empty turn, so that a runnable thread (typically the caller
-// it just handed a completion to) is never kept waiting for the poll to end.
+// the poll ends as soon as the connections go quiet, so idle still means no CPU. A poll runs
+// only while the core is its thread's (SpinGate, src/util/spin_gate.h, one per pool): a
+// thread that was preempted while polling stops and sleeps, and the pool's threads then do
+// not poll for a while (a backoff that doubles while the cores stay contended); at most
+// cores-1 threads of a pool poll at once. It never yields: sched_yield hands the core to a
+// CPU-bound neighbour for a whole slice (milliseconds).
 // Readiness comes from epoll or, with IoBackend::kIoUring, from io_uring poll requests
 // (multishot where the kernel has it, re-armed otherwise): the same loop, tasks and handlers,
 // only the wait differs (tcp_io_pool.cc).
@@ -36,6 +39,7 @@
 #include "absl/time/time.h"
 
 #include "src/util/mutex.h"
+#include "src/util/spin_gate.h"
 
 namespace kvwire::transport {
 
@@ -63,9 +67,11 @@ class IoLoop {
   IoLoop& operator=(const IoLoop&) = delete;
 
   // Creates the epoll instance and the eventfd and starts the thread named `name`, which
-  // polls for `poll` after its last event before it sleeps (zero: sleeps at once).
+  // polls for `poll` after its last event before it sleeps (zero: sleeps at once), when
+  // `gate` (shared by a pool's loops; null: one of its own) admits it.
   absl::Status Start(const std::string& name, absl::Duration poll = absl::ZeroDuration(),
-                     IoBackend backend = IoBackend::kEpoll);
+                     IoBackend backend = IoBackend::kEpoll,
+                     std::shared_ptr<SpinGate> gate = nullptr);
   // Runs the queued tasks, drops every registered handler and joins the thread. Idempotent;
   // not on the loop thread (then it only asks the thread to stop).
   void Stop();
@@ -94,6 +100,7 @@ class IoLoop {
   std::unique_ptr<UringState> uring_;  // io_uring backend: the ring and the registrations
   int eventfd_ = -1;
   int64_t poll_ns_ = 0;
+  std::shared_ptr<SpinGate> gate_;  // who may poll, and when polling stopped paying
   // The loop sleeps (or is about to) in epoll_wait: Run must wake it through the eventfd.
   // While it polls, a queued task is seen without the write (a system call per Post saved).
   std::atomic<bool> sleeping_{false};
