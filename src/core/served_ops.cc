@@ -1,5 +1,6 @@
 #include "src/core/served_ops.h"
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -9,6 +10,17 @@
 #include "src/core/engine_impl.h"
 
 namespace kvwire::core {
+namespace {
+
+// Called outside mu_. A `done` may be empty (a revoke nobody waits for, OutRevoke's ticket 0):
+// its watch still settled the grant, and there is nothing to call.
+void RunFired(std::vector<std::function<void()>>& fired) {
+  for (std::function<void()>& f : fired) {
+    if (f) f();
+  }
+}
+
+}  // namespace
 
 // Ends its op when the transport lets go of the memory (after its last access).
 struct ServedOps::OpPin {
@@ -84,7 +96,7 @@ void ServedOps::End(PeerId peer, uint64_t seq, GrantId grant, uint64_t bytes) {
     }
     ended_.SignalAll();
   }
-  for (auto& f : fired) f();
+  RunFired(fired);
 }
 
 bool ServedOps::WhenPeerServed(PeerId peer, std::function<void()> done) {
@@ -148,7 +160,7 @@ bool ServedOps::RevokeWhenServed(PeerId peer, GrantId grant, uint64_t bytes, Gra
       grants_[key].watches.push_back(GrantWatch{bytes, std::move(done)});
     }
   }
-  for (auto& f : fired) f();
+  RunFired(fired);
   return now;
 }
 
@@ -160,7 +172,7 @@ absl::Status ServedOps::Revoke(PeerId peer, GrantId grant, GrantTable& grants) {
     s = grants.Remove(peer, grant);
     MarkRevokedLocked(GrantKey{peer, grant}, fired);
   }
-  for (auto& f : fired) f();
+  RunFired(fired);
   return s;
 }
 
@@ -175,7 +187,7 @@ void ServedOps::ForgetPeer(PeerId peer, GrantTable& grants) {
     }
     for (const GrantKey& key : keys) MarkRevokedLocked(key, fired);
   }
-  for (auto& f : fired) f();
+  RunFired(fired);
 }
 
 uint64_t ServedOps::ServedBytes(PeerId peer, GrantId grant) const {

@@ -183,6 +183,27 @@ TEST(ServedOpsTest, ALyingCountWaitsUntilTheGrantIsRevokedOtherwise) {
   EXPECT_EQ(ops->Revoke(1, g, grants).code(), absl::StatusCode::kNotFound);
 }
 
+// The connector revokes some grants without waiting for their end (a grant made for a request
+// already gone, a deadline's forced revocation): an op still served under one must settle it
+// when it ends, with no `done` to call (calling an empty std::function would throw on the
+// thread that served the op).
+TEST(ServedOpsTest, ARevocationNobodyWaitsForSettlesWhenItsOpEnds) {
+  auto ops = std::make_shared<ServedOps>();
+  GrantTable grants;
+  const GrantId g = grants.Add(1, {{7, 0, 4096}});
+  std::shared_ptr<const void> op = ops->BeginGranted(1, g, 64, true, grants, nullptr);
+  ASSERT_NE(op, nullptr);
+  int fired = 0;
+  EXPECT_FALSE(ops->RevokeWhenServed(1, g, 1 << 30, grants, [&] { ++fired; }));
+  EXPECT_FALSE(ops->RevokeWhenServed(1, g, 0, grants, nullptr));
+  EXPECT_FALSE(grants.Live(1, g));
+  EXPECT_EQ(fired, 0);
+  op.reset();  // ends the op on this thread: the empty watch is dropped, the other fires
+  EXPECT_EQ(fired, 1);
+  EXPECT_EQ(ops->in_flight(), 0u);
+  EXPECT_EQ(ops->BeginGranted(1, g, 64, true, grants, nullptr), nullptr);
+}
+
 // The revocation and an op's begin are ordered by the same lock: an op either is counted
 // before the grant goes (and waited for) or is refused after; never served unseen.
 TEST(ServedOpsTest, AnOpRacingTheRevocationIsWaitedForOrRefused) {
