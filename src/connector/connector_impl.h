@@ -290,7 +290,11 @@ class Connector::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine's word for watch `ticket`; false when `ticket` is no such watch.
   bool OnServedLocked(TransferId ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A releasing `r`'s deadline passed: its grants are revoked now, nothing waits.
+  // A releasing `r`'s deadline passed: its grants are revoked now, without waiting for the
+  // readers' counts; the watches AwaitServedLocked kept free the blocks once no op under a
+  // grant is served, and `r` gets a handshake_timeout more for that.
+  void ForceRevokeLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ... and that second deadline passed too: nothing waits any more.
   void StopServedWatchesLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill (read grants on): zeroes the rows of `r`'s blocks that the request did not fill
   // (UnfilledPageSpans), once, before its pages first go out whole: read mode before the first

@@ -110,6 +110,10 @@ struct Request {
     std::string reason;  // kUnread
   };
   std::optional<End> pending_end;
+  // kReleasing past its deadline: the grants were revoked without waiting for the readers'
+  // counts; the blocks go once the engine says no op under them is served (or at a second
+  // deadline, loudly), never while a grant could still be presented.
+  bool revoke_forced = false;
   // Prefill, write mode.
   bool have_remote = false;
   BlockTable remote_blocks;
@@ -188,6 +192,9 @@ struct OutRevoke {
 // the engine's word under `ticket` (Engine::WhenServedOps) or `deadline`.
 struct ParkedPeer {
   std::vector<InboxEvent> events;
+  // How many of `events` (the first) came before the ticket's mark: the later ones may
+  // follow ops that began after it, and wait for a watch of their own.
+  size_t covered = 0;
   TransferId ticket = 0;
   absl::Time deadline;
   bool served = false;

@@ -207,8 +207,10 @@ void Connector::Impl::OnGrantedLocked(const std::string& request, PeerId peer,
       s.grant = *grant;
       OutMessage m;
       m.peer = peer;
-      m.revoke =
-          OutRevoke{s.ticket, *grant, options_.read_grants ? reader->read_bytes.value_or(0) : 0};
+      const uint64_t bytes = options_.read_grants && !r->revoke_forced
+                                 ? reader->read_bytes.value_or(0)
+                                 : 0;  // past the deadline: revoked at once
+      m.revoke = OutRevoke{s.ticket, *grant, bytes};
       outbox_.queue.push_back(std::move(m));
       return;
     }

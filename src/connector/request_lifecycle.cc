@@ -44,6 +44,9 @@ connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, 
     f.granted = std::any_of(r.readers.begin(), r.readers.end(),
                             [](const Request::Reader& x) { return x.grant != 0 || x.granting; });
   }
+  // Releasing, the grants are the watches' (AwaitServedLocked took them from the readers):
+  // live until a deadline revoked them all.
+  if (r.state == State::kReleasing && e == Event::kDeadline) f.granted = !r.revoke_forced;
   if (!r.decode && (e == Event::kRelease || e == Event::kServed)) {
     // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
     // expected one bound.
@@ -354,6 +357,23 @@ void Connector::Impl::StopServedWatchesLocked(Request& r) {
   r.serving.clear();
 }
 
+void Connector::Impl::ForceRevokeLocked(Request& r) {
+  r.revoke_forced = true;
+  if (r.fail_reason.empty()) r.fail_reason = "the readers' ops were not served before the deadline";
+  r.pending_end = Request::End{Request::End::kFail};
+  r.deadline = absl::Now() + options_.handshake_timeout;
+  for (const Request::Serving& s : r.serving) {
+    // A grant being made is revoked by OnGrantedLocked, at once now (revoke_forced).
+    if (s.grant == 0) continue;
+    // Revoked at once; the watch already kept for it fires once no op under it is served.
+    OutMessage m;
+    m.peer = s.peer;
+    m.revoke = OutRevoke{0, s.grant, 0};
+    if (outbox_.queue.empty() && !outbox_.draining) signal_->Notify();  // as SendMessage
+    outbox_.queue.push_back(std::move(m));
+  }
+}
+
 void Connector::Impl::LayerTransferDone(Request& r, int layer) {
   if (--r.layer_transfers_left[layer] > 0) return;
   r.layer_transfers_left.erase(layer);
@@ -404,16 +424,24 @@ void Connector::Impl::CheckDeadlines() {
     if (it == table_.requests.end()) continue;
     Request& r = it->second;
     if (r.state != State::kMatched && r.state != State::kPending) StepLocked(r, Event::kDeadline);
-    if (r.state == State::kReleasing) {
+    if (r.state == State::kReleasing && !r.revoke_forced) {
       // A reader's ops still served, or its count of bytes read not reached (a lying or
-      // short count, bytes it moved elsewhere): bounded by the request's own deadline.
-      KVW_LOG(kWarning, kLog) << "blocks freed while the readers' ops were not all served"
+      // short count, bytes it moved elsewhere): bounded by the request's own deadline. The
+      // grants are revoked now; the blocks go when the engine says no op under them is
+      // served (their watches fire, OnServedLocked), not before: a reader that still holds
+      // its grant must not READ blocks handed to another request.
+      KVW_LOG(kWarning, kLog) << "readers' ops not all served by the deadline: grants revoked"
+                              << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                              << Kv("grants_left", r.serving.size());
+      ForceRevokeLocked(r);
+    } else if (r.state == State::kReleasing) {
+      // Revoked, and an op under a grant is still being served a handshake_timeout later
+      // (each op has its engine deadline; this is the bound if one is never reached).
+      KVW_LOG(kWarning, kLog) << "blocks freed while ops under revoked grants were served"
                               << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
                               << Kv("grants_left", r.serving.size());
       StopServedWatchesLocked(r);
-      FailLocked(r, r.fail_reason.empty()
-                        ? std::string("the readers' ops were not served before the deadline")
-                        : r.fail_reason);
+      FailLocked(r, r.fail_reason);
     } else if (r.state == State::kHeld) {
       KVW_LOG(kWarning, kLog) << "lease expired: no release from the reader" << Kv("request", r.id)
                               << Kv("transfer", r.params.transfer_id);

@@ -312,7 +312,8 @@ TEST_F(ReleaseCountTest, TheBlocksGoOnlyOnceTheReadersLastOpWasServed) {
 }
 
 TEST_F(ReleaseCountTest, ALyingCountIsBoundedByItsRequestsDeadlineAlone) {
-  ASSERT_NO_FATAL_FAILURE(StartPrefill(absl::Seconds(3)));
+  // Long enough for the honest hand-off to end first on a loaded sanitizer run.
+  ASSERT_NO_FATAL_FAILURE(StartPrefill(absl::Seconds(15)));
   const std::string liar = Hold("liar", 0);
   const std::string honest = Hold("honest", 1);
   Reader a("liar-reader", prefill_->engine().address(), bytes_);
@@ -338,12 +339,16 @@ TEST_F(ReleaseCountTest, ALyingCountIsBoundedByItsRequestsDeadlineAlone) {
                   .ok());
   EXPECT_TRUE(WaitFreed("honest"));
   EXPECT_FALSE(Freed("liar")) << "a count never reached freed the blocks before the deadline";
-  // The liar's deadline (the request's lease) frees its blocks, failed.
+  // The liar's deadline (the request's lease) revokes its grant, then frees its blocks,
+  // failed: its grant no longer reads them.
   EXPECT_TRUE(WaitFreed("liar"));
+  EXPECT_FALSE(a.Read(ops_a, *ga).ok());
   const json stats = Stats();
   EXPECT_EQ(stats.value("completed", 0), 1);
   EXPECT_EQ(stats.value("failed", 0), 1);
   EXPECT_EQ(stats.value("releasing", uint64_t{99}), 0u);
+  EXPECT_EQ(stats["machine"].value("refused", 1), 0);
+  EXPECT_EQ(stats["machine"].value("diverged", 1), 0);
 }
 
 TEST_F(ReleaseCountTest, AReleaseWithoutACountRevokesAtOnce) {

@@ -377,8 +377,21 @@ TEST(RequestMachineTest, PrefillReleasingWaitsForTheServedEventAlone) {
   EXPECT_FALSE(m.Step(E::kReadStart).ok());
   EXPECT_EQ(m.state(), S::kReleasing);
   // A count never reached (a lying reader, an op stalled in the socket): the request's own
-  // deadline frees the blocks, failed, and the grants are revoked without waiting.
-  EXPECT_EQ(Drive(m, {{E::kDeadline, {}}}), (std::vector<A>{A::kRevoke, A::kFreeBlocks}));
+  // deadline revokes the grants without waiting for the counts; the blocks go only once the
+  // engine says nothing under them is served (a reader still holding its grant must not READ
+  // blocks handed on)...
+  {
+    RequestMachine w = m;
+    EXPECT_EQ(Drive(w, {{E::kDeadline, granted_read}}), (std::vector<A>{A::kRevoke}));
+    EXPECT_EQ(w.state(), S::kReleasing);
+    RequestFacts failing;
+    failing.failing = true;
+    EXPECT_EQ(Drive(w, {{E::kServed, failing}}), (std::vector<A>{A::kFreeBlocks}));
+    EXPECT_EQ(w.state(), S::kFailed);
+  }
+  // ... or, revoked and still served a second deadline later, anyway, loudly.
+  EXPECT_EQ(Drive(m, {{E::kDeadline, granted_read}}), (std::vector<A>{A::kRevoke}));
+  EXPECT_EQ(Drive(m, {{E::kDeadline, {}}}), (std::vector<A>{A::kFreeBlocks}));
   EXPECT_EQ(m.state(), S::kFailed);
   {
     // Unread: released, not completed, once served.
