@@ -447,8 +447,24 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
       KVW_LOG(kWarning, kLog) << "handling a peer's messages while its ops are still served"
                               << Kv("peer", it->first) << Kv("events", p.events.size())
                               << Kv("waited", absl::FormatDuration(kServedOpsWait));
+      p.covered = p.events.size();
     }
-    for (InboxEvent& e : p.events) ready.push_back(std::move(e));
+    for (size_t i = 0; i < p.covered; ++i) ready.push_back(std::move(p.events[i]));
+    p.events.erase(p.events.begin(), p.events.begin() + static_cast<std::ptrdiff_t>(p.covered));
+    if (!p.events.empty()) {
+      // Events that came while parked: ordered after the ops in flight now.
+      const TransferId ticket = kParkTicket | ++park_seq_;
+      if (!engine_->WhenServedOps(it->first,
+                                  [signal = signal_, ticket] { signal->Served(ticket); })) {
+        p.ticket = ticket;
+        p.served = false;
+        p.covered = p.events.size();
+        p.deadline = now + kServedOpsWait;
+        ++it;
+        continue;
+      }
+      for (InboxEvent& e : p.events) ready.push_back(std::move(e));
+    }
     parked_.erase(it++);
   }
   std::vector<PeerId> served_now;  // peers of this batch with no op in flight
@@ -475,6 +491,7 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
     p.ticket = ticket;
     p.deadline = now + kServedOpsWait;
     p.events.push_back(std::move(e));
+    p.covered = 1;
   }
   return ready;
 }
