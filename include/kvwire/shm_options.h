@@ -22,10 +22,15 @@ struct ShmOptions : TransportOptionsOf<ShmOptions> {
   // A peer's close moves the buffers it was handed onto fresh memfds, as Unexport and
   // DeregisterMemory do (ShmTransportOptions::revoke_on_peer_close), so a closed peer's kept
   // mapping reaches none of the owner's later bytes. The application's own threads that write
-  // into such a buffer during the move wait in the kernel until it is over (userfaultfd
-  // write-protection: Linux 5.19+), so none of their writes is lost. Where that guard is not
-  // available, the shm transport turns this off and says why in its log: a closed peer then
-  // keeps its mapping until the buffer is unexported or deregistered (docs/SECURITY-shm.md).
+  // into such a buffer through its pages during the move wait in the kernel until it is over
+  // (userfaultfd write-protection: Linux 5.19+), so none of those writes is lost. Not covered:
+  // writes that do not go through the CPU's page tables (a device's DMA into pinned pages:
+  // keep such buffers off shm exports), and, where the kernel allows this process only a
+  // user-mode guard (no CAP_SYS_PTRACE and vm.unprivileged_userfaultfd=0), a system call
+  // that writes into the buffer during the move (a read(2) into it) fails with EFAULT
+  // instead of waiting; the log says which guard is in use. Where no guard is available, the
+  // shm transport turns this off and says why in its log: a closed peer then keeps its
+  // mapping until the buffer is unexported or deregistered (docs/SECURITY-shm.md).
   bool revoke_on_close = true;
 
   absl::Status Validate() const override;

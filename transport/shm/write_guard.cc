@@ -175,9 +175,16 @@ void WriteGuard::Wake() {
 
 void WriteGuard::Lift() {
   if (!uffd_.valid()) return;
-  // Best effort: the close below unregisters the range anyway, and the kernel then treats a
-  // leftover write-protect bit of an unregistered mapping as an ordinary write fault.
+  // Best effort: the kernel treats a leftover write-protect bit of an unregistered mapping as
+  // an ordinary write fault.
   (void)WriteProtect(uffd_.get(), base_, size_, false);
+  // Unregistered here, not at the close: a copy of the descriptor inherited by a child forked
+  // meanwhile would keep the range registered, and a write faulting then would wait for it.
+  uffdio_range range{};
+  range.start = reinterpret_cast<uintptr_t>(base_);
+  range.len = size_;
+  while (::ioctl(uffd_.get(), UFFDIO_UNREGISTER, &range) != 0 && errno == EINTR) {
+  }
   Wake();
 }
 
