@@ -437,6 +437,8 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
   }
   const absl::Time now = absl::Now();
   std::vector<InboxEvent> ready;
+  // Peers whose watch was set in this call: its mark follows every event of this batch too.
+  std::vector<PeerId> armed_now;
   for (auto it = parked_.begin(); it != parked_.end();) {
     connector_internal::ParkedPeer& p = it->second;
     if (!p.served && p.deadline > now) {
@@ -460,6 +462,7 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
         p.served = false;
         p.covered = p.events.size();
         p.deadline = now + kServedOpsWait;
+        armed_now.push_back(it->first);
         ++it;
         continue;
       }
@@ -475,6 +478,9 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
     }
     if (auto p = parked_.find(e.peer); p != parked_.end()) {
       p->second.events.push_back(std::move(e));
+      if (std::find(armed_now.begin(), armed_now.end(), e.peer) != armed_now.end()) {
+        ++p->second.covered;
+      }
       continue;
     }
     if (std::find(served_now.begin(), served_now.end(), e.peer) != served_now.end()) {
@@ -492,6 +498,7 @@ std::vector<InboxEvent> Connector::Impl::OrderAfterServedOps(
     p.deadline = now + kServedOpsWait;
     p.events.push_back(std::move(e));
     p.covered = 1;
+    armed_now.push_back(e.peer);
   }
   return ready;
 }

@@ -179,7 +179,8 @@ void WriteGuard::Lift() {
   // an ordinary write fault.
   (void)WriteProtect(uffd_.get(), base_, size_, false);
   // Unregistered here, not at the close: a copy of the descriptor inherited by a child forked
-  // meanwhile would keep the range registered, and a write faulting then would wait for it.
+  // meanwhile would keep the range registered, and the next move's Arm of the same range
+  // would fail (EBUSY) until that child exits.
   uffdio_range range{};
   range.start = reinterpret_cast<uintptr_t>(base_);
   range.len = size_;

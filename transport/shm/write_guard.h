@@ -59,7 +59,10 @@ class WriteGuard {
   ~WriteGuard();
 
   // When the range was NOT mapped over (the move failed): lifts the write-protection first, so
-  // that the held writers retry into the same mapping, writable again. Then as the destructor.
+  // that the held writers retry into the same mapping, writable again, and unregisters the
+  // range. Then as the destructor. Only while the range is still this guard's mapping: after
+  // a remap the range could be registered by another userfaultfd of the process, which older
+  // kernels would let this one unregister.
   void Lift();
 
  private:
