@@ -4,8 +4,9 @@
 //   then the real ServerConnection (transport/tcp/tcp_server_connection.cc) serving the
 //   stream on a real one-thread I/O pool, every op checked by core::CheckIncoming (the
 //   engine's own access check: export, bounds, permission, read grant) over three 64 KiB heap
-//   regions that ASan watches: 1 read-write, 2 read-only, 3 readable only under grant 1, which
-//   covers its bytes [4096, 12288).
+//   regions that ASan watches: 1 read-write, 2 read-only, 3 readable only under grant 1 (as
+//   the input names the one live grant, whose real id is random), which covers its bytes
+//   [4096, 12288).
 //   Initiator side: the hello reply (decoded as tcp_channel.cc does), then the real
 //   ClientConnection (tcp_client_connection.cc) with one READ request of 16 ops posted, whose
 //   responses the input supplies.
@@ -90,13 +91,16 @@ void ServeTarget(int fd, int peer_fd, std::vector<std::byte>& rw, std::vector<st
   KVWIRE_FUZZ_CHECK(regions.Add(c, /*export_to_all=*/true) == 3);
   core::GrantTable grants;
   const GrantRange granted[] = {{3, kGrantBegin, kGrantEnd - kGrantBegin}};
-  KVWIRE_FUZZ_CHECK(grants.Add(kPeer, granted) == 1);
+  // Grant ids are random (GrantTable): the inputs name the live grant as 1, translated here.
+  const GrantId live_grant = grants.Add(kPeer, granted);
+  KVWIRE_FUZZ_CHECK(live_grant != 0 && live_grant != 1);
   // The engine's side of the target: its region registry and grant table, through the engine's
   // own access check.
   kvwire::testing::FakeTargetHooks hooks(kvwire::testing::AnyToken(kPeer));
   hooks.SetResolver([&](PeerId peer, RegionId region, uint64_t offset, uint64_t length, OpKind kind,
                         GrantId grant) -> absl::StatusOr<IncomingAccess> {
     bool grant_refused = false;
+    if (grant == 1) grant = live_grant;
     absl::StatusOr<core::ResolvedRange> r = core::CheckIncoming(
         regions, grants, peer, region, offset, length, kind, grant, &grant_refused);
     if (!r.ok()) return r.status();
