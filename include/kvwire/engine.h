@@ -436,7 +436,7 @@ class Engine {
   // Target side, events instead of waits. `done` runs once, on the thread that ends the last
   // op it waits for (it must not block nor call into the engine), or is dropped with the
   // engine; each call returns true, without calling or keeping `done`, when what it waits for
-  // holds already.
+  // holds already. `done` may be empty (nothing to tell: a revocation nobody waits for).
   // WhenServedOps: every op of `peer` that began before the call has ended.
   bool WhenServedOps(PeerId peer, std::function<void()> done);
   // RevokeWhenServed: revokes `grant` of `peer` once at least `bytes` were served under it
