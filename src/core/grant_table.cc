@@ -29,14 +29,14 @@ GrantId GrantTable::Add(PeerId peer, absl::Span<const GrantRange> ranges) {
   // request ended is revoked right after it is made: its id must not be guessable meanwhile);
   // never 0 (no grant) and never one that is live for this peer.
   GrantId id = 0;
-  while (id == 0 || grants_.contains(Key{peer, id})) id = absl::Uniform<GrantId>(bitgen_);
-  grants_.emplace(Key{peer, id}, std::move(merged));
+  while (id == 0 || grants_.contains(GrantKey{peer, id})) id = absl::Uniform<GrantId>(bitgen_);
+  grants_.emplace(GrantKey{peer, id}, std::move(merged));
   return id;
 }
 
 absl::Status GrantTable::Remove(PeerId peer, GrantId grant) {
   MutexLock lock(&mu_);
-  if (grants_.erase(Key{peer, grant}) == 0) {
+  if (grants_.erase(GrantKey{peer, grant}) == 0) {
     return absl::NotFoundError(absl::StrCat("grant ", grant, " is not live for peer ", peer));
   }
   return absl::OkStatus();
@@ -60,7 +60,7 @@ absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint
         "region ", region, " is readable only under a grant, and the READ presented none"));
   }
   MutexLock lock(&mu_);
-  auto g = grants_.find(Key{peer, grant});
+  auto g = grants_.find(GrantKey{peer, grant});
   if (g == grants_.end()) {
     // Unknown, revoked, or another peer's: the same answer (a peer learns nothing of others).
     return absl::PermissionDeniedError(
@@ -82,7 +82,7 @@ absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint
 
 bool GrantTable::Live(PeerId peer, GrantId grant) const {
   MutexLock lock(&mu_);
-  return grants_.contains(Key{peer, grant});
+  return grants_.contains(GrantKey{peer, grant});
 }
 
 uint64_t GrantTable::live() const {

@@ -20,6 +20,18 @@
 
 namespace kvwire::core {
 
+// A grant as the target knows it: the peer it was made to and its id (a peer presenting
+// another peer's id matches nothing). GrantTable's and ServedOps's maps are keyed by it.
+struct GrantKey {
+  PeerId peer;
+  GrantId grant;
+  bool operator==(const GrantKey&) const = default;
+  template <typename H>
+  friend H AbslHashValue(H h, const GrantKey& k) {
+    return H::combine(std::move(h), k.peer, k.grant);
+  }
+};
+
 class GrantTable {
  public:
   // Records a grant of `ranges` (already validated against their regions) to `peer`.
@@ -37,21 +49,12 @@ class GrantTable {
   bool Live(PeerId peer, GrantId grant) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Key {
-    PeerId peer;
-    GrantId grant;
-    bool operator==(const Key&) const = default;
-    template <typename H>
-    friend H AbslHashValue(H h, const Key& k) {
-      return H::combine(std::move(h), k.peer, k.grant);
-    }
-  };
   // Per region: start offset -> end offset, merged (no two touch), so a check is one lookup.
   using Ranges = std::map<RegionId, std::map<uint64_t, uint64_t>>;
 
   mutable Mutex mu_;
   absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<Key, Ranges> grants_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<GrantKey, Ranges> grants_ ABSL_GUARDED_BY(mu_);
 };
 
 // The target's access check for one incoming op, the one place it is written (the engine's

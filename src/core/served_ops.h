@@ -88,15 +88,6 @@ class ServedOps : public std::enable_shared_from_this<ServedOps> {
 
  private:
   struct OpPin;
-  struct GrantKey {
-    PeerId peer;
-    GrantId grant;
-    bool operator==(const GrantKey&) const = default;
-    template <typename H>
-    friend H AbslHashValue(H h, const GrantKey& k) {
-      return H::combine(std::move(h), k.peer, k.grant);
-    }
-  };
   struct GrantWatch {
     uint64_t bytes = 0;
     std::function<void()> done;
