@@ -244,6 +244,10 @@ class Channel {
   // The peer exported (or re-described) regions; called before any op targets them.
   virtual absl::Status AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) = 0;
   virtual void RemoveRemoteRegions(const std::vector<RegionId>& ids) = 0;
+  // Whether ops between local device memory and `region` (added) can go over this channel.
+  // False makes the engine route transfers with local device memory that touch it elsewhere
+  // (shm's served copies, served_copy.h, move host memory only).
+  virtual bool MovesDeviceMemory(RegionId region) const { return true; }
   // Fails everything in flight with `reason` and releases the connections. Idempotent.
   virtual void Close(const absl::Status& reason) = 0;
   // For logs and stats, e.g. "tcp x4 127.0.0.1:40123", "shm memfd+cma".

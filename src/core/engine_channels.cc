@@ -135,10 +135,16 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
       keys.push_back(state.transport_keys);
     }
   }
-  std::vector<std::pair<RegionId, core::TransportMask>> routes;
+  struct Route {
+    RegionId id;
+    core::TransportMask reached;
+    core::TransportMask reached_by_device;
+  };
+  std::vector<Route> routes;
   for (size_t r = 0; r < todo.size(); ++r) {
     const transport::RemoteRegionDesc& desc = todo[r];
     core::TransportMask reached = 0;
+    core::TransportMask reached_by_device = 0;
     for (size_t i = 0; i < channels.size(); ++i) {
       if (!channels[i] || caps_[i]->reaches_every_region) continue;
       const std::string& name = caps_[i]->name;
@@ -149,22 +155,26 @@ void Engine::Impl::ResolveRemoteRegions(const std::shared_ptr<Peer>& peer) {
                            : absl::InvalidArgumentError(absl::StrCat(name, " key too long"));
       if (s.ok()) {
         reached |= core::TransportMask{1} << i;
+        if (channels[i]->MovesDeviceMemory(desc.id)) {
+          reached_by_device |= core::TransportMask{1} << i;
+        }
       } else {
         KVW_LOG(kInfo, "engine") << "region not reachable over " << name << Kv("engine", name_)
                                  << Kv("peer", peer->name) << Kv("region", desc.id)
                                  << Kv("reason", s.message());
       }
     }
-    routes.emplace_back(desc.id, reached);
+    routes.push_back({desc.id, reached, reached_by_device});
   }
   bool usable;
   {
     MutexLock lock(&peer->mu);
-    for (auto [id, reached] : routes) {
-      auto it = peer->remote.find(id);
+    for (const Route& route : routes) {
+      auto it = peer->remote.find(route.id);
       if (it == peer->remote.end()) continue;  // revoked meanwhile
       it->second.resolved = true;
-      it->second.reached_by = reached;
+      it->second.reached_by = route.reached;
+      it->second.reached_by_device = route.reached_by_device;
     }
     // During SetupChannels the regions are not usable yet: it raises the event once done.
     usable = peer->setup_done && !routes.empty();

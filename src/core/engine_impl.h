@@ -46,6 +46,9 @@ struct RemoteRegionState {
   bool resolved = false;  // the data path for it has been decided
   // Bit i: the channel of transports_[i] accepted the region (Channel::AddRemoteRegions).
   core::TransportMask reached_by = 0;
+  // Those of reached_by whose channel also moves local device memory to and from it
+  // (Channel::MovesDeviceMemory): the mask a transfer with local GPU memory routes by.
+  core::TransportMask reached_by_device = 0;
   std::map<std::string, std::string> transport_keys;  // RegionDescriptor.transport_keys
 };
 

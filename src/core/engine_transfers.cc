@@ -157,7 +157,9 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
         remote_gpu = remote_gpu || desc.kind == MemoryKind::kGpu;
         needs.grant_reads = needs.grant_reads || (kind == OpKind::kRead && desc.reads_need_grant);
         needs.guarded = needs.guarded || desc.reads_need_grant;
-        needs.reaches &= last->resolved ? last->reached_by : 0;
+        needs.reaches &= !last->resolved   ? 0
+                         : needs.local_gpu ? last->reached_by_device
+                                           : last->reached_by;
       }
       if (absl::Status s = core::CheckBounds("remote", op.remote_region, op.remote_offset,
                                              op.length, last->desc.length);

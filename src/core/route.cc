@@ -29,16 +29,21 @@ ChannelChoice::ChannelChoice(std::vector<const transport::Capabilities*> caps, s
 std::optional<size_t> ChannelChoice::Next() const {
   if (!forced_name_.empty()) {
     if (forced_ && state_[*forced_] == State::kUntried) return forced_;
-    if (!forced_ || state_[*forced_] != State::kConnected || caps_[*forced_]->checks_grants) {
+    if (!forced_ || state_[*forced_] != State::kConnected ||
+        (caps_[*forced_]->checks_grants && caps_[*forced_]->reaches_every_region)) {
       return std::nullopt;
     }
-    // The forced transport's target cannot check read grants: also the best-ranked one
-    // that can, used only for grant-guarded regions (GrantFallback).
+    // The forced transport's target cannot check read grants, or may refuse a grant-guarded
+    // region (shm: GPU memory, checksums): also the best-ranked other one that checks them for
+    // every region, used only for grant-guarded regions (GrantFallback).
+    const auto fallback = [&](size_t i) {
+      return i != *forced_ && caps_[i]->checks_grants && caps_[i]->reaches_every_region;
+    };
     for (size_t i : order_) {
-      if (caps_[i]->checks_grants && state_[i] == State::kConnected) return std::nullopt;
+      if (fallback(i) && state_[i] == State::kConnected) return std::nullopt;
     }
     for (size_t i : order_) {
-      if (caps_[i]->checks_grants && state_[i] == State::kUntried) return i;
+      if (fallback(i) && state_[i] == State::kUntried) return i;
     }
     return std::nullopt;
   }

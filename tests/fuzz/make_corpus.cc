@@ -27,6 +27,7 @@
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/gpu_region_key.h"
 #include "transport/shm/host_region_key.h"
+#include "transport/shm/served_copy.h"
 #include "transport/shm/shm_endpoint.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -235,6 +236,21 @@ void Shm() {
   fetch.kind = shm::FdRequestKind::kFetch;
   fetch.region = 3;
   Write("shm_fd_protocol", "fetch", Byte(0x00) + shm::EncodeRequest(fetch));
+  shm::FdRequest staging = hello;
+  staging.kind = shm::FdRequestKind::kStaging;
+  Write("shm_fd_protocol", "staging", Byte(0x00) + shm::EncodeRequest(staging));
+  shm::FdRequest copy = hello;
+  copy.kind = shm::FdRequestKind::kCopy;
+  copy.region = 9;
+  copy.copy_kind = OpKind::kRead;
+  copy.grant = 0x1234abcd5678ef00;
+  copy.slot = 1;
+  copy.ops = {{3, 0, 4096}, {3, 65536, 16384}};
+  Write("shm_fd_protocol", "copy", Byte(0x00) + shm::EncodeRequest(copy));
+  shm::FdReply staged;
+  staged.length = shm::kCopySlotBytes;
+  staged.flags = shm::kCopySlots;
+  Write("shm_fd_protocol", "reply-staging", Byte(0x01) + shm::EncodeReply(staged));
   shm::FdReply ok;
   ok.region = 3;
   ok.memfd_offset = 4096;

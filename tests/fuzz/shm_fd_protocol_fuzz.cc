@@ -17,8 +17,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     absl::StatusOr<FdRequest> request = DecodeRequest(bytes);
     if (!request.ok()) return 0;
     KVWIRE_FUZZ_CHECK(request->token.size() <= kMaxTokenBytes);
-    KVWIRE_FUZZ_CHECK(request->kind == FdRequestKind::kHello ||
-                      request->kind == FdRequestKind::kFetch);
+    KVWIRE_FUZZ_CHECK(
+        request->kind == FdRequestKind::kHello || request->kind == FdRequestKind::kFetch ||
+        request->kind == FdRequestKind::kStaging || request->kind == FdRequestKind::kCopy);
+    KVWIRE_FUZZ_CHECK(request->ops.size() <= kMaxCopyOps);
+    KVWIRE_FUZZ_CHECK(request->kind == FdRequestKind::kCopy || request->ops.empty());
     KVWIRE_FUZZ_CHECK(EncodeRequest(*request) == bytes);
   } else {
     absl::StatusOr<FdReply> reply = DecodeReply(bytes);
@@ -29,7 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     KVWIRE_FUZZ_CHECK(again.ok() && again->code == reply->code && again->region == reply->region &&
                       again->memfd_offset == reply->memfd_offset &&
                       again->length == reply->length && again->access == reply->access &&
-                      again->epoch_slot == reply->epoch_slot && again->epoch == reply->epoch);
+                      again->epoch_slot == reply->epoch_slot && again->epoch == reply->epoch &&
+                      again->flags == reply->flags);
   }
   return 0;
 }

@@ -2,9 +2,9 @@
 // loopback: a READ of a grant-guarded region is served only inside a live grant to the peer
 // that presents it. No grant, a made-up one, another peer's, a range outside it, or a revoked
 // one: refused by the target with PermissionDenied, counted in grant_refused, and no byte
-// arrives. Over tcp (forced) and auto on one host (shm would map the region: it must not, the
-// READs go over tcp), shm forced (the engine adds tcp for grant-guarded regions), with and
-// without a shared secret.
+// arrives. Over tcp (forced) and auto on one host (shm would map the region: it must not; the
+// target copies each op itself, served_copy.h), shm forced (likewise, with tcp added for
+// grant-guarded regions shm cannot serve), with and without a shared secret.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -242,9 +242,10 @@ TEST_P(ReadGrantsTest, GrantChecksItsArguments) {
 }
 
 // The region is never mapped by shm (a mapping would read all of it): even a WRITE to it, which
-// shm would carry if it had mapped the region, is served by the target (incoming_ops), not
-// memcpy'd. With shm forced the engine connects tcp for grant-guarded regions only; in auto,
-// tcp is the fallback for what shm cannot reach. (Forced tcp: the same checks hold trivially.)
+// shm would carry if it had mapped the region, is served by the target (incoming_ops: a served
+// copy over shm), not memcpy'd. With shm forced the engine connects tcp for grant-guarded regions
+// shm cannot serve; in auto, tcp is the fallback for what shm cannot reach. (Forced tcp: the same
+// checks hold trivially.)
 TEST_P(ReadGrantsTest, ShmNeverMapsAGrantGuardedRegion) {
   std::unique_ptr<Reader> alice = Connect("alice");
   ASSERT_TRUE(alice);

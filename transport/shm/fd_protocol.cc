@@ -57,6 +57,17 @@ std::string EncodeRequest(const FdRequest& request) {
   writer.Put(static_cast<uint8_t>(request.kind));
   writer.Put(request.region);
   writer.PutBytes(request.token);
+  if (request.kind == FdRequestKind::kCopy) {
+    writer.Put(static_cast<uint8_t>(request.copy_kind));
+    writer.Put(request.grant);
+    writer.Put(request.slot);
+    writer.Put(static_cast<uint32_t>(request.ops.size()));
+    for (const CopyOp& op : request.ops) {
+      writer.Put(op.region);
+      writer.Put(op.offset);
+      writer.Put(op.length);
+    }
+  }
   return writer.Take();
 }
 
@@ -68,16 +79,46 @@ absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes) {
   if (!reader.Get(&magic) || magic != kRequestMagic) {
     return absl::InvalidArgumentError("shm fd request: bad magic");
   }
-  if (!reader.Get(&kind) || !reader.Get(&request.region) ||
-      !reader.GetBytes(kMaxTokenBytes, &request.token) || !reader.done()) {
+  const auto malformed = [&bytes] {
     return absl::InvalidArgumentError(
         absl::StrCat("shm fd request: malformed (", bytes.size(), " bytes)"));
+  };
+  if (!reader.Get(&kind) || !reader.Get(&request.region) ||
+      !reader.GetBytes(kMaxTokenBytes, &request.token)) {
+    return malformed();
   }
   if (kind != static_cast<uint8_t>(FdRequestKind::kHello) &&
-      kind != static_cast<uint8_t>(FdRequestKind::kFetch)) {
+      kind != static_cast<uint8_t>(FdRequestKind::kFetch) &&
+      kind != static_cast<uint8_t>(FdRequestKind::kStaging) &&
+      kind != static_cast<uint8_t>(FdRequestKind::kCopy)) {
     return absl::InvalidArgumentError(absl::StrCat("shm fd request: unknown kind ", kind));
   }
   request.kind = static_cast<FdRequestKind>(kind);
+  if (request.kind == FdRequestKind::kCopy) {
+    uint8_t copy_kind = 0;
+    uint32_t count = 0;
+    if (!reader.Get(&copy_kind) || !reader.Get(&request.grant) || !reader.Get(&request.slot) ||
+        !reader.Get(&count)) {
+      return malformed();
+    }
+    if (copy_kind != static_cast<uint8_t>(OpKind::kRead) &&
+        copy_kind != static_cast<uint8_t>(OpKind::kWrite)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shm fd request: unknown copy kind ", copy_kind));
+    }
+    if (count == 0 || count > kMaxCopyOps) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shm fd request: ", count, " copy ops (1 to ", kMaxCopyOps, ")"));
+    }
+    request.copy_kind = static_cast<OpKind>(copy_kind);
+    request.ops.resize(count);
+    for (CopyOp& op : request.ops) {
+      if (!reader.Get(&op.region) || !reader.Get(&op.offset) || !reader.Get(&op.length)) {
+        return malformed();
+      }
+    }
+  }
+  if (!reader.done()) return malformed();
   return request;
 }
 
@@ -91,6 +132,7 @@ std::string EncodeReply(const FdReply& reply) {
   writer.Put(reply.access);
   writer.Put(reply.epoch_slot);
   writer.Put(reply.epoch);
+  writer.Put(reply.flags);
   // Leave room for the fixed fields so that the reply always fits one message.
   writer.PutBytes(absl::string_view(reply.message).substr(0, kMaxFdMessageBytes / 2));
   return writer.Take();
@@ -106,8 +148,8 @@ absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes) {
   }
   if (!reader.Get(&code) || !reader.Get(&reply.region) || !reader.Get(&reply.memfd_offset) ||
       !reader.Get(&reply.length) || !reader.Get(&reply.access) || !reader.Get(&reply.epoch_slot) ||
-      !reader.Get(&reply.epoch) || !reader.GetBytes(kMaxFdMessageBytes, &reply.message) ||
-      !reader.done()) {
+      !reader.Get(&reply.epoch) || !reader.Get(&reply.flags) ||
+      !reader.GetBytes(kMaxFdMessageBytes, &reply.message) || !reader.done()) {
     return absl::InternalError(absl::StrCat("shm fd reply: malformed (", bytes.size(), " bytes)"));
   }
   // absl::StatusCode has 17 values; anything else from the peer is reported as unknown.

@@ -1,13 +1,15 @@
 // Messages on the shm transport's Unix socket. Each is one SOCK_SEQPACKET datagram (the
 // socket keeps message boundaries, so there is no framing); a successful fetch reply carries
-// the region's memfd as SCM_RIGHTS ancillary data, a Hello reply the target's epoch table. Both
-// ends run on one host, so integers are in host byte order.
+// the region's memfd as SCM_RIGHTS ancillary data, a Hello reply the target's epoch table. A
+// copy request asks the target to move bytes itself (served copies: served_copy.h). Both ends
+// run on one host, so integers are in host byte order.
 #ifndef KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 #define KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -20,16 +22,36 @@ namespace kvwire::transport::shm {
 // Upper bound of one message; longer datagrams are a protocol error.
 inline constexpr size_t kMaxFdMessageBytes = 8192;
 inline constexpr size_t kMaxTokenBytes = 4096;
+// Ops in one copy request: with the longest token the request still fits one message.
+inline constexpr size_t kMaxCopyOps = 160;
 
 enum class FdRequestKind : uint8_t {
-  kHello = 1,  // checks the token (Connect fails early on a wrong one)
-  kFetch = 2,  // asks for one region's memfd
+  kHello = 1,    // checks the token (Connect fails early on a wrong one)
+  kFetch = 2,    // asks for one region's memfd
+  kStaging = 3,  // asks for the connection's staging memfd (served copies)
+  kCopy = 4,     // asks the target to copy between its regions and a staging slot
+};
+
+// One op of a copy request: `length` bytes at `offset` of the target's region `region`. The
+// ops' bytes lie one after another in the request's staging slot, in order.
+struct CopyOp {
+  RegionId region = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
 };
 
 struct FdRequest {
   FdRequestKind kind = FdRequestKind::kHello;
+  // Fetch: the region. Copy: a sequence number the reply echoes.
   RegionId region = 0;
   std::string token;
+  // Copy: READ (the target copies from its regions into the slot) or WRITE (from the slot
+  // into its regions), the read grant presented, the staging slot, and the ops (1 to
+  // kMaxCopyOps).
+  OpKind copy_kind = OpKind::kRead;
+  GrantId grant = 0;
+  uint32_t slot = 0;
+  std::vector<CopyOp> ops;
 };
 
 struct FdReply {
@@ -37,6 +59,8 @@ struct FdReply {
   std::string message;  // why, when code != kOk
   RegionId region = 0;
   uint64_t memfd_offset = 0;  // where the region starts in the attached memfd
+  // Fetch: the region's length. Staging: the bytes of one slot. Copy: the ops done (all of
+  // them on success; on an error, the index of the op that failed).
   uint64_t length = 0;
   uint32_t access = 0;  // what the target allows; the attached fd is read-only without write
   // Fetch: the word of the target's epoch table that changes when the target moves this
@@ -44,6 +68,8 @@ struct FdReply {
   // A Hello reply carries the epoch table itself (read-only, sealed).
   uint32_t epoch_slot = 0;
   uint64_t epoch = 0;
+  // Staging: the number of slots. Copy: kCopyRegionMoving (served_copy.h) or 0.
+  uint32_t flags = 0;
 };
 
 std::string EncodeRequest(const FdRequest& request);

@@ -18,6 +18,7 @@
 #include "transport/shm/errno_text.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/served_copy.h"
 #include "transport/shm/shareable_registry.h"
 
 namespace kvwire::transport::shm {
@@ -33,6 +34,8 @@ struct FdServer::Connection {
   // side already asks): retried until `auth_deadline`, then refused.
   std::optional<FdRequest> waiting;
   PeerId waiting_peer = 0;
+  // Served copies (served_copy.h): made at the peer's first kStaging request.
+  std::unique_ptr<CopyStaging> staging;
 };
 
 namespace {
@@ -321,6 +324,38 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request) {
     welcome.region = request.region;
     welcome.length = kEpochTableBytes;
     return Reply(socket, welcome, *table).ok();
+  }
+  if (request.kind == FdRequestKind::kStaging) {
+    if (connection.staging == nullptr) {
+      absl::StatusOr<std::unique_ptr<CopyStaging>> staging = CopyStaging::Create();
+      if (!staging.ok())
+        return Reply(socket, ErrorReply(request.region, staging.status()), -1).ok();
+      connection.staging = *std::move(staging);
+    }
+    FdReply reply;
+    reply.region = request.region;
+    reply.length = kCopySlotBytes;
+    reply.flags = kCopySlots;
+    return Reply(socket, reply, connection.staging->fd()).ok();
+  }
+  if (request.kind == FdRequestKind::kCopy) {
+    if (connection.staging == nullptr) {
+      const absl::Status error =
+          absl::FailedPreconditionError("shm: a copy request before the staging memfd was asked");
+      (void)Reply(socket, ErrorReply(request.region, error), -1);
+      hooks_->OnPeerError(*peer, error);
+      return false;
+    }
+    absl::Status refused;
+    const FdReply reply = ServeCopy(*hooks_, *peer, *connection.staging, request, &refused);
+    const bool sent = Reply(socket, reply, -1).ok();
+    if (!refused.ok()) {
+      KVW_LOG(kWarning, "shm") << "copy request refused" << Kv("peer", *peer)
+                               << Kv("error", reply.message);
+      hooks_->OnPeerError(*peer, absl::Status(refused.code(), reply.message));
+      return false;
+    }
+    return sent;
   }
 
   const RegionId region_id = request.region;

@@ -116,7 +116,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
                              << Kv("peer", link.peer) << Kv("error", table.status());
   }
   auto channel = std::make_unique<ShmChannel>(PassKey(), link, options, *std::move(socket), pid,
-                                              cma, std::move(epochs));
+                                              cma, std::move(epochs), endpoint.socket_name);
   KVW_LOG(kInfo, "shm") << "channel connected" << Kv("peer", link.peer)
                         << Kv("peer_name", link.peer_name) << Kv("pid", pid)
                         << Kv("path", channel->Describe());
@@ -124,13 +124,14 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const PeerLink& 
 }
 
 ShmChannel::ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket,
-                       pid_t pid, absl::Status cma, Mapping epochs)
+                       pid_t pid, absl::Status cma, Mapping epochs, std::string socket_name)
     : link_(link),
       options_(options),
       socket_(std::move(socket)),
       pid_(pid),
       cma_(std::move(cma)),
       epochs_(std::move(epochs)),
+      socket_name_(std::move(socket_name)),
       gpu_imports_(options.gpu_runtime == nullptr
                        ? nullptr
                        : std::make_unique<GpuImports>(options.gpu_runtime, options.gpu_counters)),
@@ -142,7 +143,24 @@ ShmChannel::~ShmChannel() { Close(absl::CancelledError("shm channel destroyed"))
 
 void ShmChannel::Post(PostRequest request, DoneCallback done) {
   GpuWork gpu;
-  absl::Status status = Execute(request, &gpu);
+  std::vector<size_t> served;
+  std::shared_ptr<ServedLink> link;
+  absl::Status status = Execute(request, &gpu, &served, &link);
+  if (status.ok() && !served.empty()) {
+    if (gpu.batch.empty()) {
+      // The peer copies these (served copies). A one-op request still ends before Post
+      // returns (Capabilities::ends_host_ops_inline); others end on the completions thread,
+      // so that a caller's many requests are in flight together.
+      if (request.ops.size() == 1) {
+        link->Run(std::move(request), std::move(served), std::move(done));
+      } else {
+        link->Submit(std::move(request), std::move(served), std::move(done));
+      }
+      return;
+    }
+    status = OpError(request, served.front(), absl::StatusCode::kFailedPrecondition,
+                     "device copies and served copies in one request");
+  }
   if (gpu.batch.empty()) {
     // Unpin the local regions before reporting, so that whoever waits for the transfer to
     // end finds them released, and let go of the cancellation flag, so that the engine can
@@ -171,7 +189,8 @@ void ShmChannel::Post(PostRequest request, DoneCallback done) {
 // touches the bytes). It catches what corrupts them between the two reads (a faulty copy, a
 // bad page, a mapping that is not what it should be) and a source changed while it was
 // copied; docs/CHECKSUMS.md.
-absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
+absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu,
+                                 std::vector<size_t>* served, std::shared_ptr<ServedLink>* link) {
   const bool write = request.kind == OpKind::kWrite;
   const uint32_t needed = write ? kRemoteWrite : kRemoteRead;
   const std::atomic<bool>* cancelled = request.cancelled.get();
@@ -208,6 +227,16 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu) {
     if (op.length == 0) continue;
     if (op.local == nullptr) {
       return OpError(request, i, absl::StatusCode::kInvalidArgument, "null local address");
+    }
+    if (region->served) {
+      if (op.local_gpu_device >= 0) {
+        return OpError(request, i, absl::StatusCode::kFailedPrecondition,
+                       "local GPU memory and a grant-guarded peer region: the peer's copies "
+                       "(served copies) move host memory only");
+      }
+      served->push_back(i);
+      *link = region->link;
+      continue;
     }
     if (op.local_gpu_device >= 0 || region->gpu != nullptr) {
       if (copier_ == nullptr) {
@@ -289,6 +318,13 @@ absl::Status ShmChannel::StageThroughHost(const PostRequest& request, size_t ind
   return absl::OkStatus();
 }
 
+bool ShmChannel::MovesDeviceMemory(RegionId region) const {
+  // Served copies move host memory only: the engine routes a transfer with local device
+  // memory to such a region over another transport.
+  std::shared_ptr<const RemoteRegion> found = Find(region);
+  return found == nullptr || !found->served;
+}
+
 std::shared_ptr<const ShmChannel::RemoteRegion> ShmChannel::Find(RegionId id) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
@@ -346,6 +382,31 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddO
   if (!shareable.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": ", shareable.status().message()));
   }
+  if (desc.reads_need_grant) {
+    // Never mapped (the peer's fd server refuses its memfd): the peer copies each op itself,
+    // checking its grant (served copies), or the region goes over another transport.
+    if (link_.verify_checksums) {
+      // Nothing checks a served copy end to end (docs/CHECKSUMS.md); tcp does.
+      return absl::FailedPreconditionError(
+          absl::StrCat(who,
+                       " is grant-guarded (never mapped), and served copies are not checked end to "
+                       "end (checksums are on)"));
+    }
+    absl::StatusOr<std::shared_ptr<ServedLink>> link = ServedLinkFor();
+    if (!link.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, " is grant-guarded (never mapped), and served copies are unavailable: ",
+                       link.status().message()));
+    }
+    auto region = std::make_shared<RemoteRegion>();
+    region->id = desc.id;
+    region->length = desc.length;
+    region->access = desc.access;
+    region->served = true;
+    region->link = *std::move(link);
+    region->desc = desc;
+    return region;
+  }
   if (*shareable) return MapShareable(desc);
   if (!cma_.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -362,6 +423,39 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddO
   region->address = desc.address;
   region->desc = desc;
   return region;
+}
+
+absl::StatusOr<std::shared_ptr<ServedLink>> ShmChannel::ServedLinkFor() {
+  MutexLock lock(&link_mu_);
+  if (served_link_ != nullptr) return served_link_;
+  if (!served_error_.ok()) return served_error_;
+  absl::Status error;
+  if (!options_.served_completions) {
+    error = absl::FailedPreconditionError("this shm transport serves none");
+  } else if (absl::StatusOr<std::shared_ptr<ServedCompletions>> completions =
+                 options_.served_completions();
+             !completions.ok()) {
+    error = completions.status();
+  } else if (absl::StatusOr<std::shared_ptr<ServedLink>> opened = ServedLink::Open(
+                 socket_name_, link_.token, options_.request_timeout, options_.populate_mappings,
+                 absl::Now() + options_.request_timeout);
+             !opened.ok()) {
+    error = opened.status();
+  } else if (absl::Status added = (*completions)->Add(*opened); !added.ok()) {
+    error = added;
+  } else {
+    // Close may have run meanwhile: a link made now would never be failed by it.
+    if (closed_.load(std::memory_order_acquire)) {
+      (*completions)->Remove(opened->get());
+      return ClosedError();
+    }
+    served_link_ = *opened;
+    completions_ = *completions;
+    served_.store(true, std::memory_order_relaxed);
+    return served_link_;
+  }
+  served_error_ = error;
+  return error;
 }
 
 absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapShareable(
@@ -522,6 +616,18 @@ void ShmChannel::Close(const absl::Status& reason) {
   // Wakes a request waiting for a reply; the descriptor itself stays open until destruction,
   // so no other thread can see its number reused.
   ::shutdown(socket_.get(), SHUT_RDWR);
+  std::shared_ptr<ServedLink> served_link;
+  std::shared_ptr<ServedCompletions> completions;
+  {
+    MutexLock lock(&link_mu_);
+    served_link = served_link_;
+    completions = completions_;
+  }
+  if (served_link != nullptr) {
+    // Its requests end now, with the close reason; the completions thread lets go of it.
+    served_link->Fail(reason.ok() ? absl::CancelledError("closed") : reason);
+    completions->Remove(served_link.get());
+  }
   KVW_LOG(kInfo, "shm") << "channel closed" << Kv("peer", link_.peer)
                         << Kv("peer_name", link_.peer_name) << Kv("reason", reason);
 }
@@ -529,8 +635,9 @@ void ShmChannel::Close(const absl::Status& reason) {
 std::string ShmChannel::Describe() const {
   const char* gpu = copier_ != nullptr ? "+gpu-ipc" : "";
   const char* crc = link_.verify_checksums ? " +crc32c" : "";
-  if (cma_.ok()) return absl::StrCat("shm memfd+cma", gpu, crc);
-  return absl::StrCat("shm memfd", gpu, crc, " (cma refused: ", cma_.message(), ")");
+  const char* served = served_.load(std::memory_order_relaxed) ? "+served" : "";
+  if (cma_.ok()) return absl::StrCat("shm memfd+cma", served, gpu, crc);
+  return absl::StrCat("shm memfd", served, gpu, crc, " (cma refused: ", cma_.message(), ")");
 }
 
 }  // namespace kvwire::transport::shm

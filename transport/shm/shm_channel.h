@@ -1,6 +1,8 @@
 // ShmChannel: the initiator's link to one peer on this host. Memfd-backed regions of the peer
-// are mapped once (AddRemoteRegions) and each op is one memcpy in the caller's thread; other
-// host regions move with cross-memory attach when the kernel permits it. GPU regions of the
+// are mapped once (AddRemoteRegions) and each op is one memcpy in the caller's thread; the
+// peer's grant-guarded regions, never mapped, are copied by the peer itself (served copies,
+// served_copy.h) while the caller waits; other host regions move with cross-memory attach
+// when the kernel permits it. GPU regions of the
 // peer are opened from their allocation's IPC handle (once per allocation, gpu_imports.h), and
 // every op whose local or remote side is device memory is a runtime copy on the channel's
 // device streams, reported when the device has finished it (gpu_copier.h).
@@ -10,6 +12,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +27,8 @@
 #include "transport/shm/gpu_copier.h"
 #include "transport/shm/gpu_imports.h"
 #include "transport/shm/mapping.h"
+#include "transport/shm/served_completions.h"
+#include "transport/shm/served_link.h"
 #include "transport/shm/shm_endpoint.h"
 #include "transport/shm/unique_fd.h"
 #include "transport/transport.h"
@@ -39,6 +44,9 @@ class ShmChannel final : public Channel {
     // Null: the peer's GPU regions are refused (they go over another transport).
     gpu::Runtime* gpu_runtime = nullptr;
     std::shared_ptr<ShmGpuCounters> gpu_counters;  // not null when gpu_runtime is set
+    // The transport's served-copy thread (started on first use); null: no served copies, the
+    // peer's grant-guarded regions go over another transport.
+    std::function<absl::StatusOr<std::shared_ptr<ServedCompletions>>()> served_completions;
   };
 
   // Connects to the peer's socket and proves the session token (within link.deadline), then
@@ -53,7 +61,7 @@ class ShmChannel final : public Channel {
     PassKey() = default;
   };
   ShmChannel(PassKey, const PeerLink& link, const Options& options, UniqueFd socket, pid_t pid,
-             absl::Status cma, Mapping epochs);
+             absl::Status cma, Mapping epochs, std::string socket_name);
   ~ShmChannel() override;
 
   void Post(PostRequest request, DoneCallback done) override;
@@ -62,6 +70,7 @@ class ShmChannel final : public Channel {
   // engine can route those over another transport.
   absl::Status AddRemoteRegions(const std::vector<RemoteRegionDesc>& regions) override;
   void RemoveRemoteRegions(const std::vector<RegionId>& ids) override;
+  bool MovesDeviceMemory(RegionId region) const override;
   void Close(const absl::Status& reason) override;
   std::string Describe() const override;
 
@@ -71,7 +80,10 @@ class ShmChannel final : public Channel {
     uint64_t length = 0;
     uint32_t access = kAccessNone;
     bool mapped = false;  // memfd-backed: copies go through `mapping`
-    Mapping mapping;      // empty for a 0-byte region
+    // Grant-guarded host memory: the peer copies each op (served copies, through `link`).
+    bool served = false;
+    std::shared_ptr<ServedLink> link;
+    Mapping mapping;  // empty for a 0-byte region
     // Mapped: the peer's epoch word for the buffer, and its value for `mapping`'s memfd (the
     // peer moved the buffer when they differ: shareable_registry.h).
     const uint64_t* epoch_word = nullptr;
@@ -91,7 +103,10 @@ class ShmChannel final : public Channel {
     std::vector<std::shared_ptr<const void>> buffers;
   };
 
-  absl::Status Execute(const PostRequest& request, GpuWork* gpu);
+  // Moves every op it can now; the indices of ops on served regions go to `served`, for the
+  // peer to copy through `link`.
+  absl::Status Execute(const PostRequest& request, GpuWork* gpu, std::vector<size_t>* served,
+                       std::shared_ptr<ServedLink>* link);
   // Op `index` of `request` between this process's memory and a mapping of the peer's, with
   // the end-to-end check when the link asks for it (DataLoss on a mismatch).
   absl::Status CopyChecked(const PostRequest& request, size_t index, std::byte* dst,
@@ -100,6 +115,9 @@ class ShmChannel final : public Channel {
   // touch device memory): staged through a host buffer of this process.
   absl::Status StageThroughHost(const PostRequest& request, size_t index,
                                 const RemoteRegion& region, int device, GpuWork* gpu);
+  // The served-copy link to the peer (served_link.h), opened at the first grant-guarded
+  // region; an error says why such regions go over another transport.
+  absl::StatusOr<std::shared_ptr<ServedLink>> ServedLinkFor();
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
   // The peer moved the buffer behind `stale` (its epoch word changed): maps the memfd it
@@ -136,6 +154,14 @@ class ShmChannel final : public Channel {
   // A request failed below the protocol (timeout, peer gone): a late reply could answer the
   // next request, so the socket is not used again.
   absl::Status rpc_broken_ ABSL_GUARDED_BY(rpc_mu_);
+
+  const std::string socket_name_;  // the peer's fd server (a served-copy link connects too)
+  Mutex link_mu_;
+  std::shared_ptr<ServedLink> served_link_ ABSL_GUARDED_BY(link_mu_);
+  // Set when opening it failed: why the peer's grant-guarded regions go over another transport.
+  absl::Status served_error_ ABSL_GUARDED_BY(link_mu_);
+  std::shared_ptr<ServedCompletions> completions_ ABSL_GUARDED_BY(link_mu_);
+  std::atomic<bool> served_{false};  // served_link_ is open (for Describe)
 
   // Set when options_.gpu_runtime is. The copier is destroyed first: it waits for the copies
   // in flight and reports their requests.

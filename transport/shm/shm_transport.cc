@@ -30,6 +30,7 @@
 #include "transport/shm/host_region_key.h"
 #include "transport/shm/local_regions.h"
 #include "transport/shm/seqpacket.h"
+#include "transport/shm/served_completions.h"
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_channel.h"
 #include "transport/shm/shm_endpoint.h"
@@ -69,6 +70,9 @@ class ShmTransport final : public Transport {
     caps_.rank = 10;  // one memcpy (or one device copy) per op
     // A WRITE is visible in the target's memory when the initiator's copy returns.
     caps_.counts_arrivals = false;
+    // A grant-guarded region is never mapped: the target copies its ops itself after checking
+    // each one's grant (served copies, served_copy.h), or the region goes over tcp.
+    caps_.checks_grants = true;
     caps_.max_op_bytes = options.max_op_bytes;
     caps_.max_lanes = 1;
     // Device memory moves with runtime copies between IPC-mapped allocations (one host).
@@ -177,6 +181,7 @@ class ShmTransport final : public Transport {
     options.request_timeout = options_.request_timeout;
     options.gpu_runtime = gpu_;
     options.gpu_counters = gpu_counters_;
+    options.served_completions = [this] { return ServedCompletions(); };
     absl::StatusOr<std::unique_ptr<shm::ShmChannel>> channel =
         shm::ShmChannel::Connect(link, *endpoint, options);
     if (!channel.ok()) return channel.status();
@@ -225,12 +230,33 @@ class ShmTransport final : public Transport {
     if (shut_down_.exchange(true, std::memory_order_acq_rel)) return;
     Stopping();
     if (mover_.joinable()) mover_.join();
+    std::shared_ptr<shm::ServedCompletions> completions;
+    {
+      MutexLock lock(&completions_mu_);
+      completions = std::move(completions_);
+    }
+    if (completions != nullptr) completions->Shutdown();
     if (server_ != nullptr) server_->Shutdown();
     regions_.Clear();
     gpu_exports_.Clear();
   }
 
  private:
+  // The thread that handles every channel's served copies, started at the first.
+  absl::StatusOr<std::shared_ptr<shm::ServedCompletions>> ServedCompletions() {
+    MutexLock lock(&completions_mu_);
+    if (shut_down_.load(std::memory_order_acquire)) {
+      return absl::FailedPreconditionError("shm transport is shut down");
+    }
+    if (completions_ == nullptr) {
+      absl::StatusOr<std::shared_ptr<shm::ServedCompletions>> started =
+          shm::ServedCompletions::Start();
+      if (!started.ok()) return started.status();
+      completions_ = *std::move(started);
+    }
+    return completions_;
+  }
+
   struct PendingMove {
     const std::byte* base = nullptr;
     std::string why;
@@ -326,6 +352,8 @@ class ShmTransport final : public Transport {
   std::deque<PendingMove> move_queue_ ABSL_GUARDED_BY(move_mu_);
   bool stopping_ ABSL_GUARDED_BY(move_mu_) = false;
   std::thread mover_;
+  Mutex completions_mu_;
+  std::shared_ptr<shm::ServedCompletions> completions_ ABSL_GUARDED_BY(completions_mu_);
 };
 
 }  // namespace

@@ -149,6 +149,35 @@ TEST_F(RouteTest, ForcedTransportGetsAGrantCheckingFallbackForGuardedRegionsOnly
   EXPECT_THAT(no_tcp.status().message(), HasSubstr("does not check read grants"));
 }
 
+// A forced transport that checks grants but reaches regions one by one (shm serves the ops of
+// grant-guarded host regions itself, not those it cannot: GPU memory, checksums) still gets
+// the fallback, which must reach every region: the best one that checks grants for all (tcp),
+// not another per-region one.
+TEST_F(RouteTest, ForcedPerRegionGrantCheckerGetsAFallbackThatReachesEveryRegion) {
+  tcp_.checks_grants = true;
+  shm_.checks_grants = true;
+  rdma_.checks_grants = true;  // per-region too
+  ChannelChoice shm(caps_, "shm");
+  ASSERT_EQ(shm.Next(), kShm);
+  shm.Connected(kShm);
+  ASSERT_EQ(shm.Next(), kTcp);
+  shm.Connected(kTcp);
+  EXPECT_EQ(shm.Next(), std::nullopt);
+  EXPECT_EQ(shm.GrantFallback(), kTcp);
+  // A guarded READ goes over shm where shm took the region, else over tcp.
+  const TransportMask connected = TransportMask{1} << kShm | TransportMask{1} << kTcp;
+  TransferNeeds needs;
+  needs.kind = OpKind::kRead;
+  needs.local_host = true;
+  needs.grant_reads = true;
+  needs.guarded = true;
+  needs.guarded_only = TransportMask{1} << kTcp;
+  needs.reaches = TransportMask{1} << kShm;
+  EXPECT_EQ(*PickTransport(caps_, connected, needs, "p"), kShm);
+  needs.reaches = 0;
+  EXPECT_EQ(*PickTransport(caps_, connected, needs, "p"), kTcp);
+}
+
 TEST_F(RouteTest, ForcedTransportThisEngineLacksIsRefusedByName) {
   std::vector<const transport::Capabilities*> caps = {&tcp_, &shm_};
   ChannelChoice choice(caps, "rdma");

@@ -2,6 +2,7 @@
 #include <string>
 #include <unistd.h>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "transport/shm/fd_protocol.h"
@@ -10,6 +11,8 @@
 
 namespace kvwire::transport::shm {
 namespace {
+
+using ::testing::HasSubstr;
 
 TEST(ShmEndpointTest, RoundTripsAnyBytes) {
   ShmEndpoint endpoint;
@@ -108,6 +111,69 @@ TEST(FdProtocolTest, RejectsMalformedRequests) {
   EXPECT_FALSE(DecodeRequest(bad_kind).ok());
   request.token = std::string(kMaxTokenBytes + 1, 'x');
   EXPECT_FALSE(DecodeRequest(EncodeRequest(request)).ok()) << "token too long";
+}
+
+TEST(FdProtocolTest, CopyRequestRoundTrip) {
+  FdRequest request;
+  request.kind = FdRequestKind::kCopy;
+  request.region = 12;  // the sequence number
+  request.token = "tok";
+  request.copy_kind = OpKind::kWrite;
+  request.grant = uint64_t{0xfeedface} << 20;
+  request.slot = 3;
+  for (size_t i = 0; i < kMaxCopyOps; ++i) request.ops.push_back(CopyOp{i + 1, i * 4096, 4096});
+  const std::string bytes = EncodeRequest(request);
+  EXPECT_LE(bytes.size() + kMaxTokenBytes - request.token.size(), kMaxFdMessageBytes)
+      << "a copy request with the longest token must fit one message";
+  absl::StatusOr<FdRequest> decoded = DecodeRequest(bytes);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->kind, FdRequestKind::kCopy);
+  EXPECT_EQ(decoded->region, 12u);
+  EXPECT_EQ(decoded->copy_kind, OpKind::kWrite);
+  EXPECT_EQ(decoded->grant, request.grant);
+  EXPECT_EQ(decoded->slot, 3u);
+  ASSERT_EQ(decoded->ops.size(), kMaxCopyOps);
+  EXPECT_EQ(decoded->ops[5].region, 6u);
+  EXPECT_EQ(decoded->ops[5].offset, 5u * 4096);
+  EXPECT_EQ(decoded->ops[5].length, 4096u);
+  EXPECT_EQ(EncodeRequest(*decoded), bytes);
+
+  FdRequest staging;
+  staging.kind = FdRequestKind::kStaging;
+  staging.token = "tok";
+  decoded = DecodeRequest(EncodeRequest(staging));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->kind, FdRequestKind::kStaging);
+  EXPECT_TRUE(decoded->ops.empty());
+}
+
+TEST(FdProtocolTest, RejectsMalformedCopyRequests) {
+  FdRequest request;
+  request.kind = FdRequestKind::kCopy;
+  request.token = "t";
+  request.ops.push_back(CopyOp{1, 0, 64});
+  const std::string good = EncodeRequest(request);
+  ASSERT_TRUE(DecodeRequest(good).ok());
+  EXPECT_FALSE(DecodeRequest(good.substr(0, good.size() - 1)).ok()) << "truncated op";
+  EXPECT_FALSE(DecodeRequest(good + "x").ok()) << "trailing bytes";
+  FdRequest none = request;
+  none.ops.clear();
+  EXPECT_THAT(DecodeRequest(EncodeRequest(none)).status().message(), HasSubstr("0 copy ops"));
+  FdRequest many = request;
+  many.ops.assign(kMaxCopyOps + 1, CopyOp{1, 0, 64});
+  EXPECT_FALSE(DecodeRequest(EncodeRequest(many)).ok()) << "more ops than kMaxCopyOps";
+  // The copy kind byte follows magic, kind, sequence and the token (4 + 1 + 8 + 4 + 1).
+  std::string bad_kind = good;
+  bad_kind[18] = 7;
+  EXPECT_THAT(DecodeRequest(bad_kind).status().message(), HasSubstr("unknown copy kind"));
+}
+
+TEST(FdProtocolTest, ReplyFlagsRoundTrip) {
+  FdReply reply;
+  reply.flags = 0x80000001u;
+  absl::StatusOr<FdReply> decoded = DecodeReply(EncodeReply(reply));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->flags, 0x80000001u);
 }
 
 }  // namespace

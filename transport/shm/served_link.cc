@@ -1,0 +1,397 @@
+#include "transport/shm/served_link.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fcntl.h>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#include "transport/shm/fd_client.h"
+#include "transport/shm/fd_protocol.h"
+#include "transport/shm/seqpacket.h"
+#include "transport/shm/shm_channel_internal.h"
+
+namespace kvwire::transport::shm {
+namespace {
+
+// Requests are not cut smaller than this (each costs a round trip through both processes),
+// nor larger than a slot.
+constexpr uint64_t kMinCopyRequestBytes = uint64_t{256} << 10;
+// How long to wait before asking again for ops on a region the peer is moving.
+constexpr absl::Duration kMovingRetry = absl::Milliseconds(1);
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<ServedLink>> ServedLink::Open(const std::string& socket_name,
+                                                             const std::string& token,
+                                                             absl::Duration request_timeout,
+                                                             bool populate, absl::Time deadline) {
+  absl::StatusOr<UniqueFd> socket = ConnectSeqpacket(socket_name, deadline);
+  if (!socket.ok()) return socket.status();
+  FdRequest ask;
+  ask.kind = FdRequestKind::kStaging;
+  ask.token = token;
+  absl::StatusOr<FdResponse> called = CallFdServer(socket->get(), ask, deadline);
+  if (!called.ok()) return called.status();
+  const FdReply& reply = called->reply;
+  if (reply.code != absl::StatusCode::kOk) {
+    return absl::Status(reply.code, absl::StrCat("the peer refused: ", reply.message));
+  }
+  if (reply.length != kCopySlotBytes || reply.flags != kCopySlots) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the peer's staging has ", reply.flags, " slots of ", reply.length,
+                     " bytes, this build's ", kCopySlots, " of ", kCopySlotBytes));
+  }
+  const int fd = called->fd.get();
+  struct stat info;
+  const int seals = fd >= 0 ? ::fcntl(fd, F_GET_SEALS) : -1;
+  // Mapping a file that can shrink would let the peer SIGBUS this process.
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(fd, &info) != 0 ||
+      static_cast<uint64_t>(info.st_size) < kCopySlots * kCopySlotBytes) {
+    return absl::FailedPreconditionError("the staging memfd is not a sealed memfd of its size");
+  }
+  absl::StatusOr<Mapping> staging =
+      Mapping::Create(fd, 0, kCopySlots * kCopySlotBytes, PROT_READ | PROT_WRITE, populate);
+  if (!staging.ok()) return staging.status();
+  return std::make_shared<ServedLink>(PassKey(), *std::move(socket), *std::move(staging), token,
+                                      request_timeout);
+}
+
+ServedLink::ServedLink(PassKey, UniqueFd socket, Mapping staging, std::string token,
+                       absl::Duration request_timeout)
+    : socket_(std::move(socket)),
+      staging_(std::move(staging)),
+      token_(std::move(token)),
+      request_timeout_(request_timeout) {}
+
+void ServedLink::SetWake(std::function<void()> wake) {
+  MutexLock lock(&mu_);
+  wake_ = std::move(wake);
+}
+
+std::shared_ptr<ServedLink::Job> ServedLink::MakeJob(PostRequest request,
+                                                     std::vector<size_t> indices, DoneCallback done,
+                                                     bool waited) {
+  auto job = std::make_shared<Job>();
+  uint64_t total = 0;
+  for (size_t i : indices) total += request.ops[i].length;
+  // A job that fits one slot is still cut in two (down to kMinCopyRequestBytes), so that the
+  // peer fills one slot while this side empties the other.
+  job->request_bytes =
+      std::clamp<uint64_t>(total / kCopySlots, kMinCopyRequestBytes, kCopySlotBytes);
+  job->request = std::move(request);
+  job->indices = std::move(indices);
+  job->done = std::move(done);
+  job->waited = waited;
+  return job;
+}
+
+void ServedLink::Submit(PostRequest request, std::vector<size_t> indices, DoneCallback done) {
+  Enqueue(MakeJob(std::move(request), std::move(indices), std::move(done), /*waited=*/false));
+}
+
+void ServedLink::Enqueue(std::shared_ptr<Job> job) {
+  Ended ended;
+  std::function<void()> wake;
+  {
+    MutexLock lock(&mu_);
+    const bool idle = IdleLocked();
+    jobs_.push_back(std::move(job));
+    if (!broken_.ok()) {
+      BreakLocked(broken_, &ended);
+    } else {
+      PumpLocked(&ended);
+    }
+    if (idle && !IdleLocked()) wake = wake_;
+  }
+  if (wake) wake();
+  Report(ended);
+}
+
+void ServedLink::Run(PostRequest request, std::vector<size_t> indices, DoneCallback done) {
+  std::shared_ptr<Job> job =
+      MakeJob(std::move(request), std::move(indices), nullptr, /*waited=*/true);
+  Enqueue(job);
+  absl::Status status;
+  // The completions thread ends the job (a reply, or its request overdue); this bound only
+  // guards against that thread being gone.
+  const absl::Time limit = absl::Now() + request_timeout_ * 2 + absl::Seconds(1);
+  while (true) {
+    Ended others;
+    {
+      MutexLock lock(&mu_);
+      if (job->ended) {
+        status = job->status;
+        break;
+      }
+      if (!ended_cv_.WaitUntil(&mu_, limit) && !job->ended) {
+        BreakLocked(absl::DeadlineExceededError("served copies: no progress"), &others);
+      }
+    }
+    Report(others);
+  }
+  // Unpinned before reporting, as ShmChannel::Post does.
+  job->request.pins.clear();
+  job->request.cancelled.reset();
+  done(std::move(status));
+}
+
+bool ServedLink::IdleLocked() const {
+  return std::none_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.busy; });
+}
+
+void ServedLink::PumpLocked(Ended* ended) {
+  const absl::Time now = absl::Now();
+  for (size_t s = 0; s < slots_.size() && now >= paused_until_; ++s) {
+    Slot& slot = slots_[s];
+    if (slot.busy) continue;
+    // The oldest job with something left to ask for.
+    std::shared_ptr<Job> job;
+    for (const std::shared_ptr<Job>& candidate : jobs_) {
+      if (!candidate->status.ok()) continue;
+      if (candidate->todo.empty() && candidate->next == candidate->indices.size()) continue;
+      const std::atomic<bool>* cancelled = candidate->request.cancelled.get();
+      if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+        // The transfer already ended: for a READ, local memory must not change any more.
+        FailJobLocked(*candidate, OpError(candidate->request, candidate->indices.front(),
+                                          absl::StatusCode::kCancelled, "transfer cancelled"));
+        continue;
+      }
+      job = candidate;
+      break;
+    }
+    if (job == nullptr) break;
+    FdRequest ask;
+    ask.kind = FdRequestKind::kCopy;
+    ask.region = next_sequence_++;
+    ask.token = token_;
+    ask.copy_kind = job->request.kind;
+    ask.grant = job->request.grant;
+    ask.slot = static_cast<uint32_t>(s);
+    std::byte* const data = staging_.data() + s * kCopySlotBytes;
+    const bool write = job->request.kind == OpKind::kWrite;
+    slot.pieces.clear();
+    uint64_t used = 0;
+    while (ask.ops.size() < kMaxCopyOps && used < job->request_bytes) {
+      if (job->todo.empty()) {
+        if (job->next == job->indices.size()) break;
+        const size_t index = job->indices[job->next++];
+        const WireOp& op = job->request.ops[index];
+        job->todo.push_back(Piece{index, op.local, op.remote_region, op.remote_offset, op.length});
+      }
+      Piece& front = job->todo.front();
+      Piece piece = front;
+      piece.length = std::min(front.length, job->request_bytes - used);
+      if (piece.length == front.length) {
+        job->todo.pop_front();
+      } else {
+        front.local += piece.length;
+        front.offset += piece.length;
+        front.length -= piece.length;
+      }
+      if (write) std::memcpy(data + used, piece.local, piece.length);
+      ask.ops.push_back(CopyOp{piece.region, piece.offset, piece.length});
+      slot.pieces.push_back(piece);
+      used += piece.length;
+    }
+    if (absl::Status sent =
+            SendMessage(socket_.get(), EncodeRequest(ask), -1, now + request_timeout_);
+        !sent.ok()) {
+      BreakLocked(absl::Status(sent.code(), absl::StrCat("served copies: the connection to the "
+                                                         "peer was lost: ",
+                                                         sent.message())),
+                  ended);
+      return;
+    }
+    slot.busy = true;
+    slot.sequence = ask.region;
+    slot.due = now + request_timeout_;
+    slot.job = std::move(job);
+    ++slot.job->outstanding;
+  }
+  CollectLocked(ended);
+}
+
+void ServedLink::Progress() {
+  Ended ended;
+  {
+    MutexLock lock(&mu_);
+    if (!broken_.ok()) return;
+    while (true) {
+      absl::StatusOr<ReceivedMessage> message =
+          ReceiveMessage(socket_.get(), kMaxFdMessageBytes, absl::InfinitePast());
+      if (absl::IsDeadlineExceeded(message.status())) break;  // nothing more there
+      if (!message.ok() || message->eof) {
+        BreakLocked(message.ok() ? absl::UnavailableError("served copies: the peer closed "
+                                                          "the connection")
+                                 : absl::Status(message.status().code(),
+                                                absl::StrCat("served copies: the connection to "
+                                                             "the peer was lost: ",
+                                                             message.status().message())),
+                    &ended);
+        break;
+      }
+      HandleReplyLocked(message->bytes, &ended);
+      if (!broken_.ok()) break;
+    }
+    if (broken_.ok()) {
+      const absl::Time now = absl::Now();
+      for (const Slot& slot : slots_) {
+        if (slot.busy && slot.due <= now) {
+          BreakLocked(absl::DeadlineExceededError(absl::StrCat(
+                          "served copies: the peer did not answer copy request ", slot.sequence,
+                          " within ", absl::FormatDuration(request_timeout_))),
+                      &ended);
+          break;
+        }
+      }
+    }
+    if (broken_.ok()) PumpLocked(&ended);
+  }
+  Report(ended);
+}
+
+void ServedLink::HandleReplyLocked(const std::string& bytes, Ended* ended) {
+  absl::StatusOr<FdReply> reply = DecodeReply(bytes);
+  if (!reply.ok()) {
+    BreakLocked(absl::Status(reply.status().code(),
+                             absl::StrCat("served copies: ", reply.status().message())),
+                ended);
+    return;
+  }
+  auto it = std::find_if(slots_.begin(), slots_.end(),
+                         [&](const Slot& s) { return s.busy && s.sequence == reply->region; });
+  if (it == slots_.end()) {
+    BreakLocked(absl::InternalError(absl::StrCat("served copies: a reply for copy request ",
+                                                 reply->region, ", which is not in flight")),
+                ended);
+    return;
+  }
+  Slot& slot = *it;
+  std::shared_ptr<Job> job = std::move(slot.job);
+  std::vector<Piece> pieces = std::move(slot.pieces);
+  slot.busy = false;
+  slot.pieces.clear();
+  --job->outstanding;
+  const bool ok = reply->code == absl::StatusCode::kOk;
+  // The ops the peer finished: all, or those before the one it names (its word: checked).
+  const size_t finished = ok ? pieces.size() : std::min<uint64_t>(reply->length, pieces.size() - 1);
+  const bool moving = !ok && (reply->flags & kCopyRegionMoving) != 0;
+  if (job->status.ok() && job->request.kind == OpKind::kRead && finished > 0) {
+    const std::atomic<bool>* cancelled = job->request.cancelled.get();
+    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+      FailJobLocked(*job, OpError(job->request, pieces.front().op_index,
+                                  absl::StatusCode::kCancelled, "transfer cancelled"));
+    } else {
+      const std::byte* from = staging_.data() + (it - slots_.begin()) * kCopySlotBytes;
+      for (size_t p = 0; p < finished; ++p) {
+        std::memcpy(pieces[p].local, from, pieces[p].length);
+        from += pieces[p].length;
+      }
+    }
+  }
+  if (!ok && job->status.ok()) {
+    if (moving) {
+      // Asked again once the move is over (each round is bounded by request_timeout, and a
+      // move by its own deadline).
+      job->todo.insert(job->todo.begin(), pieces.begin() + finished, pieces.end());
+      paused_until_ = absl::Now() + kMovingRetry;
+    } else {
+      FailJobLocked(*job, OpError(job->request, pieces[finished].op_index, reply->code,
+                                  absl::StrCat("the peer refused its copy (served copies): ",
+                                               reply->message)));
+    }
+  }
+}
+
+void ServedLink::FailJobLocked(Job& job, absl::Status status) {
+  if (job.status.ok()) job.status = std::move(status);
+  job.todo.clear();
+  job.next = job.indices.size();
+}
+
+void ServedLink::BreakLocked(const absl::Status& reason, Ended* ended) {
+  if (broken_.ok()) {
+    broken_ = reason;
+    ::shutdown(socket_.get(), SHUT_RDWR);
+  }
+  // Nothing in flight is read any more: its slots are free, and nothing of it is copied out.
+  for (Slot& slot : slots_) {
+    if (!slot.busy) continue;
+    --slot.job->outstanding;
+    slot.busy = false;
+    slot.job.reset();
+    slot.pieces.clear();
+  }
+  for (const std::shared_ptr<Job>& job : jobs_) {
+    FailJobLocked(*job,
+                  OpError(job->request, job->indices.front(), broken_.code(), broken_.message()));
+  }
+  CollectLocked(ended);
+}
+
+void ServedLink::CollectLocked(Ended* ended) {
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    Job& job = **it;
+    const bool asked_all = job.todo.empty() && job.next == job.indices.size();
+    if (job.outstanding != 0 || !asked_all) {
+      ++it;
+      continue;
+    }
+    ended->push_back(std::move(*it));
+    it = jobs_.erase(it);
+  }
+}
+
+void ServedLink::Report(Ended& ended) {
+  if (ended.empty()) return;
+  bool waited = false;
+  {
+    MutexLock lock(&mu_);
+    for (const std::shared_ptr<Job>& job : ended) {
+      job->ended = true;
+      waited = waited || job->waited;
+    }
+  }
+  if (waited) ended_cv_.SignalAll();
+  for (const std::shared_ptr<Job>& job : ended) {
+    if (job->waited) continue;
+    // Unpinned before reporting, as ShmChannel::Post does.
+    job->request.pins.clear();
+    job->request.cancelled.reset();
+    DoneCallback done = std::move(job->done);
+    done(job->status);
+  }
+  ended.clear();
+}
+
+void ServedLink::Fail(const absl::Status& reason) {
+  Ended ended;
+  {
+    MutexLock lock(&mu_);
+    BreakLocked(reason, &ended);
+  }
+  Report(ended);
+}
+
+bool ServedLink::broken() {
+  MutexLock lock(&mu_);
+  return !broken_.ok();
+}
+
+absl::Time ServedLink::NextWake() {
+  MutexLock lock(&mu_);
+  absl::Time wake = absl::InfiniteFuture();
+  for (const Slot& slot : slots_) {
+    if (slot.busy) wake = std::min(wake, slot.due);
+  }
+  if (!jobs_.empty() && paused_until_ > absl::Now()) wake = std::min(wake, paused_until_);
+  return wake;
+}
+
+}  // namespace kvwire::transport::shm
