@@ -1,6 +1,7 @@
-// The target side of the shm transport: a thread answering peers' requests for region memfds
-// on an abstract Unix socket. Every request carries the session token; the engine's hooks
-// decide which peer it is and whether the region is exported to it.
+// The target side of the shm transport: a thread answering peers' requests for region memfds,
+// and their served copies of grant-guarded regions (served_copy.h), on an abstract Unix socket.
+// Every request carries the session token; the engine's hooks decide which peer it is and
+// whether the region is exported to it (and, for a copy, whether each op is allowed).
 #ifndef KVWIRE_TRANSPORT_SHM_FD_SERVER_H_
 #define KVWIRE_TRANSPORT_SHM_FD_SERVER_H_
 
