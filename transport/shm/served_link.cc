@@ -178,21 +178,25 @@ void ServedLink::PumpLocked(Ended* ended) {
     slot.pieces.clear();
     uint64_t used = 0;
     while (ask.ops.size() < kMaxCopyOps && used < job->request_bytes) {
-      if (job->todo.empty()) {
-        if (job->next == job->indices.size()) break;
+      // Pieces put back (a remainder, or ops to ask again) come first, then the next op; only
+      // what does not fit whole goes through `todo` (no allocation per op).
+      Piece piece;
+      const bool from_todo = !job->todo.empty();
+      if (from_todo) {
+        piece = job->todo.front();
+      } else if (job->next < job->indices.size()) {
         const size_t index = job->indices[job->next++];
         const WireOp& op = job->request.ops[index];
-        job->todo.push_back(Piece{index, op.local, op.remote_region, op.remote_offset, op.length});
-      }
-      Piece& front = job->todo.front();
-      Piece piece = front;
-      piece.length = std::min(front.length, job->request_bytes - used);
-      if (piece.length == front.length) {
-        job->todo.pop_front();
+        piece = Piece{index, op.local, op.remote_region, op.remote_offset, op.length};
       } else {
-        front.local += piece.length;
-        front.offset += piece.length;
-        front.length -= piece.length;
+        break;
+      }
+      const uint64_t whole = piece.length;
+      piece.length = std::min(whole, job->request_bytes - used);
+      if (from_todo) job->todo.pop_front();
+      if (piece.length < whole) {
+        job->todo.push_front(Piece{piece.op_index, piece.local + piece.length, piece.region,
+                                   piece.offset + piece.length, whole - piece.length});
       }
       if (write) std::memcpy(data + used, piece.local, piece.length);
       ask.ops.push_back(CopyOp{piece.region, piece.offset, piece.length});
@@ -274,9 +278,9 @@ void ServedLink::HandleReplyLocked(const std::string& bytes, Ended* ended) {
   }
   Slot& slot = *it;
   std::shared_ptr<Job> job = std::move(slot.job);
-  std::vector<Piece> pieces = std::move(slot.pieces);
+  // Read in place and cleared at the end (the slot keeps its capacity for the next request).
+  std::vector<Piece>& pieces = slot.pieces;
   slot.busy = false;
-  slot.pieces.clear();
   --job->outstanding;
   const bool ok = reply->code == absl::StatusCode::kOk;
   // The ops the peer finished: all, or those before the one it names (its word: checked).
@@ -307,6 +311,7 @@ void ServedLink::HandleReplyLocked(const std::string& bytes, Ended* ended) {
                                                reply->message)));
     }
   }
+  pieces.clear();
 }
 
 void ServedLink::FailJobLocked(Job& job, absl::Status status) {

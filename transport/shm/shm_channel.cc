@@ -234,6 +234,7 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu,
                        "local GPU memory and a grant-guarded peer region: the peer's copies "
                        "(served copies) move host memory only");
       }
+      if (served->empty()) served->reserve(request.ops.size() - i);
       served->push_back(i);
       *link = region->link;
       continue;
