@@ -135,14 +135,15 @@ def write_mode_params(p, tid):
 
 # (mode, transport asked for, KV in shareable memory, read_grants, the transport that moves
 # the KV). With read grants (the default) the KV regions are readable only under a grant and
-# never mapped by a peer, so over "shm" their READs and WRITEs go over tcp (the transport that
-# checks grants); without them shm maps the KV and moves it itself.
+# never mapped by a peer, so over "shm" the owner of the KV copies each READ and WRITE itself
+# after checking its grant (served copies, transport/shm/served_copy.h); without them shm maps
+# the KV and moves it itself. Either way the bytes move over shm, not loopback tcp.
 @pytest.mark.parametrize("mode,transport,shm,grants,moved_over", [
     ("read", "tcp", False, True, "tcp"),
-    ("read", "shm", True, True, "tcp"),
+    ("read", "shm", True, True, "shm"),
     ("read", "shm", True, False, "shm"),
     ("write", "tcp", False, True, "tcp"),
-    ("write", "shm", True, True, "tcp"),
+    ("write", "shm", True, True, "shm"),
     ("write", "shm", True, False, "shm"),
 ])
 def test_hand_off_byte_exact(engines, mode, transport, shm, grants, moved_over):

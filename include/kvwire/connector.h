@@ -126,8 +126,9 @@ struct ConnectorOptions {
   std::string etcd_key_file;
   // READs of this instance's KV need the request's grant (docs/SECURITY.md, "Read grants"): a
   // peer reads only the blocks of a request handed to it, and none after their release. The
-  // price: those READs go over tcp, where the target checks each op (shm never maps the KV,
-  // rdma never READs it; write mode keeps rdma). false: every peer holding the deployment's
+  // price: the target checks each op. shm never maps the KV: its owner copies each op through
+  // a staging memfd (served copies: two memcpys instead of one); rdma never READs it, so those
+  // READs go over tcp (write mode keeps rdma). false: every peer holding the deployment's
   // secret may READ the whole KV zero-copy over shm and rdma, as with NIXL and Mooncake.
   bool read_grants = true;
 

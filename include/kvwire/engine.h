@@ -220,8 +220,9 @@ struct RegionOptions {
   // is served only for ranges of a live grant to the peer presenting it
   // (TransferOptions::grant), checked by the target for every op. Transports whose target
   // cannot check a grant never serve READs of such a region: shm does not map it (a mapping
-  // reads everything) and rdma exports it to peers without remote-read access, so READs of it
-  // go over tcp (see docs/SECURITY.md, "Read grants"). WRITEs are unaffected.
+  // reads everything; its owner copies each checked op instead, served copies) and rdma
+  // exports it to peers without remote-read access, so rdma READs of it go over tcp (see
+  // docs/SECURITY.md, "Read grants"). WRITEs are unaffected.
   bool reads_need_grant = false;
 };
 

@@ -163,7 +163,8 @@ int kvw_options_set_engine_options(kvw_options_t* options, const kvw_engine_opti
  * (1ms..24h)". request_timeout and handshake_timeout: 1 ms .. 24 h. */
 int kvw_options_set_request_timeout(kvw_options_t* options, int64_t ms, char** errptr);
 int kvw_options_set_handshake_timeout(kvw_options_t* options, int64_t ms, char** errptr);
-// Connector: READs of the KV need the request's grant (1, the default; they go over tcp) or
+// Connector: READs of the KV need the request's grant (1, the default; checked by the target:
+// served copies over shm, tcp instead of rdma) or
 // not (0: zero-copy shm/rdma READs by any peer holding the secret). Other values: an error.
 int kvw_options_set_read_grants(kvw_options_t* options, int on, char** errptr);
 /* "host:port" of GET /metrics and /stats.json (port 0: a free one); "" or NULL: none. */

@@ -16,7 +16,8 @@ EXTRA_CONFIG_KEYS = {
     "secret_file": "file holding the shared secret (mode 600)",
     "metrics_address": "host:port of GET /metrics and /stats.json per worker (port 0 free)",
     "request_timeout_s": "a transfer's deadline, and the lease on blocks held for a reader",
-    "read_grants": "true (default): a peer READs only the blocks handed to it, over tcp; "
+    "read_grants": "true (default): a peer READs only the blocks handed to it (each op "
+                   "checked: copied by the owner over shm, over tcp instead of rdma); "
                    "false: zero-copy shm/rdma READs of the whole KV by any peer with the secret",
     "verify_checksums": "true: every KV op is checked end to end with CRC32C, a corrupted "
                         "transfer fails instead of landing (docs/CHECKSUMS.md); default false",
