@@ -234,9 +234,13 @@ absl::Status ShmChannel::Execute(const PostRequest& request, GpuWork* gpu,
                        "local GPU memory and a grant-guarded peer region: the peer's copies "
                        "(served copies) move host memory only");
       }
-      if (served->empty()) served->reserve(request.ops.size() - i);
+      if (served->empty()) {
+        served->reserve(request.ops.size() - i);
+        // Every served region of this channel has the one link (ServedLinkFor): taken once,
+        // not a reference count changed per op.
+        *link = region->link;
+      }
       served->push_back(i);
-      *link = region->link;
       continue;
     }
     if (op.local_gpu_device >= 0 || region->gpu != nullptr) {
