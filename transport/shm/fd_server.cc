@@ -173,10 +173,10 @@ void FdServer::Run() {
           keep[i] = false;
         } else {
           FdRequest request = *std::exchange(connection.waiting, std::nullopt);
-          keep[i] = Handle(connection, request);
+          keep[i] = Handle(connection, request, connections);
         }
       } else if (revents != 0) {
-        keep[i] = Serve(connection);
+        keep[i] = Serve(connection, connections);
       }
     }
     const absl::Time after = absl::Now();
@@ -246,7 +246,7 @@ void FdServer::AcceptAll(std::vector<Connection>& connections) {
   }
 }
 
-bool FdServer::Serve(Connection& connection) {
+bool FdServer::Serve(Connection& connection, const std::vector<Connection>& all) {
   const int socket = connection.socket.get();
   // Any descriptor a client attaches is closed with `message`.
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(socket, kMaxFdMessageBytes, absl::Now());
@@ -263,10 +263,11 @@ bool FdServer::Serve(Connection& connection) {
     if (connection.peer.has_value()) hooks_->OnPeerError(*connection.peer, request.status());
     return false;
   }
-  return Handle(connection, *request);
+  return Handle(connection, *request, all);
 }
 
-bool FdServer::Handle(Connection& connection, const FdRequest& request) {
+bool FdServer::Handle(Connection& connection, const FdRequest& request,
+                      const std::vector<Connection>& all) {
   const int socket = connection.socket.get();
   absl::StatusOr<PeerId> peer = hooks_->PeerForToken(request.token);
   if (!peer.ok()) {
@@ -327,6 +328,21 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request) {
   }
   if (request.kind == FdRequestKind::kStaging) {
     if (connection.staging == nullptr) {
+      // One staging memfd per peer: a peer's engine uses one served link per channel, so a
+      // second would only be a peer claiming another kCopySlots x kCopySlotBytes per
+      // connection it can open (up to max_connections of them).
+      const bool held_elsewhere = std::any_of(all.begin(), all.end(), [&](const Connection& c) {
+        return &c != &connection && c.staging != nullptr && c.peer == connection.peer;
+      });
+      if (held_elsewhere) {
+        const absl::Status error = absl::ResourceExhaustedError(
+            absl::StrCat("shm: peer ", *peer,
+                         " asked for a second staging memfd (one per peer, held by "
+                         "another of its connections)"));
+        (void)Reply(socket, ErrorReply(request.region, error), -1);
+        hooks_->OnPeerError(*peer, error);
+        return false;
+      }
       absl::StatusOr<std::unique_ptr<CopyStaging>> staging = CopyStaging::Create();
       if (!staging.ok())
         return Reply(socket, ErrorReply(request.region, staging.status()), -1).ok();

@@ -63,11 +63,12 @@ class FdServer {
 
   void Wake();
   void Run();
-  // Answers one message; false when the connection must be closed.
-  bool Serve(Connection& connection);
+  // Answers one message; false when the connection must be closed. `all` is every live
+  // connection (`connection` among them): a peer's staging memfds are counted across them.
+  bool Serve(Connection& connection, const std::vector<Connection>& all);
   // Answers a decoded request, or parks it in `connection.waiting` while the token's peer has
   // no known handshake pid yet; false when the connection must be closed.
-  bool Handle(Connection& connection, const FdRequest& request);
+  bool Handle(Connection& connection, const FdRequest& request, const std::vector<Connection>& all);
   // Accepts every pending connection within the limits.
   void AcceptAll(std::vector<Connection>& connections);
   bool IsDropped(PeerId peer);

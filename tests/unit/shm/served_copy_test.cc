@@ -137,6 +137,47 @@ TEST_F(ServedCopyTest, StagingIsASealedMemfdOfItsSlots) {
   EXPECT_EQ(static_cast<uint64_t>(info.st_size), shm::kCopySlots * shm::kCopySlotBytes);
 }
 
+// A peer with a valid token may open many connections (up to max_connections): one staging
+// memfd per peer, not per connection, or it could claim 4 MiB of the owner's memory on each.
+// The second is refused (and the peer reported); once the holder's connection is gone the
+// peer may ask again.
+TEST_F(ServedCopyTest, OneStagingPerPeerWhateverItsConnections) {
+  shm::UniqueFd first = Connect();
+  ASSERT_NE(Stage(first.get()), nullptr);
+  {
+    shm::UniqueFd second = Connect();
+    shm::FdRequest ask;
+    ask.kind = shm::FdRequestKind::kStaging;
+    ask.token = kToken;
+    const size_t errors = hooks_.peer_errors().size();
+    absl::StatusOr<shm::FdResponse> response = Call(second.get(), ask);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->reply.code, absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(response->reply.message, HasSubstr("one per peer"));
+    EXPECT_FALSE(response->fd.valid());
+    EXPECT_TRUE(hooks_.WaitPeerErrors(errors + 1, kWait)) << "the peer was not reported";
+    absl::StatusOr<shm::ReceivedMessage> after =
+        shm::ReceiveMessage(second.get(), shm::kMaxFdMessageBytes, absl::Now() + kWait);
+    EXPECT_TRUE(!after.ok() || after->eof) << "the connection was kept open";
+  }
+  // The first connection still has its staging (asking again on it answers the same memfd).
+  ASSERT_NE(Stage(first.get()), nullptr);
+  first.Reset();
+  // The server notices the close when it next polls: ask until it has (bounded).
+  const absl::Time deadline = absl::Now() + kWait;
+  bool staged = false;
+  while (!staged && absl::Now() < deadline) {
+    shm::UniqueFd again = Connect();
+    shm::FdRequest ask;
+    ask.kind = shm::FdRequestKind::kStaging;
+    ask.token = kToken;
+    absl::StatusOr<shm::FdResponse> response = Call(again.get(), ask);
+    staged = response.ok() && response->reply.code == absl::StatusCode::kOk;
+    if (!staged) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(staged) << "the peer could not stage again after its holder closed";
+}
+
 TEST_F(ServedCopyTest, ReadFillsTheSlotAndWriteEmptiesIt) {
   shm::UniqueFd socket = Connect();
   std::byte* staging = Stage(socket.get());
