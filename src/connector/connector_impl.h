@@ -296,6 +296,10 @@ class Connector::Impl {
   void ForceRevokeLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ... and that second deadline passed too: nothing waits any more.
   void StopServedWatchesLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The second deadline of a releasing request: closes every reader whose ops under a revoked
+  // grant are still served, so those ops end with its data connections; the blocks go when
+  // their watches fire, or at a third deadline.
+  void CloseServedReadersLocked(Request& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prefill (read grants on): zeroes the rows of `r`'s blocks that the request did not fill
   // (UnfilledPageSpans), once, before its pages first go out whole: read mode before the first
   // grant, write mode before the first WRITE (read_scrub.cc).
@@ -592,6 +596,14 @@ class Connector::Impl {
     uint64_t diverged = 0;
   };
   MachineCounters machine_ ABSL_GUARDED_BY(mu_);
+
+  // Prefill read: ops under revoked grants still served at a releasing request's deadlines
+  // (CheckDeadlines; in the stats). Both stay 0 unless a reader stops draining its data path.
+  struct ServedPastDeadline {
+    uint64_t readers_closed = 0;      // readers closed at the second deadline
+    uint64_t freed_while_served = 0;  // blocks freed at the third, their ops still served
+  };
+  ServedPastDeadline served_late_ ABSL_GUARDED_BY(mu_);
 
   // Outcome counters and recent requests: a lock of its own (see the lock order above).
   connector_internal::ConnectorMetrics accounting_;

@@ -114,6 +114,9 @@ struct Request {
   // counts; the blocks go once the engine says no op under them is served (or at a second
   // deadline, loudly), never while a grant could still be presented.
   bool revoke_forced = false;
+  // Prefill read: a second deadline found ops under the revoked grants still served and
+  // closed their readers (CloseServedReadersLocked); the third frees the blocks anyway.
+  bool readers_closed = false;
   // Prefill, write mode.
   bool have_remote = false;
   BlockTable remote_blocks;

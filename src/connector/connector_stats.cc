@@ -28,6 +28,9 @@ std::string Connector::Impl::StatsJson() const {
       {"released", m.released},
       {"lease_expired", m.lease_expired},
       {"reads_refused", m.reads_refused},
+      {"served_past_deadline",
+       {{"readers_closed", served_late_.readers_closed},
+        {"freed_while_served", served_late_.freed_while_served}}},
       {"machine",
        {{"steps", machine_.steps}, {"refused", machine_.refused}, {"diverged", machine_.diverged}}},
       {"groups", groups},
@@ -63,6 +66,14 @@ std::string Connector::Impl::StatsPrometheus() const {
          "read_start for a transfer id not held here (unknown or released): no grant given.");
   absl::StrAppend(&out, "kvwire_connector_reads_refused_total{engine=\"", e, "\"} ",
                   m.reads_refused, "\n");
+  family("kvwire_connector_served_past_deadline_total", "counter",
+         "Prefill read: ops under revoked grants still served at a releasing request's "
+         "deadlines, by what was done: readers_closed (the second deadline closed the reader), "
+         "freed_while_served (the third freed the blocks anyway).");
+  absl::StrAppend(&out, "kvwire_connector_served_past_deadline_total{engine=\"", e,
+                  "\",action=\"readers_closed\"} ", served_late_.readers_closed, "\n");
+  absl::StrAppend(&out, "kvwire_connector_served_past_deadline_total{engine=\"", e,
+                  "\",action=\"freed_while_served\"} ", served_late_.freed_while_served, "\n");
   family("kvwire_connector_machine_events_total", "counter",
          "Request events fed to the transition table, by result: taken, refused (no row takes "
          "the event in the request's state), diverged (a request ended other than its table "

@@ -46,7 +46,10 @@ connector_internal::RequestFacts Connector::Impl::FactsLocked(const Request& r, 
   }
   // Releasing, the grants are the watches' (AwaitServedLocked took them from the readers):
   // live until a deadline revoked them all.
-  if (r.state == State::kReleasing && e == Event::kDeadline) f.granted = !r.revoke_forced;
+  if (r.state == State::kReleasing && e == Event::kDeadline) {
+    f.granted = !r.revoke_forced;
+    f.readers_closed = r.readers_closed;
+  }
   if (!r.decode && (e == Event::kRelease || e == Event::kServed)) {
     // As ReaderDoneLocked decides: every bound reader done and, unless one said unread, every
     // expected one bound.
@@ -374,6 +377,33 @@ void Connector::Impl::ForceRevokeLocked(Request& r) {
   }
 }
 
+void Connector::Impl::CloseServedReadersLocked(Request& r) {
+  r.readers_closed = true;
+  r.deadline = absl::Now() + options_.handshake_timeout;
+  std::vector<PeerId> readers;
+  for (const Request::Serving& s : r.serving) {
+    if (std::find(readers.begin(), readers.end(), s.peer) == readers.end()) {
+      readers.push_back(s.peer);
+    }
+  }
+  KVW_LOG(kWarning, kLog) << "ops under revoked grants still served a deadline later: closing "
+                             "their readers"
+                          << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                          << Kv("readers", readers.size());
+  served_late_.readers_closed += readers.size();
+  const std::string why =
+      absl::StrCat("ops under a revoked read grant (transfer ", r.params.transfer_id,
+                   ") still served ", absl::FormatDuration(options_.handshake_timeout),
+                   " after the revocation: the reader stopped draining its data connection");
+  // Its requests end now (OnPeerDeath): this one is releasing and its readers are done, so it
+  // stays, and frees its blocks when the engine ends the closed readers' ops.
+  for (PeerId peer : readers) {
+    std::string name;
+    if (auto p = sessions_.peers.find(peer); p != sessions_.peers.end()) name = p->second.engine_id;
+    ClosePeerLocked(peer, name, absl::DeadlineExceededError(why));
+  }
+}
+
 void Connector::Impl::LayerTransferDone(Request& r, int layer) {
   if (--r.layer_transfers_left[layer] > 0) return;
   r.layer_transfers_left.erase(layer);
@@ -434,12 +464,19 @@ void Connector::Impl::CheckDeadlines() {
                               << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
                               << Kv("grants_left", r.serving.size());
       ForceRevokeLocked(r);
+    } else if (r.state == State::kReleasing && !r.readers_closed) {
+      // Revoked, and an op under a grant is still being served a handshake_timeout later: its
+      // reader stopped draining the data connection (tcp's io_timeout cuts such a connection
+      // only when it is shorter than this). Freeing now would let that op stream the blocks
+      // of whichever request gets them next: its reader is closed instead, which ends the op.
+      CloseServedReadersLocked(r);  // last: may close peers (no use of `r` after it)
     } else if (r.state == State::kReleasing) {
-      // Revoked, and an op under a grant is still being served a handshake_timeout later
-      // (each op has its engine deadline; this is the bound if one is never reached).
-      KVW_LOG(kWarning, kLog) << "blocks freed while ops under revoked grants were served"
-                              << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
-                              << Kv("grants_left", r.serving.size());
+      // Closed, and an op under a grant is still being served a handshake_timeout later (the
+      // engine ends a closed peer's ops; this is the bound if that never happens).
+      KVW_LOG(kError, kLog) << "blocks freed while ops under revoked grants were served"
+                            << Kv("request", r.id) << Kv("transfer", r.params.transfer_id)
+                            << Kv("grants_left", r.serving.size());
+      ++served_late_.freed_while_served;
       StopServedWatchesLocked(r);
       FailLocked(r, r.fail_reason);
     } else if (r.state == State::kHeld) {

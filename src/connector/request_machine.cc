@@ -157,7 +157,8 @@ constexpr Transition kTable[] = {
   {P, Rd, S::kReleasing, E::kServed, G::kReadersRead, G::kNotFailing, S::kCompleted, {A::kFreeBlocks}, "every byte read was served"},
   {P, Rd, S::kReleasing, E::kServed, G::kReadersUnread, G::kNotFailing, S::kReleased, {A::kFreeBlocks}, "served and revoked"},
   {P, Rd, S::kReleasing, E::kDeadline, G::kGranted, Al, S::kReleasing, {A::kRevoke}, "ops still served or a count not reached: revoked now, freed once served"},
-  {P, Rd, S::kReleasing, E::kDeadline, G::kNotGranted, Al, S::kFailed, {A::kFreeBlocks}, "revoked and still served a handshake_timeout later: freed anyway, loudly"},
+  {P, Rd, S::kReleasing, E::kDeadline, G::kNotGranted, G::kReadersOpen, S::kReleasing, {A::kCloseReaders}, "revoked and still served a handshake_timeout later: the readers still served are closed, their ops end with their connections; freed once served"},
+  {P, Rd, S::kReleasing, E::kDeadline, G::kNotGranted, G::kReadersClosed, S::kFailed, {A::kFreeBlocks}, "closed and still served a handshake_timeout later: freed anyway, loudly"},
   {P, Rd, S::kReleasing, E::kRelease, Al, Al, S::kReleasing, {}, "every reader was heard from already"},
   {P, Rd, S::kReleasing, E::kPeerFail, Al, Al, S::kReleasing, {}, "the release governs"},
   {P, Rd, S::kReleasing, E::kAbort, Al, Al, S::kReleasing, {}, "the release governs"},
@@ -231,6 +232,10 @@ bool GuardHolds(Guard g, const RequestFacts& f) {
       return f.granted;
     case G::kNotGranted:
       return !f.granted;
+    case G::kReadersOpen:
+      return !f.readers_closed;
+    case G::kReadersClosed:
+      return f.readers_closed;
   }
   return false;
 }
@@ -335,7 +340,8 @@ const char* RequestActionName(RequestAction a) {
                                                           "publish_memory",
                                                           "report_loaded",
                                                           "report_load_failed",
-                                                          "free_blocks"};
+                                                          "free_blocks",
+                                                          "close_readers"};
   const int i = static_cast<int>(a);
   return i < kRequestActions ? kNames[i] : "?";
 }
@@ -361,7 +367,9 @@ const char* GuardName(Guard g) {
                                            "nothing_to_move",
                                            "something_to_move",
                                            "granted",
-                                           "not_granted"};
+                                           "not_granted",
+                                           "readers_open",
+                                           "readers_closed"};
   const size_t i = static_cast<size_t>(g);
   return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
 }

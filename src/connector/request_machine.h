@@ -111,8 +111,10 @@ enum class RequestAction : uint8_t {
   kReportLoaded,      // decode: finished_recving
   kReportLoadFailed,  // decode: failed_loads
   kFreeBlocks,        // prefill: finished_sending (or at RequestFinished, if it comes later)
+  kCloseReaders,      // prefill read: close the peers whose ops under a revoked grant are still
+                      // served (their data connections go, and with them those ops)
 };
-inline constexpr int kRequestActions = 22;
+inline constexpr int kRequestActions = 23;
 
 // Which requests a row is for.
 enum class Role : uint8_t { kPrefill, kDecode };
@@ -140,6 +142,8 @@ enum class Guard : uint8_t {
   kSomethingToMove,
   kGranted,  // prefill read: a reader holds an engine grant (its READs may be served)
   kNotGranted,
+  kReadersOpen,    // prefill read, releasing: the readers still served were not closed yet
+  kReadersClosed,  // they were (a deadline closed them)
 };
 
 // What the caller knows about the request beyond its state (see Guard).
@@ -155,6 +159,7 @@ struct RequestFacts {
   bool release_only = false;
   bool nothing_to_move = false;
   bool granted = false;
+  bool readers_closed = false;
 };
 
 struct Transition {

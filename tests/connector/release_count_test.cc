@@ -8,6 +8,7 @@
 // The readers are hand-driven engines (tcp; grant-guarded regions go over tcp whatever the
 // transport).
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/layout.h"
 #include "kvwire/memory.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire::testing {
 namespace {
@@ -151,13 +153,19 @@ class Reader {
     return ops;
   }
   absl::Status Read(const std::vector<Op>& ops, GrantId grant) {
+    absl::StatusOr<TransferId> id = StartRead(ops, grant);
+    if (!id.ok()) return id.status();
+    return Wait(*id);
+  }
+  absl::StatusOr<TransferId> StartRead(const std::vector<Op>& ops, GrantId grant) {
     TransferOptions to;
     to.grant = grant;
-    auto id = engine_->Transfer(peer_, OpKind::kRead, ops, to);
-    if (!id.ok()) return id.status();
-    return engine_->Wait(*id, kWait);
+    to.timeout = kWait;
+    return engine_->Transfer(peer_, OpKind::kRead, ops, to);
   }
+  absl::Status Wait(TransferId id) { return engine_->Wait(id, kWait); }
   const uint8_t* data() const { return reinterpret_cast<const uint8_t*>(into_->data()); }
+  void* buffer() { return into_->data(); }
 
  private:
   std::unique_ptr<Engine> engine_;
@@ -176,7 +184,9 @@ uint64_t Bytes(const std::vector<Op>& ops) {
 
 class ReleaseCountTest : public ::testing::Test {
  protected:
-  void StartPrefill(absl::Duration request_timeout) {
+  void StartPrefill(absl::Duration request_timeout,
+                    absl::Duration handshake_timeout = absl::Seconds(20),
+                    absl::Duration tcp_io_timeout = absl::Seconds(5)) {
     layout_ = TestLayout();
     bytes_ = AssignBacking(&layout_, 0, kBlocks, kStateBlocks);
     auto h = ShareableBuffer::Create(bytes_, "release-count");
@@ -192,7 +202,8 @@ class ReleaseCountTest : public ::testing::Test {
     o.engine.peer_lease = absl::Seconds(5);
     o.engine.heartbeat_interval = absl::Milliseconds(200);
     o.request_timeout = request_timeout;
-    o.handshake_timeout = absl::Seconds(20);
+    o.handshake_timeout = handshake_timeout;
+    o.engine.tcp().io_timeout = tcp_io_timeout;
     auto c = Connector::Create(o);
     ASSERT_TRUE(c.ok()) << c.status();
     prefill_ = std::move(*c);
@@ -367,6 +378,72 @@ TEST_F(ReleaseCountTest, AReleaseWithoutACountRevokesAtOnce) {
   EXPECT_FALSE(reader.Read(ops, *grant).ok());
   EXPECT_GT(prefill_->engine().Stats().grant_refused, 0u);
   EXPECT_EQ(Stats().value("completed", 0), 1);
+}
+
+// A reader that stops draining its data connection in the middle of a READ (its receiving
+// thread held in the kernel by a userfaultfd write-protection of its buffer: alive, heartbeats
+// going, but not one more byte taken off the socket), past the lease and past the revocation.
+// tcp's own cut (io_timeout) is set longer than both, as a deployment may. The second deadline
+// must close that reader before the blocks go, so that no op under its grant is still being
+// served from them when they do (freed_while_served, the engine's own count, is 0; with the
+// close taken out this test fails there, the blocks freed a deadline later under a live op).
+// Once it drains again its READ fails, and nothing the next request writes reaches it.
+TEST_F(ReleaseCountTest, AReaderThatStopsDrainingIsClosedBeforeTheBlocksGo) {
+  if (absl::Status guard = transport::shm::WriteGuardAvailable(); !guard.ok()) {
+    GTEST_SKIP() << "no userfaultfd write-protection here, so no way to stall a reader: " << guard;
+  }
+  if (transport::shm::WriteGuardMode() != "userfaultfd write-protect") {
+    GTEST_SKIP() << "the write guard holds user-mode writes only ("
+                 << transport::shm::WriteGuardMode()
+                 << "): a recv into the guarded buffer would fail, not stall";
+  }
+  // Lease 2 s, then 2 s more for the ops under the revoked grant; tcp would cut at 120 s.
+  ASSERT_NO_FATAL_FAILURE(
+      StartPrefill(absl::Seconds(2), absl::Seconds(2), /*tcp_io_timeout=*/absl::Seconds(120)));
+  const std::string tid = Hold("stall", 0);
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t buffer_bytes = (bytes_ + page - 1) / page * page;
+  Reader reader("stall-reader", prefill_->engine().address(), buffer_bytes);
+  absl::StatusOr<GrantId> grant = reader.ReadStart(tid);
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  // The request's pages, read again and again under the grant: far more than the socket
+  // buffers of every lane hold, so the prefill is still sending when the reader stops.
+  const std::vector<Op> pages = reader.Ops(layout_, Blocks(layout_, 0), base_);
+  ASSERT_FALSE(pages.empty());
+  const uint64_t repeats = (uint64_t{96} << 20) / Bytes(pages) + 1;
+  std::vector<Op> ops;
+  for (uint64_t i = 0; i < repeats; ++i) ops.insert(ops.end(), pages.begin(), pages.end());
+  std::cout << ops.size() << " ops, " << Bytes(ops) / (1 << 20) << " MiB under the grant\n";
+
+  absl::StatusOr<transport::shm::WriteGuard> stall =
+      transport::shm::WriteGuard::Arm(reader.buffer(), buffer_bytes);
+  ASSERT_TRUE(stall.ok()) << stall.status();
+  absl::StatusOr<TransferId> read = reader.StartRead(ops, *grant);
+  ASSERT_TRUE(read.ok()) << read.status();
+
+  // No release: the lease revokes the grant, the ops under it are still served a deadline
+  // later, the reader is closed, and only then (its ops ended with its connections) the
+  // blocks go.
+  const absl::Time held = absl::Now();
+  EXPECT_TRUE(WaitFreed("stall"));
+  std::cout << "freed " << absl::FormatDuration(absl::Now() - held) << " after the stall\n";
+  const json stats = Stats();
+  EXPECT_EQ(stats["served_past_deadline"].value("readers_closed", 0), 1) << stats.dump();
+  EXPECT_EQ(stats["served_past_deadline"].value("freed_while_served", 1), 0) << stats.dump();
+  EXPECT_EQ(stats.value("failed", 0), 1);
+  EXPECT_EQ(stats.value("lease_expired", 0), 1);
+  EXPECT_EQ(stats["machine"].value("refused", 1), 0);
+  EXPECT_EQ(stats["machine"].value("diverged", 1), 0);
+
+  // The next request's bytes go into the freed blocks; then the reader drains again.
+  std::memset(host_->data(), 0x5A, bytes_);
+  stall->Lift();
+  const absl::Status ended = reader.Wait(*read);
+  EXPECT_FALSE(ended.ok()) << "the stalled READ completed from freed blocks";
+  std::cout << "the stalled READ ended: " << ended << "\n";
+  for (uint64_t i = 0; i < bytes_; ++i) {
+    if (reader.data()[i] == 0x5A) FAIL() << "byte " << i << " written after the free arrived";
+  }
 }
 
 }  // namespace

@@ -95,6 +95,12 @@ void Satisfy(Guard g, RequestFacts& f) {
     case Guard::kNotGranted:
       f.granted = false;
       break;
+    case Guard::kReadersOpen:
+      f.readers_closed = false;
+      break;
+    case Guard::kReadersClosed:
+      f.readers_closed = true;
+      break;
   }
 }
 
@@ -389,9 +395,23 @@ TEST(RequestMachineTest, PrefillReleasingWaitsForTheServedEventAlone) {
     EXPECT_EQ(Drive(w, {{E::kServed, failing}}), (std::vector<A>{A::kFreeBlocks}));
     EXPECT_EQ(w.state(), S::kFailed);
   }
-  // ... or, revoked and still served a second deadline later, anyway, loudly.
+  // ... revoked and still served a second deadline later (a reader that stopped draining
+  // its data connection): the readers still served are closed, and the blocks go once their
+  // ops ended with the connections...
   EXPECT_EQ(Drive(m, {{E::kDeadline, granted_read}}), (std::vector<A>{A::kRevoke}));
-  EXPECT_EQ(Drive(m, {{E::kDeadline, {}}}), (std::vector<A>{A::kFreeBlocks}));
+  EXPECT_EQ(Drive(m, {{E::kDeadline, {}}}), (std::vector<A>{A::kCloseReaders}));
+  EXPECT_EQ(m.state(), S::kReleasing);
+  {
+    RequestMachine c = m;
+    RequestFacts failing;
+    failing.failing = true;
+    EXPECT_EQ(Drive(c, {{E::kServed, failing}}), (std::vector<A>{A::kFreeBlocks}));
+    EXPECT_EQ(c.state(), S::kFailed);
+  }
+  // ... or, closed and still served a third deadline later, anyway, loudly.
+  RequestFacts closed;
+  closed.readers_closed = true;
+  EXPECT_EQ(Drive(m, {{E::kDeadline, closed}}), (std::vector<A>{A::kFreeBlocks}));
   EXPECT_EQ(m.state(), S::kFailed);
   {
     // Unread: released, not completed, once served.
