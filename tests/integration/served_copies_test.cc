@@ -6,8 +6,10 @@
 // it fails its transfer and closes the reader, and its bytes never arrive); a reader that
 // disconnects with transfers queued sees each of them end.
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -17,6 +19,7 @@
 
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
+#include "src/util/pinned_ranges.h"
 
 namespace kvwire::testing {
 namespace {
@@ -204,6 +207,57 @@ TEST_P(ServedCopiesTest, ADisconnectEndsEveryQueuedTransfer) {
     failed += s.ok() ? 0 : 1;
   }
   std::printf("%d of %zu transfers failed after the disconnect\n", failed, ids.size());
+}
+
+// How many mappings of memfds named `name` this process has (/proc/self/maps).
+int MappingsNamed(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(absl::StrCat("/memfd:", name, " ")) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// A buffer whose pages a device pinned (an rdma MR, as every host region is registered on a
+// host with an RDMA device; a PinnedRange here, as rdma_regions.cc makes one) could not be
+// moved to revoke a peer's mapping: its owner never maps it out. Same-host peers reach it
+// through served copies, READ and WRITE, without a grant (it is not grant-guarded), byte-exact
+// and over shm; the peer never holds a mapping of it, so a peer's close leaves nothing to
+// revoke.
+TEST_P(ServedCopiesTest, APinnedBufferIsServedNeverMapped) {
+  const std::string name = absl::StrCat("pinned-", GetParam(), "-", getpid());
+  auto buffer = ShareableBuffer::Create(2 << 20, name);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  for (size_t i = 0; i < buffer->size(); ++i) buffer->data()[i] = static_cast<std::byte>(i * 11);
+  PinnedRange pinned(buffer->data(), buffer->size());
+  ASSERT_EQ(MappingsNamed(name), 1) << "the owner's own mapping";
+  RegionOptions ro;
+  ro.export_to_all_peers = true;
+  auto region = target_->RegisterMemory(buffer->data(), buffer->size(), ro);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ASSERT_TRUE(reader_->WaitForRemoteRegion(peer_, *region, kWait).ok());
+
+  std::vector<Op> reads;
+  for (uint64_t p = 0; p < 256; ++p) {
+    reads.push_back(Op{local_id_, p * kPage, *region, (511 - p) * kPage, kPage});
+  }
+  ASSERT_TRUE(Run(OpKind::kRead, reads, 0).ok());
+  for (uint64_t p = 0; p < 256; ++p) {
+    ASSERT_EQ(std::memcmp(local_.data() + p * kPage, buffer->data() + (511 - p) * kPage, kPage), 0)
+        << "page " << p;
+  }
+  for (uint64_t i = 0; i < (1 << 20); ++i) local_[i] = static_cast<std::byte>(i * 5 + 3);
+  ASSERT_TRUE(Run(OpKind::kWrite, {Op{local_id_, 0, *region, 1 << 20, 1 << 20}}, 0).ok());
+  EXPECT_EQ(std::memcmp(buffer->data() + (1 << 20), local_.data(), 1 << 20), 0);
+
+  EXPECT_EQ(MappingsNamed(name), 1) << "the peer mapped the pinned buffer";
+  const EngineStats stats = reader_->Stats();
+  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_read"), 256 * kPage);
+  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_written"), uint64_t{1} << 20);
+  EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_read"), 0u);
+  EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_written"), 0u);
+  ASSERT_TRUE(target_->DeregisterMemory(*region).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServedCopiesTest, ::testing::Values("shm", "auto"));

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <fstream>
 #include <map>
 #include <poll.h>
 #include <random>
@@ -29,8 +30,10 @@
 #include "absl/time/clock.h"
 
 #include "kvwire/engine.h"
+#include "kvwire/memory.h"
 #include "proto/kvwire.pb.h"
 #include "src/util/mutex.h"
+#include "src/util/pinned_ranges.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/rdma/control_proxy.h"
 #include "transport/rdma/rdma.pb.h"
@@ -446,6 +449,64 @@ TEST(RdmaIsolationFacts, MemoryWindowSupportOfRxe) {
     ibv_close_device(ctx);
   }
   ibv_free_device_list(list);
+}
+
+// A host buffer registered on a host with an RDMA device is pinned by its MRs (the NIC holds
+// its physical pages), so the shm transport could not move it onto a fresh memfd to revoke a
+// same-host peer's mapping: its owner never maps it out. A same-host peer (auto: shm) reaches
+// it through served copies instead, byte-exact, and holds no mapping of it afterwards; its
+// close leaves nothing to revoke.
+TEST(RdmaShmPinnedTest, ARdmaRegisteredBufferIsServedToSameHostPeersNeverMapped) {
+  EngineOptions base;
+  base.transport = "auto";
+  base.rdma().devices = {"rxe0"};
+  base.connect_timeout = absl::Seconds(120);
+  base.peer_lease = absl::Seconds(120);
+  EngineOptions owner_options = base, reader_options = base;
+  owner_options.name = "pinned-owner";
+  reader_options.name = "pinned-reader";
+  auto owner = Engine::Create(owner_options);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  auto reader = Engine::Create(reader_options);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string name = absl::StrCat("rdma-pinned-", getpid());
+  auto buffer = ShareableBuffer::Create(1 << 20, name);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  for (size_t i = 0; i < buffer->size(); ++i) buffer->data()[i] = static_cast<std::byte>(i * 13);
+  RegionOptions exported;
+  exported.export_to_all_peers = true;
+  auto region = (*owner)->RegisterMemory(buffer->data(), buffer->size(), exported);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ASSERT_TRUE(AnyPinned(buffer->data(), buffer->size())) << "rdma registered no MR over it";
+  std::vector<std::byte> local(buffer->size(), std::byte{0});
+  auto local_region = (*reader)->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(local_region.ok()) << local_region.status();
+  auto peer = (*reader)->Connect((*owner)->address());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE((*reader)->WaitForRemoteRegion(*peer, *region, absl::Seconds(120)).ok());
+  const std::string route = (*reader)->Stats().peers.at(0).transport;
+  std::printf("route: %s\n", route.c_str());
+  ASSERT_NE(route.find("shm"), std::string::npos) << route;
+
+  TransferOptions options;
+  options.timeout = absl::Seconds(120);
+  auto read = (*reader)->Transfer(*peer, OpKind::kRead,
+                                  {Op{*local_region, 0, *region, 0, buffer->size()}}, options);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE((*reader)->Wait(*read, absl::Seconds(120)).ok());
+  EXPECT_EQ(std::memcmp(local.data(), buffer->data(), buffer->size()), 0);
+  const EngineStats stats = (*reader)->Stats();
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_read"), buffer->size());
+  // Only the owner's own mapping of the memfd exists in this process.
+  std::ifstream maps("/proc/self/maps");
+  int mappings = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(absl::StrCat("/memfd:", name, " ")) != std::string::npos) ++mappings;
+  }
+  EXPECT_EQ(mappings, 1) << "the same-host peer mapped an rdma-pinned buffer";
+  ASSERT_TRUE((*reader)->Disconnect(*peer).ok());
+  ASSERT_TRUE((*owner)->DeregisterMemory(*region).ok());
+  ASSERT_TRUE((*reader)->DeregisterMemory(*local_region).ok());
 }
 
 }  // namespace

@@ -68,9 +68,16 @@ struct FdReply {
   // A Hello reply carries the epoch table itself (read-only, sealed).
   uint32_t epoch_slot = 0;
   uint64_t epoch = 0;
-  // Staging: the number of slots. Copy: kCopyRegionMoving (served_copy.h) or 0.
+  // Staging: the number of slots. Copy: kCopyRegionMoving (served_copy.h) or 0. Fetch:
+  // kFetchServedCopies or 0.
   uint32_t flags = 0;
 };
+
+// Fetch reply flag: the region is never mapped by peers (no descriptor comes with the reply):
+// a device pinned its pages (an rdma MR), so the owner could not move them onto a fresh memfd
+// to revoke a peer's mapping. The peer reaches it through served copies (served_copy.h), as a
+// grant-guarded region.
+inline constexpr uint32_t kFetchServedCopies = 1;
 
 std::string EncodeRequest(const FdRequest& request);
 absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes);

@@ -390,6 +390,16 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request,
 
   FdReply reply;
   reply.region = region_id;
+  if (served->pinned) {
+    // Never mapped, so never to revoke: the peer copies through this server (kCopy).
+    reply.length = entry.length;
+    reply.access = entry.access & served->exported.access;
+    reply.flags = kFetchServedCopies;
+    const absl::Status sent = Reply(socket, reply, -1);
+    KVW_LOG(kDebug, "shm") << "region pinned by a device: served copies, not its memfd"
+                           << Kv("peer", *peer) << Kv("region", region_id) << Kv("status", sent);
+    return sent.ok();
+  }
   reply.memfd_offset = served->memfd.offset;
   reply.length = entry.length;
   reply.access = entry.access & served->exported.access;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "src/util/log.h"
+#include "src/util/pinned_ranges.h"
 #include "transport/shm/errno_text.h"
 
 namespace kvwire::transport::shm {
@@ -161,6 +162,10 @@ absl::StatusOr<LocalRegionTable::Served> LocalRegionTable::Serve(
         "shm: region ", id,
         " is not memfd-backed (allocate it with kvwire::ShareableBuffer to share it over shm)"));
   }
+  // Checked under serve_mu_, as a revocation's Unserve is: pinned now, never handed out.
+  if (AnyPinned(entry->base, entry->length)) {
+    return Served{std::move(entry), *std::move(exported), ShareableDup{}, /*pinned=*/true};
+  }
   absl::StatusOr<std::optional<ShareableDup>> memfd =
       DupShareable(entry->base, entry->length, entry->buffer, /*with_epoch=*/true);
   if (!memfd.ok()) return memfd.status();
@@ -173,7 +178,7 @@ absl::StatusOr<LocalRegionTable::Served> LocalRegionTable::Serve(
     MutexLock lock(&mu_);
     served_[id].insert(peer);
   }
-  return Served{std::move(entry), *std::move(exported), **std::move(memfd)};
+  return Served{std::move(entry), *std::move(exported), **std::move(memfd), /*pinned=*/false};
 }
 
 std::vector<const std::byte*> LocalRegionTable::Unserve(PeerId peer,

@@ -71,7 +71,11 @@ class LocalRegionTable {
   struct Served {
     std::shared_ptr<const LocalRegionEntry> entry;
     LocalRegion exported;  // what `allowed` returned
-    ShareableDup memfd;
+    ShareableDup memfd;    // none when `pinned`
+    // A device pinned the region's pages (src/util/pinned_ranges.h): revoking a mapping of
+    // it would need a move that the device would not follow, so its memfd is not handed out
+    // (nor recorded as served); the peer gets served copies instead.
+    bool pinned = false;
   };
   absl::StatusOr<Served> Serve(RegionId id, PeerId peer,
                                absl::FunctionRef<absl::StatusOr<LocalRegion>()> allowed);

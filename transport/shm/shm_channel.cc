@@ -390,27 +390,7 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::AddO
   if (desc.reads_need_grant) {
     // Never mapped (the peer's fd server refuses its memfd): the peer copies each op itself,
     // checking its grant (served copies), or the region goes over another transport.
-    if (link_.verify_checksums) {
-      // Nothing checks a served copy end to end (docs/CHECKSUMS.md); tcp does.
-      return absl::FailedPreconditionError(
-          absl::StrCat(who,
-                       " is grant-guarded (never mapped), and served copies are not checked end to "
-                       "end (checksums are on)"));
-    }
-    absl::StatusOr<std::shared_ptr<ServedLink>> link = ServedLinkFor();
-    if (!link.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(who, " is grant-guarded (never mapped), and served copies are unavailable: ",
-                       link.status().message()));
-    }
-    auto region = std::make_shared<RemoteRegion>();
-    region->id = desc.id;
-    region->length = desc.length;
-    region->access = desc.access;
-    region->served = true;
-    region->link = *std::move(link);
-    region->desc = desc;
-    return region;
+    return ServedRegion(desc, desc.access, absl::StrCat(who, " is grant-guarded (never mapped)"));
   }
   if (*shareable) return MapShareable(desc);
   if (!cma_.ok()) {
@@ -463,6 +443,28 @@ absl::StatusOr<std::shared_ptr<ServedLink>> ShmChannel::ServedLinkFor() {
   return error;
 }
 
+absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::ServedRegion(
+    const RemoteRegionDesc& desc, uint32_t access, const std::string& why) {
+  if (link_.verify_checksums) {
+    // Nothing checks a served copy end to end (docs/CHECKSUMS.md); tcp does.
+    return absl::FailedPreconditionError(
+        absl::StrCat(why, ", and served copies are not checked end to end (checksums are on)"));
+  }
+  absl::StatusOr<std::shared_ptr<ServedLink>> link = ServedLinkFor();
+  if (!link.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(why, ", and served copies are unavailable: ", link.status().message()));
+  }
+  auto region = std::make_shared<RemoteRegion>();
+  region->id = desc.id;
+  region->length = desc.length;
+  region->access = access;
+  region->served = true;
+  region->link = *std::move(link);
+  region->desc = desc;
+  return region;
+}
+
 absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapShareable(
     const RemoteRegionDesc& desc) {
   const std::string who =
@@ -491,6 +493,16 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::MapS
   const FdReply& reply = response.reply;
   if (reply.code != absl::StatusCode::kOk) {
     return absl::Status(reply.code, absl::StrCat(who, ": the peer refused: ", reply.message));
+  }
+  if ((reply.flags & kFetchServedCopies) != 0) {
+    if (reply.length != desc.length) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": described as ", desc.length, " bytes but served as ", reply.length));
+    }
+    // Its pages are pinned by a device of the peer (rdma), so it never maps them out: a
+    // mapping could not be revoked (SECURITY-shm.md).
+    return ServedRegion(desc, desc.access & reply.access,
+                        absl::StrCat(who, " is pinned by a device of its owner (never mapped)"));
   }
   if (epochs_.data() == nullptr) {
     return absl::FailedPreconditionError(

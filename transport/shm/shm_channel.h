@@ -120,6 +120,11 @@ class ShmChannel final : public Channel {
   absl::StatusOr<std::shared_ptr<ServedLink>> ServedLinkFor();
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> AddOne(const RemoteRegionDesc& desc);
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> MapShareable(const RemoteRegionDesc& desc);
+  // A region the peer never maps out (grant-guarded, or pinned by its device), reached by
+  // served copies with `access`; `why` starts the error when it cannot be.
+  absl::StatusOr<std::shared_ptr<const RemoteRegion>> ServedRegion(const RemoteRegionDesc& desc,
+                                                                   uint32_t access,
+                                                                   const std::string& why);
   // The peer moved the buffer behind `stale` (its epoch word changed): maps the memfd it
   // serves now and puts it in place of `stale` (unless something newer is there already).
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> Remap(

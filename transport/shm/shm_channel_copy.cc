@@ -80,6 +80,9 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::Rema
   }
   absl::StatusOr<std::shared_ptr<const RemoteRegion>> fresh = MapShareable(stale->desc);
   if (!fresh.ok()) return fresh.status();
+  // Pinned by a device since it was mapped: served copies from now on (ops still queued
+  // against the mapping fail below, named; later requests find the served region).
+  const bool now_served = (*fresh)->served;
   std::shared_ptr<const RemoteRegion> replaced;  // unmapped outside the lock
   MutexLock lock(&mu_);
   if (closed_.load(std::memory_order_relaxed)) return ClosedError();
@@ -90,6 +93,12 @@ absl::StatusOr<std::shared_ptr<const ShmChannel::RemoteRegion>> ShmChannel::Rema
   }
   // Replace only what this call found stale: a removal and re-add meanwhile stays as it is.
   if (it->second == stale) replaced = std::exchange(it->second, *fresh);
+  if (now_served) {
+    return absl::UnavailableError(absl::StrCat(
+        "shm: region ", stale->id,
+        " moved and is now reached through served copies (its pages were pinned meanwhile); "
+        "this op was not done"));
+  }
   return fresh;
 }
 
