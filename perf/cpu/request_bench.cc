@@ -700,7 +700,9 @@ int main(int argc, char** argv) {
       "# between plain engines (median wall; CPU likewise). goal: wall <= 1.2 x bare + 200 us.\n",
       static_cast<unsigned long long>(base.tokens), static_cast<unsigned long long>(base.max_run),
       static_cast<unsigned long long>(base.requests), static_cast<unsigned long long>(base.warmup),
-      base.read_grants ? "on (the connector's default: its READs go over tcp)" : "off",
+      base.read_grants ? "on (the connector's default: its READs are checked by the prefill's "
+                         "engine: served copies over shm, tcp otherwise)"
+                       : "off",
       load_before.c_str());
   std::printf(
       "%-10s %-4s %-5s %6s %6s %7s | %9s %9s %9s %7s %6s %6s | %9s %8s %8s | %8s %8s | %6s %5s\n",

@@ -62,7 +62,12 @@ std::shared_ptr<const void> ServedOps::BeginGranted(PeerId peer, GrantId grant, 
 std::shared_ptr<const void> ServedOps::BeginLocked(PeerId peer, GrantId grant, uint64_t bytes,
                                                    std::shared_ptr<const void> inner) {
   const uint64_t seq = next_seq_++;
-  live_[peer].insert(seq);
+  auto [entry, added] = live_.try_emplace(peer);
+  if (added && !spare_.empty()) {
+    entry->second = std::move(spare_.back());
+    spare_.pop_back();
+  }
+  entry->second.Add(seq);
   // Allocated under the lock: a few hundred nanoseconds, never a wait.
   return std::make_shared<const OpPin>(shared_from_this(), peer, seq, grant, bytes,
                                        std::move(inner));
@@ -74,8 +79,15 @@ void ServedOps::End(PeerId peer, uint64_t seq, GrantId grant, uint64_t bytes) {
     MutexLock lock(&mu_);
     auto it = live_.find(peer);
     if (it != live_.end()) {
-      it->second.erase(seq);
-      if (it->second.empty()) live_.erase(it);
+      it->second.End(seq);
+      if (it->second.empty()) {
+        constexpr size_t kSpareRings = 8;
+        if (spare_.size() < kSpareRings) {
+          if (spare_.capacity() < kSpareRings) spare_.reserve(kSpareRings);
+          spare_.push_back(std::move(it->second));
+        }
+        live_.erase(it);
+      }
     }
     if (grant != 0) {
       const GrantKey key{peer, grant};
@@ -211,8 +223,8 @@ absl::Status ServedOps::WaitForPeer(PeerId peer, absl::Duration timeout) {
   }
   --waiters_;
   if (!timed_out) return absl::OkStatus();
-  size_t remaining = 0;
-  for (uint64_t s : live_.at(peer)) remaining += s < mark ? 1 : 0;
+  auto it = live_.find(peer);
+  const size_t remaining = it == live_.end() ? 0 : it->second.CountBelow(mark);
   return absl::DeadlineExceededError(absl::StrCat(remaining, " op(s) of peer ", peer,
                                                   " still being served after ",
                                                   absl::FormatDuration(timeout)));
@@ -220,7 +232,7 @@ absl::Status ServedOps::WaitForPeer(PeerId peer, absl::Duration timeout) {
 
 bool ServedOps::ServedLocked(PeerId peer, uint64_t mark) const {
   auto it = live_.find(peer);
-  return it == live_.end() || *it->second.begin() >= mark;
+  return it == live_.end() || it->second.NoneBelow(mark);
 }
 
 size_t ServedOps::waiters() const {
@@ -233,7 +245,7 @@ void ServedOps::Publish() { MutexLock lock(&mu_); }
 size_t ServedOps::in_flight() const {
   MutexLock lock(&mu_);
   size_t n = 0;
-  for (const auto& [peer, seqs] : live_) n += seqs.size();
+  for (const auto& [peer, seqs] : live_) n += seqs.live();
   return n;
 }
 

@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <set>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -25,6 +24,7 @@
 
 #include "kvwire/engine.h"
 #include "src/core/grant_table.h"
+#include "src/core/in_flight_seqs.h"
 #include "src/util/mutex.h"
 
 namespace kvwire::core {
@@ -122,8 +122,11 @@ class ServedOps : public std::enable_shared_from_this<ServedOps> {
   // Engine-wide, so that a peer's entry can go when it has no op without reusing numbers.
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   size_t waiters_ ABSL_GUARDED_BY(mu_) = 0;
-  // Sequence numbers of the ops of each peer being served; no entry when none is.
-  absl::flat_hash_map<PeerId, std::set<uint64_t>> live_ ABSL_GUARDED_BY(mu_);
+  // Sequence numbers of the ops of each peer being served; no entry when none is. An entry
+  // that empties leaves its ring in `spare_` (a few), for the next peer entry to take: steady
+  // traffic allocates nothing here.
+  absl::flat_hash_map<PeerId, InFlightSeqs> live_ ABSL_GUARDED_BY(mu_);
+  std::vector<InFlightSeqs> spare_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<GrantKey, GrantUse> grants_ ABSL_GUARDED_BY(mu_);
   std::vector<PeerWatch> peer_watches_ ABSL_GUARDED_BY(mu_);
   // The engine's grant table (one per engine), for revoking when a watch's bytes were served

@@ -10,8 +10,10 @@ namespace {
 constexpr uint32_t kRequestMagic = 0x4b575351;  // "KWSQ"
 constexpr uint32_t kReplyMagic = 0x4b575352;    // "KWSR"
 
+// Appends to a string the caller owns (cleared first: its capacity is kept).
 class Writer {
  public:
+  explicit Writer(std::string* out) : out_(*out) { out_.clear(); }
   template <typename T>
   void Put(T value) {
     out_.append(reinterpret_cast<const char*>(&value), sizeof(value));
@@ -20,10 +22,9 @@ class Writer {
     Put(static_cast<uint32_t>(bytes.size()));
     out_.append(bytes.data(), bytes.size());
   }
-  std::string Take() { return std::move(out_); }
 
  private:
-  std::string out_;
+  std::string& out_;
 };
 
 class Reader {
@@ -52,7 +53,13 @@ class Reader {
 }  // namespace
 
 std::string EncodeRequest(const FdRequest& request) {
-  Writer writer;
+  std::string out;
+  EncodeRequestTo(request, &out);
+  return out;
+}
+
+void EncodeRequestTo(const FdRequest& request, std::string* out) {
+  Writer writer(out);
   writer.Put(kRequestMagic);
   writer.Put(static_cast<uint8_t>(request.kind));
   writer.Put(request.region);
@@ -68,14 +75,24 @@ std::string EncodeRequest(const FdRequest& request) {
       writer.Put(op.length);
     }
   }
-  return writer.Take();
 }
 
 absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes) {
+  FdRequest request;
+  if (absl::Status s = DecodeRequestInto(bytes, &request); !s.ok()) return s;
+  return request;
+}
+
+absl::Status DecodeRequestInto(absl::string_view bytes, FdRequest* out) {
   Reader reader(bytes);
   uint32_t magic = 0;
   uint8_t kind = 0;
-  FdRequest request;
+  FdRequest& request = *out;
+  // Every field is (re)set below or keeps its default: nothing of a previous request stays.
+  request.copy_kind = OpKind::kRead;
+  request.grant = 0;
+  request.slot = 0;
+  request.ops.clear();
   if (!reader.Get(&magic) || magic != kRequestMagic) {
     return absl::InvalidArgumentError("shm fd request: bad magic");
   }
@@ -119,11 +136,17 @@ absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes) {
     }
   }
   if (!reader.done()) return malformed();
-  return request;
+  return absl::OkStatus();
 }
 
 std::string EncodeReply(const FdReply& reply) {
-  Writer writer;
+  std::string out;
+  EncodeReplyTo(reply, &out);
+  return out;
+}
+
+void EncodeReplyTo(const FdReply& reply, std::string* out) {
+  Writer writer(out);
   writer.Put(kReplyMagic);
   writer.Put(static_cast<uint32_t>(reply.code));
   writer.Put(reply.region);
@@ -135,7 +158,6 @@ std::string EncodeReply(const FdReply& reply) {
   writer.Put(reply.flags);
   // Leave room for the fixed fields so that the reply always fits one message.
   writer.PutBytes(absl::string_view(reply.message).substr(0, kMaxFdMessageBytes / 2));
-  return writer.Take();
 }
 
 absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes) {

@@ -84,6 +84,13 @@ absl::StatusOr<FdRequest> DecodeRequest(absl::string_view bytes);
 std::string EncodeReply(const FdReply& reply);
 absl::StatusOr<FdReply> DecodeReply(absl::string_view bytes);
 
+// The same, into storage the caller keeps from one message to the next (the served-copy path
+// sends one request and one reply per piece: no allocation once `out` has grown). On an error
+// `*out` holds whatever was decoded so far.
+void EncodeRequestTo(const FdRequest& request, std::string* out);
+absl::Status DecodeRequestInto(absl::string_view bytes, FdRequest* out);
+void EncodeReplyTo(const FdReply& reply, std::string* out);
+
 }  // namespace kvwire::transport::shm
 
 #endif  // KVWIRE_TRANSPORT_SHM_FD_PROTOCOL_H_

@@ -43,7 +43,11 @@ namespace {
 absl::Status Reply(int socket, const FdReply& reply, int fd) {
   // Never wait: replies are small and fit the socket buffer; a peer that does not read its
   // replies only hurts itself (its connection is closed).
-  return SendMessage(socket, EncodeReply(reply), fd, absl::Now());
+  // Encoded into storage this thread keeps (the server's, or a test's): a served copy sends one
+  // reply per piece, and none allocates once it has grown.
+  thread_local std::string encoded;
+  EncodeReplyTo(reply, &encoded);
+  return SendMessage(socket, encoded, fd, absl::Now());
 }
 
 FdReply ErrorReply(RegionId region, const absl::Status& status) {
@@ -249,7 +253,8 @@ void FdServer::AcceptAll(std::vector<Connection>& connections) {
 bool FdServer::Serve(Connection& connection, const std::vector<Connection>& all) {
   const int socket = connection.socket.get();
   // Any descriptor a client attaches is closed with `message`.
-  absl::StatusOr<ReceivedMessage> message = ReceiveMessage(socket, kMaxFdMessageBytes, absl::Now());
+  absl::StatusOr<ReceivedView> message =
+      ReceiveMessageInto(socket, absl::MakeSpan(received_), absl::InfinitePast());
   if (absl::IsDeadlineExceeded(message.status())) return true;  // woken without data
   if (!message.ok() || message->eof) {
     if (!message.ok() && connection.peer.has_value()) {
@@ -257,13 +262,12 @@ bool FdServer::Serve(Connection& connection, const std::vector<Connection>& all)
     }
     return false;
   }
-  absl::StatusOr<FdRequest> request = DecodeRequest(message->bytes);
-  if (!request.ok()) {
-    KVW_LOG(kWarning, "shm") << "malformed fd request" << Kv("error", request.status());
-    if (connection.peer.has_value()) hooks_->OnPeerError(*connection.peer, request.status());
+  if (absl::Status decoded = DecodeRequestInto(message->bytes, &request_); !decoded.ok()) {
+    KVW_LOG(kWarning, "shm") << "malformed fd request" << Kv("error", decoded);
+    if (connection.peer.has_value()) hooks_->OnPeerError(*connection.peer, decoded);
     return false;
   }
-  return Handle(connection, *request, all);
+  return Handle(connection, request_, all);
 }
 
 bool FdServer::Handle(Connection& connection, const FdRequest& request,

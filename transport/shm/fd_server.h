@@ -78,6 +78,10 @@ class FdServer {
   const FdServerLimits limits_;
   const UniqueFd listener_;
   const UniqueFd wake_;  // eventfd: DropPeer and Shutdown interrupt the thread's poll
+  // The server thread's alone, kept from one message to the next (a served copy is one
+  // request and one reply per piece: none allocates once these have grown).
+  std::vector<char> received_ = std::vector<char>(kMaxFdMessageBytes + 1);
+  FdRequest request_;
 
   Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

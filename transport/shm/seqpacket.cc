@@ -146,6 +146,21 @@ absl::Status SendMessage(int socket, absl::string_view bytes, int fd_to_pass, ab
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes, absl::Time deadline) {
   // One byte more than allowed, so that an oversized message is recognised (MSG_TRUNC).
   std::string buffer(max_bytes + 1, '\0');
+  absl::StatusOr<ReceivedView> view =
+      ReceiveMessageInto(socket, absl::MakeSpan(buffer.data(), buffer.size()), deadline);
+  if (!view.ok()) return view.status();
+  ReceivedMessage out;
+  out.eof = view->eof;
+  out.fd = std::move(view->fd);
+  buffer.resize(view->bytes.size());
+  out.bytes = std::move(buffer);
+  return out;
+}
+
+absl::StatusOr<ReceivedView> ReceiveMessageInto(int socket, absl::Span<char> buffer,
+                                                absl::Time deadline) {
+  if (buffer.empty()) return absl::InvalidArgumentError("no receive buffer");
+  const size_t max_bytes = buffer.size() - 1;
   while (true) {
     iovec iov{buffer.data(), buffer.size()};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
@@ -158,6 +173,9 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes, abs
     if (received < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN) {
+        if (deadline == absl::InfinitePast()) {
+          return absl::DeadlineExceededError("no message before the deadline");
+        }
         absl::StatusOr<bool> ready = WaitFor(socket, POLLIN, deadline);
         if (!ready.ok()) return ready.status();
         if (!*ready) return absl::DeadlineExceededError("no message before the deadline");
@@ -165,7 +183,7 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes, abs
       }
       return ErrnoStatus(absl::StatusCode::kUnavailable, errno, "recvmsg");
     }
-    ReceivedMessage out;
+    ReceivedView out;
     // Take ownership of every descriptor first, so that none leaks on an error below.
     std::vector<UniqueFd> fds;
     for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
@@ -188,8 +206,7 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes, abs
     if ((message.msg_flags & MSG_CTRUNC) != 0 || fds.size() > 1) {
       return absl::InvalidArgumentError("message carried more than one descriptor");
     }
-    buffer.resize(static_cast<size_t>(received));
-    out.bytes = std::move(buffer);
+    out.bytes = absl::string_view(buffer.data(), static_cast<size_t>(received));
     if (!fds.empty()) out.fd = std::move(fds[0]);
     return out;
   }

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 #include "transport/shm/unique_fd.h"
 
@@ -36,6 +37,18 @@ struct ReceivedMessage {
 // Waits until `deadline` for one message of at most `max_bytes` (longer: InvalidArgument).
 // DeadlineExceeded when none came in time.
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes, absl::Time deadline);
+
+// The same into `buffer` (the caller's, kept from one message to the next; one byte larger
+// than the longest message allowed, so that a longer one is recognised): `bytes` is the
+// message within it. A deadline in the past (absl::InfinitePast()) only takes a message that
+// is there already.
+struct ReceivedView {
+  bool eof = false;
+  absl::string_view bytes;
+  UniqueFd fd;
+};
+absl::StatusOr<ReceivedView> ReceiveMessageInto(int socket, absl::Span<char> buffer,
+                                                absl::Time deadline);
 
 // Waits until `socket` has `events` (POLLIN/POLLOUT) or `deadline`; false on timeout.
 absl::StatusOr<bool> WaitFor(int socket, short events, absl::Time deadline);

@@ -100,12 +100,13 @@ void ServedCompletions::Shutdown() {
 
 void ServedCompletions::Run() {
   epoll_event events[64];
+  // Kept across wake-ups (its capacity): a snapshot per wake-up, emptied at its end.
+  std::vector<std::shared_ptr<ServedLink>> links;
   while (true) {
-    std::vector<std::shared_ptr<ServedLink>> links;
     {
       MutexLock lock(&mu_);
       if (stopping_) return;
-      links = links_;
+      links.assign(links_.begin(), links_.end());
     }
     absl::Time wake_at = absl::InfiniteFuture();
     for (const std::shared_ptr<ServedLink>& link : links) {
@@ -149,6 +150,7 @@ void ServedCompletions::Run() {
       running_ = nullptr;
       idle_cv_.SignalAll();
     }
+    links.clear();
   }
 }
 

@@ -67,7 +67,12 @@ ServedLink::ServedLink(PassKey, UniqueFd socket, Mapping staging, std::string to
     : socket_(std::move(socket)),
       staging_(std::move(staging)),
       token_(std::move(token)),
-      request_timeout_(request_timeout) {}
+      request_timeout_(request_timeout),
+      received_(kMaxFdMessageBytes + 1) {
+  ask_.kind = FdRequestKind::kCopy;
+  ask_.token = token_;
+  ask_.ops.reserve(kMaxCopyOps);
+}
 
 void ServedLink::SetWake(std::function<void()> wake) {
   MutexLock lock(&mu_);
@@ -166,10 +171,9 @@ void ServedLink::PumpLocked(Ended* ended) {
       break;
     }
     if (job == nullptr) break;
-    FdRequest ask;
-    ask.kind = FdRequestKind::kCopy;
+    FdRequest& ask = ask_;
+    ask.ops.clear();
     ask.region = next_sequence_++;
-    ask.token = token_;
     ask.copy_kind = job->request.kind;
     ask.grant = job->request.grant;
     ask.slot = static_cast<uint32_t>(s);
@@ -203,8 +207,8 @@ void ServedLink::PumpLocked(Ended* ended) {
       slot.pieces.push_back(piece);
       used += piece.length;
     }
-    if (absl::Status sent =
-            SendMessage(socket_.get(), EncodeRequest(ask), -1, now + request_timeout_);
+    EncodeRequestTo(ask, &encoded_);
+    if (absl::Status sent = SendMessage(socket_.get(), encoded_, -1, now + request_timeout_);
         !sent.ok()) {
       BreakLocked(absl::Status(sent.code(), absl::StrCat("served copies: the connection to the "
                                                          "peer was lost: ",
@@ -227,8 +231,8 @@ void ServedLink::Progress() {
     MutexLock lock(&mu_);
     if (!broken_.ok()) return;
     while (true) {
-      absl::StatusOr<ReceivedMessage> message =
-          ReceiveMessage(socket_.get(), kMaxFdMessageBytes, absl::InfinitePast());
+      absl::StatusOr<ReceivedView> message =
+          ReceiveMessageInto(socket_.get(), absl::MakeSpan(received_), absl::InfinitePast());
       if (absl::IsDeadlineExceeded(message.status())) break;  // nothing more there
       if (!message.ok() || message->eof) {
         BreakLocked(message.ok() ? absl::UnavailableError("served copies: the peer closed "
@@ -260,7 +264,7 @@ void ServedLink::Progress() {
   Report(ended);
 }
 
-void ServedLink::HandleReplyLocked(const std::string& bytes, Ended* ended) {
+void ServedLink::HandleReplyLocked(absl::string_view bytes, Ended* ended) {
   absl::StatusOr<FdReply> reply = DecodeReply(bytes);
   if (!reply.ok()) {
     BreakLocked(absl::Status(reply.status().code(),

@@ -108,7 +108,7 @@ class ServedLink {
   void Enqueue(std::shared_ptr<Job> job);
   // Asks for the next pieces while a slot is free; ends the jobs that are done.
   void PumpLocked(Ended* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleReplyLocked(const std::string& bytes, Ended* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleReplyLocked(absl::string_view bytes, Ended* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJobLocked(Job& job, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void BreakLocked(const absl::Status& reason, Ended* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the jobs that have nothing left in flight or to ask for into `ended`.
@@ -131,6 +131,11 @@ class ServedLink {
   // While the peer moves a region: nothing is asked for before then.
   absl::Time paused_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::function<void()> wake_ ABSL_GUARDED_BY(mu_);
+  // Kept from one copy request to the next, so that asking and answering allocate nothing:
+  // the request being built (its token set once), its encoding, and the reply's bytes.
+  FdRequest ask_ ABSL_GUARDED_BY(mu_);
+  std::string encoded_ ABSL_GUARDED_BY(mu_);
+  std::vector<char> received_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvwire::transport::shm
