@@ -136,6 +136,15 @@ TEST_P(ServedCopiesTest, ManyOpsAndLargeOnesMoveByteExactOverShm) {
   EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_read"), 1024 * kPage + (3 << 20));
   EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_written"), 512 * kPage + (2 << 20));
   EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_read"), 0u);
+  // Counted as served copies on both sides: every byte asked for, and answered.
+  const uint64_t moved = 1024 * kPage + (3 << 20) + 512 * kPage + (2 << 20);
+  EXPECT_EQ(Counter(stats, "shm", "served_copy_bytes"), moved);
+  EXPECT_GE(Counter(stats, "shm", "served_copy_requests"), 5u);  // more than the slots hold
+  const EngineStats served = target_->Stats();
+  EXPECT_EQ(Counter(served, "shm", "served_copy_bytes_answered"), moved);
+  EXPECT_EQ(Counter(served, "shm", "served_copy_requests_answered"),
+            Counter(stats, "shm", "served_copy_requests"));
+  EXPECT_EQ(Counter(served, "shm", "served_copy_requests_refused"), 0u);
 }
 
 TEST_P(ServedCopiesTest, ManyTransfersAtOnceAllArrive) {
@@ -178,6 +187,7 @@ TEST_P(ServedCopiesTest, AnOpOutsideTheGrantFailsItsTransferAndClosesTheReader) 
     ASSERT_EQ(local_[100 * 2 * kPage + i], std::byte{0}) << "a byte of an ungranted page arrived";
   }
   EXPECT_GT(target_->Stats().grant_refused, refused);
+  EXPECT_EQ(Counter(target_->Stats(), "shm", "served_copy_requests_refused"), 1u);
   // The refusal closed the reader (its grants end with it), as over tcp.
   const absl::Time deadline = absl::Now() + kWait;
   while (target_->Stats().grants_live != 0 && absl::Now() < deadline) {

@@ -63,10 +63,9 @@ FdReply ErrorReply(RegionId region, const absl::Status& status) {
 // How often a request waiting for its peer's handshake pid is retried.
 constexpr absl::Duration kPidRetry = absl::Milliseconds(5);
 
-absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& socket_name,
-                                                          TargetHooks* hooks,
-                                                          LocalRegionTable* regions,
-                                                          const FdServerLimits& limits) {
+absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
+    const std::string& socket_name, TargetHooks* hooks, LocalRegionTable* regions,
+    const FdServerLimits& limits, std::shared_ptr<ServedCopyCounters> counters) {
   if (limits.max_connections == 0 || limits.max_unauthenticated_per_uid == 0 ||
       limits.auth_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -79,19 +78,21 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& soc
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(absl::StatusCode::kResourceExhausted, errno, "eventfd");
   auto server = std::make_unique<FdServer>(PassKey(), hooks, regions, limits, *std::move(listener),
-                                           std::move(wake));
+                                           std::move(wake), std::move(counters));
   MutexLock lock(&server->join_mu_);
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
 
 FdServer::FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions,
-                   const FdServerLimits& limits, UniqueFd listener, UniqueFd wake)
+                   const FdServerLimits& limits, UniqueFd listener, UniqueFd wake,
+                   std::shared_ptr<ServedCopyCounters> counters)
     : hooks_(hooks),
       regions_(regions),
       limits_(limits),
       listener_(std::move(listener)),
-      wake_(std::move(wake)) {}
+      wake_(std::move(wake)),
+      counters_(std::move(counters)) {}
 
 FdServer::~FdServer() { Shutdown(); }
 
@@ -368,6 +369,17 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request,
     }
     absl::Status refused;
     const FdReply reply = ServeCopy(*hooks_, *peer, *connection.staging, request, &refused);
+    // Counted before the answer leaves: the peer may read the stats once it has it.
+    if (counters_ != nullptr) {
+      if (!refused.ok()) {
+        counters_->refused.fetch_add(1, std::memory_order_relaxed);
+      } else if (reply.code == absl::StatusCode::kOk) {
+        uint64_t bytes = 0;
+        for (const CopyOp& op : request.ops) bytes += op.length;
+        counters_->answered.fetch_add(1, std::memory_order_relaxed);
+        counters_->answered_bytes.fetch_add(bytes, std::memory_order_relaxed);
+      }
+    }
     const bool sent = Reply(socket, reply, -1).ok();
     if (!refused.ok()) {
       KVW_LOG(kWarning, "shm") << "copy request refused" << Kv("peer", *peer)

@@ -16,6 +16,7 @@
 #include "src/util/recent_set.h"
 #include "transport/shm/fd_protocol.h"
 #include "transport/shm/local_regions.h"
+#include "transport/shm/served_copy.h"
 #include "transport/shm/unique_fd.h"
 #include "transport/transport.h"
 
@@ -37,17 +38,17 @@ class FdServer {
  public:
   // Listens on `socket_name` and serves from one thread until Shutdown. `hooks` and `regions`
   // must outlive the server.
-  static absl::StatusOr<std::unique_ptr<FdServer>> Start(const std::string& socket_name,
-                                                         TargetHooks* hooks,
-                                                         LocalRegionTable* regions,
-                                                         const FdServerLimits& limits);
+  // `counters` (null: not counted) get the copy requests it answers and refuses.
+  static absl::StatusOr<std::unique_ptr<FdServer>> Start(
+      const std::string& socket_name, TargetHooks* hooks, LocalRegionTable* regions,
+      const FdServerLimits& limits, std::shared_ptr<ServedCopyCounters> counters = nullptr);
   // For Start only (std::make_unique needs a public constructor).
   class PassKey {
     friend class FdServer;
     PassKey() = default;
   };
   FdServer(PassKey, TargetHooks* hooks, LocalRegionTable* regions, const FdServerLimits& limits,
-           UniqueFd listener, UniqueFd wake);
+           UniqueFd listener, UniqueFd wake, std::shared_ptr<ServedCopyCounters> counters);
   ~FdServer();
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -78,6 +79,7 @@ class FdServer {
   const FdServerLimits limits_;
   const UniqueFd listener_;
   const UniqueFd wake_;  // eventfd: DropPeer and Shutdown interrupt the thread's poll
+  const std::shared_ptr<ServedCopyCounters> counters_;  // may be null
   // The server thread's alone, kept from one message to the next (a served copy is one
   // request and one reply per piece: none allocates once these have grown).
   std::vector<char> received_ = std::vector<char>(kMaxFdMessageBytes + 1);

@@ -10,6 +10,7 @@
 #ifndef KVWIRE_TRANSPORT_SHM_SERVED_COPY_H_
 #define KVWIRE_TRANSPORT_SHM_SERVED_COPY_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -35,6 +36,17 @@ inline constexpr uint64_t kCopySlotBytes = uint64_t{1} << 20;
 // FdReply::flags of a copy reply: the op at `length` is on a region being moved (shm
 // revocation); the ops before it are done, the rest is to be asked again after the move.
 inline constexpr uint32_t kCopyRegionMoving = 1;
+
+// What served copies moved, per transport (its stats, group "shm"): as the side that asks
+// (requests sent, the bytes they named) and as the side that copies (requests answered and
+// their bytes, requests refused: the peer dropped).
+struct ServedCopyCounters {
+  std::atomic<uint64_t> requests{0};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint64_t> answered{0};
+  std::atomic<uint64_t> answered_bytes{0};
+  std::atomic<uint64_t> refused{0};
+};
 
 class CopyStaging {
  public:

@@ -27,10 +27,9 @@ constexpr absl::Duration kMovingRetry = absl::Milliseconds(1);
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<ServedLink>> ServedLink::Open(const std::string& socket_name,
-                                                             const std::string& token,
-                                                             absl::Duration request_timeout,
-                                                             bool populate, absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<ServedLink>> ServedLink::Open(
+    const std::string& socket_name, const std::string& token, absl::Duration request_timeout,
+    bool populate, absl::Time deadline, std::shared_ptr<ServedCopyCounters> counters) {
   absl::StatusOr<UniqueFd> socket = ConnectSeqpacket(socket_name, deadline);
   if (!socket.ok()) return socket.status();
   FdRequest ask;
@@ -59,15 +58,16 @@ absl::StatusOr<std::shared_ptr<ServedLink>> ServedLink::Open(const std::string& 
       Mapping::Create(fd, 0, kCopySlots * kCopySlotBytes, PROT_READ | PROT_WRITE, populate);
   if (!staging.ok()) return staging.status();
   return std::make_shared<ServedLink>(PassKey(), *std::move(socket), *std::move(staging), token,
-                                      request_timeout);
+                                      request_timeout, std::move(counters));
 }
 
 ServedLink::ServedLink(PassKey, UniqueFd socket, Mapping staging, std::string token,
-                       absl::Duration request_timeout)
+                       absl::Duration request_timeout, std::shared_ptr<ServedCopyCounters> counters)
     : socket_(std::move(socket)),
       staging_(std::move(staging)),
       token_(std::move(token)),
       request_timeout_(request_timeout),
+      counters_(std::move(counters)),
       received_(kMaxFdMessageBytes + 1) {
   ask_.kind = FdRequestKind::kCopy;
   ask_.token = token_;
@@ -215,6 +215,10 @@ void ServedLink::PumpLocked(Ended* ended) {
                                                          sent.message())),
                   ended);
       return;
+    }
+    if (counters_ != nullptr) {
+      counters_->requests.fetch_add(1, std::memory_order_relaxed);
+      counters_->bytes.fetch_add(used, std::memory_order_relaxed);
     }
     slot.busy = true;
     slot.sequence = ask.region;

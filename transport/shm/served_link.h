@@ -33,10 +33,10 @@ class ServedLink {
   // Connects to the peer's fd server at `socket_name`, proves `token` and maps the staging
   // memfd the peer makes for this connection, all before `deadline`. `request_timeout`
   // bounds each copy request's answer afterwards.
-  static absl::StatusOr<std::shared_ptr<ServedLink>> Open(const std::string& socket_name,
-                                                          const std::string& token,
-                                                          absl::Duration request_timeout,
-                                                          bool populate, absl::Time deadline);
+  // `counters` (null: not counted) get the requests it sends and their bytes.
+  static absl::StatusOr<std::shared_ptr<ServedLink>> Open(
+      const std::string& socket_name, const std::string& token, absl::Duration request_timeout,
+      bool populate, absl::Time deadline, std::shared_ptr<ServedCopyCounters> counters = nullptr);
 
   // For Open only (std::make_shared needs a public constructor).
   class PassKey {
@@ -44,7 +44,7 @@ class ServedLink {
     PassKey() = default;
   };
   ServedLink(PassKey, UniqueFd socket, Mapping staging, std::string token,
-             absl::Duration request_timeout);
+             absl::Duration request_timeout, std::shared_ptr<ServedCopyCounters> counters);
   ServedLink(const ServedLink&) = delete;
   ServedLink& operator=(const ServedLink&) = delete;
 
@@ -121,6 +121,7 @@ class ServedLink {
   const Mapping staging_;
   const std::string token_;
   const absl::Duration request_timeout_;
+  const std::shared_ptr<ServedCopyCounters> counters_;  // may be null
 
   Mutex mu_;
   CondVar ended_cv_;  // Run's callers wait for their job here

@@ -423,7 +423,7 @@ absl::StatusOr<std::shared_ptr<ServedLink>> ShmChannel::ServedLinkFor() {
     error = completions.status();
   } else if (absl::StatusOr<std::shared_ptr<ServedLink>> opened = ServedLink::Open(
                  socket_name_, link_.token, options_.request_timeout, options_.populate_mappings,
-                 absl::Now() + options_.request_timeout);
+                 absl::Now() + options_.request_timeout, options_.served_counters);
              !opened.ok()) {
     error = opened.status();
   } else if (absl::Status added = (*completions)->Add(*opened); !added.ok()) {

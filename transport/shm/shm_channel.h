@@ -47,6 +47,7 @@ class ShmChannel final : public Channel {
     // The transport's served-copy thread (started on first use); null: no served copies, the
     // peer's grant-guarded regions go over another transport.
     std::function<absl::StatusOr<std::shared_ptr<ServedCompletions>>()> served_completions;
+    std::shared_ptr<ServedCopyCounters> served_counters;  // the transport's; may be null
   };
 
   // Connects to the peer's socket and proves the session token (within link.deadline), then

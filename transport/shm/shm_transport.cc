@@ -31,6 +31,7 @@
 #include "transport/shm/local_regions.h"
 #include "transport/shm/seqpacket.h"
 #include "transport/shm/served_completions.h"
+#include "transport/shm/served_copy.h"
 #include "transport/shm/shareable_registry.h"
 #include "transport/shm/shm_channel.h"
 #include "transport/shm/shm_endpoint.h"
@@ -90,7 +91,8 @@ class ShmTransport final : public Transport {
         shm::FdServer::Start(socket_name, hooks, &regions_,
                              {.max_connections = options_.max_connections,
                               .max_unauthenticated_per_uid = options_.max_unauthenticated_per_uid,
-                              .auth_timeout = options_.auth_timeout});
+                              .auth_timeout = options_.auth_timeout},
+                             served_counters_);
     if (!server.ok()) {
       return absl::Status(server.status().code(),
                           absl::StrCat("shm transport: ", server.status().message()));
@@ -160,6 +162,16 @@ class ShmTransport final : public Transport {
             gpu_counters_->ipc_opens.load(std::memory_order_relaxed));
     AddStat(stats, "gpu", "shm_device_copies",
             gpu_counters_->device_copies.load(std::memory_order_relaxed));
+    // Served copies (served_copy.h): grant-guarded or pinned regions, never mapped.
+    const shm::ServedCopyCounters& c = *served_counters_;
+    AddStat(stats, "shm", "served_copy_requests", c.requests.load(std::memory_order_relaxed));
+    AddStat(stats, "shm", "served_copy_bytes", c.bytes.load(std::memory_order_relaxed));
+    AddStat(stats, "shm", "served_copy_requests_answered",
+            c.answered.load(std::memory_order_relaxed));
+    AddStat(stats, "shm", "served_copy_bytes_answered",
+            c.answered_bytes.load(std::memory_order_relaxed));
+    AddStat(stats, "shm", "served_copy_requests_refused",
+            c.refused.load(std::memory_order_relaxed));
   }
 
   absl::Status CanReach(const std::string& remote_endpoint) const override {
@@ -182,6 +194,7 @@ class ShmTransport final : public Transport {
     options.gpu_runtime = gpu_;
     options.gpu_counters = gpu_counters_;
     options.served_completions = [this] { return ServedCompletions(); };
+    options.served_counters = served_counters_;
     absl::StatusOr<std::unique_ptr<shm::ShmChannel>> channel =
         shm::ShmChannel::Connect(link, *endpoint, options);
     if (!channel.ok()) return channel.status();
@@ -342,6 +355,8 @@ class ShmTransport final : public Transport {
   shm::GpuExportTable gpu_exports_;
   const std::shared_ptr<shm::ShmGpuCounters> gpu_counters_ =
       std::make_shared<shm::ShmGpuCounters>();
+  const std::shared_ptr<shm::ServedCopyCounters> served_counters_ =
+      std::make_shared<shm::ServedCopyCounters>();
   // options_.revoke_on_peer_close where the write guard works (GuardForPeerCloses).
   const bool revoke_on_peer_close_;
   std::unique_ptr<shm::FdServer> server_;  // set by Start; stopped by Shutdown
@@ -391,7 +406,20 @@ std::vector<TransportStat> ShmTransportStats() {
                   "Peer GPU allocations opened from IPC handles."),
       DeclareStat("shm", "gpu", "shm_device_copies", Kind::kCounter, "gpu_shm_device_copies_total",
                   "Copies on the shm transport's device streams."),
-
+      DeclareStat("shm", "shm", "served_copy_requests", Kind::kCounter,
+                  "shm_served_copy_requests_total",
+                  "Served-copy requests sent to peers (their regions that are never mapped)."),
+      DeclareStat("shm", "shm", "served_copy_bytes", Kind::kCounter, "shm_served_copy_bytes_total",
+                  "Bytes named by the served-copy requests sent to peers."),
+      DeclareStat("shm", "shm", "served_copy_requests_answered", Kind::kCounter,
+                  "shm_served_copy_requests_answered_total",
+                  "Served-copy requests of peers copied by this engine."),
+      DeclareStat("shm", "shm", "served_copy_bytes_answered", Kind::kCounter,
+                  "shm_served_copy_bytes_answered_total",
+                  "Bytes this engine copied for peers' served-copy requests."),
+      DeclareStat("shm", "shm", "served_copy_requests_refused", Kind::kCounter,
+                  "shm_served_copy_requests_refused_total",
+                  "Served-copy requests refused (an op the engine refused: the peer dropped)."),
   };
 }
 
