@@ -380,9 +380,9 @@ void Connector::Impl::ForceRevokeLocked(Request& r) {
 void Connector::Impl::CloseServedReadersLocked(Request& r) {
   r.readers_closed = true;
   r.deadline = absl::Now() + options_.handshake_timeout;
-  std::vector<PeerId> readers;
+  std::vector<PeerId> readers;  // alive ones (a dead reader's ops end with it anyway)
   for (const Request::Serving& s : r.serving) {
-    if (std::find(readers.begin(), readers.end(), s.peer) == readers.end()) {
+    if (PeerAlive(s.peer) && std::find(readers.begin(), readers.end(), s.peer) == readers.end()) {
       readers.push_back(s.peer);
     }
   }
@@ -453,6 +453,9 @@ void Connector::Impl::CheckDeadlines() {
     auto it = table_.requests.find(id);
     if (it == table_.requests.end()) continue;
     Request& r = it->second;
+    // An earlier one's handling may have moved this one on (a reader closed for it failed
+    // this one's hand-off, with a deadline of its own): only what is still late goes on.
+    if (r.deadline >= now || !r.transfers.empty()) continue;
     if (r.state != State::kMatched && r.state != State::kPending) StepLocked(r, Event::kDeadline);
     if (r.state == State::kReleasing && !r.revoke_forced) {
       // A reader's ops still served, or its count of bytes read not reached (a lying or

@@ -219,7 +219,8 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
     if (absl::Status s = DescribeGpuMemory(options, &region); !s.ok()) return s;
   }
   const absl::Time start = absl::Now();
-  const RegionId id = regions_.Add(region, options.export_to_all_peers);
+  // Unpublished (no peer reaches it) until every transport registered it below.
+  const RegionId id = regions_.Add(region, options.export_to_all_peers, /*published=*/false);
   region.id = id;
   std::vector<std::string> declined;  // transports that cannot move this kind of memory
   bool registered = false;
@@ -243,6 +244,7 @@ absl::StatusOr<RegionId> Engine::Impl::RegisterMemory(void* ptr, size_t length,
                      region.kind == MemoryKind::kGpu ? "GPU" : "host",
                      " memory (declined: ", absl::StrJoin(declined, ", "), ")"));
   }
+  regions_.Publish(id);
   if (!declined.empty()) {
     KVW_LOG(kInfo, "engine") << "region not registered with every transport" << Kv("engine", name_)
                              << Kv("region", id) << Kv("declined", absl::StrJoin(declined, ","));

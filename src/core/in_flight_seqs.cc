@@ -6,6 +6,14 @@
 namespace kvwire::core {
 
 void InFlightSeqs::Add(uint64_t seq) {
+  if (count_ == ring_.size() && count_ > 0 && live_ <= count_ / 2) {
+    // Mostly ended entries behind a live one: drop them in place, in order (j <= i always).
+    size_t j = 0;
+    for (size_t i = 0; i < count_; ++i) {
+      if (!At(i).ended) At(j++) = At(i);
+    }
+    count_ = j;
+  }
   if (count_ == ring_.size()) {
     // Full: twice the room, the entries laid out from 0 in their order.
     std::vector<Entry> grown(std::max<size_t>(16, ring_.size() * 2));

@@ -1,8 +1,11 @@
 // The sequence numbers of one peer's ops being served (ServedOps): added in increasing order,
 // ended in any order, and asked "is any below this mark still live?". A ring of entries in
-// the order they were added, whose ended ones leave from the front: adding, ending and asking
-// allocate nothing once the ring has grown to the most ops that were in flight at once (a
-// std::set allocated a node per op, ~3,000 per DeepSeek-V4 request on the serving side).
+// the order they were added, whose ended ones leave from the front. Ended entries behind a
+// live one stay until the ring is full; then, if at most half are live, they are compacted
+// away instead of the ring growing, so the ring holds at most about twice the most ops that
+// were live at once (one stalled op does not make it grow with every op after it), and
+// adding, ending and asking allocate nothing once it has that size (a std::set allocated a
+// node per op, ~3,000 per DeepSeek-V4 request on the serving side).
 #ifndef KVWIRE_SRC_CORE_IN_FLIGHT_SEQS_H_
 #define KVWIRE_SRC_CORE_IN_FLIGHT_SEQS_H_
 
@@ -24,6 +27,7 @@ class InFlightSeqs {
   size_t CountBelow(uint64_t mark) const;
   size_t live() const { return live_; }
   bool empty() const { return live_ == 0; }
+  size_t capacity() const { return ring_.size(); }  // entries the ring holds before it grows
 
  private:
   struct Entry {

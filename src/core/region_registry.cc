@@ -63,15 +63,23 @@ absl::Status BoundsError(const char* side, RegionId id, uint64_t offset, uint64_
   return absl::OkStatus();
 }
 
-RegionId RegionRegistry::Add(const transport::LocalRegion& region, bool export_to_all) {
+RegionId RegionRegistry::Add(const transport::LocalRegion& region, bool export_to_all,
+                             bool published) {
   MutexLock lock(&mu_);
   auto entry = std::make_shared<RegionEntry>();
   entry->region = region;
   entry->region.id = next_id_++;
   entry->export_to_all = export_to_all;
+  entry->published = published;
   const RegionId id = entry->region.id;
   regions_.emplace(id, std::move(entry));
   return id;
+}
+
+void RegionRegistry::Publish(RegionId id) {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it != regions_.end()) it->second->published = true;
 }
 
 absl::StatusOr<std::shared_ptr<const RegionEntry>> RegionRegistry::Remove(RegionId id) {
@@ -107,9 +115,10 @@ absl::StatusOr<ResolvedRange> RegionRegistry::ResolveForPeer(PeerId peer, Region
                                                              OpKind kind, bool for_op) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end() ||
+  if (it == regions_.end() || !it->second->published ||
       !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
-    // Unknown and unexported look the same to a peer: it learns nothing it was not given.
+    // Unknown, unpublished and unexported look the same to a peer: it learns nothing it was
+    // not given.
     return absl::NotFoundError(absl::StrCat("region ", id, " is not exported to peer ", peer));
   }
   const RegionEntry& entry = *it->second;
@@ -133,7 +142,7 @@ absl::StatusOr<transport::LocalRegion> RegionRegistry::ExportedRegion(PeerId pee
                                                                       RegionId id) const {
   MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end() ||
+  if (it == regions_.end() || !it->second->published ||
       !(it->second->export_to_all || it->second->exported_to.contains(peer))) {
     return absl::NotFoundError(absl::StrCat("region ", id, " is not exported to peer ", peer));
   }
@@ -178,7 +187,7 @@ std::vector<transport::LocalRegion> RegionRegistry::ExportedToAll() const {
   MutexLock lock(&mu_);
   std::vector<transport::LocalRegion> out;
   for (const auto& [id, entry] : regions_) {
-    if (entry->export_to_all) out.push_back(entry->region);
+    if (entry->export_to_all && entry->published) out.push_back(entry->region);
   }
   return out;
 }

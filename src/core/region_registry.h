@@ -21,6 +21,10 @@ namespace kvwire::core {
 struct RegionEntry {
   transport::LocalRegion region;
   bool export_to_all = false;
+  // Reachable by peers: set once every transport registered it (Publish). Before, a peer
+  // that guessed its id finds it "not exported": e.g. shm must not hand out its memfd before
+  // rdma pinned its pages (a pinned buffer is never mapped out, SECURITY-shm.md).
+  bool published = true;
   absl::flat_hash_set<PeerId> exported_to;  // guarded by the registry's mutex
 };
 
@@ -34,7 +38,11 @@ struct ResolvedRange {
 
 class RegionRegistry {
  public:
-  RegionId Add(const transport::LocalRegion& region, bool export_to_all) ABSL_LOCKS_EXCLUDED(mu_);
+  // `published` false: peers do not reach it until Publish (the engine's RegisterMemory, once
+  // every transport has registered it).
+  RegionId Add(const transport::LocalRegion& region, bool export_to_all, bool published = true)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Publish(RegionId id) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the region; the returned pin lets the caller wait for users to finish.
   absl::StatusOr<std::shared_ptr<const RegionEntry>> Remove(RegionId id) ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -162,16 +162,18 @@ absl::StatusOr<LocalRegionTable::Served> LocalRegionTable::Serve(
         "shm: region ", id,
         " is not memfd-backed (allocate it with kvwire::ShareableBuffer to share it over shm)"));
   }
-  // Checked under serve_mu_, as a revocation's Unserve is: pinned now, never handed out.
-  if (AnyPinned(entry->base, entry->length)) {
-    return Served{std::move(entry), *std::move(exported), ShareableDup{}, /*pinned=*/true};
-  }
   absl::StatusOr<std::optional<ShareableDup>> memfd =
       DupShareable(entry->base, entry->length, entry->buffer, /*with_epoch=*/true);
   if (!memfd.ok()) return memfd.status();
   if (!memfd->has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "shm: region ", id, ": the ShareableBuffer it was registered in no longer exists"));
+  }
+  // The descriptor reaches the whole buffer, so the whole buffer is what must not be pinned
+  // (as a revocation's move checks it). Checked under serve_mu_, as Unserve runs: pinned now,
+  // never handed out (the duplicate is closed here).
+  if (AnyPinned(entry->base - (**memfd).offset, (**memfd).size)) {
+    return Served{std::move(entry), *std::move(exported), ShareableDup{}, /*pinned=*/true};
   }
   {
     // Recorded before the descriptor leaves: a revocation after this point moves the buffer.

@@ -61,5 +61,24 @@ TEST(InFlightSeqsTest, EndingWhatIsNotLiveChangesNothing) {
   EXPECT_TRUE(seqs.NoneBelow(1000));
 }
 
+// One op that never ends while a million others come and go, a few at a time: the ring
+// compacts the ended ones behind it instead of growing with each (a reader that stalls one op
+// must not make the serving side's memory grow with its other traffic).
+TEST(InFlightSeqsTest, AStalledOpDoesNotMakeTheRingGrow) {
+  InFlightSeqs seqs;
+  seqs.Add(1);  // stalled
+  uint64_t next = 2;
+  for (int round = 0; round < 250000; ++round) {
+    for (int k = 0; k < 4; ++k) seqs.Add(next + k);
+    for (int k = 0; k < 4; ++k) seqs.End(next + k);
+    next += 4;
+  }
+  EXPECT_EQ(seqs.live(), 1u);
+  EXPECT_FALSE(seqs.NoneBelow(2));
+  EXPECT_LE(seqs.capacity(), 16u);
+  seqs.End(1);
+  EXPECT_TRUE(seqs.empty());
+}
+
 }  // namespace
 }  // namespace kvwire::core

@@ -45,6 +45,25 @@ TEST(RegionRegistryTest, IncomingOpsAreValidated) {
             absl::StatusCode::kNotFound);
 }
 
+// While the engine registers a region with its transports, no peer reaches it, though it is
+// exported to every peer and its id is easy to guess: shm must not hand out a buffer's memfd
+// before rdma has pinned it (then it would never be mapped out at all).
+TEST(RegionRegistryTest, AnUnpublishedRegionLooksUnexportedToEveryPeer) {
+  std::vector<std::byte> buf(4096);
+  RegionRegistry registry;
+  const RegionId id =
+      registry.Add(Region(buf, kRemoteReadWrite), /*export_to_all=*/true, /*published=*/false);
+  EXPECT_EQ(registry.ExportedRegion(5, id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.ResolveForPeer(5, id, 0, 10, OpKind::kRead).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.ExportedToAll().empty());
+  EXPECT_TRUE(registry.ResolveLocal(id, 0, 10).ok()) << "the engine itself may use it";
+  registry.Publish(id);
+  EXPECT_TRUE(registry.ExportedRegion(5, id).ok());
+  EXPECT_TRUE(registry.ResolveForPeer(5, id, 0, 10, OpKind::kRead).ok());
+  EXPECT_EQ(registry.ExportedToAll().size(), 1u);
+}
+
 TEST(RegionRegistryTest, PinsOutliveRemoval) {
   std::vector<std::byte> buf(100);
   RegionRegistry registry;
