@@ -6,7 +6,6 @@
 // it fails its transfer and closes the reader, and its bytes never arrive); a reader that
 // disconnects with transfers queued sees each of them end.
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <unistd.h>
@@ -20,6 +19,7 @@
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
 #include "src/util/pinned_ranges.h"
+#include "tests/support/memfd_mappings.h"
 
 namespace kvwire::testing {
 namespace {
@@ -29,13 +29,6 @@ using ::testing::HasSubstr;
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kRegionBytes = 8 << 20;  // 8 staging slots' worth
 constexpr absl::Duration kWait = absl::Seconds(30);
-
-uint64_t Counter(const EngineStats& stats, const std::string& group, const std::string& name) {
-  for (const TransportStat& s : stats.transport_stats) {
-    if (s.group == group && s.name == name) return s.value;
-  }
-  return 0;
-}
 
 class ServedCopiesTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -133,18 +126,19 @@ TEST_P(ServedCopiesTest, ManyOpsAndLargeOnesMoveByteExactOverShm) {
   }
   EXPECT_EQ(std::memcmp(buffer_.data() + (6 << 20), local_.data() + (2 << 20), 2 << 20), 0);
   const EngineStats stats = reader_->Stats();
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_read"), 1024 * kPage + (3 << 20));
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_written"), 512 * kPage + (2 << 20));
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_read"), 0u);
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_read"), 1024 * kPage + (3 << 20));
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_written"), 512 * kPage + (2 << 20));
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "tcp_read"), 0u);
   // Counted as served copies on both sides: every byte asked for, and answered.
   const uint64_t moved = 1024 * kPage + (3 << 20) + 512 * kPage + (2 << 20);
-  EXPECT_EQ(Counter(stats, "shm", "served_copy_bytes"), moved);
-  EXPECT_GE(Counter(stats, "shm", "served_copy_requests"), 5u);  // more than the slots hold
+  EXPECT_EQ(stats.TransportStatValue("shm", "served_copy_bytes"), moved);
+  EXPECT_GE(stats.TransportStatValue("shm", "served_copy_requests"),
+            5u);  // more than the slots hold
   const EngineStats served = target_->Stats();
-  EXPECT_EQ(Counter(served, "shm", "served_copy_bytes_answered"), moved);
-  EXPECT_EQ(Counter(served, "shm", "served_copy_requests_answered"),
-            Counter(stats, "shm", "served_copy_requests"));
-  EXPECT_EQ(Counter(served, "shm", "served_copy_requests_refused"), 0u);
+  EXPECT_EQ(served.TransportStatValue("shm", "served_copy_bytes_answered"), moved);
+  EXPECT_EQ(served.TransportStatValue("shm", "served_copy_requests_answered"),
+            stats.TransportStatValue("shm", "served_copy_requests"));
+  EXPECT_EQ(served.TransportStatValue("shm", "served_copy_requests_refused"), 0u);
 }
 
 TEST_P(ServedCopiesTest, ManyTransfersAtOnceAllArrive) {
@@ -187,7 +181,7 @@ TEST_P(ServedCopiesTest, AnOpOutsideTheGrantFailsItsTransferAndClosesTheReader) 
     ASSERT_EQ(local_[100 * 2 * kPage + i], std::byte{0}) << "a byte of an ungranted page arrived";
   }
   EXPECT_GT(target_->Stats().grant_refused, refused);
-  EXPECT_EQ(Counter(target_->Stats(), "shm", "served_copy_requests_refused"), 1u);
+  EXPECT_EQ(target_->Stats().TransportStatValue("shm", "served_copy_requests_refused"), 1u);
   // The refusal closed the reader (its grants end with it), as over tcp.
   const absl::Time deadline = absl::Now() + kWait;
   while (target_->Stats().grants_live != 0 && absl::Now() < deadline) {
@@ -219,16 +213,6 @@ TEST_P(ServedCopiesTest, ADisconnectEndsEveryQueuedTransfer) {
   std::printf("%d of %zu transfers failed after the disconnect\n", failed, ids.size());
 }
 
-// How many mappings of memfds named `name` this process has (/proc/self/maps).
-int MappingsNamed(const std::string& name) {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find(absl::StrCat("/memfd:", name, " ")) != std::string::npos) ++n;
-  }
-  return n;
-}
-
 // A buffer whose pages a device pinned (an rdma MR, as every host region is registered on a
 // host with an RDMA device; a PinnedRange here, as rdma_regions.cc makes one) could not be
 // moved to revoke a peer's mapping: its owner never maps it out. Same-host peers reach it
@@ -241,7 +225,7 @@ TEST_P(ServedCopiesTest, APinnedBufferIsServedNeverMapped) {
   ASSERT_TRUE(buffer.ok()) << buffer.status();
   for (size_t i = 0; i < buffer->size(); ++i) buffer->data()[i] = static_cast<std::byte>(i * 11);
   PinnedRange pinned(buffer->data(), buffer->size());
-  ASSERT_EQ(MappingsNamed(name), 1) << "the owner's own mapping";
+  ASSERT_EQ(MemfdMappings(name + " "), 1) << "the owner's own mapping";
   RegionOptions ro;
   ro.export_to_all_peers = true;
   auto region = target_->RegisterMemory(buffer->data(), buffer->size(), ro);
@@ -261,12 +245,12 @@ TEST_P(ServedCopiesTest, APinnedBufferIsServedNeverMapped) {
   ASSERT_TRUE(Run(OpKind::kWrite, {Op{local_id_, 0, *region, 1 << 20, 1 << 20}}, 0).ok());
   EXPECT_EQ(std::memcmp(buffer->data() + (1 << 20), local_.data(), 1 << 20), 0);
 
-  EXPECT_EQ(MappingsNamed(name), 1) << "the peer mapped the pinned buffer";
+  EXPECT_EQ(MemfdMappings(name + " "), 1) << "the peer mapped the pinned buffer";
   const EngineStats stats = reader_->Stats();
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_read"), 256 * kPage);
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "shm_written"), uint64_t{1} << 20);
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_read"), 0u);
-  EXPECT_EQ(Counter(stats, "bytes_by_transport", "tcp_written"), 0u);
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_read"), 256 * kPage);
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_written"), uint64_t{1} << 20);
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "tcp_read"), 0u);
+  EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "tcp_written"), 0u);
   ASSERT_TRUE(target_->DeregisterMemory(*region).ok());
 }
 

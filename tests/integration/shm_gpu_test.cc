@@ -6,7 +6,6 @@
 // copies ended would show stale bytes.
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +25,7 @@
 #include "tests/integration/test_pattern.h"
 #include "tests/support/cma.h"
 #include "tests/support/emulated_gpu.h"
+#include "tests/support/memfd_mappings.h"
 
 namespace kvwire::testing {
 namespace {
@@ -38,14 +38,7 @@ constexpr std::byte kPoison{0xEE};
 
 // Mappings of emulated device memory in this process (each allocation or IPC open maps its
 // memfd twice): shows whether a peer allocation is still mapped.
-int EmulatedMappings() {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("memfd:kvwire-emulated-gpu") != std::string::npos) ++n;
-  }
-  return n;
-}
+int EmulatedMappings() { return MemfdMappings("kvwire-emulated-gpu"); }
 
 struct Piece {
   int region;  // peer region index

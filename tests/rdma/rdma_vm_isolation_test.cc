@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
-#include <fstream>
 #include <map>
 #include <poll.h>
 #include <random>
@@ -36,6 +35,7 @@
 #include "src/util/pinned_ranges.h"
 #include "tests/integration/test_pattern.h"
 #include "tests/rdma/control_proxy.h"
+#include "tests/support/memfd_mappings.h"
 #include "transport/rdma/rdma.pb.h"
 
 namespace kvwire::testing {
@@ -498,11 +498,7 @@ TEST(RdmaShmPinnedTest, ARdmaRegisteredBufferIsServedToSameHostPeersNeverMapped)
   const EngineStats stats = (*reader)->Stats();
   EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "shm_read"), buffer->size());
   // Only the owner's own mapping of the memfd exists in this process.
-  std::ifstream maps("/proc/self/maps");
-  int mappings = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find(absl::StrCat("/memfd:", name, " ")) != std::string::npos) ++mappings;
-  }
+  const int mappings = MemfdMappings(name + " ");
   EXPECT_EQ(mappings, 1) << "the same-host peer mapped an rdma-pinned buffer";
   ASSERT_TRUE((*reader)->Disconnect(*peer).ok());
   ASSERT_TRUE((*owner)->DeregisterMemory(*region).ok());
