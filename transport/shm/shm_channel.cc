@@ -436,7 +436,6 @@ absl::StatusOr<std::shared_ptr<ServedLink>> ShmChannel::ServedLinkFor() {
     }
     served_link_ = *opened;
     completions_ = *completions;
-    served_.store(true, std::memory_order_relaxed);
     return served_link_;
   }
   served_error_ = error;
@@ -652,7 +651,12 @@ void ShmChannel::Close(const absl::Status& reason) {
 std::string ShmChannel::Describe() const {
   const char* gpu = copier_ != nullptr ? "+gpu-ipc" : "";
   const char* crc = link_.verify_checksums ? " +crc32c" : "";
-  const char* served = served_.load(std::memory_order_relaxed) ? "+served" : "";
+  bool serving;  // a served link was opened (Close keeps it, failed)
+  {
+    MutexLock lock(&link_mu_);
+    serving = served_link_ != nullptr;
+  }
+  const char* served = serving ? "+served" : "";
   if (cma_.ok()) return absl::StrCat("shm memfd+cma", served, gpu, crc);
   return absl::StrCat("shm memfd", served, gpu, crc, " (cma refused: ", cma_.message(), ")");
 }

@@ -162,12 +162,11 @@ class ShmChannel final : public Channel {
   absl::Status rpc_broken_ ABSL_GUARDED_BY(rpc_mu_);
 
   const std::string socket_name_;  // the peer's fd server (a served-copy link connects too)
-  Mutex link_mu_;
+  mutable Mutex link_mu_;
   std::shared_ptr<ServedLink> served_link_ ABSL_GUARDED_BY(link_mu_);
   // Set when opening it failed: why the peer's grant-guarded regions go over another transport.
   absl::Status served_error_ ABSL_GUARDED_BY(link_mu_);
   std::shared_ptr<ServedCompletions> completions_ ABSL_GUARDED_BY(link_mu_);
-  std::atomic<bool> served_{false};  // served_link_ is open (for Describe)
 
   // Set when options_.gpu_runtime is. The copier is destroyed first: it waits for the copies
   // in flight and reports their requests.
