@@ -1,5 +1,7 @@
 #include "transport/tcp/tcp_reader.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <cstring>
 #include <poll.h>
@@ -54,6 +56,7 @@ void HeaderReader::Compact(size_t want) {
 }
 
 absl::StatusOr<const std::byte*> HeaderReader::Next() {
+  SetLowWater(1);  // a blocking wait must see any byte (TryReadTrailing may have raised it)
   while (buffered() < header_bytes_) {
     const size_t need = header_bytes_ - buffered();
     Compact(std::max(need, ahead_));
@@ -69,7 +72,28 @@ absl::StatusOr<const std::byte*> HeaderReader::Next() {
   return header;
 }
 
+void HeaderReader::SetLowWater(size_t bytes) {
+  if (bytes > 1) {
+    if (low_water_cap_ == 0) {
+      // A mark near the receive window would hold the sender up until the window closed (the
+      // kernel then wakes us anyway): keep it to a quarter of the buffer, whose usable half
+      // is the window. The buffer is what net.core.rmem_max left of socket_buffer_bytes.
+      int buffer = 0;
+      socklen_t len = sizeof(buffer);
+      low_water_cap_ = ::getsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &buffer, &len) == 0 && buffer > 0
+                           ? std::clamp<size_t>(static_cast<size_t>(buffer) / 4, 1, kLowWaterBytes)
+                           : 1;
+    }
+    bytes = std::min(bytes, low_water_cap_);
+  }
+  if (bytes == low_water_) return;
+  const int value = static_cast<int>(bytes);
+  if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof(value)) == 0) low_water_ = bytes;
+}
+
 absl::StatusOr<const std::byte*> HeaderReader::TryNext() {
+  // A header may be all that comes (the peer waits for our answer): any byte wakes us.
+  SetLowWater(1);
   while (buffered() < header_bytes_) {
     const size_t need = header_bytes_ - buffered();
     Compact(std::max(need, ahead_));
@@ -99,7 +123,11 @@ absl::StatusOr<bool> HeaderReader::TryReadTrailing(std::byte* dest, size_t lengt
     absl::StatusOr<size_t> n =
         RecvSome(fd_, iov, iov[1].iov_len > 0 ? 2 : 1, RecvMode::kNonBlocking);
     if (!n.ok()) return n.status();
-    if (*n == 0) return false;
+    if (*n == 0) {
+      // Only this op's own bytes count: what follows it may be nothing until we answer.
+      SetLowWater(std::min(left, kLowWaterBytes));
+      return false;
+    }
     const size_t into_dest = std::min(*n, piece);
     *done += into_dest;
     const size_t extra = *n - into_dest;
@@ -149,6 +177,7 @@ absl::Status HeaderReader::ReadTrailingPart(std::byte* dest, size_t length,
 
 absl::Status HeaderReader::ReadTrailing(std::byte* dest, size_t length,
                                         const std::atomic<bool>* cancelled) {
+  SetLowWater(1);  // as in Next
   Compact(ahead_);
   while (length > 0) {
     if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {

@@ -65,13 +65,25 @@ class HeaderReader {
   absl::StatusOr<const std::byte*> TryNext();
   // ReadTrailing without waiting: receives trailing bytes [*done, length) into `dest`
   // (nullptr: received and dropped) and advances *done; true once all `length` are in.
+  // When the socket runs dry mid-payload, the socket's receive low-water mark (SO_RCVLOWAT)
+  // is raised to what is left of it (at most kLowWaterBytes, and at most a quarter of the
+  // socket's receive buffer, so that the window never closes first): the bytes are on their way
+  // (the sender sends an op whole), and the I/O thread is then woken once per that many
+  // bytes instead of once per loopback segment (~64 KiB), each wake-up costing the sender an
+  // interrupt and the receiver a context switch. TryNext lowers it again before waiting for
+  // a header.
   absl::StatusOr<bool> TryReadTrailing(std::byte* dest, size_t length, size_t* done);
+
+  // The most a receive waits for before the I/O thread is woken mid-payload.
+  static constexpr size_t kLowWaterBytes = 256 << 10;
 
  private:
   // Flushes pending output before blocking; `wait_all` fills all of iov when it blocks.
   absl::StatusOr<size_t> Receive(iovec* iov, size_t count, bool wait_all);
   // Moves buffered bytes to the front when that makes room for `want` more.
   void Compact(size_t want);
+  // Sets SO_RCVLOWAT to `bytes` unless it is already; a failure only costs wake-ups.
+  void SetLowWater(size_t bytes);
   size_t buffered() const { return end_ - begin_; }
 
   const int fd_;
@@ -82,6 +94,8 @@ class HeaderReader {
   size_t begin_ = 0;                // first unconsumed byte
   size_t end_ = 0;                  // one past the last received byte
   size_t ahead_ = 0;                // bytes not yet received that are known to be headers
+  size_t low_water_ = 1;            // the socket's SO_RCVLOWAT (the kernel's default: 1)
+  size_t low_water_cap_ = 0;        // the highest mark for this socket; 0: not known yet
 };
 
 }  // namespace kvwire::transport

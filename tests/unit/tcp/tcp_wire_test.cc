@@ -1,12 +1,16 @@
 // The tcp wire format (tcp_wire.h) and the header reader (tcp_reader.h) on a socketpair.
 #include "transport/tcp/tcp_wire.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <poll.h>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -350,6 +354,143 @@ TEST_F(SocketPair, FlushesPendingOutputBeforeBlocking) {
   ASSERT_TRUE(reader.Expect(0, 0).ok());
   ASSERT_TRUE(reader.Next().ok());
   EXPECT_EQ(output.flushes_, 1);
+}
+
+// A connected tcp pair on loopback (SO_RCVLOWAT is a tcp matter: unix sockets ignore it).
+class TcpPair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(listener, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    // The transport's size (socket_buffer_bytes), before the handshake fixes the window scale.
+    ASSERT_TRUE(ConfigureSocket(listener, 4 << 20).ok());
+    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(::listen(listener, 1), 0);
+    ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    b_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_EQ(::connect(b_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    a_ = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    ::close(listener);
+    ASSERT_GE(a_, 0);
+    const int one = 1;
+    ASSERT_EQ(::setsockopt(b_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)), 0);
+    ASSERT_TRUE(SetNonBlocking(a_, true).ok());
+  }
+  void TearDown() override {
+    ::close(a_);
+    ::close(b_);
+  }
+  int LowWater() const {
+    int value = -1;
+    socklen_t len = sizeof(value);
+    EXPECT_EQ(::getsockopt(a_, SOL_SOCKET, SO_RCVLOWAT, &value, &len), 0);
+    return value;
+  }
+  // Waits (bounded) until `bytes` are queued on the read side.
+  void WaitQueued(int bytes) const {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    int queued = -1;
+    while ((::ioctl(a_, FIONREAD, &queued) != 0 || queued < bytes) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ASSERT_GE(queued, bytes);
+  }
+  bool Readable() const {
+    pollfd entry{a_, POLLIN, 0};
+    return ::poll(&entry, 1, 0) == 1;
+  }
+  void Send(size_t bytes, std::byte value) {
+    std::vector<std::byte> data(bytes, value);
+    ASSERT_TRUE(SendAll(b_, data.data(), data.size()).ok());
+  }
+  int a_ = -1;  // read side, non-blocking as on the I/O pool
+  int b_ = -1;  // write side
+};
+
+// Mid-payload the reader asks to be woken only once the rest of the payload (at most
+// kLowWaterBytes of it, and at most a quarter of the receive buffer) is there, not for every
+// segment; before waiting for a header it asks for any byte again, and a blocking read never
+// inherits the raised mark.
+TEST_F(TcpPair, ReaderWakesOncePerPieceOfPayloadNotPerSegment) {
+  constexpr size_t kHeader = 8;
+  int buffer = 0;
+  socklen_t len = sizeof(buffer);
+  ASSERT_EQ(::getsockopt(a_, SOL_SOCKET, SO_RCVBUF, &buffer, &len), 0);
+  const size_t mark = std::min(HeaderReader::kLowWaterBytes, static_cast<size_t>(buffer) / 4);
+  ASSERT_GT(mark, 4096u);
+  const size_t payload = 1000 + mark + mark / 2;
+  HeaderReader reader(a_, kHeader, nullptr);
+  Send(kHeader, std::byte{1});
+  WaitQueued(kHeader);
+  absl::StatusOr<const std::byte*> header = reader.TryNext();
+  ASSERT_TRUE(header.ok() && *header != nullptr) << header.status();
+  ASSERT_TRUE(reader.Expect(payload, 0).ok());
+  EXPECT_EQ(LowWater(), 1);
+
+  std::vector<std::byte> dest(payload, std::byte{0xEE});
+  size_t done = 0;
+  Send(1000, std::byte{0x5A});
+  WaitQueued(1000);
+  absl::StatusOr<bool> finished = reader.TryReadTrailing(dest.data(), payload, &done);
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_FALSE(*finished);
+  EXPECT_EQ(done, 1000u);
+  EXPECT_EQ(LowWater(), static_cast<int>(mark));
+  // Less than the mark: not readable, so epoll would not wake the I/O thread.
+  Send(mark / 2, std::byte{0x5A});
+  WaitQueued(static_cast<int>(mark / 2));
+  EXPECT_FALSE(Readable());
+  Send(mark - mark / 2, std::byte{0x5A});
+  WaitQueued(static_cast<int>(mark));
+  EXPECT_TRUE(Readable());
+  finished = reader.TryReadTrailing(dest.data(), payload, &done);
+  ASSERT_TRUE(finished.ok() && !*finished);
+  // The rest of the payload is less than the mark: the mark comes down to it, never above
+  // what the peer owes (it may send nothing more until it is answered).
+  const size_t left = payload - done;
+  ASSERT_EQ(left, mark / 2);
+  EXPECT_EQ(LowWater(), static_cast<int>(left));
+  Send(left - 1, std::byte{0x5A});
+  WaitQueued(static_cast<int>(left - 1));
+  EXPECT_FALSE(Readable());
+  Send(1, std::byte{0x5A});
+  WaitQueued(static_cast<int>(left));
+  EXPECT_TRUE(Readable());
+  finished = reader.TryReadTrailing(dest.data(), payload, &done);
+  ASSERT_TRUE(finished.ok() && *finished);
+  for (size_t i = 0; i < payload; ++i) ASSERT_EQ(dest[i], std::byte{0x5A}) << i;
+
+  // The mark is still up; a blocking read of a lone header must not wait for it.
+  EXPECT_EQ(LowWater(), static_cast<int>(left));
+  ASSERT_TRUE(SetNonBlocking(a_, false).ok());
+  ASSERT_TRUE(SetIoTimeout(a_, absl::Seconds(10)).ok());  // a hang fails instead
+  Send(kHeader, std::byte{2});
+  header = reader.Next();
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(LowWater(), 1);
+  ASSERT_TRUE(SetNonBlocking(a_, true).ok());
+
+  // And the non-blocking header read brings it down too.
+  ASSERT_TRUE(reader.Expect(payload, 0).ok());
+  done = 0;
+  finished = reader.TryReadTrailing(dest.data(), payload, &done);
+  ASSERT_TRUE(finished.ok() && !*finished);
+  EXPECT_EQ(LowWater(), static_cast<int>(mark));
+  Send(payload, std::byte{0x33});
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!*finished && absl::Now() < deadline) {
+    finished = reader.TryReadTrailing(dest.data(), payload, &done);
+    ASSERT_TRUE(finished.ok()) << finished.status();
+  }
+  ASSERT_TRUE(*finished);
+  header = reader.TryNext();
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(*header, nullptr);  // nothing sent yet
+  EXPECT_EQ(LowWater(), 1);
 }
 
 TEST(TcpSocketTest, ParsesEndpoints) {
