@@ -152,6 +152,10 @@ struct PostRequest {
   // Set by the engine when the transfer has already ended (deadline, deregistration, peer
   // death): a transport must not write into local memory for it any more (drain instead).
   std::shared_ptr<std::atomic<bool>> cancelled;
+  // The transfer's deadline. A transport that waits in the caller's thread for the request to
+  // end (Capabilities::ends_host_ops_inline) waits no longer than this: the engine watches no
+  // deadline for a transfer that may end inline.
+  absl::Time deadline = absl::InfiniteFuture();
   // Keeps the local regions of the ops alive; released when the request is destroyed.
   Pins pins;
 };

@@ -281,6 +281,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
     request.lane = static_cast<uint32_t>(lane);
     request.count_arrivals = count_arrivals;
     request.grant = options.grant;
+    request.deadline = info.deadline;
     if (one_piece) {
       request.ops.push_back(wire[0]);
     } else {

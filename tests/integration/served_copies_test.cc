@@ -14,12 +14,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "kvwire/engine.h"
 #include "kvwire/memory.h"
 #include "src/util/pinned_ranges.h"
 #include "tests/support/memfd_mappings.h"
+#include "transport/shm/write_guard.h"
 
 namespace kvwire::testing {
 namespace {
@@ -252,6 +256,48 @@ TEST_P(ServedCopiesTest, APinnedBufferIsServedNeverMapped) {
   EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "tcp_read"), 0u);
   EXPECT_EQ(stats.TransportStatValue("bytes_by_transport", "tcp_written"), 0u);
   ASSERT_TRUE(target_->DeregisterMemory(*region).ok());
+}
+
+// A peer that does not answer a one-op transfer's copy holds the caller up to the transfer's
+// own deadline, not to the link's request_timeout (10 s): a one-op request ends in the caller's
+// thread (ends_host_ops_inline), where the engine watches no deadline. The owner's copier is
+// held in the kernel by a userfaultfd write-protection of the region it writes; once it goes,
+// the late answer is dropped and the link serves the next transfer.
+TEST_P(ServedCopiesTest, AnUnansweredOneOpTransferEndsAtItsOwnDeadline) {
+  if (absl::Status guard = transport::shm::WriteGuardAvailable(); !guard.ok()) {
+    GTEST_SKIP() << "no userfaultfd write-protection here, so no way to stall the peer's "
+                    "copier: "
+                 << guard;
+  }
+  constexpr uint64_t kBytes = 64 << 10;
+  for (uint64_t i = 0; i < kBytes; ++i) local_[i] = static_cast<std::byte>(i * 7 + 1);
+  absl::Duration took;
+  absl::Status status;
+  {
+    absl::StatusOr<transport::shm::WriteGuard> stall =
+        transport::shm::WriteGuard::Arm(buffer_.data(), kRegionBytes);
+    ASSERT_TRUE(stall.ok()) << stall.status();
+    TransferOptions to;
+    to.timeout = absl::Milliseconds(300);
+    const absl::Time start = absl::Now();
+    absl::StatusOr<TransferId> id =
+        reader_->Transfer(peer_, OpKind::kWrite, {Op{local_id_, 0, region_, 0, kBytes}}, to);
+    status = id.ok() ? reader_->Wait(*id, kWait) : id.status();
+    took = absl::Now() - start;
+  }  // the copier goes on: its answer comes late
+  std::printf("one-op WRITE with a 300 ms deadline against a stalled copier: %s after %s\n",
+              std::string(absl::StatusCodeToString(status.code())).c_str(),
+              absl::FormatDuration(took).c_str());
+  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+  EXPECT_LT(took, absl::Seconds(3)) << "held up past the transfer's deadline";
+
+  auto grant = target_->Grant(as_target_, {GrantRange{region_, 0, kRegionBytes}});
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  std::vector<Op> reads;
+  for (uint64_t p = 0; p < 64; ++p)
+    reads.push_back(Op{local_id_, p * kPage, region_, p * kPage, kPage});
+  ASSERT_TRUE(Run(OpKind::kRead, reads, *grant).ok());
+  EXPECT_EQ(std::memcmp(local_.data(), buffer_.data(), 64 * kPage), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServedCopiesTest, ::testing::Values("shm", "auto"));

@@ -126,6 +126,9 @@ void ServedLink::Run(PostRequest request, std::vector<size_t> indices, DoneCallb
   // The completions thread ends the job (a reply, or its request overdue); this bound only
   // guards against that thread being gone.
   const absl::Time limit = absl::Now() + request_timeout_ * 2 + absl::Seconds(1);
+  // The caller's own deadline comes first: a peer that does not answer holds this thread up to
+  // it, not up to request_timeout.
+  const absl::Time deadline = job->request.deadline;
   while (true) {
     Ended others;
     {
@@ -134,7 +137,17 @@ void ServedLink::Run(PostRequest request, std::vector<size_t> indices, DoneCallb
         status = job->status;
         break;
       }
-      if (!ended_cv_.WaitUntil(&mu_, limit) && !job->ended) {
+      if (!ended_cv_.WaitUntil(&mu_, std::min(limit, deadline)) && !job->ended) {
+        if (deadline < limit && absl::Now() >= deadline) {
+          // Failed now, it stays queued until its requests in flight are answered or overdue;
+          // a failed job's answers are dropped, and it is asked for nothing more.
+          FailJobLocked(
+              *job, OpError(job->request, job->indices.front(), absl::StatusCode::kDeadlineExceeded,
+                            "the transfer's deadline passed before the peer copied "
+                            "(served copies)"));
+          status = job->status;
+          break;
+        }
         BreakLocked(absl::DeadlineExceededError("served copies: no progress"), &others);
       }
     }

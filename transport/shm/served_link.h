@@ -52,7 +52,9 @@ class ServedLink {
   // host memory); `done` runs once, on the completions thread (or in Fail's caller).
   void Submit(PostRequest request, std::vector<size_t> indices, DoneCallback done);
   // The same, but waits for the end and calls `done` in this thread before returning
-  // (Capabilities::ends_host_ops_inline).
+  // (Capabilities::ends_host_ops_inline), at the latest at `request.deadline`: then the
+  // request fails with DeadlineExceeded, and what the peer answers later is dropped (nothing
+  // of it reaches local memory).
   void Run(PostRequest request, std::vector<size_t> indices, DoneCallback done);
 
   // The completions thread: handles every reply that has arrived, fails the requests whose
