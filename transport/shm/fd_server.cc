@@ -339,11 +339,22 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request,
       const bool held_elsewhere = std::any_of(all.begin(), all.end(), [&](const Connection& c) {
         return &c != &connection && c.staging != nullptr && c.peer == connection.peer;
       });
+      // And a bound per process: one may handshake as many peers as it likes.
+      const size_t held_by_process = std::count_if(
+          all.begin(), all.end(),
+          [&](const Connection& c) { return c.staging != nullptr && c.pid == connection.pid; });
+      absl::Status error;
       if (held_elsewhere) {
-        const absl::Status error = absl::ResourceExhaustedError(
+        error = absl::ResourceExhaustedError(
             absl::StrCat("shm: peer ", *peer,
                          " asked for a second staging memfd (one per peer, held by "
                          "another of its connections)"));
+      } else if (held_by_process >= limits_.max_stagings_per_process) {
+        error = absl::ResourceExhaustedError(absl::StrCat(
+            "shm: peer ", *peer, " asked for a staging memfd while its process (pid ",
+            connection.pid, ") holds ", held_by_process, ", the most one process may hold"));
+      }
+      if (!error.ok()) {
         (void)Reply(socket, ErrorReply(request.region, error), -1);
         hooks_->OnPeerError(*peer, error);
         return false;

@@ -32,6 +32,10 @@ struct FdServerLimits {
   // A connection that has not presented a valid token (of a peer whose handshake pid is known
   // and matches) by then is closed.
   absl::Duration auth_timeout = absl::Seconds(5);
+  // Staging memfds (served copies, kCopySlots x kCopySlotBytes each) held at once by the
+  // connections of one process (SO_PEERCRED pid): one per peer already, but a process may
+  // handshake as many peers as it likes, each with its own token.
+  size_t max_stagings_per_process = 16;
 };
 
 class FdServer {

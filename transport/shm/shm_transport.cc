@@ -91,7 +91,8 @@ class ShmTransport final : public Transport {
         shm::FdServer::Start(socket_name, hooks, &regions_,
                              {.max_connections = options_.max_connections,
                               .max_unauthenticated_per_uid = options_.max_unauthenticated_per_uid,
-                              .auth_timeout = options_.auth_timeout},
+                              .auth_timeout = options_.auth_timeout,
+                              .max_stagings_per_process = options_.max_stagings_per_process},
                              served_counters_);
     if (!server.ok()) {
       return absl::Status(server.status().code(),

@@ -78,6 +78,10 @@ struct ShmTransportOptions {
   // peers out of `max_connections`.
   absl::Duration auth_timeout = absl::Seconds(5);
   size_t max_unauthenticated_per_uid = 16;
+  // Served copies: the staging memfds (4 MiB each, one per peer) one process's connections may
+  // hold at once, so that a process handshaking as many peers cannot claim max_connections of
+  // them (1 GiB).
+  size_t max_stagings_per_process = 16;
 };
 
 // The statistics the shm transport reports (group "gpu"), at zero.

@@ -19,6 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "tests/support/fake_target_hooks.h"
 #include "transport/shm/fd_client.h"
 #include "transport/shm/fd_protocol.h"
@@ -176,6 +178,60 @@ TEST_F(ServedCopyTest, OneStagingPerPeerWhateverItsConnections) {
     if (!staged) absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_TRUE(staged) << "the peer could not stage again after its holder closed";
+}
+
+// One staging per peer does not bound a process that handshakes as many peers as it likes
+// (each with its own token): the connections of one process hold at most
+// max_stagings_per_process of them. Beyond, the ask is refused (and that peer reported); once
+// one goes, another peer of the process may stage.
+TEST(ServedCopyLimitsTest, AProcessOfManyPeersHoldsAtMostItsStagings) {
+  FakeTargetHooks hooks(OnePeer("token-0", 100));
+  for (PeerId p = 1; p < 4; ++p) hooks.AddToken(absl::StrCat("token-", p), 100 + p);
+  ShmTransportOptions options;
+  options.engine_name = "served-limits";
+  options.max_stagings_per_process = 2;
+  absl::StatusOr<std::unique_ptr<Transport>> transport = CreateShmTransport(options, &hooks);
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  absl::StatusOr<shm::ShmEndpoint> endpoint = shm::ParseEndpoint((*transport)->Endpoint());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  auto stage = [&](int peer, shm::UniqueFd* socket) -> absl::StatusOr<shm::FdResponse> {
+    absl::StatusOr<shm::UniqueFd> connected =
+        shm::ConnectSeqpacket(endpoint->socket_name, absl::Now() + kWait);
+    if (!connected.ok()) return connected.status();
+    *socket = *std::move(connected);
+    shm::FdRequest ask;
+    ask.kind = shm::FdRequestKind::kStaging;
+    ask.token = absl::StrCat("token-", peer);
+    return shm::CallFdServer(socket->get(), ask, absl::Now() + kWait);
+  };
+  shm::UniqueFd held[2];
+  for (int p = 0; p < 2; ++p) {
+    absl::StatusOr<shm::FdResponse> response = stage(p, &held[p]);
+    ASSERT_TRUE(response.ok()) << response.status();
+    ASSERT_EQ(response->reply.code, absl::StatusCode::kOk) << response->reply.message;
+  }
+  {
+    shm::UniqueFd third;
+    const size_t errors = hooks.peer_errors().size();
+    absl::StatusOr<shm::FdResponse> response = stage(2, &third);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->reply.code, absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(response->reply.message, HasSubstr("the most one process may hold"));
+    EXPECT_FALSE(response->fd.valid());
+    EXPECT_TRUE(hooks.WaitPeerErrors(errors + 1, kWait)) << "the peer was not reported";
+  }
+  held[0].Reset();
+  // The server notices the close when it next polls: ask until it has (bounded).
+  const absl::Time deadline = absl::Now() + kWait;
+  bool staged = false;
+  shm::UniqueFd again;
+  while (!staged && absl::Now() < deadline) {
+    absl::StatusOr<shm::FdResponse> response = stage(3, &again);
+    staged = response.ok() && response->reply.code == absl::StatusCode::kOk;
+    if (!staged) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(staged) << "no peer of the process could stage after one staging went";
+  (*transport)->Shutdown();
 }
 
 TEST_F(ServedCopyTest, ReadFillsTheSlotAndWriteEmptiesIt) {
