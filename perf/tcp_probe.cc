@@ -21,8 +21,9 @@
 //   --ranges FILE   the ops are one request's ranges, as `kvwire-perf --workload kv
 //                   --dump-ranges FILE` writes them (the same layout, blocks and merging as
 //                   that workload), sent --requests times over pools of the size the file
-//                   names; prints the time per request too: the same bytes' floor through the
-//                   bare kernel, to set beside kvwire-perf's kv request over tcp.
+//                   names; prints the time per request too (total / requests: sent back to
+//                   back, with no wait between them): the same bytes' floor through the bare
+//                   kernel, to set beside kvwire-perf's kv request over tcp.
 //
 //   kvwire-tcp-probe [--size BYTES] [--batch OPS] [--mib TOTAL] [--pool MIB]
 //                    [--ranges FILE [--requests N]] [--recv per-op|block] [--send sendmsg|splice]
@@ -132,8 +133,8 @@ void SpliceAll(int fd, const int pipe_fds[2], std::vector<iovec> iov) {
     if (n <= 0) Die("vmsplice");
     Advance(iov, first, static_cast<size_t>(n));
     for (size_t left = static_cast<size_t>(n); left > 0;) {
-      const ssize_t moved =
-          splice(pipe_fds[0], nullptr, fd, nullptr, left, SPLICE_F_MOVE | SPLICE_F_MORE);
+      // No SPLICE_F_MORE: it could hold the stream's last segment back.
+      const ssize_t moved = splice(pipe_fds[0], nullptr, fd, nullptr, left, SPLICE_F_MOVE);
       if (moved <= 0) Die("splice");
       left -= static_cast<size_t>(moved);
     }
@@ -192,6 +193,10 @@ Options Parse(int argc, char** argv) {
 // The ops and the pool size: --ranges' requests, or --mib of --size ops (hot or over --pool).
 size_t MakeOps(const Options& o, std::vector<Op>* ops, size_t* request_ops) {
   if (!o.ranges.empty()) {
+    if (o.pool_mib != 0) {
+      std::fprintf(stderr, "kvwire-tcp-probe: --ranges brings its own pool; drop --pool\n");
+      std::exit(2);
+    }
     std::FILE* file = std::fopen(o.ranges.c_str(), "r");
     if (file == nullptr) Die("open " + o.ranges);
     unsigned long long pool = 0, count = 0, bytes = 0, pages = 0;
@@ -253,7 +258,13 @@ int main(int argc, char** argv) {
   }
   std::vector<char> source(pool_bytes, 'k');  // touched, as kvwire-perf's buffers are
   std::vector<char> dest(pool_bytes, 0);
-  std::vector<char> headers(kHeaderBytes * o.batch, 'h');  // never changed: safe to splice
+  // One header per op, numbered (the receiver checks the framing), never changed once sent:
+  // safe to splice.
+  std::vector<char> headers(kHeaderBytes * ops.size(), 'h');
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const uint64_t index = i;
+    std::memcpy(headers.data() + i * kHeaderBytes, &index, sizeof(index));
+  }
   // Batches of --batch ops, as kvwire's writer sends them (it also caps one at 4 MiB).
   std::vector<size_t> batch_starts;
   for (size_t i = 0; i < ops.size();) {
@@ -284,9 +295,10 @@ int main(int argc, char** argv) {
       const size_t first = batch_starts[b];
       const size_t count = batch_starts[b + 1] - first;
       iov.clear();
-      if (o.block) iov.push_back({headers.data(), kHeaderBytes * count});
+      char* const batch_headers = headers.data() + first * kHeaderBytes;
+      if (o.block) iov.push_back({batch_headers, kHeaderBytes * count});
       for (size_t i = 0; i < count; ++i) {
-        if (!o.block) iov.push_back({headers.data() + i * kHeaderBytes, kHeaderBytes});
+        if (!o.block) iov.push_back({batch_headers + i * kHeaderBytes, kHeaderBytes});
         iov.push_back({source.data() + ops[first + i].src, ops[first + i].length});
       }
       if (o.splice) {
@@ -309,6 +321,17 @@ int main(int argc, char** argv) {
   if (fd < 0) Die("accept");
   uint64_t calls = 0;
   std::vector<char> header(kHeaderBytes * o.batch);
+  // Each header must name the op the receiver expects there: a framing mismatch would
+  // otherwise still add up to the right byte count.
+  auto check = [&](const char* at, size_t op) {
+    uint64_t index = 0;
+    std::memcpy(&index, at, sizeof(index));
+    if (index != op) {
+      std::fprintf(stderr, "kvwire-tcp-probe: op %zu's header names op %llu: framing broken\n", op,
+                   static_cast<unsigned long long>(index));
+      std::exit(1);
+    }
+  };
   const auto start = std::chrono::steady_clock::now();
   const double cpu0 = ThreadCpuSeconds();
   for (size_t b = 0; b + 1 < batch_starts.size(); ++b) {
@@ -316,6 +339,7 @@ int main(int argc, char** argv) {
     const size_t count = batch_starts[b + 1] - first;
     if (o.block) {
       ReceiveAll(fd, {{header.data(), kHeaderBytes * count}}, 1, &calls);
+      for (size_t i = 0; i < count; ++i) check(header.data() + i * kHeaderBytes, first + i);
       std::vector<iovec> payloads;
       for (size_t i = 0; i < count; ++i) {
         payloads.push_back({dest.data() + ops[first + i].dst, ops[first + i].length});
@@ -325,6 +349,7 @@ int main(int argc, char** argv) {
       // The first header alone; then each payload with the header after it.
       ReceiveAll(fd, {{header.data(), kHeaderBytes}}, 1, &calls);
       for (size_t i = 0; i < count; ++i) {
+        check(header.data(), first + i);
         std::vector<iovec> iov = {{dest.data() + ops[first + i].dst, ops[first + i].length}};
         if (i + 1 < count) iov.push_back({header.data(), kHeaderBytes});
         ReceiveAll(fd, std::move(iov), 2, &calls);
@@ -340,8 +365,8 @@ int main(int argc, char** argv) {
   close(listener);
   const double mib = static_cast<double>(total_bytes) / (1 << 20);
   if (request_ops > 0) {
-    std::printf("ranges %s: %zu ops per request, %.3f ms per request; ", o.ranges.c_str(),
-                request_ops, seconds * 1e3 / static_cast<double>(o.requests));
+    std::printf("ranges %s: %zu ops per request, %.3f ms per request (back to back); ",
+                o.ranges.c_str(), request_ops, seconds * 1e3 / static_cast<double>(o.requests));
   } else {
     std::printf("size %zu batch %zu pool %zu MiB ", o.size, o.batch, o.pool_mib);
   }

@@ -262,6 +262,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   // A transfer that may end inline is started without its deadline watched: one that does end
   // inline has EndInline check the deadline (no deadline set entry made and erased per
   // transfer); one that does not is watched from when Post returns.
+  const absl::Time deadline = info.deadline;  // for the requests: `info` may be moved below
   std::shared_ptr<std::atomic<bool>> cancelled;
   if (!untabled) {
     cancelled = transfers_.Start(std::move(info), static_cast<uint32_t>(lanes_planned),
@@ -281,7 +282,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
     request.lane = static_cast<uint32_t>(lane);
     request.count_arrivals = count_arrivals;
     request.grant = options.grant;
-    request.deadline = info.deadline;
+    request.deadline = deadline;
     if (one_piece) {
       request.ops.push_back(wire[0]);
     } else {

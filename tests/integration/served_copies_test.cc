@@ -5,6 +5,7 @@
 // once, byte-exact and counted as shm's; the grant still decides what is read (an op outside
 // it fails its transfer and closes the reader, and its bytes never arrive); a reader that
 // disconnects with transfers queued sees each of them end.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -261,8 +262,10 @@ TEST_P(ServedCopiesTest, APinnedBufferIsServedNeverMapped) {
 // A peer that does not answer a one-op transfer's copy holds the caller up to the transfer's
 // own deadline, not to the link's request_timeout (10 s): a one-op request ends in the caller's
 // thread (ends_host_ops_inline), where the engine watches no deadline. The owner's copier is
-// held in the kernel by a userfaultfd write-protection of the region it writes; once it goes,
-// the late answer is dropped and the link serves the next transfer.
+// held in the kernel by a userfaultfd write-protection of the region a WRITE copies into; a
+// READ queued behind it ends at its deadline too. Once the guard goes, the late answers are
+// dropped: the READ's bytes never reach local memory after it ended, and the link serves the
+// next transfer.
 TEST_P(ServedCopiesTest, AnUnansweredOneOpTransferEndsAtItsOwnDeadline) {
   if (absl::Status guard = transport::shm::WriteGuardAvailable(); !guard.ok()) {
     GTEST_SKIP() << "no userfaultfd write-protection here, so no way to stall the peer's "
@@ -270,34 +273,43 @@ TEST_P(ServedCopiesTest, AnUnansweredOneOpTransferEndsAtItsOwnDeadline) {
                  << guard;
   }
   constexpr uint64_t kBytes = 64 << 10;
+  constexpr uint64_t kReadAt = 4 << 20;  // the stalled READ's local bytes
   for (uint64_t i = 0; i < kBytes; ++i) local_[i] = static_cast<std::byte>(i * 7 + 1);
-  absl::Duration took;
-  absl::Status status;
+  std::fill(local_.begin() + kReadAt, local_.begin() + kReadAt + kBytes, std::byte{0xAB});
+  auto grant = target_->Grant(as_target_, {GrantRange{region_, 0, kRegionBytes}});
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  TransferOptions to;
+  to.timeout = absl::Milliseconds(300);
+  to.grant = *grant;
   {
     absl::StatusOr<transport::shm::WriteGuard> stall =
         transport::shm::WriteGuard::Arm(buffer_.data(), kRegionBytes);
     ASSERT_TRUE(stall.ok()) << stall.status();
-    TransferOptions to;
-    to.timeout = absl::Milliseconds(300);
-    const absl::Time start = absl::Now();
-    absl::StatusOr<TransferId> id =
-        reader_->Transfer(peer_, OpKind::kWrite, {Op{local_id_, 0, region_, 0, kBytes}}, to);
-    status = id.ok() ? reader_->Wait(*id, kWait) : id.status();
-    took = absl::Now() - start;
-  }  // the copier goes on: its answer comes late
-  std::printf("one-op WRITE with a 300 ms deadline against a stalled copier: %s after %s\n",
-              std::string(absl::StatusCodeToString(status.code())).c_str(),
-              absl::FormatDuration(took).c_str());
-  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
-  EXPECT_LT(took, absl::Seconds(3)) << "held up past the transfer's deadline";
-
-  auto grant = target_->Grant(as_target_, {GrantRange{region_, 0, kRegionBytes}});
-  ASSERT_TRUE(grant.ok()) << grant.status();
+    for (OpKind kind : {OpKind::kWrite, OpKind::kRead}) {
+      const uint64_t local = kind == OpKind::kWrite ? 0 : kReadAt;
+      const absl::Time start = absl::Now();
+      absl::StatusOr<TransferId> id =
+          reader_->Transfer(peer_, kind, {Op{local_id_, local, region_, 0, kBytes}}, to);
+      const absl::Status status = id.ok() ? reader_->Wait(*id, kWait) : id.status();
+      const absl::Duration took = absl::Now() - start;
+      std::printf("one-op %s with a 300 ms deadline against a stalled copier: %s after %s\n",
+                  kind == OpKind::kWrite ? "WRITE" : "READ",
+                  std::string(absl::StatusCodeToString(status.code())).c_str(),
+                  absl::FormatDuration(took).c_str());
+      EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+      EXPECT_LT(took, absl::Seconds(3)) << "held up past the transfer's deadline";
+    }
+  }  // the copier goes on: its answers come late
   std::vector<Op> reads;
   for (uint64_t p = 0; p < 64; ++p)
     reads.push_back(Op{local_id_, p * kPage, region_, p * kPage, kPage});
+  // Answered after the late ones (one connection, answered in order): they were handled.
   ASSERT_TRUE(Run(OpKind::kRead, reads, *grant).ok());
   EXPECT_EQ(std::memcmp(local_.data(), buffer_.data(), 64 * kPage), 0);
+  for (uint64_t i = 0; i < kBytes; ++i) {
+    ASSERT_EQ(local_[kReadAt + i], std::byte{0xAB})
+        << "the ended READ's late answer landed at " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServedCopiesTest, ::testing::Values("shm", "auto"));

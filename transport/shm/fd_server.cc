@@ -67,10 +67,11 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     const std::string& socket_name, TargetHooks* hooks, LocalRegionTable* regions,
     const FdServerLimits& limits, std::shared_ptr<ServedCopyCounters> counters) {
   if (limits.max_connections == 0 || limits.max_unauthenticated_per_uid == 0 ||
-      limits.auth_timeout <= absl::ZeroDuration()) {
+      limits.max_stagings_per_process == 0 || limits.auth_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "shm: max_connections (", limits.max_connections, ") and max_unauthenticated_per_uid (",
-        limits.max_unauthenticated_per_uid, ") must be at least 1 and auth_timeout (",
+        "shm: max_connections (", limits.max_connections, "), max_unauthenticated_per_uid (",
+        limits.max_unauthenticated_per_uid, ") and max_stagings_per_process (",
+        limits.max_stagings_per_process, ") must be at least 1 and auth_timeout (",
         absl::FormatDuration(limits.auth_timeout), ") positive"));
   }
   absl::StatusOr<UniqueFd> listener = ListenSeqpacket(socket_name, 64);
@@ -343,21 +344,28 @@ bool FdServer::Handle(Connection& connection, const FdRequest& request,
       const size_t held_by_process = std::count_if(
           all.begin(), all.end(),
           [&](const Connection& c) { return c.staging != nullptr && c.pid == connection.pid; });
-      absl::Status error;
       if (held_elsewhere) {
-        error = absl::ResourceExhaustedError(
+        const absl::Status error = absl::ResourceExhaustedError(
             absl::StrCat("shm: peer ", *peer,
                          " asked for a second staging memfd (one per peer, held by "
                          "another of its connections)"));
-      } else if (held_by_process >= limits_.max_stagings_per_process) {
-        error = absl::ResourceExhaustedError(absl::StrCat(
-            "shm: peer ", *peer, " asked for a staging memfd while its process (pid ",
-            connection.pid, ") holds ", held_by_process, ", the most one process may hold"));
-      }
-      if (!error.ok()) {
         (void)Reply(socket, ErrorReply(request.region, error), -1);
         hooks_->OnPeerError(*peer, error);
         return false;
+      }
+      if (held_by_process >= limits_.max_stagings_per_process) {
+        // Not the peer's fault (its process may hold many engines): refused, not reported; it
+        // may ask again once one of them let go.
+        return Reply(socket,
+                     ErrorReply(request.region,
+                                absl::ResourceExhaustedError(absl::StrCat(
+                                    "shm: peer ", *peer,
+                                    " asked for a staging memfd while its "
+                                    "process (pid ",
+                                    connection.pid, ") holds ", held_by_process,
+                                    ", the most one process may hold; ask again later"))),
+                     -1)
+            .ok();
       }
       absl::StatusOr<std::unique_ptr<CopyStaging>> staging = CopyStaging::Create();
       if (!staging.ok())

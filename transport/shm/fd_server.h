@@ -35,7 +35,7 @@ struct FdServerLimits {
   // Staging memfds (served copies, kCopySlots x kCopySlotBytes each) held at once by the
   // connections of one process (SO_PEERCRED pid): one per peer already, but a process may
   // handshake as many peers as it likes, each with its own token.
-  size_t max_stagings_per_process = 16;
+  size_t max_stagings_per_process = 64;
 };
 
 class FdServer {

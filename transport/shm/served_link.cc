@@ -138,7 +138,9 @@ void ServedLink::Run(PostRequest request, std::vector<size_t> indices, DoneCallb
         break;
       }
       if (!ended_cv_.WaitUntil(&mu_, std::min(limit, deadline)) && !job->ended) {
-        if (deadline < limit && absl::Now() >= deadline) {
+        // Judged by which bound the wait had, not by reading the clock again (a clock read
+        // just short of the deadline would break the whole link as "no progress").
+        if (deadline < limit) {
           // Failed now, it stays queued until its requests in flight are answered or overdue;
           // a failed job's answers are dropped, and it is asked for nothing more.
           FailJobLocked(

@@ -438,7 +438,9 @@ absl::StatusOr<std::shared_ptr<ServedLink>> ShmChannel::ServedLinkFor() {
     completions_ = *completions;
     return served_link_;
   }
-  served_error_ = error;
+  // Kept for good, except a full house at the owner (its process bound on stagings): the next
+  // op asks again.
+  if (!absl::IsResourceExhausted(error)) served_error_ = error;
   return error;
 }
 

@@ -79,9 +79,10 @@ struct ShmTransportOptions {
   absl::Duration auth_timeout = absl::Seconds(5);
   size_t max_unauthenticated_per_uid = 16;
   // Served copies: the staging memfds (4 MiB each, one per peer) one process's connections may
-  // hold at once, so that a process handshaking as many peers cannot claim max_connections of
-  // them (1 GiB).
-  size_t max_stagings_per_process = 16;
+  // hold at once (256 MiB), so that a process handshaking as many peers cannot claim
+  // max_connections of them (1 GiB). Beyond, the ask is refused (not reported), and asked again
+  // by the next op. At least 1.
+  size_t max_stagings_per_process = 64;
 };
 
 // The statistics the shm transport reports (group "gpu"), at zero.
