@@ -68,9 +68,9 @@ std::shared_ptr<const void> ServedOps::BeginLocked(PeerId peer, GrantId grant, u
     spare_.pop_back();
   }
   entry->second.Add(seq);
-  // Allocated under the lock: a few hundred nanoseconds, never a wait.
-  return std::make_shared<const OpPin>(shared_from_this(), peer, seq, grant, bytes,
-                                       std::move(inner));
+  // From the pool (steady traffic allocates nothing here), under the lock: never a wait.
+  return std::allocate_shared<OpPin>(PoolAllocator<OpPin>(pin_pool_), shared_from_this(), peer, seq,
+                                     grant, bytes, std::move(inner));
 }
 
 void ServedOps::End(PeerId peer, uint64_t seq, GrantId grant, uint64_t bytes) {

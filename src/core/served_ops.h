@@ -25,6 +25,7 @@
 #include "kvwire/engine.h"
 #include "src/core/grant_table.h"
 #include "src/core/in_flight_seqs.h"
+#include "src/util/block_pool.h"
 #include "src/util/mutex.h"
 
 namespace kvwire::core {
@@ -85,6 +86,8 @@ class ServedOps : public std::enable_shared_from_this<ServedOps> {
   size_t in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
   // Calls of WaitForPeer waiting now (each has fixed the ops it waits for).
   size_t waiters() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins' memory kept for the next ops (the pool's free blocks).
+  size_t pooled_pins() const { return pin_pool_->free_blocks(); }
 
  private:
   struct OpPin;
@@ -119,6 +122,9 @@ class ServedOps : public std::enable_shared_from_this<ServedOps> {
 
   mutable Mutex mu_;
   CondVar ended_;
+  // The pins' memory (one per op served): reused, not allocated per op. Its own lock, taken
+  // under mu_ (Begin) or alone (a pin's release), never the other way round.
+  std::shared_ptr<BlockPool> pin_pool_ = std::make_shared<BlockPool>(4096);
   // Engine-wide, so that a peer's entry can go when it has no op without reusing numbers.
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   size_t waiters_ ABSL_GUARDED_BY(mu_) = 0;

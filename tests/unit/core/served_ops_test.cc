@@ -1,5 +1,6 @@
 #include "src/core/served_ops.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "absl/time/clock.h"
 
 #include "src/core/grant_table.h"
+#include "src/util/block_pool.h"
 
 namespace kvwire::core {
 namespace {
@@ -35,6 +37,52 @@ TEST(ServedOpsTest, AnOpInFlightIsWaitedForUntilItsPinGoes) {
   EXPECT_EQ(inner.use_count(), 1);
   EXPECT_TRUE(ops->WaitForPeer(1, absl::ZeroDuration()).ok());
   EXPECT_EQ(ops->in_flight(), 0u);
+}
+
+// A pin per served op, thousands per request: their memory is reused, not allocated per op
+// (the pool of src/util/block_pool.h). And a pin that outlives every other holder of its
+// ServedOps (the pin's release destroys it) still frees into a live pool (ASan checks it).
+TEST(ServedOpsTest, PinsReuseTheirMemoryAndOutliveTheirOwner) {
+  auto ops = std::make_shared<ServedOps>();
+  std::vector<std::shared_ptr<const void>> pins;
+  for (int i = 0; i < 64; ++i) pins.push_back(ops->Begin(1, nullptr));
+  EXPECT_EQ(ops->pooled_pins(), 0u);
+  std::vector<const void*> first;
+  for (const auto& pin : pins) first.push_back(pin.get());
+  pins.clear();
+  EXPECT_EQ(ops->pooled_pins(), 64u);
+  for (int round = 0; round < 100; ++round) {
+    for (int i = 0; i < 64; ++i) pins.push_back(ops->Begin(1, nullptr));
+    ASSERT_EQ(ops->pooled_pins(), 0u) << "round " << round;
+    for (const auto& pin : pins) {
+      ASSERT_NE(std::find(first.begin(), first.end(), pin.get()), first.end())
+          << "round " << round << ": a pin in fresh memory";
+    }
+    pins.clear();
+    ASSERT_EQ(ops->pooled_pins(), 64u) << "round " << round;
+  }
+  EXPECT_EQ(ops->in_flight(), 0u);
+
+  std::shared_ptr<const void> last = ops->Begin(2, std::make_shared<int>(1));
+  ops.reset();  // the pin holds the last reference: its release destroys the ServedOps
+  last.reset();
+}
+
+TEST(BlockPoolTest, KeepsAtMostItsBlocksAndOnlyOfItsSize) {
+  auto pool = std::make_shared<BlockPool>(2);
+  void* a = pool->Allocate(48);
+  void* b = pool->Allocate(48);
+  void* c = pool->Allocate(48);
+  void* other = pool->Allocate(200);  // not the pool's size: operator new's
+  pool->Deallocate(other, 200);
+  EXPECT_EQ(pool->free_blocks(), 0u);
+  pool->Deallocate(a, 48);
+  pool->Deallocate(b, 48);
+  pool->Deallocate(c, 48);  // beyond the two kept
+  EXPECT_EQ(pool->free_blocks(), 2u);
+  void* again = pool->Allocate(48);
+  EXPECT_TRUE(again == a || again == b);
+  pool->Deallocate(again, 48);
 }
 
 TEST(ServedOpsTest, OpsThatBeginAfterTheWaitStartsAreNotWaitedFor) {
