@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <new>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -55,6 +56,12 @@ namespace {
 constexpr size_t kHeaderBytes = 64;
 constexpr int kSocketBuffer = 4 << 20;  // TcpTransportOptions::socket_buffer_bytes
 constexpr size_t kScatter = 64;         // payloads per recvmsg in block mode
+// Bounds on what the command line and a ranges file may ask for: no product of them wraps, and
+// a pool or an op list too large to allocate is refused with an error, not a crash.
+constexpr size_t kMaxSize = size_t{1} << 30;
+constexpr size_t kMaxMib = size_t{1} << 20;  // 1 TiB
+constexpr size_t kMaxRequests = 100000;
+constexpr size_t kMaxRangeOps = 1 << 20;
 
 struct Options {
   size_t size = 20480;  // a DeepSeek-V4-Pro page's bytes on one layer, about
@@ -156,17 +163,17 @@ Options Parse(int argc, char** argv) {
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
     bool ok = value != nullptr;
     if (flag == "--size" && ok) {
-      ok = ParseSize(value, &o.size);
+      ok = ParseSize(value, &o.size) && o.size <= kMaxSize;
     } else if (flag == "--batch" && ok) {
       ok = ParseSize(value, &o.batch) && o.batch <= 1024;
     } else if (flag == "--mib" && ok) {
-      ok = ParseSize(value, &o.mib);
+      ok = ParseSize(value, &o.mib) && o.mib <= kMaxMib;
     } else if (flag == "--ranges" && ok) {
       o.ranges = value;
     } else if (flag == "--requests" && ok) {
-      ok = ParseSize(value, &o.requests);
+      ok = ParseSize(value, &o.requests) && o.requests <= kMaxRequests;
     } else if (flag == "--pool" && ok) {
-      ok = ParseSize(value, &o.pool_mib);
+      ok = ParseSize(value, &o.pool_mib) && o.pool_mib <= kMaxMib;
     } else if (flag == "--recv" && ok) {
       o.block = std::string(value) == "block";
       ok = o.block || std::string(value) == "per-op";
@@ -201,16 +208,20 @@ size_t MakeOps(const Options& o, std::vector<Op>* ops, size_t* request_ops) {
     if (file == nullptr) Die("open " + o.ranges);
     unsigned long long pool = 0, count = 0, bytes = 0, pages = 0;
     if (std::fscanf(file, "kvwire-kv-ranges %llu %llu %llu %llu", &pool, &count, &bytes, &pages) !=
-        4) {
-      std::fprintf(stderr, "kvwire-tcp-probe: %s: not a kvwire-perf --dump-ranges file\n",
-                   o.ranges.c_str());
+            4 ||
+        pool == 0 || pool > (kMaxMib << 20) || count == 0 || count > kMaxRangeOps ||
+        count * o.requests > kMaxRangeOps * 8) {
+      std::fprintf(stderr,
+                   "kvwire-tcp-probe: %s: not a kvwire-perf --dump-ranges file, or "
+                   "more than this probe takes (pool up to 1 TiB, ops x --requests up to %zu)\n",
+                   o.ranges.c_str(), kMaxRangeOps * 8);
       std::exit(1);
     }
     std::vector<Op> request;
     for (unsigned long long i = 0; i < count; ++i) {
       unsigned long long src = 0, dst = 0, length = 0;
       if (std::fscanf(file, "%llu %llu %llu", &src, &dst, &length) != 3 || length == 0 ||
-          src + length > pool || dst + length > pool) {
+          length > pool || src > pool - length || dst > pool - length) {
         std::fprintf(stderr, "kvwire-tcp-probe: %s: range %llu is malformed or out of the pool\n",
                      o.ranges.c_str(), i);
         std::exit(1);
@@ -236,7 +247,18 @@ size_t MakeOps(const Options& o, std::vector<Op>* ops, size_t* request_ops) {
   return pool;
 }
 
+int Run(int argc, char** argv);
+
 int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kvwire-tcp-probe: not enough memory for the pools and ops asked for\n");
+    return 1;
+  }
+}
+
+int Run(int argc, char** argv) {
   const Options o = Parse(argc, argv);
   std::vector<Op> ops;
   size_t request_ops = 0;

@@ -49,7 +49,7 @@ class BlockPool {
     {
       MutexLock lock(&mu_);
       if (bytes == block_bytes_ && free_.size() < keep_) {
-        // Grown in steps while traffic grows; never shrinks below what was needed at once.
+        // Kept for the next op (up to `keep_`): steady traffic frees as many as it takes.
         free_.push_back(block);
         return;
       }
