@@ -133,8 +133,11 @@ std::string StartSave(Side& p, const std::string& id, const std::string& tid, ui
 void WaitPrefillFreed(Side& p, const std::string& id, const std::string& params) {
   const absl::Time deadline = absl::Now() + kWait;
   while (absl::Now() < deadline) {
+    // Live count before the finished list (a request leaves one and joins the other under one
+    // lock), so the last drain sees every request that left the count.
+    const bool none_live = p.connector->LiveRequests() == 0;
     for (const std::string& r : p.connector->GetFinished().finished_sending) p.cache->Release(r);
-    if (p.connector->LiveRequests() == 0) break;
+    if (none_live) break;
     absl::SleepFor(absl::Milliseconds(2));
   }
   ASSERT_EQ(p.connector->LiveRequests(), 0u) << "prefill never let go of its requests";

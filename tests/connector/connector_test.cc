@@ -190,8 +190,11 @@ class PrefillHere {
   absl::StatusOr<absl::Duration> WaitAllFreed(const std::string& id, bool scheduler_finishes) {
     const absl::Time start = absl::Now();
     while (absl::Now() < start + kWait) {
+      // Live count first, then the finished list: a request retires and joins the list under
+      // one lock, so none that left the count can be missed by the drain after it.
+      const bool none_live = connector->LiveRequests() == 0;
       for (const std::string& r : connector->GetFinished().finished_sending) cache->Release(r);
-      if (connector->LiveRequests() == 0) {
+      if (none_live) {
         const absl::Duration took = absl::Now() - start;
         if (scheduler_finishes && cache->live().count(id) != 0) {
           auto done = connector->RequestFinished(id, cache->live().at(id), 0, write_params_);
