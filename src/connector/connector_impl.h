@@ -100,6 +100,10 @@ absl::StatusOr<std::pair<RegionId, uint64_t>> FindRegion(const std::vector<Regio
                                                          uint64_t addr, uint64_t length,
                                                          const char* side);
 nlohmann::json BlocksToJson(const BlockTable& t);
+// KvTransferParams::ToJson and FromJson without the text: the connector metadata carries the
+// params as a JSON value, so building and binding it neither prints nor parses them again.
+nlohmann::json ParamsToJsonValue(const KvTransferParams& p);
+absl::StatusOr<KvTransferParams> ParamsFromJsonValue(const nlohmann::json& object);
 // The block table in object field `field` of `f` ({group: [block id, ...]}), typed and bounded.
 BlockTable BlocksFromJson(JsonFields& f, absl::string_view field, bool required);
 

@@ -104,14 +104,13 @@ BlockTable ParamsBlocks(JsonFields& f, const json& object) {
     }
     std::vector<int64_t>& out = t[std::to_string(g)];
     for (size_t i = 0; i < ids.size() && f.ok(); ++i) {
-      out.push_back(f.IntValue(ids[i], absl::StrCat(name, "[", i, "]"), -1, kMaxBlockId));
+      out.push_back(f.IntItem(ids[i], name, i, -1, kMaxBlockId));
     }
   }
   if (!per_group) {
     std::vector<int64_t>& out = t["0"];
     for (size_t i = 0; i < a->size() && f.ok(); ++i) {
-      out.push_back(
-          f.IntValue((*a)[i], absl::StrCat("remote_block_ids[", i, "]"), -1, kMaxBlockId));
+      out.push_back(f.IntItem((*a)[i], "remote_block_ids", i, -1, kMaxBlockId));
     }
   }
   if (!f.ok()) t.clear();
@@ -125,24 +124,37 @@ void KvTransferParams::AddTpSource(const KvTransferParams& rank) {
 }
 
 std::string KvTransferParams::ToJson() const {
+  return DumpJson(connector_internal::ParamsToJsonValue(*this));
+}
+
+absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& text) {
+  absl::StatusOr<json> j = ParseJsonObject(text, "kv_transfer_params");
+  if (!j.ok()) return j.status();
+  return connector_internal::ParamsFromJsonValue(*j);
+}
+
+namespace connector_internal {
+
+json ParamsToJsonValue(const KvTransferParams& p) {
   // vLLM's names (NIXL, MoRIIO), so that a vLLM-style proxy can pass them on unchanged;
   // engine_id is kept for readers of the first version.
-  json j = {{"version", 1},
-            {"do_remote_decode", do_remote_decode},
-            {"do_remote_prefill", do_remote_prefill},
-            {"remote_engine_id", engine_id},
-            {"engine_id", engine_id},
-            {"remote_host", host},
-            {"remote_port", port},
-            {"remote_block_ids", BlocksJson(block_ids)},
-            {"remote_request_id", remote_request_id.empty() ? transfer_id : remote_request_id},
-            {"transfer_id", transfer_id},
-            {"tp_size", tp_size},
-            {"mode", KvModeName(mode)},
-            {"num_tokens", num_tokens}};
-  if (!tp_sources.empty()) {
+  json j = {
+      {"version", 1},
+      {"do_remote_decode", p.do_remote_decode},
+      {"do_remote_prefill", p.do_remote_prefill},
+      {"remote_engine_id", p.engine_id},
+      {"engine_id", p.engine_id},
+      {"remote_host", p.host},
+      {"remote_port", p.port},
+      {"remote_block_ids", BlocksJson(p.block_ids)},
+      {"remote_request_id", p.remote_request_id.empty() ? p.transfer_id : p.remote_request_id},
+      {"transfer_id", p.transfer_id},
+      {"tp_size", p.tp_size},
+      {"mode", KvModeName(p.mode)},
+      {"num_tokens", p.num_tokens}};
+  if (!p.tp_sources.empty()) {
     json sources = json::array();
-    for (const KvSource& s : tp_sources) {
+    for (const KvSource& s : p.tp_sources) {
       sources.push_back({{"remote_engine_id", s.engine_id},
                          {"remote_host", s.host},
                          {"remote_port", s.port},
@@ -151,14 +163,15 @@ std::string KvTransferParams::ToJson() const {
     }
     j["tp_sources"] = std::move(sources);
   }
-  return DumpJson(j);
+  return j;
 }
 
-absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& text) {
-  absl::StatusOr<json> j = ParseJsonObject(text, "kv_transfer_params");
-  if (!j.ok()) return j.status();
+absl::StatusOr<KvTransferParams> ParamsFromJsonValue(const json& object) {
+  if (!object.is_object()) {
+    return absl::InvalidArgumentError("kv_transfer_params: must be a JSON object");
+  }
   KvTransferParams p;
-  JsonFields f(*j, "kv_transfer_params");
+  JsonFields f(object, "kv_transfer_params");
   p.engine_id = f.Has("remote_engine_id") ? f.OptString("remote_engine_id", "", kMaxNameBytes)
                                           : f.OptString("engine_id", "", kMaxNameBytes);
   p.host = f.OptString("remote_host", "", kMaxNameBytes);
@@ -176,7 +189,7 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
   p.num_tokens = f.OptUint("num_tokens", kMaxTokens, 0);
   p.do_remote_decode = f.OptBool("do_remote_decode", false);
   p.do_remote_prefill = f.OptBool("do_remote_prefill", false);
-  p.block_ids = ParamsBlocks(f, *j);
+  p.block_ids = ParamsBlocks(f, object);
   const json* sources = f.Array("tp_sources", /*required=*/false, kMaxTpSources);
   for (size_t i = 0; sources != nullptr && i < sources->size() && f.ok(); ++i) {
     JsonFields e = f.Item((*sources)[i], absl::StrCat("tp_sources[", i, "]"));
@@ -219,4 +232,5 @@ absl::StatusOr<KvTransferParams> KvTransferParams::FromJson(const std::string& t
   return p;
 }
 
+}  // namespace connector_internal
 }  // namespace kvwire

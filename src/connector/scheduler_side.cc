@@ -143,11 +143,10 @@ std::string Connector::Impl::BuildConnectorMeta() {
   for (const std::string& id : table_.pending_loads) {
     auto it = table_.requests.find(id);
     if (it == table_.requests.end()) continue;
-    loads.push_back(
-        {{"request_id", id},
-         {"params", json::parse(it->second.params.ToJson(), nullptr, /*allow_exceptions=*/false)},
-         {"blocks", connector_internal::BlocksToJson(it->second.blocks)},
-         {"num_cached", it->second.num_cached}});
+    loads.push_back({{"request_id", id},
+                     {"params", connector_internal::ParamsToJsonValue(it->second.params)},
+                     {"blocks", connector_internal::BlocksToJson(it->second.blocks)},
+                     {"num_cached", it->second.num_cached}});
   }
   for (const std::string& id : table_.pending_saves) {
     if (table_.requests.count(id) != 0) saves.push_back({{"request_id", id}});

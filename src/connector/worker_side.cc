@@ -33,7 +33,7 @@ absl::Status Connector::Impl::BindConnectorMeta(const std::string& meta_json) {
     load.blocks = connector_internal::BlocksFromJson(l, "blocks", /*required=*/params != nullptr);
     if (!f.ok()) break;
     if (params != nullptr) {
-      absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(params->dump());
+      absl::StatusOr<KvTransferParams> p = connector_internal::ParamsFromJsonValue(*params);
       if (!p.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat("connector metadata: loads[", i, "].params: ", p.status().message()));

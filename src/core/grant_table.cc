@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <utility>
 
 #include "absl/random/distributions.h"
 #include "absl/strings/str_cat.h"
@@ -9,28 +10,35 @@
 namespace kvwire::core {
 
 GrantId GrantTable::Add(PeerId peer, absl::Span<const GrantRange> ranges) {
-  Ranges merged;
+  Spans spans;
+  spans.reserve(ranges.size());
   for (const GrantRange& r : ranges) {
-    std::map<uint64_t, uint64_t>& m = merged[r.region];
-    uint64_t begin = r.offset;
-    uint64_t end = r.offset + r.length;  // the caller checked it against the region
-    // Absorbs every range that overlaps or touches [begin, end).
-    auto it = m.upper_bound(begin);
-    if (it != m.begin() && std::prev(it)->second >= begin) --it;
-    while (it != m.end() && it->first <= end) {
-      begin = std::min(begin, it->first);
-      end = std::max(end, it->second);
-      it = m.erase(it);
-    }
-    m.emplace(begin, end);
+    spans.push_back({r.region, r.offset, r.offset + r.length});  // the caller checked the end
   }
+  const auto before = [](const Span& a, const Span& b) {
+    return a.region != b.region ? a.region < b.region : a.begin < b.begin;
+  };
+  // A request's ranges mostly come in order already: then no sort at all.
+  if (!std::is_sorted(spans.begin(), spans.end(), before)) {
+    std::sort(spans.begin(), spans.end(), before);
+  }
+  // Absorbs every span that overlaps or touches the one before it (of its region).
+  size_t kept = 0;
+  for (const Span& s : spans) {
+    if (kept > 0 && spans[kept - 1].region == s.region && s.begin <= spans[kept - 1].end) {
+      spans[kept - 1].end = std::max(spans[kept - 1].end, s.end);
+    } else {
+      spans[kept++] = s;
+    }
+  }
+  spans.resize(kept);
   MutexLock lock(&mu_);
   // Unpredictable, so that a peer cannot name a grant it was not told (a grant made while its
   // request ended is revoked right after it is made: its id must not be guessable meanwhile);
   // never 0 (no grant) and never one that is live for this peer.
   GrantId id = 0;
   while (id == 0 || grants_.contains(GrantKey{peer, id})) id = absl::Uniform<GrantId>(bitgen_);
-  grants_.emplace(GrantKey{peer, id}, std::move(merged));
+  grants_.emplace(GrantKey{peer, id}, std::move(spans));
   return id;
 }
 
@@ -66,14 +74,17 @@ absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint
     return absl::PermissionDeniedError(
         absl::StrCat("grant ", grant, " is not live for this peer (unknown or revoked)"));
   }
-  auto r = g->second.find(region);
-  if (r != g->second.end()) {
-    auto it = r->second.upper_bound(offset);
-    if (it != r->second.begin()) {
-      --it;
-      // The caller checked offset + length against the region: no overflow.
-      if (offset + length <= it->second) return absl::OkStatus();
-    }
+  // The last span that begins at or before (region, offset): the only one that can hold it.
+  const Spans& spans = g->second;
+  auto it =
+      std::upper_bound(spans.begin(), spans.end(), std::pair(region, offset),
+                       [](const std::pair<RegionId, uint64_t>& key, const Span& s) {
+                         return key.first != s.region ? key.first < s.region : key.second < s.begin;
+                       });
+  if (it != spans.begin()) {
+    --it;
+    // The caller checked offset + length against the region: no overflow.
+    if (it->region == region && offset + length <= it->end) return absl::OkStatus();
   }
   return absl::PermissionDeniedError(absl::StrCat("grant ", grant, " does not cover region ",
                                                   region, " bytes [", offset, ", ", offset + length,

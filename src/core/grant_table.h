@@ -5,7 +5,6 @@
 #define KVWIRE_CORE_GRANT_TABLE_H_
 
 #include <cstdint>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -49,12 +48,20 @@ class GrantTable {
   bool Live(PeerId peer, GrantId grant) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // Per region: start offset -> end offset, merged (no two touch), so a check is one lookup.
-  using Ranges = std::map<RegionId, std::map<uint64_t, uint64_t>>;
+  // [begin, end) of one region.
+  struct Span {
+    RegionId region;
+    uint64_t begin;
+    uint64_t end;
+  };
+  // A grant's spans, sorted by (region, begin) and merged (no two of a region touch), so a
+  // check is one binary search. One vector per grant, not a tree node per range: a dsv4-pro
+  // request grants ~3,000 ranges, and Add runs once per reader of every request.
+  using Spans = std::vector<Span>;
 
   mutable Mutex mu_;
   absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<GrantKey, Ranges> grants_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<GrantKey, Spans> grants_ ABSL_GUARDED_BY(mu_);
 };
 
 // The target's access check for one incoming op, the one place it is written (the engine's

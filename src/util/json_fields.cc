@@ -1,5 +1,6 @@
 #include "src/util/json_fields.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -85,6 +86,17 @@ class LimitScan : public nlohmann::json_sax<json> {
   std::string error_;
 };
 
+// Whether `text` cannot break `limits` whatever it holds, so that the scan may be skipped:
+// every value takes at least one byte, and every level opens with a '[' or a '{' (those
+// inside strings are counted too, which only overcounts). A connector's messages are mostly
+// small and flat: the scan was half the cost of parsing each.
+bool WithinLimitsByItsBytes(absl::string_view text, const JsonLimits& limits) {
+  if (text.size() > limits.max_values) return false;
+  size_t opens = 0;
+  for (const char c : text) opens += c == '[' || c == '{';
+  return opens <= static_cast<size_t>(std::max(limits.max_depth, 0));
+}
+
 }  // namespace
 
 absl::StatusOr<json> ParseJsonObject(absl::string_view text, absl::string_view context,
@@ -93,13 +105,18 @@ absl::StatusOr<json> ParseJsonObject(absl::string_view text, absl::string_view c
     return absl::InvalidArgumentError(absl::StrCat(
         context, ": ", text.size(), " bytes of JSON is over the limit of ", limits.max_bytes));
   }
+  const bool scanned = !WithinLimitsByItsBytes(text, limits);
   LimitScan scan(limits);
-  if (!json::sax_parse(text.begin(), text.end(), &scan)) {
+  if (scanned && !json::sax_parse(text.begin(), text.end(), &scan)) {
     return absl::InvalidArgumentError(
         absl::StrCat(context, ": ", scan.error().empty() ? "not valid JSON" : scan.error()));
   }
   json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
+    // Not scanned: the scan names where the text stops being JSON.
+    if (!scanned && !json::sax_parse(text.begin(), text.end(), &scan) && !scan.error().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": ", scan.error()));
+    }
     return absl::InvalidArgumentError(absl::StrCat(context, ": not valid JSON"));
   }
   if (!j.is_object()) {
@@ -171,6 +188,12 @@ int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, 
   if (std::optional<int64_t> i = IntIn(v, lo, hi)) return *i;
   Fail(name, absl::StrCat("must be an integer in [", lo, ", ", hi, "]"), v);
   return 0;
+}
+
+int64_t JsonFields::IntItem(const json& v, absl::string_view array, size_t index, int64_t lo,
+                            int64_t hi) {
+  if (std::optional<int64_t> i = IntIn(v, lo, hi)) return *i;
+  return IntValue(v, absl::StrCat(array, "[", index, "]"), lo, hi);
 }
 
 uint64_t JsonFields::UintValue(const json& v, absl::string_view name, uint64_t hi) {
@@ -296,9 +319,7 @@ std::vector<int64_t> JsonFields::IntArray(absl::string_view field, bool required
   if (a == nullptr) return out;
   out.reserve(a->size());
   for (size_t i = 0; i < a->size() && ok(); ++i) {
-    // The element's name is built only for an error.
-    std::optional<int64_t> v = IntIn((*a)[i], lo, hi);
-    out.push_back(v ? *v : IntValue((*a)[i], absl::StrCat(field, "[", i, "]"), lo, hi));
+    out.push_back(IntItem((*a)[i], field, i, lo, hi));
   }
   if (!ok()) out.clear();
   return out;
@@ -311,7 +332,12 @@ std::vector<uint64_t> JsonFields::UintArray(absl::string_view field, bool requir
   if (a == nullptr) return out;
   out.reserve(a->size());
   for (size_t i = 0; i < a->size() && ok(); ++i) {
-    out.push_back(UintValue((*a)[i], absl::StrCat(field, "[", i, "]"), hi));
+    const json& v = (*a)[i];
+    if (v.is_number_unsigned() && v.get<uint64_t>() <= hi) {  // no name built, as IntItem
+      out.push_back(v.get<uint64_t>());
+      continue;
+    }
+    out.push_back(UintValue(v, absl::StrCat(field, "[", i, "]"), hi));
   }
   if (!ok()) out.clear();
   return out;

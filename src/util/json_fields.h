@@ -116,6 +116,10 @@ class JsonFields {
 
   // Checks one value (an array item, a map value) named `name` in errors.
   int64_t IntValue(const nlohmann::json& value, absl::string_view name, int64_t lo, int64_t hi);
+  // IntValue of item `index` of array `array`, whose name ("array[index]") is built only for an
+  // error: arrays of thousands of block ids go through it.
+  int64_t IntItem(const nlohmann::json& value, absl::string_view array, size_t index, int64_t lo,
+                  int64_t hi);
   uint64_t UintValue(const nlohmann::json& value, absl::string_view name,
                      uint64_t hi = std::numeric_limits<uint64_t>::max());
   std::string StringValue(const nlohmann::json& value, absl::string_view name,

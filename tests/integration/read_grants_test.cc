@@ -14,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 #include "kvwire/engine.h"
@@ -230,6 +231,18 @@ TEST_P(ReadGrantsTest, GrantChecksItsArguments) {
             absl::StatusCode::kNotFound);
   EXPECT_EQ(target_->Grant(alice->as_target + 999, {GrantRange{region_, 0, 16}}).status().code(),
             absl::StatusCode::kNotFound);
+  // A bad range after good ones of the same region (whose checks after the first are bounds
+  // only), or of another region, refuses the whole grant and names the range.
+  absl::StatusOr<GrantId> bad = target_->Grant(
+      alice->as_target,
+      {GrantRange{region_, 0, 16}, GrantRange{region_, 16, 16}, GrantRange{region_, ~0ull - 4, 8}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kOutOfRange) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "range 2")) << bad.status();
+  bad = target_->Grant(alice->as_target, {GrantRange{region_, 0, 16}, GrantRange{region_, 32, 16},
+                                          GrantRange{region_ + 99, 0, 16}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "range 2")) << bad.status();
+  EXPECT_EQ(target_->Stats().grants_live, 0u) << "a refused grant holds nothing";
   // A peer's grants end with it.
   auto grant = target_->Grant(alice->as_target, {GrantRange{region_, 0, kPage}});
   ASSERT_TRUE(grant.ok()) << grant.status();

@@ -6,9 +6,12 @@
 #include <cstdlib>
 #include <string>
 #include <unistd.h>
+#include <utility>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
 
 #include "kvwire/connector.h"
 #include "kvwire/kvwire.h"
@@ -100,6 +103,15 @@ TEST(KvTransferParamsTest, VllmNames) {
     absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(bad);
     EXPECT_FALSE(p.ok()) << bad;
     EXPECT_TRUE(absl::IsInvalidArgument(p.status())) << bad;
+  }
+  // A bad id is named by its place (the name is built only for the error).
+  for (const auto& [bad, place] :
+       {std::pair{R"({"remote_block_ids": [4, 5, -2]})", "remote_block_ids[2]"},
+        std::pair{R"({"remote_block_ids": [[4], [5, "x"]]})", "remote_block_ids[1][1]"},
+        std::pair{R"({"block_ids": {"g": [1, 2, 3, 1e300]}})", "g[3]"}}) {
+    absl::StatusOr<KvTransferParams> p = KvTransferParams::FromJson(bad);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_TRUE(absl::StrContains(p.status().message(), place)) << p.status();
   }
 }
 

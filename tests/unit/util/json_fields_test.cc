@@ -136,6 +136,14 @@ TEST(JsonFieldsTest, ParseRefusesNonObjectsDeepNestingAndOversizedText) {
   absl::StatusOr<json> bad = ParseJsonObject("{\"k\":\x01}", "ctx");
   ASSERT_FALSE(bad.ok());
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "ctx: not valid JSON")) << bad.status();
+  // A short flat text skips the limit scan (it cannot break the limits); its syntax error is
+  // still placed, as a long one's is.
+  for (const std::string& text :
+       {std::string(R"({"k":[1,})"), R"({"k":")" + std::string(500, 'x')}) {
+    absl::StatusOr<json> e = ParseJsonObject(text, "ctx");
+    ASSERT_FALSE(e.ok());
+    EXPECT_TRUE(absl::StrContains(e.status().message(), "error at byte")) << e.status();
+  }
   // A number no double holds is no JSON the reader can use.
   EXPECT_FALSE(ParseJsonObject(R"({"d":1e400})", "ctx").ok());
   // A flat document of many values (here 1002: the object, the array, 1000 items) is refused
