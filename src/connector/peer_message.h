@@ -88,6 +88,12 @@ struct PeerMessage {
 // Errors name the message type and the field ("connector message 'release': 'transfer_id'
 // must be a string, got 5").
 absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload);
+// ParsePeerMessage's two readers, for tests that hold them to each other. The first reads a
+// "layer" message only in LayerMessagePayload's exact form (no spacing, an id with nothing
+// to unescape), without a JSON document; nullopt for anything else, which the second (the
+// general JSON reader) then reads, the same way.
+std::optional<PeerMessage> ParseLayerMessageAsWritten(absl::string_view payload);
+absl::StatusOr<PeerMessage> ParsePeerMessageAsJson(const std::string& payload);
 
 // The "layer" message for `layer` of the transfer whose id, written as a json string, is
 // `transfer_id_json`: the bytes DumpJson writes for {"t": "layer", "transfer_id": ...,

@@ -6,7 +6,9 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 #include "src/connector/connector_impl.h"
 #include "src/util/log.h"
@@ -125,7 +127,48 @@ std::string LayerMessagePayload(absl::string_view transfer_id_json, int layer) {
                       "}");
 }
 
+std::optional<PeerMessage> ParseLayerMessageAsWritten(absl::string_view payload) {
+  constexpr absl::string_view kHead = R"({"layer":)";
+  constexpr absl::string_view kMiddle = R"(,"t":"layer","transfer_id":")";
+  constexpr absl::string_view kTail = R"("})";
+  if (!absl::ConsumePrefix(&payload, kHead)) return std::nullopt;
+  // The layer: a JSON integer ("0" or no leading zero) in [0, 2^30], as ParseLayer takes it.
+  size_t digits = 0;
+  uint64_t layer = 0;
+  while (digits < payload.size() && digits < 10 && payload[digits] >= '0' &&
+         payload[digits] <= '9') {
+    layer = layer * 10 + static_cast<uint64_t>(payload[digits] - '0');
+    ++digits;
+  }
+  if (digits == 0 || (digits > 1 && payload[0] == '0') || layer > (uint64_t{1} << 30)) {
+    return std::nullopt;
+  }
+  payload.remove_prefix(digits);
+  if (!absl::ConsumePrefix(&payload, kMiddle) || !absl::ConsumeSuffix(&payload, kTail)) {
+    return std::nullopt;
+  }
+  // The id: printable ASCII with nothing to unescape, so its bytes are its value.
+  if (payload.empty() || payload.size() > kMaxTransferIdBytes) return std::nullopt;
+  for (const char c : payload) {
+    if (c < 0x20 || c > 0x7e || c == '"' || c == '\\') return std::nullopt;
+  }
+  PeerMessage m;
+  m.type = PeerMessage::Type::kLayer;
+  m.name = "layer";
+  m.transfer_id = std::string(payload);
+  m.layer = static_cast<int>(layer);
+  return m;
+}
+
 absl::StatusOr<PeerMessage> ParsePeerMessage(const std::string& payload) {
+  // Most messages of a write-mode request are its layers': read without building a document.
+  if (std::optional<PeerMessage> layer = ParseLayerMessageAsWritten(payload)) {
+    return *std::move(layer);
+  }
+  return ParsePeerMessageAsJson(payload);
+}
+
+absl::StatusOr<PeerMessage> ParsePeerMessageAsJson(const std::string& payload) {
   absl::StatusOr<nlohmann::json> j = ParseJsonObject(payload, "connector message");
   if (!j.ok()) return j.status();
   PeerMessage m;

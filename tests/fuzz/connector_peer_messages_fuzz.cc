@@ -12,6 +12,7 @@
 // to it arrived every message before it has been handled.
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -21,6 +22,7 @@
 #include "absl/strings/str_replace.h"
 
 #include "kvwire/engine.h"
+#include "src/connector/peer_message.h"
 #include "tests/fuzz/connector_fixture.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -102,6 +104,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (std::string_view part : SplitInput(text, "\x1e")) {
     const std::string message = absl::StrReplaceAll(absl::string_view(part.data(), part.size()),
                                                     {{"$TID", params->transfer_id}});
+    // The connector reads a layer message in its written form without a JSON document: that
+    // reader must say what the JSON reader says, or leave the message to it.
+    if (std::optional<kvwire::connector_internal::PeerMessage> fast =
+            kvwire::connector_internal::ParseLayerMessageAsWritten(message)) {
+      absl::StatusOr<kvwire::connector_internal::PeerMessage> json =
+          kvwire::connector_internal::ParsePeerMessageAsJson(message);
+      KVWIRE_FUZZ_CHECK(json.ok() && json->type == fast->type &&
+                        json->transfer_id == fast->transfer_id && json->layer == fast->layer);
+    }
     // A message over the engine's size limit is refused locally: it never reaches the victim.
     const bool hello = IsHello(message);
     if (attacker.engine->SendMessage(attacker.peer, kTopic, message).ok() && hello) ++answers;
