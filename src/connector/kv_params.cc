@@ -168,7 +168,8 @@ json ParamsToJsonValue(const KvTransferParams& p) {
 
 absl::StatusOr<KvTransferParams> ParamsFromJsonValue(const json& object) {
   if (!object.is_object()) {
-    return absl::InvalidArgumentError("kv_transfer_params: must be a JSON object");
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_transfer_params: not a JSON object (got ", object.type_name(), ")"));
   }
   KvTransferParams p;
   JsonFields f(object, "kv_transfer_params");

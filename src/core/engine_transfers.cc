@@ -531,7 +531,8 @@ absl::StatusOr<GrantId> Engine::Impl::Grant(PeerId peer_id, absl::Span<const Gra
   // Exported to the peer, readable by it, inside the region (no overflow). A range of the
   // region of the range before it needs its bounds checked only: the rest depends on the
   // region alone, whose entry the pin holds (a request's ranges come in runs of a region, so
-  // its thousands of ranges take a few trips through the registry's lock, not one each).
+  // its thousands of ranges take a few trips through the registry's lock, not one each). A
+  // region unexported meanwhile is no loss: every READ under the grant is checked again.
   std::shared_ptr<const void> pinned;
   RegionId pinned_region = 0;
   for (size_t i = 0; i < ranges.size(); ++i) {

@@ -1,7 +1,6 @@
 #include "src/core/grant_table.h"
 
 #include <algorithm>
-#include <iterator>
 #include <utility>
 
 #include "absl/random/distributions.h"

@@ -32,6 +32,8 @@ struct RegionEntry {
 struct ResolvedRange {
   std::byte* data = nullptr;
   int gpu_device = -1;  // >= 0: device memory (kGpu region)
+  // The region's RegionEntry itself (callers read its fixed fields through it: the engine's
+  // checks of further ops or ranges of the same region); never a wrapper.
   std::shared_ptr<const void> pin;
   bool reads_need_grant = false;  // RegionOptions::reads_need_grant
 };

@@ -110,7 +110,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             kvwire::connector_internal::ParseLayerMessageAsWritten(message)) {
       absl::StatusOr<kvwire::connector_internal::PeerMessage> json =
           kvwire::connector_internal::ParsePeerMessageAsJson(message);
-      KVWIRE_FUZZ_CHECK(json.ok() && json->type == fast->type &&
+      KVWIRE_FUZZ_CHECK(json.ok() && json->type == fast->type && json->name == fast->name &&
                         json->transfer_id == fast->transfer_id && json->layer == fast->layer);
     }
     // A message over the engine's size limit is refused locally: it never reaches the victim.

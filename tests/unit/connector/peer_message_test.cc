@@ -87,7 +87,7 @@ TEST(LayerMessagePayloadTest, TheReaderWithoutADocumentAgreesWithTheJsonReader) 
           p.erase(at, 1);
           break;
         default:
-          p.insert(at, 1, "0123456789\"{}:, \\x"[rng() % 17]);
+          p.insert(at, 1, "0123456789\"{}:, \\x"[rng() % 18]);
           break;
       }
       if (p.empty()) p = "{";
