@@ -167,12 +167,8 @@ json ParamsToJsonValue(const KvTransferParams& p) {
 }
 
 absl::StatusOr<KvTransferParams> ParamsFromJsonValue(const json& object) {
-  if (!object.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv_transfer_params: not a JSON object (got ", object.type_name(), ")"));
-  }
   KvTransferParams p;
-  JsonFields f(object, "kv_transfer_params");
+  JsonFields f(object, "kv_transfer_params");  // a non-object fails it, and every read after
   p.engine_id = f.Has("remote_engine_id") ? f.OptString("remote_engine_id", "", kMaxNameBytes)
                                           : f.OptString("engine_id", "", kMaxNameBytes);
   p.host = f.OptString("remote_host", "", kMaxNameBytes);

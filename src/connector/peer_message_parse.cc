@@ -119,18 +119,19 @@ constexpr MessageFormat kMessageFormats[] = {
     {"read_ok", PeerMessage::Type::kReadOk, ParseReadOk},
 };
 
+// The layer message's fixed bytes around its number and its id (a JSON string), for the
+// writer and for the reader of what it writes.
+constexpr absl::string_view kLayerHead = R"({"layer":)";
+constexpr absl::string_view kLayerMiddle = R"(,"t":"layer","transfer_id":)";
+
 }  // namespace
 
 std::string LayerMessagePayload(absl::string_view transfer_id_json, int layer) {
-  return absl::StrCat(R"({"layer":)", layer, R"(,"t":"layer","transfer_id":)", transfer_id_json,
-                      "}");
+  return absl::StrCat(kLayerHead, layer, kLayerMiddle, transfer_id_json, "}");
 }
 
 std::optional<PeerMessage> ParseLayerMessageAsWritten(absl::string_view payload) {
-  constexpr absl::string_view kHead = R"({"layer":)";
-  constexpr absl::string_view kMiddle = R"(,"t":"layer","transfer_id":")";
-  constexpr absl::string_view kTail = R"("})";
-  if (!absl::ConsumePrefix(&payload, kHead)) return std::nullopt;
+  if (!absl::ConsumePrefix(&payload, kLayerHead)) return std::nullopt;
   // The layer: a JSON integer ("0" or no leading zero) in [0, 2^30], as ParseLayer takes it.
   size_t digits = 0;
   uint64_t layer = 0;
@@ -143,7 +144,9 @@ std::optional<PeerMessage> ParseLayerMessageAsWritten(absl::string_view payload)
     return std::nullopt;
   }
   payload.remove_prefix(digits);
-  if (!absl::ConsumePrefix(&payload, kMiddle) || !absl::ConsumeSuffix(&payload, kTail)) {
+  // The id's quotes, around bytes that are the id itself (checked below).
+  if (!absl::ConsumePrefix(&payload, kLayerMiddle) || !absl::ConsumePrefix(&payload, "\"") ||
+      !absl::ConsumeSuffix(&payload, "\"}")) {
     return std::nullopt;
   }
   // The id: printable ASCII with nothing to unescape, so its bytes are its value.

@@ -182,6 +182,18 @@ std::optional<int64_t> IntIn(const json& v, int64_t lo, int64_t hi) {
   }
   return std::nullopt;
 }
+
+// `v` as an unsigned integer (a non-negative signed one too) in [0, hi], or nullopt; as IntIn.
+std::optional<uint64_t> UintIn(const json& v, uint64_t hi) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u <= hi) return u;
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    const uint64_t u = static_cast<uint64_t>(v.get<int64_t>());
+    if (u <= hi) return u;
+  }
+  return std::nullopt;
+}
 }  // namespace
 
 int64_t JsonFields::IntValue(const json& v, absl::string_view name, int64_t lo, int64_t hi) {
@@ -197,13 +209,7 @@ int64_t JsonFields::IntItem(const json& v, absl::string_view array, size_t index
 }
 
 uint64_t JsonFields::UintValue(const json& v, absl::string_view name, uint64_t hi) {
-  if (v.is_number_unsigned()) {
-    const uint64_t u = v.get<uint64_t>();
-    if (u <= hi) return u;
-  } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
-    const uint64_t u = static_cast<uint64_t>(v.get<int64_t>());
-    if (u <= hi) return u;
-  }
+  if (std::optional<uint64_t> u = UintIn(v, hi)) return *u;
   Fail(name, absl::StrCat("must be an integer in [0, ", hi, "]"), v);
   return 0;
 }
@@ -332,12 +338,9 @@ std::vector<uint64_t> JsonFields::UintArray(absl::string_view field, bool requir
   if (a == nullptr) return out;
   out.reserve(a->size());
   for (size_t i = 0; i < a->size() && ok(); ++i) {
-    const json& v = (*a)[i];
-    if (v.is_number_unsigned() && v.get<uint64_t>() <= hi) {  // no name built, as IntItem
-      out.push_back(v.get<uint64_t>());
-      continue;
-    }
-    out.push_back(UintValue(v, absl::StrCat(field, "[", i, "]"), hi));
+    // The element's name is built only for an error, as IntItem's.
+    std::optional<uint64_t> u = UintIn((*a)[i], hi);
+    out.push_back(u ? *u : UintValue((*a)[i], absl::StrCat(field, "[", i, "]"), hi));
   }
   if (!ok()) out.clear();
   return out;
