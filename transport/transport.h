@@ -17,12 +17,14 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 #include "kvwire/engine.h"
 #include "kvwire/stats.h"
@@ -171,6 +173,29 @@ struct IncomingAccess {
   std::shared_ptr<const void> pin;
 };
 
+// One incoming op of a run (TargetHooks::ResolveIncomingRun): `length` bytes at `offset` of
+// this engine's region `region`.
+struct IncomingOp {
+  RegionId region = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// Where one op of a run lies (no pin of its own: the run's pin holds them all).
+struct IncomingMemory {
+  std::byte* data = nullptr;
+  int gpu_device = -1;  // >= 0: `data` is memory of that device (kGpu region)
+};
+
+// What ResolveIncomingRun allowed: the leading ops [0, resolved), held by `pin` (their memory
+// registered, and counted as ops being served until it is released); `status` says why op
+// `resolved` was refused (OK when every op was resolved).
+struct IncomingRun {
+  size_t resolved = 0;
+  absl::Status status;
+  std::shared_ptr<const void> pin;
+};
+
 // Services of the engine for the target side of a transport.
 class TargetHooks {
  public:
@@ -191,6 +216,13 @@ class TargetHooks {
                                                          OpKind kind, GrantId grant) {
     return ResolveIncoming(peer, region, offset, length, kind);
   }
+  // ResolveIncoming with `grant` for each of `ops` in order, as one run served together (a
+  // served copy's slot): stops at the first op refused. `memory` has one entry per op; those
+  // of the resolved ops are set. The default asks ResolveIncoming once per op; the engine's
+  // checks a run with one trip through each of its locks, not one per op.
+  virtual IncomingRun ResolveIncomingRun(PeerId peer, absl::Span<const IncomingOp> ops,
+                                         OpKind kind, GrantId grant,
+                                         absl::Span<IncomingMemory> memory);
   // Looks up a region exported to `peer` (shm maps it); NotFound / PermissionDenied if not.
   virtual absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) = 0;
   // A WRITE piece of `transfer_id` from `peer` is now visible in memory.
@@ -221,6 +253,26 @@ class TargetHooks {
     return nullptr;
   }
 };
+
+inline IncomingRun TargetHooks::ResolveIncomingRun(PeerId peer, absl::Span<const IncomingOp> ops,
+                                                   OpKind kind, GrantId grant,
+                                                   absl::Span<IncomingMemory> memory) {
+  IncomingRun run;
+  auto pins = std::make_shared<std::vector<std::shared_ptr<const void>>>();
+  pins->reserve(ops.size());
+  for (const IncomingOp& op : ops) {
+    absl::StatusOr<IncomingAccess> access =
+        ResolveIncoming(peer, op.region, op.offset, op.length, kind, grant);
+    if (!access.ok()) {
+      run.status = access.status();
+      break;
+    }
+    memory[run.resolved++] = IncomingMemory{access->data, access->gpu_device};
+    pins->push_back(std::move(access->pin));
+  }
+  run.pin = std::move(pins);
+  return run;
+}
 
 // What a Channel needs to reach one peer.
 struct PeerLink {

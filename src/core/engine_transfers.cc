@@ -507,6 +507,71 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
                                    served_ops_->Begin(peer, std::move(resolved->pin))};
 }
 
+transport::IncomingRun Engine::Impl::ResolveIncomingRun(
+    PeerId peer, absl::Span<const transport::IncomingOp> ops, OpKind kind, GrantId grant,
+    absl::Span<transport::IncomingMemory> memory) {
+  core::CheckedRun checked =
+      core::CheckIncomingRun(regions_, grants_, peer, ops, kind, grant, memory);
+  transport::IncomingRun run;
+  run.resolved = checked.passed;
+  run.status = std::move(checked.refused);
+  if (!incoming_gpu_ok_) {
+    // As ResolveIncoming: device memory only where every serving transport moves it.
+    for (size_t i = 0; i < run.resolved; ++i) {
+      if (memory[i].gpu_device >= 0) {
+        run.resolved = i;
+        run.status = absl::FailedPreconditionError(
+            absl::StrCat("region ", ops[i].region,
+                         " is GPU memory and a transport of this engine serving it cannot "
+                         "move GPU memory"));
+        checked.grant_refused = false;
+        break;
+      }
+    }
+  }
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < run.resolved; ++i) bytes += ops[i].length;
+  // The regions' pins, held together by the run's one served-ops pin.
+  std::shared_ptr<const void> inner;
+  if (checked.pins.size() == 1) {
+    inner = std::move(checked.pins.front());
+  } else if (!checked.pins.empty()) {
+    inner = std::make_shared<absl::InlinedVector<std::shared_ptr<const void>, 2>>(
+        std::move(checked.pins));
+  }
+  if (run.resolved > 0) {
+    if (grant != 0 && kind == OpKind::kRead) {
+      // Counted under its grant, as ResolveIncoming's ops (a grant revoked since the check
+      // refuses the run here, when it reads a grant-guarded region).
+      run.pin = served_ops_->BeginGranted(peer, grant, bytes, checked.reads_need_grant, grants_,
+                                          std::move(inner));
+      if (run.pin == nullptr) {
+        run.resolved = 0;
+        run.status = absl::PermissionDeniedError(
+            absl::StrCat("grant ", grant, " is not live for this peer (unknown or revoked)"));
+        checked.grant_refused = true;
+      }
+    } else {
+      run.pin = served_ops_->Begin(peer, std::move(inner));
+    }
+  }
+  MutexLock lock(&stats_mu_);
+  stats_.incoming_ops += run.resolved;
+  // A region being moved is not a refusal: the transport asks again after the move.
+  if (!run.status.ok() && !core::IsRegionMoving(run.status)) {
+    ++stats_.incoming_rejected;
+    if (checked.grant_refused) {
+      ++stats_.grant_refused;
+      const transport::IncomingOp& op = ops[run.resolved];
+      KVW_LOG(kWarning, "engine") << "READ refused: no grant covers it" << Kv("engine", name_)
+                                  << Kv("peer", peer) << Kv("region", op.region)
+                                  << Kv("offset", op.offset) << Kv("length", op.length)
+                                  << Kv("reason", run.status.message());
+    }
+  }
+  return run;
+}
+
 absl::StatusOr<transport::LocalRegion> Engine::Impl::ExportedRegion(PeerId peer, RegionId region) {
   absl::StatusOr<transport::LocalRegion> r = regions_.ExportedRegion(peer, region);
   if (r.ok() && r->reads_need_grant) {

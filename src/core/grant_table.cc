@@ -1,6 +1,7 @@
 #include "src/core/grant_table.h"
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "absl/random/distributions.h"
@@ -62,32 +63,49 @@ void GrantTable::ForgetPeer(PeerId peer) {
 
 absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint64_t offset,
                                uint64_t length) const {
+  const GrantRange range{region, offset, length};
+  absl::Status why;
+  return CoveredPrefix(peer, grant, absl::MakeConstSpan(&range, 1), &why) == 1 ? absl::OkStatus()
+                                                                              : why;
+}
+
+size_t GrantTable::CoveredPrefix(PeerId peer, GrantId grant, absl::Span<const GrantRange> ranges,
+                                 absl::Status* why) const {
+  if (ranges.empty()) return 0;
   if (grant == 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "region ", region, " is readable only under a grant, and the READ presented none"));
+    *why = absl::PermissionDeniedError(absl::StrCat("region ", ranges[0].region,
+                                                    " is readable only under a grant, and the "
+                                                    "READ presented none"));
+    return 0;
   }
   MutexLock lock(&mu_);
   auto g = grants_.find(GrantKey{peer, grant});
   if (g == grants_.end()) {
     // Unknown, revoked, or another peer's: the same answer (a peer learns nothing of others).
-    return absl::PermissionDeniedError(
+    *why = absl::PermissionDeniedError(
         absl::StrCat("grant ", grant, " is not live for this peer (unknown or revoked)"));
+    return 0;
   }
-  // The last span that begins at or before (region, offset): the only one that can hold it.
   const Spans& spans = g->second;
-  auto it =
-      std::upper_bound(spans.begin(), spans.end(), std::pair(region, offset),
-                       [](const std::pair<RegionId, uint64_t>& key, const Span& s) {
-                         return key.first != s.region ? key.first < s.region : key.second < s.begin;
-                       });
-  if (it != spans.begin()) {
-    --it;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const GrantRange& r = ranges[i];
+    // The last span that begins at or before (region, offset): the only one that can hold it.
+    auto it = std::upper_bound(
+        spans.begin(), spans.end(), std::pair(r.region, r.offset),
+        [](const std::pair<RegionId, uint64_t>& key, const Span& s) {
+          return key.first != s.region ? key.first < s.region : key.second < s.begin;
+        });
     // The caller checked offset + length against the region: no overflow.
-    if (it->region == region && offset + length <= it->end) return absl::OkStatus();
+    if (it != spans.begin() && std::prev(it)->region == r.region &&
+        r.offset + r.length <= std::prev(it)->end) {
+      continue;
+    }
+    *why = absl::PermissionDeniedError(absl::StrCat("grant ", grant, " does not cover region ",
+                                                    r.region, " bytes [", r.offset, ", ",
+                                                    r.offset + r.length, ")"));
+    return i;
   }
-  return absl::PermissionDeniedError(absl::StrCat("grant ", grant, " does not cover region ",
-                                                  region, " bytes [", offset, ", ", offset + length,
-                                                  ")"));
+  return ranges.size();
 }
 
 bool GrantTable::Live(PeerId peer, GrantId grant) const {
@@ -113,6 +131,56 @@ absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const
     return granted;
   }
   return resolved;
+}
+
+CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& grants, PeerId peer,
+                            absl::Span<const transport::IncomingOp> ops, OpKind kind,
+                            GrantId grant, absl::Span<transport::IncomingMemory> memory) {
+  CheckedRun run;
+  // The ops of grant-guarded regions, for one check under the grant table's lock.
+  absl::InlinedVector<GrantRange, 32> guarded;
+  absl::InlinedVector<size_t, 32> guarded_op;
+  const RegionEntry* entry = nullptr;  // the region of the op before (its pin is run.pins.back())
+  RegionId entry_id = 0;
+  size_t i = 0;
+  for (; i < ops.size(); ++i) {
+    const transport::IncomingOp& op = ops[i];
+    if (entry != nullptr && op.region == entry_id) {
+      if (absl::Status s = CheckBounds("remote", op.region, op.offset, op.length,
+                                       entry->region.length);
+          !s.ok()) {
+        run.refused = std::move(s);
+        break;
+      }
+    } else {
+      absl::StatusOr<ResolvedRange> resolved =
+          regions.ResolveForPeer(peer, op.region, op.offset, op.length, kind);
+      if (!resolved.ok()) {
+        run.refused = resolved.status();
+        break;
+      }
+      run.pins.push_back(std::move(resolved->pin));
+      entry = static_cast<const RegionEntry*>(run.pins.back().get());
+      entry_id = op.region;
+    }
+    memory[i] = transport::IncomingMemory{entry->region.base + op.offset, entry->region.gpu_device};
+    if (kind == OpKind::kRead && entry->region.reads_need_grant) {
+      guarded.push_back(GrantRange{op.region, op.offset, op.length});
+      guarded_op.push_back(i);
+    }
+  }
+  run.passed = i;
+  if (!guarded.empty()) {
+    absl::Status why;
+    const size_t covered = grants.CoveredPrefix(peer, grant, guarded, &why);
+    if (covered < guarded.size()) {
+      run.passed = guarded_op[covered];
+      run.refused = std::move(why);
+      run.grant_refused = true;
+    }
+    run.reads_need_grant = guarded_op[0] < run.passed;
+  }
+  return run;
 }
 
 }  // namespace kvwire::core

@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 
 #include "kvwire/engine.h"
 #include "src/core/region_registry.h"
+#include "transport/transport.h"
 #include "src/util/mutex.h"
 
 namespace kvwire::core {
@@ -43,6 +45,10 @@ class GrantTable {
   // `region`; PermissionDenied naming what is missing otherwise.
   absl::Status Check(PeerId peer, GrantId grant, RegionId region, uint64_t offset,
                      uint64_t length) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check of each of `ranges` in order, under one lock: how many leading ranges it holds
+  // (ranges.size() when all), and *why the next one is refused.
+  size_t CoveredPrefix(PeerId peer, GrantId grant, absl::Span<const GrantRange> ranges,
+                       absl::Status* why) const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t live() const ABSL_LOCKS_EXCLUDED(mu_);
   // `grant` is live for `peer` (not revoked, its peer not forgotten).
   bool Live(PeerId peer, GrantId grant) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -72,6 +78,23 @@ absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const
                                             PeerId peer, RegionId region, uint64_t offset,
                                             uint64_t length, OpKind kind, GrantId grant,
                                             bool* grant_refused);
+
+// CheckIncoming for the ops of a run served together (transport::TargetHooks::
+// ResolveIncomingRun): checks stop at the first op refused. An op of the region of the op
+// before it is checked for bounds only, against the entry the run's pin holds (the rest
+// depends on the region alone; a region unexported during the run is as one unexported just
+// after its check); the grant is checked for the ops of grant-guarded regions under one lock.
+struct CheckedRun {
+  size_t passed = 0;             // ops [0, passed) passed every check
+  absl::Status refused;          // why op `passed` did not (OK when every op passed)
+  bool grant_refused = false;     // the grant, not the range, refused it
+  bool reads_need_grant = false;  // some op that passed is on a grant-guarded region
+  // The regions of the ops (RegionEntry pins), a region once per run of its ops.
+  absl::InlinedVector<std::shared_ptr<const void>, 2> pins;
+};
+CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& grants, PeerId peer,
+                            absl::Span<const transport::IncomingOp> ops, OpKind kind,
+                            GrantId grant, absl::Span<transport::IncomingMemory> memory);
 
 }  // namespace kvwire::core
 

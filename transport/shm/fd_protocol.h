@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 
 #include "kvwire/engine.h"
+#include "transport/transport.h"
 
 namespace kvwire::transport::shm {
 
@@ -34,11 +35,8 @@ enum class FdRequestKind : uint8_t {
 
 // One op of a copy request: `length` bytes at `offset` of the target's region `region`. The
 // ops' bytes lie one after another in the request's staging slot, in order.
-struct CopyOp {
-  RegionId region = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-};
+// The engine resolves a request's ops as one run (TargetHooks::ResolveIncomingRun).
+using CopyOp = IncomingOp;
 
 struct FdRequest {
   FdRequestKind kind = FdRequestKind::kHello;

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -52,38 +53,57 @@ FdReply ServeCopy(TargetHooks& hooks, PeerId peer, const CopyStaging& staging,
     return Failed(request, 0, *refused);
   }
   std::byte* const slot = staging.slot(request.slot);
-  uint64_t at = 0;  // where the next op's bytes lie in the slot
+  // The ops fit the slot, one after another (checked before anything is resolved: a request
+  // that overruns it is refused whole).
+  uint64_t total = 0;
   for (size_t i = 0; i < request.ops.size(); ++i) {
-    const CopyOp& op = request.ops[i];
-    if (op.length > kCopySlotBytes - at) {
+    if (request.ops[i].length > kCopySlotBytes - total) {
       *refused = absl::InvalidArgumentError(
           absl::StrCat("the ops overrun the staging slot (", kCopySlotBytes, " bytes)"));
       return Failed(request, i, *refused);
     }
+    total += request.ops[i].length;
+  }
+  if (request.ops.size() > kMaxCopyOps) {
+    *refused = absl::InvalidArgumentError(
+        absl::StrCat(request.ops.size(), " ops in one copy request (at most ", kMaxCopyOps, ")"));
+    return Failed(request, 0, *refused);
+  }
+  // One run for the whole request: the engine checks it with one trip through each of its
+  // locks, and its pin (the served-ops record of every op) is released after the copies.
+  std::array<IncomingMemory, kMaxCopyOps> memory;
+  IncomingRun run = hooks.ResolveIncomingRun(peer, request.ops, request.copy_kind, request.grant,
+                                             absl::MakeSpan(memory.data(), request.ops.size()));
+  absl::Status problem = run.status;
+  size_t done = run.resolved;
+  for (size_t i = 0; i < run.resolved; ++i) {
+    if (memory[i].gpu_device >= 0) {
+      problem = absl::FailedPreconditionError(absl::StrCat(
+          "region ", request.ops[i].region, " is GPU memory; served copies move host memory"));
+      done = i;
+      break;
+    }
+  }
+  uint64_t at = 0;  // where the next op's bytes lie in the slot
+  for (size_t i = 0; i < done; ++i) {
+    const CopyOp& op = request.ops[i];
     if (op.length == 0) continue;
-    // The pin (the engine's served-ops record of the op) is released after the copy.
-    absl::StatusOr<IncomingAccess> access = hooks.ResolveIncoming(
-        peer, op.region, op.offset, op.length, request.copy_kind, request.grant);
-    absl::Status problem = access.status();
-    if (access.ok() && access->gpu_device >= 0) {
-      problem = absl::FailedPreconditionError(
-          absl::StrCat("region ", op.region, " is GPU memory; served copies move host memory"));
-    }
-    if (!problem.ok()) {
-      FdReply reply = Failed(request, i, problem);
-      if (IsRegionMoving(problem)) {
-        reply.flags |= kCopyRegionMoving;
-      } else if (!absl::IsFailedPrecondition(problem)) {
-        *refused = problem;
-      }
-      return reply;
-    }
     if (request.copy_kind == OpKind::kRead) {
-      std::memcpy(slot + at, access->data, op.length);
+      std::memcpy(slot + at, memory[i].data, op.length);
     } else {
-      std::memcpy(access->data, slot + at, op.length);
+      std::memcpy(memory[i].data, slot + at, op.length);
     }
     at += op.length;
+  }
+  run.pin.reset();
+  if (!problem.ok()) {
+    FdReply reply = Failed(request, done, problem);
+    if (IsRegionMoving(problem)) {
+      reply.flags |= kCopyRegionMoving;
+    } else if (!absl::IsFailedPrecondition(problem)) {
+      *refused = problem;
+    }
+    return reply;
   }
   FdReply reply;
   reply.region = request.region;

@@ -153,6 +153,87 @@ TEST(GrantTableTest, CoversExactlyTheBytesOfItsRangesWhateverTheirOrder) {
   }
 }
 
+// A run of ops checked together (a served copy's slot) is refused where the op-by-op check
+// first refuses, for the same reason, and resolves the ops before it to the same memory:
+// random runs over a guarded, an open, an unexported, a write-only and an unknown region,
+// with ops in and out of the grant and the regions' bounds, empty ones, READs and WRITEs,
+// with the grant, none, or a wrong one. Catches a run whose bounds-only path skips its bounds,
+// a grant check that stops at the wrong op, and a run that forgets to check the grant.
+TEST(CheckIncomingRunTest, RefusesWhereTheOpByOpCheckRefusesForTheSameReason) {
+  constexpr uint64_t kLength = 4096;
+  std::vector<std::byte> mem(4 * kLength);
+  RegionRegistry regions;
+  transport::LocalRegion region;
+  region.length = kLength;
+  region.access = kRemoteReadWrite;
+  region.base = mem.data();
+  region.reads_need_grant = true;
+  const RegionId guarded = regions.Add(region, /*export_to_all=*/true);
+  region.base = mem.data() + kLength;
+  region.reads_need_grant = false;
+  const RegionId open = regions.Add(region, /*export_to_all=*/true);
+  region.base = mem.data() + 2 * kLength;
+  const RegionId unexported = regions.Add(region, /*export_to_all=*/false);
+  region.base = mem.data() + 3 * kLength;
+  region.access = kRemoteWrite;
+  const RegionId write_only = regions.Add(region, /*export_to_all=*/true);
+  const RegionId unknown = 99;
+  GrantTable grants;
+  std::vector<GrantRange> granted;
+  for (uint64_t offset = 0; offset < kLength; offset += 1024) granted.push_back({guarded, offset, 512});
+  const GrantId g = grants.Add(kPeer, granted);
+
+  std::mt19937_64 rng(7);
+  int refused_by_grant = 0, refused_otherwise = 0, passed_whole = 0;
+  for (int round = 0; round < 3000; ++round) {
+    const OpKind kind = rng() % 4 == 0 ? OpKind::kWrite : OpKind::kRead;
+    const GrantId presented = rng() % 8 == 0 ? 0 : rng() % 8 == 0 ? g + 1 : g;
+    std::vector<transport::IncomingOp> ops(1 + rng() % 24);
+    for (transport::IncomingOp& op : ops) {
+      const uint64_t pick = rng() % 100;
+      op.region = pick < 55 ? guarded : pick < 90 ? open : pick < 94 ? unexported
+                                       : pick < 97 ? write_only : unknown;
+      // Mostly inside a granted range (1024 k + [0, 512)), sometimes anywhere or past the end.
+      const uint64_t base = 1024 * (rng() % 4);
+      op.offset = rng() % 16 == 0 ? rng() % (kLength + 64) : base + rng() % 384;
+      op.length = rng() % 32 == 0 ? 0 : rng() % 16 == 0 ? rng() % 2048 : 1 + rng() % 128;
+    }
+    std::vector<transport::IncomingMemory> memory(ops.size());
+    const CheckedRun run =
+        CheckIncomingRun(regions, grants, kPeer, ops, kind, presented, absl::MakeSpan(memory));
+    size_t expected_passed = ops.size();
+    bool reads_need_grant = false;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      bool grant_refused = false;
+      absl::StatusOr<ResolvedRange> one =
+          CheckIncoming(regions, grants, kPeer, ops[i].region, ops[i].offset, ops[i].length, kind,
+                        presented, &grant_refused);
+      if (!one.ok()) {
+        expected_passed = i;
+        ASSERT_EQ(run.passed, i) << "round " << round << ": " << one.status();
+        EXPECT_EQ(run.refused, one.status()) << "round " << round;
+        EXPECT_EQ(run.grant_refused, grant_refused) << "round " << round;
+        (grant_refused ? refused_by_grant : refused_otherwise)++;
+        break;
+      }
+      ASSERT_LT(i, run.passed) << "round " << round << ": op " << i << " passes alone";
+      EXPECT_EQ(memory[i].data, one->data) << "round " << round << ": op " << i;
+      reads_need_grant = reads_need_grant || (kind == OpKind::kRead && one->reads_need_grant);
+    }
+    if (expected_passed == ops.size()) {
+      ASSERT_EQ(run.passed, ops.size()) << "round " << round;
+      EXPECT_TRUE(run.refused.ok()) << run.refused;
+      ++passed_whole;
+    }
+    EXPECT_EQ(run.reads_need_grant, reads_need_grant) << "round " << round;
+    EXPECT_FALSE(run.pins.empty() && run.passed > 0) << "round " << round;
+  }
+  // Every outcome was drawn, often.
+  EXPECT_GT(refused_by_grant, 200);
+  EXPECT_GT(refused_otherwise, 200);
+  EXPECT_GT(passed_whole, 200);
+}
+
 // A peer learns a grant's id only from the read_ok that carries it; ids that follow each other
 // would let it name the next one (e.g. one made while its request ended, revoked right after).
 TEST(GrantTableTest, IdsAreUnpredictableDistinctAndNeverZero) {
