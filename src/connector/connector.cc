@@ -156,27 +156,16 @@ absl::StatusOr<std::vector<Op>> Connector::Impl::ToOps(const std::vector<ByteRan
   ops.reserve(ranges.size());
   // Consecutive ranges are mostly in the region of the one before (a layer's pages): that one
   // is tried first, so a request costs a scan of the regions per region change, not per page.
-  const RegionSpan* last_local = nullptr;
-  const RegionSpan* last_remote = nullptr;
-  auto in = [](const RegionSpan* r, uint64_t addr, uint64_t length) {
-    return r != nullptr && addr >= r->base && addr + length <= r->base + r->length;
-  };
-  auto find = [&](const std::vector<RegionSpan>& regions, const RegionSpan*& last, uint64_t addr,
-                  uint64_t length) -> const RegionSpan* {
-    if (in(last, addr, length)) return last;
-    for (const RegionSpan& r : regions) {
-      if (in(&r, addr, length)) return last = &r;
-    }
-    return nullptr;
-  };
+  connector_internal::RegionFinder local_regions(local_regions_);
+  connector_internal::RegionFinder remote_regions(p.regions);
   for (const ByteRange& br : ranges) {
     const uint64_t local = local_is_src ? br.src : br.dst;
     const uint64_t remote = local_is_src ? br.dst : br.src;
-    const RegionSpan* l = find(local_regions_, last_local, local, br.length);
+    const RegionSpan* l = local_regions.Find(local, br.length);
     if (l == nullptr) {
       return connector_internal::FindRegion(local_regions_, local, br.length, "local").status();
     }
-    const RegionSpan* rr = find(p.regions, last_remote, remote, br.length);
+    const RegionSpan* rr = remote_regions.Find(remote, br.length);
     if (rr == nullptr) {
       return connector_internal::FindRegion(p.regions, remote, br.length, "remote").status();
     }

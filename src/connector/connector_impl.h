@@ -99,6 +99,27 @@ absl::StatusOr<Layout> LayoutFromJsonValue(const nlohmann::json& j);
 absl::StatusOr<std::pair<RegionId, uint64_t>> FindRegion(const std::vector<RegionSpan>& regions,
                                                          uint64_t addr, uint64_t length,
                                                          const char* side);
+// FindRegion for a stream of ranges that mostly lie in the region of the range before: that
+// region is tried first.
+class RegionFinder {
+ public:
+  explicit RegionFinder(const std::vector<RegionSpan>& regions) : regions_(regions) {}
+  // The region holding [addr, addr+length), or null (FindRegion names the error).
+  const RegionSpan* Find(uint64_t addr, uint64_t length) {
+    if (Holds(last_, addr, length)) return last_;
+    for (const RegionSpan& r : regions_) {
+      if (Holds(&r, addr, length)) return last_ = &r;
+    }
+    return nullptr;
+  }
+
+ private:
+  static bool Holds(const RegionSpan* r, uint64_t addr, uint64_t length) {
+    return r != nullptr && addr >= r->base && addr + length <= r->base + r->length;
+  }
+  const std::vector<RegionSpan>& regions_;
+  const RegionSpan* last_ = nullptr;
+};
 nlohmann::json BlocksToJson(const BlockTable& t);
 // KvTransferParams::ToJson and FromJson without the text: the connector metadata carries the
 // params as a JSON value, so building and binding it neither prints nor parses them again.

@@ -244,29 +244,64 @@ void Connector::Impl::RefuseReadLocked(PeerId peer, const std::string& tid,
 }
 
 absl::StatusOr<std::vector<GrantRange>> Connector::Impl::GrantRangesLocked(const Request& r) {
-  std::vector<GrantRange> out;
+  // The ranges come out in (region, offset) order wherever the layout allows, so that the
+  // engine's grant table need not sort them (for a dsv4-pro request, ~3,000 ranges per reader
+  // were most of Engine::Grant): each layer's pages in address order (its block ids sorted,
+  // the components of a block inside it when they are block-major), then the layers' runs
+  // ordered by where they begin. Ranges that still come out of order (layers whose pages
+  // interleave) are sorted by the table, so the order is a speed-up, never a condition.
+  std::vector<GrantRange> ranges;
+  struct Run {
+    size_t begin;
+    size_t end;
+  };
+  std::vector<Run> runs;
+  std::vector<uint64_t> blocks;
+  connector_internal::RegionFinder regions(local_regions_);
   for (const CacheGroup& g : layout_.groups) {
-    auto blocks = r.blocks.find(g.name);
-    if (blocks == r.blocks.end()) continue;
-    for (int64_t block : blocks->second) {
+    auto found = r.blocks.find(g.name);
+    if (found == r.blocks.end()) continue;
+    blocks.clear();
+    for (int64_t block : found->second) {
       if (block < 0) continue;  // no block here (e.g. outside a sliding window)
       if (static_cast<uint64_t>(block) >= g.num_blocks) {
         return absl::InvalidArgumentError(
             absl::StrCat("cache group '", g.name, "': block ", block, " of ", g.num_blocks));
       }
-      for (size_t l = 0; l < g.layers.size(); ++l) {
-        for (int c = 0; c < g.components; ++c) {
-          const uint64_t addr = g.BlockAddress(l, static_cast<uint64_t>(block), c);
-          absl::StatusOr<std::pair<RegionId, uint64_t>> where =
-              connector_internal::FindRegion(local_regions_, addr, g.page_bytes, "local");
-          if (!where.ok()) return where.status();
-          out.push_back({where->first, where->second, g.page_bytes});
+      blocks.push_back(static_cast<uint64_t>(block));
+    }
+    if (blocks.empty()) continue;
+    std::sort(blocks.begin(), blocks.end());
+    const bool block_major = g.block_major || g.components == 1;
+    for (size_t l = 0; l < g.layers.size(); ++l) {
+      const size_t begin = ranges.size();
+      for (size_t i = 0; i < blocks.size() * static_cast<size_t>(g.components); ++i) {
+        const uint64_t block = block_major ? blocks[i / g.components] : blocks[i % blocks.size()];
+        const int c = static_cast<int>(block_major ? i % g.components : i / blocks.size());
+        const uint64_t addr = g.BlockAddress(l, block, c);
+        const RegionSpan* region = regions.Find(addr, g.page_bytes);
+        if (region == nullptr) {
+          return connector_internal::FindRegion(local_regions_, addr, g.page_bytes, "local")
+              .status();
         }
+        ranges.push_back({region->id, addr - region->base, g.page_bytes});
       }
+      runs.push_back({begin, ranges.size()});
     }
   }
-  if (out.empty()) return absl::FailedPreconditionError("the request holds no blocks");
-  return out;
+  if (ranges.empty()) return absl::FailedPreconditionError("the request holds no blocks");
+  const auto key = [&](const Run& run) {
+    return std::pair(ranges[run.begin].region, ranges[run.begin].offset);
+  };
+  const auto before = [&](const Run& a, const Run& b) { return key(a) < key(b); };
+  if (std::is_sorted(runs.begin(), runs.end(), before)) return ranges;
+  std::sort(runs.begin(), runs.end(), before);
+  std::vector<GrantRange> ordered;
+  ordered.reserve(ranges.size());
+  for (const Run& run : runs) {
+    ordered.insert(ordered.end(), ranges.begin() + run.begin, ranges.begin() + run.end);
+  }
+  return ordered;
 }
 
 void Connector::Impl::RevokeGrantLocked(Request& r) {
