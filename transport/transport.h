@@ -220,9 +220,8 @@ class TargetHooks {
   // served copy's slot): stops at the first op refused. `memory` has one entry per op; those
   // of the resolved ops are set. The default asks ResolveIncoming once per op; the engine's
   // checks a run with one trip through each of its locks, not one per op.
-  virtual IncomingRun ResolveIncomingRun(PeerId peer, absl::Span<const IncomingOp> ops,
-                                         OpKind kind, GrantId grant,
-                                         absl::Span<IncomingMemory> memory);
+  virtual IncomingRun ResolveIncomingRun(PeerId peer, absl::Span<const IncomingOp> ops, OpKind kind,
+                                         GrantId grant, absl::Span<IncomingMemory> memory);
   // Looks up a region exported to `peer` (shm maps it); NotFound / PermissionDenied if not.
   virtual absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) = 0;
   // A WRITE piece of `transfer_id` from `peer` is now visible in memory.

@@ -138,7 +138,8 @@ class Engine::Impl final : public transport::TargetHooks {
   absl::StatusOr<transport::IncomingAccess> ResolveIncoming(PeerId peer, RegionId region,
                                                             uint64_t offset, uint64_t length,
                                                             OpKind kind, GrantId grant) override;
-  transport::IncomingRun ResolveIncomingRun(PeerId peer, absl::Span<const transport::IncomingOp> ops,
+  transport::IncomingRun ResolveIncomingRun(PeerId peer,
+                                            absl::Span<const transport::IncomingOp> ops,
                                             OpKind kind, GrantId grant,
                                             absl::Span<transport::IncomingMemory> memory) override;
   absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId region) override;

@@ -66,7 +66,7 @@ absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint
   const GrantRange range{region, offset, length};
   absl::Status why;
   return CoveredPrefix(peer, grant, absl::MakeConstSpan(&range, 1), &why) == 1 ? absl::OkStatus()
-                                                                              : why;
+                                                                               : why;
 }
 
 size_t GrantTable::CoveredPrefix(PeerId peer, GrantId grant, absl::Span<const GrantRange> ranges,
@@ -90,11 +90,11 @@ size_t GrantTable::CoveredPrefix(PeerId peer, GrantId grant, absl::Span<const Gr
   for (size_t i = 0; i < ranges.size(); ++i) {
     const GrantRange& r = ranges[i];
     // The last span that begins at or before (region, offset): the only one that can hold it.
-    auto it = std::upper_bound(
-        spans.begin(), spans.end(), std::pair(r.region, r.offset),
-        [](const std::pair<RegionId, uint64_t>& key, const Span& s) {
-          return key.first != s.region ? key.first < s.region : key.second < s.begin;
-        });
+    auto it = std::upper_bound(spans.begin(), spans.end(), std::pair(r.region, r.offset),
+                               [](const std::pair<RegionId, uint64_t>& key, const Span& s) {
+                                 return key.first != s.region ? key.first < s.region
+                                                              : key.second < s.begin;
+                               });
     // The caller checked offset + length against the region: no overflow.
     if (it != spans.begin() && std::prev(it)->region == r.region &&
         r.offset + r.length <= std::prev(it)->end) {
@@ -134,8 +134,8 @@ absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const
 }
 
 CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& grants, PeerId peer,
-                            absl::Span<const transport::IncomingOp> ops, OpKind kind,
-                            GrantId grant, absl::Span<transport::IncomingMemory> memory) {
+                            absl::Span<const transport::IncomingOp> ops, OpKind kind, GrantId grant,
+                            absl::Span<transport::IncomingMemory> memory) {
   CheckedRun run;
   // The ops of grant-guarded regions, for one check under the grant table's lock.
   absl::InlinedVector<GrantRange, 32> guarded;
@@ -146,8 +146,8 @@ CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& gra
   for (; i < ops.size(); ++i) {
     const transport::IncomingOp& op = ops[i];
     if (entry != nullptr && op.region == entry_id) {
-      if (absl::Status s = CheckBounds("remote", op.region, op.offset, op.length,
-                                       entry->region.length);
+      if (absl::Status s =
+              CheckBounds("remote", op.region, op.offset, op.length, entry->region.length);
           !s.ok()) {
         run.refused = std::move(s);
         break;

@@ -16,8 +16,8 @@
 
 #include "kvwire/engine.h"
 #include "src/core/region_registry.h"
-#include "transport/transport.h"
 #include "src/util/mutex.h"
+#include "transport/transport.h"
 
 namespace kvwire::core {
 
@@ -85,16 +85,16 @@ absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const
 // depends on the region alone; a region unexported during the run is as one unexported just
 // after its check); the grant is checked for the ops of grant-guarded regions under one lock.
 struct CheckedRun {
-  size_t passed = 0;             // ops [0, passed) passed every check
-  absl::Status refused;          // why op `passed` did not (OK when every op passed)
+  size_t passed = 0;              // ops [0, passed) passed every check
+  absl::Status refused;           // why op `passed` did not (OK when every op passed)
   bool grant_refused = false;     // the grant, not the range, refused it
   bool reads_need_grant = false;  // some op that passed is on a grant-guarded region
   // The regions of the ops (RegionEntry pins), a region once per run of its ops.
   absl::InlinedVector<std::shared_ptr<const void>, 2> pins;
 };
 CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& grants, PeerId peer,
-                            absl::Span<const transport::IncomingOp> ops, OpKind kind,
-                            GrantId grant, absl::Span<transport::IncomingMemory> memory);
+                            absl::Span<const transport::IncomingOp> ops, OpKind kind, GrantId grant,
+                            absl::Span<transport::IncomingMemory> memory);
 
 }  // namespace kvwire::core
 

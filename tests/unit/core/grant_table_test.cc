@@ -180,7 +180,8 @@ TEST(CheckIncomingRunTest, RefusesWhereTheOpByOpCheckRefusesForTheSameReason) {
   const RegionId unknown = 99;
   GrantTable grants;
   std::vector<GrantRange> granted;
-  for (uint64_t offset = 0; offset < kLength; offset += 1024) granted.push_back({guarded, offset, 512});
+  for (uint64_t offset = 0; offset < kLength; offset += 1024)
+    granted.push_back({guarded, offset, 512});
   const GrantId g = grants.Add(kPeer, granted);
 
   std::mt19937_64 rng(7);
@@ -191,8 +192,11 @@ TEST(CheckIncomingRunTest, RefusesWhereTheOpByOpCheckRefusesForTheSameReason) {
     std::vector<transport::IncomingOp> ops(1 + rng() % 24);
     for (transport::IncomingOp& op : ops) {
       const uint64_t pick = rng() % 100;
-      op.region = pick < 55 ? guarded : pick < 90 ? open : pick < 94 ? unexported
-                                       : pick < 97 ? write_only : unknown;
+      op.region = pick < 55   ? guarded
+                  : pick < 90 ? open
+                  : pick < 94 ? unexported
+                  : pick < 97 ? write_only
+                              : unknown;
       // Mostly inside a granted range (1024 k + [0, 512)), sometimes anywhere or past the end.
       const uint64_t base = 1024 * (rng() % 4);
       op.offset = rng() % 16 == 0 ? rng() % (kLength + 64) : base + rng() % 384;
