@@ -11,6 +11,7 @@
 #include "kvwire/options_check.h"
 #include "src/connector/connector_impl.h"
 #include "src/connector/metrics_http.h"
+#include "src/util/clock.h"
 #include "src/util/log.h"
 
 namespace kvwire {
@@ -55,11 +56,7 @@ BlockTable BlocksFromJson(JsonFields& f, absl::string_view field, bool required)
   return t;
 }
 
-double ThreadCpuUs() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
-}
+double ThreadCpuUs() { return static_cast<double>(ClockNanos(CLOCK_THREAD_CPUTIME_ID)) / 1e3; }
 
 double Us(absl::Time a, absl::Time b) {
   if (a == absl::InfinitePast() || b == absl::InfinitePast()) return -1;

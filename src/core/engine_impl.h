@@ -218,7 +218,7 @@ class Engine::Impl final : public transport::TargetHooks {
   void EndUntabled(const core::TransferInfo& info, bool done, absl::Status status, Peer* peer);
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status);
   // The same for a caller that holds the peer (null: gone) and read the clock at the end
-  // (absl::GetCurrentTimeNanos).
+  // (UnixNanos, src/util/clock.h).
   void RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,
                  int64_t end_ns);
   // Fails transfers at their deadlines, sleeping until the earliest one (not on a period).

@@ -10,6 +10,7 @@
 #include "src/core/engine_impl.h"
 #include "src/core/op_planner.h"
 #include "src/core/route.h"
+#include "src/util/clock.h"
 #include "src/util/log.h"
 
 namespace kvwire {
@@ -222,7 +223,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   info.count_arrivals = kind == OpKind::kWrite && options.notification && caps->counts_arrivals;
   // Nanoseconds read once and kept as they are: absl::Now and Time/Duration arithmetic are
   // library calls (~100 instructions per transfer between the start and the end).
-  info.start_ns = absl::GetCurrentTimeNanos();
+  info.start_ns = UnixNanos();
   info.start = absl::FromUnixNanos(info.start_ns);
   info.deadline = info.start + options.timeout.value_or(options_.transfer_timeout);
   info.transport = static_cast<int>(route_index);
@@ -315,7 +316,7 @@ absl::StatusOr<TransferId> Engine::Impl::TransferOnce(PeerId peer_id, OpKind kin
   // a deadline or the peer's close ended it first (which counted its end).
   if (inline_end && slot.done) {
     if (!slot.status.ok()) slot.status = NamedFailure(id, peer_id, peer.get(), slot.status);
-    const int64_t now_ns = absl::GetCurrentTimeNanos();
+    const int64_t now_ns = UnixNanos();
     if (transfers_.EndInline(id, &slot.status, absl::FromUnixNanos(now_ns))) {
       RecordEnd(end_info, slot.status, peer.get(), now_ns);
     }
@@ -338,7 +339,7 @@ void Engine::Impl::EndUntabled(const core::TransferInfo& info, bool done, absl::
     return;
   }
   if (!status.ok()) status = NamedFailure(id, info.peer, peer, status);
-  const int64_t now_ns = absl::GetCurrentTimeNanos();
+  const int64_t now_ns = UnixNanos();
   // Its deadline was not watched while it ran: ended as the deadline thread would have.
   if (status.ok() && info.deadline <= absl::FromUnixNanos(now_ns)) [[unlikely]] {
     status = core::TransferTable::DeadlineError(info);
@@ -385,7 +386,7 @@ void Engine::Impl::OnLaneDone(TransferId id, absl::Status status) {
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status) {
   std::shared_ptr<Peer> peer = GetPeer(info.peer);
-  RecordEnd(info, status, peer.get(), absl::GetCurrentTimeNanos());
+  RecordEnd(info, status, peer.get(), UnixNanos());
 }
 
 void Engine::Impl::RecordEnd(const core::TransferInfo& info, const absl::Status& status, Peer* peer,

@@ -40,7 +40,7 @@ struct TransferInfo {
   std::optional<std::string> notification;
   bool count_arrivals = false;
   absl::Time start;
-  int64_t start_ns = 0;  // `start` in absl::GetCurrentTimeNanos's units (latency stats)
+  int64_t start_ns = 0;  // `start` in Unix nanoseconds (UnixNanos: latency stats)
   absl::Time deadline;
   int transport = -1;  // the index in Engine::Impl::transports_ it was routed over
 };

@@ -4,16 +4,13 @@
 #include <sched.h>
 #include <time.h>
 
+#include "src/util/clock.h"
+
 namespace kvwire {
 namespace {
 
-int64_t ClockNs(clockid_t clock) {
-  timespec ts{};
-  ::clock_gettime(clock, &ts);
-  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-}
-int64_t WallNs() { return ClockNs(CLOCK_MONOTONIC); }
-int64_t ThreadCpuNs() { return ClockNs(CLOCK_THREAD_CPUTIME_ID); }
+int64_t WallNs() { return ClockNanos(CLOCK_MONOTONIC); }
+int64_t ThreadCpuNs() { return ClockNanos(CLOCK_THREAD_CPUTIME_ID); }
 
 }  // namespace
 
