@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 namespace kvwire::transport {
 
@@ -73,6 +74,11 @@ class HeaderReader {
   // interrupt and the receiver a context switch. TryNext lowers it again before waiting for
   // a header.
   absl::StatusOr<bool> TryReadTrailing(std::byte* dest, size_t length, size_t* done);
+
+  // The bytes received after the last header returned and not consumed yet (after a header
+  // without trailing bytes: the headers that follow it, the last perhaps in part). Valid
+  // until the next call.
+  absl::Span<const std::byte> Ahead() const { return {buffer_.data() + begin_, buffered()}; }
 
   // The most a receive waits for before the I/O thread is woken mid-payload.
   static constexpr size_t kLowWaterBytes = 256 << 10;

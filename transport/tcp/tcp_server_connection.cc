@@ -325,9 +325,12 @@ std::optional<ServerConnection::IncomingOp> ServerConnection::AcceptOp(const std
   }
   ++expected_seq_;
   op.write = h.kind == wire::kKindWrite;
-  // The target's access check: every op, before any of its bytes touch memory.
-  absl::StatusOr<IncomingAccess> access = hooks_->ResolveIncoming(
-      peer_, h.region, h.offset, h.length, op.write ? OpKind::kWrite : OpKind::kRead, h.grant);
+  // The target's access check: every op, before any of its bytes touch memory (READs
+  // buffered together are checked as one run: tcp_read_run.h).
+  absl::StatusOr<IncomingAccess> access =
+      op.write
+          ? hooks_->ResolveIncoming(peer_, h.region, h.offset, h.length, OpKind::kWrite, h.grant)
+          : read_run_.Resolve(*hooks_, peer_, h, reader_->Ahead(), max_op_bytes_);
   if (IsRegionMoving(access.status())) {
     --expected_seq_;  // the same header again, later
     *parked = true;
@@ -400,6 +403,7 @@ absl::Status ServerConnection::ReceiveStagedWrite(IncomingOp& op) {
 
 void ServerConnection::EndServing(const absl::Status& io) {
   receiving_.reset();
+  read_run_.Clear();
   if (absl::Status s = responses_->Abandon(); !s.ok()) {
     KVW_LOG(kError, "tcp") << "staging copies failed" << Kv("remote", remote_)
                            << Kv("error", s.message());
@@ -447,6 +451,7 @@ void ServerConnection::RefuseOp(uint64_t sequence, const absl::Status& error,
     sent = SendAll(socket_->fd(), iov, 2);
   }
   (void)responses_->Abandon();
+  read_run_.Clear();
   if (!stopped_.load(std::memory_order_acquire)) hooks_->OnPeerError(peer_, report);
   if (!sent.ok()) {
     Release();
@@ -477,6 +482,7 @@ void ServerConnection::Release() {
   if (released_) return;
   released_ = true;
   receiving_.reset();
+  read_run_.Clear();
   (void)responses_->Abandon();
   busy_since_ns_.store(0, std::memory_order_release);
   linger_until_ns_.store(0, std::memory_order_release);

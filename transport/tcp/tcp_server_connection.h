@@ -26,6 +26,7 @@
 
 #include "src/util/mutex.h"
 #include "transport/tcp/tcp_io_pool.h"
+#include "transport/tcp/tcp_read_run.h"
 #include "transport/tcp/tcp_reader.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_staging.h"
@@ -131,6 +132,8 @@ class ServerConnection final : public IoHandler,
   bool released_ = false;
   bool lingering_ = false;
   uint64_t lingered_bytes_ = 0;
+  // READs resolved ahead of their acceptance, as one run.
+  ReadRun read_run_;
   // A WRITE whose payload is being received into host memory.
   std::unique_ptr<IncomingOp> receiving_;
   // The header of an op whose region is being moved (transport/region_moving.h): tried again
