@@ -222,6 +222,11 @@ class TargetHooks {
   // checks a run with one trip through each of its locks, not one per op.
   virtual IncomingRun ResolveIncomingRun(PeerId peer, absl::Span<const IncomingOp> ops, OpKind kind,
                                          GrantId grant, absl::Span<IncomingMemory> memory);
+  // A number that changes whenever any access a peer had may have ended (a grant revoked, a
+  // region unexported, deregistered or about to move): an access checked while it held one
+  // value may be used for an op accepted later while it still holds it. The default (hooks
+  // that take nothing back) never changes.
+  virtual uint64_t AccessEpoch() { return 0; }
   // Looks up a region exported to `peer` (shm maps it); NotFound / PermissionDenied if not.
   virtual absl::StatusOr<LocalRegion> ExportedRegion(PeerId peer, RegionId region) = 0;
   // A WRITE piece of `transfer_id` from `peer` is now visible in memory.

@@ -142,6 +142,7 @@ class Engine::Impl final : public transport::TargetHooks {
                                             absl::Span<const transport::IncomingOp> ops,
                                             OpKind kind, GrantId grant,
                                             absl::Span<transport::IncomingMemory> memory) override;
+  uint64_t AccessEpoch() override { return regions_.access_epoch() + grants_.access_epoch(); }
   absl::StatusOr<transport::LocalRegion> ExportedRegion(PeerId peer, RegionId region) override;
   void OnWriteArrived(PeerId peer, TransferId transfer_id) override;
   void OnPeerError(PeerId peer, const absl::Status& error) override;

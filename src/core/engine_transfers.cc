@@ -532,6 +532,7 @@ transport::IncomingRun Engine::Impl::ResolveIncomingRun(
   }
   uint64_t bytes = 0;
   for (size_t i = 0; i < run.resolved; ++i) bytes += ops[i].length;
+  if (checked.first_guarded >= run.resolved) checked.first_guarded = SIZE_MAX;
   // The regions' pins, held together by the run's one served-ops pin.
   std::shared_ptr<const void> inner;
   if (checked.pins.size() == 1) {
@@ -542,15 +543,19 @@ transport::IncomingRun Engine::Impl::ResolveIncomingRun(
   }
   if (run.resolved > 0) {
     if (grant != 0 && kind == OpKind::kRead) {
-      // Counted under its grant, as ResolveIncoming's ops (a grant revoked since the check
-      // refuses the run here, when it reads a grant-guarded region).
-      run.pin = served_ops_->BeginGranted(peer, grant, bytes, checked.reads_need_grant, grants_,
-                                          std::move(inner));
+      // Counted under its grant, as ResolveIncoming's ops. A grant revoked since the check
+      // refuses the run's first op on a grant-guarded region here (as it would refuse that op
+      // alone); the ops before it, on open regions, are served without the grant.
+      const size_t first_guarded = checked.first_guarded;
+      const bool required = first_guarded < run.resolved;
+      std::shared_ptr<const void> kept = required ? inner : nullptr;
+      run.pin = served_ops_->BeginGranted(peer, grant, bytes, required, grants_, std::move(inner));
       if (run.pin == nullptr) {
-        run.resolved = 0;
+        run.resolved = first_guarded;
         run.status = absl::PermissionDeniedError(
             absl::StrCat("grant ", grant, " is not live for this peer (unknown or revoked)"));
         checked.grant_refused = true;
+        if (first_guarded > 0) run.pin = served_ops_->Begin(peer, std::move(kept));
       }
     } else {
       run.pin = served_ops_->Begin(peer, std::move(inner));

@@ -47,6 +47,7 @@ absl::Status GrantTable::Remove(PeerId peer, GrantId grant) {
   if (grants_.erase(GrantKey{peer, grant}) == 0) {
     return absl::NotFoundError(absl::StrCat("grant ", grant, " is not live for peer ", peer));
   }
+  access_epoch_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -59,6 +60,7 @@ void GrantTable::ForgetPeer(PeerId peer) {
       ++it;
     }
   }
+  access_epoch_.fetch_add(1, std::memory_order_release);
 }
 
 absl::Status GrantTable::Check(PeerId peer, GrantId grant, RegionId region, uint64_t offset,
@@ -137,6 +139,11 @@ CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& gra
                             absl::Span<const transport::IncomingOp> ops, OpKind kind, GrantId grant,
                             absl::Span<transport::IncomingMemory> memory) {
   CheckedRun run;
+  if (memory.size() < ops.size()) {
+    run.refused = absl::InternalError(
+        absl::StrCat("a run of ", ops.size(), " ops with room for ", memory.size()));
+    return run;
+  }
   // The ops of grant-guarded regions, for one check under the grant table's lock.
   absl::InlinedVector<GrantRange, 32> guarded;
   absl::InlinedVector<size_t, 32> guarded_op;
@@ -178,7 +185,7 @@ CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& gra
       run.refused = std::move(why);
       run.grant_refused = true;
     }
-    run.reads_need_grant = guarded_op[0] < run.passed;
+    if (guarded_op[0] < run.passed) run.first_guarded = guarded_op[0];
   }
   return run;
 }

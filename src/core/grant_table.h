@@ -4,6 +4,8 @@
 #ifndef KVWIRE_CORE_GRANT_TABLE_H_
 #define KVWIRE_CORE_GRANT_TABLE_H_
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -50,6 +52,8 @@ class GrantTable {
   size_t CoveredPrefix(PeerId peer, GrantId grant, absl::Span<const GrantRange> ranges,
                        absl::Status* why) const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t live() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Changes whenever a grant goes (Remove, ForgetPeer), as RegionRegistry::access_epoch.
+  uint64_t access_epoch() const { return access_epoch_.load(std::memory_order_acquire); }
   // `grant` is live for `peer` (not revoked, its peer not forgotten).
   bool Live(PeerId peer, GrantId grant) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -66,6 +70,7 @@ class GrantTable {
   using Spans = std::vector<Span>;
 
   mutable Mutex mu_;
+  std::atomic<uint64_t> access_epoch_{0};  // bumped under mu_ after the removal
   absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<GrantKey, Spans> grants_ ABSL_GUARDED_BY(mu_);
 };
@@ -85,10 +90,11 @@ absl::StatusOr<ResolvedRange> CheckIncoming(const RegionRegistry& regions, const
 // depends on the region alone; a region unexported during the run is as one unexported just
 // after its check); the grant is checked for the ops of grant-guarded regions under one lock.
 struct CheckedRun {
-  size_t passed = 0;              // ops [0, passed) passed every check
-  absl::Status refused;           // why op `passed` did not (OK when every op passed)
-  bool grant_refused = false;     // the grant, not the range, refused it
-  bool reads_need_grant = false;  // some op that passed is on a grant-guarded region
+  size_t passed = 0;           // ops [0, passed) passed every check
+  absl::Status refused;        // why op `passed` did not (OK when every op passed)
+  bool grant_refused = false;  // the grant, not the range, refused it
+  // The first op that passed on a grant-guarded region (a READ), SIZE_MAX if none did.
+  size_t first_guarded = SIZE_MAX;
   // The regions of the ops (RegionEntry pins), a region once per run of its ops.
   absl::InlinedVector<std::shared_ptr<const void>, 2> pins;
 };

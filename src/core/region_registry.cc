@@ -34,6 +34,7 @@ RegionRegistry::Move RegionRegistry::BeginMove(const std::byte* base, uint64_t l
     const auto b = reinterpret_cast<uintptr_t>(entry->region.base);
     if (b < begin + length && begin < b + entry->region.length) move.overlapping.push_back(entry);
   }
+  access_epoch_.fetch_add(1, std::memory_order_release);
   return move;
 }
 
@@ -90,6 +91,7 @@ absl::StatusOr<std::shared_ptr<const RegionEntry>> RegionRegistry::Remove(Region
   }
   std::shared_ptr<const RegionEntry> entry = std::move(it->second);
   regions_.erase(it);
+  access_epoch_.fetch_add(1, std::memory_order_release);
   return entry;
 }
 
@@ -180,6 +182,7 @@ absl::Status RegionRegistry::UnexportFrom(PeerId peer, const std::vector<RegionI
     }
   }
   for (RegionId id : ids) regions_[id]->exported_to.erase(peer);
+  access_epoch_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -195,6 +198,7 @@ std::vector<transport::LocalRegion> RegionRegistry::ExportedToAll() const {
 void RegionRegistry::ForgetPeer(PeerId peer) {
   MutexLock lock(&mu_);
   for (auto& [id, entry] : regions_) entry->exported_to.erase(peer);
+  access_epoch_.fetch_add(1, std::memory_order_release);
 }
 
 size_t RegionRegistry::size() const {

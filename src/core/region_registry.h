@@ -3,6 +3,7 @@
 #ifndef KVWIRE_CORE_REGION_REGISTRY_H_
 #define KVWIRE_CORE_REGION_REGISTRY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -85,6 +86,11 @@ class RegionRegistry {
   // Waits until no move is in progress (true) or `deadline` passes (false).
   bool WaitForMoves(absl::Time deadline) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Changes whenever a peer may lose access to a region (Remove, UnexportFrom, ForgetPeer,
+  // BeginMove); an access checked while it held one value is still granted while it holds it
+  // (tcp_read_run.h checks ahead and accepts later against it).
+  uint64_t access_epoch() const { return access_epoch_.load(std::memory_order_acquire); }
+
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t gpu_regions() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -92,6 +98,9 @@ class RegionRegistry {
  private:
   mutable Mutex mu_;
   RegionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Bumped under mu_ after the change it announces (so that a check made after reading it
+  // sees the change).
+  std::atomic<uint64_t> access_epoch_{0};
   absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_ ABSL_GUARDED_BY(mu_);
   struct MovingRange {
     uint64_t id;
