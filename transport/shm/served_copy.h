@@ -65,9 +65,9 @@ class CopyStaging {
 // Serves one copy request of `peer` through `staging` (its connection's). The reply echoes
 // the request's sequence number. Its ops are checked as one run (TargetHooks::
 // ResolveIncomingRun), every op included: a zero-length op is refused as tcp's target refuses
-// one (no initiator of this library sends one). An op the engine refuses (not exported, out of bounds, no
-// live grant) fails the request, and `*refused` is set to why: the caller drops the peer, as
-// tcp does for every refused op.
+// one (no initiator of this library sends one). An op the engine refuses (not exported, out of
+// bounds, no live grant) fails the request, and `*refused` is set to why: the caller drops the
+// peer, as tcp does for every refused op.
 FdReply ServeCopy(TargetHooks& hooks, PeerId peer, const CopyStaging& staging,
                   const FdRequest& request, absl::Status* refused);
 
