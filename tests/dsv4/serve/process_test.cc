@@ -4,6 +4,7 @@
 #include "examples/dsv4/serve/process.h"
 
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <unistd.h>
@@ -19,11 +20,13 @@ namespace {
 using ::testing::HasSubstr;
 
 std::unique_ptr<Process> Sh(const std::string& script) {
-  absl::StatusOr<std::unique_ptr<Process>> p =
-      Process::Start("/bin/sh", {"-c", script},
-                     absl::StrCat(::testing::TempDir(), "/process_test.",
-                                  ::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                                  ".", getpid(), ".log"));
+  const std::string log = absl::StrCat(
+      ::testing::TempDir(), "/process_test.",
+      ::testing::UnitTest::GetInstance()->current_test_info()->name(), ".", getpid(), ".log");
+  // Process::Start appends: a log left by an earlier run whose pid was the same would hold
+  // its output (a test that waits for a word would find it before this shell wrote it).
+  std::remove(log.c_str());
+  absl::StatusOr<std::unique_ptr<Process>> p = Process::Start("/bin/sh", {"-c", script}, log);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? std::move(*p) : nullptr;
 }
