@@ -144,9 +144,10 @@ CheckedRun CheckIncomingRun(const RegionRegistry& regions, const GrantTable& gra
         absl::StrCat("a run of ", ops.size(), " ops with room for ", memory.size()));
     return run;
   }
-  // The ops of grant-guarded regions, for one check under the grant table's lock.
-  absl::InlinedVector<GrantRange, 32> guarded;
-  absl::InlinedVector<size_t, 32> guarded_op;
+  // The ops of grant-guarded regions, for one check under the grant table's lock (inline
+  // for a tcp read run, tcp_read_run.h's kMaxRunOps).
+  absl::InlinedVector<GrantRange, 64> guarded;
+  absl::InlinedVector<size_t, 64> guarded_op;
   const RegionEntry* entry = nullptr;  // the region of the op before (its pin is run.pins.back())
   RegionId entry_id = 0;
   size_t i = 0;
