@@ -41,6 +41,14 @@ absl::Status NamedFailure(TransferId id, PeerId peer_id, const Peer* peer,
                                                   ": ", status.message()));
 }
 
+// An incoming op on device memory where a transport serving incoming ops cannot move it.
+absl::Status GpuNotServed(RegionId region) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("region ", region,
+                   " is GPU memory and a transport of this engine serving it cannot move GPU "
+                   "memory"));
+}
+
 }  // namespace
 
 absl::StatusOr<TransferId> Engine::Impl::Transfer(PeerId peer_id, OpKind kind,
@@ -485,10 +493,7 @@ absl::StatusOr<transport::IncomingAccess> Engine::Impl::ResolveIncoming(
     // Only transports that reach every region serve incoming ops themselves; one of them
     // cannot move device memory (and the engine cannot tell which one asks).
     ++stats_.incoming_rejected;
-    return absl::FailedPreconditionError(
-        absl::StrCat("region ", region,
-                     " is GPU memory and a transport of this engine serving it cannot "
-                     "move GPU memory"));
+    return GpuNotServed(region);
   }
   ++stats_.incoming_ops;
   if (grant != 0 && kind == OpKind::kRead) {
@@ -521,10 +526,7 @@ transport::IncomingRun Engine::Impl::ResolveIncomingRun(
     for (size_t i = 0; i < run.resolved; ++i) {
       if (memory[i].gpu_device >= 0) {
         run.resolved = i;
-        run.status = absl::FailedPreconditionError(
-            absl::StrCat("region ", ops[i].region,
-                         " is GPU memory and a transport of this engine serving it cannot "
-                         "move GPU memory"));
+        run.status = GpuNotServed(ops[i].region);
         checked.grant_refused = false;
         break;
       }
@@ -532,7 +534,6 @@ transport::IncomingRun Engine::Impl::ResolveIncomingRun(
   }
   uint64_t bytes = 0;
   for (size_t i = 0; i < run.resolved; ++i) bytes += ops[i].length;
-  if (checked.first_guarded >= run.resolved) checked.first_guarded = SIZE_MAX;
   // The regions' pins, held together by the run's one served-ops pin.
   std::shared_ptr<const void> inner;
   if (checked.pins.size() == 1) {

@@ -52,6 +52,11 @@ FdReply ServeCopy(TargetHooks& hooks, PeerId peer, const CopyStaging& staging,
         absl::StrCat("staging slot ", request.slot, " (there are ", kCopySlots, ")"));
     return Failed(request, 0, *refused);
   }
+  if (request.ops.size() > kMaxCopyOps) {
+    *refused = absl::InvalidArgumentError(
+        absl::StrCat(request.ops.size(), " ops in one copy request (at most ", kMaxCopyOps, ")"));
+    return Failed(request, 0, *refused);
+  }
   std::byte* const slot = staging.slot(request.slot);
   // The ops fit the slot, one after another (checked before anything is resolved: a request
   // that overruns it is refused whole).
@@ -63,11 +68,6 @@ FdReply ServeCopy(TargetHooks& hooks, PeerId peer, const CopyStaging& staging,
       return Failed(request, i, *refused);
     }
     total += request.ops[i].length;
-  }
-  if (request.ops.size() > kMaxCopyOps) {
-    *refused = absl::InvalidArgumentError(
-        absl::StrCat(request.ops.size(), " ops in one copy request (at most ", kMaxCopyOps, ")"));
-    return Failed(request, 0, *refused);
   }
   // One run for the whole request: the engine checks it with one trip through each of its
   // locks, and its pin (the served-ops record of every op) is released after the copies.
@@ -87,7 +87,7 @@ FdReply ServeCopy(TargetHooks& hooks, PeerId peer, const CopyStaging& staging,
   uint64_t at = 0;  // where the next op's bytes lie in the slot
   for (size_t i = 0; i < done; ++i) {
     const CopyOp& op = request.ops[i];
-    if (op.length == 0) continue;
+    if (op.length == 0) continue;  // the engine refuses one; hooks that do not, copy nothing
     if (request.copy_kind == OpKind::kRead) {
       std::memcpy(slot + at, memory[i].data, op.length);
     } else {

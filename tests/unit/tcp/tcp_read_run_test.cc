@@ -76,6 +76,18 @@ wire::RequestHeader Read(uint64_t sequence, uint64_t offset, uint64_t length = 4
   return h;
 }
 
+// `count` READs of one page each, in sequence from `first_sequence`, op i at page i.
+std::vector<wire::RequestHeader> PageReads(uint64_t count, uint64_t first_sequence = 0) {
+  std::vector<wire::RequestHeader> headers;
+  for (uint64_t i = 0; i < count; ++i) headers.push_back(Read(first_sequence + i, i * 4096));
+  return headers;
+}
+
+// The bytes the reader holds after header `i` of `raw` (the encoded headers).
+absl::Span<const std::byte> AheadOf(const std::vector<std::byte>& raw, size_t i) {
+  return absl::MakeConstSpan(raw).subspan((i + 1) * wire::kRequestBytes);
+}
+
 // The encoded headers, as the reader buffers them.
 std::vector<std::byte> Encode(const std::vector<wire::RequestHeader>& headers) {
   std::vector<std::byte> out(headers.size() * wire::kRequestBytes);
@@ -92,9 +104,7 @@ std::vector<absl::StatusOr<IncomingAccess>> AcceptAll(
   const std::vector<std::byte> raw = Encode(headers);
   std::vector<absl::StatusOr<IncomingAccess>> out;
   for (size_t i = 0; i < headers.size(); ++i) {
-    const absl::Span<const std::byte> ahead =
-        absl::MakeConstSpan(raw).subspan((i + 1) * wire::kRequestBytes);
-    out.push_back(run.Resolve(hooks, kPeer, headers[i], ahead, kMaxOpBytes));
+    out.push_back(run.Resolve(hooks, kPeer, headers[i], AheadOf(raw, i), kMaxOpBytes));
   }
   return out;
 }
@@ -103,8 +113,7 @@ TEST(ReadRunTest, BufferedReadsAreResolvedOnceAndEachGetsItsOwnMemory) {
   CountingHooks hooks;
   const long idle = hooks.pin.use_count();
   ReadRun run;
-  std::vector<wire::RequestHeader> headers;
-  for (uint64_t i = 0; i < 10; ++i) headers.push_back(Read(100 + i, i * 4096));
+  const std::vector<wire::RequestHeader> headers = PageReads(10, 100);
   {
     const auto accesses = AcceptAll(run, hooks, headers);
     EXPECT_EQ(hooks.run_calls, 1u);
@@ -122,8 +131,7 @@ TEST(ReadRunTest, BufferedReadsAreResolvedOnceAndEachGetsItsOwnMemory) {
 TEST(ReadRunTest, ARunStopsAtTheFirstOpRefusedWhichGetsTheRefusalFoundOnce) {
   CountingHooks hooks;
   ReadRun run;
-  std::vector<wire::RequestHeader> headers;
-  for (uint64_t i = 0; i < 14; ++i) headers.push_back(Read(i, i * 4096));  // 10 * 4096 refused
+  const std::vector<wire::RequestHeader> headers = PageReads(14);  // 10 * 4096 is refused
   const auto accesses = AcceptAll(run, hooks, headers);
   for (size_t i = 0; i < 10; ++i) ASSERT_TRUE(accesses[i].ok()) << i;
   EXPECT_EQ(accesses[10].status().code(), absl::StatusCode::kPermissionDenied);
@@ -145,8 +153,7 @@ TEST(ReadRunTest, WhatTheRunDidNotResolveIsResolvedAlone) {
   // what the run resolved): it is resolved alone and gets its own memory.
   const std::vector<wire::RequestHeader> buffered = {Read(0, 0), Read(1, 4096)};
   const std::vector<std::byte> raw = Encode(buffered);
-  auto first = run.Resolve(hooks, kPeer, buffered[0],
-                           absl::MakeConstSpan(raw).subspan(wire::kRequestBytes), kMaxOpBytes);
+  auto first = run.Resolve(hooks, kPeer, buffered[0], AheadOf(raw, 0), kMaxOpBytes);
   ASSERT_TRUE(first.ok());
   auto other = run.Resolve(hooks, kPeer, Read(1, 8192), {}, kMaxOpBytes);
   ASSERT_TRUE(other.ok());
@@ -158,9 +165,7 @@ TEST(ReadRunTest, WhatTheRunDidNotResolveIsResolvedAlone) {
   for (int field = 0; field < 3; ++field) {
     const std::vector<wire::RequestHeader> two = {Read(10, 0), Read(11, 4096)};
     const std::vector<std::byte> bytes = Encode(two);
-    ASSERT_TRUE(run.Resolve(hooks, kPeer, two[0],
-                            absl::MakeConstSpan(bytes).subspan(wire::kRequestBytes), kMaxOpBytes)
-                    .ok());
+    ASSERT_TRUE(run.Resolve(hooks, kPeer, two[0], AheadOf(bytes, 0), kMaxOpBytes).ok());
     wire::RequestHeader changed = two[1];
     if (field == 0) changed.region = kRegion + 1;
     if (field == 1) changed.length = 8192;
@@ -195,12 +200,9 @@ TEST(ReadRunTest, WhatTheRunDidNotResolveIsResolvedAlone) {
 TEST(ReadRunTest, ARunDoesNotOutliveAChangeOfAccess) {
   CountingHooks hooks;
   ReadRun run;
-  std::vector<wire::RequestHeader> headers;
-  for (uint64_t i = 0; i < 6; ++i) headers.push_back(Read(i, i * 4096));
+  const std::vector<wire::RequestHeader> headers = PageReads(6);
   const std::vector<std::byte> raw = Encode(headers);
-  auto ahead = [&](size_t i) {
-    return absl::MakeConstSpan(raw).subspan((i + 1) * wire::kRequestBytes);
-  };
+  auto ahead = [&](size_t i) { return AheadOf(raw, i); };
   ASSERT_TRUE(run.Resolve(hooks, kPeer, headers[0], ahead(0), kMaxOpBytes).ok());
   ASSERT_TRUE(run.Resolve(hooks, kPeer, headers[1], ahead(1), kMaxOpBytes).ok());
   EXPECT_EQ(hooks.run_calls, 1u);
@@ -215,13 +217,11 @@ TEST(ReadRunTest, ARunDoesNotOutliveAChangeOfAccess) {
 TEST(ReadRunTest, ClearLetsGoOfTheOpsNotAcceptedYet) {
   CountingHooks hooks;
   ReadRun run;
-  std::vector<wire::RequestHeader> headers;
-  for (uint64_t i = 0; i < 5; ++i) headers.push_back(Read(i, i * 4096));
+  const std::vector<wire::RequestHeader> headers = PageReads(5);
   const std::vector<std::byte> raw = Encode(headers);
   const long idle = hooks.pin.use_count();
   {
-    auto first = run.Resolve(hooks, kPeer, headers[0],
-                             absl::MakeConstSpan(raw).subspan(wire::kRequestBytes), kMaxOpBytes);
+    auto first = run.Resolve(hooks, kPeer, headers[0], AheadOf(raw, 0), kMaxOpBytes);
     ASSERT_TRUE(first.ok());
   }
   EXPECT_GT(hooks.pin.use_count(), idle) << "the run holds its ops";
